@@ -1,0 +1,108 @@
+"""Frozen configuration, resolved before any process starts.
+
+``ModelConfig`` is what the model code needs, read once from a Hugging Face config.
+``EngineConfig`` holds the engine's limits and layout; every "auto" is decided by
+``create_engine_config`` before the dataclass is frozen. Each process gets only the part it
+uses (``SchedulerConfig``, ``WorkerConfig``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from guidespec.ipc.shm_ring import RingSpec
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    max_position_embeddings: int
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> ModelConfig:
+        model_type = hf.model_type
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model type {model_type!r} is not supported; guidespec runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if getattr(hf, "hidden_act", "silu") != "silu" or getattr(hf, "mlp_bias", False):
+            raise ValueError("only SiLU-gated MLPs without bias are supported")
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        num_heads = hf.num_attention_heads
+        return cls(
+            model_type=model_type,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+            rms_norm_eps=hf.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            max_position_embeddings=hf.max_position_embeddings,
+            sliding_window=getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None,
+        )
+
+    @property
+    def num_query_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: Path  # a Hugging Face folder (converted from GGUF if need be)
+    tensor_parallel_size: int
+    dtype: str
+    max_batch_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    model_dir: Path
+    max_batch_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    eos_token_ids: tuple[int, ...]
+    num_workers: int
+    ring: RingSpec
+    client_in: str  # client -> scheduler (PULL, bound by the scheduler)
+    client_out: str  # scheduler -> client (PUSH, connected to the client's PULL)
+    worker_results: str  # workers -> scheduler (PULL, bound by the scheduler)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model_dir: Path
+    dtype: str
+    rank: int
+    tensor_parallel_size: int
+    max_batch_size: int
+    max_model_len: int
+    ring: RingSpec
+    worker_results: str
+    dist_init_method: str
+    num_threads: int
+    device: str = "cpu"

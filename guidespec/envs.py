@@ -1,0 +1,29 @@
+"""Every environment variable guidespec reads, typed, in one place (prefix ``GUIDESPEC_``).
+
+No other module calls ``os.getenv``; they import the accessor from here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where converted model copies are kept (``GUIDESPEC_CACHE_DIR``)."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "guidespec"
+    return Path(os.environ.get("GUIDESPEC_CACHE_DIR", default))
+
+
+def worker_start_timeout_s() -> float:
+    """How long the launcher waits for every process to report ready (``GUIDESPEC_START_TIMEOUT_S``)."""
+    return float(os.environ.get("GUIDESPEC_START_TIMEOUT_S", "300"))
+
+
+def step_timeout_s() -> float:
+    """How long the scheduler waits for a step's outputs before declaring the workers stuck."""
+    return float(os.environ.get("GUIDESPEC_STEP_TIMEOUT_S", "120"))
+
+
+def log_level() -> str:
+    return os.environ.get("GUIDESPEC_LOG_LEVEL", "WARNING").upper()

@@ -1,0 +1,1 @@
+"""Inter-process communication: the msgpack codec, the shared-memory ring, ZeroMQ channels."""

@@ -1,0 +1,261 @@
+"""A single-writer / multi-reader ring buffer in shared memory.
+
+The scheduler writes each step's messages once; every local worker reads all of them. The
+segment holds ``num_slots`` fixed-size slots, one header per slot, and one read cursor per
+reader (the reader's "read flags": reader ``r`` has read every chunk below its cursor).
+
+- A message larger than a slot is split over consecutive slots (chunks); the first chunk
+  carries the message length, readers reassemble.
+- The writer may overwrite a slot only when every live reader's cursor has passed it. A
+  reader marked dead (``mark_reader_dead``) no longer holds the writer back.
+- Waits spin for a few microseconds (a step's messages arrive back to back), then sleep with
+  a growing interval up to 1 ms, so an idle reader costs almost no CPU. Every wait has a
+  deadline and raises ``RingTimeout`` naming who it waited for.
+
+Ordering: data, then length, then the slot's sequence number are stored in that order; on
+x86 (TSO) a reader that sees the sequence number sees the data. This module does not know
+what a message is: it moves bytes (see ``guidespec.ipc.codec``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+_CTRL_WORDS = 4  # num_readers, num_slots, slot_size, magic
+_MAGIC = 0x67756964  # "guid"
+_CURSOR_STRIDE = 8  # int64 words between reader cursors: one cache line each
+_SPIN_S = 100e-6
+_MAX_SLEEP_S = 1e-3
+
+
+class RingTimeout(TimeoutError):
+    """A ring wait passed its deadline."""
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """What a process needs to attach to a ring: picklable, tiny."""
+
+    name: str
+    num_readers: int
+    num_slots: int
+    slot_size: int
+
+
+class ShmRing:
+    """One shared-memory segment; use ``create`` (owner), then ``writer``/``reader`` handles."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, spec: RingSpec, owner: bool) -> None:
+        self.spec = spec
+        self._shm = shm
+        self._owner = owner
+        n, s = spec.num_readers, spec.num_slots
+        buf = shm.buf
+        words = _CTRL_WORDS + 3 * s + _CURSOR_STRIDE * n + n
+        ints = np.ndarray((words,), dtype=np.int64, buffer=buf)
+        self.ctrl = ints[:_CTRL_WORDS]
+        self.slot_seq = ints[_CTRL_WORDS : _CTRL_WORDS + s]
+        self.slot_nbytes = ints[_CTRL_WORDS + s : _CTRL_WORDS + 2 * s]
+        self.slot_total = ints[_CTRL_WORDS + 2 * s : _CTRL_WORDS + 3 * s]
+        base = _CTRL_WORDS + 3 * s
+        self.cursors = ints[base : base + _CURSOR_STRIDE * n : _CURSOR_STRIDE]
+        self.reader_dead = ints[base + _CURSOR_STRIDE * n : base + _CURSOR_STRIDE * n + n]
+        data_start = _round_up(words * 8, 64)
+        self.data = np.ndarray((s, spec.slot_size), dtype=np.uint8, buffer=buf, offset=data_start)
+
+    @classmethod
+    def create(cls, name: str, num_readers: int, num_slots: int = 64, slot_size: int = 1 << 20) -> ShmRing:
+        if num_readers < 1 or num_slots < 2 or slot_size < 64:
+            raise ValueError("a ring needs >= 1 reader, >= 2 slots of >= 64 bytes")
+        spec = RingSpec(name, num_readers, num_slots, slot_size)
+        shm = shared_memory.SharedMemory(name=name, create=True, size=_segment_size(spec))
+        ring = cls(shm, spec, owner=True)
+        ring.slot_seq[:] = -1
+        ring.cursors[:] = 0
+        ring.reader_dead[:] = 0
+        ring.ctrl[:] = (num_readers, num_slots, slot_size, _MAGIC)
+        return ring
+
+    @classmethod
+    def attach(cls, spec: RingSpec) -> ShmRing:
+        shm = _open_untracked(spec.name)
+        ring = cls(shm, spec, owner=False)
+        if int(ring.ctrl[3]) != _MAGIC:
+            raise RuntimeError(f"shared memory {spec.name!r} is not a guidespec ring")
+        return ring
+
+    def writer(self) -> RingWriter:
+        return RingWriter(self)
+
+    def reader(self, index: int) -> RingReader:
+        if not 0 <= index < self.spec.num_readers:
+            raise ValueError(f"reader index {index} out of range [0, {self.spec.num_readers})")
+        return RingReader(self, index)
+
+    def mark_reader_dead(self, index: int) -> None:
+        self.reader_dead[index] = 1
+
+    def close(self) -> None:
+        # Drop numpy views before closing the mapping.
+        self.ctrl = self.slot_seq = self.slot_nbytes = self.slot_total = None  # type: ignore[assignment]
+        self.cursors = self.reader_dead = self.data = None  # type: ignore[assignment]
+        try:
+            self._shm.close()
+        except BufferError:
+            pass
+        if self._owner:
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+
+
+class RingWriter:
+    def __init__(self, ring: ShmRing) -> None:
+        self.ring = ring
+        self._next_chunk = 0
+
+    def write(self, payload: bytes | memoryview, timeout: float = 10.0) -> None:
+        """Write one message; blocks while the ring is full, up to ``timeout`` seconds."""
+        ring = self.ring
+        view = memoryview(payload).cast("B")
+        size, slot_size = view.nbytes, ring.spec.slot_size
+        deadline = time.monotonic() + timeout
+        sent = 0
+        while sent < size or sent == 0:
+            chunk = self._next_chunk
+            self._wait_free(chunk, deadline)
+            slot = chunk % ring.spec.num_slots
+            n = min(slot_size, size - sent)
+            ring.data[slot, :n] = np.frombuffer(view[sent : sent + n], dtype=np.uint8)
+            ring.slot_nbytes[slot] = n
+            ring.slot_total[slot] = size if sent == 0 else -1
+            ring.slot_seq[slot] = chunk  # publish last
+            self._next_chunk = chunk + 1
+            sent += n
+            if size == 0:
+                break
+
+    def _wait_free(self, chunk: int, deadline: float) -> None:
+        ring = self.ring
+        oldest_allowed = chunk - ring.spec.num_slots
+        backoff = _Backoff(deadline)
+        while True:
+            lagging = [
+                r
+                for r in range(ring.spec.num_readers)
+                if not ring.reader_dead[r] and ring.cursors[r] <= oldest_allowed
+            ]
+            if not lagging:
+                return
+            if not backoff.wait():
+                raise RingTimeout(
+                    f"ring {ring.spec.name}: reader(s) {lagging} did not free a slot in time "
+                    f"(a dead or stuck reader?)"
+                )
+
+
+class RingReader:
+    def __init__(self, ring: ShmRing, index: int) -> None:
+        self.ring = ring
+        self.index = index
+
+    def read(self, timeout: float | None = 10.0) -> bytes:
+        """Read the next message (a private copy). ``timeout=None`` waits forever."""
+        ring = self.ring
+        deadline = None if timeout is None else time.monotonic() + timeout
+        slot, n, total = self._wait_chunk(deadline)
+        if total == n:
+            out = ring.data[slot, :n].tobytes()
+            self._advance()
+            return out
+        if total < n:
+            raise RuntimeError(f"ring {ring.spec.name}: reader {self.index} lost message framing")
+        buf = bytearray(total)
+        filled = 0
+        while True:
+            buf[filled : filled + n] = ring.data[slot, :n]
+            filled += n
+            self._advance()
+            if filled >= total:
+                return bytes(buf)
+            slot, n, _ = self._wait_chunk(deadline)
+
+    def poll(self) -> bool:
+        """True if a message is waiting."""
+        cursor = int(self.ring.cursors[self.index])
+        return int(self.ring.slot_seq[cursor % self.ring.spec.num_slots]) == cursor
+
+    def _wait_chunk(self, deadline: float | None) -> tuple[int, int, int]:
+        ring = self.ring
+        cursor = int(ring.cursors[self.index])
+        slot = cursor % ring.spec.num_slots
+        backoff = _Backoff(deadline)
+        while int(ring.slot_seq[slot]) != cursor:
+            if not backoff.wait():
+                raise RingTimeout(f"ring {ring.spec.name}: reader {self.index} got no message in time")
+        return slot, int(ring.slot_nbytes[slot]), int(ring.slot_total[slot])
+
+    def _advance(self) -> None:
+        self.ring.cursors[self.index] += 1
+
+
+class _Backoff:
+    """Spin briefly, then sleep with a doubling interval up to 1 ms, until a deadline."""
+
+    def __init__(self, deadline: float | None) -> None:
+        self.deadline = deadline
+        self.start = time.monotonic()
+        self.sleep = 20e-6
+
+    def wait(self) -> bool:
+        now = time.monotonic()
+        if self.deadline is not None and now >= self.deadline:
+            return False
+        if now - self.start > _SPIN_S:
+            time.sleep(self.sleep)
+            self.sleep = min(self.sleep * 2, _MAX_SLEEP_S)
+        return True
+
+
+def unlink_segment(name: str) -> None:
+    """Remove a segment by name if it still exists (cleanup after a crashed owner)."""
+    try:
+        shm = _open_untracked(name)
+    except FileNotFoundError:
+        return
+    shm.close()
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _open_untracked(name: str) -> shared_memory.SharedMemory:
+    """Attach without registering with the resource tracker: only the owner may unlink.
+
+    Before Python 3.13 attaching registers the segment, and the tracker (shared with spawned
+    children) would unlink it, or complain, when the attaching process exits.
+    """
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, create=False, track=False)  # type: ignore[call-arg]
+    register = resource_tracker.register
+    resource_tracker.register = lambda *args, **kwargs: None  # type: ignore[assignment]
+    try:
+        return shared_memory.SharedMemory(name=name, create=False)
+    finally:
+        resource_tracker.register = register  # type: ignore[assignment]
+
+
+def _segment_size(spec: RingSpec) -> int:
+    words = _CTRL_WORDS + 3 * spec.num_slots + _CURSOR_STRIDE * spec.num_readers + spec.num_readers
+    return _round_up(words * 8, 64) + spec.num_slots * spec.slot_size
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple

@@ -1,0 +1,73 @@
+"""The ``guidespec`` command line: ``guidespec generate`` (later ``serve``, ``bench``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="guidespec", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate text for one or more prompts and print figures")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a built-in chat prompt")
+    gen.add_argument("--raw", action="store_true", help="send prompts as plain text, without the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--stream", action="store_true", help="print tokens as they arrive (first prompt only)")
+    args = parser.parse_args(argv)
+    try:
+        return _generate(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"guidespec: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from guidespec import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+    params.validate()
+    texts = args.prompt or ["Give three short tips for writing clear Python code."]
+    prompts = texts if args.raw else [[{"role": "user", "content": t}] for t in texts]
+    start = time.perf_counter()
+    with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
+             max_batch_size=args.max_batch_size, max_model_len=args.max_model_len) as llm:
+        print(f"engine ready in {time.perf_counter() - start:.1f} s "
+              f"(tensor_parallel_size={args.tensor_parallel_size}, dtype={args.dtype})", file=sys.stderr)
+        if args.stream:
+            for delta in llm.stream(prompts[0], params):
+                print(delta.text, end="", flush=True)
+            print()
+            return 0
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        wall = time.perf_counter() - t0
+    total = 0
+    for text, out in zip(texts, outputs):
+        total += len(out.token_ids)
+        print(f"### prompt: {text}\n{out.text}\n")
+        print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} output tokens, "
+              f"finish={out.finish_reason}, ttft={out.time_to_first_token_s * 1000:.0f} ms, "
+              f"decode={out.decode_tokens_per_s:.1f} tok/s]\n")
+    print(f"total: {total} output tokens in {wall:.2f} s = {total / wall:.1f} tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

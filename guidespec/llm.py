@@ -1,0 +1,349 @@
+"""The Python client: ``LLM`` starts an engine (scheduler + workers) and talks to it over ZeroMQ.
+
+The client tokenizes and validates: anything the engine cannot serve (an empty or over-long
+prompt, bad sampling parameters, a missing model, an unsupported architecture) raises here,
+before it reaches the scheduler. A receiver thread routes the scheduler's output deltas to
+per-request streams, which back the blocking, streaming and asyncio forms alike. Used as a
+context manager (or at interpreter exit) it stops every process and removes every shared
+resource, also after Ctrl-C or an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import itertools
+import queue
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence, Union
+
+import numpy as np
+import zmq
+
+from guidespec import envs
+from guidespec.config import DTYPES, EngineConfig, ModelConfig
+from guidespec.ipc.zmq_channel import Channel
+from guidespec.launch.launcher import EngineProcesses
+from guidespec.protocol import AbortRequest, EngineDead, EngineReady, GenerateRequest, RequestOutput, SamplingParams, Shutdown
+from guidespec.worker import checkpoint
+
+Message = dict[str, str]
+Prompt = Union[str, list[Message], dict[str, Any]]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's processes are gone; create a new LLM."""
+
+
+class RequestError(RuntimeError):
+    """The engine refused or failed one request."""
+
+
+@dataclass
+class GenerationOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    arrival_time: float = 0.0
+    first_token_time: float = 0.0
+    finish_time: float = 0.0
+
+    @property
+    def time_to_first_token_s(self) -> float:
+        return max(0.0, self.first_token_time - self.arrival_time) if self.first_token_time else 0.0
+
+    @property
+    def latency_s(self) -> float:
+        return self.finish_time - self.arrival_time
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Output tokens after the first, per second after the first token."""
+        span = self.finish_time - self.first_token_time
+        return (len(self.token_ids) - 1) / span if len(self.token_ids) > 1 and span > 0 else 0.0
+
+
+@dataclass
+class StreamDelta:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+class _RequestStream:
+    """Where one request's deltas land; read by a thread or an asyncio task."""
+
+    def __init__(self, output: GenerationOutput, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.output = output
+        self.loop = loop
+        self.queue: queue.Queue[RequestOutput] | asyncio.Queue[RequestOutput] = asyncio.Queue() if loop else queue.Queue()
+
+    def put(self, delta: RequestOutput) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
+        else:
+            self.queue.put(delta)
+
+    def apply(self, delta: RequestOutput) -> StreamDelta:
+        out = self.output
+        if delta.error and delta.finish_reason == "error":
+            raise RequestError(f"request {delta.request_id}: {delta.error}")
+        out.text += delta.new_text
+        out.token_ids.extend(delta.new_token_ids)
+        out.first_token_time = out.first_token_time or delta.first_token_time
+        if delta.finished:
+            out.finished, out.finish_reason, out.finish_time = True, delta.finish_reason, time.time()
+        return StreamDelta(out.request_id, delta.new_text, list(delta.new_token_ids), delta.finished, delta.finish_reason)
+
+
+class LLM:
+    """An engine on this machine. ``LLM()`` serves the embedded SmolLM2-135M-Instruct."""
+
+    def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, dtype: str = "float32",
+                 max_batch_size: int = 16, max_model_len: int | None = None, max_num_batched_tokens: int = 512,
+                 show_progress: bool = True) -> None:
+        self.config, self.tokenizer = _create_engine_config(model, tensor_parallel_size, dtype, max_batch_size,
+                                                            max_model_len, max_num_batched_tokens, show_progress)
+        self._streams: dict[str, _RequestStream] = {}
+        self._lock = threading.Lock()
+        self._dead_reason: str | None = None
+        self._closed = False
+        self._ids = itertools.count()
+        self._ctx = zmq.Context()
+        self._processes = EngineProcesses(self.config, on_death=self._on_engine_death)
+        self._from_scheduler = Channel(self._ctx, zmq.PULL, self._processes.endpoints.client_out, bind=True)
+        self._to_scheduler = Channel(self._ctx, zmq.PUSH, self._processes.endpoints.client_in, bind=False)
+        self._finalizer = weakref.finalize(self, _shutdown_quietly, self._processes, self._to_scheduler)
+        atexit.register(self._finalizer)
+        try:
+            self._processes.start()
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        self._receiver = threading.Thread(target=self._receive_loop, name="guidespec-receiver", daemon=True)
+        self._receiver.start()
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None,
+                 use_tqdm: bool = False) -> list[GenerationOutput]:
+        """Generate for one or several prompts (strings, chat message lists, or {"prompt_token_ids": [...]})."""
+        params = sampling_params or SamplingParams()
+        streams = [self._submit(p, params) for p in _as_prompt_list(prompts)]
+        try:
+            bar = _progress(len(streams)) if use_tqdm else None
+            for stream in streams:
+                self._drain(stream)
+                if bar is not None:
+                    bar.update(1)
+        except BaseException:
+            for stream in streams:
+                if not stream.output.finished:
+                    self.abort(stream.output.request_id)
+            raise
+        return [s.output for s in streams]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yield text deltas for one prompt as tokens arrive; the last one has ``finished=True``."""
+        stream = self._submit(prompt, sampling_params or SamplingParams())
+        try:
+            while True:
+                delta = stream.apply(self._get(stream))
+                yield delta
+                if delta.finished:
+                    return
+        finally:
+            if not stream.output.finished:
+                self.abort(stream.output.request_id)
+
+    async def agenerate(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> GenerationOutput:
+        async for _ in self.astream(prompt, sampling_params):
+            pass
+        return self._last_async_output
+
+    async def astream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
+        stream = self._submit(prompt, sampling_params or SamplingParams(), loop=asyncio.get_running_loop())
+        try:
+            while True:
+                raw = await stream.queue.get()  # type: ignore[misc]
+                delta = stream.apply(raw)
+                if delta.finished:
+                    self._last_async_output = stream.output
+                yield delta
+                if delta.finished:
+                    return
+        finally:
+            if not stream.output.finished:
+                self.abort(stream.output.request_id)
+
+    def abort(self, request_id: str) -> None:
+        if self._dead_reason is None and not self._closed:
+            with self._lock:
+                self._to_scheduler.send(AbortRequest(request_id))
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Token ids for a prompt: chat messages go through the tokenizer's chat template."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt must have 'prompt_token_ids'")
+            return [int(t) for t in prompt["prompt_token_ids"]]
+        if isinstance(prompt, list):
+            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        if not isinstance(prompt, str):
+            raise TypeError(f"a prompt is a string, a list of chat messages or a dict, not {type(prompt).__name__}")
+        return list(self.tokenizer.encode(prompt))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer()
+        atexit.unregister(self._finalizer)
+        receiver = getattr(self, "_receiver", None)
+        if receiver is not None:
+            receiver.join(timeout=2.0)
+        self._from_scheduler.close()
+        self._ctx.term()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _submit(self, prompt: Prompt, params: SamplingParams,
+                loop: asyncio.AbstractEventLoop | None = None) -> _RequestStream:
+        self._check_alive()
+        params.validate()
+        if isinstance(prompt, str) and not prompt:
+            raise ValueError("the prompt is empty")
+        ids = self.encode_prompt(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, the model length is {self.config.max_model_len}: "
+                             f"shorten it or raise max_model_len")
+        request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        now = time.time()
+        stream = _RequestStream(GenerationOutput(request_id, ids, arrival_time=now), loop)
+        with self._lock:
+            self._streams[request_id] = stream
+            self._to_scheduler.send(GenerateRequest(request_id, np.array(ids, dtype=np.int32), params, now))
+        return stream
+
+    def _drain(self, stream: _RequestStream) -> None:
+        while not stream.output.finished:
+            stream.apply(self._get(stream))
+
+    def _get(self, stream: _RequestStream) -> RequestOutput:
+        while True:
+            try:
+                return stream.queue.get(timeout=0.1)  # type: ignore[call-arg]
+            except queue.Empty:
+                self._check_alive()
+
+    def _receive_loop(self) -> None:
+        while not self._closed:
+            try:
+                message = self._from_scheduler.recv(timeout_s=0.1)
+            except zmq.ZMQError:
+                return
+            if isinstance(message, RequestOutput):
+                stream = self._streams.get(message.request_id)
+                if stream is not None:
+                    if message.finished:
+                        self._streams.pop(message.request_id, None)
+                    stream.put(message)
+            elif isinstance(message, EngineDead):
+                self._on_engine_death(message.reason)
+
+    def _on_engine_death(self, reason: str) -> None:
+        if self._closed or self._dead_reason is not None:
+            return
+        self._dead_reason = reason
+        for request_id, stream in list(self._streams.items()):
+            stream.put(RequestOutput(request_id, [], "", True, "error", f"engine died: {reason}"))
+        self._streams.clear()
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise EngineDeadError("this LLM is closed")
+        if self._dead_reason is not None:
+            raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + envs.worker_start_timeout_s()
+        while time.monotonic() < deadline:
+            message = self._from_scheduler.recv(timeout_s=0.2)
+            if isinstance(message, EngineReady):
+                return
+            if isinstance(message, EngineDead):
+                raise EngineDeadError(f"the engine failed to start: {message.reason}")
+            dead = self._processes.first_dead()
+            if dead is not None:
+                raise EngineDeadError(f"the engine failed to start: {dead}")
+        raise EngineDeadError(f"the engine did not start within {envs.worker_start_timeout_s():.0f} s")
+
+
+def _create_engine_config(model: str | None, tensor_parallel_size: int, dtype: str, max_batch_size: int,
+                          max_model_len: int | None, max_num_batched_tokens: int,
+                          show_progress: bool) -> tuple[EngineConfig, Any]:
+    from transformers import AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if tensor_parallel_size < 1 or max_batch_size < 1 or max_num_batched_tokens < 1:
+        raise ValueError("tensor_parallel_size, max_batch_size and max_num_batched_tokens must be >= 1")
+    model_dir = checkpoint.resolve_model_dir(model, show_progress)
+    hf_config = checkpoint.load_hf_config(model_dir)
+    model_cfg = ModelConfig.from_hf(hf_config)
+    if model_cfg.num_kv_heads < tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} exceeds the model's "
+                         f"{model_cfg.num_kv_heads} key/value heads")
+    limit = model_cfg.max_position_embeddings
+    if model_cfg.sliding_window:
+        limit = min(limit, model_cfg.sliding_window)
+    length = min(limit, 2048) if max_model_len is None else max_model_len
+    if not 1 < length <= limit:
+        raise ValueError(f"max_model_len must be in (1, {limit}] for this model, got {length}")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    eos = checkpoint.eos_token_ids(model_dir, hf_config, tokenizer)
+    return EngineConfig(model_dir, tensor_parallel_size, dtype, max_batch_size, length,
+                        max(max_num_batched_tokens, max_batch_size), eos), tokenizer
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], dict) and "role" in prompts[0]:
+        return [prompts]  # one chat
+    return prompts  # type: ignore[return-value]
+
+
+def _progress(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="guidespec: requests", unit="req")
+
+
+def _shutdown_quietly(processes: EngineProcesses, to_scheduler: Channel) -> None:
+    try:
+        to_scheduler.send(Shutdown("client closed"))
+    except Exception:
+        pass
+    to_scheduler.close()
+    processes.shutdown()

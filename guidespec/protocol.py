@@ -1,0 +1,182 @@
+"""The shared nouns: sampling parameters and every message that crosses a process boundary.
+
+Each message is a small dataclass registered under a fixed tag (see ``guidespec.ipc.codec``);
+arrays travel as numpy arrays (raw bytes + dtype + shape on the wire). Nothing here knows
+about sockets or rings; nothing here is ever pickled.
+
+Messages by direction:
+- client -> scheduler: GenerateRequest, AbortRequest, Shutdown
+- scheduler -> client: EngineReady, RequestOutput, EngineDead
+- scheduler -> workers (ring): StepInputs, StepBitmask (the step's second broadcast), Shutdown
+- workers -> scheduler: WorkerReady, StepOutputs (rank 0), WorkerError
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from guidespec.ipc.codec import register_message
+
+GREEDY = 0.0
+
+
+@register_message(1)
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. ``temperature == 0`` means greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == GREEDY
+
+
+# ---------------------------------------------------------------- client <-> scheduler
+
+
+@register_message(10)
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: np.ndarray  # [num_prompt_tokens] int32
+    params: SamplingParams
+    arrival_time: float
+
+
+@register_message(11)
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@register_message(12)
+@dataclass(frozen=True)
+class Shutdown:
+    reason: str = ""
+
+
+@register_message(13)
+@dataclass(frozen=True)
+class EngineReady:
+    num_workers: int
+    max_batch_size: int
+    max_model_len: int
+
+
+@register_message(14)
+@dataclass(frozen=True)
+class RequestOutput:
+    """A delta for one request: the tokens and text produced since the previous output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    first_token_time: float = 0.0  # scheduler clock (time.time()) of the first output token
+
+
+@register_message(15)
+@dataclass(frozen=True)
+class EngineDead:
+    reason: str
+
+
+# ---------------------------------------------------------------- scheduler <-> workers
+
+
+@register_message(20)
+@dataclass(frozen=True)
+class StepInputs:
+    """The first broadcast of a step: everything the forward pass needs.
+
+    Row ``i`` of the batch is request in KV slot ``slots[i]``; it runs ``num_new_tokens[i]``
+    tokens starting at position ``start_positions[i]``, and wants logits for its last
+    ``num_logits[i]`` positions (0 for a prefill chunk that does not finish the prompt; later,
+    1 + draft length for verification).
+    """
+
+    step: int
+    slots: np.ndarray  # [B] int32
+    start_positions: np.ndarray  # [B] int32
+    num_new_tokens: np.ndarray  # [B] int32
+    token_ids: np.ndarray  # [sum(num_new_tokens)] int32
+    num_logits: np.ndarray  # [B] int32
+    temperature: np.ndarray  # [B] float32
+    top_k: np.ndarray  # [B] int32
+    top_p: np.ndarray  # [B] float32
+    seeds: np.ndarray  # [B] int64, -1 = unseeded
+    sample_index: np.ndarray  # [B] int32, output tokens so far (seeded RNG stream position)
+    has_bitmask: bool = False  # a StepBitmask for this step follows on the ring
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.slots.shape[0])
+
+
+@register_message(21)
+@dataclass(frozen=True)
+class StepBitmask:
+    """The second broadcast: one int32 bitmask row per logits row of a guided request."""
+
+    step: int
+    rows: np.ndarray  # [R] int32: which logits rows the bitmask rows apply to
+    bitmask: np.ndarray  # [R, ceil(vocab / 32)] int32
+
+
+@register_message(22)
+@dataclass(frozen=True)
+class StepOutputs:
+    step: int
+    token_ids: np.ndarray  # [sum(num_tokens)] int32, the tokens each row produced
+    num_tokens: np.ndarray  # [B] int32
+    forward_s: float = 0.0
+
+
+@register_message(23)
+@dataclass(frozen=True)
+class WorkerReady:
+    rank: int
+    pid: int
+
+
+@register_message(24)
+@dataclass(frozen=True)
+class WorkerError:
+    rank: int
+    message: str
+    step: int = -1
+
+

@@ -1,0 +1,1 @@
+"""The scheduler process: requests, queues, batches, (later) grammar ownership."""

@@ -1,0 +1,36 @@
+"""Incremental detokenization: the text each new token adds, without re-decoding everything.
+
+Decodes a short window ending at the new tokens and emits only the part past the previous
+window's text; a window whose text ends in an incomplete UTF-8 character ("\ufffd") waits
+for the next token. Same idea as vLLM's and TGI's incremental decoders.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_WINDOW = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_token_ids[-_WINDOW:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        """Append a token; return the text it completes (maybe empty)."""
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        new_text = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if self.prefix_offset > 4 * _WINDOW:  # keep the list short
+            drop = self.prefix_offset
+            self.ids = self.ids[drop:]
+            self.prefix_offset, self.read_offset = 0, self.read_offset - drop
+        return delta

@@ -1,0 +1,61 @@
+"""A request's state inside the scheduler: a few counters with stated invariants.
+
+There is no prefill phase and decode phase: a request has ``num_tokens`` known tokens
+(prompt + output) of which ``num_computed_tokens`` are in the KV cache; each step computes
+some of the rest. Invariant: 0 <= num_computed_tokens <= num_tokens <= max_model_len.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from guidespec.protocol import SamplingParams
+from guidespec.scheduler.detokenizer import IncrementalDetokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    detokenizer: IncrementalDetokenizer
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    slot: int | None = None
+    status: Status = Status.WAITING
+    output_text: str = ""
+    sent_text_len: int = 0
+    sent_token_count: int = 0
+    first_token_time: float = 0.0
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return [self.token_at(p) for p in range(start, end)]
+
+    def advance_computed(self, count: int) -> None:
+        self.num_computed_tokens += count
+        assert 0 <= self.num_computed_tokens <= self.num_tokens, (self.num_computed_tokens, self.num_tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

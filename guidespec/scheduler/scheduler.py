@@ -1,0 +1,243 @@
+"""The scheduler process: its loop, start to end.
+
+    wait for workers -> EngineReady ->
+    loop: receive -> schedule -> broadcast -> collect -> emit
+
+It owns every request's state (and, with guided decoding, every grammar). Workers see only
+StepInputs on the shared-memory ring; rank 0 answers with StepOutputs over ZeroMQ. A worker
+that reports an error or whose process disappears fails every request with a message naming
+it, and the scheduler tells the client the engine is dead instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from guidespec import envs
+from guidespec.config import SchedulerConfig
+from guidespec.ipc import codec
+from guidespec.ipc.shm_ring import ShmRing
+from guidespec.ipc.zmq_channel import Channel
+from guidespec.launch.process_utils import parent_alive, setup_child_process
+from guidespec.protocol import (AbortRequest, EngineDead, EngineReady, GenerateRequest, RequestOutput, Shutdown,
+                                StepInputs, StepOutputs, WorkerError, WorkerReady)
+from guidespec.scheduler.batching import Batcher, ScheduledRow
+from guidespec.scheduler.detokenizer import IncrementalDetokenizer
+from guidespec.scheduler.output import finish_output, process_new_token
+from guidespec.scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+_IDLE_POLL_S = 0.25
+
+
+class EngineFailure(RuntimeError):
+    """The workers can no longer serve: every request fails with this message."""
+
+
+def run_scheduler(cfg: SchedulerConfig, parent_pid: int) -> None:
+    """Process entry point."""
+    setup_child_process("scheduler")
+    scheduler = Scheduler(cfg, parent_pid)
+    try:
+        scheduler.start()
+        scheduler.run()
+    except EngineFailure as e:
+        scheduler.fail_all(str(e))
+    finally:
+        scheduler.close()
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, parent_pid: int) -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.parent_pid = parent_pid
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
+        self.ctx = zmq.Context()
+        self.client_in = Channel(self.ctx, zmq.PULL, cfg.client_in, bind=True)
+        self.client_out = Channel(self.ctx, zmq.PUSH, cfg.client_out, bind=False)
+        self.worker_results = Channel(self.ctx, zmq.PULL, cfg.worker_results, bind=True)
+        self.ring = ShmRing.attach(cfg.ring)
+        self.writer = self.ring.writer()
+        self.batcher = Batcher(cfg.max_batch_size, cfg.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.worker_pids: dict[int, int] = {}
+        self.step_id = 0
+        self.stopping = False
+
+    # ------------------------------------------------------------------ life cycle
+
+    def start(self) -> None:
+        deadline = time.monotonic() + envs.worker_start_timeout_s()
+        while len(self.worker_pids) < self.cfg.num_workers:
+            message = self.worker_results.recv(timeout_s=_IDLE_POLL_S)
+            if isinstance(message, WorkerReady):
+                self.worker_pids[message.rank] = message.pid
+            elif isinstance(message, WorkerError):
+                raise EngineFailure(message.message)
+            if time.monotonic() > deadline:
+                raise EngineFailure(f"workers did not start within {envs.worker_start_timeout_s():.0f} s")
+            if not parent_alive(self.parent_pid):
+                raise EngineFailure("the client process is gone")
+        self.client_out.send(EngineReady(self.cfg.num_workers, self.cfg.max_batch_size, self.cfg.max_model_len))
+
+    def run(self) -> None:
+        while not self.stopping:
+            self.receive()
+            rows = self.batcher.schedule()
+            if not rows:
+                continue
+            self.broadcast(rows)
+            outputs = self.collect()
+            self.emit(rows, outputs)
+
+    def close(self) -> None:
+        for channel in (self.client_in, self.client_out, self.worker_results):
+            channel.close()
+        self.ctx.term()
+        self.ring.close()
+
+    # ------------------------------------------------------------------ the step
+
+    def receive(self) -> None:
+        """Take in client messages: wait for one while idle, drain without waiting otherwise."""
+        timeout = 0.0 if self.batcher.has_work else _IDLE_POLL_S
+        message = self.client_in.recv(timeout_s=timeout)
+        while message is not None:
+            self._handle_client_message(message)
+            message = self.client_in.recv_nowait()
+        if not self.batcher.has_work:
+            self._check_health()
+
+    def broadcast(self, rows: list[ScheduledRow]) -> None:
+        self.step_id += 1
+        self.writer.write(codec.encode(self._step_inputs(rows)), timeout=envs.step_timeout_s())
+
+    def collect(self) -> StepOutputs:
+        """Wait for rank 0's outputs for this step, watching the workers while waiting."""
+        deadline = time.monotonic() + envs.step_timeout_s()
+        while True:
+            message = self.worker_results.recv(timeout_s=_IDLE_POLL_S)
+            if isinstance(message, StepOutputs) and message.step == self.step_id:
+                return message
+            if isinstance(message, WorkerError):
+                raise EngineFailure(message.message)
+            if message is None:
+                self._check_health()
+                if time.monotonic() > deadline:
+                    raise EngineFailure(f"step {self.step_id}: workers gave no result in {envs.step_timeout_s():.0f} s")
+
+    def emit(self, rows: list[ScheduledRow], outputs: StepOutputs) -> None:
+        offsets = np.concatenate([[0], np.cumsum(outputs.num_tokens)])
+        now = time.time()
+        for i, row in enumerate(rows):
+            request = row.request
+            request.advance_computed(row.num_new_tokens)
+            new_tokens = outputs.token_ids[offsets[i] : offsets[i + 1]].tolist()
+            if not new_tokens or request.finished:
+                continue
+            if not request.output_token_ids:
+                request.first_token_time = now
+            delta = process_new_token(request, new_tokens[0], self.cfg.eos_token_ids, self.cfg.max_model_len)
+            self.client_out.send(delta)
+            if delta.finished:
+                self._forget(request)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _step_inputs(self, rows: list[ScheduledRow]) -> StepInputs:
+        token_ids = [t for row in rows for t in row.request.tokens(row.start, row.start + row.num_new_tokens)]
+        params = [row.request.params for row in rows]
+        return StepInputs(
+            step=self.step_id,
+            slots=np.array([row.request.slot for row in rows], dtype=np.int32),
+            start_positions=np.array([row.start for row in rows], dtype=np.int32),
+            num_new_tokens=np.array([row.num_new_tokens for row in rows], dtype=np.int32),
+            token_ids=np.array(token_ids, dtype=np.int32),
+            num_logits=np.array([row.num_logits for row in rows], dtype=np.int32),
+            temperature=np.array([p.temperature for p in params], dtype=np.float32),
+            top_k=np.array([p.top_k for p in params], dtype=np.int32),
+            top_p=np.array([p.top_p for p in params], dtype=np.float32),
+            seeds=np.array([-1 if p.seed is None else p.seed for p in params], dtype=np.int64),
+            sample_index=np.array([len(row.request.output_token_ids) for row in rows], dtype=np.int32),
+        )
+
+    def _handle_client_message(self, message: Any) -> None:
+        if isinstance(message, GenerateRequest):
+            self._add_request(message)
+        elif isinstance(message, AbortRequest):
+            request = self.requests.get(message.request_id)
+            if request is not None:
+                self.client_out.send(finish_output(request, "abort"))
+                self._forget(request)
+        elif isinstance(message, Shutdown):
+            self.stopping = True
+            self.writer.write(codec.encode(Shutdown(message.reason)), timeout=2.0)
+        else:
+            logger.warning("ignoring unexpected %s from the client", type(message).__name__)
+
+    def _add_request(self, message: GenerateRequest) -> None:
+        prompt = [int(t) for t in message.prompt_token_ids]
+        error = self._validate(message, prompt)
+        if error is not None:
+            self.client_out.send(RequestOutput(message.request_id, [], "", True, "error", error))
+            return
+        request = Request(message.request_id, prompt, message.params, message.arrival_time,
+                          IncrementalDetokenizer(self.tokenizer, prompt))
+        self.requests[request.request_id] = request
+        self.batcher.add(request)
+
+    def _validate(self, message: GenerateRequest, prompt: list[int]) -> str | None:
+        if message.request_id in self.requests:
+            return f"request id {message.request_id!r} is already in use"
+        if not prompt:
+            return "the prompt is empty"
+        if len(prompt) >= self.cfg.max_model_len:
+            return f"the prompt has {len(prompt)} tokens; the model length is {self.cfg.max_model_len}"
+        try:
+            message.params.validate()
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def _forget(self, request: Request) -> None:
+        self.batcher.remove(request)
+        self.requests.pop(request.request_id, None)
+
+    def _check_health(self) -> None:
+        for rank, pid in self.worker_pids.items():
+            if not _process_alive(pid):
+                raise EngineFailure(f"worker rank {rank} (pid {pid}) died")
+        if not parent_alive(self.parent_pid):
+            self.stopping = True
+
+    def fail_all(self, reason: str) -> None:
+        logger.error("engine failed: %s", reason)
+        for request in list(self.requests.values()):
+            output = finish_output(request, "error")
+            self.client_out.send(RequestOutput(output.request_id, output.new_token_ids, output.new_text, True,
+                                               "error", reason, output.num_prompt_tokens))
+        self.requests.clear()
+        self.client_out.send(EngineDead(reason))
+        time.sleep(0.1)  # let the frames leave
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False

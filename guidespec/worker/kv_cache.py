@@ -1,0 +1,35 @@
+"""The key/value cache, indexed by slot: one [slots, kv_heads, max_len, head_dim] pair per layer.
+
+A slot belongs to one request for its whole life; a request's keys at position p live at
+``[slot, :, p]``. Rewinding a request (rejected drafts) needs no work here: the scheduler
+lowers its computed length and later writes overwrite the stale positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: str = "cpu") -> None:
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots, self.max_len = num_slots, max_len
+
+    def write(self, layer: int, slots: list[int], counts: list[int], positions: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [T, kv_heads, D] for flat tokens at ``positions``, row ``i`` being ``counts[i]`` tokens."""
+        slot_of_token = torch.repeat_interleave(torch.tensor(slots), torch.tensor(counts))
+        self.k[layer][slot_of_token, :, positions] = k
+        self.v[layer][slot_of_token, :, positions] = v
+
+    def gather(self, layer: int, slots: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``slots`` up to ``length``: [B, kv_heads, length, D] (views where contiguous)."""
+        k, v = self.k[layer], self.v[layer]
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):
+            return k[first : first + len(slots), :, :length], v[first : first + len(slots), :, :length]
+        index = torch.tensor(slots)
+        return k[index, :, :length], v[index, :, :length]

@@ -1,0 +1,237 @@
+"""Our Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2 layouts), tensor-parallel.
+
+One forward runs several new positions per request (prefill chunks, decode, and later the
+draft positions to verify) over a KV cache indexed by slot. Rotary tables come from
+transformers' own rotary module, so every RoPE variant it knows is computed as it computes
+it. Weights are stored fused per layer (q|k|v, gate|up): fewer, larger matmuls.
+
+Not here: sampling (``sampler.py``), the process loop (``worker.py``), file handling
+(``checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from guidespec.config import ModelConfig
+from guidespec.worker.checkpoint import ShardReader
+from guidespec.worker.kv_cache import KVCache
+from guidespec.worker.tp import TPInfo, all_reduce, gather_vocab
+
+
+@dataclass
+class ForwardBatch:
+    """Row ``i`` runs ``num_new_tokens[i]`` tokens of slot ``slots[i]`` from ``start_positions[i]``.
+
+    ``token_ids`` and ``positions`` are flat, row after row; ``logits_indices`` picks the
+    flat positions whose logits are wanted.
+    """
+
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slots: list[int]
+    start_positions: list[int]
+    num_new_tokens: list[int]
+    logits_indices: torch.Tensor  # [R] int64
+
+    @classmethod
+    def create(cls, token_ids, slots, start_positions, num_new_tokens, num_logits) -> ForwardBatch:  # type: ignore[no-untyped-def]
+        slots, starts, counts, nlog = (list(map(int, a)) for a in (slots, start_positions, num_new_tokens, num_logits))
+        positions, logits_indices, offset = [], [], 0
+        for start, count, n in zip(starts, counts, nlog):
+            positions.extend(range(start, start + count))
+            logits_indices.extend(range(offset + count - n, offset + count))
+            offset += count
+        return cls(
+            token_ids=torch.tensor(np.asarray(token_ids, dtype=np.int64)),
+            positions=torch.tensor(positions, dtype=torch.long),
+            slots=slots,
+            start_positions=starts,
+            num_new_tokens=counts,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+        )
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype: torch.dtype, max_model_len: int, device: str = "cpu") -> None:
+        if cfg.num_kv_heads < tp.size:
+            raise ValueError(
+                f"tensor_parallel_size {tp.size} exceeds the model's {cfg.num_kv_heads} key/value heads"
+            )
+        self.cfg, self.tp, self.dtype, self.device = cfg, tp, dtype, device
+        kv0, kv1 = tp.split(cfg.num_kv_heads)
+        self.kv_heads = (kv0, kv1)
+        self.num_local_kv_heads = kv1 - kv0
+        self.num_local_heads = self.num_local_kv_heads * cfg.num_query_groups
+        self.intermediate = tp.split(cfg.intermediate_size)
+        self.vocab = tp.vocab_shard(cfg.vocab_size)
+        self.max_model_len = max_model_len
+        self.layers: list[dict[str, torch.Tensor]] = []
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self, model_dir: Path, hf_config: object, show_progress: bool = True) -> None:
+        reader = ShardReader(model_dir)
+        cfg = self.cfg
+        v0, v1, shard = self.vocab
+        embed = torch.zeros(shard, cfg.hidden_size, dtype=self.dtype)
+        embed[: v1 - v0] = reader.get("model.embed_tokens.weight", rows=(v0, v1))
+        self.embed = embed.to(self.device)
+        if cfg.tie_word_embeddings or not reader.has("lm_head.weight"):
+            self.lm_head = self.embed
+        else:
+            head = torch.zeros(shard, cfg.hidden_size, dtype=self.dtype)
+            head[: v1 - v0] = reader.get("lm_head.weight", rows=(v0, v1))
+            self.lm_head = head.to(self.device)
+        self.final_norm = self._t(reader.get("model.norm.weight"))
+        layer_ids = range(cfg.num_layers)
+        if show_progress:
+            layer_ids = tqdm(layer_ids, desc="guidespec: loading layers", unit="layer", leave=False)
+        self.layers = [self._load_layer(reader, i) for i in layer_ids]
+        self._init_rotary(hf_config)
+
+    def _load_layer(self, reader: ShardReader, i: int) -> dict[str, torch.Tensor]:
+        cfg, d = self.cfg, self.cfg.head_dim
+        p = f"model.layers.{i}."
+        q_rows = (self.kv_heads[0] * cfg.num_query_groups * d, self.kv_heads[1] * cfg.num_query_groups * d)
+        kv_rows = (self.kv_heads[0] * d, self.kv_heads[1] * d)
+        i0, i1 = self.intermediate
+        names = ("q_proj", "k_proj", "v_proj")
+        qkv = [reader.get(p + f"self_attn.{n}.weight", rows=r) for n, r in zip(names, (q_rows, kv_rows, kv_rows))]
+        layer = {
+            "input_norm": reader.get(p + "input_layernorm.weight"),
+            "post_norm": reader.get(p + "post_attention_layernorm.weight"),
+            "qkv": torch.cat(qkv),
+            "o": reader.get(p + "self_attn.o_proj.weight", cols=q_rows),
+            "gate_up": torch.cat(
+                [reader.get(p + "mlp.gate_proj.weight", rows=(i0, i1)), reader.get(p + "mlp.up_proj.weight", rows=(i0, i1))]
+            ),
+            "down": reader.get(p + "mlp.down_proj.weight", cols=(i0, i1)),
+        }
+        if cfg.qkv_bias:
+            layer["qkv_bias"] = torch.cat(
+                [reader.get(p + f"self_attn.{n}.bias", rows=r) for n, r in zip(names, (q_rows, kv_rows, kv_rows))]
+            )
+        if cfg.o_bias and self.tp.is_driver:  # added once, before the all-reduce sums the ranks
+            layer["o_bias"] = reader.get(p + "self_attn.o_proj.bias")
+        return {k: self._t(v) for k, v in layer.items()}
+
+    def _init_rotary(self, hf_config: object) -> None:
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        rotary = LlamaRotaryEmbedding(config=hf_config)  # type: ignore[arg-type]
+        positions = torch.arange(self.max_model_len)[None]
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+        self.cos, self.sin = cos[0].to(self.dtype).to(self.device), sin[0].to(self.dtype).to(self.device)
+
+    def _t(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(dtype=self.dtype, device=self.device).contiguous()
+
+    def create_kv_cache(self, num_slots: int) -> KVCache:
+        return KVCache(
+            self.cfg.num_layers, num_slots, self.num_local_kv_heads, self.max_model_len, self.cfg.head_dim, self.dtype, self.device
+        )
+
+    # ------------------------------------------------------------------ forward
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Hidden states after the final norm at ``batch.logits_indices``: [R, hidden]."""
+        x = self._embed(batch.token_ids)  # [T, H]
+        cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
+        for i, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer["input_norm"], self.cfg.rms_norm_eps)
+            x = x + self._attention(h, layer, kv, i, batch, cos, sin)
+            h = _rms_norm(x, layer["post_norm"], self.cfg.rms_norm_eps)
+            x = x + self._mlp(h, layer)
+        x = x[batch.logits_indices]
+        return _rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[R, hidden] -> fp32 logits [R, vocab] on rank 0, None on the other ranks."""
+        local = F.linear(hidden, self.lm_head).float()
+        return gather_vocab(local, self.tp, self.cfg.vocab_size)
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(token_ids, self.embed)
+        v0, v1, shard = self.vocab
+        inside = (token_ids >= v0) & (token_ids < v1)
+        local = torch.where(inside, token_ids - v0, torch.zeros_like(token_ids))
+        out = F.embedding(local, self.embed) * inside[:, None].to(self.dtype)
+        return all_reduce(out, self.tp)
+
+    def _attention(self, h, layer, kv: KVCache, i: int, batch: ForwardBatch, cos, sin) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        d, hq, hkv = self.cfg.head_dim, self.num_local_heads, self.num_local_kv_heads
+        qkv = F.linear(h, layer["qkv"], layer.get("qkv_bias"))
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = _rope(q.view(-1, hq, d), cos, sin)
+        k = _rope(k.view(-1, hkv, d), cos, sin)
+        kv.write(i, batch.slots, batch.num_new_tokens, batch.positions, k, v.view(-1, hkv, d))
+        out = torch.empty_like(q)  # [T, hq, D]
+        for rows, token_index in _group_rows_by_length(batch):
+            out[token_index] = self._attend_group(q[token_index], kv, i, batch, rows)
+        o = F.linear(out.view(-1, hq * d), layer["o"], layer.get("o_bias"))
+        return all_reduce(o, self.tp)
+
+    def _attend_group(self, q: torch.Tensor, kv: KVCache, i: int, batch: ForwardBatch, rows: list[int]) -> torch.Tensor:
+        """Attention for rows that all run the same number of new tokens ``n``.
+
+        Query heads sharing a key/value head are stacked on the query axis, so grouped-query
+        attention runs as plain attention without repeating keys:
+        q [B*n, hq, D] -> [B, hkv, G*n, D] against k, v [B, hkv, L, D].
+        """
+        g, d, hkv = self.cfg.num_query_groups, self.cfg.head_dim, self.num_local_kv_heads
+        n = batch.num_new_tokens[rows[0]]
+        b = len(rows)
+        starts = torch.tensor([batch.start_positions[r] for r in rows])
+        length = int(starts.max()) + n
+        k, v = kv.gather(i, [batch.slots[r] for r in rows], length)
+        q = q.view(b, n, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * n, d)
+        mask = None
+        if b > 1 or n > 1:
+            key_pos = torch.arange(length)
+            query_pos = starts[:, None] + torch.arange(n)[None]  # [B, n]
+            mask = (key_pos[None, None, :] <= query_pos[:, :, None])[:, None]  # [B, 1, n, L]
+            mask = mask.repeat(1, 1, g, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, hkv * g, d)
+
+    def _mlp(self, h: torch.Tensor, layer: dict[str, torch.Tensor]) -> torch.Tensor:
+        gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+        return all_reduce(F.linear(F.silu(gate) * up, layer["down"]), self.tp)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos, sin [T, D] (half-rotation layout, as Hugging Face Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def _group_rows_by_length(batch: ForwardBatch) -> list[tuple[list[int], torch.Tensor]]:
+    """Rows with equal new-token counts, and the flat token indices of each group."""
+    offsets, offset = [], 0
+    for count in batch.num_new_tokens:
+        offsets.append(offset)
+        offset += count
+    groups: dict[int, list[int]] = {}
+    for row, count in enumerate(batch.num_new_tokens):
+        groups.setdefault(count, []).append(row)
+    result = []
+    for count, rows in groups.items():
+        index = torch.cat([torch.arange(offsets[r], offsets[r] + count) for r in rows])
+        result.append((rows, index))
+    return result

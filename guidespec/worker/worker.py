@@ -1,0 +1,115 @@
+"""The worker process: its loop, start to end.
+
+    attach ring -> load model shard -> report ready ->
+    loop: read StepInputs -> forward -> [read StepBitmask, apply] -> sample (rank 0) -> send StepOutputs
+
+Every rank runs the same forward (collectives inside); only rank 0 computes the sampled
+tokens and answers the scheduler. Any exception is reported as a WorkerError naming the rank
+and the cause before the process exits, so the scheduler can fail in-flight requests.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import numpy as np
+import torch
+import zmq
+
+from guidespec.config import ModelConfig, WorkerConfig
+from guidespec.ipc import codec
+from guidespec.ipc.shm_ring import RingTimeout, ShmRing
+from guidespec.ipc.zmq_channel import Channel
+from guidespec.launch.process_utils import parent_alive, setup_child_process
+from guidespec.protocol import Shutdown, StepBitmask, StepInputs, StepOutputs, WorkerError, WorkerReady
+from guidespec.worker import tp as tp_mod
+from guidespec.worker.checkpoint import load_hf_config
+from guidespec.worker.mask import apply_bitmask
+from guidespec.worker.model import ForwardBatch, LlamaModel
+from guidespec.worker.sampler import sample
+
+_IDLE_READ_TIMEOUT_S = 1.0
+
+
+def run_worker(cfg: WorkerConfig, parent_pid: int) -> None:
+    """Process entry point."""
+    setup_child_process(f"worker{cfg.rank}")
+    torch.set_num_threads(cfg.num_threads)
+    ctx = zmq.Context()
+    results = Channel(ctx, zmq.PUSH, cfg.worker_results, bind=False)
+    try:
+        worker = Worker(cfg)
+        results.send(WorkerReady(cfg.rank, os.getpid()))
+        worker.loop(results, parent_pid)
+    except Exception as e:
+        results.send(WorkerError(cfg.rank, f"worker rank {cfg.rank} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        time.sleep(0.2)  # let the frame leave before the socket is torn down
+        raise SystemExit(1)
+    finally:
+        results.close()
+        ctx.term()
+        tp_mod.destroy_distributed()
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.tp = tp_mod.TPInfo(cfg.rank, cfg.tensor_parallel_size)
+        tp_mod.init_distributed(self.tp, cfg.dist_init_method, "gloo" if cfg.device == "cpu" else "nccl")
+        hf_config = load_hf_config(cfg.model_dir)
+        model_cfg = ModelConfig.from_hf(hf_config)
+        dtype = getattr(torch, cfg.dtype)
+        self.model = LlamaModel(model_cfg, self.tp, dtype, cfg.max_model_len, cfg.device)
+        self.model.load(cfg.model_dir, hf_config, show_progress=self.tp.is_driver)
+        self.kv = self.model.create_kv_cache(cfg.max_batch_size)
+        self.ring = ShmRing.attach(cfg.ring)
+        self.reader = self.ring.reader(cfg.rank)
+        self.generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
+
+    def loop(self, results: Channel, parent_pid: int) -> None:
+        while True:
+            message = self._next_message(parent_pid)
+            if isinstance(message, Shutdown):
+                return
+            if not isinstance(message, StepInputs):
+                raise RuntimeError(f"expected StepInputs on the ring, got {type(message).__name__}")
+            outputs = self.step(message)
+            if outputs is not None:
+                results.send(outputs)
+
+    def step(self, inputs: StepInputs) -> StepOutputs | None:
+        start = time.perf_counter()
+        batch = ForwardBatch.create(inputs.token_ids, inputs.slots, inputs.start_positions,
+                                    inputs.num_new_tokens, inputs.num_logits)
+        hidden = self.model.forward(batch, self.kv)
+        logits = self.model.compute_logits(hidden)
+        if inputs.has_bitmask:
+            bitmask = self._read_bitmask(inputs.step)
+            if logits is not None:
+                apply_bitmask(logits, bitmask.rows, bitmask.bitmask)
+        if logits is None:
+            return None
+        rows = np.repeat(np.arange(inputs.batch_size), inputs.num_logits)
+        tokens = sample(logits, torch.from_numpy(inputs.temperature[rows].copy()),
+                        torch.from_numpy(inputs.top_k[rows].astype(np.int64)),
+                        torch.from_numpy(inputs.top_p[rows].copy()),
+                        torch.from_numpy(inputs.seeds[rows].copy()),
+                        torch.from_numpy(inputs.sample_index[rows].astype(np.int64)), self.generator)
+        return StepOutputs(inputs.step, tokens.numpy().astype(np.int32), inputs.num_logits.astype(np.int32),
+                           time.perf_counter() - start)
+
+    def _read_bitmask(self, step: int) -> StepBitmask:
+        message = codec.decode(self.reader.read(timeout=60.0))
+        if not isinstance(message, StepBitmask) or message.step != step:
+            raise RuntimeError(f"step {step}: expected its bitmask, got {type(message).__name__}")
+        return message
+
+    def _next_message(self, parent_pid: int) -> object:
+        while True:
+            try:
+                return codec.decode(self.reader.read(timeout=_IDLE_READ_TIMEOUT_S))
+            except RingTimeout:
+                if not parent_alive(parent_pid):
+                    return Shutdown("parent process is gone")
