@@ -177,9 +177,10 @@ class RingReader:
         if total < n:
             raise RuntimeError(f"ring {ring.spec.name}: reader {self.index} lost message framing")
         buf = bytearray(total)
+        dest = np.frombuffer(buf, dtype=np.uint8)
         filled = 0
         while True:
-            buf[filled : filled + n] = ring.data[slot, :n]
+            dest[filled : filled + n] = ring.data[slot, :n]
             filled += n
             self._advance()
             if filled >= total:

@@ -1,0 +1,95 @@
+"""Round trips of every wire message, and malformed frames rejected with an error."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import numpy as np
+import pytest
+
+from guidespec import protocol
+from guidespec.ipc import codec
+
+I32 = np.array([3, 1, 4], dtype=np.int32)
+EXAMPLES = [
+    protocol.SamplingParams(max_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=11, stop=("x",), stop_token_ids=(2,)),
+    protocol.GenerateRequest("r1", I32, protocol.SamplingParams(), 1.5),
+    protocol.AbortRequest("r1"),
+    protocol.Shutdown("bye"),
+    protocol.EngineReady(2, 16, 2048),
+    protocol.RequestOutput("r1", [1, 2], "hi", True, "stop", None, 5, 2.0),
+    protocol.EngineDead("worker rank 1 died"),
+    protocol.StepInputs(3, I32, I32, I32, np.arange(10, dtype=np.int32), I32, np.ones(3, np.float32), I32,
+                        np.ones(3, np.float32), np.array([-1, 5, 6], np.int64), I32, True),
+    protocol.StepBitmask(3, np.array([0, 2], np.int32), np.arange(8, dtype=np.int32).reshape(2, 4)),
+    protocol.StepOutputs(3, I32, np.ones(3, np.int32), 0.25),
+    protocol.WorkerReady(1, 1234),
+    protocol.WorkerError(1, "boom", 3),
+]
+
+
+def _equal(a: object, b: object) -> bool:
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and bool((a == b).all())
+    if dataclasses.is_dataclass(a):
+        return type(a) is type(b) and all(_equal(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    return a == b
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(message: object) -> None:
+    assert _equal(codec.decode(codec.encode(message)), message)
+
+
+def test_every_registered_message_has_an_example() -> None:
+    assert set(codec._TAG_TO_CLASS.values()) == {type(m) for m in EXAMPLES}
+
+
+def test_arrays_decode_without_copy() -> None:
+    frame = bytearray(codec.encode(protocol.StepBitmask(1, I32, np.zeros((4, 1000), np.int32))))
+    decoded = codec.decode(frame)
+    assert np.shares_memory(decoded.bitmask, np.frombuffer(frame, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("frame", [
+    b"", b"\x01", b"\xff\xff\xff\x7f" + b"x",
+    b"\x03\x00\x00\x00abc",
+    codec._HEADER_LEN.pack(1) + msgpack.packb(5)[:1],
+    codec._HEADER_LEN.pack(len(msgpack.packb({"a": 1}))) + msgpack.packb({"a": 1}),
+], ids=["empty", "short", "bad-length", "garbage", "not-a-message", "plain-map"])
+def test_malformed_frames_raise(frame: bytes) -> None:
+    with pytest.raises(codec.MalformedMessage):
+        codec.decode(frame)
+
+
+def _frame_with_ext(code: int, payload: bytes) -> bytes:
+    header = msgpack.packb(msgpack.ExtType(code, payload))
+    return codec._HEADER_LEN.pack(len(header)) + header
+
+
+def test_unknown_tag_and_wrong_arity_raise() -> None:
+    with pytest.raises(codec.MalformedMessage, match="unknown message tag"):
+        codec.decode(_frame_with_ext(2, msgpack.packb([999, []])))
+    with pytest.raises(codec.MalformedMessage, match="fields"):
+        codec.decode(_frame_with_ext(2, msgpack.packb([11, ["a", "b"]])))
+    with pytest.raises(codec.MalformedMessage, match="unknown extension"):
+        codec.decode(_frame_with_ext(9, b""))
+
+
+def test_array_out_of_frame_bounds_raises() -> None:
+    frame = codec.encode(protocol.StepOutputs(1, I32, I32, 0.0))
+    with pytest.raises(codec.MalformedMessage, match="does not fit"):
+        codec.decode(frame[:-16])
+    bad_dtype = _frame_with_ext(2, msgpack.packb([24, [1, msgpack.ExtType(1, msgpack.packb(["object", [1], 0, 8]))]]))
+    with pytest.raises(codec.MalformedMessage):
+        codec.decode(bad_dtype)
+
+
+def test_refuses_to_encode_unregistered_objects() -> None:
+    with pytest.raises(TypeError):
+        codec.encode({"a": 1})
+    with pytest.raises(TypeError):
+        codec.encode(protocol.AbortRequest(object()))  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        codec.encode(protocol.StepOutputs(1, np.array([object()]), I32, 0.0))
