@@ -1,0 +1,182 @@
+"""The whole engine, real processes, real model: equality with Hugging Face, batching,
+tensor parallelism, abort, shutdown, bad input, a dying worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from guidespec import LLM, EngineDeadError, RequestError, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about autumn leaves."}],
+    [{"role": "user", "content": "List three prime numbers."}],
+    [{"role": "system", "content": "You answer in JSON."}, {"role": "user", "content": "Give a person with a name and an age."}],
+    [{"role": "user", "content": "Explain in one sentence what a compiler does, and why it matters to programmers."}],
+]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    with LLM(max_batch_size=8, show_progress=False) as engine:
+        yield engine
+
+
+def test_greedy_equals_hugging_face_generate(llm: LLM, real_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32).eval()
+    ours = llm.generate(CHATS, GREEDY)
+    for chat, out in zip(CHATS, ours):
+        ids = torch.tensor([llm.encode_prompt(chat)])
+        ref = hf.generate(ids, max_new_tokens=GREEDY.max_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
+        assert out.token_ids == ref[: len(out.token_ids)]
+        assert len(out.token_ids) == len(ref) or out.finish_reason == "stop"
+
+
+def test_concurrent_requests_equal_each_request_alone(llm: LLM) -> None:
+    prompts = [f"Count from 1 to {n}:" + " please" * n for n in range(1, 9)]
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(8)]
+    alone = [llm.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
+    with_others: list[list[int]] = [[] for _ in prompts]
+
+    async def run_all() -> None:
+        outs = await asyncio.gather(*(llm.agenerate(p, sp) for p, sp in zip(prompts, params)))
+        for i, out in enumerate(outs):
+            with_others[i] = out.token_ids
+
+    asyncio.run(run_all())
+    assert with_others == alone
+    assert [len(t) for t in alone] == [sp.max_tokens for sp in params]
+
+
+def test_streaming_gives_the_same_text_as_generate(llm: LLM) -> None:
+    full = llm.generate(CHATS[1], GREEDY)[0]
+    deltas = list(llm.stream(CHATS[1], GREEDY))
+    assert deltas[-1].finished and all(not d.finished for d in deltas[:-1])
+    assert "".join(d.text for d in deltas) == full.text
+    assert [t for d in deltas for t in d.token_ids] == full.token_ids
+
+
+def test_stop_string_and_seeded_sampling(llm: LLM) -> None:
+    out = llm.generate("1, 2, 3, 4, 5, 6, 7,", SamplingParams(max_tokens=40, temperature=0.0, stop=["10"]))[0]
+    assert out.finish_reason == "stop" and "10" not in out.text and "9" in out.text
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=1234)
+    first, second = (llm.generate(CHATS[1], sampled)[0].token_ids for _ in range(2))
+    assert first == second
+    other = llm.generate(CHATS[1], SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=99))[0].token_ids
+    assert other != first
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
+])
+def test_bad_sampling_parameters_raise_in_the_client(llm: LLM, bad: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate("hello", SamplingParams(**bad))
+
+
+def test_bad_prompts_raise_in_the_client(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("", GREEDY)
+    with pytest.raises(ValueError, match="model length"):
+        llm.generate({"prompt_token_ids": [1] * llm.config.max_model_len}, GREEDY)
+    assert llm.generate("Hi", SamplingParams(max_tokens=2))[0].finished  # the engine still serves
+
+
+def test_bad_models_raise_before_any_process_starts(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="not supported"):
+        LLM(str(tmp_path / "gpt2"))
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(dtype="float8")
+
+
+def test_tensor_parallel_2_equals_tp_1(llm: LLM) -> None:
+    expected = [o.token_ids for o in llm.generate(CHATS[:3], GREEDY)]
+    with LLM(tensor_parallel_size=2, max_batch_size=4, show_progress=False) as tp2:
+        assert [o.token_ids for o in tp2.generate(CHATS[:3], GREEDY)] == expected
+
+
+def test_abort_frees_the_slot() -> None:
+    endless = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+    with LLM(max_batch_size=1, show_progress=False) as one_slot:
+        stream = one_slot.stream("Tell me a very long story.", endless)
+        next(stream)
+        stream.close()  # leaving the stream aborts the request
+        start = time.monotonic()
+        out = one_slot.generate("Hi", SamplingParams(max_tokens=4, temperature=0.0))[0]
+        assert out.finished and time.monotonic() - start < 30
+
+
+def _leftovers(names: list[str], pids: list[int]) -> tuple[list[str], list[int]]:
+    files = [n for n in names if os.path.exists(n)]
+    alive = [p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split(")")[1][:3]]
+    return files, alive
+
+
+def test_shutdown_leaves_no_process_and_no_shared_memory() -> None:
+    engine = LLM(max_batch_size=2, show_progress=False)
+    engine.generate("Hi", SamplingParams(max_tokens=2))
+    pids = [p.pid for p in engine._processes.processes.values()]
+    names = [f"/dev/shm/{engine._processes.ring.spec.name}"] + [
+        e.removeprefix("ipc://") for e in vars(engine._processes.endpoints).values()]
+    assert _leftovers(names, pids) != ([], [])
+    engine.close()
+    assert _leftovers(names, pids) == ([], [])
+
+
+def test_ctrl_c_leaves_no_process_and_no_shared_memory(tmp_path: Path) -> None:
+    script = textwrap.dedent("""
+        import json, os, sys
+        from guidespec import LLM, SamplingParams
+        with LLM(max_batch_size=2, show_progress=False) as llm:
+            p = llm._processes
+            names = [f"/dev/shm/{p.ring.spec.name}"] + [e.removeprefix("ipc://") for e in vars(p.endpoints).values()]
+            print(json.dumps({"pids": [x.pid for x in p.processes.values()], "names": names}), flush=True)
+            llm.generate("Tell me a long story.", SamplingParams(max_tokens=5000, ignore_eos=True))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    info = json.loads(proc.stdout.readline())
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert "KeyboardInterrupt" in err
+    time.sleep(0.5)
+    assert _leftovers(info["names"], info["pids"]) == ([], [])
+
+
+def test_killed_worker_fails_requests_with_a_clear_error_within_2s() -> None:
+    engine = LLM(max_batch_size=4, show_progress=False)
+    try:
+        worker = engine._processes.processes["worker rank 0"]
+        stream = engine.stream("Tell me a long story.", SamplingParams(max_tokens=5000, ignore_eos=True))
+        next(stream)
+        os.kill(worker.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RequestError, match=r"worker rank 0 .*(killed|died)"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - start < 2.0
+        with pytest.raises(EngineDeadError, match="worker rank 0"):
+            engine.generate("Hi", GREEDY)
+    finally:
+        engine.close()
