@@ -27,3 +27,8 @@ def step_timeout_s() -> float:
 
 def log_level() -> str:
     return os.environ.get("GUIDESPEC_LOG_LEVEL", "WARNING").upper()
+
+
+def cpu_kernels_enabled() -> bool:
+    """``GUIDESPEC_CPU_KERNELS=0`` turns off the compiled CPU kernels (torch is used instead)."""
+    return os.environ.get("GUIDESPEC_CPU_KERNELS", "1") != "0"

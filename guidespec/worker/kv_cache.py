@@ -18,10 +18,9 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots, self.max_len = num_slots, max_len
 
-    def write(self, layer: int, slots: list[int], counts: list[int], positions: torch.Tensor,
+    def write(self, layer: int, slot_of_token: torch.Tensor, positions: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [T, kv_heads, D] for flat tokens at ``positions``, row ``i`` being ``counts[i]`` tokens."""
-        slot_of_token = torch.repeat_interleave(torch.tensor(slots), torch.tensor(counts))
+        """k, v [T, kv_heads, D] for flat tokens of slots ``slot_of_token`` at ``positions``."""
         self.k[layer][slot_of_token, :, positions] = k
         self.v[layer][slot_of_token, :, positions] = v
 
