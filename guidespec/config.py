@@ -8,14 +8,16 @@ uses (``SchedulerConfig``, ``WorkerConfig``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from guidespec.ipc.shm_ring import RingSpec
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DTYPES = ("float32", "bfloat16", "float16")
+_C = TypeVar("_C", "SchedulerConfig", "WorkerConfig")
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class EngineConfig:
     max_model_len: int
     max_num_batched_tokens: int
     eos_token_ids: tuple[int, ...]
+    show_progress: bool = True
 
 
 @dataclass(frozen=True)
@@ -105,4 +108,21 @@ class WorkerConfig:
     worker_results: str
     dist_init_method: str
     num_threads: int
+    show_progress: bool = True
     device: str = "cpu"
+
+
+def config_to_dict(config: SchedulerConfig | WorkerConfig) -> dict[str, object]:
+    """A JSON-ready dict of a process config (paths as strings, the ring spec as a dict)."""
+    out = dataclasses.asdict(config)
+    out["model_dir"] = str(config.model_dir)
+    return out
+
+
+def config_from_dict(cls: type[_C], data: dict[str, object]) -> _C:
+    fields = dict(data)
+    fields["model_dir"] = Path(str(fields["model_dir"]))
+    fields["ring"] = RingSpec(**fields["ring"])  # type: ignore[arg-type]
+    if "eos_token_ids" in fields:
+        fields["eos_token_ids"] = tuple(fields["eos_token_ids"])  # type: ignore[arg-type]
+    return cls(**fields)

@@ -322,7 +322,7 @@ def _create_engine_config(model: str | None, tensor_parallel_size: int, dtype: s
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos = checkpoint.eos_token_ids(model_dir, hf_config, tokenizer)
     return EngineConfig(model_dir, tensor_parallel_size, dtype, max_batch_size, length,
-                        max(max_num_batched_tokens, max_batch_size), eos), tokenizer
+                        max(max_num_batched_tokens, max_batch_size), eos, show_progress), tokenizer
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

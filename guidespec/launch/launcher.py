@@ -1,33 +1,37 @@
 """Starting and stopping the engine's processes: one scheduler and N worker ranks.
 
-The launcher owns every shared resource it creates (the ring's shared memory, the ipc socket
-files) and removes them on ``shutdown``, whatever state the processes are in: it asks them
-to stop, waits briefly, then kills. A monitor thread watches every process; when one dies it
-calls ``on_death`` with a message naming it, so the client can fail in-flight requests at once
-instead of waiting for a step that will never finish.
+Each process is ``python -m guidespec.launch.child`` with its configuration as JSON on stdin
+(no pickle, no re-import of the user's main module), in a session of its own so a terminal's
+Ctrl-C reaches only the client, which then shuts the engine down. The launcher owns every
+shared resource it creates (the ring's shared memory, the ipc socket files) and removes them
+on ``shutdown`` whatever state the processes are in: it asks them to stop, waits briefly,
+then kills. A monitor thread watches every process; when one dies it calls ``on_death`` with a
+message naming it, so the client can fail in-flight requests at once.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import multiprocessing as mp
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
-from multiprocessing.connection import wait
 from typing import Callable
 
-from guidespec.config import EngineConfig, SchedulerConfig, WorkerConfig
+from guidespec.config import EngineConfig, SchedulerConfig, WorkerConfig, config_to_dict
 from guidespec.ipc.shm_ring import ShmRing
 from guidespec.ipc.zmq_channel import new_ipc_endpoint
-from guidespec.scheduler.scheduler import run_scheduler
-from guidespec.worker.worker import run_worker
 
 logger = logging.getLogger(__name__)
 _RING_SLOTS = 16
 _RING_SLOT_SIZE = 1 << 20
+_MONITOR_INTERVAL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -44,67 +48,70 @@ class EngineProcesses:
         self.endpoints = Endpoints(*(new_ipc_endpoint(t) for t in ("in", "out", "results")))
         self.ring = ShmRing.create(f"guidespec-{uuid.uuid4().hex[:12]}", cfg.tensor_parallel_size,
                                    _RING_SLOTS, _RING_SLOT_SIZE)
-        self.processes: dict[str, mp.process.BaseProcess] = {}
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
 
     def start(self) -> None:
-        ctx = mp.get_context("spawn")
         cfg, ep = self.cfg, self.endpoints
-        parent = os.getpid()
         scheduler_cfg = SchedulerConfig(cfg.model_dir, cfg.max_batch_size, cfg.max_model_len, cfg.max_num_batched_tokens,
                                         cfg.eos_token_ids, cfg.tensor_parallel_size, self.ring.spec,
                                         ep.client_in, ep.client_out, ep.worker_results)
-        self.processes["scheduler"] = ctx.Process(target=run_scheduler, args=(scheduler_cfg, parent),
-                                                  name="guidespec-scheduler", daemon=True)
+        self._spawn("scheduler", "scheduler", scheduler_cfg)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         threads = max(1, (os.cpu_count() or 1) // cfg.tensor_parallel_size)
         for rank in range(cfg.tensor_parallel_size):
             worker_cfg = WorkerConfig(cfg.model_dir, cfg.dtype, rank, cfg.tensor_parallel_size, cfg.max_batch_size,
-                                      cfg.max_model_len, self.ring.spec, ep.worker_results, init_method, threads)
-            self.processes[f"worker rank {rank}"] = ctx.Process(target=run_worker, args=(worker_cfg, parent),
-                                                                name=f"guidespec-worker{rank}", daemon=True)
-        for process in self.processes.values():
-            process.start()
+                                      cfg.max_model_len, self.ring.spec, ep.worker_results, init_method, threads,
+                                      cfg.show_progress)
+            self._spawn(f"worker rank {rank}", "worker", worker_cfg)
         self._monitor = threading.Thread(target=self._watch, name="guidespec-monitor", daemon=True)
         self._monitor.start()
 
     def first_dead(self) -> str | None:
         for name, process in self.processes.items():
-            if process.exitcode is not None:
+            if process.poll() is not None:
                 return _death_message(name, process)
         return None
 
     def shutdown(self, grace_s: float = 3.0) -> None:
         self._stopping.set()
+        deadline = time.monotonic() + grace_s
         for process in self.processes.values():
-            process.join(timeout=grace_s)
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
         for process in self.processes.values():
-            if process.is_alive():
+            if process.poll() is None:
                 process.kill()
-                process.join(timeout=2.0)
+                process.wait(timeout=5.0)
         self.ring.close()
         for endpoint in (self.endpoints.client_in, self.endpoints.client_out, self.endpoints.worker_results):
             path = endpoint.removeprefix("ipc://")
             if os.path.exists(path):
                 os.unlink(path)
 
+    def _spawn(self, name: str, role: str, config: SchedulerConfig | WorkerConfig) -> None:
+        spec = json.dumps({"role": role, "parent_pid": os.getpid(), "config": config_to_dict(config)})
+        process = subprocess.Popen([sys.executable, "-m", "guidespec.launch.child"], stdin=subprocess.PIPE,
+                                   start_new_session=True)
+        self.processes[name] = process
+        assert process.stdin is not None
+        process.stdin.write(spec.encode())
+        process.stdin.close()
+
     def _watch(self) -> None:
-        sentinels = {p.sentinel: (name, p) for name, p in self.processes.items()}
-        while not self._stopping.is_set():
-            ready = wait(list(sentinels), timeout=0.2)
-            if ready and not self._stopping.is_set():
-                name, process = sentinels[ready[0]]  # type: ignore[index]
-                process.join(timeout=0.1)
-                self.on_death(_death_message(name, process))
+        while not self._stopping.wait(_MONITOR_INTERVAL_S):
+            dead = self.first_dead()
+            if dead is not None and not self._stopping.is_set():
+                self.on_death(dead)
                 return
 
 
-def _death_message(name: str, process: mp.process.BaseProcess) -> str:
-    code = process.exitcode
+def _death_message(name: str, process: subprocess.Popen[bytes]) -> str:
+    code = process.returncode
     if code is not None and code < 0:
-        import signal
-
         how = f"was killed by signal {signal.Signals(-code).name}"
     else:
         how = f"exited with code {code}"

@@ -62,7 +62,7 @@ class Worker:
         model_cfg = ModelConfig.from_hf(hf_config)
         dtype = getattr(torch, cfg.dtype)
         self.model = LlamaModel(model_cfg, self.tp, dtype, cfg.max_model_len, cfg.device)
-        self.model.load(cfg.model_dir, hf_config, show_progress=self.tp.is_driver)
+        self.model.load(cfg.model_dir, hf_config, show_progress=self.tp.is_driver and cfg.show_progress)
         self.kv = self.model.create_kv_cache(cfg.max_batch_size)
         self.ring = ShmRing.attach(cfg.ring)
         self.reader = self.ring.reader(cfg.rank)

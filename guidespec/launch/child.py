@@ -1,0 +1,33 @@
+"""Entry point of every engine process: ``python -m guidespec.launch.child`` reads its role and
+configuration as JSON on stdin and runs that process's loop.
+
+Processes are started this way, not with multiprocessing, so that nothing is pickled and the
+user's main module is never re-imported (a script without ``if __name__ == "__main__"``,
+a notebook or ``python -c`` all work).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from guidespec.config import SchedulerConfig, WorkerConfig, config_from_dict
+
+
+def main() -> None:
+    spec = json.loads(sys.stdin.read())
+    role, parent_pid = spec["role"], int(spec["parent_pid"])
+    if role == "scheduler":
+        from guidespec.scheduler.scheduler import run_scheduler
+
+        run_scheduler(config_from_dict(SchedulerConfig, spec["config"]), parent_pid)
+    elif role == "worker":
+        from guidespec.worker.worker import run_worker
+
+        run_worker(config_from_dict(WorkerConfig, spec["config"]), parent_pid)
+    else:
+        raise SystemExit(f"unknown role {role!r}")
+
+
+if __name__ == "__main__":
+    main()
