@@ -167,18 +167,20 @@ class LLM:
                 self.abort(stream.output.request_id)
 
     async def agenerate(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> GenerationOutput:
-        async for _ in self.astream(prompt, sampling_params):
-            pass
-        return self._last_async_output
+        stream = self._submit(prompt, sampling_params or SamplingParams(), loop=asyncio.get_running_loop())
+        try:
+            while not stream.output.finished:
+                stream.apply(await stream.queue.get())  # type: ignore[misc]
+        finally:
+            if not stream.output.finished:
+                self.abort(stream.output.request_id)
+        return stream.output
 
     async def astream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
         stream = self._submit(prompt, sampling_params or SamplingParams(), loop=asyncio.get_running_loop())
         try:
             while True:
-                raw = await stream.queue.get()  # type: ignore[misc]
-                delta = stream.apply(raw)
-                if delta.finished:
-                    self._last_async_output = stream.output
+                delta = stream.apply(await stream.queue.get())  # type: ignore[misc]
                 yield delta
                 if delta.finished:
                     return

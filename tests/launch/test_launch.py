@@ -1,0 +1,38 @@
+"""Starting the engine the ways users do: the CLI, and a script without a __main__ guard."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_cli_generate_prints_output_and_figures() -> None:
+    result = subprocess.run([sys.executable, "-m", "guidespec.launch.cli", "generate", "--prompt", "Say hello.",
+                             "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "### prompt: Say hello." in result.stdout and "tok/s" in result.stdout
+
+
+def test_cli_rejects_bad_parameters_with_a_message() -> None:
+    result = subprocess.run([sys.executable, "-m", "guidespec.launch.cli", "generate", "--top-p", "1.5"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "top_p must be in (0, 1]" in result.stderr
+
+
+def test_script_without_main_guard(tmp_path: Path) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text(textwrap.dedent("""
+        from guidespec import LLM, SamplingParams
+        llm = LLM(max_batch_size=1, show_progress=False)
+        print("OUT", llm.generate("Hi", SamplingParams(max_tokens=3, temperature=0.0))[0].finish_reason)
+        llm.close()
+    """))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "OUT length" in result.stdout or "OUT stop" in result.stdout

@@ -1,0 +1,91 @@
+"""Scheduler pieces on their own: batching and slots, stop conditions, incremental detokenization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from guidespec.protocol import SamplingParams
+from guidespec.scheduler.batching import Batcher
+from guidespec.scheduler.detokenizer import IncrementalDetokenizer
+from guidespec.scheduler.output import finish_output, process_new_token
+from guidespec.scheduler.request import Request
+
+
+class _CharTokenizer:
+    """Token i is chr(i); enough to test the scheduler's text handling."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def _request(rid: str, prompt_len: int, **params: object) -> Request:
+    prompt = list(range(65, 65 + prompt_len))
+    return Request(rid, prompt, SamplingParams(**params), 0.0, IncrementalDetokenizer(_CharTokenizer(), prompt))  # type: ignore[arg-type]
+
+
+def test_admission_slots_and_chunked_prefill() -> None:
+    batcher = Batcher(max_batch_size=2, max_num_batched_tokens=10)
+    a, b, c = _request("a", 6), _request("b", 8), _request("c", 3)
+    for r in (a, b, c):
+        batcher.add(r)
+    rows = batcher.schedule()
+    assert [(r.request.request_id, r.num_new_tokens, r.num_logits) for r in rows] == [("a", 6, 1), ("b", 4, 0)]
+    assert c.slot is None and batcher.num_free_slots == 0
+    for row in rows:
+        row.request.advance_computed(row.num_new_tokens)
+    a.output_token_ids.append(70)
+    rows = batcher.schedule()  # a decodes one token first, b's prompt continues after it
+    assert [(r.request.request_id, r.start, r.num_new_tokens, r.num_logits) for r in rows] == [("a", 6, 1, 1), ("b", 4, 4, 1)]
+    freed = a.slot
+    batcher.remove(a)
+    assert batcher.num_free_slots == 1 and a.slot is None
+    rows = batcher.schedule()  # c takes the freed slot
+    assert c.slot == freed and any(r.request is c for r in rows)
+
+
+def test_computed_tokens_never_exceed_known_tokens() -> None:
+    r = _request("a", 3)
+    r.advance_computed(3)
+    with pytest.raises(AssertionError):
+        r.advance_computed(1)
+
+
+def test_stop_string_is_cut_and_never_streamed() -> None:
+    r = _request("a", 2, stop=("XY",), max_tokens=50)
+    streamed = ""
+    for ch in "abXcXY":
+        out = process_new_token(r, ord(ch), eos_token_ids=(0,), max_model_len=100)
+        streamed += out.new_text
+        if out.finished:
+            break
+    assert out.finished and out.finish_reason == "stop"
+    assert streamed == "abXc" and r.output_text == "abXc"
+
+
+def test_eos_max_tokens_and_model_length() -> None:
+    r = _request("a", 2, max_tokens=3)
+    assert not process_new_token(r, ord("a"), (0,), 100).finished
+    assert process_new_token(r, 0, (0,), 100).finish_reason == "stop"
+    r = _request("b", 2, max_tokens=2)
+    process_new_token(r, ord("a"), (0,), 100)
+    assert process_new_token(r, ord("b"), (0,), 100).finish_reason == "length"
+    r = _request("c", 4, max_tokens=50)
+    assert process_new_token(r, ord("a"), (0,), max_model_len=5).finish_reason == "length"
+    r = _request("d", 2, ignore_eos=True, max_tokens=5)
+    assert not process_new_token(r, 0, (0,), 100).finished
+    assert finish_output(r, "abort").finish_reason == "abort"
+
+
+def test_detokenizer_handles_multibyte_characters(real_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(real_model_dir)
+    text = "Grüße aus Köln 🌍! 東京 is big."
+    ids = tok.encode(text)
+    prompt = tok.encode("Say:")
+    detok = IncrementalDetokenizer(tok, prompt)
+    pieces = [detok.add(t) for t in ids]
+    assert "".join(pieces) == tok.decode(ids)
+    assert not any("\ufffd" in p for p in pieces)

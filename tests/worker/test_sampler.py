@@ -1,0 +1,68 @@
+"""The sampler: greedy, temperature, top-k, top-p, per-request seeds; bitmask application."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from guidespec.worker.mask import apply_bitmask
+from guidespec.worker.sampler import sample
+
+
+def _params(rows: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = -1):  # type: ignore[no-untyped-def]
+    return (torch.full((rows,), temperature), torch.full((rows,), top_k), torch.full((rows,), top_p),
+            torch.full((rows,), seed), torch.arange(rows))
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.randn(5, 100)
+    assert torch.equal(sample(logits, *_params(5, temperature=0.0)), logits.argmax(-1))
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy() -> None:
+    logits = torch.randn(6, 50)
+    assert torch.equal(sample(logits.clone(), *_params(6, top_k=1)), logits.argmax(-1))
+    assert torch.equal(sample(logits.clone(), *_params(6, top_p=1e-6)), logits.argmax(-1))
+
+
+def test_top_k_only_draws_from_the_k_best() -> None:
+    logits = torch.randn(1, 30).repeat(400, 1)
+    tokens = sample(logits, *_params(400, top_k=3), generator=torch.Generator().manual_seed(0))
+    assert set(tokens.tolist()) <= set(logits[0].topk(3).indices.tolist())
+    assert len(set(tokens.tolist())) == 3
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(2000, 1)
+    tokens = sample(logits, *_params(2000, top_p=0.75), generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(tokens, minlength=4).float() / 2000
+    assert counts[2] == 0 and counts[3] == 0  # 0.5 + 0.3 >= 0.75: two tokens kept
+    assert abs(counts[0] - 0.5 / 0.8) < 0.05
+
+
+def test_temperature_sampling_follows_the_softmax() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0]]).repeat(20000, 1)
+    tokens = sample(logits, *_params(20000, temperature=0.5), generator=torch.Generator().manual_seed(1))
+    freq = torch.bincount(tokens, minlength=3).float() / 20000
+    torch.testing.assert_close(freq, (logits[0] / 0.5).softmax(-1), atol=0.015, rtol=0)
+
+
+def test_seeded_rows_do_not_depend_on_the_batch() -> None:
+    logits = torch.randn(4, 1000)
+    alone = sample(logits[2:3].clone(), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]),
+                   torch.tensor([42]), torch.tensor([7]))
+    temperature, top_k, top_p, _, _ = _params(4)
+    batched = sample(logits.clone(), temperature, top_k, top_p, torch.tensor([-1, 5, 42, -1]),
+                     torch.tensor([0, 0, 7, 0]))
+    assert batched[2] == alone[0]
+
+
+def test_bitmask_masks_only_the_named_rows() -> None:
+    logits = torch.zeros(3, 40)
+    bitmask = np.zeros((1, 2), dtype=np.int32)
+    bitmask[0, 0] = 1 << 3  # token 3
+    bitmask[0, 1] = 1 << 1  # token 33
+    apply_bitmask(logits, np.array([1]), bitmask)
+    assert torch.isinf(logits[1]).sum() == 38 and logits[1, 3] == 0 and logits[1, 33] == 0
+    assert not torch.isinf(logits[0]).any() and not torch.isinf(logits[2]).any()
