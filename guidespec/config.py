@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from guidespec.ipc.broadcast import BroadcastSpec
 from guidespec.ipc.shm_ring import RingSpec
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -80,6 +81,7 @@ class EngineConfig:
     max_num_batched_tokens: int
     eos_token_ids: tuple[int, ...]
     show_progress: bool = True
+    remote_ranks: tuple[int, ...] = ()  # ranks that read steps over ZeroMQ TCP (ranks on other hosts)
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     eos_token_ids: tuple[int, ...]
     num_workers: int
-    ring: RingSpec
+    broadcast: BroadcastSpec
     client_in: str  # client -> scheduler (PULL, bound by the scheduler)
     client_out: str  # scheduler -> client (PUSH, connected to the client's PULL)
     worker_results: str  # workers -> scheduler (PULL, bound by the scheduler)
@@ -104,7 +106,8 @@ class WorkerConfig:
     tensor_parallel_size: int
     max_batch_size: int
     max_model_len: int
-    ring: RingSpec
+    broadcast: BroadcastSpec
+    ring_index: int | None  # this rank's ring reader, None: it reads the remote stream
     worker_results: str
     dist_init_method: str
     num_threads: int
@@ -122,7 +125,9 @@ def config_to_dict(config: SchedulerConfig | WorkerConfig) -> dict[str, object]:
 def config_from_dict(cls: type[_C], data: dict[str, object]) -> _C:
     fields = dict(data)
     fields["model_dir"] = Path(str(fields["model_dir"]))
-    fields["ring"] = RingSpec(**fields["ring"])  # type: ignore[arg-type]
+    broadcast = dict(fields["broadcast"])  # type: ignore[call-overload]
+    broadcast["ring"] = RingSpec(**broadcast["ring"])
+    fields["broadcast"] = BroadcastSpec(**broadcast)
     if "eos_token_ids" in fields:
         fields["eos_token_ids"] = tuple(fields["eos_token_ids"])  # type: ignore[arg-type]
     return cls(**fields)

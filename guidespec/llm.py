@@ -110,9 +110,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, dtype: str = "float32",
                  max_batch_size: int = 16, max_model_len: int | None = None, max_num_batched_tokens: int = 512,
-                 show_progress: bool = True) -> None:
+                 show_progress: bool = True, remote_ranks: Sequence[int] = ()) -> None:
         self.config, self.tokenizer = _create_engine_config(model, tensor_parallel_size, dtype, max_batch_size,
-                                                            max_model_len, max_num_batched_tokens, show_progress)
+                                                            max_model_len, max_num_batched_tokens, show_progress,
+                                                            tuple(remote_ranks))
         self._streams: dict[str, _RequestStream] = {}
         self._lock = threading.Lock()
         self._dead_reason: str | None = None
@@ -302,7 +303,7 @@ class LLM:
 
 def _create_engine_config(model: str | None, tensor_parallel_size: int, dtype: str, max_batch_size: int,
                           max_model_len: int | None, max_num_batched_tokens: int,
-                          show_progress: bool) -> tuple[EngineConfig, Any]:
+                          show_progress: bool, remote_ranks: tuple[int, ...]) -> tuple[EngineConfig, Any]:
     from transformers import AutoTokenizer
 
     if dtype not in DTYPES:
@@ -312,6 +313,8 @@ def _create_engine_config(model: str | None, tensor_parallel_size: int, dtype: s
     model_dir = checkpoint.resolve_model_dir(model, show_progress)
     hf_config = checkpoint.load_hf_config(model_dir)
     model_cfg = ModelConfig.from_hf(hf_config)
+    if any(not 0 < r < tensor_parallel_size for r in remote_ranks):
+        raise ValueError(f"remote_ranks must be among ranks 1..{tensor_parallel_size - 1}")
     if model_cfg.num_kv_heads < tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size {tensor_parallel_size} exceeds the model's "
                          f"{model_cfg.num_kv_heads} key/value heads")
@@ -324,7 +327,7 @@ def _create_engine_config(model: str | None, tensor_parallel_size: int, dtype: s
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos = checkpoint.eos_token_ids(model_dir, hf_config, tokenizer)
     return EngineConfig(model_dir, tensor_parallel_size, dtype, max_batch_size, length,
-                        max(max_num_batched_tokens, max_batch_size), eos, show_progress), tokenizer
+                        max(max_num_batched_tokens, max_batch_size), eos, show_progress, remote_ranks), tokenizer
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -116,6 +116,26 @@ def test_tensor_parallel_2_equals_tp_1(llm: LLM) -> None:
         assert [o.token_ids for o in tp2.generate(CHATS[:3], GREEDY)] == expected
 
 
+def test_rank_reading_steps_over_zeromq_tcp_equals_tp_1(llm: LLM) -> None:
+    """Rank 1 reads the step broadcast as a remote host would (signed ZeroMQ over TCP)."""
+    expected = [o.token_ids for o in llm.generate(CHATS[:2], GREEDY)]
+    with LLM(tensor_parallel_size=2, max_batch_size=2, remote_ranks=[1], show_progress=False) as mixed:
+        assert [o.token_ids for o in mixed.generate(CHATS[:2], GREEDY)] == expected
+
+
+def test_scheduler_survives_malformed_frames(llm: LLM) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(llm._processes.endpoints.client_in)
+    for frame in (b"", b"garbage", b"\x10\x00\x00\x00" + b"\xc1" * 16):
+        sock.send(frame)
+    sock.close(linger=1000)
+    ctx.term()
+    assert llm.generate("Hi", SamplingParams(max_tokens=3, temperature=0.0))[0].finished
+
+
 def test_abort_frees_the_slot() -> None:
     endless = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
     with LLM(max_batch_size=1, show_progress=False) as one_slot:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from guidespec.config import EngineConfig, SchedulerConfig, WorkerConfig, config_to_dict
+from guidespec.ipc.broadcast import BroadcastSpec
 from guidespec.ipc.shm_ring import ShmRing
 from guidespec.ipc.zmq_channel import new_ipc_endpoint
 
@@ -46,8 +48,13 @@ class EngineProcesses:
         self.cfg = cfg
         self.on_death = on_death
         self.endpoints = Endpoints(*(new_ipc_endpoint(t) for t in ("in", "out", "results")))
-        self.ring = ShmRing.create(f"guidespec-{uuid.uuid4().hex[:12]}", cfg.tensor_parallel_size,
+        if 0 in cfg.remote_ranks or any(not 0 <= r < cfg.tensor_parallel_size for r in cfg.remote_ranks):
+            raise ValueError(f"remote_ranks must be among ranks 1..{cfg.tensor_parallel_size - 1}")
+        self.local_ranks = [r for r in range(cfg.tensor_parallel_size) if r not in cfg.remote_ranks]
+        self.ring = ShmRing.create(f"guidespec-{uuid.uuid4().hex[:12]}", len(self.local_ranks),
                                    _RING_SLOTS, _RING_SLOT_SIZE)
+        remote = f"tcp://127.0.0.1:{_free_port()}" if cfg.remote_ranks else None
+        self.broadcast = BroadcastSpec(self.ring.spec, remote, secrets.token_hex(32), len(cfg.remote_ranks))
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -55,18 +62,22 @@ class EngineProcesses:
     def start(self) -> None:
         cfg, ep = self.cfg, self.endpoints
         scheduler_cfg = SchedulerConfig(cfg.model_dir, cfg.max_batch_size, cfg.max_model_len, cfg.max_num_batched_tokens,
-                                        cfg.eos_token_ids, cfg.tensor_parallel_size, self.ring.spec,
+                                        cfg.eos_token_ids, cfg.tensor_parallel_size, self.broadcast,
                                         ep.client_in, ep.client_out, ep.worker_results)
         self._spawn("scheduler", "scheduler", scheduler_cfg)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         threads = max(1, (os.cpu_count() or 1) // cfg.tensor_parallel_size)
         for rank in range(cfg.tensor_parallel_size):
             worker_cfg = WorkerConfig(cfg.model_dir, cfg.dtype, rank, cfg.tensor_parallel_size, cfg.max_batch_size,
-                                      cfg.max_model_len, self.ring.spec, ep.worker_results, init_method, threads,
+                                      cfg.max_model_len, self.broadcast, self._ring_index(rank), ep.worker_results,
+                                      init_method, threads,
                                       cfg.show_progress)
             self._spawn(f"worker rank {rank}", "worker", worker_cfg)
         self._monitor = threading.Thread(target=self._watch, name="guidespec-monitor", daemon=True)
         self._monitor.start()
+
+    def _ring_index(self, rank: int) -> int | None:
+        return self.local_ranks.index(rank) if rank in self.local_ranks else None
 
     def first_dead(self) -> str | None:
         for name, process in self.processes.items():

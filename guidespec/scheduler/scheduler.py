@@ -22,7 +22,8 @@ import zmq
 from guidespec import envs
 from guidespec.config import SchedulerConfig
 from guidespec.ipc import codec
-from guidespec.ipc.shm_ring import ShmRing
+from guidespec.ipc.broadcast import StepBroadcaster
+from guidespec.ipc.shm_ring import RingTimeout
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.process_utils import parent_alive, setup_child_process
 from guidespec.protocol import (AbortRequest, EngineDead, EngineReady, GenerateRequest, RequestOutput, Shutdown,
@@ -64,8 +65,7 @@ class Scheduler:
         self.client_in = Channel(self.ctx, zmq.PULL, cfg.client_in, bind=True)
         self.client_out = Channel(self.ctx, zmq.PUSH, cfg.client_out, bind=False)
         self.worker_results = Channel(self.ctx, zmq.PULL, cfg.worker_results, bind=True)
-        self.ring = ShmRing.attach(cfg.ring)
-        self.writer = self.ring.writer()
+        self.broadcaster = StepBroadcaster(cfg.broadcast, self.ctx)
         self.batcher = Batcher(cfg.max_batch_size, cfg.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.worker_pids: dict[int, int] = {}
@@ -86,6 +86,10 @@ class Scheduler:
                 raise EngineFailure(f"workers did not start within {envs.worker_start_timeout_s():.0f} s")
             if not parent_alive(self.parent_pid):
                 raise EngineFailure("the client process is gone")
+        try:
+            self.broadcaster.wait_for_readers(max(1.0, deadline - time.monotonic()))
+        except RingTimeout as e:
+            raise EngineFailure(str(e)) from None
         self.client_out.send(EngineReady(self.cfg.num_workers, self.cfg.max_batch_size, self.cfg.max_model_len))
 
     def run(self) -> None:
@@ -101,8 +105,8 @@ class Scheduler:
     def close(self) -> None:
         for channel in (self.client_in, self.client_out, self.worker_results):
             channel.close()
+        self.broadcaster.close()
         self.ctx.term()
-        self.ring.close()
 
     # ------------------------------------------------------------------ the step
 
@@ -118,7 +122,7 @@ class Scheduler:
 
     def broadcast(self, rows: list[ScheduledRow]) -> None:
         self.step_id += 1
-        self.writer.write(codec.encode(self._step_inputs(rows)), timeout=envs.step_timeout_s())
+        self.broadcaster.write(codec.encode(self._step_inputs(rows)), timeout=envs.step_timeout_s())
 
     def collect(self) -> StepOutputs:
         """Wait for rank 0's outputs for this step, watching the workers while waiting."""
@@ -179,7 +183,10 @@ class Scheduler:
                 self._forget(request)
         elif isinstance(message, Shutdown):
             self.stopping = True
-            self.writer.write(codec.encode(Shutdown(message.reason)), timeout=2.0)
+            try:
+                self.broadcaster.write(codec.encode(Shutdown(message.reason)), timeout=2.0)
+            except RingTimeout:
+                logger.warning("a worker did not take the shutdown message; the launcher will stop it")
         else:
             logger.warning("ignoring unexpected %s from the client", type(message).__name__)
 

@@ -20,7 +20,8 @@ import zmq
 
 from guidespec.config import ModelConfig, WorkerConfig
 from guidespec.ipc import codec
-from guidespec.ipc.shm_ring import RingTimeout, ShmRing
+from guidespec.ipc.broadcast import create_step_reader
+from guidespec.ipc.shm_ring import RingTimeout
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.process_utils import parent_alive, setup_child_process
 from guidespec.protocol import Shutdown, StepBitmask, StepInputs, StepOutputs, WorkerError, WorkerReady
@@ -39,8 +40,9 @@ def run_worker(cfg: WorkerConfig, parent_pid: int) -> None:
     torch.set_num_threads(cfg.num_threads)
     ctx = zmq.Context()
     results = Channel(ctx, zmq.PUSH, cfg.worker_results, bind=False)
+    worker = None
     try:
-        worker = Worker(cfg)
+        worker = Worker(cfg, ctx)
         results.send(WorkerReady(cfg.rank, os.getpid()))
         worker.loop(results, parent_pid)
     except Exception as e:
@@ -48,13 +50,15 @@ def run_worker(cfg: WorkerConfig, parent_pid: int) -> None:
         time.sleep(0.2)  # let the frame leave before the socket is torn down
         raise SystemExit(1)
     finally:
+        if worker is not None:
+            worker.reader.close()
         results.close()
         ctx.term()
         tp_mod.destroy_distributed()
 
 
 class Worker:
-    def __init__(self, cfg: WorkerConfig) -> None:
+    def __init__(self, cfg: WorkerConfig, ctx: zmq.Context) -> None:
         self.cfg = cfg
         self.tp = tp_mod.TPInfo(cfg.rank, cfg.tensor_parallel_size)
         tp_mod.init_distributed(self.tp, cfg.dist_init_method, "gloo" if cfg.device == "cpu" else "nccl")
@@ -64,8 +68,7 @@ class Worker:
         self.model = LlamaModel(model_cfg, self.tp, dtype, cfg.max_model_len, cfg.device)
         self.model.load(cfg.model_dir, hf_config, show_progress=self.tp.is_driver and cfg.show_progress)
         self.kv = self.model.create_kv_cache(cfg.max_batch_size)
-        self.ring = ShmRing.attach(cfg.ring)
-        self.reader = self.ring.reader(cfg.rank)
+        self.reader = create_step_reader(cfg.broadcast, cfg.ring_index, ctx)
         self.generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
 
     def loop(self, results: Channel, parent_pid: int) -> None:
