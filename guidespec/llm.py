@@ -169,25 +169,14 @@ class LLM:
 
     async def agenerate(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> GenerationOutput:
         stream = self._submit(prompt, sampling_params or SamplingParams(), loop=asyncio.get_running_loop())
-        try:
-            while not stream.output.finished:
-                stream.apply(await stream.queue.get())  # type: ignore[misc]
-        finally:
-            if not stream.output.finished:
-                self.abort(stream.output.request_id)
+        async for _ in self._follow(stream):
+            pass
         return stream.output
 
     async def astream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
         stream = self._submit(prompt, sampling_params or SamplingParams(), loop=asyncio.get_running_loop())
-        try:
-            while True:
-                delta = stream.apply(await stream.queue.get())  # type: ignore[misc]
-                yield delta
-                if delta.finished:
-                    return
-        finally:
-            if not stream.output.finished:
-                self.abort(stream.output.request_id)
+        async for delta in self._follow(stream):
+            yield delta
 
     def abort(self, request_id: str) -> None:
         if self._dead_reason is None and not self._closed:
@@ -246,6 +235,15 @@ class LLM:
             self._streams[request_id] = stream
             self._to_scheduler.send(GenerateRequest(request_id, np.array(ids, dtype=np.int32), params, now))
         return stream
+
+    async def _follow(self, stream: _RequestStream) -> AsyncIterator[StreamDelta]:
+        """A request's deltas on the event loop; leaving early aborts the request."""
+        try:
+            while not stream.output.finished:
+                yield stream.apply(await stream.queue.get())  # type: ignore[misc]
+        finally:
+            if not stream.output.finished:
+                self.abort(stream.output.request_id)
 
     def _drain(self, stream: _RequestStream) -> None:
         while not stream.output.finished:

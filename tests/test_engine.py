@@ -200,3 +200,12 @@ def test_killed_worker_fails_requests_with_a_clear_error_within_2s() -> None:
             engine.generate("Hi", GREEDY)
     finally:
         engine.close()
+
+
+def test_astream_yields_the_same_tokens_as_generate(llm: LLM) -> None:
+    expected = llm.generate(CHATS[2], GREEDY)[0].token_ids
+
+    async def collect() -> list[int]:
+        return [t async for delta in llm.astream(CHATS[2], GREEDY) for t in delta.token_ids]
+
+    assert asyncio.run(collect()) == expected
