@@ -122,12 +122,12 @@ def config_to_dict(config: SchedulerConfig | WorkerConfig) -> dict[str, object]:
     return out
 
 
-def config_from_dict(cls: type[_C], data: dict[str, object]) -> _C:
+def config_from_dict(cls: type[_C], data: dict[str, Any]) -> _C:
     fields = dict(data)
     fields["model_dir"] = Path(str(fields["model_dir"]))
-    broadcast = dict(fields["broadcast"])  # type: ignore[call-overload]
+    broadcast = dict(fields["broadcast"])
     broadcast["ring"] = RingSpec(**broadcast["ring"])
     fields["broadcast"] = BroadcastSpec(**broadcast)
     if "eos_token_ids" in fields:
-        fields["eos_token_ids"] = tuple(fields["eos_token_ids"])  # type: ignore[arg-type]
+        fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
     return cls(**fields)

@@ -252,7 +252,7 @@ class LLM:
     def _get(self, stream: _RequestStream) -> RequestOutput:
         while True:
             try:
-                return stream.queue.get(timeout=0.1)  # type: ignore[call-arg]
+                return stream.queue.get(timeout=0.1)  # type: ignore[call-arg, return-value]
             except queue.Empty:
                 self._check_alive()
 
@@ -333,7 +333,7 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]
     prompts = list(prompts)
     if prompts and isinstance(prompts[0], dict) and "role" in prompts[0]:
-        return [prompts]  # one chat
+        return [prompts]  # type: ignore[list-item]  # one chat
     return prompts  # type: ignore[return-value]
 
 

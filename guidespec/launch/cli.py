@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"guidespec: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("guidespec: interrupted; the engine was shut down", file=sys.stderr)
+        return 130
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:

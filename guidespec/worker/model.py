@@ -62,7 +62,9 @@ class ForwardBatch:
     @classmethod
     def create(cls, token_ids, slots, start_positions, num_new_tokens, num_logits) -> ForwardBatch:  # type: ignore[no-untyped-def]
         slots, starts, counts, nlog = (list(map(int, a)) for a in (slots, start_positions, num_new_tokens, num_logits))
-        positions, logits_indices, offset = [], [], 0
+        positions: list[int] = []
+        logits_indices: list[int] = []
+        offset = 0
         for start, count, n in zip(starts, counts, nlog):
             positions.extend(range(start, start + count))
             logits_indices.extend(range(offset + count - n, offset + count))
