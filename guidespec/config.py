@@ -82,6 +82,10 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...]
     show_progress: bool = True
     remote_ranks: tuple[int, ...] = ()  # ranks that read steps over ZeroMQ TCP (ranks on other hosts)
+    vocab_size: int = 0
+    grammar_backend: str = "xgrammar"
+    grammar_compile_timeout_s: float = 30.0
+    jump_forward: bool = True
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,10 @@ class SchedulerConfig:
     client_in: str  # client -> scheduler (PULL, bound by the scheduler)
     client_out: str  # scheduler -> client (PUSH, connected to the client's PULL)
     worker_results: str  # workers -> scheduler (PULL, bound by the scheduler)
+    vocab_size: int
+    grammar_backend: str
+    grammar_compile_timeout_s: float
+    jump_forward: bool
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ resource, also after Ctrl-C or an exception.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import atexit
 import itertools
 import queue
@@ -28,7 +29,7 @@ from guidespec import envs
 from guidespec.config import DTYPES, EngineConfig, ModelConfig
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.launcher import EngineProcesses
-from guidespec.protocol import AbortRequest, EngineDead, EngineReady, GenerateRequest, RequestOutput, SamplingParams, Shutdown
+from guidespec.protocol import GRAMMAR_BACKENDS, AbortRequest, EngineDead, EngineReady, GenerateRequest, RequestOutput, SamplingParams, Shutdown
 from guidespec.worker import checkpoint
 
 Message = dict[str, str]
@@ -110,10 +111,17 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, dtype: str = "float32",
                  max_batch_size: int = 16, max_model_len: int | None = None, max_num_batched_tokens: int = 512,
-                 show_progress: bool = True, remote_ranks: Sequence[int] = ()) -> None:
-        self.config, self.tokenizer = _create_engine_config(model, tensor_parallel_size, dtype, max_batch_size,
-                                                            max_model_len, max_num_batched_tokens, show_progress,
-                                                            tuple(remote_ranks))
+                 show_progress: bool = True, remote_ranks: Sequence[int] = (), grammar_backend: str = "xgrammar",
+                 grammar_compile_timeout_s: float = 30.0, jump_forward: bool = True) -> None:
+        if grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"grammar_backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {grammar_backend!r}")
+        if grammar_compile_timeout_s <= 0:
+            raise ValueError("grammar_compile_timeout_s must be > 0")
+        config, self.tokenizer = _create_engine_config(model, tensor_parallel_size, dtype, max_batch_size,
+                                                       max_model_len, max_num_batched_tokens, show_progress,
+                                                       tuple(remote_ranks))
+        self.config = dataclasses.replace(config, grammar_backend=grammar_backend, jump_forward=jump_forward,
+                                          grammar_compile_timeout_s=grammar_compile_timeout_s)
         self._streams: dict[str, _RequestStream] = {}
         self._lock = threading.Lock()
         self._dead_reason: str | None = None
@@ -325,7 +333,8 @@ def _create_engine_config(model: str | None, tensor_parallel_size: int, dtype: s
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos = checkpoint.eos_token_ids(model_dir, hf_config, tokenizer)
     return EngineConfig(model_dir, tensor_parallel_size, dtype, max_batch_size, length,
-                        max(max_num_batched_tokens, max_batch_size), eos, show_progress, remote_ranks), tokenizer
+                        max(max_num_batched_tokens, max_batch_size), eos, show_progress, remote_ranks,
+                        model_cfg.vocab_size), tokenizer
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

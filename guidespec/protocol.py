@@ -13,6 +13,7 @@ Messages by direction:
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -21,6 +22,62 @@ import numpy as np
 from guidespec.ipc.codec import register_message
 
 GREEDY = 0.0
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance")
+
+
+@register_message(2)
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """One constraint on the output. Set exactly one of the fields; ``backend`` overrides the engine's.
+
+    ``json_schema`` is the schema as JSON text (or a dict, turned into text); ``grammar`` is EBNF
+    for xgrammar or Lark for llguidance; ``choice`` is a list of allowed outputs.
+    """
+
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: tuple[str, ...] | None = None
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json_schema, dict):
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        set_kinds = [k for k in GRAMMAR_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError(f"guided decoding needs exactly one of {', '.join(GRAMMAR_KINDS)}; got {set_kinds or 'none'}")
+        return set_kinds[0]
+
+    def validate(self) -> None:
+        kind = self.kind
+        if kind == "json_schema":
+            try:
+                schema = json.loads(self.json_schema)  # type: ignore[arg-type]
+            except json.JSONDecodeError as e:
+                raise ValueError(f"json_schema is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("json_schema must be a JSON object (or true/false)")
+        if kind == "choice" and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("choice must be a non-empty list of non-empty strings")
+        if kind in ("regex", "grammar") and not getattr(self, kind):
+            raise ValueError(f"{kind} must not be empty")
+        if self.backend is not None and self.backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"unknown grammar backend {self.backend!r}; choose one of {', '.join(GRAMMAR_BACKENDS)}")
+
+    def cache_key(self, backend: str) -> str:
+        """The canonical grammar: equal keys compile to the same grammar."""
+        kind = self.kind
+        value: object = getattr(self, kind)
+        if kind == "json_schema":
+            value = json.loads(value)  # type: ignore[arg-type]
+        return json.dumps([backend, kind, value], sort_keys=True, separators=(",", ":"))
 
 
 @register_message(1)
@@ -36,6 +93,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -55,6 +113,8 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
+        if self.guided is not None:
+            self.guided.validate()
 
     @property
     def greedy(self) -> bool:

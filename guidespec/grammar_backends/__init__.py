@@ -1,0 +1,29 @@
+"""Grammar backends behind one small interface (``interface.py``): xgrammar and llguidance.
+
+The scheduler is the only user: it compiles grammars, keeps one matcher per guided request,
+advances and rolls matchers back, and fills bitmask rows. Backends are imported lazily and
+created once per engine; a request may pick the other one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from guidespec.grammar_backends.interface import GrammarBackend, GrammarError, GrammarMatcher
+
+from guidespec.protocol import GRAMMAR_BACKENDS as BACKENDS
+
+__all__ = ["BACKENDS", "GrammarBackend", "GrammarError", "GrammarMatcher", "create_backend"]
+
+
+def create_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...],
+                   num_threads: int = 2) -> GrammarBackend:
+    if name == "xgrammar":
+        from guidespec.grammar_backends.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(tokenizer, vocab_size, stop_token_ids, num_threads)
+    if name == "llguidance":
+        from guidespec.grammar_backends.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend(tokenizer, vocab_size, stop_token_ids, num_threads)
+    raise ValueError(f"unknown grammar backend {name!r}; choose one of {', '.join(BACKENDS)}")

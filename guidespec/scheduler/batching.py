@@ -1,6 +1,6 @@
 """Slots, the waiting queue and continuous batching.
 
-Each step: admit waiting requests while slots are free (a slot is held for a request's
+Each step: admit waiting requests whose grammar is ready while slots are free (a slot is held for a request's
 whole life), then give every running request the tokens it still has to compute, one-token
 (decode) rows first, prefill chunks after them under ``max_num_batched_tokens``. A request
 whose known tokens are all computed after this step wants logits for its last position.
@@ -70,9 +70,27 @@ class Batcher:
     def num_free_slots(self) -> int:
         return len(self.free_slots)
 
+    def promote(self, request: Request) -> None:
+        """A request whose grammar just became ready goes to the front of the queue."""
+        request.grammar_ready = True
+        self.waiting.remove(request)
+        self.waiting.appendleft(request)
+
+    @property
+    def has_runnable_work(self) -> bool:
+        return bool(self.running) or any(r.grammar_ready for r in self.waiting)
+
     def _admit(self) -> None:
-        while self.waiting and self.free_slots:
+        """Admit ready requests in queue order; UNREADY ones keep their place and block no one."""
+        if not self.free_slots or not self.waiting:
+            return
+        still_waiting: deque[Request] = deque()
+        while self.waiting:
             request = self.waiting.popleft()
+            if not self.free_slots or not request.grammar_ready:
+                still_waiting.append(request)
+                continue
             request.slot = heapq.heappop(self.free_slots)
             request.status = Status.RUNNING
             self.running.append(request)
+        self.waiting = still_waiting

@@ -1,7 +1,7 @@
 """Turning a request's new token into a RequestOutput delta: stop conditions and text.
 
 Stops, in order: EOS (unless ignore_eos), a stop token id, a stop string (the text is cut
-before it), max_tokens, the model length. While a request runs, text that could be the start
+before it), the grammar's end, max_tokens, the model length. While a request runs, text that could be the start
 of a stop string is held back, so a streamed client never sees part of a stop string.
 """
 
@@ -11,18 +11,27 @@ from guidespec.protocol import RequestOutput
 from guidespec.scheduler.request import Request
 
 
-def process_new_token(request: Request, token: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> RequestOutput:
+def append_token(request: Request, token: int, eos_token_ids: tuple[int, ...], max_model_len: int,
+                 grammar_done: bool = False) -> str | None:
+    """Add one output token; return the finish reason it causes, if any."""
     params = request.params
     request.output_token_ids.append(token)
-    reason = None
     if (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-        reason = "stop"
-    else:
-        request.output_text += request.detokenizer.add(token)
-        if params.stop and _cut_at_stop_string(request):
-            reason = "stop"
-    if reason is None and (len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= max_model_len):
-        reason = "length"
+        return "stop"
+    request.output_text += request.detokenizer.add(token)
+    if (params.stop and _cut_at_stop_string(request)) or grammar_done:
+        return "stop"
+    if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= max_model_len:
+        return "length"
+    return None
+
+
+def process_new_token(request: Request, token: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> RequestOutput:
+    return make_delta(request, append_token(request, token, eos_token_ids, max_model_len))
+
+
+def make_delta(request: Request, reason: str | None) -> RequestOutput:
+    """Everything not yet sent to the client, as one delta."""
     return _delta(request, reason)
 
 

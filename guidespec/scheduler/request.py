@@ -36,6 +36,11 @@ class Request:
     sent_token_count: int = 0
     first_token_time: float = 0.0
     finish_reason: str | None = None
+    grammar_ready: bool = True  # False while its grammar compiles (UNREADY: not admitted)
+
+    @property
+    def guided(self) -> bool:
+        return self.params.guided is not None
 
     @property
     def num_tokens(self) -> int:

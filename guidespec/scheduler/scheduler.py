@@ -1,7 +1,7 @@
 """The scheduler process: its loop, start to end.
 
     wait for workers -> EngineReady ->
-    loop: receive -> schedule -> broadcast -> collect -> emit
+    loop: receive -> poll grammars -> schedule -> broadcast (inputs, then bitmasks) -> collect -> emit
 
 It owns every request's state (and, with guided decoding, every grammar). Workers see only
 StepInputs on the shared-memory ring; rank 0 answers with StepOutputs over ZeroMQ. A worker
@@ -27,14 +27,17 @@ from guidespec.ipc.shm_ring import RingTimeout
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.process_utils import parent_alive, setup_child_process
 from guidespec.protocol import (AbortRequest, EngineDead, EngineReady, GenerateRequest, RequestOutput, Shutdown,
-                                StepInputs, StepOutputs, WorkerError, WorkerReady)
+                                StepBitmask, StepInputs, StepOutputs, WorkerError, WorkerReady)
 from guidespec.scheduler.batching import Batcher, ScheduledRow
 from guidespec.scheduler.detokenizer import IncrementalDetokenizer
-from guidespec.scheduler.output import finish_output, process_new_token
+from guidespec.grammar_backends import GrammarError
+from guidespec.scheduler.grammar import GrammarManager, GrammarSettings
+from guidespec.scheduler.output import append_token, finish_output, make_delta
 from guidespec.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.25
+_COMPILE_POLL_S = 0.002  # how often an otherwise idle scheduler looks for finished compiles
 
 
 class EngineFailure(RuntimeError):
@@ -67,6 +70,9 @@ class Scheduler:
         self.worker_results = Channel(self.ctx, zmq.PULL, cfg.worker_results, bind=True)
         self.broadcaster = StepBroadcaster(cfg.broadcast, self.ctx)
         self.batcher = Batcher(cfg.max_batch_size, cfg.max_num_batched_tokens)
+        self.grammar = GrammarManager(GrammarSettings(cfg.grammar_backend, cfg.vocab_size, cfg.eos_token_ids,
+                                                      cfg.grammar_compile_timeout_s, cfg.max_batch_size),
+                                      self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.worker_pids: dict[int, int] = {}
         self.step_id = 0
@@ -95,6 +101,7 @@ class Scheduler:
     def run(self) -> None:
         while not self.stopping:
             self.receive()
+            self.poll_grammars()
             rows = self.batcher.schedule()
             if not rows:
                 continue
@@ -105,6 +112,7 @@ class Scheduler:
     def close(self) -> None:
         for channel in (self.client_in, self.client_out, self.worker_results):
             channel.close()
+        self.grammar.shutdown()
         self.broadcaster.close()
         self.ctx.term()
 
@@ -112,7 +120,10 @@ class Scheduler:
 
     def receive(self) -> None:
         """Take in client messages: wait for one while idle, drain without waiting otherwise."""
-        timeout = 0.0 if self.batcher.has_work else _IDLE_POLL_S
+        if self.batcher.has_runnable_work:
+            timeout = 0.0
+        else:
+            timeout = _COMPILE_POLL_S if self.grammar.has_pending else _IDLE_POLL_S
         message = self.client_in.recv(timeout_s=timeout)
         while message is not None:
             self._handle_client_message(message)
@@ -120,9 +131,28 @@ class Scheduler:
         if not self.batcher.has_work:
             self._check_health()
 
+    def poll_grammars(self) -> None:
+        """Move requests whose grammar compiled to the front of the queue; fail those that did not."""
+        ready, failed = self.grammar.poll()
+        for request_id in ready:
+            self.batcher.promote(self.requests[request_id])
+        for request_id, error in failed:
+            self._fail(self.requests[request_id], error)
+
     def broadcast(self, rows: list[ScheduledRow]) -> None:
+        """Two broadcasts: the inputs first, so the forward starts at once; then the bitmasks,
+        filled while the workers compute. Rows of unguided requests get no bitmask row."""
         self.step_id += 1
-        self.broadcaster.write(codec.encode(self._step_inputs(rows)), timeout=envs.step_timeout_s())
+        logits_row = np.cumsum([0] + [row.num_logits for row in rows])
+        guided = [(int(logits_row[i]), row.request.request_id) for i, row in enumerate(rows)
+                  if row.num_logits and row.request.guided]
+        inputs = self._step_inputs(rows, has_bitmask=bool(guided))
+        self.broadcaster.write(codec.encode(inputs), timeout=envs.step_timeout_s())
+        if guided:
+            bitmask = self.grammar.fill([request_id for _, request_id in guided])
+            rows_array = np.array([r for r, _ in guided], dtype=np.int32)
+            self.broadcaster.write(codec.encode(StepBitmask(self.step_id, rows_array, bitmask)),
+                                   timeout=envs.step_timeout_s())
 
     def collect(self) -> StepOutputs:
         """Wait for rank 0's outputs for this step, watching the workers while waiting."""
@@ -149,14 +179,39 @@ class Scheduler:
                 continue
             if not request.output_token_ids:
                 request.first_token_time = now
-            delta = process_new_token(request, new_tokens[0], self.cfg.eos_token_ids, self.cfg.max_model_len)
+            reason = self._append(request, new_tokens[0])
+            if reason is None and request.guided and self.cfg.jump_forward:
+                reason = self._jump_forward(request)
+            if reason == "error":
+                continue
+            delta = make_delta(request, reason)
             self.client_out.send(delta)
             if delta.finished:
                 self._forget(request)
 
+    def _append(self, request: Request, token: int) -> str | None:
+        """Advance the request (and its grammar) by one token; the finish reason, if any."""
+        grammar_done = False
+        if request.guided:
+            if not self.grammar.accept(request.request_id, token):
+                self._fail(request, f"internal error: the grammar rejected sampled token {token}")
+                return "error"
+            grammar_done = self.grammar.is_terminated(request.request_id)
+        return append_token(request, token, self.cfg.eos_token_ids, self.cfg.max_model_len, grammar_done)
+
+    def _jump_forward(self, request: Request) -> str | None:
+        """Append the tokens the grammar forces; the next step computes them with no sampling."""
+        limit = request.params.max_tokens - len(request.output_token_ids)
+        for token in self.grammar.accept_forced(request.request_id, limit):
+            reason = append_token(request, token, self.cfg.eos_token_ids, self.cfg.max_model_len,
+                                  self.grammar.is_terminated(request.request_id))
+            if reason is not None:
+                return reason
+        return None
+
     # ------------------------------------------------------------------ helpers
 
-    def _step_inputs(self, rows: list[ScheduledRow]) -> StepInputs:
+    def _step_inputs(self, rows: list[ScheduledRow], has_bitmask: bool) -> StepInputs:
         token_ids = [t for row in rows for t in row.request.tokens(row.start, row.start + row.num_new_tokens)]
         params = [row.request.params for row in rows]
         return StepInputs(
@@ -171,6 +226,7 @@ class Scheduler:
             top_p=np.array([p.top_p for p in params], dtype=np.float32),
             seeds=np.array([-1 if p.seed is None else p.seed for p in params], dtype=np.int64),
             sample_index=np.array([len(row.request.output_token_ids) for row in rows], dtype=np.int32),
+            has_bitmask=has_bitmask,
         )
 
     def _handle_client_message(self, message: Any) -> None:
@@ -198,6 +254,12 @@ class Scheduler:
             return
         request = Request(message.request_id, prompt, message.params, message.arrival_time,
                           IncrementalDetokenizer(self.tokenizer, prompt))
+        if message.params.guided is not None:
+            try:
+                request.grammar_ready = self.grammar.submit(request.request_id, message.params.guided)
+            except GrammarError as e:
+                self.client_out.send(RequestOutput(message.request_id, [], "", True, "error", str(e)))
+                return
         self.requests[request.request_id] = request
         self.batcher.add(request)
 
@@ -216,7 +278,15 @@ class Scheduler:
 
     def _forget(self, request: Request) -> None:
         self.batcher.remove(request)
+        self.grammar.release(request.request_id)
         self.requests.pop(request.request_id, None)
+
+    def _fail(self, request: Request, error: str) -> None:
+        """End one request with an error; the others carry on."""
+        output = finish_output(request, "error")
+        self.client_out.send(RequestOutput(output.request_id, output.new_token_ids, output.new_text, True, "error",
+                                           error, output.num_prompt_tokens))
+        self._forget(request)
 
     def _check_health(self) -> None:
         for rank, pid in self.worker_pids.items():

@@ -22,6 +22,6 @@ def apply_bitmask(logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray) -
     """Set disallowed tokens of ``logits[rows]`` to -inf, in place."""
     if len(rows) == 0:
         return
-    allowed = unpack_bitmask(torch.from_numpy(np.ascontiguousarray(bitmask)), logits.shape[-1])
+    allowed = unpack_bitmask(torch.from_numpy(np.array(bitmask, dtype=np.int32)), logits.shape[-1])
     index = torch.from_numpy(np.asarray(rows, dtype=np.int64))
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -15,6 +15,8 @@ I32 = np.array([3, 1, 4], dtype=np.int32)
 EXAMPLES = [
     protocol.SamplingParams(max_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=11, stop=("x",), stop_token_ids=(2,)),
     protocol.GenerateRequest("r1", I32, protocol.SamplingParams(), 1.5),
+    protocol.GuidedDecoding(json_schema='{"type": "object"}', backend="llguidance"),
+    protocol.SamplingParams(guided=protocol.GuidedDecoding(choice=("yes", "no"))),
     protocol.AbortRequest("r1"),
     protocol.Shutdown("bye"),
     protocol.EngineReady(2, 16, 2048),

@@ -1,0 +1,45 @@
+"""The grammar interface: compile, make a matcher, accept, fill a bitmask row, roll back,
+forced tokens, termination. Bitmasks are int32 [rows, ceil(vocab / 32)], bit j of word w set
+meaning token 32*w + j is allowed."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from guidespec.protocol import GuidedDecoding
+
+
+class GrammarError(ValueError):
+    """The backend refused a grammar; the message is the backend's own."""
+
+
+class GrammarMatcher(Protocol):
+    def accept_token(self, token: int) -> bool:
+        """Advance by one token; False (and no change) if the grammar rejects it."""
+
+    def rollback(self, num_tokens: int) -> None: ...
+
+    def is_terminated(self) -> bool:
+        """The grammar has accepted a stop token: generation must end."""
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Tokens the grammar allows alone from here, without accepting them (jump-forward)."""
+
+
+class GrammarBackend(Protocol):
+    name: str
+    vocab_size: int
+
+    def compile(self, spec: GuidedDecoding) -> Any:
+        """A compiled grammar (thread-safe, shareable); raises GrammarError."""
+
+    def create_matcher(self, compiled: Any) -> GrammarMatcher: ...
+
+    def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: np.ndarray, rows: Sequence[int]) -> None:
+        """Fill ``bitmask[rows[i]]`` for ``matchers[i]``, batched (and multi-threaded where the backend can)."""
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32

@@ -1,0 +1,83 @@
+"""llguidance behind the grammar interface. Fills use llguidance's parallel executor
+(``fill_next_token_bitmask_par``, GIL released); forced tokens come from its own
+``compute_ff_tokens``. JSON is compact (no whitespace), as with xgrammar. Note: llguidance's
+regex ``\d`` is Unicode-aware (any decimal digit), unlike xgrammar's."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import llguidance as llg
+import llguidance.hf
+import llguidance.numpy
+import numpy as np
+
+from guidespec.grammar_backends.interface import GrammarError, GrammarMatcher
+from guidespec.protocol import GuidedDecoding
+
+
+# Compact JSON, as with xgrammar: no free whitespace a small model could loop in.
+_COMPACT_JSON: Any = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
+class LLGuidanceMatcher:
+    def __init__(self, matcher: llg.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def accept_token(self, token: int) -> bool:
+        if self.matcher.validate_tokens([token]) != 1:
+            return False
+        return bool(self.matcher.consume_token(token))
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_stopped())
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        return list(self.matcher.compute_ff_tokens())[:limit]
+
+
+class LLGuidanceBackend:
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], num_threads: int) -> None:
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids) or None)
+        self.executor = llg.LLExecutor(num_threads)
+
+    def compile(self, spec: GuidedDecoding) -> Any:
+        kind = spec.kind
+        try:
+            if kind == "json_schema":
+                grammar = llg.LLMatcher.grammar_from_json_schema(spec.json_schema, overrides=_COMPACT_JSON)  # type: ignore[arg-type]
+            elif kind == "json_object":
+                grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_COMPACT_JSON)
+            elif kind == "regex":
+                grammar = llg.LLMatcher.grammar_from_regex(spec.regex)  # type: ignore[arg-type]
+            elif kind == "grammar":
+                grammar = llg.LLMatcher.grammar_from_lark(spec.grammar)  # type: ignore[arg-type]
+            else:
+                grammar = llg.LLMatcher.grammar_from_lark(
+                    "start: " + " | ".join(json.dumps(c) for c in spec.choice or ()))
+        except Exception as e:
+            raise GrammarError(f"llguidance cannot compile this {kind}: {e}") from None
+        error = llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise GrammarError(f"llguidance cannot compile this {kind}: {error}")
+        # Build once here, in the compile thread: it checks the grammar against the tokenizer
+        # and warms llguidance's caches, so matchers made later start at once.
+        probe = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if probe.is_error():
+            raise GrammarError(f"llguidance cannot compile this {kind}: {probe.get_error()}")
+        return grammar
+
+    def create_matcher(self, compiled: Any) -> GrammarMatcher:
+        return LLGuidanceMatcher(llg.LLMatcher(self.tokenizer, compiled, log_level=0))
+
+    def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: np.ndarray, rows: Sequence[int]) -> None:
+        pairs = [(m.matcher, row) for m, row in zip(matchers, rows)]  # type: ignore[attr-defined]
+        llguidance.numpy.fill_next_token_bitmask_par(self.executor, pairs, bitmask)

@@ -1,0 +1,86 @@
+"""xgrammar behind the grammar interface. JSON is compact, "," and ":" without spaces (no free whitespace: a small model
+that may emit whitespace forever cannot then run out of tokens inside a value); fills use
+xgrammar's multi-threaded ``BatchGrammarMatcher``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+from guidespec.grammar_backends.interface import GrammarError, GrammarMatcher
+from guidespec.protocol import GuidedDecoding
+
+_MAX_ROLLBACK = 64
+
+
+class XGrammarMatcher:
+    def __init__(self, matcher: xgr.GrammarMatcher, encode: Callable[[str], list[int]]) -> None:
+        self.matcher = matcher
+        self._encode = encode
+
+    def accept_token(self, token: int) -> bool:
+        return bool(self.matcher.accept_token(token))
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        """The jump-forward string, tokenized, less its last token (which the model might extend
+        into a longer one), cut where the grammar stops accepting; the matcher is left unchanged."""
+        text = self.matcher.find_jump_forward_string()
+        if not text:
+            return []
+        forced: list[int] = []
+        for token in self._encode(text)[:-1][:limit]:
+            if not self.matcher.accept_token(token):
+                break
+            forced.append(token)
+        self.rollback(len(forced))
+        return forced
+
+
+class XGrammarBackend:
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], num_threads: int) -> None:
+        self.vocab_size = vocab_size
+        self._encode = lambda text: list(tokenizer.encode(text, add_special_tokens=False))
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+        self.compiler = xgr.GrammarCompiler(info, max_threads=num_threads, cache_enabled=False)
+        self.batch = xgr.BatchGrammarMatcher(max_threads=num_threads)
+
+    def compile(self, spec: GuidedDecoding) -> Any:
+        kind = spec.kind
+        try:
+            if kind == "json_schema":
+                return self.compiler.compile_json_schema(spec.json_schema, any_whitespace=False,  # type: ignore[arg-type]
+                                                        separators=(",", ":"))
+            if kind == "json_object":
+                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=(",", ":"))
+            if kind == "regex":
+                return self.compiler.compile_regex(spec.regex)  # type: ignore[arg-type]
+            if kind == "grammar":
+                return self.compiler.compile_grammar(spec.grammar)  # type: ignore[arg-type]
+            return self.compiler.compile_grammar(_choice_ebnf(spec.choice or ()))
+        except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses with its message
+            raise GrammarError(f"xgrammar cannot compile this {kind}: {e}") from None
+
+    def create_matcher(self, compiled: Any) -> GrammarMatcher:
+        return XGrammarMatcher(xgr.GrammarMatcher(compiled, max_rollback_tokens=_MAX_ROLLBACK), self._encode)
+
+    def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: np.ndarray, rows: Sequence[int]) -> None:
+        inner = [m.matcher for m in matchers]  # type: ignore[attr-defined]
+        self.batch.batch_fill_next_token_bitmask(inner, torch.from_numpy(bitmask), list(rows))
+
+
+def _choice_ebnf(choices: Sequence[str]) -> str:
+    import json
+
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
