@@ -94,6 +94,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     guided: GuidedDecoding | None = None
+    repetition_penalty: float = 1.0  # > 1 discourages every token already in the prompt or output
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+    presence_penalty: float = 0.0  # subtracted once if the token occurs in the output
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -113,6 +116,11 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
         if self.guided is not None:
             self.guided.validate()
 
@@ -199,6 +207,8 @@ class StepInputs:
     top_p: np.ndarray  # [B] float32
     seeds: np.ndarray  # [B] int64, -1 = unseeded
     sample_index: np.ndarray  # [B] int32, output tokens so far (seeded RNG stream position)
+    num_prompt_tokens: np.ndarray  # [B] int32
+    penalties: np.ndarray  # [B, 3] float32: repetition, frequency, presence
     has_bitmask: bool = False  # a StepBitmask for this step follows on the ring
 
     @property

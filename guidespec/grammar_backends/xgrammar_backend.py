@@ -61,9 +61,9 @@ class XGrammarBackend:
         try:
             if kind == "json_schema":
                 return self.compiler.compile_json_schema(spec.json_schema, any_whitespace=False,  # type: ignore[arg-type]
-                                                        separators=(",", ":"))
+                                                        separators=(", ", ": "))
             if kind == "json_object":
-                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=(",", ":"))
+                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=(", ", ": "))
             if kind == "regex":
                 return self.compiler.compile_regex(spec.regex)  # type: ignore[arg-type]
             if kind == "grammar":

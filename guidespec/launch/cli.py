@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from guidespec.protocol import GuidedDecoding
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,9 +24,33 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--stream", action="store_true", help="print tokens as they arrive (first prompt only)")
+    constraint = gen.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema")
+    constraint.add_argument("--json-object", action="store_true", help="constrain the output to a JSON object")
+    constraint.add_argument("--regex", metavar="R", help="constrain the output to this regular expression")
+    constraint.add_argument("--grammar", metavar="FILE", help="EBNF (xgrammar) or Lark (llguidance) grammar file")
+    constraint.add_argument("--choice", nargs="+", metavar="S", help="the output is one of these strings")
+    gen.add_argument("--no-jump-forward", action="store_true", help="sample every token, even forced ones")
+
+    sweep = commands.add_parser("sweep", help="validity sweep of the JSON-schema workload")
+    _add_engine_args(sweep)
+    sweep.add_argument("--workload", default=None, help="workload.jsonl (default: ../shared/data/jsonschemabench)")
+    sweep.add_argument("--prefix", default=None, help="only cases whose id starts with this (e.g. JME_)")
+    sweep.add_argument("--limit", type=int, default=None)
+    sweep.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
+    sweep.add_argument("--max-tokens", type=int, default=1024)
+    sweep.add_argument("--concurrency", type=int, default=16)
+    sweep.add_argument("--compile-timeout", type=float, default=30.0)
+    sweep.add_argument("--repetition-penalty", type=float, default=1.0)
+    sweep.add_argument("--json", default=None, help="write every case's result here")
     args = parser.parse_args(argv)
     try:
+        if args.command == "sweep":
+            from guidespec.launch.sweep import run_sweep
+
+            return run_sweep(args)
         return _generate(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"guidespec: error: {e}", file=sys.stderr)
@@ -38,19 +66,23 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--grammar-backend", "--backend", dest="backend", default="xgrammar",
+                   choices=["xgrammar", "llguidance"])
 
 
 def _generate(args: argparse.Namespace) -> int:
     from guidespec import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), guided=_guided(args),
+                            repetition_penalty=args.repetition_penalty)
     params.validate()
     texts = args.prompt or ["Give three short tips for writing clear Python code."]
     prompts = texts if args.raw else [[{"role": "user", "content": t}] for t in texts]
     start = time.perf_counter()
     with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
-             max_batch_size=args.max_batch_size, max_model_len=args.max_model_len) as llm:
+             max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, grammar_backend=args.backend,
+             jump_forward=not args.no_jump_forward) as llm:
         print(f"engine ready in {time.perf_counter() - start:.1f} s "
               f"(tensor_parallel_size={args.tensor_parallel_size}, dtype={args.dtype})", file=sys.stderr)
         if args.stream:
@@ -70,6 +102,24 @@ def _generate(args: argparse.Namespace) -> int:
               f"decode={out.decode_tokens_per_s:.1f} tok/s]\n")
     print(f"total: {total} output tokens in {wall:.2f} s = {total / wall:.1f} tok/s")
     return 0
+
+
+def _guided(args: argparse.Namespace) -> GuidedDecoding | None:
+    from pathlib import Path
+
+    from guidespec.protocol import GuidedDecoding
+
+    if args.json_schema:
+        return GuidedDecoding(json_schema=Path(args.json_schema).read_text())
+    if args.json_object:
+        return GuidedDecoding(json_object=True)
+    if args.regex:
+        return GuidedDecoding(regex=args.regex)
+    if args.grammar:
+        return GuidedDecoding(grammar=Path(args.grammar).read_text())
+    if args.choice:
+        return GuidedDecoding(choice=tuple(args.choice))
+    return None
 
 
 if __name__ == "__main__":

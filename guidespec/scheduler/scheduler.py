@@ -226,6 +226,9 @@ class Scheduler:
             top_p=np.array([p.top_p for p in params], dtype=np.float32),
             seeds=np.array([-1 if p.seed is None else p.seed for p in params], dtype=np.int64),
             sample_index=np.array([len(row.request.output_token_ids) for row in rows], dtype=np.int32),
+            num_prompt_tokens=np.array([row.request.num_prompt_tokens for row in rows], dtype=np.int32),
+            penalties=np.array([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
+                               dtype=np.float32).reshape(-1, 3),
             has_bitmask=has_bitmask,
         )
 

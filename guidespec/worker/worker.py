@@ -29,6 +29,7 @@ from guidespec.worker import tp as tp_mod
 from guidespec.worker.checkpoint import load_hf_config
 from guidespec.worker.mask import apply_bitmask
 from guidespec.worker.model import ForwardBatch, LlamaModel
+from guidespec.worker.penalties import TokenHistory
 from guidespec.worker.sampler import sample
 
 _IDLE_READ_TIMEOUT_S = 1.0
@@ -68,6 +69,7 @@ class Worker:
         self.model = LlamaModel(model_cfg, self.tp, dtype, cfg.max_model_len, cfg.device)
         self.model.load(cfg.model_dir, hf_config, show_progress=self.tp.is_driver and cfg.show_progress)
         self.kv = self.model.create_kv_cache(cfg.max_batch_size)
+        self.history = TokenHistory(cfg.max_batch_size, model_cfg.vocab_size)
         self.reader = create_step_reader(cfg.broadcast, cfg.ring_index, ctx)
         self.generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
 
@@ -88,13 +90,18 @@ class Worker:
                                     inputs.num_new_tokens, inputs.num_logits)
         hidden = self.model.forward(batch, self.kv)
         logits = self.model.compute_logits(hidden)
+        rows = np.repeat(np.arange(inputs.batch_size), inputs.num_logits)
+        if logits is not None:
+            self.history.update(batch.slots, batch.start_positions, batch.num_new_tokens, batch.token_ids,
+                                inputs.num_prompt_tokens.tolist())
+            penalties = torch.from_numpy(inputs.penalties[rows].copy())
+            self.history.apply(logits, torch.from_numpy(inputs.slots[rows].copy()), *penalties.unbind(1))
         if inputs.has_bitmask:
             bitmask = self._read_bitmask(inputs.step)
             if logits is not None:
                 apply_bitmask(logits, bitmask.rows, bitmask.bitmask)
         if logits is None:
             return None
-        rows = np.repeat(np.arange(inputs.batch_size), inputs.num_logits)
         tokens = sample(logits, torch.from_numpy(inputs.temperature[rows].copy()),
                         torch.from_numpy(inputs.top_k[rows].astype(np.int64)),
                         torch.from_numpy(inputs.top_p[rows].copy()),

@@ -23,7 +23,7 @@ EXAMPLES = [
     protocol.RequestOutput("r1", [1, 2], "hi", True, "stop", None, 5, 2.0),
     protocol.EngineDead("worker rank 1 died"),
     protocol.StepInputs(3, I32, I32, I32, np.arange(10, dtype=np.int32), I32, np.ones(3, np.float32), I32,
-                        np.ones(3, np.float32), np.array([-1, 5, 6], np.int64), I32, True),
+                        np.ones(3, np.float32), np.array([-1, 5, 6], np.int64), I32, I32, np.ones((3, 3), np.float32), True),
     protocol.StepBitmask(3, np.array([0, 2], np.int32), np.arange(8, dtype=np.int32).reshape(2, 4)),
     protocol.StepOutputs(3, I32, np.ones(3, np.int32), 0.25),
     protocol.WorkerReady(1, 1234),

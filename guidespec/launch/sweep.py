@@ -1,0 +1,162 @@
+"""The validity sweep: every case of a JSONSchemaBench-style workload through the engine,
+each output validated with ``jsonschema``; a table per category.
+
+    guidespec sweep --backend xgrammar --temperature 0 1
+
+A case counts as: a compile error (the backend refused the schema or timed out), valid
+(parses and validates), or invalid (does not parse, does not validate, or was cut at
+``max_tokens``). Cases run concurrently, as a server would see them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from guidespec.protocol import GuidedDecoding, SamplingParams
+
+
+@dataclass
+class CaseResult:
+    case_id: str
+    category: str
+    status: str  # "valid" | "invalid" | "compile_error" | "error"
+    detail: str
+    num_tokens: int
+    latency_s: float
+
+
+def default_workload() -> Path:
+    env = os.environ.get("GUIDESPEC_WORKLOAD")
+    if env:
+        return Path(env)
+    for base in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        path = base.parent / "shared" / "data" / "jsonschemabench" / "workload.jsonl"
+        if path.exists():
+            return path
+    raise FileNotFoundError("no workload.jsonl found: pass --workload PATH")
+
+
+def load_workload(path: Path, prefix: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+    cases = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if prefix:
+        cases = [c for c in cases if c["id"].startswith(prefix)]
+    return cases[:limit]
+
+
+def category(case_id: str) -> str:
+    return case_id.split("---")[0] if "---" in case_id else case_id.rsplit("_", 1)[0]
+
+
+def validate_output(text: str, schema: Any) -> str | None:
+    """None if ``text`` is JSON valid against ``schema``, else why not."""
+    import jsonschema
+
+    try:
+        instance = json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"not JSON: {e}"
+    try:
+        validator_cls = jsonschema.validators.validator_for(schema)
+        errors = sorted(validator_cls(schema).iter_errors(instance), key=str)
+    except Exception as e:  # unresolvable $ref and the like: the schema, not the output
+        return f"cannot validate: {type(e).__name__}: {e}"
+    return None if not errors else f"schema violation: {errors[0].message[:200]}"
+
+
+async def run_cases(llm: Any, cases: list[dict[str, Any]], backend: str, temperature: float, max_tokens: int,
+                    concurrency: int, seed: int = 0, progress: Any = None,
+                    repetition_penalty: float = 1.0) -> list[CaseResult]:
+    from guidespec.llm import RequestError
+
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(index: int, case: dict[str, Any]) -> CaseResult:
+        guided = GuidedDecoding(json_schema=json.dumps(case["schema"]), backend=backend)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, guided=guided,
+                                seed=None if temperature == 0 else seed + index,
+                                repetition_penalty=repetition_penalty)
+        async with gate:
+            start = time.perf_counter()
+            try:
+                out = await llm.agenerate(case["messages"], params)
+            except RequestError as e:
+                status = "compile_error" if ("cannot compile" in str(e) or "compilation" in str(e)) else "error"
+                result = CaseResult(case["id"], category(case["id"]), status, str(e)[:300], 0, 0.0)
+            else:
+                latency = time.perf_counter() - start
+                problem = "cut at max_tokens" if out.finish_reason == "length" else validate_output(out.text, case["schema"])
+                result = CaseResult(case["id"], category(case["id"]), "valid" if problem is None else "invalid",
+                                    problem or "", len(out.token_ids), latency)
+        if progress is not None:
+            progress.update(1)
+        return result
+
+    return list(await asyncio.gather(*(one(i, c) for i, c in enumerate(cases))))
+
+
+def summarize(results: list[CaseResult], wall_s: float) -> str:
+    rows: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for r in results:
+        row = rows[r.category]
+        row["cases"] += 1
+        row[r.status] += 1
+        row["tokens"] += r.num_tokens
+        row["latency"] += r.latency_s
+    lines = ["| category | cases | compiled | compile errors | valid | invalid | other errors | tok/s per request |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    total: dict[str, float] = defaultdict(float)
+    for name in sorted(rows):
+        row = rows[name]
+        for k, v in row.items():
+            total[k] += v
+        lines.append(_line(name, row))
+    lines.append(_line("**all**", total))
+    compiled = total["valid"] + total["invalid"]
+    valid_pct = 100.0 * total["valid"] / compiled if compiled else 0.0
+    lines.append("")
+    lines.append(f"valid among compiled: {int(total['valid'])}/{int(compiled)} = {valid_pct:.1f}%; "
+                 f"throughput {total['tokens'] / wall_s:.1f} output tok/s over {wall_s:.0f} s")
+    return "\n".join(lines)
+
+
+def _line(name: str, row: dict[str, float]) -> str:
+    compiled = row["valid"] + row["invalid"]
+    rate = row["tokens"] / row["latency"] if row["latency"] else 0.0
+    return (f"| {name} | {int(row['cases'])} | {int(compiled)} | {int(row['compile_error'])} | {int(row['valid'])} | "
+            f"{int(row['invalid'])} | {int(row['error'])} | {rate:.1f} |")
+
+
+def run_sweep(args: Any) -> int:
+    from tqdm import tqdm
+
+    from guidespec import LLM
+
+    cases = load_workload(Path(args.workload) if args.workload else default_workload(), args.prefix, args.limit)
+    report: dict[str, Any] = {}
+    with LLM(args.model, max_batch_size=args.concurrency, grammar_backend=args.backend,
+             grammar_compile_timeout_s=args.compile_timeout) as llm:
+        for temperature in args.temperature:
+            bar = tqdm(total=len(cases), desc=f"{args.backend} T={temperature:g}", unit="case")
+            start = time.perf_counter()
+            results = asyncio.run(run_cases(llm, cases, args.backend, temperature, args.max_tokens,
+                                            args.concurrency, progress=bar,
+                                            repetition_penalty=args.repetition_penalty))
+            wall = time.perf_counter() - start
+            bar.close()
+            print(f"\n### backend {args.backend}, temperature {temperature:g}, max_tokens {args.max_tokens}, "
+                  f"repetition_penalty {args.repetition_penalty:g}\n")
+            print(summarize(results, wall))
+            failures = [r for r in results if r.status in ("invalid", "error")]
+            for r in failures[:20]:
+                print(f"  {r.status}: {r.case_id}: {r.detail}")
+            report[f"T={temperature:g}"] = [vars(r) for r in results]
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
