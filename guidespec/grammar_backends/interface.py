@@ -35,6 +35,11 @@ class GrammarBackend(Protocol):
     def compile(self, spec: GuidedDecoding) -> Any:
         """A compiled grammar (thread-safe, shareable); raises GrammarError."""
 
+    def serialize(self, compiled: Any) -> str:
+        """Text form of a compiled grammar, to carry it out of the compile process."""
+
+    def deserialize(self, text: str) -> Any: ...
+
     def create_matcher(self, compiled: Any) -> GrammarMatcher: ...
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: np.ndarray, rows: Sequence[int]) -> None:

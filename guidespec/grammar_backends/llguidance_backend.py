@@ -75,6 +75,12 @@ class LLGuidanceBackend:
             raise GrammarError(f"llguidance cannot compile this {kind}: {probe.get_error()}")
         return grammar
 
+    def serialize(self, compiled: Any) -> str:
+        return str(compiled)  # an llguidance grammar is already text
+
+    def deserialize(self, text: str) -> Any:
+        return text
+
     def create_matcher(self, compiled: Any) -> GrammarMatcher:
         return LLGuidanceMatcher(llg.LLMatcher(self.tokenizer, compiled, log_level=0))
 

@@ -52,8 +52,9 @@ class XGrammarBackend:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], num_threads: int) -> None:
         self.vocab_size = vocab_size
         self._encode = lambda text: list(tokenizer.encode(text, add_special_tokens=False))
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
-        self.compiler = xgr.GrammarCompiler(info, max_threads=num_threads, cache_enabled=False)
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=list(stop_token_ids))
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=num_threads, cache_enabled=False)
         self.batch = xgr.BatchGrammarMatcher(max_threads=num_threads)
 
     def compile(self, spec: GuidedDecoding) -> Any:
@@ -71,6 +72,12 @@ class XGrammarBackend:
             return self.compiler.compile_grammar(_choice_ebnf(spec.choice or ()))
         except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses with its message
             raise GrammarError(f"xgrammar cannot compile this {kind}: {e}") from None
+
+    def serialize(self, compiled: Any) -> str:
+        return str(compiled.serialize_json())
+
+    def deserialize(self, text: str) -> Any:
+        return xgr.CompiledGrammar.deserialize_json(text, self.info)
 
     def create_matcher(self, compiled: Any) -> GrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled, max_rollback_tokens=_MAX_ROLLBACK), self._encode)

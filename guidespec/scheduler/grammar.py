@@ -1,25 +1,30 @@
 """Grammar ownership: the scheduler is the only place grammar state lives.
 
-- Compiles run in a thread pool; results are cached by the canonical grammar (bounded LRU)
-  and failures are cached too, so a bad schema fails fast the second time. Requests for the
-  same grammar share one compile.
-- A request waits UNREADY until its grammar is compiled; ``poll`` hands back the ready and the
-  failed ones (a compile past its deadline fails that request alone).
+- Compiles run in a separate process (``compile_worker.py``), one at a time: xgrammar holds
+  the GIL while compiling, so in-process compiles would stall every step. A compile that
+  overruns its deadline is stopped for real: the process is killed and restarted, the request
+  fails with a clear message, the other queued compiles are sent again.
+- Results are cached by the canonical grammar (bounded LRU), failures too (a bad schema fails
+  fast the second time); requests for the same grammar share one compile.
+- A request waits UNREADY until its grammar is ready; ``poll`` hands back the ready and the
+  failed ones.
 - One matcher per guided request: filled in batches per backend (the backends' multi-threaded
   fills), advanced by exactly the accepted tokens, asked for forced tokens (jump-forward).
-
-Backends are created on first use, in a compile thread, so the scheduler loop never waits
-for a tokenizer conversion. Note: a compile that overruns its deadline fails its request at
-once, but the compile thread itself runs on to completion (the backends cannot be cancelled).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import json
+import queue
+import subprocess
+import sys
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +36,7 @@ from guidespec.protocol import GuidedDecoding
 
 @dataclass(frozen=True)
 class GrammarSettings:
+    model_dir: Path
     default_backend: str
     vocab_size: int
     stop_token_ids: tuple[int, ...]
@@ -41,11 +47,12 @@ class GrammarSettings:
 
 
 @dataclass
-class _Pending:
+class _Job:
     key: str
     backend: str
-    future: Future[Any]
-    deadline: float
+    spec: GuidedDecoding
+    request_ids: list[str] = field(default_factory=list)
+    deadline: float | None = None  # set when the compile process starts it
 
 
 class GrammarManager:
@@ -53,19 +60,21 @@ class GrammarManager:
         self.settings = settings
         self.tokenizer = tokenizer
         self.backends: dict[str, GrammarBackend] = {}
-        self._backend_lock = threading.Lock()
-        self.pool = ThreadPoolExecutor(settings.num_threads, thread_name_prefix="guidespec-compile")
+        self._backend(settings.default_backend)  # deserializing needs it; made before the first step
+        self.process = _CompileProcess(settings)
         self.compiled: OrderedDict[str, Any] = OrderedDict()
         self.failed: OrderedDict[str, str] = OrderedDict()
-        self.in_flight: dict[str, Future[Any]] = {}
-        self.pending: dict[str, _Pending] = {}
+        self.jobs: OrderedDict[int, _Job] = OrderedDict()
+        self.job_of_key: dict[str, int] = {}
+        self.pending: dict[str, int] = {}  # request id -> job id
         self.matchers: dict[str, tuple[str, GrammarMatcher]] = {}
+        self._job_ids = itertools.count()
         self.bitmask = np.zeros((settings.max_rows, bitmask_width(settings.vocab_size)), dtype=np.int32)
 
     # ------------------------------------------------------------------ compile
 
     def submit(self, request_id: str, spec: GuidedDecoding) -> bool:
-        """Start (or reuse) the compile; True if the matcher is ready now. Raises GrammarError."""
+        """Start (or join) the compile; True if the matcher is ready now. Raises GrammarError."""
         backend = spec.backend or self.settings.default_backend
         key = spec.cache_key(backend)
         if key in self.failed:
@@ -74,33 +83,23 @@ class GrammarManager:
             self.compiled.move_to_end(key)
             self._create_matcher(request_id, backend, self.compiled[key])
             return True
-        future = self.in_flight.get(key)
-        if future is None:
-            future = self.pool.submit(self._compile, backend, spec)
-            self.in_flight[key] = future
-        self.pending[request_id] = _Pending(key, backend, future, time.monotonic() + self.settings.compile_timeout_s)
+        job_id = self.job_of_key.get(key)
+        if job_id is None:
+            job_id = next(self._job_ids)
+            self.jobs[job_id] = _Job(key, backend, spec)
+            self.job_of_key[key] = job_id
+            self.process.send(job_id, backend, spec)
+        self.jobs[job_id].request_ids.append(request_id)
+        self.pending[request_id] = job_id
         return False
 
     def poll(self) -> tuple[list[str], list[tuple[str, str]]]:
         """Requests whose grammar became ready, and (request, error) for those that failed."""
-        ready, failed = [], []
-        now = time.monotonic()
-        for request_id, pending in list(self.pending.items()):
-            if pending.future.done():
-                del self.pending[request_id]
-                self.in_flight.pop(pending.key, None)
-                error = pending.future.exception()
-                if error is None:
-                    self._remember(self.compiled, pending.key, pending.future.result())
-                    self._create_matcher(request_id, pending.backend, self.compiled[pending.key])
-                    ready.append(request_id)
-                else:
-                    message = str(error) if isinstance(error, GrammarError) else f"{type(error).__name__}: {error}"
-                    self._remember(self.failed, pending.key, message)
-                    failed.append((request_id, message))
-            elif now > pending.deadline:
-                del self.pending[request_id]
-                failed.append((request_id, f"grammar compilation took longer than {self.settings.compile_timeout_s:g} s"))
+        ready: list[str] = []
+        failed: list[tuple[str, str]] = []
+        for message in self.process.drain():
+            self._handle(message, ready, failed)
+        self._enforce_deadline(failed)
         return ready, failed
 
     @property
@@ -141,25 +140,129 @@ class GrammarManager:
         return self.matchers[request_id][1].is_terminated()
 
     def shutdown(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.process.close()
 
     # ------------------------------------------------------------------ helpers
 
-    def _compile(self, backend: str, spec: GuidedDecoding) -> Any:
-        return self._backend(backend).compile(spec)
+    def _handle(self, message: dict[str, Any], ready: list[str], failed: list[tuple[str, str]]) -> None:
+        if message.get("exited"):
+            self._restart("the grammar compile process exited unexpectedly", failed)
+            return
+        job = self.jobs.get(message.get("job", -1))
+        if job is None:
+            return
+        if message.get("started"):
+            job.deadline = time.monotonic() + self.settings.compile_timeout_s
+            return
+        self._finish_job(message["job"])
+        if message["ok"]:
+            compiled = self._backend(job.backend).deserialize(message["compiled"])
+            self._remember(self.compiled, job.key, compiled)
+            for request_id in self._waiting(job):
+                self._create_matcher(request_id, job.backend, compiled)
+                ready.append(request_id)
+        else:
+            self._remember(self.failed, job.key, message["error"])
+            failed.extend((request_id, message["error"]) for request_id in self._waiting(job))
+
+    def _enforce_deadline(self, failed: list[tuple[str, str]]) -> None:
+        running = next((j for j in self.jobs.values() if j.deadline is not None), None)
+        if running is not None and time.monotonic() > running.deadline:  # type: ignore[operator]
+            self._restart(f"grammar compilation took longer than {self.settings.compile_timeout_s:g} s", failed)
+
+    def _restart(self, reason: str, failed: list[tuple[str, str]]) -> None:
+        """Kill the compile process, fail the job it was running, send the others again."""
+        running_id = next((i for i, j in self.jobs.items() if j.deadline is not None), None)
+        if running_id is not None:
+            job = self.jobs[running_id]
+            self._finish_job(running_id)
+            self._remember(self.failed, job.key, reason)
+            failed.extend((request_id, reason) for request_id in self._waiting(job))
+        self.process.restart()
+        for job_id, job in self.jobs.items():
+            self.process.send(job_id, job.backend, job.spec)
+
+    def _finish_job(self, job_id: int) -> None:
+        job = self.jobs.pop(job_id)
+        self.job_of_key.pop(job.key, None)
+
+    def _waiting(self, job: _Job) -> list[str]:
+        """The job's requests that are still waiting for it (not aborted meanwhile)."""
+        waiting = [r for r in job.request_ids if r in self.pending]
+        for request_id in waiting:
+            del self.pending[request_id]
+        return waiting
 
     def _backend(self, name: str) -> GrammarBackend:
-        with self._backend_lock:
-            if name not in self.backends:
-                s = self.settings
-                self.backends[name] = create_backend(name, self.tokenizer, s.vocab_size, s.stop_token_ids, s.num_threads)
-            return self.backends[name]
+        if name not in self.backends:
+            s = self.settings
+            self.backends[name] = create_backend(name, self.tokenizer, s.vocab_size, s.stop_token_ids, s.num_threads)
+        return self.backends[name]
 
     def _create_matcher(self, request_id: str, backend: str, compiled: Any) -> None:
-        self.matchers[request_id] = (backend, self.backends[backend].create_matcher(compiled))
+        self.matchers[request_id] = (backend, self._backend(backend).create_matcher(compiled))
 
     def _remember(self, cache: OrderedDict[str, Any], key: str, value: Any) -> None:
         cache[key] = value
         cache.move_to_end(key)
         while len(cache) > self.settings.cache_size:
             cache.popitem(last=False)
+
+
+class _CompileProcess:
+    """The compile subprocess and a thread reading its JSON-line answers into a queue."""
+
+    def __init__(self, settings: GrammarSettings) -> None:
+        self.settings_line = json.dumps({"model_dir": str(settings.model_dir), "vocab_size": settings.vocab_size,
+                                         "stop_token_ids": list(settings.stop_token_ids),
+                                         "num_threads": settings.num_threads})
+        self.answers: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
+        self.generation = 0
+        self._start()
+
+    def send(self, job_id: int, backend: str, spec: GuidedDecoding) -> None:
+        line = json.dumps({"job": job_id, "backend": backend, "spec": dataclasses.asdict(spec)})
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # the reader thread reports the exit; the job is sent again after the restart
+
+    def drain(self) -> list[dict[str, Any]]:
+        """Answers of the current process so far (answers of a killed one are dropped)."""
+        out: list[dict[str, Any]] = []
+        while True:
+            try:
+                generation, message = self.answers.get_nowait()
+            except queue.Empty:
+                return out
+            if generation == self.generation:
+                out.append(message)
+
+    def restart(self) -> None:
+        self.close()
+        self.generation += 1
+        self._start()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=5)
+
+    def _start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "guidespec.scheduler.compile_worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(self.settings_line + "\n")
+        self.proc.stdin.flush()
+        threading.Thread(target=self._read, args=(self.proc, self.generation), daemon=True,
+                         name="guidespec-compile-reader").start()
+
+    def _read(self, proc: subprocess.Popen[str], generation: int) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            message = json.loads(line)
+            if not message.get("ready"):
+                self.answers.put((generation, message))
+        self.answers.put((generation, {"exited": True}))

@@ -70,7 +70,7 @@ class Scheduler:
         self.worker_results = Channel(self.ctx, zmq.PULL, cfg.worker_results, bind=True)
         self.broadcaster = StepBroadcaster(cfg.broadcast, self.ctx)
         self.batcher = Batcher(cfg.max_batch_size, cfg.max_num_batched_tokens)
-        self.grammar = GrammarManager(GrammarSettings(cfg.grammar_backend, cfg.vocab_size, cfg.eos_token_ids,
+        self.grammar = GrammarManager(GrammarSettings(cfg.model_dir, cfg.grammar_backend, cfg.vocab_size, cfg.eos_token_ids,
                                                       cfg.grammar_compile_timeout_s, cfg.max_batch_size),
                                       self.tokenizer)
         self.requests: dict[str, Request] = {}
@@ -202,9 +202,11 @@ class Scheduler:
     def _jump_forward(self, request: Request) -> str | None:
         """Append the tokens the grammar forces; the next step computes them with no sampling."""
         limit = request.params.max_tokens - len(request.output_token_ids)
-        for token in self.grammar.accept_forced(request.request_id, limit):
-            reason = append_token(request, token, self.cfg.eos_token_ids, self.cfg.max_model_len,
-                                  self.grammar.is_terminated(request.request_id))
+        forced = self.grammar.accept_forced(request.request_id, limit)
+        terminated = bool(forced) and self.grammar.is_terminated(request.request_id)
+        for i, token in enumerate(forced):
+            last = i == len(forced) - 1
+            reason = append_token(request, token, self.cfg.eos_token_ids, self.cfg.max_model_len, last and terminated)
             if reason is not None:
                 return reason
         return None

@@ -1,0 +1,55 @@
+"""The grammar compile process: compiles grammars away from the scheduler's loop.
+
+xgrammar holds the GIL while it compiles, so a compile thread inside the scheduler would stall
+every step for as long as the compile lasts. Compiles therefore run here, one at a time, in a
+process the scheduler can kill when a compile overruns its deadline (the hard timeout), and
+restart. The protocol is JSON lines (never pickle): the scheduler writes a settings line, then
+``{"job", "backend", "spec"}`` lines; this process answers ``{"job", "started": true}`` when it
+begins a job and ``{"job", "ok", "compiled" | "error"}`` when it ends, where ``compiled`` is the
+backend's serialized grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from typing import Any
+
+from guidespec.protocol import GuidedDecoding
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from transformers import AutoTokenizer
+
+    from guidespec.grammar_backends import GrammarError, create_backend
+
+    settings = json.loads(sys.stdin.readline())
+    tokenizer = AutoTokenizer.from_pretrained(settings["model_dir"])
+    backends: dict[str, Any] = {}
+    _reply({"ready": True})
+    for line in sys.stdin:
+        job = json.loads(line)
+        _reply({"job": job["job"], "started": True})
+        try:
+            name = job["backend"]
+            if name not in backends:
+                backends[name] = create_backend(name, tokenizer, settings["vocab_size"],
+                                                tuple(settings["stop_token_ids"]), settings["num_threads"])
+            spec = GuidedDecoding(**job["spec"])
+            compiled = backends[name].serialize(backends[name].compile(spec))
+            _reply({"job": job["job"], "ok": True, "compiled": compiled})
+        except GrammarError as e:
+            _reply({"job": job["job"], "ok": False, "error": str(e)})
+        except Exception as e:
+            _reply({"job": job["job"], "ok": False, "error": f"{type(e).__name__}: {e}"})
+
+
+def _reply(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
