@@ -32,3 +32,8 @@ def log_level() -> str:
 def cpu_kernels_enabled() -> bool:
     """``GUIDESPEC_CPU_KERNELS=0`` turns off the compiled CPU kernels (torch is used instead)."""
     return os.environ.get("GUIDESPEC_CPU_KERNELS", "1") != "0"
+
+
+def trace_path() -> str | None:
+    """``GUIDESPEC_TRACE=FILE``: the scheduler writes a Chrome trace of every step there at shutdown."""
+    return os.environ.get("GUIDESPEC_TRACE") or None

@@ -233,6 +233,7 @@ class StepOutputs:
     token_ids: np.ndarray  # [sum(num_tokens)] int32, the tokens each row produced
     num_tokens: np.ndarray  # [B] int32
     forward_s: float = 0.0
+    timings: np.ndarray | None = None  # [4] float64 wall times: forward start, forward end, mask ready, done
 
 
 @register_message(23)

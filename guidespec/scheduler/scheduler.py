@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ from guidespec.grammar_backends import GrammarError
 from guidespec.scheduler.grammar import GrammarManager, GrammarSettings
 from guidespec.scheduler.output import append_token, finish_output, make_delta
 from guidespec.scheduler.request import Request
+from guidespec.scheduler.trace import StepTrace
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.25
@@ -77,6 +79,8 @@ class Scheduler:
         self.worker_pids: dict[int, int] = {}
         self.step_id = 0
         self.stopping = False
+        self.times: dict[str, float] = {}
+        self.trace = StepTrace()
 
     # ------------------------------------------------------------------ life cycle
 
@@ -102,17 +106,25 @@ class Scheduler:
         while not self.stopping:
             self.receive()
             self.poll_grammars()
+            self.times["start"] = time.time()
             rows = self.batcher.schedule()
             if not rows:
                 continue
-            self.broadcast(rows)
+            guided_rows = self.broadcast(rows)
             outputs = self.collect()
+            self.times["outputs"] = time.time()
             self.emit(rows, outputs)
+            self.times["end"] = time.time()
+            if outputs.timings is not None:
+                self.trace.record(self.step_id, self.times, outputs.timings, len(rows), guided_rows)
 
     def close(self) -> None:
         for channel in (self.client_in, self.client_out, self.worker_results):
             channel.close()
         self.grammar.shutdown()
+        trace_path = envs.trace_path()
+        if trace_path:
+            self.trace.write(Path(trace_path))
         self.broadcaster.close()
         self.ctx.term()
 
@@ -139,7 +151,7 @@ class Scheduler:
         for request_id, error in failed:
             self._fail(self.requests[request_id], error)
 
-    def broadcast(self, rows: list[ScheduledRow]) -> None:
+    def broadcast(self, rows: list[ScheduledRow]) -> int:
         """Two broadcasts: the inputs first, so the forward starts at once; then the bitmasks,
         filled while the workers compute. Rows of unguided requests get no bitmask row."""
         self.step_id += 1
@@ -148,11 +160,15 @@ class Scheduler:
                   if row.num_logits and row.request.guided]
         inputs = self._step_inputs(rows, has_bitmask=bool(guided))
         self.broadcaster.write(codec.encode(inputs), timeout=envs.step_timeout_s())
+        self.times["inputs"] = self.times["mask_start"] = self.times["mask"] = time.time()
         if guided:
+            self.times["mask_start"] = time.time()
             bitmask = self.grammar.fill([request_id for _, request_id in guided])
             rows_array = np.array([r for r, _ in guided], dtype=np.int32)
             self.broadcaster.write(codec.encode(StepBitmask(self.step_id, rows_array, bitmask)),
                                    timeout=envs.step_timeout_s())
+            self.times["mask"] = time.time()
+        return len(guided)
 
     def collect(self) -> StepOutputs:
         """Wait for rank 0's outputs for this step, watching the workers while waiting."""

@@ -85,11 +85,12 @@ class Worker:
                 results.send(outputs)
 
     def step(self, inputs: StepInputs) -> StepOutputs | None:
-        start = time.perf_counter()
+        start, wall_start = time.perf_counter(), time.time()
         batch = ForwardBatch.create(inputs.token_ids, inputs.slots, inputs.start_positions,
                                     inputs.num_new_tokens, inputs.num_logits)
         hidden = self.model.forward(batch, self.kv)
         logits = self.model.compute_logits(hidden)
+        forward_end = mask_ready = time.time()
         rows = np.repeat(np.arange(inputs.batch_size), inputs.num_logits)
         if logits is not None:
             self.history.update(batch.slots, batch.start_positions, batch.num_new_tokens, batch.token_ids,
@@ -98,6 +99,7 @@ class Worker:
             self.history.apply(logits, torch.from_numpy(inputs.slots[rows].copy()), *penalties.unbind(1))
         if inputs.has_bitmask:
             bitmask = self._read_bitmask(inputs.step)
+            mask_ready = time.time()
             if logits is not None:
                 apply_bitmask(logits, bitmask.rows, bitmask.bitmask)
         if logits is None:
@@ -107,8 +109,9 @@ class Worker:
                         torch.from_numpy(inputs.top_p[rows].copy()),
                         torch.from_numpy(inputs.seeds[rows].copy()),
                         torch.from_numpy(inputs.sample_index[rows].astype(np.int64)), self.generator)
+        timings = np.array([wall_start, forward_end, mask_ready, time.time()], dtype=np.float64)
         return StepOutputs(inputs.step, tokens.numpy().astype(np.int32), inputs.num_logits.astype(np.int32),
-                           time.perf_counter() - start)
+                           time.perf_counter() - start, timings)
 
     def _read_bitmask(self, step: int) -> StepBitmask:
         message = codec.decode(self.reader.read(timeout=60.0))

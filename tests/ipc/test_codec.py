@@ -25,7 +25,7 @@ EXAMPLES = [
     protocol.StepInputs(3, I32, I32, I32, np.arange(10, dtype=np.int32), I32, np.ones(3, np.float32), I32,
                         np.ones(3, np.float32), np.array([-1, 5, 6], np.int64), I32, I32, np.ones((3, 3), np.float32), True),
     protocol.StepBitmask(3, np.array([0, 2], np.int32), np.arange(8, dtype=np.int32).reshape(2, 4)),
-    protocol.StepOutputs(3, I32, np.ones(3, np.int32), 0.25),
+    protocol.StepOutputs(3, I32, np.ones(3, np.int32), 0.25, np.arange(4, dtype=np.float64)),
     protocol.WorkerReady(1, 1234),
     protocol.WorkerError(1, "boom", 3),
 ]

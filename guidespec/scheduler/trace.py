@@ -1,0 +1,64 @@
+"""Per-step timings, as a Chrome trace (chrome://tracing, Perfetto) and as summary figures.
+
+The scheduler records its own phases; rank 0 reports when its forward ran and when the
+bitmask was in hand. "Scheduler time outside the forward" is the scheduler work the workers
+wait for: building and writing the inputs, emitting the outputs, and any mask filling that
+outlasts the forward (filling that overlaps the forward costs nothing).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class StepTrace:
+    events: list[dict[str, object]] = field(default_factory=list)
+    step_s: float = 0.0
+    outside_forward_s: float = 0.0
+    fill_s: float = 0.0
+    forward_s: float = 0.0
+    steps: int = 0
+    guided_steps: int = 0
+
+    def record(self, step: int, t: dict[str, float], worker: np.ndarray, batch: int, guided_rows: int) -> None:
+        """``t``: scheduler wall times (start, inputs, mask_start, mask, outputs, end); ``worker``:
+        rank 0's (forward_start, forward_end, mask_ready, done)."""
+        forward_start, forward_end, mask_ready, done = (float(x) for x in worker)
+        exposed_fill = max(0.0, t["mask"] - forward_end) if guided_rows else 0.0
+        self.step_s += t["end"] - t["start"]
+        self.outside_forward_s += (t["inputs"] - t["start"]) + (t["end"] - t["outputs"]) + exposed_fill
+        self.fill_s += t["mask"] - t["mask_start"]
+        self.forward_s += forward_end - forward_start
+        self.steps += 1
+        self.guided_steps += bool(guided_rows)
+        args: dict[str, object] = {"step": step, "batch": batch, "guided_rows": guided_rows}
+        self._span("schedule + write inputs", t["start"], t["inputs"], 1, args)
+        if guided_rows:
+            self._span("fill + write bitmask", t["mask_start"], t["mask"], 1, args)
+        self._span("wait for outputs", t["mask"], t["outputs"], 1, args)
+        self._span("emit", t["outputs"], t["end"], 1, args)
+        self._span("forward", forward_start, forward_end, 2, args)
+        if guided_rows:
+            self._span("wait for bitmask", forward_end, max(forward_end, mask_ready), 2, args)
+        self._span("mask + sample", max(forward_end, mask_ready), done, 2, args)
+
+    def summary(self) -> dict[str, float]:  # noqa: D401
+        return {"steps": self.steps, "guided_steps": self.guided_steps,
+                "mean_step_ms": 1000 * self.step_s / max(1, self.steps),
+                "outside_forward_fraction": self.outside_forward_s / self.step_s if self.step_s else 0.0,
+                "mean_fill_ms": 1000 * self.fill_s / max(1, self.guided_steps),
+                "mean_forward_ms": 1000 * self.forward_s / max(1, self.steps)}
+
+    def write(self, path: Path) -> None:
+        names = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "scheduler"}},
+                 {"name": "process_name", "ph": "M", "pid": 2, "args": {"name": "worker rank 0"}}]
+        path.write_text(json.dumps({"traceEvents": names + self.events, "summary": self.summary()}))
+
+    def _span(self, name: str, start: float, end: float, pid: int, args: dict[str, object]) -> None:
+        self.events.append({"name": name, "ph": "X", "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6,
+                            "pid": pid, "tid": 0, "args": args})
