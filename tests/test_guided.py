@@ -153,3 +153,6 @@ def test_compile_timeout_fails_the_request_with_a_clear_message() -> None:
         with pytest.raises(RequestError, match="grammar compilation took longer than 0.5 s"):
             engine.generate("x", SamplingParams(max_tokens=4, guided=GuidedDecoding(json_schema=_slow_schema("timeout"))))
         assert engine.generate("Hi", SamplingParams(max_tokens=3))[0].finished
+        # the compile process was killed and restarted: guided requests work again
+        out = engine.generate("Pick:", SamplingParams(max_tokens=5, guided=GuidedDecoding(choice=("a", "b"))))[0]
+        assert out.text in ("a", "b")
