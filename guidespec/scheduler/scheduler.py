@@ -304,9 +304,7 @@ class Scheduler:
 
     def _fail(self, request: Request, error: str) -> None:
         """End one request with an error; the others carry on."""
-        output = finish_output(request, "error")
-        self.client_out.send(RequestOutput(output.request_id, output.new_token_ids, output.new_text, True, "error",
-                                           error, output.num_prompt_tokens))
+        self.client_out.send(_error_output(request, error))
         self._forget(request)
 
     def _check_health(self) -> None:
@@ -319,12 +317,17 @@ class Scheduler:
     def fail_all(self, reason: str) -> None:
         logger.error("engine failed: %s", reason)
         for request in list(self.requests.values()):
-            output = finish_output(request, "error")
-            self.client_out.send(RequestOutput(output.request_id, output.new_token_ids, output.new_text, True,
-                                               "error", reason, output.num_prompt_tokens))
+            self.client_out.send(_error_output(request, reason))
         self.requests.clear()
         self.client_out.send(EngineDead(reason))
         time.sleep(0.1)  # let the frames leave
+
+
+def _error_output(request: Request, error: str) -> RequestOutput:
+    """The request's last delta, ending it with ``error``."""
+    output = finish_output(request, "error")
+    return RequestOutput(output.request_id, output.new_token_ids, output.new_text, True, "error", error,
+                         output.num_prompt_tokens)
 
 
 def _process_alive(pid: int) -> bool:
