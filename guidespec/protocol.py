@@ -33,6 +33,9 @@ class GuidedDecoding:
 
     ``json_schema`` is the schema as JSON text (or a dict, turned into text); ``grammar`` is EBNF
     for xgrammar or Lark for llguidance; ``choice`` is a list of allowed outputs.
+    ``close_early`` (JSON kinds only): when the output starts repeating a cycle or nears
+    ``max_tokens``, prefer tokens that close the JSON wherever the grammar allows one
+    (``guidespec/scheduler/closing.py``), so the output ends valid instead of being cut.
     """
 
     json_schema: str | None = None
@@ -41,6 +44,7 @@ class GuidedDecoding:
     grammar: str | None = None
     choice: tuple[str, ...] | None = None
     backend: str | None = None
+    close_early: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.json_schema, dict):

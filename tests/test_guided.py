@@ -47,8 +47,7 @@ def test_json_schema_outputs_validate(llm: LLM, backend: str, temperature: float
     assert len(compiled) >= 4
     for case, out in compiled:
         assert not isinstance(out, BaseException), out
-        if out.finish_reason == "length":
-            continue  # a 135M model can loop inside an array; the sweep reports these
+        assert out.finish_reason == "stop", (case["id"], out.text)  # loops are closed early, not cut
         assert validate_output(out.text, case["schema"]) is None, (case["id"], out.text)
 
 

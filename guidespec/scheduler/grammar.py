@@ -10,6 +10,7 @@
   failed ones.
 - One matcher per guided request: filled in batches per backend (the backends' multi-threaded
   fills), advanced by exactly the accepted tokens, asked for forced tokens (jump-forward).
+- JSON requests that loop or near ``max_tokens`` are steered to close (``closing.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 from guidespec.grammar_backends import GrammarBackend, GrammarError, GrammarMatcher, create_backend
 from guidespec.grammar_backends.interface import bitmask_width
 from guidespec.protocol import GuidedDecoding
+from guidespec.scheduler.closing import ClosingTokens, EarlyCloser
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ class GrammarManager:
         self.job_of_key: dict[str, int] = {}
         self.pending: dict[str, int] = {}  # request id -> job id
         self.matchers: dict[str, tuple[str, GrammarMatcher]] = {}
+        self.closers: dict[str, EarlyCloser] = {}
+        self._closing_tokens: ClosingTokens | None = None  # built at first use
         self._job_ids = itertools.count()
         self.bitmask = np.zeros((settings.max_rows, bitmask_width(settings.vocab_size)), dtype=np.int32)
 
@@ -79,6 +83,8 @@ class GrammarManager:
         key = spec.cache_key(backend)
         if key in self.failed:
             raise GrammarError(self.failed[key])
+        if spec.close_early and spec.kind in ("json_schema", "json_object"):
+            self.closers[request_id] = EarlyCloser()
         if key in self.compiled:
             self.compiled.move_to_end(key)
             self._create_matcher(request_id, backend, self.compiled[key])
@@ -109,6 +115,7 @@ class GrammarManager:
     def release(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
         self.matchers.pop(request_id, None)
+        self.closers.pop(request_id, None)
 
     # ------------------------------------------------------------------ per step
 
@@ -122,18 +129,38 @@ class GrammarManager:
             rows.append(row)
         for backend, (matchers, rows) in by_backend.items():
             self.backends[backend].fill_bitmasks(matchers, self.bitmask, rows)
+        for row, request_id in enumerate(request_ids):
+            closer = self.closers.get(request_id)
+            if closer is not None and closer.closing:
+                closer.restrict(self.bitmask[row], self._closing(), self.tokenizer)
         return self.bitmask[: len(request_ids)]
 
     def accept(self, request_id: str, token: int) -> bool:
+        closer = self.closers.get(request_id)
+        if closer is not None:
+            closer.add(token)
         return self.matchers[request_id][1].accept_token(token)
+
+    def near_budget(self, request_id: str) -> None:
+        """The request is close to max_tokens: a JSON output starts closing."""
+        closer = self.closers.get(request_id)
+        if closer is not None:
+            closer.near_budget()
+
+    def closing_reason(self, request_id: str) -> str:
+        closer = self.closers.get(request_id)
+        return closer.reason if closer is not None else ""
 
     def accept_forced(self, request_id: str, limit: int) -> list[int]:
         """Accept and return the tokens the grammar forces next (jump-forward)."""
         matcher = self.matchers[request_id][1]
         forced = matcher.forced_tokens(limit)
+        closer = self.closers.get(request_id)
         for i, token in enumerate(forced):
             if not matcher.accept_token(token):
                 return forced[:i]
+            if closer is not None:
+                closer.add(token)
         return forced
 
     def is_terminated(self, request_id: str) -> bool:
@@ -201,6 +228,11 @@ class GrammarManager:
 
     def _create_matcher(self, request_id: str, backend: str, compiled: Any) -> None:
         self.matchers[request_id] = (backend, self._backend(backend).create_matcher(compiled))
+
+    def _closing(self) -> ClosingTokens:
+        if self._closing_tokens is None:
+            self._closing_tokens = ClosingTokens.from_tokenizer(self.tokenizer, self.settings.vocab_size)
+        return self._closing_tokens
 
     def _remember(self, cache: OrderedDict[str, Any], key: str, value: Any) -> None:
         cache[key] = value

@@ -32,6 +32,7 @@ from guidespec.protocol import (AbortRequest, EngineDead, EngineReady, GenerateR
 from guidespec.scheduler.batching import Batcher, ScheduledRow
 from guidespec.scheduler.detokenizer import IncrementalDetokenizer
 from guidespec.grammar_backends import GrammarError
+from guidespec.scheduler.closing import budget_reserve
 from guidespec.scheduler.grammar import GrammarManager, GrammarSettings
 from guidespec.scheduler.output import append_token, finish_output, make_delta
 from guidespec.scheduler.request import Request
@@ -213,6 +214,8 @@ class Scheduler:
                 self._fail(request, f"internal error: the grammar rejected sampled token {token}")
                 return "error"
             grammar_done = self.grammar.is_terminated(request.request_id)
+            if request.params.max_tokens - len(request.output_token_ids) - 1 <= budget_reserve(request.params.max_tokens):
+                self.grammar.near_budget(request.request_id)
         return append_token(request, token, self.cfg.eos_token_ids, self.cfg.max_model_len, grammar_done)
 
     def _jump_forward(self, request: Request) -> str | None:
