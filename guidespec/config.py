@@ -71,6 +71,38 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
 
+SPEC_METHODS = ("ngram", "forced", "user")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``guidespec/spec``). ``method``: ``ngram`` (prompt lookup, in the
+    scheduler), ``forced`` (grammar-forced tokens only) or ``user`` (``user_drafter``, a
+    ``module:Class`` path). With ``use_forced_tokens``, a guided request's grammar-forced tokens
+    are drafted first and the method's drafts continue after them. The n-gram options mean what
+    they mean in TensorRT-LLM's NGram decoding."""
+
+    method: str = "ngram"
+    max_draft_len: int = 3
+    max_matching_ngram_size: int = 4
+    is_keep_all: bool = True
+    is_use_oldest: bool = True
+    is_public_pool: bool = True
+    use_forced_tokens: bool = True
+    adaptive: bool = True
+    user_drafter: str | None = None
+
+    def validate(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        if not 1 <= self.max_draft_len <= 16:
+            raise ValueError(f"max_draft_len must be in [1, 16], got {self.max_draft_len}")
+        if self.max_matching_ngram_size < 1:
+            raise ValueError(f"max_matching_ngram_size must be >= 1, got {self.max_matching_ngram_size}")
+        if self.method == "user" and not self.user_drafter:
+            raise ValueError("method 'user' needs user_drafter='module:Class'")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: Path  # a Hugging Face folder (converted from GGUF if need be)
@@ -86,6 +118,7 @@ class EngineConfig:
     grammar_backend: str = "xgrammar"
     grammar_compile_timeout_s: float = 30.0
     jump_forward: bool = True
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +137,7 @@ class SchedulerConfig:
     grammar_backend: str
     grammar_compile_timeout_s: float
     jump_forward: bool
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -138,4 +172,6 @@ def config_from_dict(cls: type[_C], data: dict[str, Any]) -> _C:
     fields["broadcast"] = BroadcastSpec(**broadcast)
     if "eos_token_ids" in fields:
         fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
+    if fields.get("speculative") is not None:
+        fields["speculative"] = SpeculativeConfig(**fields["speculative"])
     return cls(**fields)

@@ -26,7 +26,7 @@ import numpy as np
 import zmq
 
 from guidespec import envs
-from guidespec.config import DTYPES, EngineConfig, ModelConfig
+from guidespec.config import DTYPES, EngineConfig, ModelConfig, SpeculativeConfig
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.launcher import EngineProcesses
 from guidespec.protocol import GRAMMAR_BACKENDS, AbortRequest, EngineDead, EngineReady, GenerateRequest, RequestOutput, SamplingParams, Shutdown
@@ -55,6 +55,15 @@ class GenerationOutput:
     arrival_time: float = 0.0
     first_token_time: float = 0.0
     finish_time: float = 0.0
+    num_spec_steps: int = 0  # steps that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_histogram: list[int] = field(default_factory=list)  # [n]: spec steps that accepted n drafts
+
+    @property
+    def mean_accepted_tokens_per_step(self) -> float:
+        """Tokens per speculative step, the target's own token included (1.0 without speculation)."""
+        return 1.0 + self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else 1.0
 
     @property
     def time_to_first_token_s(self) -> float:
@@ -101,6 +110,8 @@ class _RequestStream:
         out.text += delta.new_text
         out.token_ids.extend(delta.new_token_ids)
         out.first_token_time = out.first_token_time or delta.first_token_time
+        out.num_spec_steps, out.num_draft_tokens = delta.num_spec_steps, delta.num_draft_tokens
+        out.num_accepted_tokens, out.accepted_histogram = delta.num_accepted_tokens, list(delta.accepted_histogram)
         if delta.finished:
             out.finished, out.finish_reason, out.finish_time = True, delta.finish_reason, time.time()
         return StreamDelta(out.request_id, delta.new_text, list(delta.new_token_ids), delta.finished, delta.finish_reason)
@@ -112,7 +123,8 @@ class LLM:
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, dtype: str = "float32",
                  max_batch_size: int = 16, max_model_len: int | None = None, max_num_batched_tokens: int = 512,
                  show_progress: bool = True, remote_ranks: Sequence[int] = (), grammar_backend: str = "xgrammar",
-                 grammar_compile_timeout_s: float = 30.0, jump_forward: bool = True) -> None:
+                 grammar_compile_timeout_s: float = 30.0, jump_forward: bool = True,
+                 speculative: SpeculativeConfig | dict[str, Any] | str | None = None) -> None:
         if grammar_backend not in GRAMMAR_BACKENDS:
             raise ValueError(f"grammar_backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {grammar_backend!r}")
         if grammar_compile_timeout_s <= 0:
@@ -121,7 +133,8 @@ class LLM:
                                                        max_model_len, max_num_batched_tokens, show_progress,
                                                        tuple(remote_ranks))
         self.config = dataclasses.replace(config, grammar_backend=grammar_backend, jump_forward=jump_forward,
-                                          grammar_compile_timeout_s=grammar_compile_timeout_s)
+                                          grammar_compile_timeout_s=grammar_compile_timeout_s,
+                                          speculative=_speculative_config(speculative))
         self._streams: dict[str, _RequestStream] = {}
         self._lock = threading.Lock()
         self._dead_reason: str | None = None
@@ -359,3 +372,18 @@ def _shutdown_quietly(processes: EngineProcesses, to_scheduler: Channel) -> None
         pass
     to_scheduler.close()
     processes.shutdown()
+
+
+def _speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+    """``None`` (off), a method name (``"ngram"``), a dict of SpeculativeConfig fields, or the config."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = SpeculativeConfig(method=value)
+    elif isinstance(value, dict):
+        unknown = set(value) - {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        if unknown:
+            raise ValueError(f"unknown speculative option(s): {', '.join(sorted(unknown))}")
+        value = SpeculativeConfig(**value)
+    value.validate()
+    return value

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -101,6 +101,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages every token already in the prompt or output
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
     presence_penalty: float = 0.0  # subtracted once if the token occurs in the output
+    speculative: bool = True  # use the engine's drafter for this request (if it has one)
+    max_draft_len: int | None = None  # at most this many draft tokens per step (None: the engine's)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -125,8 +127,14 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if self.max_draft_len is not None and not (isinstance(self.max_draft_len, int) and 0 <= self.max_draft_len <= 16):
+            raise ValueError(f"max_draft_len must be an integer in [0, 16], got {self.max_draft_len!r}")
         if self.guided is not None:
             self.guided.validate()
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
     def greedy(self) -> bool:
@@ -178,6 +186,10 @@ class RequestOutput:
     error: str | None = None
     num_prompt_tokens: int = 0
     first_token_time: float = 0.0  # scheduler clock (time.time()) of the first output token
+    num_spec_steps: int = 0  # so far: steps that verified drafts for this request
+    num_draft_tokens: int = 0  # so far: draft tokens proposed
+    num_accepted_tokens: int = 0  # so far: draft tokens accepted
+    accepted_histogram: list[int] = field(default_factory=list)  # so far: [n] = spec steps that produced n + 1 tokens
 
 
 @register_message(15)

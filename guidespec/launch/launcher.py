@@ -64,7 +64,8 @@ class EngineProcesses:
         scheduler_cfg = SchedulerConfig(cfg.model_dir, cfg.max_batch_size, cfg.max_model_len, cfg.max_num_batched_tokens,
                                         cfg.eos_token_ids, cfg.tensor_parallel_size, self.broadcast,
                                         ep.client_in, ep.client_out, ep.worker_results, cfg.vocab_size,
-                                        cfg.grammar_backend, cfg.grammar_compile_timeout_s, cfg.jump_forward)
+                                        cfg.grammar_backend, cfg.grammar_compile_timeout_s, cfg.jump_forward,
+                                        cfg.speculative)
         self._spawn("scheduler", "scheduler", scheduler_cfg)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         threads = max(1, (os.cpu_count() or 1) // cfg.tensor_parallel_size)

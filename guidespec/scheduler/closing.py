@@ -113,6 +113,16 @@ class EarlyCloser:
         if self.detector.add(token) and not self.closing:
             self.closing, self.reason = True, "repeat"
 
+    def snapshot(self) -> tuple[Any, ...]:
+        d = self.detector
+        return (d.history.copy(), d.runs.copy(), len(self.tokens), self.closing, self.reason, self._scanned,
+                self._in_string, self._escaped)
+
+    def restore(self, state: tuple[Any, ...]) -> None:
+        history, runs, num_tokens, self.closing, self.reason, self._scanned, self._in_string, self._escaped = state
+        self.detector.history, self.detector.runs = history, runs
+        del self.tokens[num_tokens:]
+
     def near_budget(self) -> None:
         if not self.closing:
             self.closing, self.reason = True, "budget"

@@ -33,7 +33,7 @@ import numpy as np
 from guidespec.grammar_backends import GrammarBackend, GrammarError, GrammarMatcher, create_backend
 from guidespec.grammar_backends.interface import bitmask_width
 from guidespec.protocol import GuidedDecoding
-from guidespec.scheduler.closing import ClosingTokens, EarlyCloser
+from guidespec.scheduler.closing import ClosingTokens, EarlyCloser, budget_reserve
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,16 @@ class GrammarSettings:
     max_rows: int
     num_threads: int = 2
     cache_size: int = 256
+
+
+@dataclass(frozen=True)
+class FillRow:
+    """A guided request to fill masks for: its drafts, its output length and max_tokens."""
+
+    request_id: str
+    drafts: list[int] = field(default_factory=list)
+    output_len: int = 0
+    max_tokens: int = 1 << 30
 
 
 @dataclass
@@ -119,21 +129,71 @@ class GrammarManager:
 
     # ------------------------------------------------------------------ per step
 
-    def fill(self, request_ids: list[str]) -> np.ndarray:
-        """Bitmask rows for these requests, in order: [len(request_ids), ceil(vocab / 32)]."""
-        by_backend: dict[str, tuple[list[GrammarMatcher], list[int]]] = {}
-        for row, request_id in enumerate(request_ids):
-            backend, matcher = self.matchers[request_id]
-            matchers, rows = by_backend.setdefault(backend, ([], []))
-            matchers.append(matcher)
-            rows.append(row)
-        for backend, (matchers, rows) in by_backend.items():
-            self.backends[backend].fill_bitmasks(matchers, self.bitmask, rows)
-        for row, request_id in enumerate(request_ids):
-            closer = self.closers.get(request_id)
-            if closer is not None and closer.closing:
-                closer.restrict(self.bitmask[row], self._closing(), self.tokenizer)
-        return self.bitmask[: len(request_ids)]
+    def fill(self, rows: list[FillRow]) -> np.ndarray:
+        """One bitmask row per position to verify, request by request: a request with drafts
+        ``d_1..d_k`` gets rows for its current state and after each ``d_j`` (its grammar is
+        advanced through the drafts, filled at each depth, and rolled back). Fills are batched
+        per backend and depth. Returns [sum(1 + len(drafts)), ceil(vocab / 32)]."""
+        firsts = np.cumsum([0] + [1 + len(r.drafts) for r in rows])
+        needed = int(firsts[-1])
+        if needed > self.bitmask.shape[0]:
+            self.bitmask = np.zeros((needed, self.bitmask.shape[1]), dtype=np.int32)
+        saved = {r.request_id: c.snapshot() for r in rows if r.drafts and (c := self.closers.get(r.request_id))}
+        depth = 0
+        advanced: dict[str, int] = {}
+        try:
+            while True:
+                active = [(i, r) for i, r in enumerate(rows) if len(r.drafts) >= depth]
+                if not active:
+                    break
+                by_backend: dict[str, tuple[list[GrammarMatcher], list[int]]] = {}
+                for i, r in active:
+                    backend, matcher = self.matchers[r.request_id]
+                    matchers, out_rows = by_backend.setdefault(backend, ([], []))
+                    matchers.append(matcher)
+                    out_rows.append(int(firsts[i]) + depth)
+                for backend, (matchers, out_rows) in by_backend.items():
+                    self.backends[backend].fill_bitmasks(matchers, self.bitmask, out_rows)
+                for i, r in active:
+                    closer = self.closers.get(r.request_id)
+                    if closer is not None:
+                        index = r.output_len + depth  # the output index this row's token will have
+                        if closer.closing or (index >= 1 and r.max_tokens - index <= budget_reserve(r.max_tokens)):
+                            closer.restrict(self.bitmask[int(firsts[i]) + depth], self._closing(), self.tokenizer)
+                    if depth < len(r.drafts):
+                        if not self.matchers[r.request_id][1].accept_token(r.drafts[depth]):
+                            raise RuntimeError(f"request {r.request_id}: draft token {r.drafts[depth]} was not checked")
+                        advanced[r.request_id] = depth + 1
+                        if closer is not None:
+                            closer.add(r.drafts[depth])
+                depth += 1
+        finally:
+            for request_id, count in advanced.items():
+                self.matchers[request_id][1].rollback(count)
+            for request_id, state in saved.items():
+                self.closers[request_id].restore(state)
+        return self.bitmask[:needed]
+
+    def forced_tokens(self, request_id: str, limit: int) -> list[int]:
+        """The tokens the grammar forces next (the matcher is left as it was)."""
+        return self.matchers[request_id][1].forced_tokens(limit)
+
+    def valid_prefix(self, request_id: str, prefix: list[int], tokens: Any) -> int:
+        """How many of ``tokens`` the grammar accepts after ``prefix`` (the matcher is left as it was)."""
+        matcher = self.matchers[request_id][1]
+        accepted = 0
+        for token in prefix:
+            if not matcher.accept_token(token):
+                matcher.rollback(accepted)
+                return 0
+            accepted += 1
+        count = 0
+        for token in tokens:
+            if matcher.is_terminated() or not matcher.accept_token(int(token)):
+                break
+            count += 1
+        matcher.rollback(accepted + count)
+        return count
 
     def accept(self, request_id: str, token: int) -> bool:
         closer = self.closers.get(request_id)

@@ -68,4 +68,8 @@ def _delta(request: Request, reason: str | None) -> RequestOutput:
         finish_reason=reason,
         num_prompt_tokens=request.num_prompt_tokens,
         first_token_time=request.first_token_time,
+        num_spec_steps=request.num_spec_steps,
+        num_draft_tokens=request.num_draft_tokens,
+        num_accepted_tokens=request.num_accepted_tokens,
+        accepted_histogram=list(request.accepted_histogram),
     )

@@ -37,6 +37,11 @@ class Request:
     first_token_time: float = 0.0
     finish_reason: str | None = None
     grammar_ready: bool = True  # False while its grammar compiles (UNREADY: not admitted)
+    draft_tokens: list[int] = field(default_factory=list)  # this step's drafts, after the known tokens
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_histogram: list[int] = field(default_factory=list)  # [n]: spec steps that accepted n drafts
 
     @property
     def guided(self) -> bool:
@@ -51,8 +56,12 @@ class Request:
         return len(self.prompt_token_ids)
 
     def token_at(self, position: int) -> int:
+        """The token at a position: prompt, then output, then this step's drafts."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+        if position < n:
+            return self.prompt_token_ids[position]
+        m = len(self.output_token_ids)
+        return self.output_token_ids[position - n] if position - n < m else self.draft_tokens[position - n - m]
 
     def tokens(self, start: int, end: int) -> list[int]:
         return [self.token_at(p) for p in range(start, end)]

@@ -33,7 +33,8 @@ from guidespec.scheduler.batching import Batcher, ScheduledRow
 from guidespec.scheduler.detokenizer import IncrementalDetokenizer
 from guidespec.grammar_backends import GrammarError
 from guidespec.scheduler.closing import budget_reserve
-from guidespec.scheduler.grammar import GrammarManager, GrammarSettings
+from guidespec.spec.proposer import Speculator
+from guidespec.scheduler.grammar import FillRow, GrammarManager, GrammarSettings
 from guidespec.scheduler.output import append_token, finish_output, make_delta
 from guidespec.scheduler.request import Request
 from guidespec.scheduler.trace import StepTrace
@@ -82,6 +83,7 @@ class Scheduler:
         self.stopping = False
         self.times: dict[str, float] = {}
         self.trace = StepTrace()
+        self.speculator = Speculator(cfg.speculative, self.grammar, cfg.max_model_len) if cfg.speculative else None
 
     # ------------------------------------------------------------------ life cycle
 
@@ -111,6 +113,8 @@ class Scheduler:
             rows = self.batcher.schedule()
             if not rows:
                 continue
+            if self.speculator is not None:
+                rows = self.speculator.plan(rows, self.cfg.max_num_batched_tokens)
             guided_rows = self.broadcast(rows)
             outputs = self.collect()
             self.times["outputs"] = time.time()
@@ -157,15 +161,16 @@ class Scheduler:
         filled while the workers compute. Rows of unguided requests get no bitmask row."""
         self.step_id += 1
         logits_row = np.cumsum([0] + [row.num_logits for row in rows])
-        guided = [(int(logits_row[i]), row.request.request_id) for i, row in enumerate(rows)
-                  if row.num_logits and row.request.guided]
+        guided = [(int(logits_row[i]), row) for i, row in enumerate(rows) if row.num_logits and row.request.guided]
         inputs = self._step_inputs(rows, has_bitmask=bool(guided))
         self.broadcaster.write(codec.encode(inputs), timeout=envs.step_timeout_s())
         self.times["inputs"] = self.times["mask_start"] = self.times["mask"] = time.time()
         if guided:
             self.times["mask_start"] = time.time()
-            bitmask = self.grammar.fill([request_id for _, request_id in guided])
-            rows_array = np.array([r for r, _ in guided], dtype=np.int32)
+            bitmask = self.grammar.fill([FillRow(row.request.request_id, row.request.draft_tokens,
+                                                 len(row.request.output_token_ids), row.request.params.max_tokens)
+                                         for _, row in guided])
+            rows_array = np.concatenate([np.arange(first, first + row.num_logits) for first, row in guided]).astype(np.int32)
             self.broadcaster.write(codec.encode(StepBitmask(self.step_id, rows_array, bitmask)),
                                    timeout=envs.step_timeout_s())
             self.times["mask"] = time.time()
@@ -188,16 +193,29 @@ class Scheduler:
     def emit(self, rows: list[ScheduledRow], outputs: StepOutputs) -> None:
         offsets = np.concatenate([[0], np.cumsum(outputs.num_tokens)])
         now = time.time()
+        if self.speculator is not None:
+            self.speculator.observe_step(sum(row.num_new_tokens for row in rows), outputs.forward_s)
         for i, row in enumerate(rows):
             request = row.request
-            request.advance_computed(row.num_new_tokens)
             new_tokens = outputs.token_ids[offsets[i] : offsets[i + 1]].tolist()
+            num_drafts = row.num_logits - 1 if row.num_logits else 0
+            accepted = max(0, len(new_tokens) - 1)
+            request.advance_computed(row.num_new_tokens - num_drafts)
+            if self.speculator is not None:
+                self.speculator.observe(request, num_drafts, accepted)
             if not new_tokens or request.finished:
                 continue
             if not request.output_token_ids:
                 request.first_token_time = now
-            reason = self._append(request, new_tokens[0])
-            if reason is None and request.guided and self.cfg.jump_forward:
+            reason, appended = None, 0
+            for token in new_tokens:
+                reason = self._append(request, token)
+                appended += 1
+                if reason is not None:
+                    break
+            # accepted drafts are in the KV cache now; rejected drafts' entries get overwritten later
+            request.advance_computed(min(accepted, appended))
+            if reason is None and request.guided and self.cfg.jump_forward and not self._speculates(request):
                 reason = self._jump_forward(request)
             if reason == "error":
                 continue
@@ -205,6 +223,9 @@ class Scheduler:
             self.client_out.send(delta)
             if delta.finished:
                 self._forget(request)
+
+    def _speculates(self, request: Request) -> bool:
+        return self.speculator is not None and self.speculator.speculates(request)
 
     def _append(self, request: Request, token: int) -> str | None:
         """Advance the request (and its grammar) by one token; the finish reason, if any."""
@@ -303,6 +324,8 @@ class Scheduler:
     def _forget(self, request: Request) -> None:
         self.batcher.remove(request)
         self.grammar.release(request.request_id)
+        if self.speculator is not None:
+            self.speculator.release(request.request_id)
         self.requests.pop(request.request_id, None)
 
     def _fail(self, request: Request, error: str) -> None:

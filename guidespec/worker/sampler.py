@@ -20,12 +20,12 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     if bool(greedy.all()):
         return tokens
     rows = (~greedy).nonzero().flatten()
-    probs = _filtered_probs(logits[rows], temperature[rows], top_k[rows], top_p[rows])
+    probs = filtered_probs(logits[rows], temperature[rows], top_k[rows], top_p[rows])
     tokens[rows] = _draw(probs, seeds[rows], sample_index[rows], generator)
     return tokens
 
 
-def _filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     logits = logits / temperature[:, None]
     vocab = logits.shape[-1]
     if bool((top_k > 0).any()) or bool((top_p < 1).any()):

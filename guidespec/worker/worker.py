@@ -1,7 +1,8 @@
 """The worker process: its loop, start to end.
 
     attach ring -> load model shard -> report ready ->
-    loop: read StepInputs -> forward -> [read StepBitmask, apply] -> sample (rank 0) -> send StepOutputs
+    loop: read StepInputs -> forward -> [read StepBitmask, apply] -> sample or verify drafts (rank 0)
+          -> send StepOutputs
 
 Every rank runs the same forward (collectives inside); only rank 0 computes the sampled
 tokens and answers the scheduler. Any exception is reported as a WorkerError naming the rank
@@ -30,6 +31,7 @@ from guidespec.worker.checkpoint import load_hf_config
 from guidespec.worker.mask import apply_bitmask
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.penalties import TokenHistory
+from guidespec.spec.verify import verify
 from guidespec.worker.sampler import sample
 
 _IDLE_READ_TIMEOUT_S = 1.0
@@ -104,14 +106,18 @@ class Worker:
                 apply_bitmask(logits, bitmask.rows, bitmask.bitmask)
         if logits is None:
             return None
-        tokens = sample(logits, torch.from_numpy(inputs.temperature[rows].copy()),
-                        torch.from_numpy(inputs.top_k[rows].astype(np.int64)),
-                        torch.from_numpy(inputs.top_p[rows].copy()),
-                        torch.from_numpy(inputs.seeds[rows].copy()),
-                        torch.from_numpy(inputs.sample_index[rows].astype(np.int64)), self.generator)
+        if int(inputs.num_logits.max()) > 1:  # draft tokens to verify
+            tokens_np, counts = verify(logits, inputs.num_logits, _drafts(inputs), inputs.temperature, inputs.top_k,
+                                       inputs.top_p, inputs.seeds, inputs.sample_index, self.generator)
+        else:
+            tokens = sample(logits, torch.from_numpy(inputs.temperature[rows].copy()),
+                            torch.from_numpy(inputs.top_k[rows].astype(np.int64)),
+                            torch.from_numpy(inputs.top_p[rows].copy()),
+                            torch.from_numpy(inputs.seeds[rows].copy()),
+                            torch.from_numpy(inputs.sample_index[rows].astype(np.int64)), self.generator)
+            tokens_np, counts = tokens.numpy().astype(np.int32), inputs.num_logits.astype(np.int32)
         timings = np.array([wall_start, forward_end, mask_ready, time.time()], dtype=np.float64)
-        return StepOutputs(inputs.step, tokens.numpy().astype(np.int32), inputs.num_logits.astype(np.int32),
-                           time.perf_counter() - start, timings)
+        return StepOutputs(inputs.step, tokens_np, counts, time.perf_counter() - start, timings)
 
     def _read_bitmask(self, step: int) -> StepBitmask:
         message = codec.decode(self.reader.read(timeout=60.0))
@@ -126,3 +132,9 @@ class Worker:
             except RingTimeout:
                 if not parent_alive(parent_pid):
                     return Shutdown("parent process is gone")
+
+
+def _drafts(inputs: StepInputs) -> list[np.ndarray]:
+    """Each row's draft tokens: the last ``num_logits - 1`` tokens it runs."""
+    ends = np.cumsum(inputs.num_new_tokens)
+    return [inputs.token_ids[end - max(0, n - 1) : end] for end, n in zip(ends.tolist(), inputs.num_logits.tolist())]

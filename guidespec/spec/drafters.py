@@ -1,0 +1,149 @@
+"""Drafters that run in the scheduler: n-gram / prompt lookup, and user-provided ones.
+
+A drafter proposes up to ``max_len`` tokens to follow a request's context (prompt, output, and
+any grammar-forced drafts already chosen). ``valid_prefix(tokens)`` says how many of ``tokens``
+the request's grammar accepts (all of them for an unguided request): drafts are cut there, and
+a drafter with several candidates keeps the one the grammar accepts furthest.
+
+Grammar-forced drafts are not a drafter here: they come from the grammar itself
+(``spec/proposer.py`` puts them first, a drafter continues after them).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import OrderedDict
+from typing import Callable, Protocol, Sequence
+
+from guidespec.config import SpeculativeConfig
+
+ValidPrefix = Callable[[Sequence[int]], int]
+
+
+class Drafter(Protocol):
+    def propose(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
+                valid_prefix: ValidPrefix) -> list[int]:
+        """Up to ``max_len`` drafts after ``context``, whose first ``num_committed`` tokens are
+        final (prompt and accepted output) and the rest drafts already chosen this step."""
+        ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+class NoDrafter:
+    """Only grammar-forced tokens are drafted (method ``forced``)."""
+
+    def propose(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
+                valid_prefix: ValidPrefix) -> list[int]:
+        return []
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+_Pool = OrderedDict  # key n-gram -> OrderedDict of continuations (oldest first)
+
+
+class NGramDrafter:
+    """Prompt lookup with a pool, as TensorRT-LLM's NGram drafter: every n-gram of the final
+    context (n = 1 .. ``max_matching_ngram_size``) maps to the ``max_draft_len`` tokens that
+    followed it. A lookup tries the longest suffix of the context first. ``is_keep_all`` keeps
+    every distinct continuation of a key (else only the latest); ``is_use_oldest`` tries the
+    oldest first (else the newest); ``is_public_pool`` shares one pool among all requests (else
+    one per request). Of the first ``max_candidates`` continuations, the one the grammar accepts
+    furthest wins."""
+
+    def __init__(self, max_draft_len: int, max_matching_ngram_size: int, is_keep_all: bool = True,
+                 is_use_oldest: bool = True, is_public_pool: bool = True, max_keys: int = 1 << 20,
+                 max_continuations: int = 32, max_candidates: int = 8) -> None:
+        self.max_draft_len = max_draft_len
+        self.max_ngram = max_matching_ngram_size
+        self.keep_all, self.use_oldest, self.public = is_keep_all, is_use_oldest, is_public_pool
+        self.max_keys, self.max_continuations, self.max_candidates = max_keys, max_continuations, max_candidates
+        self.pools: dict[str, _Pool] = {}
+        self.seen: dict[str, int] = {}  # request -> final tokens already in the pool
+
+    def propose(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
+                valid_prefix: ValidPrefix) -> list[int]:
+        pool = self._pool(request_id)
+        self._update(pool, request_id, context[:num_committed])
+        for n in range(min(self.max_ngram, len(context)), 0, -1):
+            continuations = pool.get(tuple(context[len(context) - n :]))
+            if not continuations:
+                continue
+            ordered = list(continuations) if self.use_oldest else list(reversed(continuations))
+            best: list[int] = []
+            for candidate in ordered[: self.max_candidates]:
+                draft = list(candidate[:max_len])
+                draft = draft[: valid_prefix(draft)]
+                if len(draft) > len(best):
+                    best = draft
+                if len(best) == max_len:
+                    break
+            if best:
+                return best
+        return []
+
+    def release(self, request_id: str) -> None:
+        self.seen.pop(request_id, None)
+        if not self.public:
+            self.pools.pop(request_id, None)
+
+    def _pool(self, request_id: str) -> _Pool:
+        key = "" if self.public else request_id
+        if key not in self.pools:
+            self.pools[key] = OrderedDict()
+        return self.pools[key]
+
+    def _update(self, pool: _Pool, request_id: str, final: Sequence[int]) -> None:
+        """Add the full-length continuations that the final tokens since the last call completed."""
+        d = self.max_draft_len
+        first = max(1, self.seen.get(request_id, 0) - d + 1)
+        for pos in range(first, len(final) - d + 1):  # a continuation starts at pos, its keys end there
+            value = tuple(final[pos : pos + d])
+            for n in range(1, min(self.max_ngram, pos) + 1):
+                key = tuple(final[pos - n : pos])
+                continuations = pool.get(key)
+                if continuations is None:
+                    continuations = pool[key] = OrderedDict()
+                    if len(pool) > self.max_keys:
+                        pool.popitem(last=False)
+                if not self.keep_all:
+                    continuations.clear()
+                if value in continuations:
+                    continue
+                continuations[value] = None
+                if len(continuations) > self.max_continuations:
+                    continuations.popitem(last=False)
+        self.seen[request_id] = max(self.seen.get(request_id, 0), len(final))
+
+
+class UserDrafter:
+    """A user's class with one method, ``propose(context: list[int], max_len: int) -> list[int]``,
+    named ``"module:Class"`` (built with no arguments) and importable in the scheduler process."""
+
+    def __init__(self, path: str) -> None:
+        module_name, _, class_name = path.partition(":")
+        if not module_name or not class_name:
+            raise ValueError(f"user_drafter must look like 'module:Class', got {path!r}")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        self.impl = cls()
+        if not callable(getattr(self.impl, "propose", None)):
+            raise ValueError(f"{path} has no propose(context, max_len) method")
+
+    def propose(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
+                valid_prefix: ValidPrefix) -> list[int]:
+        draft = [int(t) for t in self.impl.propose(list(context), max_len)][:max_len]
+        return draft[: valid_prefix(draft)]
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+def create_drafter(cfg: SpeculativeConfig) -> Drafter:
+    if cfg.method == "ngram":
+        return NGramDrafter(cfg.max_draft_len, cfg.max_matching_ngram_size, cfg.is_keep_all, cfg.is_use_oldest,
+                            cfg.is_public_pool)
+    if cfg.method == "user":
+        return UserDrafter(cfg.user_drafter or "")
+    return NoDrafter()

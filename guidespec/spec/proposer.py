@@ -1,0 +1,186 @@
+"""The scheduler's side of speculation: which requests draft, how many tokens, and which.
+
+Each step, for every decoding row whose request speculates:
+
+1. the draft length: ``max_draft_len`` (the request's or the engine's), or with ``adaptive``
+   the length that maximises expected tokens per second for the whole batch — a request's
+   acceptance rate ``a`` (running average) makes its ``j``-th draft worth ``a**j`` tokens, and
+   the step's cost is modelled as ``c0 + c1 * tokens`` from measured forward times. Drafts are
+   added greedily while they raise tokens per second, so at a large batch where the forward is
+   compute-bound speculation turns itself down instead of turning into a loss; a request whose
+   drafts keep failing still probes one draft every few steps;
+2. the drafts: the grammar's forced tokens first (guided requests), then the drafter's tokens,
+   cut at the first one the grammar rejects;
+3. the row becomes ``1 + k`` tokens with ``1 + k`` logits rows, verified by the workers
+   (``spec/verify.py``).
+
+Requests with repetition/frequency/presence penalties do not speculate (the workers' penalty
+state would have to follow the drafts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from guidespec.config import SpeculativeConfig
+from guidespec.scheduler.batching import ScheduledRow
+from guidespec.scheduler.request import Request
+from guidespec.spec.drafters import Drafter, create_drafter
+
+_PROBE_EVERY = 8
+
+
+@dataclasses.dataclass
+class _Acceptance:
+    rate: float = 0.7  # running mean of accepted / drafted, per draft token
+    steps_without_drafts: int = 0
+
+
+class CostModel:
+    """Forward time of a step as ``c0 + c1 * tokens``: a least-squares fit over recent steps
+    (exponentially weighted), with a prior until steps of different sizes have been seen."""
+
+    def __init__(self, decay: float = 0.98, prior_ratio: float = 0.05) -> None:
+        self.decay = decay
+        self.prior_ratio = prior_ratio
+        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self.sw = d * self.sw + 1
+        self.sx = d * self.sx + tokens
+        self.sy = d * self.sy + seconds
+        self.sxx = d * self.sxx + tokens * tokens
+        self.sxy = d * self.sxy + tokens * seconds
+
+    def coefficients(self) -> tuple[float, float]:
+        """(c0, c1) with c0 > 0 and c1 >= 0."""
+        if self.sw < 1:
+            return 1.0, self.prior_ratio
+        mean_x, mean_y = self.sx / self.sw, self.sy / self.sw
+        var = self.sxx / self.sw - mean_x * mean_x
+        if var < 0.25:  # every step had the same size: only the prior slope
+            c1 = self.prior_ratio * mean_y / (1 + self.prior_ratio * mean_x)
+        else:
+            c1 = max(0.0, (self.sxy / self.sw - mean_x * mean_y) / var)
+        c0 = max(1e-6, mean_y - c1 * mean_x)
+        return c0, c1
+
+
+class Speculator:
+    def __init__(self, cfg: SpeculativeConfig, grammar: Any, max_model_len: int) -> None:
+        self.cfg = cfg
+        self.grammar = grammar
+        self.max_model_len = max_model_len
+        self.drafter: Drafter = create_drafter(cfg)
+        self.acceptance: dict[str, _Acceptance] = {}
+        self.cost = CostModel()
+
+    def speculates(self, request: Request) -> bool:
+        params = request.params
+        return params.speculative and params.max_draft_len != 0 and not params.has_penalties
+
+    def plan(self, rows: list[ScheduledRow], max_tokens_per_step: int) -> list[ScheduledRow]:
+        """The rows again, decoding rows of speculating requests extended by their drafts."""
+        budget = max_tokens_per_step - sum(row.num_new_tokens for row in rows)
+        limits: dict[int, int] = {}
+        for i, row in enumerate(rows):
+            request = row.request
+            if not (self.speculates(request) and row.num_logits == 1 and row.num_new_tokens == 1
+                    and row.start == request.num_tokens - 1 and request.output_token_ids):
+                continue
+            cap = min(request.params.max_draft_len or self.cfg.max_draft_len,
+                      request.params.max_tokens - len(request.output_token_ids) - 1,
+                      self.max_model_len - 1 - row.start)
+            if cap > 0:
+                limits[i] = cap
+        if not limits or budget <= 0:
+            return rows
+        lengths = self._lengths(rows, limits, budget)
+        out = list(rows)
+        for i, k in lengths.items():
+            if k <= 0:
+                continue
+            request = rows[i].request
+            drafts = self._propose(request, k)
+            request.draft_tokens = drafts
+            if drafts:
+                out[i] = ScheduledRow(request, rows[i].start, 1 + len(drafts), 1 + len(drafts))
+        return out
+
+    def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """After verification: update the request's acceptance rate and its figures."""
+        request.draft_tokens = []
+        if num_drafts == 0:
+            return
+        stats = self.acceptance.setdefault(request.request_id, _Acceptance())
+        stats.rate = 0.7 * stats.rate + 0.3 * (num_accepted / num_drafts)
+        request.num_spec_steps += 1
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_tokens += num_accepted
+        histogram = request.accepted_histogram
+        while len(histogram) <= num_accepted:
+            histogram.append(0)
+        histogram[num_accepted] += 1
+
+    def observe_step(self, num_tokens: int, forward_s: float) -> None:
+        self.cost.observe(num_tokens, forward_s)
+
+    def release(self, request_id: str) -> None:
+        self.acceptance.pop(request_id, None)
+        self.drafter.release(request_id)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _lengths(self, rows: list[ScheduledRow], limits: dict[int, int], budget: int) -> dict[int, int]:
+        if not self.cfg.adaptive:
+            out: dict[int, int] = {}
+            for i, cap in limits.items():
+                out[i] = min(cap, budget)
+                budget -= out[i]
+            return out
+        c0, c1 = self.cost.coefficients()
+        tokens = sum(row.num_new_tokens for row in rows)
+        expected = float(sum(row.num_logits for row in rows))
+        lengths = {i: 0 for i in limits}
+        rates = {i: self.acceptance.get(rows[i].request.request_id, _Acceptance()).rate for i in limits}
+        while budget > 0:
+            gains = {i: rates[i] ** (lengths[i] + 1) for i in limits if lengths[i] < limits[i]}
+            if not gains:
+                break
+            best = max(gains, key=gains.__getitem__)
+            gain = gains[best]
+            if (expected + gain) * (c0 + c1 * tokens) <= expected * (c0 + c1 * (tokens + 1)):
+                break  # one more draft token would lower tokens per second
+            lengths[best] += 1
+            expected += gain
+            tokens += 1
+            budget -= 1
+        for i in limits:  # a request that stopped drafting probes now and then, to notice a change
+            stats = self.acceptance.setdefault(rows[i].request.request_id, _Acceptance())
+            if lengths[i] == 0:
+                stats.steps_without_drafts += 1
+                if stats.steps_without_drafts >= _PROBE_EVERY and budget > 0:
+                    lengths[i], stats.steps_without_drafts = 1, 0
+                    budget -= 1
+            else:
+                stats.steps_without_drafts = 0
+        return lengths
+
+    def _propose(self, request: Request, max_len: int) -> list[int]:
+        request_id = request.request_id
+        guided = request.guided
+        drafts: list[int] = []
+        if guided and self.cfg.use_forced_tokens:
+            drafts = self.grammar.forced_tokens(request_id, max_len)
+        if len(drafts) < max_len:
+            context = request.prompt_token_ids + request.output_token_ids
+            num_committed = len(context)
+            prefix = list(drafts)
+
+            def valid_prefix(tokens: Any) -> int:
+                return self.grammar.valid_prefix(request_id, prefix, tokens) if guided else len(tokens)
+
+            drafts += self.drafter.propose(request_id, context + drafts, num_committed, max_len - len(drafts), valid_prefix)
+        return drafts

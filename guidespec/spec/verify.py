@@ -1,0 +1,105 @@
+"""Exact verification of draft tokens on the workers (rank 0), after penalties and bitmasks.
+
+A row that drafted ``k`` tokens ``d_1..d_k`` has ``k + 1`` logits rows: row ``j`` is the
+target's distribution for the token after ``d_j`` (row 0: after the last accepted token), with
+the grammar's mask for that position already applied (p'). Each row yields 1 to ``k + 1`` tokens:
+
+- greedy: accept ``d_j`` while it equals the argmax of p'; then the argmax where they differ
+  (or the bonus token after ``d_k``) — exactly the tokens plain greedy decoding would produce.
+- sampling (rejection sampling, Leviathan et al. / Chen et al.): accept ``d_j`` with probability
+  ``min(1, p'(d_j) / q'(d_j))``; at the first rejection draw from ``(p' - q')+`` normalised; when
+  all are accepted draw a bonus token from the last row. Drafts from the scheduler (n-gram,
+  grammar-forced, user) are deterministic: q' is one-hot, so acceptance is ``p'(d_j)`` and the
+  residual is p' without ``d_j``. The output follows the masked target distribution exactly.
+
+A draft the mask forbids has p'(d_j) = 0 and is never accepted: masks fail closed.
+Seeded rows draw position ``j``'s randomness from a generator seeded by (seed, output index).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from guidespec.worker.sampler import _SEED_STRIDE, filtered_probs, sample
+
+
+def verify(logits: torch.Tensor, num_logits: np.ndarray, drafts: list[np.ndarray], temperature: np.ndarray,
+           top_k: np.ndarray, top_p: np.ndarray, seeds: np.ndarray, sample_index: np.ndarray,
+           generator: torch.Generator | None = None,
+           draft_probs: list[torch.Tensor | None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens each row produces, flat, and how many per row.
+
+    logits [sum(num_logits), V] fp32; per-row arrays of length B; ``drafts[b]`` has
+    ``num_logits[b] - 1`` tokens; ``draft_probs[b]`` (model drafters) is q' [k, V] or None (one-hot).
+    """
+    batch = len(num_logits)
+    offsets = np.concatenate([[0], np.cumsum(num_logits)]).astype(np.int64)
+    out: list[list[int]] = [[] for _ in range(batch)]
+    spec_rows = [b for b in range(batch) if num_logits[b] > 1]
+    plain_rows = [b for b in range(batch) if num_logits[b] == 1]
+    if plain_rows:  # no drafts: the ordinary sampler, batched
+        index = offsets[plain_rows]
+        tokens = sample(logits[index], torch.from_numpy(temperature[plain_rows].astype(np.float32)),
+                        torch.from_numpy(top_k[plain_rows].astype(np.int64)),
+                        torch.from_numpy(top_p[plain_rows].astype(np.float32)),
+                        torch.from_numpy(seeds[plain_rows].astype(np.int64)),
+                        torch.from_numpy(sample_index[plain_rows].astype(np.int64)), generator)
+        for b, token in zip(plain_rows, tokens.tolist()):
+            out[b] = [token]
+    greedy = [b for b in spec_rows if temperature[b] == 0]
+    if greedy:
+        best = logits.argmax(dim=-1).numpy()
+        for b in greedy:
+            out[b] = _verify_greedy(best[offsets[b] : offsets[b + 1]], drafts[b])
+    sampled = [b for b in spec_rows if temperature[b] != 0]
+    if sampled:
+        index = np.concatenate([np.arange(offsets[b], offsets[b + 1]) for b in sampled])
+        reps = num_logits[sampled]
+        probs = filtered_probs(logits[index], torch.from_numpy(np.repeat(temperature[sampled], reps).astype(np.float32)),
+                               torch.from_numpy(np.repeat(top_k[sampled], reps).astype(np.int64)),
+                               torch.from_numpy(np.repeat(top_p[sampled], reps).astype(np.float32)))
+        start = 0
+        for b, n in zip(sampled, reps.tolist()):
+            q = draft_probs[b] if draft_probs is not None else None
+            out[b] = _verify_sampled(probs[start : start + n], drafts[b], q, int(seeds[b]), int(sample_index[b]), generator)
+            start += n
+    counts = np.array([len(t) for t in out], dtype=np.int32)
+    flat = np.array([t for tokens in out for t in tokens], dtype=np.int32)
+    return flat, counts
+
+
+def _verify_greedy(best: np.ndarray, drafts: np.ndarray) -> list[int]:
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == best[accepted]:
+        accepted += 1
+    return [int(t) for t in drafts[:accepted]] + [int(best[accepted])]
+
+
+def _verify_sampled(probs: torch.Tensor, drafts: np.ndarray, q: torch.Tensor | None, seed: int, first_index: int,
+                    generator: torch.Generator | None) -> list[int]:
+    tokens: list[int] = []
+    for j, draft in enumerate(drafts.tolist()):
+        g = _generator(seed, first_index + j, generator)
+        p = probs[j]
+        q_draft = float(q[j, draft]) if q is not None else 1.0
+        u = float(torch.rand(1, generator=g))
+        if q_draft > 0 and u * q_draft < float(p[draft]):  # u < p'/q', without dividing
+            tokens.append(draft)
+            continue
+        residual = (p - q[j]).clamp(min=0) if q is not None else p.clone()
+        if q is None:
+            residual[draft] = 0
+        if float(residual.sum()) <= 0:  # p' == q': nothing left to correct, draw from p'
+            residual = p
+        tokens.append(int(torch.multinomial(residual, 1, generator=g)))
+        return tokens
+    g = _generator(seed, first_index + len(drafts), generator)
+    tokens.append(int(torch.multinomial(probs[len(drafts)], 1, generator=g)))
+    return tokens
+
+
+def _generator(seed: int, index: int, shared: torch.Generator | None) -> torch.Generator | None:
+    if seed < 0:
+        return shared
+    return torch.Generator().manual_seed((seed * _SEED_STRIDE + index) % 2**63)
