@@ -386,4 +386,8 @@ def _speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None) 
             raise ValueError(f"unknown speculative option(s): {', '.join(sorted(unknown))}")
         value = SpeculativeConfig(**value)
     value.validate()
+    if value.method == "user":  # fail here, with the import error, not in the scheduler process
+        from guidespec.spec.drafters import UserDrafter
+
+        UserDrafter(value.user_drafter or "")
     return value

@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from guidespec.llm import GenerationOutput
     from guidespec.protocol import GuidedDecoding
 
 
@@ -44,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--concurrency", type=int, default=16)
     sweep.add_argument("--compile-timeout", type=float, default=30.0)
     sweep.add_argument("--repetition-penalty", type=float, default=1.0)
-    sweep.add_argument("--json", default=None, help="write every case's result here")
+    sweep.add_argument("--results", default=None, metavar="FILE.jsonl",
+                       help="append each case's result here; cases already there are not run again (resume)")
     args = parser.parse_args(argv)
     try:
         if args.command == "sweep":
@@ -68,6 +70,23 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--grammar-backend", "--backend", dest="backend", default="xgrammar",
                    choices=["xgrammar", "llguidance"])
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative", default=None, choices=["ngram", "forced", "user"],
+                      help="drafter: n-gram prompt lookup, grammar-forced tokens only, or --user-drafter")
+    spec.add_argument("--max-draft-len", type=int, default=3)
+    spec.add_argument("--max-matching-ngram-size", type=int, default=4)
+    spec.add_argument("--no-adaptive-draft", action="store_true", help="always draft --max-draft-len tokens")
+    spec.add_argument("--no-forced-drafts", action="store_true", help="do not draft the grammar's forced tokens")
+    spec.add_argument("--user-drafter", default=None, metavar="MODULE:CLASS")
+
+
+def speculative_from_args(args: argparse.Namespace) -> dict[str, object] | None:
+    """The LLM's ``speculative`` argument from the command line (None: off)."""
+    if args.speculative is None:
+        return None
+    return dict(method=args.speculative, max_draft_len=args.max_draft_len,
+                max_matching_ngram_size=args.max_matching_ngram_size, adaptive=not args.no_adaptive_draft,
+                use_forced_tokens=not args.no_forced_drafts, user_drafter=args.user_drafter)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -82,7 +101,7 @@ def _generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
              max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, grammar_backend=args.backend,
-             jump_forward=not args.no_jump_forward) as llm:
+             jump_forward=not args.no_jump_forward, speculative=speculative_from_args(args)) as llm:
         print(f"engine ready in {time.perf_counter() - start:.1f} s "
               f"(tensor_parallel_size={args.tensor_parallel_size}, dtype={args.dtype})", file=sys.stderr)
         if args.stream:
@@ -99,9 +118,16 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"### prompt: {text}\n{out.text}\n")
         print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} output tokens, "
               f"finish={out.finish_reason}, ttft={out.time_to_first_token_s * 1000:.0f} ms, "
-              f"decode={out.decode_tokens_per_s:.1f} tok/s]\n")
+              f"decode={out.decode_tokens_per_s:.1f} tok/s{_spec_figures(out)}]\n")
     print(f"total: {total} output tokens in {wall:.2f} s = {total / wall:.1f} tok/s")
     return 0
+
+
+def _spec_figures(out: GenerationOutput) -> str:
+    if not out.num_spec_steps:
+        return ""
+    return (f", speculative steps={out.num_spec_steps}, accepted tokens/step={out.mean_accepted_tokens_per_step:.2f}"
+            f" (steps by drafts accepted: {out.accepted_histogram})")
 
 
 def _guided(args: argparse.Namespace) -> GuidedDecoding | None:

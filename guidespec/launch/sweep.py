@@ -30,6 +30,8 @@ class CaseResult:
     detail: str
     num_tokens: int
     latency_s: float
+    text: str = ""
+    accepted_tokens_per_step: float = 1.0
 
 
 def default_workload() -> Path:
@@ -72,7 +74,8 @@ def validate_output(text: str, schema: Any) -> str | None:
 
 async def run_cases(llm: Any, cases: list[dict[str, Any]], backend: str, temperature: float, max_tokens: int,
                     concurrency: int, seed: int = 0, progress: Any = None,
-                    repetition_penalty: float = 1.0) -> list[CaseResult]:
+                    repetition_penalty: float = 1.0, on_result: Any = None) -> list[CaseResult]:
+    """Every case through ``llm``, ``concurrency`` at a time; ``on_result`` sees each result as it comes."""
     from guidespec.llm import RequestError
 
     gate = asyncio.Semaphore(concurrency)
@@ -93,15 +96,19 @@ async def run_cases(llm: Any, cases: list[dict[str, Any]], backend: str, tempera
                 latency = time.perf_counter() - start
                 problem = "cut at max_tokens" if out.finish_reason == "length" else validate_output(out.text, case["schema"])
                 result = CaseResult(case["id"], category(case["id"]), "valid" if problem is None else "invalid",
-                                    problem or "", len(out.token_ids), latency)
+                                    problem or "", len(out.token_ids), latency, out.text[:4000],
+                                    out.mean_accepted_tokens_per_step)
         if progress is not None:
             progress.update(1)
+        if on_result is not None:
+            on_result(result)
         return result
 
     return list(await asyncio.gather(*(one(i, c) for i, c in enumerate(cases))))
 
 
-def summarize(results: list[CaseResult], wall_s: float) -> str:
+def summarize(results: list[CaseResult], wall_s: float, timed: list[CaseResult] | None = None) -> str:
+    """A Markdown table per category; throughput over ``timed`` (the cases run in ``wall_s``)."""
     rows: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for r in results:
         row = rows[r.category]
@@ -122,8 +129,13 @@ def summarize(results: list[CaseResult], wall_s: float) -> str:
     valid_pct = 100.0 * total["valid"] / compiled if compiled else 0.0
     lines.append("")
     lines.append(f"valid among compiled: {int(total['valid'])}/{int(compiled)} = {valid_pct:.1f}%; "
-                 f"throughput {total['tokens'] / wall_s:.1f} output tok/s over {wall_s:.0f} s")
+                 f"throughput {_tokens(timed if timed is not None else results) / max(wall_s, 1e-9):.1f} output tok/s "
+                 f"over {wall_s:.0f} s")
     return "\n".join(lines)
+
+
+def _tokens(results: list[CaseResult]) -> int:
+    return sum(r.num_tokens for r in results)
 
 
 def _line(name: str, row: dict[str, float]) -> str:
@@ -134,29 +146,53 @@ def _line(name: str, row: dict[str, float]) -> str:
 
 
 def run_sweep(args: Any) -> int:
+    """Run the sweep; with ``--results FILE`` each case's result is appended to FILE as it comes,
+    and cases FILE already holds for the same configuration are not run again (a sweep can be
+    stopped and resumed). The table covers every result of the configuration."""
     from tqdm import tqdm
 
     from guidespec import LLM
+    from guidespec.launch.cli import speculative_from_args
 
     cases = load_workload(Path(args.workload) if args.workload else default_workload(), args.prefix, args.limit)
-    report: dict[str, Any] = {}
-    with LLM(args.model, max_batch_size=args.concurrency, grammar_backend=args.backend,
+    speculative = speculative_from_args(args)
+    results_path = Path(args.results) if args.results else None
+    with LLM(args.model, max_batch_size=args.concurrency, grammar_backend=args.backend, speculative=speculative,
              grammar_compile_timeout_s=args.compile_timeout) as llm:
         for temperature in args.temperature:
-            bar = tqdm(total=len(cases), desc=f"{args.backend} T={temperature:g}", unit="case")
+            config = {"backend": args.backend, "temperature": temperature, "max_tokens": args.max_tokens,
+                      "repetition_penalty": args.repetition_penalty, "speculative": speculative}
+            done = _load_results(results_path, config)
+            todo = [c for c in cases if c["id"] not in done]
+            bar = tqdm(total=len(todo), desc=f"{args.backend} T={temperature:g}", unit="case")
             start = time.perf_counter()
-            results = asyncio.run(run_cases(llm, cases, args.backend, temperature, args.max_tokens,
-                                            args.concurrency, progress=bar,
-                                            repetition_penalty=args.repetition_penalty))
+            results = asyncio.run(run_cases(llm, todo, args.backend, temperature, args.max_tokens,
+                                            args.concurrency, progress=bar, repetition_penalty=args.repetition_penalty,
+                                            on_result=lambda r: _append_result(results_path, config, r)))
             wall = time.perf_counter() - start
             bar.close()
+            ids = {c["id"] for c in cases}
+            everything = [r for r in done.values() if r.case_id in ids] + results
             print(f"\n### backend {args.backend}, temperature {temperature:g}, max_tokens {args.max_tokens}, "
-                  f"repetition_penalty {args.repetition_penalty:g}\n")
-            print(summarize(results, wall))
-            failures = [r for r in results if r.status in ("invalid", "error")]
-            for r in failures[:20]:
+                  f"repetition_penalty {args.repetition_penalty:g}, speculative {speculative}\n")
+            print(summarize(everything, wall, results))
+            for r in [r for r in everything if r.status in ("invalid", "error")][:40]:
                 print(f"  {r.status}: {r.case_id}: {r.detail}")
-            report[f"T={temperature:g}"] = [vars(r) for r in results]
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
+
+
+def _load_results(path: Path | None, config: dict[str, Any]) -> dict[str, CaseResult]:
+    if path is None or not path.exists():
+        return {}
+    out: dict[str, CaseResult] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if record.pop("config") == config:
+            out[record["case_id"]] = CaseResult(**record)
+    return out
+
+
+def _append_result(path: Path | None, config: dict[str, Any], result: CaseResult) -> None:
+    if path is not None:
+        with path.open("a") as f:
+            f.write(json.dumps({"config": config, **vars(result)}) + "\n")

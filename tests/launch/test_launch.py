@@ -36,3 +36,16 @@ def test_script_without_main_guard(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "OUT length" in result.stdout or "OUT stop" in result.stdout
+
+
+def test_sweep_validates_outputs_and_resumes(tmp_path: Path) -> None:
+    results = tmp_path / "results.jsonl"
+    command = [sys.executable, "-m", "guidespec.launch.cli", "sweep", "--prefix", "JME_", "--limit", "2",
+               "--temperature", "0", "--max-tokens", "200", "--results", str(results), "--speculative", "ngram"]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    assert "valid among compiled: 2/2 = 100.0%" in first.stdout
+    assert len(results.read_text().splitlines()) == 2
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600)  # nothing left to run
+    assert again.returncode == 0 and "valid among compiled: 2/2 = 100.0%" in again.stdout
+    assert len(results.read_text().splitlines()) == 2

@@ -1,0 +1,106 @@
+"""Speculative decoding through the whole engine: greedy speculative output equals greedy plain
+output token for token, for every drafter, guided and unguided, TP=1 and TP=2; sampled guided
+outputs stay valid; per-request switches and figures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from guidespec import LLM, SamplingParams
+from guidespec.launch.sweep import validate_output
+from guidespec.llm import GenerationOutput
+from guidespec.protocol import GuidedDecoding
+
+pytestmark = pytest.mark.slow
+WORKLOAD = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "jsonschemabench" / "workload.jsonl"
+UNGUIDED = [
+    "Repeat after me exactly, three times: the quick brown fox jumps over the lazy dog.",
+    [{"role": "user", "content": "List the days of the week, one per line."}],
+]
+DRAFTERS = {
+    "ngram": dict(method="ngram"),
+    "ngram-fixed-length": dict(method="ngram", adaptive=False, max_draft_len=4),
+    "forced": dict(method="forced"),
+    "user": dict(method="user", user_drafter="tests.spec.test_drafters:_Echo"),
+}
+
+
+def _jme_cases(n: int) -> list[dict[str, Any]]:
+    cases = [json.loads(line) for line in WORKLOAD.read_text().splitlines()]
+    return [c for c in cases if c["id"].startswith("JME_")][:n]
+
+
+def _requests(backend: str = "xgrammar", temperature: float = 0.0) -> list[tuple[Any, SamplingParams]]:
+    guided = [(c["messages"], SamplingParams(max_tokens=160, temperature=temperature, seed=i,
+                                             guided=GuidedDecoding(json_schema=c["schema"], backend=backend)))
+              for i, c in enumerate(_jme_cases(3))]
+    plain = [(p, SamplingParams(max_tokens=48, temperature=temperature, ignore_eos=True)) for p in UNGUIDED]
+    return guided + plain
+
+
+def _run(llm: LLM, requests: list[tuple[Any, SamplingParams]]) -> list[GenerationOutput]:
+    async def run() -> list[GenerationOutput]:
+        return list(await asyncio.gather(*(llm.agenerate(p, sp) for p, sp in requests)))
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    with LLM(max_batch_size=8, show_progress=False) as llm:
+        return [out.token_ids for out in _run(llm, _requests())]
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_greedy_speculative_equals_greedy_plain(reference: list[list[int]], drafter: str) -> None:
+    with LLM(max_batch_size=8, show_progress=False, speculative=DRAFTERS[drafter]) as llm:
+        outs = _run(llm, _requests())
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.num_spec_steps for o in outs) > 0
+    if drafter != "user":  # the echo drafter is rarely right; the others must be, often
+        assert sum(o.num_accepted_tokens for o in outs) > 0.2 * sum(o.num_draft_tokens for o in outs)
+
+
+def test_tensor_parallel_speculative_equals_plain_and_llguidance(reference: list[list[int]]) -> None:
+    with LLM(max_batch_size=8, show_progress=False, tensor_parallel_size=2, grammar_backend="llguidance",
+             speculative="ngram") as llm:
+        outs = _run(llm, _requests(backend="llguidance"))
+    # a backend's grammar does not change greedy text where both accept the model's choice
+    assert [o.token_ids for o in outs[3:]] == reference[3:]
+    for case, out in zip(_jme_cases(3), outs):
+        assert out.finish_reason == "stop" and validate_output(out.text, case["schema"]) is None
+    assert sum(o.num_accepted_tokens for o in outs) > 0
+
+
+def test_sampled_guided_outputs_stay_valid_and_switches_work() -> None:
+    with LLM(max_batch_size=8, show_progress=False, speculative="ngram") as llm:
+        outs = _run(llm, _requests(temperature=1.0))
+        for case, out in zip(_jme_cases(3), outs):
+            assert out.finish_reason == "stop", out.text
+            assert validate_output(out.text, case["schema"]) is None, out.text
+        assert sum(o.num_accepted_tokens for o in outs) > 0
+        off = llm.generate(UNGUIDED[0], SamplingParams(max_tokens=24, temperature=0.0, speculative=False,
+                                                       ignore_eos=True))[0]
+        assert off.num_spec_steps == 0 and off.mean_accepted_tokens_per_step == 1.0
+        one = llm.generate(UNGUIDED[0], SamplingParams(max_tokens=48, temperature=0.0, max_draft_len=1,
+                                                       ignore_eos=True))[0]
+        assert one.num_spec_steps > 0 and len(one.accepted_histogram) <= 2
+        assert one.token_ids[:24] == off.token_ids
+
+
+def test_bad_speculative_options_are_refused_in_the_client() -> None:
+    with pytest.raises(ValueError, match="speculative method"):
+        LLM(speculative="medusa")
+    with pytest.raises(ValueError, match="max_draft_len"):
+        LLM(speculative={"method": "ngram", "max_draft_len": 0})
+    with pytest.raises(ValueError, match="unknown speculative option"):
+        LLM(speculative={"method": "ngram", "draft_len": 3})
+    with pytest.raises(ModuleNotFoundError):
+        LLM(speculative={"method": "user", "user_drafter": "no_such_module:Drafter"})
+    with pytest.raises(ValueError, match="max_draft_len"):
+        SamplingParams(max_draft_len=-1).validate()
