@@ -79,8 +79,10 @@ class SpeculativeConfig:
     """Speculative decoding (``guidespec/spec``). ``method``: ``ngram`` (prompt lookup, in the
     scheduler), ``forced`` (grammar-forced tokens only) or ``user`` (``user_drafter``, a
     ``module:Class`` path). With ``use_forced_tokens``, a guided request's grammar-forced tokens
-    are drafted first and the method's drafts continue after them. The n-gram options mean what
-    they mean in TensorRT-LLM's NGram decoding."""
+    are drafted first and the method's drafts continue after them. With ``constrain_drafts``, drafts
+    are checked against the grammar and cut at the first token it rejects; without, a rejected
+    draft reaches the workers and the target's mask refuses it there. The n-gram options mean
+    what they mean in TensorRT-LLM's NGram decoding.""" 
 
     method: str = "ngram"
     max_draft_len: int = 3
@@ -89,6 +91,7 @@ class SpeculativeConfig:
     is_use_oldest: bool = True
     is_public_pool: bool = True
     use_forced_tokens: bool = True
+    constrain_drafts: bool = True  # cut drafts where the grammar rejects them (off: verification rejects them)
     adaptive: bool = True
     user_drafter: str | None = None
 

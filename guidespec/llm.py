@@ -29,7 +29,8 @@ from guidespec import envs
 from guidespec.config import DTYPES, EngineConfig, ModelConfig, SpeculativeConfig
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.launcher import EngineProcesses
-from guidespec.protocol import GRAMMAR_BACKENDS, AbortRequest, EngineDead, EngineReady, GenerateRequest, RequestOutput, SamplingParams, Shutdown
+from guidespec.protocol import (GRAMMAR_BACKENDS, AbortRequest, DecodeStats, EngineDead, EngineReady, GenerateRequest,
+                                RequestOutput, SamplingParams, Shutdown)
 from guidespec.worker import checkpoint
 
 Message = dict[str, str]
@@ -55,15 +56,7 @@ class GenerationOutput:
     arrival_time: float = 0.0
     first_token_time: float = 0.0
     finish_time: float = 0.0
-    num_spec_steps: int = 0  # steps that verified drafts
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_histogram: list[int] = field(default_factory=list)  # [n]: spec steps that accepted n drafts
-
-    @property
-    def mean_accepted_tokens_per_step(self) -> float:
-        """Tokens per speculative step, the target's own token included (1.0 without speculation)."""
-        return 1.0 + self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else 1.0
+    stats: DecodeStats = field(default_factory=DecodeStats)  # steps, drafts and acceptance
 
     @property
     def time_to_first_token_s(self) -> float:
@@ -110,8 +103,8 @@ class _RequestStream:
         out.text += delta.new_text
         out.token_ids.extend(delta.new_token_ids)
         out.first_token_time = out.first_token_time or delta.first_token_time
-        out.num_spec_steps, out.num_draft_tokens = delta.num_spec_steps, delta.num_draft_tokens
-        out.num_accepted_tokens, out.accepted_histogram = delta.num_accepted_tokens, list(delta.accepted_histogram)
+        if delta.stats is not None:
+            out.stats = delta.stats
         if delta.finished:
             out.finished, out.finish_reason, out.finish_time = True, delta.finish_reason, time.time()
         return StreamDelta(out.request_id, delta.new_text, list(delta.new_token_ids), delta.finished, delta.finish_reason)

@@ -173,6 +173,38 @@ class EngineReady:
     max_model_len: int
 
 
+@register_message(16)
+@dataclass
+class DecodeStats:
+    """A request's decoding figures so far: steps, and what speculation drafted and accepted."""
+
+    num_steps: int = 0  # target steps that produced tokens for it
+    num_spec_steps: int = 0  # of those, steps that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_histogram: list[int] = field(default_factory=list)  # [n]: spec steps that accepted n drafts
+
+    def record_step(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_steps += 1
+        if num_drafts == 0:
+            return
+        self.num_spec_steps += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        while len(self.accepted_histogram) <= num_accepted:
+            self.accepted_histogram.append(0)
+        self.accepted_histogram[num_accepted] += 1
+
+    @property
+    def mean_accepted_tokens_per_step(self) -> float:
+        """Tokens per speculative step, the target's own token included (1.0 without speculation)."""
+        return 1.0 + self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
 @register_message(14)
 @dataclass(frozen=True)
 class RequestOutput:
@@ -186,10 +218,7 @@ class RequestOutput:
     error: str | None = None
     num_prompt_tokens: int = 0
     first_token_time: float = 0.0  # scheduler clock (time.time()) of the first output token
-    num_spec_steps: int = 0  # so far: steps that verified drafts for this request
-    num_draft_tokens: int = 0  # so far: draft tokens proposed
-    num_accepted_tokens: int = 0  # so far: draft tokens accepted
-    accepted_histogram: list[int] = field(default_factory=list)  # so far: [n] = spec steps that produced n + 1 tokens
+    stats: DecodeStats | None = None  # so far (a copy)
 
 
 @register_message(15)

@@ -61,9 +61,9 @@ def test_greedy_speculative_equals_greedy_plain(reference: list[list[int]], draf
     with LLM(max_batch_size=8, show_progress=False, speculative=DRAFTERS[drafter]) as llm:
         outs = _run(llm, _requests())
     assert [o.token_ids for o in outs] == reference
-    assert sum(o.num_spec_steps for o in outs) > 0
+    assert sum(o.stats.num_spec_steps for o in outs) > 0
     if drafter != "user":  # the echo drafter is rarely right; the others must be, often
-        assert sum(o.num_accepted_tokens for o in outs) > 0.2 * sum(o.num_draft_tokens for o in outs)
+        assert sum(o.stats.num_accepted_tokens for o in outs) > 0.2 * sum(o.stats.num_draft_tokens for o in outs)
 
 
 def test_tensor_parallel_speculative_equals_plain_and_llguidance(reference: list[list[int]]) -> None:
@@ -74,7 +74,7 @@ def test_tensor_parallel_speculative_equals_plain_and_llguidance(reference: list
     assert [o.token_ids for o in outs[3:]] == reference[3:]
     for case, out in zip(_jme_cases(3), outs):
         assert out.finish_reason == "stop" and validate_output(out.text, case["schema"]) is None
-    assert sum(o.num_accepted_tokens for o in outs) > 0
+    assert sum(o.stats.num_accepted_tokens for o in outs) > 0
 
 
 def test_sampled_guided_outputs_stay_valid_and_switches_work() -> None:
@@ -83,13 +83,13 @@ def test_sampled_guided_outputs_stay_valid_and_switches_work() -> None:
         for case, out in zip(_jme_cases(3), outs):
             assert out.finish_reason == "stop", out.text
             assert validate_output(out.text, case["schema"]) is None, out.text
-        assert sum(o.num_accepted_tokens for o in outs) > 0
+        assert sum(o.stats.num_accepted_tokens for o in outs) > 0
         off = llm.generate(UNGUIDED[0], SamplingParams(max_tokens=24, temperature=0.0, speculative=False,
                                                        ignore_eos=True))[0]
-        assert off.num_spec_steps == 0 and off.mean_accepted_tokens_per_step == 1.0
+        assert off.stats.num_spec_steps == 0 and off.stats.mean_accepted_tokens_per_step == 1.0
         one = llm.generate(UNGUIDED[0], SamplingParams(max_tokens=48, temperature=0.0, max_draft_len=1,
                                                        ignore_eos=True))[0]
-        assert one.num_spec_steps > 0 and len(one.accepted_histogram) <= 2
+        assert one.stats.num_spec_steps > 0 and len(one.stats.accepted_histogram) <= 2
         assert one.token_ids[:24] == off.token_ids
 
 

@@ -77,6 +77,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--max-matching-ngram-size", type=int, default=4)
     spec.add_argument("--no-adaptive-draft", action="store_true", help="always draft --max-draft-len tokens")
     spec.add_argument("--no-forced-drafts", action="store_true", help="do not draft the grammar's forced tokens")
+    spec.add_argument("--no-constrain-drafts", action="store_true",
+                      help="do not cut drafts where the grammar rejects them (to measure what it gains)")
     spec.add_argument("--user-drafter", default=None, metavar="MODULE:CLASS")
 
 
@@ -86,7 +88,8 @@ def speculative_from_args(args: argparse.Namespace) -> dict[str, object] | None:
         return None
     return dict(method=args.speculative, max_draft_len=args.max_draft_len,
                 max_matching_ngram_size=args.max_matching_ngram_size, adaptive=not args.no_adaptive_draft,
-                use_forced_tokens=not args.no_forced_drafts, user_drafter=args.user_drafter)
+                use_forced_tokens=not args.no_forced_drafts, constrain_drafts=not args.no_constrain_drafts,
+                user_drafter=args.user_drafter)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -124,10 +127,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _spec_figures(out: GenerationOutput) -> str:
-    if not out.num_spec_steps:
+    s = out.stats
+    if not s.num_spec_steps:
         return ""
-    return (f", speculative steps={out.num_spec_steps}, accepted tokens/step={out.mean_accepted_tokens_per_step:.2f}"
-            f" (steps by drafts accepted: {out.accepted_histogram})")
+    return (f", speculative steps={s.num_spec_steps}/{s.num_steps}, accepted tokens/step="
+            f"{s.mean_accepted_tokens_per_step:.2f}, steps by drafts accepted {s.accepted_histogram}")
 
 
 def _guided(args: argparse.Namespace) -> GuidedDecoding | None:

@@ -97,7 +97,7 @@ async def run_cases(llm: Any, cases: list[dict[str, Any]], backend: str, tempera
                 problem = "cut at max_tokens" if out.finish_reason == "length" else validate_output(out.text, case["schema"])
                 result = CaseResult(case["id"], category(case["id"]), "valid" if problem is None else "invalid",
                                     problem or "", len(out.token_ids), latency, out.text[:4000],
-                                    out.mean_accepted_tokens_per_step)
+                                    out.stats.mean_accepted_tokens_per_step)
         if progress is not None:
             progress.update(1)
         if on_result is not None:

@@ -141,9 +141,10 @@ class GrammarManager:
         saved = {r.request_id: c.snapshot() for r in rows if r.drafts and (c := self.closers.get(r.request_id))}
         depth = 0
         advanced: dict[str, int] = {}
+        valid_drafts = {i: len(r.drafts) for i, r in enumerate(rows)}  # how deep each request's grammar goes
         try:
             while True:
-                active = [(i, r) for i, r in enumerate(rows) if len(r.drafts) >= depth]
+                active = [(i, r) for i, r in enumerate(rows) if valid_drafts[i] >= depth]
                 if not active:
                     break
                 by_backend: dict[str, tuple[list[GrammarMatcher], list[int]]] = {}
@@ -160,9 +161,13 @@ class GrammarManager:
                         index = r.output_len + depth  # the output index this row's token will have
                         if closer.closing or (index >= 1 and r.max_tokens - index <= budget_reserve(r.max_tokens)):
                             closer.restrict(self.bitmask[int(firsts[i]) + depth], self._closing(), self.tokenizer)
-                    if depth < len(r.drafts):
+                    if depth < valid_drafts[i]:
                         if not self.matchers[r.request_id][1].accept_token(r.drafts[depth]):
-                            raise RuntimeError(f"request {r.request_id}: draft token {r.drafts[depth]} was not checked")
+                            # an unchecked draft the grammar rejects: verification refuses it at this
+                            # row; the rows after it allow nothing (masks fail closed)
+                            valid_drafts[i] = depth
+                            self.bitmask[int(firsts[i]) + depth + 1 : int(firsts[i + 1])] = 0
+                            continue
                         advanced[r.request_id] = depth + 1
                         if closer is not None:
                             closer.add(r.drafts[depth])

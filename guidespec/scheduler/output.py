@@ -7,6 +7,8 @@ of a stop string is held back, so a streamed client never sees part of a stop st
 
 from __future__ import annotations
 
+import dataclasses
+
 from guidespec.protocol import RequestOutput
 from guidespec.scheduler.request import Request
 
@@ -68,8 +70,5 @@ def _delta(request: Request, reason: str | None) -> RequestOutput:
         finish_reason=reason,
         num_prompt_tokens=request.num_prompt_tokens,
         first_token_time=request.first_token_time,
-        num_spec_steps=request.num_spec_steps,
-        num_draft_tokens=request.num_draft_tokens,
-        num_accepted_tokens=request.num_accepted_tokens,
-        accepted_histogram=list(request.accepted_histogram),
+        stats=dataclasses.replace(request.stats, accepted_histogram=list(request.stats.accepted_histogram)),
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from guidespec.protocol import SamplingParams
+from guidespec.protocol import DecodeStats, SamplingParams
 from guidespec.scheduler.detokenizer import IncrementalDetokenizer
 
 
@@ -38,10 +38,7 @@ class Request:
     finish_reason: str | None = None
     grammar_ready: bool = True  # False while its grammar compiles (UNREADY: not admitted)
     draft_tokens: list[int] = field(default_factory=list)  # this step's drafts, after the known tokens
-    num_spec_steps: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_histogram: list[int] = field(default_factory=list)  # [n]: spec steps that accepted n drafts
+    stats: DecodeStats = field(default_factory=DecodeStats)
 
     @property
     def guided(self) -> bool:

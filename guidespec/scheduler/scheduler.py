@@ -205,6 +205,7 @@ class Scheduler:
                 self.speculator.observe(request, num_drafts, accepted)
             if not new_tokens or request.finished:
                 continue
+            request.stats.record_step(num_drafts, accepted)
             if not request.output_token_ids:
                 request.first_token_time = now
             reason, appended = None, 0

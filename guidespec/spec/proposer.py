@@ -116,13 +116,6 @@ class Speculator:
             return
         stats = self.acceptance.setdefault(request.request_id, _Acceptance())
         stats.rate = 0.7 * stats.rate + 0.3 * (num_accepted / num_drafts)
-        request.num_spec_steps += 1
-        request.num_draft_tokens += num_drafts
-        request.num_accepted_tokens += num_accepted
-        histogram = request.accepted_histogram
-        while len(histogram) <= num_accepted:
-            histogram.append(0)
-        histogram[num_accepted] += 1
 
     def observe_step(self, num_tokens: int, forward_s: float) -> None:
         self.cost.observe(num_tokens, forward_s)
@@ -180,7 +173,9 @@ class Speculator:
             prefix = list(drafts)
 
             def valid_prefix(tokens: Any) -> int:
-                return self.grammar.valid_prefix(request_id, prefix, tokens) if guided else len(tokens)
+                if guided and self.cfg.constrain_drafts:
+                    return int(self.grammar.valid_prefix(request_id, prefix, tokens))
+                return len(tokens)
 
             drafts += self.drafter.propose(request_id, context + drafts, num_committed, max_len - len(drafts), valid_prefix)
         return drafts

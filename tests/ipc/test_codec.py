@@ -21,6 +21,8 @@ EXAMPLES = [
     protocol.Shutdown("bye"),
     protocol.EngineReady(2, 16, 2048),
     protocol.RequestOutput("r1", [1, 2], "hi", True, "stop", None, 5, 2.0),
+    protocol.RequestOutput("r2", [3], "x", stats=protocol.DecodeStats(4, 2, 6, 3, [0, 1, 1])),
+    protocol.DecodeStats(1, 0, 0, 0, []),
     protocol.EngineDead("worker rank 1 died"),
     protocol.StepInputs(3, I32, I32, I32, np.arange(10, dtype=np.int32), I32, np.ones(3, np.float32), I32,
                         np.ones(3, np.float32), np.array([-1, 5, 6], np.int64), I32, I32, np.ones((3, 3), np.float32), True),

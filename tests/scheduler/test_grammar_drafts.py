@@ -1,0 +1,95 @@
+"""The scheduler's grammar across drafts (real backends, real tokenizer): one mask row per verified
+position, equal to a fresh replay; the grammar rolled back after filling; after a rejection the
+state equals a fresh replay of the accepted tokens; unchecked invalid drafts fail closed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from guidespec.protocol import GuidedDecoding
+from guidespec.scheduler.grammar import FillRow, GrammarManager, GrammarSettings
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def manager(request: pytest.FixtureRequest, real_model_dir: Path) -> Iterator[tuple[GrammarManager, Any]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    settings = GrammarSettings(real_model_dir, request.param, 49152, (2,), compile_timeout_s=60.0, max_rows=4)
+    grammar = GrammarManager(settings, tokenizer)
+    yield grammar, _Text(tokenizer, request.param)
+    grammar.shutdown()
+
+
+class _Text:
+    """Encodes JSON text with the backend's separators (xgrammar ", " and ": ", llguidance compact)."""
+
+    def __init__(self, tokenizer: Any, backend: str) -> None:
+        self.tokenizer, self.spaced = tokenizer, backend == "xgrammar"
+
+    def encode(self, text: str) -> list[int]:
+        if self.spaced:
+            text = text.replace('",', '", ').replace('":', '": ')
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+def _matcher(grammar: GrammarManager, request_id: str, tokens: list[int]) -> None:
+    """A fresh request with SCHEMA whose grammar has accepted ``tokens``."""
+    if not grammar.submit(request_id, GuidedDecoding(json_schema=SCHEMA, close_early=False)):
+        deadline = time.monotonic() + 60
+        while request_id not in grammar.poll()[0]:
+            assert time.monotonic() < deadline, "the grammar did not compile"
+            time.sleep(0.01)
+    for token in tokens:
+        assert grammar.accept(request_id, token)
+
+
+def _fresh_row(grammar: GrammarManager, tokens: list[int]) -> np.ndarray:
+    _matcher(grammar, "fresh", tokens)
+    row = grammar.fill([FillRow("fresh")])[0].copy()
+    grammar.release("fresh")
+    return row
+
+
+def test_draft_rows_equal_fresh_replays_and_the_grammar_is_rolled_back(manager: tuple[GrammarManager, Any]) -> None:
+    grammar, text = manager
+    prefix = text.encode('{"name":"')
+    drafts = text.encode('Ann","age":3')[:4]
+    _matcher(grammar, "r", prefix)
+    rows = grammar.fill([FillRow("r", drafts)]).copy()
+    assert rows.shape[0] == 1 + len(drafts)
+    for j in range(len(drafts) + 1):
+        assert np.array_equal(rows[j], _fresh_row(grammar, prefix + drafts[:j])), f"row {j}"
+    assert np.array_equal(grammar.fill([FillRow("r")])[0], rows[0])  # rolled back to the prefix
+    # verification accepted two drafts and rejected the third: advance by exactly those two
+    for token in drafts[:2]:
+        assert grammar.accept("r", token)
+    assert np.array_equal(grammar.fill([FillRow("r")])[0], _fresh_row(grammar, prefix + drafts[:2]))
+    grammar.release("r")
+
+
+def test_an_unchecked_invalid_draft_is_refused_and_later_rows_allow_nothing(manager: tuple[GrammarManager, Any]) -> None:
+    grammar, text = manager
+    prefix = text.encode('{"name":"Ann","age":')
+    digit = text.encode("4")
+    letter = text.encode("x")
+    _matcher(grammar, "r", prefix)
+    drafts = digit + letter + digit
+    rows = grammar.fill([FillRow("r", drafts)]).copy()
+    assert _allowed(rows[0], digit[0]) and not _allowed(rows[1], letter[0])  # the target's mask refuses "x"
+    assert not rows[2].any() and not rows[3].any()  # after the refused draft: fail closed
+    assert np.array_equal(grammar.fill([FillRow("r")])[0], rows[0])
+    assert grammar.valid_prefix("r", [], drafts) == 1 and grammar.valid_prefix("r", digit, letter) == 0
+    grammar.release("r")
+
+
+def _allowed(row: np.ndarray, token: int) -> bool:
+    return bool((int(row[token // 32]) >> (token % 32)) & 1)
