@@ -1,5 +1,5 @@
-"""xgrammar behind the grammar interface. JSON is compact, "," and ":" without spaces (no free whitespace: a small model
-that may emit whitespace forever cannot then run out of tokens inside a value); fills use
+"""xgrammar behind the grammar interface. JSON has fixed separators, ", " and ": ", and no other whitespace (no free
+whitespace: a small model that may emit whitespace forever cannot then run out of tokens inside a value); fills use
 xgrammar's multi-threaded ``BatchGrammarMatcher``."""
 
 from __future__ import annotations

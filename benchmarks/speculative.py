@@ -1,0 +1,138 @@
+"""Guided + speculative decoding on the workload's JME cases: tokens per step for each drafter,
+with and without draft-side grammar checks, and tokens/s against guided decoding alone.
+
+    python benchmarks/speculative.py [--cases 10] [--max-tokens 256] [--draft-len 3] [--backend xgrammar]
+
+Part 1, batch 1 (one request at a time, greedy, draft length fixed at --draft-len): one fresh
+engine per configuration serves every case; grammars are compiled before timing. Greedy
+speculative output equals plain greedy output, so every configuration computes the same text
+(checked) and differs only in steps taken.
+
+Part 2, --concurrency requests at a time: guided alone, n-gram with the adaptive draft length,
+n-gram with a fixed length.
+
+"tokens/step" = output tokens ÷ target steps that produced them (prefill's last step included);
+"accepted/spec step" = tokens per step that verified drafts (the target's own token included),
+TensorRT-LLM's acceptance length. Guided alone already exceeds 1 token/step: jump-forward appends
+forced tokens without a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import machine  # noqa: E402
+
+BATCH1 = {
+    "guided alone (jump-forward)": None,
+    "grammar-forced drafts only": dict(method="forced"),
+    "n-gram, no forced drafts": dict(method="ngram", use_forced_tokens=False),
+    "n-gram + forced, drafts unchecked": dict(method="ngram", constrain_drafts=False),
+    "n-gram + forced, drafts checked": dict(method="ngram"),
+}
+CONCURRENT = {
+    "guided alone (jump-forward)": None,
+    "n-gram + forced, adaptive length": dict(method="ngram", adaptive=True),
+    "n-gram + forced, fixed length": dict(method="ngram", adaptive=False),
+}
+
+
+def load_cases(n: int) -> list[dict[str, Any]]:
+    from guidespec.launch.sweep import default_workload, load_workload
+
+    return load_workload(default_workload(), "JME_", n)
+
+
+def run(cases: list[dict[str, Any]], speculative: dict[str, Any] | None, draft_len: int, concurrency: int,
+        backend: str, max_tokens: int) -> dict[str, Any]:
+    from guidespec import LLM, RequestError, SamplingParams
+    from guidespec.protocol import GuidedDecoding
+
+    if speculative is not None:
+        speculative = {"max_draft_len": draft_len, "adaptive": False, **speculative}
+    guided = [GuidedDecoding(json_schema=c["schema"], backend=backend) for c in cases]
+    with LLM(max_batch_size=max(concurrency, 2), grammar_backend=backend, show_progress=False,
+             speculative=speculative) as llm:
+        usable = []
+        for i, case in enumerate(cases):  # compile first: this measures decoding, not compilation
+            try:
+                llm.generate(case["messages"], SamplingParams(max_tokens=1, guided=guided[i]))
+                usable.append(i)
+            except RequestError:
+                pass
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(i: int) -> Any:
+            async with gate:
+                return await llm.agenerate(cases[i]["messages"], SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                                guided=guided[i]))
+
+        async def every() -> list[Any]:
+            return list(await asyncio.gather(*(one(i) for i in usable)))
+
+        start = time.perf_counter()
+        outs = asyncio.run(every())
+        wall = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    steps = sum(o.stats.num_steps for o in outs)
+    spec_steps = sum(o.stats.num_spec_steps for o in outs)
+    accepted = sum(o.stats.num_accepted_tokens for o in outs)
+    drafted = sum(o.stats.num_draft_tokens for o in outs)
+    histogram: list[int] = []
+    for o in outs:
+        for n, count in enumerate(o.stats.accepted_histogram):
+            histogram.extend([0] * (n + 1 - len(histogram)))
+            histogram[n] += count
+    return {"tok_s": tokens / wall, "tokens": tokens, "tokens_per_step": tokens / max(steps, 1),
+            "accepted_per_spec_step": 1 + accepted / spec_steps if spec_steps else 1.0,
+            "acceptance_rate": accepted / drafted if drafted else 0.0, "histogram": histogram,
+            "outputs": [o.token_ids for o in outs]}
+
+
+def table(title: str, results: dict[str, dict[str, Any]]) -> str:
+    base = next(iter(results.values()))
+    lines = [f"\n{title}\n", "| configuration | tokens | tokens/step | accepted/spec step | draft acceptance | "
+             "steps by drafts accepted | tok/s | ÷ guided alone |", "|---|---:|---:|---:|---:|---|---:|---:|"]
+    for name, r in results.items():
+        lines.append(f"| {name} | {r['tokens']} | {r['tokens_per_step']:.2f} | {r['accepted_per_spec_step']:.2f} | "
+                     f"{r['acceptance_rate']:.0%} | {r['histogram']} | {r['tok_s']:.1f} | "
+                     f"{r['tok_s'] / base['tok_s']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", type=int, default=10)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--draft-len", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--backend", default="xgrammar")
+    parser.add_argument("--skip-concurrent", action="store_true")
+    args = parser.parse_args()
+    cases = load_cases(args.cases)
+    parts = [("batch 1", BATCH1, 1)] + ([] if args.skip_concurrent else [(f"{args.concurrency} concurrent", CONCURRENT,
+                                                                          args.concurrency)])
+    report = []
+    for title, configs, concurrency in parts:
+        results = {}
+        for name, spec in configs.items():
+            results[name] = run(cases, spec, args.draft_len, concurrency, args.backend, args.max_tokens)
+            print(f"{title}: {name}: {results[name]['tok_s']:.1f} tok/s, "
+                  f"{results[name]['tokens_per_step']:.2f} tokens/step", flush=True)
+        reference = next(iter(results.values()))["outputs"]
+        same = all(r["outputs"] == reference for r in results.values())
+        report.append(table(f"{title}, {len(cases)} JME cases, greedy, max_tokens {args.max_tokens}, draft length "
+                            f"{args.draft_len}, {args.backend}; outputs identical across configurations: {same}",
+                            results))
+    print(f"\n{machine()}")
+    print("\n".join(report))
+
+
+if __name__ == "__main__":
+    main()
