@@ -48,3 +48,10 @@ class GrammarBackend(Protocol):
 
 def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
+
+
+def bitmask_row(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
+    """A packed bitmask row (bit i of word i // 32) allowing exactly ``token_ids``."""
+    bits = np.zeros(bitmask_width(vocab_size) * 32, dtype=np.uint8)
+    bits[list(token_ids)] = 1
+    return np.packbits(bits, bitorder="little").view(np.int32).copy()

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from guidespec.grammar_backends.interface import bitmask_width
+from guidespec.grammar_backends.interface import bitmask_row
 
 MAX_PERIOD = 32
 MIN_SPAN = 24
@@ -56,16 +56,10 @@ class ClosingTokens:
                 in_string.append(i)
             elif set(piece) <= _BRACKETS:
                 outside.append(i)
-        return cls(_pack(in_string, vocab_size), _pack(outside, vocab_size))
+        return cls(bitmask_row(in_string, vocab_size), bitmask_row(outside, vocab_size))
 
 
 _BRACKETS = frozenset("]}")
-
-
-def _pack(ids: list[int], vocab_size: int) -> np.ndarray:
-    bits = np.zeros(bitmask_width(vocab_size) * 32, dtype=np.uint8)
-    bits[ids] = 1
-    return np.packbits(bits, bitorder="little").view(np.int32).copy()
 
 
 def budget_reserve(max_tokens: int) -> int:

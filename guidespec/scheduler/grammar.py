@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from guidespec.grammar_backends import GrammarBackend, GrammarError, GrammarMatcher, create_backend
-from guidespec.grammar_backends.interface import bitmask_width
+from guidespec.grammar_backends.interface import bitmask_row, bitmask_width
 from guidespec.protocol import GuidedDecoding
 from guidespec.scheduler.closing import ClosingTokens, EarlyCloser, budget_reserve
 
@@ -84,6 +84,7 @@ class GrammarManager:
         self._closing_tokens: ClosingTokens | None = None  # built at first use
         self._job_ids = itertools.count()
         self.bitmask = np.zeros((settings.max_rows, bitmask_width(settings.vocab_size)), dtype=np.int32)
+        self._stop_row = bitmask_row(settings.stop_token_ids, settings.vocab_size)
 
     # ------------------------------------------------------------------ compile
 
@@ -134,50 +135,36 @@ class GrammarManager:
         ``d_1..d_k`` gets rows for its current state and after each ``d_j`` (its grammar is
         advanced through the drafts, filled at each depth, and rolled back). Fills are batched
         per backend and depth. Returns [sum(1 + len(drafts)), ceil(vocab / 32)]."""
-        firsts = np.cumsum([0] + [1 + len(r.drafts) for r in rows])
-        needed = int(firsts[-1])
-        if needed > self.bitmask.shape[0]:
-            self.bitmask = np.zeros((needed, self.bitmask.shape[1]), dtype=np.int32)
+        firsts = np.cumsum([0] + [1 + len(r.drafts) for r in rows]).tolist()
+        if firsts[-1] > self.bitmask.shape[0]:
+            self.bitmask = np.zeros((firsts[-1], self.bitmask.shape[1]), dtype=np.int32)
         saved = {r.request_id: c.snapshot() for r in rows if r.drafts and (c := self.closers.get(r.request_id))}
-        depth = 0
-        advanced: dict[str, int] = {}
-        valid_drafts = {i: len(r.drafts) for i, r in enumerate(rows)}  # how deep each request's grammar goes
+        depths = [len(r.drafts) for r in rows]  # how deep each request's grammar can follow its drafts
+        accepted = [0] * len(rows)
         try:
-            while True:
-                active = [(i, r) for i, r in enumerate(rows) if valid_drafts[i] >= depth]
-                if not active:
-                    break
-                by_backend: dict[str, tuple[list[GrammarMatcher], list[int]]] = {}
-                for i, r in active:
-                    backend, matcher = self.matchers[r.request_id]
-                    matchers, out_rows = by_backend.setdefault(backend, ([], []))
-                    matchers.append(matcher)
-                    out_rows.append(int(firsts[i]) + depth)
-                for backend, (matchers, out_rows) in by_backend.items():
-                    self.backends[backend].fill_bitmasks(matchers, self.bitmask, out_rows)
-                for i, r in active:
-                    closer = self.closers.get(r.request_id)
-                    if closer is not None:
-                        index = r.output_len + depth  # the output index this row's token will have
-                        if closer.closing or (index >= 1 and r.max_tokens - index <= budget_reserve(r.max_tokens)):
-                            closer.restrict(self.bitmask[int(firsts[i]) + depth], self._closing(), self.tokenizer)
-                    if depth < valid_drafts[i]:
-                        if not self.matchers[r.request_id][1].accept_token(r.drafts[depth]):
-                            # an unchecked draft the grammar rejects: verification refuses it at this
-                            # row; the rows after it allow nothing (masks fail closed)
-                            valid_drafts[i] = depth
-                            self.bitmask[int(firsts[i]) + depth + 1 : int(firsts[i + 1])] = 0
-                            continue
-                        advanced[r.request_id] = depth + 1
-                        if closer is not None:
-                            closer.add(r.drafts[depth])
-                depth += 1
+            for depth in range(max(depths, default=0) + 1):
+                active = [i for i in range(len(rows)) if depths[i] >= depth]
+                ended = [i for i in active if self.matchers[rows[i].request_id][1].is_terminated()]
+                live = [i for i in active if i not in ended]
+                self._fill_rows([rows[i].request_id for i in live], [firsts[i] + depth for i in live])
+                for i in ended:  # a draft ended the grammar: only a stop token may follow
+                    self.bitmask[firsts[i] + depth] = self._stop_row
+                for i in live:
+                    self._restrict_if_closing(rows[i], firsts[i] + depth, depth)
+                    if depth == depths[i]:
+                        continue
+                    if self._accept_draft(rows[i].request_id, rows[i].drafts[depth]):
+                        accepted[i] += 1
+                    else:  # an unchecked draft the grammar rejects: verification refuses it at this
+                        depths[i] = depth  # row; the rows after it allow nothing (masks fail closed)
+                        self.bitmask[firsts[i] + depth + 1 : firsts[i + 1]] = 0
         finally:
-            for request_id, count in advanced.items():
-                self.matchers[request_id][1].rollback(count)
+            for i, r in enumerate(rows):
+                if accepted[i]:
+                    self.matchers[r.request_id][1].rollback(accepted[i])
             for request_id, state in saved.items():
                 self.closers[request_id].restore(state)
-        return self.bitmask[:needed]
+        return self.bitmask[: firsts[-1]]
 
     def forced_tokens(self, request_id: str, limit: int) -> list[int]:
         """The tokens the grammar forces next (the matcher is left as it was)."""
@@ -284,6 +271,34 @@ class GrammarManager:
         for request_id in waiting:
             del self.pending[request_id]
         return waiting
+
+    def _fill_rows(self, request_ids: list[str], out_rows: list[int]) -> None:
+        """Fill ``self.bitmask[out_rows[i]]`` from each request's matcher, batched per backend."""
+        by_backend: dict[str, tuple[list[GrammarMatcher], list[int]]] = {}
+        for request_id, out_row in zip(request_ids, out_rows):
+            backend, matcher = self.matchers[request_id]
+            matchers, rows = by_backend.setdefault(backend, ([], []))
+            matchers.append(matcher)
+            rows.append(out_row)
+        for backend, (matchers, rows) in by_backend.items():
+            self.backends[backend].fill_bitmasks(matchers, self.bitmask, rows)
+
+    def _restrict_if_closing(self, row: FillRow, out_row: int, depth: int) -> None:
+        """Steer a JSON output that loops or nears max_tokens to close (``closing.py``)."""
+        closer = self.closers.get(row.request_id)
+        if closer is None:
+            return
+        index = row.output_len + depth  # the output index this row's token will have
+        if closer.closing or (index >= 1 and row.max_tokens - index <= budget_reserve(row.max_tokens)):
+            closer.restrict(self.bitmask[out_row], self._closing(), self.tokenizer)
+
+    def _accept_draft(self, request_id: str, token: int) -> bool:
+        if not self.matchers[request_id][1].accept_token(token):
+            return False
+        closer = self.closers.get(request_id)
+        if closer is not None:
+            closer.add(token)
+        return True
 
     def _backend(self, name: str) -> GrammarBackend:
         if name not in self.backends:

@@ -44,10 +44,7 @@ class _Text:
 def _matcher(grammar: GrammarManager, request_id: str, tokens: list[int]) -> None:
     """A fresh request with SCHEMA whose grammar has accepted ``tokens``."""
     if not grammar.submit(request_id, GuidedDecoding(json_schema=SCHEMA, close_early=False)):
-        deadline = time.monotonic() + 60
-        while request_id not in grammar.poll()[0]:
-            assert time.monotonic() < deadline, "the grammar did not compile"
-            time.sleep(0.01)
+        _wait(grammar, request_id)
     for token in tokens:
         assert grammar.accept(request_id, token)
 
@@ -93,3 +90,22 @@ def test_an_unchecked_invalid_draft_is_refused_and_later_rows_allow_nothing(mana
 
 def _allowed(row: np.ndarray, token: int) -> bool:
     return bool((int(row[token // 32]) >> (token % 32)) & 1)
+
+
+def test_a_draft_that_ends_the_grammar_leaves_only_the_stop_token(manager: tuple[GrammarManager, Any]) -> None:
+    grammar, text = manager
+    assert grammar.submit("c", GuidedDecoding(choice=("yes", "no"))) or _wait(grammar, "c")
+    yes = text.encode("yes")
+    rows = grammar.fill([FillRow("c", yes + [2])]).copy()  # 2: the stop token
+    assert _allowed(rows[1], 2)
+    assert [t for t in range(49152) if _allowed(rows[2], t)] == [2]
+    assert np.array_equal(grammar.fill([FillRow("c")])[0], rows[0])
+    grammar.release("c")
+
+
+def _wait(grammar: GrammarManager, request_id: str) -> bool:
+    deadline = time.monotonic() + 60
+    while request_id not in grammar.poll()[0]:
+        assert time.monotonic() < deadline, "the grammar did not compile"
+        time.sleep(0.01)
+    return True
