@@ -1,0 +1,74 @@
+"""The adaptive draft length: long drafts while they pay, none when acceptance is low or the
+forward is compute-bound (large batches), and a probe now and then to notice a change."""
+
+from __future__ import annotations
+
+from guidespec.config import SpeculativeConfig
+from guidespec.protocol import SamplingParams
+from guidespec.scheduler.batching import ScheduledRow
+from guidespec.scheduler.detokenizer import IncrementalDetokenizer
+from guidespec.scheduler.request import Request
+from guidespec.spec.proposer import CostModel, Speculator
+
+
+class _Tokenizer:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+def _decoding_rows(n: int) -> list[ScheduledRow]:
+    rows = []
+    for i in range(n):
+        prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # an n-gram drafter always finds "3 1 2" after "1 2"
+        request = Request(f"r{i}", prompt, SamplingParams(max_tokens=100, temperature=0.0), 0.0,
+                          IncrementalDetokenizer(_Tokenizer(), prompt))  # type: ignore[arg-type]
+        request.output_token_ids = [3]
+        request.num_computed_tokens = len(prompt)
+        rows.append(ScheduledRow(request, len(prompt), 1, 1))
+    return rows
+
+
+def _speculator(step_ms: tuple[float, float]) -> Speculator:
+    """A speculator whose cost model has seen steps of c0 + c1 * tokens milliseconds."""
+    speculator = Speculator(SpeculativeConfig(method="ngram", max_draft_len=3), grammar=None, max_model_len=1024)
+    c0, c1 = step_ms
+    for tokens in (1, 4, 16, 64, 1, 4, 16, 64):
+        speculator.observe_step(tokens, (c0 + c1 * tokens) / 1000)
+    return speculator
+
+
+def _draft_lengths(speculator: Speculator, rows: list[ScheduledRow]) -> list[int]:
+    return [row.num_logits - 1 for row in speculator.plan(rows, max_tokens_per_step=512)]
+
+
+def test_cost_model_recovers_a_linear_step_time() -> None:
+    model = CostModel()
+    for tokens in (1, 8, 32, 1, 8, 32):
+        model.observe(tokens, 0.030 + 0.002 * tokens)
+    c0, c1 = model.coefficients()
+    assert abs(c0 - 0.030) < 1e-3 and abs(c1 - 0.002) < 1e-4
+
+
+def test_full_drafts_when_tokens_are_cheap_and_acceptance_high() -> None:
+    speculator = _speculator((30.0, 0.1))  # a memory-bound forward: extra tokens cost little
+    rows = _decoding_rows(1)
+    assert _draft_lengths(speculator, rows) == [3]
+    assert rows[0].request.draft_tokens == [1, 2, 3]
+
+
+def test_drafts_shrink_when_acceptance_drops_and_probe_later() -> None:
+    speculator = _speculator((30.0, 2.0))
+    rows = _decoding_rows(1)
+    for _ in range(12):  # every draft rejected
+        _draft_lengths(speculator, rows)
+        speculator.observe(rows[0].request, 3, 0)
+    lengths = [_draft_lengths(speculator, rows)[0] for _ in range(16)]
+    assert lengths.count(0) >= 12 and 1 in lengths  # off, but probing with one draft now and then
+
+
+def test_no_drafts_when_the_forward_is_compute_bound_at_a_large_batch() -> None:
+    speculator = _speculator((5.0, 4.0))  # each token costs almost as much as a step
+    assert sum(_draft_lengths(speculator, _decoding_rows(16))) <= 2
+    fixed = Speculator(SpeculativeConfig(method="ngram", max_draft_len=3, adaptive=False), grammar=None,
+                       max_model_len=1024)
+    assert _draft_lengths(fixed, _decoding_rows(16)) == [3] * 16
