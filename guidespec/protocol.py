@@ -201,6 +201,11 @@ class DecodeStats:
         return 1.0 + self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else 1.0
 
     @property
+    def mean_draft_length(self) -> float:
+        """Draft tokens per speculative step."""
+        return self.num_draft_tokens / self.num_spec_steps if self.num_spec_steps else 0.0
+
+    @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 

@@ -131,7 +131,8 @@ def _spec_figures(out: GenerationOutput) -> str:
     if not s.num_spec_steps:
         return ""
     return (f", speculative steps={s.num_spec_steps}/{s.num_steps}, accepted tokens/step="
-            f"{s.mean_accepted_tokens_per_step:.2f}, steps by drafts accepted {s.accepted_histogram}")
+            f"{s.mean_accepted_tokens_per_step:.2f}, mean draft length {s.mean_draft_length:.2f}, "
+            f"steps by drafts accepted {s.accepted_histogram}")
 
 
 def _guided(args: argparse.Namespace) -> GuidedDecoding | None:

@@ -131,6 +131,10 @@ def summarize(results: list[CaseResult], wall_s: float, timed: list[CaseResult] 
     lines.append(f"valid among compiled: {int(total['valid'])}/{int(compiled)} = {valid_pct:.1f}%; "
                  f"throughput {_tokens(timed if timed is not None else results) / max(wall_s, 1e-9):.1f} output tok/s "
                  f"over {wall_s:.0f} s")
+    speculated = [r for r in results if r.status in ("valid", "invalid")]
+    if any(r.accepted_tokens_per_step > 1 for r in speculated):
+        mean = sum(r.accepted_tokens_per_step for r in speculated) / len(speculated)
+        lines.append(f"mean accepted tokens per speculative step (per request, averaged): {mean:.2f}")
     return "\n".join(lines)
 
 
