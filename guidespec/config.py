@@ -71,14 +71,15 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
 
-SPEC_METHODS = ("ngram", "forced", "user")
+SPEC_METHODS = ("ngram", "forced", "user", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (``guidespec/spec``). ``method``: ``ngram`` (prompt lookup, in the
-    scheduler), ``forced`` (grammar-forced tokens only) or ``user`` (``user_drafter``, a
-    ``module:Class`` path). With ``use_forced_tokens``, a guided request's grammar-forced tokens
+    scheduler), ``forced`` (grammar-forced tokens only), ``user`` (``user_drafter``, a
+    ``module:Class`` path) or ``draft_model`` (a smaller model with the target's tokenizer, run by
+    rank 0 after each step to propose the next step's drafts: ``draft_model``). With ``use_forced_tokens``, a guided request's grammar-forced tokens
     are drafted first and the method's drafts continue after them. With ``constrain_drafts``, drafts
     are checked against the grammar and cut at the first token it rejects; without, a rejected
     draft reaches the workers and the target's mask refuses it there. The n-gram options mean
@@ -94,6 +95,7 @@ class SpeculativeConfig:
     constrain_drafts: bool = True  # cut drafts where the grammar rejects them (off: verification rejects them)
     adaptive: bool = True
     user_drafter: str | None = None
+    draft_model: str | None = None  # method draft_model: "self", "layers:N" (the target's first N) or a folder
 
     def validate(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -104,6 +106,8 @@ class SpeculativeConfig:
             raise ValueError(f"max_matching_ngram_size must be >= 1, got {self.max_matching_ngram_size}")
         if self.method == "user" and not self.user_drafter:
             raise ValueError("method 'user' needs user_drafter='module:Class'")
+        if self.method == "draft_model" and not self.draft_model:
+            raise ValueError("method 'draft_model' needs draft_model='self' | 'layers:N' | a model folder")
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,7 @@ class WorkerConfig:
     num_threads: int
     show_progress: bool = True
     device: str = "cpu"
+    draft_model: str | None = None  # rank 0 runs this draft model after each step (SpeculativeConfig.draft_model)
 
 
 def config_to_dict(config: SchedulerConfig | WorkerConfig) -> dict[str, object]:

@@ -383,4 +383,7 @@ def _speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None) 
         from guidespec.spec.drafters import UserDrafter
 
         UserDrafter(value.user_drafter or "")
+    draft = value.draft_model
+    if value.method == "draft_model" and draft and draft != "self" and not draft.startswith("layers:"):
+        value = dataclasses.replace(value, draft_model=str(checkpoint.resolve_model_dir(draft, show_progress=False)))
     return value

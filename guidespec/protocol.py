@@ -260,6 +260,7 @@ class StepInputs:
     num_prompt_tokens: np.ndarray  # [B] int32
     penalties: np.ndarray  # [B, 3] float32: repetition, frequency, presence
     has_bitmask: bool = False  # a StepBitmask for this step follows on the ring
+    draft_lens: np.ndarray | None = None  # [B] int32: draft-model proposals wanted after this step (None: none)
 
     @property
     def batch_size(self) -> int:
@@ -284,6 +285,8 @@ class StepOutputs:
     num_tokens: np.ndarray  # [B] int32
     forward_s: float = 0.0
     timings: np.ndarray | None = None  # [4] float64 wall times: forward start, forward end, mask ready, done
+    draft_tokens: np.ndarray | None = None  # [sum(num_draft_tokens)] int32: the draft model's proposals
+    num_draft_tokens: np.ndarray | None = None  # [B] int32, they follow each row's last produced token
 
 
 @register_message(23)

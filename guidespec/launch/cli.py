@@ -71,8 +71,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grammar-backend", "--backend", dest="backend", default="xgrammar",
                    choices=["xgrammar", "llguidance"])
     spec = p.add_argument_group("speculative decoding")
-    spec.add_argument("--speculative", default=None, choices=["ngram", "forced", "user"],
-                      help="drafter: n-gram prompt lookup, grammar-forced tokens only, or --user-drafter")
+    spec.add_argument("--speculative", default=None, choices=["ngram", "forced", "user", "draft_model"],
+                      help="drafter: n-gram prompt lookup, grammar-forced tokens only, --user-drafter, or --draft-model")
+    spec.add_argument("--draft-model", default=None, metavar="self|layers:N|PATH",
+                      help="the draft model: the target itself, its first N layers, or a folder / .gguf")
     spec.add_argument("--max-draft-len", type=int, default=3)
     spec.add_argument("--max-matching-ngram-size", type=int, default=4)
     spec.add_argument("--no-adaptive-draft", action="store_true", help="always draft --max-draft-len tokens")
@@ -89,7 +91,7 @@ def speculative_from_args(args: argparse.Namespace) -> dict[str, object] | None:
     return dict(method=args.speculative, max_draft_len=args.max_draft_len,
                 max_matching_ngram_size=args.max_matching_ngram_size, adaptive=not args.no_adaptive_draft,
                 use_forced_tokens=not args.no_forced_drafts, constrain_drafts=not args.no_constrain_drafts,
-                user_drafter=args.user_drafter)
+                user_drafter=args.user_drafter, draft_model=args.draft_model)
 
 
 def _generate(args: argparse.Namespace) -> int:

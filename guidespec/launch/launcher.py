@@ -72,8 +72,8 @@ class EngineProcesses:
         for rank in range(cfg.tensor_parallel_size):
             worker_cfg = WorkerConfig(cfg.model_dir, cfg.dtype, rank, cfg.tensor_parallel_size, cfg.max_batch_size,
                                       cfg.max_model_len, self.broadcast, self._ring_index(rank), ep.worker_results,
-                                      init_method, threads,
-                                      cfg.show_progress)
+                                      init_method, threads, cfg.show_progress,
+                                      draft_model=_draft_model(cfg) if rank == 0 else None)
             self._spawn(f"worker rank {rank}", "worker", worker_cfg)
         self._monitor = threading.Thread(target=self._watch, name="guidespec-monitor", daemon=True)
         self._monitor.start()
@@ -129,6 +129,11 @@ def _death_message(name: str, process: subprocess.Popen[bytes]) -> str:
     else:
         how = f"exited with code {code}"
     return f"{name} (pid {process.pid}) {how}"
+
+
+def _draft_model(cfg: EngineConfig) -> str | None:
+    spec = cfg.speculative
+    return spec.draft_model if spec is not None and spec.method == "draft_model" else None
 
 
 def _free_port() -> int:

@@ -192,6 +192,7 @@ class Scheduler:
 
     def emit(self, rows: list[ScheduledRow], outputs: StepOutputs) -> None:
         offsets = np.concatenate([[0], np.cumsum(outputs.num_tokens)])
+        proposals = _split(outputs.draft_tokens, outputs.num_draft_tokens)
         now = time.time()
         if self.speculator is not None:
             self.speculator.observe_step(sum(row.num_new_tokens for row in rows), outputs.forward_s)
@@ -216,6 +217,8 @@ class Scheduler:
                     break
             # accepted drafts are in the KV cache now; rejected drafts' entries get overwritten later
             request.advance_computed(min(accepted, appended))
+            if proposals is not None and self.speculator is not None and appended == len(new_tokens):
+                self.speculator.store_proposals(request, proposals[i])
             if reason is None and request.guided and self.cfg.jump_forward and not self._speculates(request):
                 reason = self._jump_forward(request)
             if reason == "error":
@@ -273,6 +276,7 @@ class Scheduler:
             penalties=np.array([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
                                dtype=np.float32).reshape(-1, 3),
             has_bitmask=has_bitmask,
+            draft_lens=self.speculator.proposal_lengths(rows) if self.speculator is not None else None,
         )
 
     def _handle_client_message(self, message: Any) -> None:
@@ -355,6 +359,14 @@ def _error_output(request: Request, error: str) -> RequestOutput:
     output = finish_output(request, "error")
     return RequestOutput(output.request_id, output.new_token_ids, output.new_text, True, "error", error,
                          output.num_prompt_tokens)
+
+
+def _split(flat: np.ndarray | None, counts: np.ndarray | None) -> list[list[int]] | None:
+    """Per-row lists from a flat array and its per-row counts."""
+    if flat is None or counts is None:
+        return None
+    ends = np.cumsum(counts).tolist()
+    return [flat[end - n : end].tolist() for end, n in zip(ends, counts.tolist())]
 
 
 def _process_alive(pid: int) -> bool:

@@ -6,7 +6,8 @@ the request's grammar accepts (all of them for an unguided request): drafts are 
 a drafter with several candidates keeps the one the grammar accepts furthest.
 
 Grammar-forced drafts are not a drafter here: they come from the grammar itself
-(``spec/proposer.py`` puts them first, a drafter continues after them).
+(``spec/proposer.py`` puts them first, a drafter continues after them). The draft model runs on
+the workers (``draft_model.py``); ``ModelDrafter`` hands its proposals on.
 """
 
 from __future__ import annotations
@@ -140,10 +141,36 @@ class UserDrafter:
         pass
 
 
+class ModelDrafter:
+    """The draft model's proposals, made by rank 0 after the previous step (``draft_model.py``).
+    They follow the request's final tokens; where the grammar forced drafts first, the proposals
+    are used only if they begin with those same tokens."""
+
+    def __init__(self) -> None:
+        self.proposals: dict[str, list[int]] = {}
+
+    def store(self, request_id: str, tokens: list[int]) -> None:
+        self.proposals[request_id] = tokens
+
+    def propose(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
+                valid_prefix: ValidPrefix) -> list[int]:
+        proposals = self.proposals.pop(request_id, [])
+        forced = list(context[num_committed:])
+        if proposals[: len(forced)] != forced:
+            return []
+        draft = proposals[len(forced) : len(forced) + max_len]
+        return draft[: valid_prefix(draft)]
+
+    def release(self, request_id: str) -> None:
+        self.proposals.pop(request_id, None)
+
+
 def create_drafter(cfg: SpeculativeConfig) -> Drafter:
     if cfg.method == "ngram":
         return NGramDrafter(cfg.max_draft_len, cfg.max_matching_ngram_size, cfg.is_keep_all, cfg.is_use_oldest,
                             cfg.is_public_pool)
     if cfg.method == "user":
         return UserDrafter(cfg.user_drafter or "")
+    if cfg.method == "draft_model":
+        return ModelDrafter()
     return NoDrafter()

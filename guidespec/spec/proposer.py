@@ -23,10 +23,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from guidespec.config import SpeculativeConfig
 from guidespec.scheduler.batching import ScheduledRow
 from guidespec.scheduler.request import Request
-from guidespec.spec.drafters import Drafter, create_drafter
+from guidespec.spec.drafters import Drafter, ModelDrafter, create_drafter
 
 _PROBE_EVERY = 8
 
@@ -108,6 +110,22 @@ class Speculator:
             if drafts:
                 out[i] = ScheduledRow(request, rows[i].start, 1 + len(drafts), 1 + len(drafts))
         return out
+
+    def proposal_lengths(self, rows: list[ScheduledRow]) -> np.ndarray | None:
+        """With a draft model: how many drafts rank 0 should propose after this step, per row."""
+        if not isinstance(self.drafter, ModelDrafter):
+            return None
+        lengths = np.zeros(len(rows), dtype=np.int32)
+        for i, row in enumerate(rows):
+            request = row.request
+            if row.num_logits and self.speculates(request):
+                lengths[i] = min(request.params.max_draft_len or self.cfg.max_draft_len,
+                                 request.params.max_tokens - len(request.output_token_ids) - 2)
+        return np.maximum(lengths, 0)
+
+    def store_proposals(self, request: Request, tokens: list[int]) -> None:
+        if isinstance(self.drafter, ModelDrafter):
+            self.drafter.store(request.request_id, tokens)
 
     def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """After verification: update the request's acceptance rate and its figures."""

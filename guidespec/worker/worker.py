@@ -1,8 +1,8 @@
 """The worker process: its loop, start to end.
 
     attach ring -> load model shard -> report ready ->
-    loop: read StepInputs -> forward -> [read StepBitmask, apply] -> sample or verify drafts (rank 0)
-          -> send StepOutputs
+    loop: read StepInputs -> forward [+ draft model follows] -> [read StepBitmask, apply]
+          -> sample or verify drafts (rank 0) -> [draft model proposes next drafts (rank 0)] -> send StepOutputs
 
 Every rank runs the same forward (collectives inside); only rank 0 computes the sampled
 tokens and answers the scheduler. Any exception is reported as a WorkerError naming the rank
@@ -74,6 +74,12 @@ class Worker:
         self.history = TokenHistory(cfg.max_batch_size, model_cfg.vocab_size)
         self.reader = create_step_reader(cfg.broadcast, cfg.ring_index, ctx)
         self.generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
+        self.drafter = None
+        if cfg.draft_model is not None and self.tp.is_driver:
+            from guidespec.spec.draft_model import DraftRunner
+
+            self.drafter = DraftRunner(cfg.draft_model, cfg.model_dir, dtype, cfg.max_batch_size, cfg.max_model_len,
+                                       model_cfg.vocab_size)
 
     def loop(self, results: Channel, parent_pid: int) -> None:
         while True:
@@ -92,6 +98,8 @@ class Worker:
                                     inputs.num_new_tokens, inputs.num_logits)
         hidden = self.model.forward(batch, self.kv)
         logits = self.model.compute_logits(hidden)
+        if self.drafter is not None:
+            self.drafter.follow(batch)
         forward_end = mask_ready = time.time()
         rows = np.repeat(np.arange(inputs.batch_size), inputs.num_logits)
         if logits is not None:
@@ -116,8 +124,11 @@ class Worker:
                             torch.from_numpy(inputs.seeds[rows].copy()),
                             torch.from_numpy(inputs.sample_index[rows].astype(np.int64)), self.generator)
             tokens_np, counts = tokens.numpy().astype(np.int32), inputs.num_logits.astype(np.int32)
+        drafts = draft_counts = None
+        if self.drafter is not None and inputs.draft_lens is not None:
+            drafts, draft_counts = self.drafter.propose(inputs, tokens_np, counts)
         timings = np.array([wall_start, forward_end, mask_ready, time.time()], dtype=np.float64)
-        return StepOutputs(inputs.step, tokens_np, counts, time.perf_counter() - start, timings)
+        return StepOutputs(inputs.step, tokens_np, counts, time.perf_counter() - start, timings, drafts, draft_counts)
 
     def _read_bitmask(self, step: int) -> StepBitmask:
         message = codec.decode(self.reader.read(timeout=60.0))
