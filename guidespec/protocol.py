@@ -261,6 +261,7 @@ class StepInputs:
     penalties: np.ndarray  # [B, 3] float32: repetition, frequency, presence
     has_bitmask: bool = False  # a StepBitmask for this step follows on the ring
     draft_lens: np.ndarray | None = None  # [B] int32: draft-model proposals wanted after this step (None: none)
+    draft_masked: np.ndarray | None = None  # [B] bool: rows whose draft steps wait for a DraftMask
 
     @property
     def batch_size(self) -> int:
@@ -287,6 +288,30 @@ class StepOutputs:
     timings: np.ndarray | None = None  # [4] float64 wall times: forward start, forward end, mask ready, done
     draft_tokens: np.ndarray | None = None  # [sum(num_draft_tokens)] int32: the draft model's proposals
     num_draft_tokens: np.ndarray | None = None  # [B] int32, they follow each row's last produced token
+
+
+@register_message(25)
+@dataclass(frozen=True)
+class DraftTokens:
+    """Rank 0 -> scheduler, during the draft loop of ``step``: for each guided row about to choose
+    its draft number ``draft_index`` (from 0), every token past the request's last final one
+    (this step's produced tokens, then the drafts so far), so the scheduler can fill its mask."""
+
+    step: int
+    draft_index: int
+    rows: np.ndarray  # [R] int32 batch rows
+    token_ids: np.ndarray  # [sum(num_tokens)] int32
+    num_tokens: np.ndarray  # [R] int32
+
+
+@register_message(26)
+@dataclass(frozen=True)
+class DraftMask:
+    """Scheduler -> workers (ring): the masks for a DraftTokens, one row per row it named."""
+
+    step: int
+    draft_index: int
+    bitmask: np.ndarray  # [R, ceil(vocab / 32)] int32
 
 
 @register_message(23)

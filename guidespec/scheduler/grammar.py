@@ -166,6 +166,34 @@ class GrammarManager:
                 self.closers[request_id].restore(state)
         return self.bitmask[: firsts[-1]]
 
+    def fill_after(self, request_ids: list[str], sequences: list[list[int]]) -> np.ndarray:
+        """One mask row per request, for its state after ``sequences[i]`` (tokens past its final
+        ones: a draft step's mask); the grammars are left as they were. A sequence the grammar
+        refuses gets a row that allows nothing; one that ends the grammar allows only a stop token."""
+        if len(request_ids) > self.bitmask.shape[0]:
+            self.bitmask = np.zeros((len(request_ids), self.bitmask.shape[1]), dtype=np.int32)
+        accepted = [0] * len(request_ids)
+        live: list[int] = []
+        try:
+            for row, (request_id, sequence) in enumerate(zip(request_ids, sequences)):
+                matcher = self.matchers[request_id][1]
+                for token in sequence:
+                    if matcher.is_terminated() or not matcher.accept_token(token):
+                        break
+                    accepted[row] += 1
+                if accepted[row] < len(sequence):
+                    self.bitmask[row] = 0
+                elif matcher.is_terminated():
+                    self.bitmask[row] = self._stop_row
+                else:
+                    live.append(row)
+            self._fill_rows([request_ids[row] for row in live], live)
+        finally:
+            for request_id, count in zip(request_ids, accepted):
+                if count:
+                    self.matchers[request_id][1].rollback(count)
+        return self.bitmask[: len(request_ids)]
+
     def forced_tokens(self, request_id: str, limit: int) -> list[int]:
         """The tokens the grammar forces next (the matcher is left as it was)."""
         return self.matchers[request_id][1].forced_tokens(limit)

@@ -27,7 +27,7 @@ from guidespec.ipc.broadcast import StepBroadcaster
 from guidespec.ipc.shm_ring import RingTimeout
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.process_utils import parent_alive, setup_child_process
-from guidespec.protocol import (AbortRequest, EngineDead, EngineReady, GenerateRequest, RequestOutput, Shutdown,
+from guidespec.protocol import (AbortRequest, DraftMask, DraftTokens, EngineDead, EngineReady, GenerateRequest, RequestOutput, Shutdown,
                                 StepBitmask, StepInputs, StepOutputs, WorkerError, WorkerReady)
 from guidespec.scheduler.batching import Batcher, ScheduledRow
 from guidespec.scheduler.detokenizer import IncrementalDetokenizer
@@ -116,7 +116,7 @@ class Scheduler:
             if self.speculator is not None:
                 rows = self.speculator.plan(rows, self.cfg.max_num_batched_tokens)
             guided_rows = self.broadcast(rows)
-            outputs = self.collect()
+            outputs = self.collect(rows)
             self.times["outputs"] = time.time()
             self.emit(rows, outputs)
             self.times["end"] = time.time()
@@ -176,13 +176,16 @@ class Scheduler:
             self.times["mask"] = time.time()
         return len(guided)
 
-    def collect(self) -> StepOutputs:
-        """Wait for rank 0's outputs for this step, watching the workers while waiting."""
+    def collect(self, rows: list[ScheduledRow]) -> StepOutputs:
+        """Wait for rank 0's outputs for this step, answering its draft steps' mask requests and
+        watching the workers while waiting."""
         deadline = time.monotonic() + envs.step_timeout_s()
         while True:
             message = self.worker_results.recv(timeout_s=_IDLE_POLL_S)
             if isinstance(message, StepOutputs) and message.step == self.step_id:
                 return message
+            if isinstance(message, DraftTokens) and message.step == self.step_id:
+                self._send_draft_mask(message, rows)
             if isinstance(message, WorkerError):
                 raise EngineFailure(message.message)
             if message is None:
@@ -228,6 +231,14 @@ class Scheduler:
             if delta.finished:
                 self._forget(request)
 
+    def _send_draft_mask(self, message: DraftTokens, rows: list[ScheduledRow]) -> None:
+        request_ids = [rows[b].request.request_id for b in message.rows.tolist()]
+        sequences = _split(message.token_ids, message.num_tokens)
+        assert sequences is not None
+        bitmask = self.grammar.fill_after(request_ids, sequences)
+        self.broadcaster.write(codec.encode(DraftMask(message.step, message.draft_index, bitmask)),
+                               timeout=envs.step_timeout_s())
+
     def _speculates(self, request: Request) -> bool:
         return self.speculator is not None and self.speculator.speculates(request)
 
@@ -260,6 +271,7 @@ class Scheduler:
     def _step_inputs(self, rows: list[ScheduledRow], has_bitmask: bool) -> StepInputs:
         token_ids = [t for row in rows for t in row.request.tokens(row.start, row.start + row.num_new_tokens)]
         params = [row.request.params for row in rows]
+        proposals = self.speculator.proposal_lengths(rows) if self.speculator is not None else None
         return StepInputs(
             step=self.step_id,
             slots=np.array([row.request.slot for row in rows], dtype=np.int32),
@@ -276,7 +288,8 @@ class Scheduler:
             penalties=np.array([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
                                dtype=np.float32).reshape(-1, 3),
             has_bitmask=has_bitmask,
-            draft_lens=self.speculator.proposal_lengths(rows) if self.speculator is not None else None,
+            draft_lens=proposals[0] if proposals is not None else None,
+            draft_masked=proposals[1] if proposals is not None else None,
         )
 
     def _handle_client_message(self, message: Any) -> None:

@@ -8,9 +8,11 @@ each row's newest token, takes the argmax, feeds that, and so on, ``draft_lens[b
 The proposals go back with the step's outputs; the scheduler checks them against the grammar,
 puts them in the next step's row, and the target verifies them there.
 
-Drafts are argmax choices, so for rejection sampling their q is one-hot (exact, see
-``verify.py``). Not here yet: draft steps constrained by a mask from the scheduler (drafts are
-cut by the grammar afterwards instead) and sampled drafts with their q.
+Draft steps of guided rows are constrained (``draft_masked``): before choosing draft ``j`` rank 0
+sends the row's tokens past its final ones up to the scheduler, which owns the grammar, and
+waits for that draft step's mask over the ring (``masks``). Drafts are argmax choices, so for
+rejection sampling their q is one-hot (exact, see ``verify.py``). Not here yet: sampled drafts
+with their q.
 
 Draft models: ``"self"`` (the target's own weights: every greedy draft is accepted; a test of
 the mechanics, not a speed-up), ``"layers:N"`` (the target's first N layers with its final norm
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -29,8 +32,12 @@ import torch
 from guidespec.config import ModelConfig
 from guidespec.protocol import StepInputs
 from guidespec.worker.checkpoint import load_hf_config
+from guidespec.worker.mask import apply_bitmask
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.tp import TPInfo
+
+# (draft index, batch rows, each row's tokens past its final ones) -> bitmask rows [R, V/32]
+MaskSource = Callable[[int, np.ndarray, list[list[int]]], np.ndarray]
 
 
 class DraftRunner:
@@ -54,7 +61,8 @@ class DraftRunner:
         """Run the step's tokens through the draft model: its cache keeps the target's positions."""
         self.model.forward(batch, self.kv)
 
-    def propose(self, inputs: StepInputs, tokens: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def propose(self, inputs: StepInputs, tokens: np.ndarray, counts: np.ndarray,
+                masks: MaskSource | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Greedy drafts after each row's last produced token: (flat tokens, per-row counts).
 
         Row b's first logits row sits at position ``start + num_new - num_logits``; it produced
@@ -76,11 +84,25 @@ class DraftRunner:
                                         np.ones(len(rows), dtype=np.int32), np.ones(len(rows), dtype=np.int32))
             logits = self.model.compute_logits(self.model.forward(batch, self.kv))
             assert logits is not None
+            if masks is not None and inputs.draft_masked is not None:
+                produced = [tokens[end - n : end].tolist() for end, n in zip(ends.tolist(), counts.tolist())]
+                _constrain(logits, rows, inputs.draft_masked, [p + d for p, d in zip(produced, drafts)], step, masks)
             current = logits.argmax(dim=-1).numpy()
             for b, token in zip(rows.tolist(), current.tolist()):
                 drafts[b].append(int(token))
         flat = np.array([t for row in drafts for t in row], dtype=np.int32)
         return flat, np.array([len(row) for row in drafts], dtype=np.int32)
+
+
+def _constrain(logits: torch.Tensor, rows: np.ndarray, draft_masked: np.ndarray, sequences: list[list[int]],
+               draft_index: int, masks: MaskSource) -> None:
+    """Mask the draft logits of the guided rows (``logits[i]`` is batch row ``rows[i]``) with the
+    scheduler's masks for their grammar after ``sequences[b]`` (the row's tokens past its final ones)."""
+    local = np.flatnonzero(draft_masked[rows])
+    if len(local):
+        batch_rows = rows[local]
+        bitmask = masks(draft_index, batch_rows.astype(np.int32), [sequences[b] for b in batch_rows.tolist()])
+        apply_bitmask(logits, local.astype(np.int32), bitmask)
 
 
 def _resolve(spec: str, target_dir: Path) -> tuple[Path, int | None]:

@@ -111,17 +111,20 @@ class Speculator:
                 out[i] = ScheduledRow(request, rows[i].start, 1 + len(drafts), 1 + len(drafts))
         return out
 
-    def proposal_lengths(self, rows: list[ScheduledRow]) -> np.ndarray | None:
-        """With a draft model: how many drafts rank 0 should propose after this step, per row."""
+    def proposal_lengths(self, rows: list[ScheduledRow]) -> tuple[np.ndarray, np.ndarray] | None:
+        """With a draft model: how many drafts rank 0 should propose after this step, per row, and
+        which rows' draft steps are masked by their grammar."""
         if not isinstance(self.drafter, ModelDrafter):
             return None
         lengths = np.zeros(len(rows), dtype=np.int32)
+        masked = np.zeros(len(rows), dtype=bool)
         for i, row in enumerate(rows):
             request = row.request
             if row.num_logits and self.speculates(request):
-                lengths[i] = min(request.params.max_draft_len or self.cfg.max_draft_len,
-                                 request.params.max_tokens - len(request.output_token_ids) - 2)
-        return np.maximum(lengths, 0)
+                lengths[i] = max(0, min(request.params.max_draft_len or self.cfg.max_draft_len,
+                                        request.params.max_tokens - len(request.output_token_ids) - 2))
+                masked[i] = request.guided and self.cfg.constrain_drafts
+        return lengths, masked & (lengths > 0)
 
     def store_proposals(self, request: Request, tokens: list[int]) -> None:
         if isinstance(self.drafter, ModelDrafter):

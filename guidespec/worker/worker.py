@@ -25,7 +25,8 @@ from guidespec.ipc.broadcast import create_step_reader
 from guidespec.ipc.shm_ring import RingTimeout
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.process_utils import parent_alive, setup_child_process
-from guidespec.protocol import Shutdown, StepBitmask, StepInputs, StepOutputs, WorkerError, WorkerReady
+from guidespec.protocol import (DraftMask, DraftTokens, Shutdown, StepBitmask, StepInputs, StepOutputs, WorkerError,
+                                WorkerReady)
 from guidespec.worker import tp as tp_mod
 from guidespec.worker.checkpoint import load_hf_config
 from guidespec.worker.mask import apply_bitmask
@@ -82,10 +83,13 @@ class Worker:
                                        model_cfg.vocab_size)
 
     def loop(self, results: Channel, parent_pid: int) -> None:
+        self.results = results
         while True:
             message = self._next_message(parent_pid)
             if isinstance(message, Shutdown):
                 return
+            if isinstance(message, DraftMask):  # rank 0's draft loop reads these; the other ranks skip them
+                continue
             if not isinstance(message, StepInputs):
                 raise RuntimeError(f"expected StepInputs on the ring, got {type(message).__name__}")
             outputs = self.step(message)
@@ -126,9 +130,19 @@ class Worker:
             tokens_np, counts = tokens.numpy().astype(np.int32), inputs.num_logits.astype(np.int32)
         drafts = draft_counts = None
         if self.drafter is not None and inputs.draft_lens is not None:
-            drafts, draft_counts = self.drafter.propose(inputs, tokens_np, counts)
+            drafts, draft_counts = self.drafter.propose(inputs, tokens_np, counts,
+                                                        lambda j, rows, seqs: self._draft_mask(inputs.step, j, rows, seqs))
         timings = np.array([wall_start, forward_end, mask_ready, time.time()], dtype=np.float64)
         return StepOutputs(inputs.step, tokens_np, counts, time.perf_counter() - start, timings, drafts, draft_counts)
+
+    def _draft_mask(self, step: int, draft_index: int, rows: np.ndarray, sequences: list[list[int]]) -> np.ndarray:
+        """Send a draft step's tokens up to the scheduler; its mask comes back over the ring."""
+        flat = np.array([t for seq in sequences for t in seq], dtype=np.int32)
+        self.results.send(DraftTokens(step, draft_index, rows, flat, np.array([len(s) for s in sequences], np.int32)))
+        message = codec.decode(self.reader.read(timeout=60.0))
+        if not isinstance(message, DraftMask) or (message.step, message.draft_index) != (step, draft_index):
+            raise RuntimeError(f"step {step}: expected the mask of draft {draft_index}, got {type(message).__name__}")
+        return message.bitmask
 
     def _read_bitmask(self, step: int) -> StepBitmask:
         message = codec.decode(self.reader.read(timeout=60.0))

@@ -28,6 +28,9 @@ EXAMPLES = [
                         np.ones(3, np.float32), np.array([-1, 5, 6], np.int64), I32, I32, np.ones((3, 3), np.float32), True),
     protocol.StepBitmask(3, np.array([0, 2], np.int32), np.arange(8, dtype=np.int32).reshape(2, 4)),
     protocol.StepOutputs(3, I32, np.ones(3, np.int32), 0.25, np.arange(4, dtype=np.float64)),
+    protocol.StepOutputs(4, I32, np.ones(3, np.int32), 0.1, None, I32, np.ones(3, np.int32)),
+    protocol.DraftTokens(5, 1, np.array([0, 2], np.int32), I32, np.array([1, 2], np.int32)),
+    protocol.DraftMask(5, 1, np.zeros((2, 4), np.int32)),
     protocol.WorkerReady(1, 1234),
     protocol.WorkerError(1, "boom", 3),
 ]
