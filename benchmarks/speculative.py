@@ -35,11 +35,16 @@ BATCH1 = {
     "n-gram, no forced drafts": dict(method="ngram", use_forced_tokens=False),
     "n-gram + forced, drafts unchecked": dict(method="ngram", constrain_drafts=False),
     "n-gram + forced, drafts checked": dict(method="ngram"),
+    "draft model (first 12 layers), draft steps unmasked": dict(method="draft_model", draft_model="layers:12",
+                                                                constrain_drafts=False),
+    "draft model (first 12 layers), draft steps masked": dict(method="draft_model", draft_model="layers:12"),
+    "draft model = the target itself (acceptance bound)": dict(method="draft_model", draft_model="self"),
 }
 CONCURRENT = {
     "guided alone (jump-forward)": None,
     "n-gram + forced, adaptive length": dict(method="ngram", adaptive=True),
     "n-gram + forced, fixed length": dict(method="ngram", adaptive=False),
+    "draft model (first 12 layers), adaptive": dict(method="draft_model", draft_model="layers:12", adaptive=True),
 }
 
 
