@@ -54,7 +54,9 @@ def _run(llm: LLM, requests: list[tuple[Any, SamplingParams]]) -> list[Generatio
 
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
-    with LLM(max_batch_size=8, show_progress=False) as llm:
+    """Plain greedy decoding: no drafts, and no jump-forward (it appends the grammar's forced text
+    tokenized its own way, where the model may have chosen another tokenization)."""
+    with LLM(max_batch_size=8, show_progress=False, jump_forward=False) as llm:
         return [out.token_ids for out in _run(llm, _requests())]
 
 
