@@ -4,6 +4,10 @@ xgrammar's multi-threaded ``BatchGrammarMatcher``."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+import tempfile
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -61,8 +65,14 @@ class XGrammarBackend:
         kind = spec.kind
         try:
             if kind == "json_schema":
-                return self.compiler.compile_json_schema(spec.json_schema, any_whitespace=False,  # type: ignore[arg-type]
-                                                        separators=(", ", ": "))
+                with _CapturedStderr() as log:  # xgrammar reports approximations only as a C++ log line
+                    compiled = self.compiler.compile_json_schema(spec.json_schema, any_whitespace=False,  # type: ignore[arg-type]
+                                                                 separators=(", ", ": "))
+                approximation = next((line for line in log.lines() if "cannot be represented exactly" in line), None)
+                if approximation is not None and not _one_ofs_disjoint_by_type(json.loads(spec.json_schema)):  # type: ignore[arg-type]
+                    raise GrammarError("xgrammar cannot enforce this json_schema exactly (outputs could violate it): "
+                                       + approximation.split("Warning: ", 1)[-1])
+                return compiled
             if kind == "json_object":
                 return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=(", ", ": "))
             if kind == "regex":
@@ -70,6 +80,8 @@ class XGrammarBackend:
             if kind == "grammar":
                 return self.compiler.compile_grammar(spec.grammar)  # type: ignore[arg-type]
             return self.compiler.compile_grammar(_choice_ebnf(spec.choice or ()))
+        except GrammarError:
+            raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses with its message
             raise GrammarError(f"xgrammar cannot compile this {kind}: {e}") from None
 
@@ -87,7 +99,45 @@ class XGrammarBackend:
         self.batch.batch_fill_next_token_bitmask(inner, torch.from_numpy(bitmask), list(rows))
 
 
-def _choice_ebnf(choices: Sequence[str]) -> str:
-    import json
+def _one_ofs_disjoint_by_type(schema: Any) -> bool:
+    """True if every ``oneOf`` in the schema has branches of distinct plain types (at most one of
+    ``integer``/``number``): no value can match two branches, so anyOf semantics are exact.
+    xgrammar cannot prove that much and warns; this check lets those schemas through."""
+    if isinstance(schema, list):
+        return all(_one_ofs_disjoint_by_type(item) for item in schema)
+    if not isinstance(schema, dict):
+        return True
+    branches = schema.get("oneOf")
+    if isinstance(branches, list):
+        types = [b.get("type") if isinstance(b, dict) else None for b in branches]
+        if not all(isinstance(t, str) for t in types) or len(set(types)) < len(types):
+            return False
+        if "integer" in types and "number" in types:
+            return False
+    return all(_one_ofs_disjoint_by_type(value) for value in schema.values())
 
+
+class _CapturedStderr:
+    """Everything written to file descriptor 2 (C++ logs included) inside the ``with`` block."""
+
+    def __enter__(self) -> "_CapturedStderr":
+        sys.stderr.flush()
+        self.file = tempfile.TemporaryFile(mode="w+b")
+        self.saved = os.dup(2)
+        os.dup2(self.file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.stderr.flush()
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+
+    def lines(self) -> list[str]:
+        self.file.seek(0)
+        text = self.file.read().decode(errors="replace")
+        self.file.close()
+        return text.splitlines()
+
+
+def _choice_ebnf(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)

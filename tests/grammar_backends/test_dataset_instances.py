@@ -10,13 +10,15 @@ stays exact). What the listed limitations are:
   ``if``/``then``/``else``), unknown string formats, min/maxProperties on partly-optional
   objects, schema intersections too deep. On every schema it accepts, it agrees with every
   test instance.
-- xgrammar refuses 5 schemas (``minItems``/``minProperties`` larger than a closed schema can
-  hold). Of the others, it rejects 63 valid instances: its strict mode closes objects and
-  arrays the schema leaves open (extra properties, extra items), so it accepts a subset of the
-  schema's language (outputs stay valid). It accepts 43 invalid instances: keywords its
-  grammar does not enforce (the case's ``schema uses`` lists the candidates: ``uniqueItems``,
-  ``format``, ``not``, ``multipleOf``...). The validity sweep is where those would show as
-  invalid outputs.
+- xgrammar refuses 50 schemas: 5 it cannot compile (``minItems``/``minProperties`` larger than
+  a closed schema can hold) and 45 whose ``oneOf`` it could only approximate by ``anyOf``
+  (branches it cannot prove disjoint; our backend refuses those, as llguidance does, unless
+  every ``oneOf`` has branches of distinct plain types). Of the others, it rejects 49 valid
+  instances: its strict mode closes objects and arrays the schema leaves open (extra
+  properties, extra items), so it accepts a subset of the schema's language (outputs stay
+  valid). It accepts 25 invalid instances in 10 schemas: keywords its grammar does not enforce
+  (the case's ``schema uses`` lists the candidates: ``uniqueItems``, ``format``, ``not``,
+  ``multipleOf``...). The validity sweep is where those would show as invalid outputs.
 """
 
 from __future__ import annotations

@@ -1,0 +1,33 @@
+"""A schema the backend cannot enforce exactly is refused with a message naming the problem,
+never compiled into a grammar whose outputs could violate it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from guidespec.grammar_backends import GrammarError, create_backend
+from guidespec.protocol import GuidedDecoding
+
+OVERLAPPING_ONE_OF = {"type": "object", "properties": {"dimensions": {
+    "oneOf": [{"required": ["length", "width"]}, {"required": ["radius"]}],
+    "properties": {"length": {"type": "number"}, "width": {"type": "number"}, "radius": {"type": "number"}}}}}
+DISJOINT_ONE_OF = {"type": "object", "properties": {"data": {
+    "oneOf": [{"type": "integer"}, {"type": "string"}, {"type": "null"}, {"type": "array", "items": {"type": "integer"}}]}}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(real_model_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(real_model_dir)
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
+def test_overlapping_one_of_is_refused_and_disjoint_types_compile(tokenizer, backend_name: str) -> None:  # type: ignore[no-untyped-def]
+    backend = create_backend(backend_name, tokenizer, 49152, (2,))
+    with pytest.raises(GrammarError, match="oneOf"):
+        backend.compile(GuidedDecoding(json_schema=OVERLAPPING_ONE_OF))
+    if backend_name == "xgrammar":  # llguidance refuses every oneOf (it would need coerce_one_of)
+        assert backend.compile(GuidedDecoding(json_schema=DISJOINT_ONE_OF)) is not None
