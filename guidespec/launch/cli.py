@@ -101,7 +101,7 @@ def _generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), guided=_guided(args),
                             repetition_penalty=args.repetition_penalty)
     params.validate()
-    texts = args.prompt or ["Give three short tips for writing clear Python code."]
+    texts = args.prompt or [_DEFAULT_JSON_PROMPT if (args.json_schema or args.json_object) else _DEFAULT_PROMPT]
     prompts = texts if args.raw else [[{"role": "user", "content": t}] for t in texts]
     start = time.perf_counter()
     with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
@@ -126,6 +126,11 @@ def _generate(args: argparse.Namespace) -> int:
               f"decode={out.decode_tokens_per_s:.1f} tok/s{_spec_figures(out)}]\n")
     print(f"total: {total} output tokens in {wall:.2f} s = {total / wall:.1f} tok/s")
     return 0
+
+
+_DEFAULT_PROMPT = "Give three short tips for writing clear Python code."
+_DEFAULT_JSON_PROMPT = ("Ada Lovelace was born in 1815 in London. She was a mathematician and writer, known for her notes "
+                        "on the Analytical Engine and for the first published computer program. Give her record as JSON.")
 
 
 def _spec_figures(out: GenerationOutput) -> str:

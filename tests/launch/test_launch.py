@@ -19,6 +19,20 @@ def test_cli_generate_prints_output_and_figures() -> None:
     assert "### prompt: Say hello." in result.stdout and "tok/s" in result.stdout
 
 
+def test_main_job_guided_speculative_output_validates_and_prints_figures() -> None:
+    import json
+
+    import jsonschema
+
+    schema_path = Path(__file__).resolve().parents[2] / "examples" / "person.schema.json"
+    result = subprocess.run([sys.executable, "-m", "guidespec.launch.cli", "generate", "--json-schema", str(schema_path),
+                             "--speculative", "ngram"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    output = result.stdout.split("\n")[1]  # the line after "### prompt: ..."
+    jsonschema.validate(json.loads(output), json.loads(schema_path.read_text()))
+    assert "accepted tokens/step=" in result.stdout and "finish=stop" in result.stdout
+
+
 def test_cli_rejects_bad_parameters_with_a_message() -> None:
     result = subprocess.run([sys.executable, "-m", "guidespec.launch.cli", "generate", "--top-p", "1.5"],
                             capture_output=True, text=True, timeout=120)
