@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -47,12 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--repetition-penalty", type=float, default=1.0)
     sweep.add_argument("--results", default=None, metavar="FILE.jsonl",
                        help="append each case's result here; cases already there are not run again (resume)")
+    sweep.add_argument("--summarize", default=None, metavar="FILE.jsonl", help="print the tables of a --results file")
     args = parser.parse_args(argv)
     try:
         if args.command == "sweep":
-            from guidespec.launch.sweep import run_sweep
+            from guidespec.launch.sweep import print_saved_results, run_sweep
 
-            return run_sweep(args)
+            return print_saved_results(Path(args.summarize)) if args.summarize else run_sweep(args)
         return _generate(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"guidespec: error: {e}", file=sys.stderr)
@@ -143,8 +145,6 @@ def _spec_figures(out: GenerationOutput) -> str:
 
 
 def _guided(args: argparse.Namespace) -> GuidedDecoding | None:
-    from pathlib import Path
-
     from guidespec.protocol import GuidedDecoding
 
     if args.json_schema:

@@ -90,7 +90,7 @@ async def run_cases(llm: Any, cases: list[dict[str, Any]], backend: str, tempera
             try:
                 out = await llm.agenerate(case["messages"], params)
             except RequestError as e:
-                status = "compile_error" if ("cannot compile" in str(e) or "compilation" in str(e)) else "error"
+                status = "compile_error" if any(s in str(e) for s in ("cannot compile", "cannot enforce", "compilation")) else "error"
                 result = CaseResult(case["id"], category(case["id"]), status, str(e)[:300], 0, 0.0)
             else:
                 latency = time.perf_counter() - start
@@ -128,9 +128,9 @@ def summarize(results: list[CaseResult], wall_s: float, timed: list[CaseResult] 
     compiled = total["valid"] + total["invalid"]
     valid_pct = 100.0 * total["valid"] / compiled if compiled else 0.0
     lines.append("")
-    lines.append(f"valid among compiled: {int(total['valid'])}/{int(compiled)} = {valid_pct:.1f}%; "
-                 f"throughput {_tokens(timed if timed is not None else results) / max(wall_s, 1e-9):.1f} output tok/s "
-                 f"over {wall_s:.0f} s")
+    throughput = (f"; throughput {_tokens(timed if timed is not None else results) / wall_s:.1f} output tok/s "
+                  f"over {wall_s:.0f} s" if wall_s > 0 else "")
+    lines.append(f"valid among compiled: {int(total['valid'])}/{int(compiled)} = {valid_pct:.1f}%{throughput}")
     speculated = [r for r in results if r.status in ("valid", "invalid")]
     if any(r.accepted_tokens_per_step > 1 for r in speculated):
         mean = sum(r.accepted_tokens_per_step for r in speculated) / len(speculated)
@@ -182,6 +182,20 @@ def run_sweep(args: Any) -> int:
             print(summarize(everything, wall, results))
             for r in [r for r in everything if r.status in ("invalid", "error")][:40]:
                 print(f"  {r.status}: {r.case_id}: {r.detail}")
+    return 0
+
+
+def print_saved_results(path: Path) -> int:
+    """The tables of a ``--results`` file, one per configuration in it, without running anything."""
+    by_config: dict[str, list[CaseResult]] = defaultdict(list)
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        by_config[json.dumps(record.pop("config"), sort_keys=True)].append(CaseResult(**record))
+    for config, results in by_config.items():
+        print(f"\n### {config}\n")
+        print(summarize(results, wall_s=0.0, timed=[]))
+        for r in [r for r in results if r.status in ("invalid", "error")]:
+            print(f"  {r.status}: {r.case_id}: {r.detail}")
     return 0
 
 

@@ -1,7 +1,8 @@
 """The scheduler process: its loop, start to end.
 
     wait for workers -> EngineReady ->
-    loop: receive -> poll grammars -> schedule -> broadcast (inputs, then bitmasks) -> collect -> emit
+    loop: receive -> poll grammars -> schedule -> [plan drafts] -> broadcast (inputs, then bitmasks)
+          -> collect (answering draft-step mask requests) -> emit
 
 It owns every request's state (and, with guided decoding, every grammar). Workers see only
 StepInputs on the shared-memory ring; rank 0 answers with StepOutputs over ZeroMQ. A worker
@@ -27,17 +28,17 @@ from guidespec.ipc.broadcast import StepBroadcaster
 from guidespec.ipc.shm_ring import RingTimeout
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.process_utils import parent_alive, setup_child_process
-from guidespec.protocol import (AbortRequest, DraftMask, DraftTokens, EngineDead, EngineReady, GenerateRequest, RequestOutput, Shutdown,
-                                StepBitmask, StepInputs, StepOutputs, WorkerError, WorkerReady)
-from guidespec.scheduler.batching import Batcher, ScheduledRow
-from guidespec.scheduler.detokenizer import IncrementalDetokenizer
 from guidespec.grammar_backends import GrammarError
+from guidespec.protocol import (AbortRequest, DraftMask, DraftTokens, EngineDead, EngineReady, GenerateRequest,
+                                RequestOutput, Shutdown, StepBitmask, StepInputs, StepOutputs, WorkerError, WorkerReady)
+from guidespec.scheduler.batching import Batcher, ScheduledRow
 from guidespec.scheduler.closing import budget_reserve
-from guidespec.spec.proposer import Speculator
+from guidespec.scheduler.detokenizer import IncrementalDetokenizer
 from guidespec.scheduler.grammar import FillRow, GrammarManager, GrammarSettings
 from guidespec.scheduler.output import append_token, finish_output, make_delta
 from guidespec.scheduler.request import Request
 from guidespec.scheduler.trace import StepTrace
+from guidespec.spec.proposer import Speculator
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.25
@@ -212,12 +213,7 @@ class Scheduler:
             request.stats.record_step(num_drafts, accepted)
             if not request.output_token_ids:
                 request.first_token_time = now
-            reason, appended = None, 0
-            for token in new_tokens:
-                reason = self._append(request, token)
-                appended += 1
-                if reason is not None:
-                    break
+            reason, appended = self._append_all(request, new_tokens)
             # accepted drafts are in the KV cache now; rejected drafts' entries get overwritten later
             request.advance_computed(min(accepted, appended))
             if proposals is not None and self.speculator is not None and appended == len(new_tokens):
@@ -241,6 +237,14 @@ class Scheduler:
 
     def _speculates(self, request: Request) -> bool:
         return self.speculator is not None and self.speculator.speculates(request)
+
+    def _append_all(self, request: Request, tokens: list[int]) -> tuple[str | None, int]:
+        """Append a step's tokens until one finishes the request: (finish reason, tokens appended)."""
+        for count, token in enumerate(tokens, start=1):
+            reason = self._append(request, token)
+            if reason is not None:
+                return reason, count
+        return None, len(tokens)
 
     def _append(self, request: Request, token: int) -> str | None:
         """Advance the request (and its grammar) by one token; the finish reason, if any."""
