@@ -37,6 +37,7 @@ _PROBE_EVERY = 8
 class _Acceptance:
     rate: float = 0.7  # running mean of accepted / drafted, per draft token
     steps_without_drafts: int = 0
+    planned: int | None = None  # the draft length the adaptive plan gave it last
 
 
 class CostModel:
@@ -121,10 +122,19 @@ class Speculator:
         for i, row in enumerate(rows):
             request = row.request
             if row.num_logits and self.speculates(request):
-                lengths[i] = max(0, min(request.params.max_draft_len or self.cfg.max_draft_len,
+                lengths[i] = max(0, min(self._proposal_cap(request),
                                         request.params.max_tokens - len(request.output_token_ids) - 2))
                 masked[i] = request.guided and self.cfg.constrain_drafts
         return lengths, masked & (lengths > 0)
+
+    def _proposal_cap(self, request: Request) -> int:
+        """Drafts worth proposing: the cap, or with the adaptive length one more than last planned
+        (so the plan can grow by one a step, and a probe always finds a draft)."""
+        cap = request.params.max_draft_len or self.cfg.max_draft_len
+        stats = self.acceptance.get(request.request_id)
+        if not self.cfg.adaptive or stats is None or stats.planned is None:
+            return cap
+        return min(cap, stats.planned + 1)
 
     def store_proposals(self, request: Request, tokens: list[int]) -> None:
         if isinstance(self.drafter, ModelDrafter):
@@ -180,6 +190,7 @@ class Speculator:
                     budget -= 1
             else:
                 stats.steps_without_drafts = 0
+            stats.planned = lengths[i]
         return lengths
 
     def _propose(self, request: Request, max_len: int) -> list[int]:

@@ -72,3 +72,16 @@ def test_no_drafts_when_the_forward_is_compute_bound_at_a_large_batch() -> None:
     fixed = Speculator(SpeculativeConfig(method="ngram", max_draft_len=3, adaptive=False), grammar=None,
                        max_model_len=1024)
     assert _draft_lengths(fixed, _decoding_rows(16)) == [3] * 16
+
+
+def test_a_draft_model_proposes_one_more_than_the_plan_used() -> None:
+    speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=4), grammar=None,
+                            max_model_len=1024)
+    for tokens in (1, 4, 16, 64):
+        speculator.observe_step(tokens, (5.0 + 4.0 * tokens) / 1000)  # compute-bound: the plan drafts nothing
+    rows = _decoding_rows(4)
+    proposals = speculator.proposal_lengths(rows)
+    assert proposals is not None and proposals[0].tolist() == [4] * 4  # nothing planned yet: the cap
+    speculator.plan(rows, max_tokens_per_step=512)
+    proposals = speculator.proposal_lengths(rows)
+    assert proposals is not None and proposals[0].tolist() == [1] * 4  # planned 0, so propose 1
