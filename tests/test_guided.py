@@ -155,3 +155,15 @@ def test_compile_timeout_fails_the_request_with_a_clear_message() -> None:
         # the compile process was killed and restarted: guided requests work again
         out = engine.generate("Pick:", SamplingParams(max_tokens=5, guided=GuidedDecoding(choice=("a", "b"))))[0]
         assert out.text in ("a", "b")
+
+
+def test_json_output_closes_before_the_model_length_ends(llm: LLM) -> None:
+    """max_tokens far beyond the context left: the output still closes in time instead of being cut
+    (JME_30 loops in its "ingredients" array until something stops it)."""
+    case = next(c for c in _jme_cases(50) if c["id"] == "JME_30")
+    prompt_len = len(llm.encode_prompt(case["messages"]))
+    with LLM(max_batch_size=1, max_model_len=prompt_len + 40, show_progress=False) as engine:
+        out = engine.generate(case["messages"], SamplingParams(max_tokens=1024, temperature=0.0,
+                                                               guided=GuidedDecoding(json_schema=case["schema"])))[0]
+    assert out.finish_reason == "stop", out.text
+    assert validate_output(out.text, case["schema"]) is None, out.text

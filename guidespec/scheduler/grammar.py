@@ -50,7 +50,8 @@ class GrammarSettings:
 
 @dataclass(frozen=True)
 class FillRow:
-    """A guided request to fill masks for: its drafts, its output length and max_tokens."""
+    """A guided request to fill masks for: its drafts, its output length and output budget
+    (max_tokens, or less where the model length ends first)."""
 
     request_id: str
     drafts: list[int] = field(default_factory=list)

@@ -169,7 +169,7 @@ class Scheduler:
         if guided:
             self.times["mask_start"] = time.time()
             bitmask = self.grammar.fill([FillRow(row.request.request_id, row.request.draft_tokens,
-                                                 len(row.request.output_token_ids), row.request.params.max_tokens)
+                                                 len(row.request.output_token_ids), self._output_budget(row.request))
                                          for _, row in guided])
             rows_array = np.concatenate([np.arange(first, first + row.num_logits) for first, row in guided]).astype(np.int32)
             self.broadcaster.write(codec.encode(StepBitmask(self.step_id, rows_array, bitmask)),
@@ -254,13 +254,19 @@ class Scheduler:
                 self._fail(request, f"internal error: the grammar rejected sampled token {token}")
                 return "error"
             grammar_done = self.grammar.is_terminated(request.request_id)
-            if request.params.max_tokens - len(request.output_token_ids) - 1 <= budget_reserve(request.params.max_tokens):
+            budget = self._output_budget(request)
+            if budget - len(request.output_token_ids) - 1 <= budget_reserve(budget):
                 self.grammar.near_budget(request.request_id)
         return append_token(request, token, self.cfg.eos_token_ids, self.cfg.max_model_len, grammar_done)
 
+    def _output_budget(self, request: Request) -> int:
+        """Output tokens the request can have: max_tokens, or less where the model length ends first
+        (a JSON output then starts closing in time, as it does before max_tokens)."""
+        return min(request.params.max_tokens, self.cfg.max_model_len - request.num_prompt_tokens)
+
     def _jump_forward(self, request: Request) -> str | None:
         """Append the tokens the grammar forces; the next step computes them with no sampling."""
-        limit = request.params.max_tokens - len(request.output_token_ids)
+        limit = self._output_budget(request) - len(request.output_token_ids)
         forced = self.grammar.accept_forced(request.request_id, limit)
         terminated = bool(forced) and self.grammar.is_terminated(request.request_id)
         for i, token in enumerate(forced):
