@@ -65,8 +65,9 @@ class XGrammarBackend:
         kind = spec.kind
         try:
             if kind == "json_schema":
+                schema = _declare_required(json.loads(spec.json_schema))  # type: ignore[arg-type]
                 with _CapturedStderr() as log:  # xgrammar reports approximations only as a C++ log line
-                    compiled = self.compiler.compile_json_schema(spec.json_schema, any_whitespace=False,  # type: ignore[arg-type]
+                    compiled = self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
                                                                  separators=(", ", ": "))
                 approximation = next((line for line in log.lines() if "cannot be represented exactly" in line), None)
                 if approximation is not None and not _one_ofs_disjoint_by_type(json.loads(spec.json_schema)):  # type: ignore[arg-type]
@@ -97,6 +98,27 @@ class XGrammarBackend:
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: np.ndarray, rows: Sequence[int]) -> None:
         inner = [m.matcher for m in matchers]  # type: ignore[attr-defined]
         self.batch.batch_fill_next_token_bitmask(inner, torch.from_numpy(bitmask), list(rows))
+
+
+def _declare_required(schema: Any) -> Any:
+    """The schema with every ``required`` name that ``properties`` leaves undeclared declared as
+    ``additionalProperties`` allows it (any value by default): xgrammar closes objects, and would
+    otherwise drop the requirement. Refuses a requirement that ``additionalProperties: false``
+    makes impossible to meet."""
+    if isinstance(schema, list):
+        return [_declare_required(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _declare_required(value) for key, value in schema.items()}
+    required, properties = out.get("required"), out.get("properties", {})
+    if isinstance(required, list) and isinstance(properties, dict) and "patternProperties" not in out:
+        missing = [name for name in required if isinstance(name, str) and name not in properties]
+        extra = out.get("additionalProperties", True)
+        if missing and extra is False:
+            raise GrammarError(f"the schema requires {missing[0]!r}, which additionalProperties: false forbids")
+        if missing:
+            out["properties"] = {**properties, **{name: extra if isinstance(extra, dict) else {} for name in missing}}
+    return out
 
 
 def _one_ofs_disjoint_by_type(schema: Any) -> bool:

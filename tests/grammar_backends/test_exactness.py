@@ -31,3 +31,15 @@ def test_overlapping_one_of_is_refused_and_disjoint_types_compile(tokenizer, bac
         backend.compile(GuidedDecoding(json_schema=OVERLAPPING_ONE_OF))
     if backend_name == "xgrammar":  # llguidance refuses every oneOf (it would need coerce_one_of)
         assert backend.compile(GuidedDecoding(json_schema=DISJOINT_ONE_OF)) is not None
+
+
+def test_required_names_missing_from_properties_stay_required(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from tests.grammar_backends.dataset import matcher_accepts
+
+    backend = create_backend("xgrammar", tokenizer, 49152, (2,))
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["text"]}
+    compiled = backend.compile(GuidedDecoding(json_schema=schema))
+    assert not matcher_accepts(backend, compiled, tokenizer, '{"name": "Sofia"}', 2)
+    assert matcher_accepts(backend, compiled, tokenizer, '{"text": [1, "a"]}', 2)
+    with pytest.raises(GrammarError, match="additionalProperties: false"):
+        backend.compile(GuidedDecoding(json_schema={**schema, "additionalProperties": False}))
