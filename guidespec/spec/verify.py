@@ -40,7 +40,8 @@ def verify(logits: torch.Tensor, num_logits: np.ndarray, drafts: list[np.ndarray
     plain_rows = [b for b in range(batch) if num_logits[b] == 1]
     if plain_rows:  # no drafts: the ordinary sampler, batched
         index = offsets[plain_rows]
-        tokens = sample(logits[index], torch.from_numpy(temperature[plain_rows].astype(np.float32)),
+        plain_logits = logits if len(index) == logits.shape[0] else logits[index]  # no copy without drafts
+        tokens = sample(plain_logits, torch.from_numpy(temperature[plain_rows].astype(np.float32)),
                         torch.from_numpy(top_k[plain_rows].astype(np.int64)),
                         torch.from_numpy(top_p[plain_rows].astype(np.float32)),
                         torch.from_numpy(seeds[plain_rows].astype(np.int64)),

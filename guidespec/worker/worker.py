@@ -33,7 +33,6 @@ from guidespec.worker.mask import apply_bitmask
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.penalties import TokenHistory
 from guidespec.spec.verify import verify
-from guidespec.worker.sampler import sample
 
 _IDLE_READ_TIMEOUT_S = 1.0
 
@@ -118,16 +117,9 @@ class Worker:
                 apply_bitmask(logits, bitmask.rows, bitmask.bitmask)
         if logits is None:
             return None
-        if int(inputs.num_logits.max()) > 1:  # draft tokens to verify
-            tokens_np, counts = verify(logits, inputs.num_logits, _drafts(inputs), inputs.temperature, inputs.top_k,
-                                       inputs.top_p, inputs.seeds, inputs.sample_index, self.generator)
-        else:
-            tokens = sample(logits, torch.from_numpy(inputs.temperature[rows].copy()),
-                            torch.from_numpy(inputs.top_k[rows].astype(np.int64)),
-                            torch.from_numpy(inputs.top_p[rows].copy()),
-                            torch.from_numpy(inputs.seeds[rows].copy()),
-                            torch.from_numpy(inputs.sample_index[rows].astype(np.int64)), self.generator)
-            tokens_np, counts = tokens.numpy().astype(np.int32), inputs.num_logits.astype(np.int32)
+        # rows without drafts are sampled; rows with drafts are verified (spec/verify.py)
+        tokens_np, counts = verify(logits, inputs.num_logits, _drafts(inputs), inputs.temperature, inputs.top_k,
+                                   inputs.top_p, inputs.seeds, inputs.sample_index, self.generator)
         drafts = draft_counts = None
         if self.drafter is not None and inputs.draft_lens is not None:
             drafts, draft_counts = self.drafter.propose(inputs, tokens_np, counts,
