@@ -71,16 +71,18 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
 
-SPEC_METHODS = ("ngram", "forced", "user", "draft_model")
+SPEC_METHODS = ("ngram", "forced", "user", "draft_model", "eagle")
+MODEL_DRAFTERS = ("draft_model", "eagle")  # run by rank 0 of the workers
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (``guidespec/spec``). ``method``: ``ngram`` (prompt lookup, in the
     scheduler), ``forced`` (grammar-forced tokens only), ``user`` (``user_drafter``, a
-    ``module:Class`` path) or ``draft_model`` (a smaller model with the target's tokenizer, run by
-    rank 0 after each step to propose the next step's drafts: ``draft_model``). With ``use_forced_tokens``, a guided request's grammar-forced tokens
-    are drafted first and the method's drafts continue after them. With ``constrain_drafts``, drafts
+    ``module:Class`` path), ``draft_model`` (a smaller model with the target's tokenizer, run by
+    rank 0 after each step to propose the next step's drafts: ``draft_model``) or ``eagle`` (an
+    EAGLE / EAGLE-3 head folder in ``draft_model``, run by rank 0 on the target's hidden states).
+    With ``use_forced_tokens``, a guided request's grammar-forced tokens are drafted first and the method's drafts continue after them. With ``constrain_drafts``, drafts
     are checked against the grammar and cut at the first token it rejects; without, a rejected
     draft reaches the workers and the target's mask refuses it there. The n-gram options mean
     what they mean in TensorRT-LLM's NGram decoding.""" 
@@ -95,7 +97,7 @@ class SpeculativeConfig:
     constrain_drafts: bool = True  # cut drafts where the grammar rejects them (off: verification rejects them)
     adaptive: bool = True
     user_drafter: str | None = None
-    draft_model: str | None = None  # method draft_model: "self", "layers:N" (the target's first N) or a folder
+    draft_model: str | None = None  # draft_model: "self", "layers:N" (the target's first N) or a folder; eagle: a head folder
 
     def validate(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -108,6 +110,8 @@ class SpeculativeConfig:
             raise ValueError("method 'user' needs user_drafter='module:Class'")
         if self.method == "draft_model" and not self.draft_model:
             raise ValueError("method 'draft_model' needs draft_model='self' | 'layers:N' | a model folder")
+        if self.method == "eagle" and not self.draft_model:
+            raise ValueError("method 'eagle' needs draft_model=<an EAGLE head folder> (see `guidespec train-eagle`)")
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,7 @@ class WorkerConfig:
     show_progress: bool = True
     device: str = "cpu"
     draft_model: str | None = None  # rank 0 runs this draft model after each step (SpeculativeConfig.draft_model)
+    draft_method: str = "draft_model"  # or "eagle": draft_model is then an EAGLE head folder
 
 
 def config_to_dict(config: SchedulerConfig | WorkerConfig) -> dict[str, object]:

@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 import weakref
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence, Union
 
@@ -386,4 +387,9 @@ def _speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None) 
     draft = value.draft_model
     if value.method == "draft_model" and draft and draft != "self" and not draft.startswith("layers:"):
         value = dataclasses.replace(value, draft_model=str(checkpoint.resolve_model_dir(draft, show_progress=False)))
+    if value.method == "eagle" and draft:
+        from guidespec.spec.eagle import check_head_dir
+
+        check_head_dir(Path(draft))  # a missing head fails here, in the client
+        value = dataclasses.replace(value, draft_model=str(Path(draft).resolve()))
     return value

@@ -1,4 +1,4 @@
-"""The ``guidespec`` command line: ``guidespec generate`` (later ``serve``, ``bench``)."""
+"""The ``guidespec`` command line: ``generate``, ``sweep``, ``train-eagle`` (later ``serve``, ``bench``)."""
 
 from __future__ import annotations
 
@@ -49,8 +49,31 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--results", default=None, metavar="FILE.jsonl",
                        help="append each case's result here; cases already there are not run again (resume)")
     sweep.add_argument("--summarize", default=None, metavar="FILE.jsonl", help="print the tables of a --results file")
+    train = commands.add_parser("train-eagle", help="train an EAGLE-3 draft head for a model on CPU, from its own generations")
+    train.add_argument("--model", default=None, help="the target (default: SmolLM2-135M-Instruct)")
+    train.add_argument("--output", required=True, metavar="DIR", help="the head folder to write")
+    train.add_argument("--from-results", nargs="*", default=[], metavar="FILE.jsonl",
+                       help="the target's generations: validity-sweep result files (valid cases' text)")
+    train.add_argument("--generate", type=int, default=0, metavar="N",
+                       help="also generate up to N outputs now (greedy, guided by the workload's schemas)")
+    train.add_argument("--exclude-prefix", default="JME_", help="leave out cases whose id starts with this ('' for none)")
+    train.add_argument("--max-sequences", type=int, default=400)
+    train.add_argument("--draft-vocab-size", type=int, default=8192)
+    train.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training")
+    train.add_argument("--max-minutes", type=float, default=10.0, help="training time (the data comes before it)")
+    train.add_argument("--lr", type=float, default=2e-3)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     args = parser.parse_args(argv)
     try:
+        if args.command == "train-eagle":
+            from guidespec.spec.train_eagle import TrainConfig, train as train_head
+
+            train_head(TrainConfig(Path(args.output), args.model, [Path(f) for f in args.from_results], args.generate,
+                                   args.exclude_prefix or None, args.max_sequences, args.draft_vocab_size,
+                                   args.ttt_steps, max_minutes=args.max_minutes, lr=args.lr, seed=args.seed,
+                                   threads=args.threads))
+            return 0
         if args.command == "sweep":
             from guidespec.launch.sweep import print_saved_results, run_sweep
 
@@ -73,10 +96,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grammar-backend", "--backend", dest="backend", default="xgrammar",
                    choices=["xgrammar", "llguidance"])
     spec = p.add_argument_group("speculative decoding")
-    spec.add_argument("--speculative", default=None, choices=["ngram", "forced", "user", "draft_model"],
-                      help="drafter: n-gram prompt lookup, grammar-forced tokens only, --user-drafter, or --draft-model")
+    spec.add_argument("--speculative", default=None, choices=["ngram", "forced", "user", "draft_model", "eagle"],
+                      help="drafter: n-gram prompt lookup, grammar-forced tokens only, --user-drafter, --draft-model, "
+                           "or an EAGLE head (--draft-model HEAD_DIR)")
     spec.add_argument("--draft-model", default=None, metavar="self|layers:N|PATH",
-                      help="the draft model: the target itself, its first N layers, or a folder / .gguf")
+                      help="the draft model: the target itself, its first N layers, or a folder / .gguf; "
+                           "with --speculative eagle, the EAGLE head folder")
     spec.add_argument("--max-draft-len", type=int, default=3)
     spec.add_argument("--max-matching-ngram-size", type=int, default=4)
     spec.add_argument("--no-adaptive-draft", action="store_true", help="always draft --max-draft-len tokens")

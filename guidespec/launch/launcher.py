@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from guidespec.config import EngineConfig, SchedulerConfig, WorkerConfig, config_to_dict
+from guidespec.config import MODEL_DRAFTERS, EngineConfig, SchedulerConfig, WorkerConfig, config_to_dict
 from guidespec.ipc.broadcast import BroadcastSpec
 from guidespec.ipc.shm_ring import ShmRing
 from guidespec.ipc.zmq_channel import new_ipc_endpoint
@@ -73,7 +73,8 @@ class EngineProcesses:
             worker_cfg = WorkerConfig(cfg.model_dir, cfg.dtype, rank, cfg.tensor_parallel_size, cfg.max_batch_size,
                                       cfg.max_model_len, self.broadcast, self._ring_index(rank), ep.worker_results,
                                       init_method, threads, cfg.show_progress,
-                                      draft_model=_draft_model(cfg) if rank == 0 else None)
+                                      draft_model=_draft_model(cfg) if rank == 0 else None,
+                                      draft_method=cfg.speculative.method if cfg.speculative else "draft_model")
             self._spawn(f"worker rank {rank}", "worker", worker_cfg)
         self._monitor = threading.Thread(target=self._watch, name="guidespec-monitor", daemon=True)
         self._monitor.start()
@@ -133,7 +134,7 @@ def _death_message(name: str, process: subprocess.Popen[bytes]) -> str:
 
 def _draft_model(cfg: EngineConfig) -> str | None:
     spec = cfg.speculative
-    return spec.draft_model if spec is not None and spec.method == "draft_model" else None
+    return spec.draft_model if spec is not None and spec.method in MODEL_DRAFTERS else None
 
 
 def _free_port() -> int:

@@ -57,7 +57,9 @@ class DraftRunner:
         self.model.load(model_dir, hf_config, show_progress=False)
         self.kv = self.model.create_kv_cache(max_batch_size)
 
-    def follow(self, batch: ForwardBatch) -> None:
+    capture = None  # no target features needed (an EAGLE head needs them: eagle.py)
+
+    def follow(self, batch: ForwardBatch, features: torch.Tensor | None = None) -> None:
         """Run the step's tokens through the draft model: its cache keeps the target's positions."""
         self.model.forward(batch, self.kv)
 

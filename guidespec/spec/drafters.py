@@ -171,6 +171,6 @@ def create_drafter(cfg: SpeculativeConfig) -> Drafter:
                             cfg.is_public_pool)
     if cfg.method == "user":
         return UserDrafter(cfg.user_drafter or "")
-    if cfg.method == "draft_model":
+    if cfg.method in ("draft_model", "eagle"):
         return ModelDrafter()
     return NoDrafter()

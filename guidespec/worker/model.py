@@ -97,6 +97,7 @@ class LlamaModel:
         self.vocab = tp.vocab_shard(cfg.vocab_size)
         self.max_model_len = max_model_len
         self.layers: list[dict[str, torch.Tensor]] = []
+        self.captured: torch.Tensor | None = None  # forward(capture=...) keeps its features here
 
     # ------------------------------------------------------------------ loading
 
@@ -165,15 +166,28 @@ class LlamaModel:
     # ------------------------------------------------------------------ forward
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Hidden states after the final norm at ``batch.logits_indices``: [R, hidden]."""
+    def forward(self, batch: ForwardBatch, kv: KVCache, capture: tuple[int, ...] | str | None = None) -> torch.Tensor:
+        """Hidden states after the final norm at ``batch.logits_indices``: [R, hidden].
+
+        ``capture`` keeps features of every position in ``self.captured`` for an EAGLE head
+        (``spec/eagle.py``): the inputs of the given layers side by side [T, n * hidden], or
+        ``"final"``, the last hidden state after the final norm [T, hidden].
+        """
         x = self._embed(batch.token_ids)  # [T, H]
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
+        kept: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
+            if isinstance(capture, tuple) and i in capture:
+                kept.extend([x] * capture.count(i))
             h = _rms_norm(x, layer["input_norm"], self.cfg.rms_norm_eps)
             x = x + self._attention(h, layer, kv, i, batch, cos, sin)
             h = _rms_norm(x, layer["post_norm"], self.cfg.rms_norm_eps)
             x = x + self._mlp(h, layer)
+        if capture == "final":
+            x = _rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
+            self.captured = x
+            return x[batch.logits_indices]
+        self.captured = torch.cat(kept, dim=-1) if kept else None
         x = x[batch.logits_indices]
         return _rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
 

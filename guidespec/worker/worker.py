@@ -1,7 +1,7 @@
 """The worker process: its loop, start to end.
 
     attach ring -> load model shard -> report ready ->
-    loop: read StepInputs -> forward [+ draft model follows] -> [read StepBitmask, apply]
+    loop: read StepInputs -> forward [+ draft model or EAGLE head follows] -> [read StepBitmask, apply]
           -> sample or verify drafts (rank 0) -> [draft model proposes next drafts (rank 0)] -> send StepOutputs
 
 Every rank runs the same forward (collectives inside); only rank 0 computes the sampled
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 import traceback
 
 import numpy as np
@@ -32,6 +33,8 @@ from guidespec.worker.checkpoint import load_hf_config
 from guidespec.worker.mask import apply_bitmask
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.penalties import TokenHistory
+from guidespec.spec.draft_model import DraftRunner
+from guidespec.spec.eagle import EagleRunner
 from guidespec.spec.verify import verify
 
 _IDLE_READ_TIMEOUT_S = 1.0
@@ -74,12 +77,14 @@ class Worker:
         self.history = TokenHistory(cfg.max_batch_size, model_cfg.vocab_size)
         self.reader = create_step_reader(cfg.broadcast, cfg.ring_index, ctx)
         self.generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
-        self.drafter = None
+        self.drafter: DraftRunner | EagleRunner | None = None
         if cfg.draft_model is not None and self.tp.is_driver:
-            from guidespec.spec.draft_model import DraftRunner
-
-            self.drafter = DraftRunner(cfg.draft_model, cfg.model_dir, dtype, cfg.max_batch_size, cfg.max_model_len,
-                                       model_cfg.vocab_size)
+            if cfg.draft_method == "eagle":
+                self.drafter = EagleRunner(Path(cfg.draft_model), self.model, cfg.model_dir, hf_config,
+                                           cfg.max_batch_size, cfg.max_model_len)
+            else:
+                self.drafter = DraftRunner(cfg.draft_model, cfg.model_dir, dtype, cfg.max_batch_size,
+                                           cfg.max_model_len, model_cfg.vocab_size)
 
     def loop(self, results: Channel, parent_pid: int) -> None:
         self.results = results
@@ -99,10 +104,10 @@ class Worker:
         start, wall_start = time.perf_counter(), time.time()
         batch = ForwardBatch.create(inputs.token_ids, inputs.slots, inputs.start_positions,
                                     inputs.num_new_tokens, inputs.num_logits)
-        hidden = self.model.forward(batch, self.kv)
+        hidden = self.model.forward(batch, self.kv, self.drafter.capture if self.drafter is not None else None)
         logits = self.model.compute_logits(hidden)
         if self.drafter is not None:
-            self.drafter.follow(batch)
+            self.drafter.follow(batch, self.model.captured)
         forward_end = mask_ready = time.time()
         rows = np.repeat(np.arange(inputs.batch_size), inputs.num_logits)
         if logits is not None:

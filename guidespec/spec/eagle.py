@@ -1,0 +1,337 @@
+"""EAGLE-style draft heads (one-model speculation), run by rank 0 of the workers.
+
+A head is one decoder layer that drafts from the target's own hidden states: at position ``t``
+it reads the target's feature ``f_t`` and the embedding of the token that followed, ``x_{t+1}``,
+and predicts ``x_{t+2}``; its own output hidden state stands in for the target's feature at the
+next draft step. It shares the target's token embedding (and, EAGLE-1, its LM head). Two
+checkpoint layouts load:
+
+- **EAGLE-1** (``fc`` over [embedding, feature] with a bias, ``layers.0.*`` without an input
+  norm, the target's LM head on the output): the feature is the target's last hidden state
+  after its final norm.
+- **EAGLE-3** (``fc`` over three target layers' hidden states, ``midlayer.*`` whose attention
+  reads [normed embedding, normed hidden] (2 x hidden wide), ``norm``, its own ``lm_head`` over a
+  pruned draft vocabulary with ``d2t``: draft id ``i`` is target id ``i + d2t[i]``). The
+  features are the inputs of target layers ``aux_layers`` (default 2, L/2, L-3, as EAGLE-3).
+
+How it follows the target (``EagleRunner``): after each step's verification, every position
+whose feature is final (the row's non-draft tokens and its accepted drafts) goes through the
+head with the token that followed it; the head's KV cache (same slots as the target's) is
+overwritten from there on, so rejected draft positions need no rewind. A non-final prefill
+chunk's last position waits for the next chunk's first token (``pending``). The last position's
+output gives the first draft; each further draft step feeds the head its own output and the
+drafted token. Draft steps of guided rows are masked by the scheduler's grammar as the draft
+model's are (``draft_model.py``); with a pruned vocabulary the target mask is read through ``d2t``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from guidespec.config import ModelConfig
+from guidespec.protocol import StepInputs
+from guidespec.spec.draft_model import MaskSource
+from guidespec.worker.kernels import linear
+from guidespec.worker.kv_cache import KVCache
+from guidespec.worker.model import ForwardBatch, LlamaModel, _rms_norm
+from guidespec.worker.tp import TPInfo
+
+HEAD_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's choice: the inputs of layers 2, L/2 and L-3 (low, middle, high features)."""
+    return tuple(sorted((min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3))))
+
+
+def check_head_dir(head_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """The head's weight file and its config.json (as a dict); a clear error where either is missing."""
+    head_dir = Path(head_dir)
+    if not head_dir.is_dir():
+        raise FileNotFoundError(f"EAGLE head folder {head_dir} does not exist (train one: guidespec train-eagle)")
+    config_path = head_dir / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"EAGLE head folder {head_dir} has no config.json")
+    config = json.loads(config_path.read_text())
+    for name in HEAD_WEIGHTS:
+        if (head_dir / name).exists():
+            return head_dir / name, config
+    raise FileNotFoundError(f"EAGLE head folder {head_dir} has neither of {', '.join(HEAD_WEIGHTS)}")
+
+
+def load_head_state(head_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The head's tensors and its config.json (as a dict) from a folder."""
+    path, config = check_head_dir(head_dir)
+    if path.name.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(str(path)), config
+    return torch.load(path, map_location="cpu", weights_only=True), config  # a local file, tensors only
+
+
+def save_head(head_dir: Path, state: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    head_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(head_dir / "model.safetensors"))
+    (head_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+class EagleHead:
+    """The head's weights and one forward step; ``capture`` names the target features it needs."""
+
+    def __init__(self, head_dir: Path, target_cfg: ModelConfig, target_hf_config: Any, embed: torch.Tensor,
+                 target_lm_head: torch.Tensor, dtype: torch.dtype, max_model_len: int) -> None:
+        state, config = load_head_state(head_dir)
+        state = {k.removeprefix("model."): v for k, v in state.items()}
+        if "midlayer.self_attn.q_proj.weight" in state:
+            self.version = 3
+            prefix = "midlayer."
+        elif "layers.0.self_attn.q_proj.weight" in state:
+            self.version = 1
+            prefix = "layers.0."
+        else:
+            raise ValueError(f"{head_dir}: not an EAGLE head (no midlayer.* or layers.0.* attention weights)")
+        hidden = target_cfg.hidden_size
+        q_in = state[prefix + "self_attn.q_proj.weight"].shape[1]
+        expected_in = 2 * hidden if self.version == 3 else hidden
+        if q_in != expected_in:
+            raise ValueError(f"{head_dir}: the head's attention reads {q_in} features, the target's hidden size "
+                             f"{hidden} needs {expected_in}")
+        head_cfg = _head_model_config(config, target_cfg)
+        self.cfg = head_cfg
+        self.dtype = dtype
+        self.eps = head_cfg.rms_norm_eps
+        t = lambda x: x.to(dtype).contiguous()  # noqa: E731
+        self.layer = {
+            "qkv": t(torch.cat([state[prefix + f"self_attn.{n}_proj.weight"] for n in "qkv"])),
+            "o": t(state[prefix + "self_attn.o_proj.weight"]),
+            "gate_up": t(torch.cat([state[prefix + "mlp.gate_proj.weight"], state[prefix + "mlp.up_proj.weight"]])),
+            "down": t(state[prefix + "mlp.down_proj.weight"]),
+            "post_norm": t(state[prefix + "post_attention_layernorm.weight"]),
+        }
+        self.fc = t(state["fc.weight"])
+        self.fc_bias = t(state["fc.bias"]) if "fc.bias" in state else None
+        self.embed = embed  # the target's (rank 0 holds it whole when TP = 1; see EagleRunner)
+        if self.version == 3:
+            self.layer["input_norm"] = t(state[prefix + "input_layernorm.weight"])
+            self.layer["hidden_norm"] = t(state[prefix + "hidden_norm.weight"])
+            self.norm = t(state["norm.weight"])
+            self.lm_head = t(state["lm_head.weight"]) if "lm_head.weight" in state else target_lm_head
+            aux = config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids") or config.get("aux_layers")
+            self.aux_layers = tuple(int(i) for i in aux) if aux else default_aux_layers(target_cfg.num_layers)
+            if list(self.aux_layers) != sorted(self.aux_layers) or not 0 <= min(self.aux_layers) <= max(
+                    self.aux_layers) < target_cfg.num_layers:
+                raise ValueError(f"{head_dir}: aux layers {self.aux_layers} must ascend within the target's "
+                                 f"{target_cfg.num_layers} layers")
+            if self.fc.shape[1] != len(self.aux_layers) * hidden:
+                raise ValueError(f"{head_dir}: fc reads {self.fc.shape[1]} features, {len(self.aux_layers)} target "
+                                 f"layers of {hidden} give {len(self.aux_layers) * hidden}")
+        else:
+            self.norm = None
+            self.lm_head = target_lm_head
+            self.aux_layers = ()
+        self.draft_vocab_size = self.lm_head.shape[0]
+        self.d2t: torch.Tensor | None = None
+        if "d2t" in state and self.draft_vocab_size != target_cfg.vocab_size:
+            self.d2t = torch.arange(self.draft_vocab_size) + state["d2t"].long()
+        elif self.draft_vocab_size not in (target_cfg.vocab_size, embed.shape[0]):
+            raise ValueError(f"{head_dir}: a draft vocabulary of {self.draft_vocab_size} without d2t")
+        # attention and rotary: our decoder's own code, on a one-layer model of the head's shape
+        self.attn = LlamaModel(head_cfg, TPInfo(), dtype, max_model_len)
+        self.attn._init_rotary(_rotary_config(target_hf_config, head_cfg))
+
+    @property
+    def capture(self) -> tuple[int, ...] | str:
+        """What the target forward must keep: layer inputs (EAGLE-3) or its final hidden (EAGLE-1)."""
+        return self.aux_layers if self.version == 3 else "final"
+
+    def create_kv_cache(self, num_slots: int, max_model_len: int) -> KVCache:
+        c = self.cfg
+        return KVCache(1, num_slots, c.num_kv_heads, max_model_len, c.head_dim, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, features: torch.Tensor, token_ids: torch.Tensor, batch: ForwardBatch,
+                kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features [T, F] (target features, or the head's own outputs [T, hidden]) and the tokens
+        that followed; returns (output hidden [R, hidden], draft logits [R, draft vocab]) at
+        ``batch.logits_indices``."""
+        emb = F.embedding(token_ids, self.embed)
+        if self.version == 3:
+            h = linear(features, self.fc) if features.shape[-1] != self.fc.shape[0] else features
+            x = torch.cat([_rms_norm(emb, self.layer["input_norm"], self.eps),
+                           _rms_norm(h, self.layer["hidden_norm"], self.eps)], dim=-1)
+        else:
+            h = x = linear(torch.cat([emb, features], dim=-1), self.fc, self.fc_bias)
+        cos, sin = self.attn.cos[batch.positions], self.attn.sin[batch.positions]
+        h = h + self.attn._attention(x, self.layer, kv, 0, batch, cos, sin)
+        h = h + self.attn._mlp(_rms_norm(h, self.layer["post_norm"], self.eps), self.layer)
+        out = h[batch.logits_indices]
+        normed = _rms_norm(out, self.norm, self.eps) if self.norm is not None else out
+        return out, linear(normed, self.lm_head).float()
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.d2t is None else self.d2t[draft_ids]
+
+
+class EagleRunner:
+    """Follows the target with an EAGLE head and proposes each row's next drafts (rank 0)."""
+
+    def __init__(self, head_dir: Path, target: LlamaModel, target_dir: Path, target_hf_config: Any,
+                 max_batch_size: int, max_model_len: int) -> None:
+        if target.tp.size != 1:
+            embed, lm_head = _whole_embedding(target, target_dir)
+        else:
+            embed, lm_head = target.embed, target.lm_head
+        self.head = EagleHead(head_dir, target.cfg, target_hf_config, embed, lm_head, target.dtype, max_model_len)
+        self.max_model_len = max_model_len
+        self.vocab_size = target.cfg.vocab_size
+        self.kv = self.head.create_kv_cache(max_batch_size, max_model_len)
+        width = len(self.head.aux_layers) * target.cfg.hidden_size if self.head.version == 3 else target.cfg.hidden_size
+        self.pending = torch.zeros(max_batch_size, width, dtype=target.dtype)
+        self.pending_pos = np.full(max_batch_size, -2, dtype=np.int64)
+        self._step: tuple[ForwardBatch, torch.Tensor] | None = None
+
+    @property
+    def capture(self) -> tuple[int, ...] | str:
+        return self.head.capture
+
+    def follow(self, batch: ForwardBatch, features: torch.Tensor | None) -> None:
+        """Keep the step's target features until its tokens are verified (``propose``)."""
+        assert features is not None, "the target forward did not keep the features the EAGLE head needs"
+        self._step = (batch, features)
+
+    @torch.inference_mode()
+    def propose(self, inputs: StepInputs, tokens: np.ndarray, counts: np.ndarray,
+                masks: MaskSource | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Run the step's final positions through the head, then chain ``draft_lens[b]`` greedy
+        drafts per row: (flat draft tokens as target ids, per-row counts)."""
+        assert self._step is not None
+        batch, features = self._step
+        self._step = None
+        feats, ids, slots, starts, lens = [], [], [], [], []
+        ends = np.cumsum(counts)
+        offsets = np.concatenate([[0], np.cumsum(inputs.num_new_tokens)])
+        last_position = np.zeros(inputs.batch_size, dtype=np.int64)
+        for b in range(inputs.batch_size):
+            slot, start, n, nlog, c = (int(inputs.slots[b]), int(inputs.start_positions[b]),
+                                       int(inputs.num_new_tokens[b]), int(inputs.num_logits[b]), int(counts[b]))
+            m = n - max(nlog, 1) + 1  # the row's non-draft tokens
+            own = inputs.token_ids[offsets[b] : offsets[b] + m].tolist()
+            true = own + tokens[ends[b] - c : ends[b]].tolist()
+            row_feats = [features[offsets[b] + i] for i in range(len(true) - 1)]
+            row_ids = true[1:]
+            first = start
+            if start == 0:
+                self.pending_pos[slot] = -2
+            elif self.pending_pos[slot] == start - 1:  # the last chunk's final position, waiting for this token
+                row_feats.insert(0, self.pending[slot])
+                row_ids.insert(0, true[0])
+                first = start - 1
+            if c == 0:  # its next token is not known yet
+                self.pending[slot] = features[offsets[b] + m - 1]
+                self.pending_pos[slot] = start + m - 1
+            if row_feats:
+                feats.extend(row_feats)
+                ids.extend(row_ids)
+                slots.append(slot)
+                starts.append(first)
+                lens.append(len(row_feats))
+            last_position[b] = first + len(row_feats) - 1 if row_feats else -1
+        wanted = np.zeros(inputs.batch_size, dtype=np.int64)
+        if inputs.draft_lens is not None:
+            wanted = np.minimum(inputs.draft_lens, self.max_model_len - 2 - last_position)
+            wanted[(counts == 0) | (last_position < 0)] = 0
+        drafts: list[list[int]] = [[] for _ in range(inputs.batch_size)]
+        if not slots:
+            return _flat(drafts)
+        row_of = [b for b in range(inputs.batch_size) if last_position[b] >= 0]
+        follow = ForwardBatch.create(np.array(ids), slots, starts, lens, np.ones(len(slots), dtype=np.int32))
+        out, logits = self.head.forward(torch.stack(feats), follow.token_ids, follow, self.kv)
+        rows = np.array(row_of, dtype=np.int64)
+        current = torch.zeros(0, dtype=torch.long)
+        keep = wanted[rows] > 0
+        rows, out, logits = rows[keep], out[torch.from_numpy(keep)], logits[torch.from_numpy(keep)]
+        produced = [tokens[end - n : end].tolist() for end, n in zip(ends.tolist(), counts.tolist())]
+        for step in range(int(wanted.max(initial=0))):
+            if step > 0:
+                live = wanted[rows] > step
+                rows, out, current = rows[live], out[torch.from_numpy(live)], current[torch.from_numpy(live)]
+                batch_step = ForwardBatch.create(current.numpy(), inputs.slots[rows], last_position[rows] + step,
+                                                 np.ones(len(rows), dtype=np.int32), np.ones(len(rows), dtype=np.int32))
+                out, logits = self.head.forward(out, batch_step.token_ids, batch_step, self.kv)
+            if masks is not None and inputs.draft_masked is not None:
+                self._constrain(logits, rows, inputs.draft_masked, [p + d for p, d in zip(produced, drafts)], step, masks)
+            current = self.head.to_target(logits.argmax(dim=-1))
+            for b, token in zip(rows.tolist(), current.tolist()):
+                drafts[b].append(int(token))
+        return _flat(drafts)
+
+    def _constrain(self, logits: torch.Tensor, rows: np.ndarray, draft_masked: np.ndarray, sequences: list[list[int]],
+                   draft_index: int, masks: MaskSource) -> None:
+        local = np.flatnonzero(draft_masked[rows])
+        if not len(local):
+            return
+        batch_rows = rows[local]
+        bitmask = torch.from_numpy(np.array(masks(draft_index, batch_rows.astype(np.int32),
+                                                  [sequences[b] for b in batch_rows.tolist()])))
+        ids = self.head.d2t if self.head.d2t is not None else torch.arange(logits.shape[1])
+        inside = ids < self.vocab_size  # rows of a padded LM head past the vocabulary are never allowed
+        ids = ids.clamp(max=self.vocab_size - 1)
+        allowed = ((bitmask[:, ids >> 5] >> (ids & 31)) & 1).bool() & inside  # the target mask, in draft ids
+        # where the grammar allows nothing in the draft vocabulary the row drafts anyway (argmax of
+        # -inf rows is 0): the scheduler's check refuses that draft
+        index = torch.from_numpy(local)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def _flat(drafts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    flat = np.array([t for row in drafts for t in row], dtype=np.int32)
+    return flat, np.array([len(row) for row in drafts], dtype=np.int32)
+
+
+def _head_model_config(config: dict[str, Any], target: ModelConfig) -> ModelConfig:
+    """The head's attention/MLP shape: its config.json where it says, else the target's."""
+    heads = int(config.get("num_attention_heads", target.num_heads))
+    hidden = int(config.get("hidden_size", target.hidden_size))
+    return dataclasses.replace(
+        target,
+        num_layers=1,
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads", target.num_kv_heads)),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        intermediate_size=int(config.get("intermediate_size", target.intermediate_size)),
+        rms_norm_eps=float(config.get("rms_norm_eps", target.rms_norm_eps)),
+        qkv_bias=False,
+        o_bias=False,
+    )
+
+
+def _rotary_config(target_hf_config: Any, head: ModelConfig) -> Any:
+    import copy
+
+    config = copy.deepcopy(target_hf_config)
+    config.head_dim = head.head_dim
+    config.num_attention_heads = head.num_heads
+    config.hidden_size = head.hidden_size
+    return config
+
+
+def _whole_embedding(target: LlamaModel, target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under TP the target's embedding is sharded by vocabulary; the head on rank 0 reads it whole
+    from the checkpoint (no collective: the other ranks do not run the head)."""
+    from guidespec.worker.checkpoint import ShardReader
+
+    reader = ShardReader(target_dir)
+    embed = reader.get("model.embed_tokens.weight").to(target.dtype)
+    if target.cfg.tie_word_embeddings or not reader.has("lm_head.weight"):
+        return embed, embed
+    return embed, reader.get("lm_head.weight").to(target.dtype)

@@ -1,0 +1,143 @@
+"""EAGLE heads: the trained head (autograd, training-time test) and the inference head (KV cache,
+draft chain) compute the same thing; both checkpoint layouts load; the d2t map reads the target
+mask right; bad head folders are refused with a message."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from guidespec.config import ModelConfig
+from guidespec.protocol import StepInputs
+from guidespec.spec.eagle import EagleHead, EagleRunner, default_aux_layers, save_head
+from guidespec.spec.train_eagle import TrainableHead, head_config
+from guidespec.worker.checkpoint import load_hf_config
+from guidespec.worker.model import ForwardBatch, LlamaModel
+from guidespec.worker.tp import TPInfo
+from tests.conftest import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LlamaModel, object]:
+    folder = make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+    hf = load_hf_config(folder)
+    model = LlamaModel(ModelConfig.from_hf(hf), TPInfo(), torch.float32, 64)
+    model.load(folder, hf, show_progress=False)
+    return folder, model, hf
+
+
+def _random_head(model: LlamaModel, hf: object, draft_ids: torch.Tensor, heads: int = 2) -> TrainableHead:
+    cfg = dataclasses.replace(model.cfg, num_layers=1, num_heads=heads, num_kv_heads=1, intermediate_size=96)
+    torch.manual_seed(1)
+    head = TrainableHead(cfg, hf, model.embed.clone(), draft_ids, 3, 64)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.3)  # norms and fc off their initial values too
+    return head
+
+
+def test_trained_and_inference_heads_agree_over_a_draft_chain(target, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    folder, model, hf = target
+    draft_ids = torch.arange(0, 300, 2)  # a pruned vocabulary: d2t maps draft i to target 2i
+    trained = _random_head(model, hf, draft_ids)
+    aux = default_aux_layers(model.cfg.num_layers)
+    save_head(tmp_path / "head", trained.state_for_checkpoint(300), head_config(trained.cfg, 300, len(draft_ids), aux, {}))
+    head = EagleHead(tmp_path / "head", model.cfg, hf, model.embed, model.lm_head, torch.float32, 64)
+    assert head.version == 3 and head.aux_layers == aux and head.d2t is not None
+
+    tokens = torch.randint(0, 300, (20,))
+    kv = model.create_kv_cache(1)
+    model.forward(ForwardBatch.create(tokens.numpy(), [0], [0], [20], [0]), kv, capture=aux)
+    features = model.captured
+    assert features is not None and features.shape == (20, 3 * model.cfg.hidden_size)
+    with torch.no_grad():
+        steps = trained.unroll(features, tokens, 0, 3)
+
+    # inference: indices 0..e follow the target, then the chain feeds the true tokens as drafts
+    e = 12
+    head_kv = head.create_kv_cache(1, 64)
+    follow = ForwardBatch.create(tokens[1 : e + 2].numpy(), [0], [0], [e + 1], [e + 1])
+    out, logits = head.forward(features[: e + 1], follow.token_ids, follow, head_kv)
+    torch.testing.assert_close(out, steps[0][: e + 1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, trained.logits(steps[0][: e + 1]).detach(), atol=1e-4, rtol=1e-4)
+    out = out[-1:]
+    for k in (2, 3):
+        batch = ForwardBatch.create(tokens[e + k : e + k + 1].numpy(), [0], [e + k - 1], [1], [1])
+        out, logits = head.forward(out, batch.token_ids, batch, head_kv)
+        torch.testing.assert_close(out[0], steps[k - 1][e], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[0], trained.logits(steps[k - 1][e]).detach(), atol=1e-4, rtol=1e-4)
+    assert head.to_target(torch.tensor([0, 5, 149])).tolist() == [0, 10, 298]
+
+
+def test_eagle1_layout_loads_and_drafts_with_the_targets_lm_head(target, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    folder, model, hf = target
+    h = model.cfg.hidden_size
+    torch.manual_seed(2)
+    state = {"fc.weight": torch.randn(h, 2 * h) * 0.1, "fc.bias": torch.randn(h) * 0.1,
+             "layers.0.post_attention_layernorm.weight": torch.ones(h)}
+    for name, shape in {"q_proj": (4 * 16, h), "k_proj": (2 * 16, h), "v_proj": (2 * 16, h), "o_proj": (h, 4 * 16)}.items():
+        state[f"layers.0.self_attn.{name}.weight"] = torch.randn(shape) * 0.1
+    for name, shape in {"gate_proj": (160, h), "up_proj": (160, h), "down_proj": (h, 160)}.items():
+        state[f"layers.0.mlp.{name}.weight"] = torch.randn(shape) * 0.1
+    save_head(tmp_path / "eagle1", state, {"hidden_size": h, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                           "intermediate_size": 160})
+    runner = EagleRunner(tmp_path / "eagle1", model, folder, hf, max_batch_size=2, max_model_len=64)
+    assert runner.head.version == 1 and runner.capture == "final" and runner.head.d2t is None
+
+    kv = model.create_kv_cache(2)
+    prompt = np.array([5, 9, 13, 7, 3], dtype=np.int32)
+    batch = ForwardBatch.create(prompt, [0], [0], [5], [1])
+    model.forward(batch, kv, capture=runner.capture)
+    runner.follow(batch, model.captured)
+    inputs = _step_inputs(prompt, draft_lens=[3])
+    drafts, counts = runner.propose(inputs, np.array([42], dtype=np.int32), np.array([1], dtype=np.int32))
+    assert counts.tolist() == [3] and all(0 <= t < 300 for t in drafts.tolist())
+    # the same chain by hand: features 0..4 with the next tokens, then the drafts themselves
+    head_kv = runner.head.create_kv_cache(1, 64)
+    ids = np.array([9, 13, 7, 3, 42])
+    out, logits = runner.head.forward(model.captured, torch.from_numpy(ids), ForwardBatch.create(ids, [0], [0], [5], [1]), head_kv)
+    expected = [int(logits.argmax())]
+    for step in range(2):
+        b = ForwardBatch.create([expected[-1]], [0], [5 + step], [1], [1])
+        out, logits = runner.head.forward(out, b.token_ids, b, head_kv)
+        expected.append(int(logits.argmax()))
+    assert drafts.tolist() == expected
+
+
+def test_d2t_reads_the_target_mask(target, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    folder, model, hf = target
+    draft_ids = torch.tensor([0, 7, 40, 41, 299])
+    trained = _random_head(model, hf, draft_ids)
+    save_head(tmp_path / "head", trained.state_for_checkpoint(300),
+              head_config(trained.cfg, 300, 5, default_aux_layers(2), {}))
+    runner = EagleRunner(tmp_path / "head", model, folder, hf, max_batch_size=1, max_model_len=64)
+    bitmask = np.zeros((1, 10), dtype=np.int32)
+    for allowed in (41, 299, 100):  # 100 is outside the draft vocabulary
+        bitmask[0, allowed >> 5] |= 1 << (allowed & 31)
+    logits = torch.zeros(1, 5)
+    runner._constrain(logits, np.array([0]), np.array([True]), [[]], 0, lambda j, rows, seqs: bitmask)
+    assert torch.isfinite(logits[0]).tolist() == [False, False, False, True, True]
+
+
+def test_bad_head_folders_are_refused(target, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    folder, model, hf = target
+    with pytest.raises(FileNotFoundError, match="train-eagle"):
+        EagleRunner(tmp_path / "missing", model, folder, hf, 1, 64)
+    save_head(tmp_path / "odd", {"fc.weight": torch.zeros(4, 4)}, {})
+    with pytest.raises(ValueError, match="not an EAGLE head"):
+        EagleRunner(tmp_path / "odd", model, folder, hf, 1, 64)
+
+
+def _step_inputs(prompt: np.ndarray, draft_lens: list[int]) -> StepInputs:
+    """One row: the whole prompt in slot 0, greedy, one logits row, drafts wanted after it."""
+    one = lambda dtype, value=0: np.full(1, value, dtype=dtype)  # noqa: E731
+    return StepInputs(step=0, slots=one(np.int32), start_positions=one(np.int32),
+                      num_new_tokens=one(np.int32, len(prompt)), token_ids=prompt, num_logits=one(np.int32, 1),
+                      temperature=one(np.float32), top_k=one(np.int32), top_p=one(np.float32, 1.0),
+                      seeds=one(np.int64, -1), sample_index=one(np.int32), num_prompt_tokens=one(np.int32, len(prompt)),
+                      penalties=np.ones((1, 3), np.float32), draft_lens=np.array(draft_lens, np.int32),
+                      draft_masked=np.array([False]))
