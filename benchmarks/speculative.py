@@ -2,6 +2,7 @@
 with and without draft-side grammar checks, and tokens/s against guided decoding alone.
 
     python benchmarks/speculative.py [--cases 10] [--max-tokens 256] [--draft-len 3] [--backend xgrammar]
+                                     [--eagle-head DIR] [--only REGEX]
 
 Part 1, batch 1 (one request at a time, greedy, draft length fixed at --draft-len): one fresh
 engine per configuration serves every case; grammars are compiled before timing. Greedy
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
 import time
 from pathlib import Path
@@ -31,6 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import machine  # noqa: E402
 
+EAGLE_HEAD = "eagle-head"  # replaced by --eagle-head
 BATCH1 = {
     "guided alone (jump-forward)": None,
     "grammar-forced drafts only": dict(method="forced"),
@@ -41,12 +44,17 @@ BATCH1 = {
                                                                 constrain_drafts=False),
     "draft model (first 12 layers), draft steps masked": dict(method="draft_model", draft_model="layers:12"),
     "draft model = the target itself (acceptance bound)": dict(method="draft_model", draft_model="self"),
+    "EAGLE-3 head (train-eagle), draft steps unmasked": dict(method="eagle", draft_model=EAGLE_HEAD,
+                                                             constrain_drafts=False),
+    "EAGLE-3 head (train-eagle), draft steps masked": dict(method="eagle", draft_model=EAGLE_HEAD),
 }
 CONCURRENT = {
     "guided alone (jump-forward)": None,
     "n-gram + forced, adaptive length": dict(method="ngram", adaptive=True),
     "n-gram + forced, fixed length": dict(method="ngram", adaptive=False),
     "draft model (first 12 layers), adaptive": dict(method="draft_model", draft_model="layers:12", adaptive=True),
+    "EAGLE-3 head, adaptive": dict(method="eagle", draft_model=EAGLE_HEAD, adaptive=True),
+    "EAGLE-3 head, fixed length": dict(method="eagle", draft_model=EAGLE_HEAD, adaptive=False),
 }
 
 
@@ -121,10 +129,28 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--backend", default="xgrammar")
     parser.add_argument("--skip-concurrent", action="store_true")
+    parser.add_argument("--eagle-head", default=str(Path.home() / ".cache" / "guidespec" / "eagle-smollm2"),
+                        help="an EAGLE head folder (guidespec train-eagle --output ...)")
+    parser.add_argument("--only", default=None, metavar="REGEX",
+                        help="only configurations whose name matches (guided alone always runs: the baseline)")
     args = parser.parse_args()
     cases = load_cases(args.cases)
-    parts = [("batch 1", BATCH1, 1)] + ([] if args.skip_concurrent else [(f"{args.concurrency} concurrent", CONCURRENT,
-                                                                          args.concurrency)])
+
+    def chosen(configs: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for i, (name, spec) in enumerate(configs.items()):
+            if i and args.only and not re.search(args.only, name):
+                continue
+            if spec is not None and spec.get("draft_model") == EAGLE_HEAD:
+                if not Path(args.eagle_head).is_dir():
+                    print(f"skipping {name!r}: no EAGLE head at {args.eagle_head} (guidespec train-eagle)")
+                    continue
+                spec = {**spec, "draft_model": args.eagle_head}
+            out[name] = spec
+        return out
+
+    parts = [("batch 1", chosen(BATCH1), 1)] + ([] if args.skip_concurrent else [
+        (f"{args.concurrency} concurrent", chosen(CONCURRENT), args.concurrency)])
     report = []
     for title, configs, concurrency in parts:
         results = {}
