@@ -47,6 +47,8 @@ BATCH1 = {
     "EAGLE-3 head (train-eagle), draft steps unmasked": dict(method="eagle", draft_model=EAGLE_HEAD,
                                                              constrain_drafts=False),
     "EAGLE-3 head (train-eagle), draft steps masked": dict(method="eagle", draft_model=EAGLE_HEAD),
+    "EAGLE-3 head + n-gram (longer valid draft wins), masked": dict(method="eagle", draft_model=EAGLE_HEAD,
+                                                                    combine_ngram=True),
 }
 CONCURRENT = {
     "guided alone (jump-forward)": None,
@@ -55,6 +57,7 @@ CONCURRENT = {
     "draft model (first 12 layers), adaptive": dict(method="draft_model", draft_model="layers:12", adaptive=True),
     "EAGLE-3 head, adaptive": dict(method="eagle", draft_model=EAGLE_HEAD, adaptive=True),
     "EAGLE-3 head, fixed length": dict(method="eagle", draft_model=EAGLE_HEAD, adaptive=False),
+    "EAGLE-3 head + n-gram, adaptive": dict(method="eagle", draft_model=EAGLE_HEAD, combine_ngram=True, adaptive=True),
 }
 
 

@@ -98,6 +98,7 @@ class SpeculativeConfig:
     adaptive: bool = True
     user_drafter: str | None = None
     draft_model: str | None = None  # draft_model: "self", "layers:N" (the target's first N) or a folder; eagle: a head folder
+    combine_ngram: bool = False  # draft_model / eagle: also prompt lookup; the longer valid draft wins
 
     def validate(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -110,6 +111,8 @@ class SpeculativeConfig:
             raise ValueError("method 'user' needs user_drafter='module:Class'")
         if self.method == "draft_model" and not self.draft_model:
             raise ValueError("method 'draft_model' needs draft_model='self' | 'layers:N' | a model folder")
+        if self.combine_ngram and self.method not in MODEL_DRAFTERS:
+            raise ValueError(f"combine_ngram goes with a draft model or an EAGLE head, not method {self.method!r}")
         if self.method == "eagle" and not self.draft_model:
             raise ValueError("method 'eagle' needs draft_model=<an EAGLE head folder> (see `guidespec train-eagle`)")
 

@@ -288,6 +288,7 @@ class StepOutputs:
     timings: np.ndarray | None = None  # [4] float64 wall times: forward start, forward end, mask ready, done
     draft_tokens: np.ndarray | None = None  # [sum(num_draft_tokens)] int32: the draft model's proposals
     num_draft_tokens: np.ndarray | None = None  # [B] int32, they follow each row's last produced token
+    draft_s: float = 0.0  # seconds rank 0 spent proposing (draft model / EAGLE head), not in forward_s
 
 
 @register_message(25)

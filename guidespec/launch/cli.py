@@ -109,6 +109,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--no-constrain-drafts", action="store_true",
                       help="do not cut drafts where the grammar rejects them (to measure what it gains)")
     spec.add_argument("--user-drafter", default=None, metavar="MODULE:CLASS")
+    spec.add_argument("--combine-ngram", action="store_true",
+                      help="with a draft model or EAGLE head: also prompt lookup; the longer valid draft wins")
 
 
 def speculative_from_args(args: argparse.Namespace) -> dict[str, object] | None:
@@ -118,7 +120,7 @@ def speculative_from_args(args: argparse.Namespace) -> dict[str, object] | None:
     return dict(method=args.speculative, max_draft_len=args.max_draft_len,
                 max_matching_ngram_size=args.max_matching_ngram_size, adaptive=not args.no_adaptive_draft,
                 use_forced_tokens=not args.no_forced_drafts, constrain_drafts=not args.no_constrain_drafts,
-                user_drafter=args.user_drafter, draft_model=args.draft_model)
+                user_drafter=args.user_drafter, draft_model=args.draft_model, combine_ngram=args.combine_ngram)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -142,12 +142,17 @@ class UserDrafter:
 
 
 class ModelDrafter:
-    """The draft model's proposals, made by rank 0 after the previous step (``draft_model.py``).
-    They follow the request's final tokens; where the grammar forced drafts first, the proposals
-    are used only if they begin with those same tokens."""
+    """The draft model's (or EAGLE head's) proposals, made by rank 0 after the previous step
+    (``draft_model.py``, ``eagle.py``). They follow the request's final tokens; where the grammar
+    forced drafts first, the proposals are used only if they begin with those same tokens.
 
-    def __init__(self) -> None:
+    With ``ngram`` (``SpeculativeConfig.combine_ngram``), prompt lookup runs too and the longer
+    draft the grammar accepts wins (n-gram on a tie): lookup copies values from the prompt that
+    a small drafter cannot know, the model drafts where lookup finds nothing."""
+
+    def __init__(self, ngram: NGramDrafter | None = None) -> None:
         self.proposals: dict[str, list[int]] = {}
+        self.ngram = ngram
 
     def store(self, request_id: str, tokens: list[int]) -> None:
         self.proposals[request_id] = tokens
@@ -155,14 +160,18 @@ class ModelDrafter:
     def propose(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
                 valid_prefix: ValidPrefix) -> list[int]:
         proposals = self.proposals.pop(request_id, [])
+        lookup = self.ngram.propose(request_id, context, num_committed, max_len, valid_prefix) if self.ngram else []
         forced = list(context[num_committed:])
         if proposals[: len(forced)] != forced:
-            return []
+            return lookup
         draft = proposals[len(forced) : len(forced) + max_len]
-        return draft[: valid_prefix(draft)]
+        draft = draft[: valid_prefix(draft)]
+        return lookup if len(lookup) >= len(draft) else draft
 
     def release(self, request_id: str) -> None:
         self.proposals.pop(request_id, None)
+        if self.ngram is not None:
+            self.ngram.release(request_id)
 
 
 def create_drafter(cfg: SpeculativeConfig) -> Drafter:
@@ -172,5 +181,9 @@ def create_drafter(cfg: SpeculativeConfig) -> Drafter:
     if cfg.method == "user":
         return UserDrafter(cfg.user_drafter or "")
     if cfg.method in ("draft_model", "eagle"):
-        return ModelDrafter()
+        ngram = None
+        if cfg.combine_ngram:
+            ngram = NGramDrafter(cfg.max_draft_len, cfg.max_matching_ngram_size, cfg.is_keep_all, cfg.is_use_oldest,
+                                 cfg.is_public_pool)
+        return ModelDrafter(ngram)
     return NoDrafter()

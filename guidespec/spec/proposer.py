@@ -5,7 +5,8 @@ Each step, for every decoding row whose request speculates:
 1. the draft length: ``max_draft_len`` (the request's or the engine's), or with ``adaptive``
    the length that maximises expected tokens per second for the whole batch — a request's
    acceptance rate ``a`` (running average) makes its ``j``-th draft worth ``a**j`` tokens, and
-   the step's cost is modelled as ``c0 + c1 * tokens`` from measured forward times. Drafts are
+   the step's cost is modelled as ``c0 + c1 * tokens`` from measured forward times (plus, for a
+   draft model or EAGLE head on rank 0, its measured proposing time per draft token). Drafts are
    added greedily while they raise tokens per second, so at a large batch where the forward is
    compute-bound speculation turns itself down instead of turning into a loss; a request whose
    drafts keep failing still probes one draft every few steps;
@@ -79,6 +80,7 @@ class Speculator:
         self.drafter: Drafter = create_drafter(cfg)
         self.acceptance: dict[str, _Acceptance] = {}
         self.cost = CostModel()
+        self.draft_cost: float | None = None  # seconds per draft token proposed on rank 0 (model drafters)
 
     def speculates(self, request: Request) -> bool:
         params = request.params
@@ -134,6 +136,8 @@ class Speculator:
         stats = self.acceptance.get(request.request_id)
         if not self.cfg.adaptive or stats is None or stats.planned is None:
             return cap
+        if stats.planned == 0:  # not drafting: propose only for the coming probe
+            return 1 if stats.steps_without_drafts >= _PROBE_EVERY - 1 else 0
         return min(cap, stats.planned + 1)
 
     def store_proposals(self, request: Request, tokens: list[int]) -> None:
@@ -148,8 +152,12 @@ class Speculator:
         stats = self.acceptance.setdefault(request.request_id, _Acceptance())
         stats.rate = 0.7 * stats.rate + 0.3 * (num_accepted / num_drafts)
 
-    def observe_step(self, num_tokens: int, forward_s: float) -> None:
+    def observe_step(self, num_tokens: int, forward_s: float, num_proposed: int = 0, draft_s: float = 0.0) -> None:
+        """A step's forward time for its token count, and what rank 0's drafter spent proposing."""
         self.cost.observe(num_tokens, forward_s)
+        if num_proposed > 0:
+            per_token = draft_s / num_proposed
+            self.draft_cost = per_token if self.draft_cost is None else 0.8 * self.draft_cost + 0.2 * per_token
 
     def release(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
@@ -165,6 +173,8 @@ class Speculator:
                 budget -= out[i]
             return out
         c0, c1 = self.cost.coefficients()
+        cd = self.draft_cost or 0.0  # a model drafter's draft token also costs its proposal on rank 0
+        drafts = 0
         tokens = sum(row.num_new_tokens for row in rows)
         expected = float(sum(row.num_logits for row in rows))
         lengths = {i: 0 for i in limits}
@@ -175,11 +185,12 @@ class Speculator:
                 break
             best = max(gains, key=gains.__getitem__)
             gain = gains[best]
-            if (expected + gain) * (c0 + c1 * tokens) <= expected * (c0 + c1 * (tokens + 1)):
+            if (expected + gain) * (c0 + c1 * tokens + cd * drafts) <= expected * (c0 + c1 * (tokens + 1) + cd * (drafts + 1)):
                 break  # one more draft token would lower tokens per second
             lengths[best] += 1
             expected += gain
             tokens += 1
+            drafts += 1
             budget -= 1
         for i in limits:  # a request that stopped drafting probes now and then, to notice a change
             stats = self.acceptance.setdefault(rows[i].request.request_id, _Acceptance())

@@ -8,7 +8,7 @@ from guidespec.protocol import SamplingParams
 from guidespec.scheduler.batching import ScheduledRow
 from guidespec.scheduler.detokenizer import IncrementalDetokenizer
 from guidespec.scheduler.request import Request
-from guidespec.spec.proposer import CostModel, Speculator
+from guidespec.spec.proposer import _PROBE_EVERY, CostModel, Speculator
 
 
 class _Tokenizer:
@@ -82,6 +82,21 @@ def test_a_draft_model_proposes_one_more_than_the_plan_used() -> None:
     rows = _decoding_rows(4)
     proposals = speculator.proposal_lengths(rows)
     assert proposals is not None and proposals[0].tolist() == [4] * 4  # nothing planned yet: the cap
-    speculator.plan(rows, max_tokens_per_step=512)
-    proposals = speculator.proposal_lengths(rows)
-    assert proposals is not None and proposals[0].tolist() == [1] * 4  # planned 0, so propose 1
+    seen = []
+    for _ in range(_PROBE_EVERY):
+        speculator.plan(rows, max_tokens_per_step=512)
+        proposals = speculator.proposal_lengths(rows)
+        assert proposals is not None
+        seen.append(proposals[0].tolist())
+    # planned 0: nothing proposed (no draft steps paid for), except the step before each probe
+    assert seen[0] == [0] * 4 and [1] * 4 in seen and seen.count([0] * 4) >= _PROBE_EVERY - 2
+
+
+def test_a_costly_drafter_is_turned_off_where_a_cheap_one_drafts() -> None:
+    rows = _decoding_rows(1)
+    speculator = _speculator((30.0, 0.1))
+    speculator.observe_step(1, 0.0301, num_proposed=3, draft_s=0.003)  # 1 ms per proposed draft token
+    assert _draft_lengths(speculator, rows) == [3]
+    speculator = _speculator((30.0, 0.1))
+    speculator.observe_step(1, 0.0301, num_proposed=3, draft_s=0.120)  # 40 ms per draft token: worse than none
+    assert _draft_lengths(speculator, rows) == [0]

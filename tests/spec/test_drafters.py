@@ -67,3 +67,17 @@ def test_user_drafter_is_loaded_by_path_and_capped() -> None:
     with pytest.raises(ValueError, match="module:Class"):
         UserDrafter("no_colon_here")
     assert isinstance(create_drafter(SpeculativeConfig(method="ngram")), NGramDrafter)
+
+
+def test_model_proposals_combined_with_lookup_the_longer_valid_draft_wins() -> None:
+    drafter = create_drafter(SpeculativeConfig(method="eagle", draft_model="head", combine_ngram=True, max_draft_len=3))
+    context = [5, 6, 7, 8, 1, 2, 5, 6]  # lookup: after "5 6" comes "7 8 1"
+    everything = lambda tokens: len(tokens)  # noqa: E731
+    drafter.store("r", [9, 9])  # the model's two drafts
+    assert drafter.propose("r", context, len(context), 3, everything) == [7, 8, 1]
+    drafter.store("r", [9, 9, 9])
+    assert drafter.propose("r", context, len(context), 3, lambda tokens: min(len(tokens), 1 if tokens[0] == 7 else 3)) \
+        == [9, 9, 9]  # the grammar cuts lookup's draft after one token: the model's is longer
+    assert drafter.propose("r", [1, 2, 3], 3, 3, everything) == []  # no proposals stored, no lookup match
+    with pytest.raises(ValueError, match="combine_ngram"):
+        SpeculativeConfig(method="ngram", combine_ngram=True).validate()
