@@ -37,3 +37,11 @@ def cpu_kernels_enabled() -> bool:
 def trace_path() -> str | None:
     """``GUIDESPEC_TRACE=FILE``: the scheduler writes a Chrome trace of every step there at shutdown."""
     return os.environ.get("GUIDESPEC_TRACE") or None
+
+
+def worker_threads() -> int | None:
+    """``GUIDESPEC_WORKER_THREADS=N``: torch threads per worker rank (default: the cores split
+    over the ranks). Set it to 1 when several engines share a small machine: oversubscribed
+    OpenMP threads spin against each other and every engine slows down many times over."""
+    value = os.environ.get("GUIDESPEC_WORKER_THREADS")
+    return int(value) if value else None

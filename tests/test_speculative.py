@@ -115,6 +115,19 @@ def test_greedy_eagle_equals_greedy_plain(reference: list[list[int]], eagle_head
     assert sum(o.stats.num_draft_tokens for o in outs) > 0
 
 
+def test_sampled_drafts_of_the_target_itself_are_all_accepted_with_their_q() -> None:
+    """The target as its own draft model, sampling: each draft is drawn from q' = p' (same model,
+    same grammar mask), so rejection sampling accepts practically every one — only if rank 0 keeps
+    the right q' for the right drafts; with one-hot q' acceptance would be p'(draft), far lower."""
+    with LLM(max_batch_size=8, show_progress=False,
+             speculative=dict(method="draft_model", draft_model="self", adaptive=False)) as llm:
+        outs = _run(llm, _requests(temperature=1.0))
+    for case, out in zip(_jme_cases(3), outs):
+        assert out.finish_reason == "stop" and validate_output(out.text, case["schema"]) is None, out.text
+    accepted, drafted = (sum(getattr(o.stats, f) for o in outs) for f in ("num_accepted_tokens", "num_draft_tokens"))
+    assert drafted > 50 and accepted > 0.95 * drafted
+
+
 def test_sampled_guided_outputs_stay_valid_and_switches_work() -> None:
     with LLM(max_batch_size=8, show_progress=False, speculative="ngram") as llm:
         outs = _run(llm, _requests(temperature=1.0))

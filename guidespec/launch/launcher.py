@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
+from guidespec import envs
 from guidespec.config import MODEL_DRAFTERS, EngineConfig, SchedulerConfig, WorkerConfig, config_to_dict
 from guidespec.ipc.broadcast import BroadcastSpec
 from guidespec.ipc.shm_ring import ShmRing
@@ -68,7 +69,7 @@ class EngineProcesses:
                                         cfg.speculative)
         self._spawn("scheduler", "scheduler", scheduler_cfg)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        threads = max(1, (os.cpu_count() or 1) // cfg.tensor_parallel_size)
+        threads = envs.worker_threads() or max(1, (os.cpu_count() or 1) // cfg.tensor_parallel_size)
         for rank in range(cfg.tensor_parallel_size):
             worker_cfg = WorkerConfig(cfg.model_dir, cfg.dtype, rank, cfg.tensor_parallel_size, cfg.max_batch_size,
                                       cfg.max_model_len, self.broadcast, self._ring_index(rank), ep.worker_results,

@@ -10,9 +10,10 @@ puts them in the next step's row, and the target verifies them there.
 
 Draft steps of guided rows are constrained (``draft_masked``): before choosing draft ``j`` rank 0
 sends the row's tokens past its final ones up to the scheduler, which owns the grammar, and
-waits for that draft step's mask over the ring (``masks``). Drafts are argmax choices, so for
-rejection sampling their q is one-hot (exact, see ``verify.py``). Not here yet: sampled drafts
-with their q.
+waits for that draft step's mask over the ring (``masks``). Greedy rows draft the argmax;
+sampled rows draw each draft from the draft's own masked distribution q' (the request's
+temperature, top-k, top-p) and rank 0 keeps q' until the next step verifies those drafts with
+rejection sampling (``DraftSampling``, ``verify.py``).
 
 Draft models: ``"self"`` (the target's own weights: every greedy draft is accepted; a test of
 the mechanics, not a speed-up), ``"layers:N"`` (the target's first N layers with its final norm
@@ -40,6 +41,86 @@ from guidespec.worker.tp import TPInfo
 MaskSource = Callable[[int, np.ndarray, list[list[int]]], np.ndarray]
 
 
+_DRAFT_SALT = 0x5DEECE66D  # draft draws of seeded requests use other random numbers than verification's
+
+
+class DraftSampling:
+    """How rank 0's drafters choose drafts, and the q' they keep for verification.
+
+    Greedy rows take the argmax. Sampled rows draw from q' = the draft logits (masked) under the
+    request's temperature, top-k and top-p; q' is kept per KV slot over the target vocabulary,
+    and the next step's verification uses it for the rows whose drafts are exactly those tokens
+    (the scheduler may cut or replace proposals: other drafts count as one-hot, which is exact
+    for them too). Seeded requests draw from generators seeded by (seed, output index).
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.kept: dict[int, tuple[list[int], list[torch.Tensor]]] = {}  # slot -> (drafts, q' rows [V])
+
+    def start(self) -> None:
+        self.kept = {}
+
+    def choose(self, logits: torch.Tensor, rows: np.ndarray, inputs: StepInputs, counts: np.ndarray, step: int,
+               to_target: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Draft number ``step`` of batch rows ``rows`` from their logits [R, draft vocab]: target ids."""
+        chosen = logits.argmax(dim=-1)
+        temperature = inputs.temperature[rows]
+        sampled = np.flatnonzero(temperature > 0)
+        q_rows: dict[int, torch.Tensor] = {}
+        if len(sampled):
+            from guidespec.worker.sampler import _SEED_STRIDE, filtered_probs
+
+            probs = filtered_probs(logits[torch.from_numpy(sampled)], torch.from_numpy(temperature[sampled].astype(np.float32)),
+                                   torch.from_numpy(inputs.top_k[rows[sampled]].astype(np.int64)),
+                                   torch.from_numpy(inputs.top_p[rows[sampled]].astype(np.float32)))
+            for i, local in enumerate(sampled.tolist()):
+                b = int(rows[local])
+                q = probs[i]
+                if not bool(torch.isfinite(q).all()) or float(q.sum()) <= 0:  # nothing allowed: a fixed draft
+                    continue
+                seed = int(inputs.seeds[b])
+                generator = None
+                if seed >= 0:
+                    index = int(inputs.sample_index[b]) + int(counts[b]) + step
+                    generator = torch.Generator().manual_seed(((seed * _SEED_STRIDE + index) ^ _DRAFT_SALT) % 2**63)
+                token = int(torch.multinomial(q, 1, generator=generator))
+                chosen[local] = token
+                ids = to_target(torch.arange(q.shape[0])) if to_target is not None else None
+                full = q if ids is None else torch.zeros(self.vocab_size).index_add_(0, ids.clamp(max=self.vocab_size - 1), q)
+                q_rows[local] = full
+        targets = to_target(chosen) if to_target is not None else chosen
+        for local, b in enumerate(rows.tolist()):
+            if inputs.temperature[b] <= 0:
+                continue
+            slot = int(inputs.slots[b])
+            drafts, qs = self.kept.setdefault(slot, ([], []))
+            token = int(targets[local])
+            drafts.append(token)
+            qs.append(q_rows[local] if local in q_rows else _one_hot(token, self.vocab_size))
+        return targets
+
+    def draft_probs(self, inputs: StepInputs, drafts: list[np.ndarray]) -> list[torch.Tensor | None] | None:
+        """q' for each row whose drafts are the ones proposed for its slot last step (else None)."""
+        if not self.kept:
+            return None
+        out: list[torch.Tensor | None] = []
+        for b, row_drafts in enumerate(drafts):
+            kept = self.kept.get(int(inputs.slots[b]))
+            n = len(row_drafts)
+            if kept is None or n == 0 or inputs.temperature[b] <= 0 or kept[0][:n] != row_drafts.tolist():
+                out.append(None)
+            else:
+                out.append(torch.stack(kept[1][:n]))
+        return out
+
+
+def _one_hot(token: int, size: int) -> torch.Tensor:
+    q = torch.zeros(size)
+    q[token] = 1.0
+    return q
+
+
 class DraftRunner:
     def __init__(self, spec: str, target_dir: Path, dtype: torch.dtype, max_batch_size: int, max_model_len: int,
                  target_vocab_size: int) -> None:
@@ -56,6 +137,7 @@ class DraftRunner:
         self.model = LlamaModel(cfg, TPInfo(), dtype, max_model_len)  # whole, on rank 0 alone
         self.model.load(model_dir, hf_config, show_progress=False)
         self.kv = self.model.create_kv_cache(max_batch_size)
+        self.sampling = DraftSampling(target_vocab_size)
 
     capture = None  # no target features needed (an EAGLE head needs them: eagle.py)
 
@@ -65,7 +147,7 @@ class DraftRunner:
 
     def propose(self, inputs: StepInputs, tokens: np.ndarray, counts: np.ndarray,
                 masks: MaskSource | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Greedy drafts after each row's last produced token: (flat tokens, per-row counts).
+        """Drafts after each row's last produced token: (flat tokens, per-row counts).
 
         Row b's first logits row sits at position ``start + num_new - num_logits``; it produced
         ``counts[b]`` tokens, so its newest token goes at that position plus ``counts[b]``.
@@ -78,6 +160,7 @@ class DraftRunner:
         wanted[counts == 0] = 0
         rows = np.flatnonzero(wanted > 0)
         drafts: list[list[int]] = [[] for _ in range(inputs.batch_size)]
+        self.sampling.start()
         current = tokens[ends[rows] - 1].astype(np.int64) if len(rows) else np.zeros(0, dtype=np.int64)
         for step in range(int(wanted.max(initial=0))):
             live = wanted[rows] > step
@@ -89,7 +172,7 @@ class DraftRunner:
             if masks is not None and inputs.draft_masked is not None:
                 produced = [tokens[end - n : end].tolist() for end, n in zip(ends.tolist(), counts.tolist())]
                 _constrain(logits, rows, inputs.draft_masked, [p + d for p, d in zip(produced, drafts)], step, masks)
-            current = logits.argmax(dim=-1).numpy()
+            current = self.sampling.choose(logits, rows, inputs, counts, step).numpy()
             for b, token in zip(rows.tolist(), current.tolist()):
                 drafts[b].append(int(token))
         flat = np.array([t for row in drafts for t in row], dtype=np.int32)

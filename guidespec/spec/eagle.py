@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from guidespec.config import ModelConfig
 from guidespec.protocol import StepInputs
-from guidespec.spec.draft_model import MaskSource
+from guidespec.spec.draft_model import DraftSampling, MaskSource
 from guidespec.worker.kernels import linear
 from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.model import ForwardBatch, LlamaModel, _rms_norm
@@ -198,6 +198,7 @@ class EagleRunner:
         self.pending = torch.zeros(max_batch_size, width, dtype=target.dtype)
         self.pending_pos = np.full(max_batch_size, -2, dtype=np.int64)
         self._step: tuple[ForwardBatch, torch.Tensor] | None = None
+        self.sampling = DraftSampling(self.vocab_size)
 
     @property
     def capture(self) -> tuple[int, ...] | str:
@@ -211,8 +212,8 @@ class EagleRunner:
     @torch.inference_mode()
     def propose(self, inputs: StepInputs, tokens: np.ndarray, counts: np.ndarray,
                 masks: MaskSource | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Run the step's final positions through the head, then chain ``draft_lens[b]`` greedy
-        drafts per row: (flat draft tokens as target ids, per-row counts)."""
+        """Run the step's final positions through the head, then chain ``draft_lens[b]`` drafts per
+        row (argmax, or drawn from q' for sampled rows): (flat draft tokens as target ids, counts)."""
         assert self._step is not None
         batch, features = self._step
         self._step = None
@@ -250,6 +251,7 @@ class EagleRunner:
             wanted = np.minimum(inputs.draft_lens, self.max_model_len - 2 - last_position)
             wanted[(counts == 0) | (last_position < 0)] = 0
         drafts: list[list[int]] = [[] for _ in range(inputs.batch_size)]
+        self.sampling.start()
         if not slots:
             return _flat(drafts)
         row_of = [b for b in range(inputs.batch_size) if last_position[b] >= 0]
@@ -269,7 +271,7 @@ class EagleRunner:
                 out, logits = self.head.forward(out, batch_step.token_ids, batch_step, self.kv)
             if masks is not None and inputs.draft_masked is not None:
                 self._constrain(logits, rows, inputs.draft_masked, [p + d for p, d in zip(produced, drafts)], step, masks)
-            current = self.head.to_target(logits.argmax(dim=-1))
+            current = self.sampling.choose(logits, rows, inputs, counts, step, self.head.to_target)
             for b, token in zip(rows.tolist(), current.tolist()):
                 drafts[b].append(int(token))
         return _flat(drafts)

@@ -123,16 +123,18 @@ class Worker:
         if logits is None:
             return None
         # rows without drafts are sampled; rows with drafts are verified (spec/verify.py)
-        tokens_np, counts = verify(logits, inputs.num_logits, _drafts(inputs), inputs.temperature, inputs.top_k,
-                                   inputs.top_p, inputs.seeds, inputs.sample_index, self.generator)
-        drafts = draft_counts = None
+        drafts = _drafts(inputs)
+        draft_probs = self.drafter.sampling.draft_probs(inputs, drafts) if self.drafter is not None else None
+        tokens_np, counts = verify(logits, inputs.num_logits, drafts, inputs.temperature, inputs.top_k,
+                                   inputs.top_p, inputs.seeds, inputs.sample_index, self.generator, draft_probs)
+        proposals = draft_counts = None
         verified = time.perf_counter()
         if self.drafter is not None and inputs.draft_lens is not None:
-            drafts, draft_counts = self.drafter.propose(inputs, tokens_np, counts,
+            proposals, draft_counts = self.drafter.propose(inputs, tokens_np, counts,
                                                         lambda j, rows, seqs: self._draft_mask(inputs.step, j, rows, seqs))
         draft_s = time.perf_counter() - verified
         timings = np.array([wall_start, forward_end, mask_ready, time.time()], dtype=np.float64)
-        return StepOutputs(inputs.step, tokens_np, counts, verified - start, timings, drafts, draft_counts, draft_s)
+        return StepOutputs(inputs.step, tokens_np, counts, verified - start, timings, proposals, draft_counts, draft_s)
 
     def _draft_mask(self, step: int, draft_index: int, rows: np.ndarray, sequences: list[list[int]]) -> np.ndarray:
         """Send a draft step's tokens up to the scheduler; its mask comes back over the ring."""

@@ -92,3 +92,43 @@ def test_seeded_rows_are_reproducible() -> None:
     first = verify(logits, p["num_logits"], drafts, p["temperature"], p["top_k"], p["top_p"], p["seeds"], p["sample_index"])
     second = verify(logits, p["num_logits"], drafts, p["temperature"], p["top_k"], p["top_p"], p["seeds"], p["sample_index"])
     assert first[0].tolist() == second[0].tolist() and first[1].tolist() == second[1].tolist()
+
+
+def test_drafts_sampled_by_a_model_drafter_and_verified_with_their_q_keep_the_distribution() -> None:
+    """DraftSampling (rank 0's draft choice) and verify together: the drafter samples from its own
+    tempered, top-k distribution over a pruned vocabulary (draft id i is target id [0, 1, 2, 3, 5][i]),
+    keeps q', and verification with that q' yields p' exactly."""
+    from guidespec.protocol import StepInputs
+    from guidespec.spec.draft_model import DraftSampling
+
+    n = 20000
+    ids = torch.tensor([0, 1, 2, 3, 5])  # the draft vocabulary misses the masked token 4
+    torch.manual_seed(5)
+    draft_logits = (torch.randn(1, 5) * 2).repeat(n, 1)
+    inputs = StepInputs(step=1, slots=np.arange(n, dtype=np.int32), start_positions=np.zeros(n, np.int32),
+                        num_new_tokens=np.ones(n, np.int32), token_ids=np.zeros(n, np.int32),
+                        num_logits=np.ones(n, np.int32), temperature=np.full(n, 0.8, np.float32),
+                        top_k=np.full(n, 4, np.int32), top_p=np.ones(n, np.float32), seeds=np.full(n, -1, np.int64),
+                        sample_index=np.zeros(n, np.int32), num_prompt_tokens=np.ones(n, np.int32),
+                        penalties=np.ones((n, 3), np.float32))
+    sampling = DraftSampling(V)
+    sampling.start()
+    chosen = sampling.choose(draft_logits, np.arange(n), inputs, np.ones(n, np.int32), 0, lambda d: ids[d])
+    drafts = [np.array([t]) for t in chosen.tolist()]
+    q = sampling.draft_probs(inputs, drafts)
+    assert q is not None and all(row is not None and row.shape == (1, V) for row in q[:10])
+    assert sampling.draft_probs(inputs, [np.array([4])] + drafts[1:])[0] is None  # not the kept draft: one-hot
+
+    logits = _masked_logits(2 * n, seed=11)
+    p = _rows(n, 1, 0.8)
+    p["top_k"][:] = 4
+    tokens, counts = verify(logits, p["num_logits"], drafts, p["temperature"], p["top_k"], p["top_p"],
+                            np.full(n, -1, np.int64), p["sample_index"], torch.Generator().manual_seed(0), q)
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    from guidespec.worker.sampler import filtered_probs
+
+    target = filtered_probs(logits[:1], torch.tensor([0.8]), torch.tensor([4]), torch.tensor([1.0]))[0].numpy()
+    assert _chi_square_p_value(np.bincount(tokens[offsets], minlength=V), target) > 1e-3
+    q0 = q[0][0].numpy()  # type: ignore[index]
+    expected_acceptance = np.minimum(target, q0).sum()  # sum min(p', q'): higher than any one-hot draft's
+    assert abs((counts == 2).mean() - expected_acceptance) < 0.02
