@@ -31,7 +31,7 @@ from guidespec.config import DTYPES, EngineConfig, ModelConfig, SpeculativeConfi
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.launcher import EngineProcesses
 from guidespec.protocol import (GRAMMAR_BACKENDS, AbortRequest, DecodeStats, EngineDead, EngineReady, GenerateRequest,
-                                RequestOutput, SamplingParams, Shutdown)
+                                RequestOutput, SamplingParams, SchedulerStats, Shutdown)
 from guidespec.worker import checkpoint
 
 Message = dict[str, str]
@@ -83,6 +83,17 @@ class StreamDelta:
     finish_reason: str | None
 
 
+@dataclass
+class RequestHandle:
+    """A request in flight on an event loop (``LLM.open_stream``)."""
+
+    output: GenerationOutput
+    _deltas: AsyncIterator[StreamDelta]
+
+    def deltas(self) -> AsyncIterator[StreamDelta]:
+        return self._deltas
+
+
 class _RequestStream:
     """Where one request's deltas land; read by a thread or an asyncio task."""
 
@@ -130,6 +141,7 @@ class LLM:
                                           grammar_compile_timeout_s=grammar_compile_timeout_s,
                                           speculative=_speculative_config(speculative))
         self._streams: dict[str, _RequestStream] = {}
+        self.scheduler_stats = SchedulerStats(0, 0, 0, max_batch_size)  # the queue, as the scheduler last said
         self._lock = threading.Lock()
         self._dead_reason: str | None = None
         self._closed = False
@@ -192,6 +204,13 @@ class LLM:
         stream = self._submit(prompt, sampling_params or SamplingParams(), loop=asyncio.get_running_loop())
         async for delta in self._follow(stream):
             yield delta
+
+    def open_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestHandle:
+        """Submit a request from a running event loop (the server's way in): ``handle.output``
+        holds its output so far (prompt ids, text, figures), ``handle.deltas()`` yields its
+        deltas. Bad input raises here; leaving the iteration early aborts the request."""
+        stream = self._submit(prompt, sampling_params or SamplingParams(), loop=asyncio.get_running_loop())
+        return RequestHandle(stream.output, self._follow(stream))
 
     def abort(self, request_id: str) -> None:
         if self._dead_reason is None and not self._closed:
@@ -283,6 +302,8 @@ class LLM:
                     if message.finished:
                         self._streams.pop(message.request_id, None)
                     stream.put(message)
+            elif isinstance(message, SchedulerStats):
+                self.scheduler_stats = message
             elif isinstance(message, EngineDead):
                 self._on_engine_death(message.reason)
 

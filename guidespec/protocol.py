@@ -173,6 +173,18 @@ class EngineReady:
     max_model_len: int
 
 
+@register_message(17)
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Scheduler -> client, when they change (at most every ``stats_interval``): the queue as the
+    server's /metrics shows it."""
+
+    running: int  # requests holding a slot
+    waiting: int  # requests queued for a slot (their grammar ready, or unguided)
+    waiting_for_grammar: int  # requests whose grammar is still compiling
+    free_slots: int
+
+
 @register_message(16)
 @dataclass
 class DecodeStats:

@@ -1,4 +1,4 @@
-"""The ``guidespec`` command line: ``generate``, ``sweep``, ``train-eagle`` (later ``serve``, ``bench``)."""
+"""The ``guidespec`` command line: ``generate``, ``serve``, ``sweep``, ``train-eagle`` (later ``bench``)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--results", default=None, metavar="FILE.jsonl",
                        help="append each case's result here; cases already there are not run again (resume)")
     sweep.add_argument("--summarize", default=None, metavar="FILE.jsonl", help="print the tables of a --results file")
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    _add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: the folder's)")
+    serve.add_argument("--no-jump-forward", action="store_true", help="sample every token, even forced ones")
+    serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+
     train = commands.add_parser("train-eagle", help="train an EAGLE-3 draft head for a model on CPU, from its own generations")
     train.add_argument("--model", default=None, help="the target (default: SmolLM2-135M-Instruct)")
     train.add_argument("--output", required=True, metavar="DIR", help="the head folder to write")
@@ -74,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                                    args.ttt_steps, max_minutes=args.max_minutes, lr=args.lr, seed=args.seed,
                                    threads=args.threads))
             return 0
+        if args.command == "serve":
+            return _serve(args)
         if args.command == "sweep":
             from guidespec.launch.sweep import print_saved_results, run_sweep
 
@@ -121,6 +132,19 @@ def speculative_from_args(args: argparse.Namespace) -> dict[str, object] | None:
                 max_matching_ngram_size=args.max_matching_ngram_size, adaptive=not args.no_adaptive_draft,
                 use_forced_tokens=not args.no_forced_drafts, constrain_drafts=not args.no_constrain_drafts,
                 user_drafter=args.user_drafter, draft_model=args.draft_model, combine_ngram=args.combine_ngram)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from guidespec import LLM
+    from guidespec.launch.server import run_server
+
+    with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
+             max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, grammar_backend=args.backend,
+             jump_forward=not args.no_jump_forward, speculative=speculative_from_args(args)) as llm:
+        name = args.served_model_name or (args.model and Path(args.model).name) or "SmolLM2-135M-Instruct"
+        print(f"guidespec: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+        run_server(llm, name, args.host, args.port, args.api_key, args.log_level)
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:

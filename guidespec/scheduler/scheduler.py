@@ -30,7 +30,8 @@ from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.process_utils import parent_alive, setup_child_process
 from guidespec.grammar_backends import GrammarError
 from guidespec.protocol import (AbortRequest, DraftMask, DraftTokens, EngineDead, EngineReady, GenerateRequest,
-                                RequestOutput, Shutdown, StepBitmask, StepInputs, StepOutputs, WorkerError, WorkerReady)
+                                RequestOutput, SchedulerStats, Shutdown, StepBitmask, StepInputs, StepOutputs,
+                                WorkerError, WorkerReady)
 from guidespec.scheduler.batching import Batcher, ScheduledRow
 from guidespec.scheduler.closing import budget_reserve
 from guidespec.scheduler.detokenizer import IncrementalDetokenizer
@@ -43,6 +44,7 @@ from guidespec.spec.proposer import Speculator
 logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.25
 _COMPILE_POLL_S = 0.002  # how often an otherwise idle scheduler looks for finished compiles
+_STATS_INTERVAL_S = 0.1  # SchedulerStats to the client at most this often
 
 
 class EngineFailure(RuntimeError):
@@ -85,6 +87,8 @@ class Scheduler:
         self.times: dict[str, float] = {}
         self.trace = StepTrace()
         self.speculator = Speculator(cfg.speculative, self.grammar, cfg.max_model_len) if cfg.speculative else None
+        self._stats: SchedulerStats | None = None
+        self._stats_sent_at = 0.0
 
     # ------------------------------------------------------------------ life cycle
 
@@ -110,6 +114,7 @@ class Scheduler:
         while not self.stopping:
             self.receive()
             self.poll_grammars()
+            self.send_stats()
             self.times["start"] = time.time()
             rows = self.batcher.schedule()
             if not rows:
@@ -123,6 +128,18 @@ class Scheduler:
             self.times["end"] = time.time()
             if outputs.timings is not None:
                 self.trace.record(self.step_id, self.times, outputs.timings, len(rows), guided_rows)
+
+    def send_stats(self) -> None:
+        """The queue's figures to the client when they change (at most every 0.1 s)."""
+        now = time.monotonic()
+        if now - self._stats_sent_at < _STATS_INTERVAL_S:
+            return
+        compiling = sum(1 for r in self.batcher.waiting if not r.grammar_ready)
+        stats = SchedulerStats(len(self.batcher.running), len(self.batcher.waiting) - compiling, compiling,
+                               len(self.batcher.free_slots))
+        if stats != self._stats:
+            self.client_out.send(stats)
+            self._stats, self._stats_sent_at = stats, now
 
     def close(self) -> None:
         for channel in (self.client_in, self.client_out, self.worker_results):

@@ -1,0 +1,431 @@
+"""``guidespec serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one ``LLM``.
+
+Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (the tokenizer's chat
+template), both streaming over server-sent events; ``response_format`` (``json_schema``,
+``json_object``) and the fields vLLM users send (``guided_json``, ``guided_regex``,
+``guided_grammar``, ``guided_choice``, ``guided_decoding_backend``, ``top_k``,
+``repetition_penalty``, ``ignore_eos``); ``/health``; ``/metrics`` for Prometheus.
+
+Errors are OpenAI-style bodies (``{"error": {"message", "type", "param", "code"}}``): 400 for a
+request the engine refuses (invalid schema, context overflow, bad or unsupported parameter),
+401 for a wrong API key, 404 for an unknown model or route, 422 for a body of the wrong shape.
+The engine keeps serving the others. A client that disconnects aborts its request, which frees
+its slot (``guidespec_num_requests_running`` in ``/metrics``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from guidespec.llm import LLM, EngineDeadError, GenerationOutput, RequestError, RequestHandle, StreamDelta
+from guidespec.protocol import GuidedDecoding, SamplingParams
+
+_UNSUPPORTED = ("logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "functions", "function_call",
+                "suffix", "best_of", "echo", "audio", "modalities", "prediction")
+_IGNORED = ("user", "store", "metadata", "parallel_tool_calls", "service_tier")  # accepted, without effect
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+class _Request(BaseModel):
+    """Fields both endpoints take. Unknown fields are collected and refused with a 400."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+    guided_decoding_backend: str | None = None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+class ChatRequest(_Request):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+
+
+class _Metrics:
+    def __init__(self, llm: LLM) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        latency_buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+        self.ttft = Histogram("guidespec_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=latency_buckets)
+        self.itl = Histogram("guidespec_inter_token_latency_seconds", "Time per output token after the first",
+                             registry=r, buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28))
+        self.e2e = Histogram("guidespec_e2e_request_latency_seconds", "End-to-end request latency", registry=r,
+                             buckets=latency_buckets)
+        self.accepted = Histogram("guidespec_accepted_tokens_per_step", "Tokens per step of speculating requests "
+                                  "(the target's own token included)", registry=r,
+                                  buckets=(1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8))
+        self.finished = Counter("guidespec_request_success", "Requests finished, by reason", ["finished_reason"],
+                                registry=r)
+        self.failed = Counter("guidespec_request_failure", "Requests refused or failed, by HTTP status",
+                              ["status"], registry=r)
+        self.prompt_tokens = Counter("guidespec_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("guidespec_generation_tokens", "Generated tokens", registry=r)
+        self.in_server = Gauge("guidespec_num_requests_in_server", "HTTP requests being served", registry=r)
+        for field, doc in (("running", "Requests holding a KV slot"),
+                           ("waiting", "Requests queued for a slot (queue depth)"),
+                           ("waiting_for_grammar", "Requests waiting for their grammar to compile")):
+            gauge = Gauge(f"guidespec_num_requests_{field}", doc, registry=r)
+            gauge.set_function(_stat_reader(llm, field))
+
+    def observe(self, out: GenerationOutput) -> None:
+        self.finished.labels(finished_reason=out.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(len(out.token_ids))
+        if out.first_token_time:
+            self.ttft.observe(out.time_to_first_token_s)
+            if len(out.token_ids) > 1:
+                self.itl.observe((out.finish_time - out.first_token_time) / (len(out.token_ids) - 1))
+        self.e2e.observe(out.latency_s)
+        if out.stats.num_spec_steps:
+            self.accepted.observe(out.stats.mean_accepted_tokens_per_step)
+
+
+def _stat_reader(llm: LLM, field: str) -> Any:
+    return lambda: float(getattr(llm.scheduler_stats, field))
+
+
+def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``llm`` under the name ``model_name``."""
+    app = FastAPI(title="guidespec", docs_url=None, redoc_url=None)
+    metrics = _Metrics(llm)
+    max_model_len = llm.config.max_model_len
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        metrics.failed.labels(status=str(e.status)).inc()
+        return _error(e.status, e.message, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        metrics.failed.labels(status="422").inc()
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return _error(422, f"{where or 'body'}: {first.get('msg', 'invalid request body')}", where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _error(e.status_code, str(e.detail))
+
+    @app.middleware("http")
+    async def _authenticate(request: Request, call_next: Any) -> Any:
+        if api_key and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                metrics.failed.labels(status="401").inc()
+                return _error(401, "invalid or missing API key (send Authorization: Bearer <key>)")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            llm._check_alive()
+        except EngineDeadError as e:
+            return _error(503, str(e))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": created, "owned_by": "guidespec",
+             "max_model_len": max_model_len}]})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, "one prompt per request is supported (got a batch of "
+                                    f"{len(prompt)}); send them as separate requests", "prompt")
+            prompt = prompt[0]
+        engine_prompt: Any = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
+        return await _serve(body, engine_prompt, request, chat=False, default_max_tokens=16)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Any:
+        messages = [_chat_message(m, i) for i, m in enumerate(body.messages)]
+        if body.max_completion_tokens is not None and body.max_tokens is None:
+            body.max_tokens = body.max_completion_tokens
+        return await _serve(body, messages, request, chat=True, default_max_tokens=None)
+
+    async def _serve(body: _Request, prompt: Any, request: Request, chat: bool, default_max_tokens: int | None) -> Any:
+        if body.model is not None and body.model != model_name:
+            raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{model_name}`", "model")
+        extra = sorted(set(body.model_extra or {}) - set(_IGNORED))
+        unsupported = [k for k in extra if k in _UNSUPPORTED and (body.model_extra or {}).get(k) not in (None, False)]
+        unknown = [k for k in extra if k not in _UNSUPPORTED]
+        if unsupported or unknown:
+            what = ([f"unsupported parameter(s): {', '.join(unsupported)}"] if unsupported else []) + \
+                   ([f"unknown parameter(s): {', '.join(unknown)}"] if unknown else [])
+            raise APIError(400, "; ".join(what), (unsupported or unknown)[0])
+        if body.n != 1:
+            raise APIError(400, f"n must be 1 (got {body.n}): send several requests instead", "n")
+        try:
+            prompt_ids = llm.encode_prompt(prompt)
+        except Exception as e:
+            raise APIError(400, f"cannot tokenize the prompt: {e}", "messages" if chat else "prompt") from None
+        room = max_model_len - len(prompt_ids)
+        if room <= 0 or (body.max_tokens is not None and body.max_tokens > room):
+            asked = body.max_tokens if body.max_tokens is not None else 0
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                                f"requested {len(prompt_ids) + asked} tokens ({len(prompt_ids)} in the prompt, "
+                                f"{asked} for the completion). Shorten the prompt or lower max_tokens.", "max_tokens")
+        max_tokens = body.max_tokens if body.max_tokens is not None else min(default_max_tokens or room, room)
+        params = _sampling_params(body, max_tokens, llm.config.grammar_backend)
+        try:
+            handle = llm.open_stream({"prompt_token_ids": prompt_ids}, params)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from None
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        metrics.in_server.inc()
+        try:
+            if body.stream:
+                first = await _first_delta(handle)  # a grammar the engine refuses answers 400 before any byte
+                include_usage = bool((body.stream_options or {}).get("include_usage"))
+                return StreamingResponse(_sse(handle, first, request_id, chat, include_usage, metrics),
+                                         media_type="text/event-stream")
+            output = await _collect(handle, request)
+        finally:
+            if not body.stream:
+                metrics.in_server.dec()
+        if output is None:  # the client went away: the request was aborted
+            return JSONResponse({}, status_code=499)
+        metrics.observe(output)
+        return JSONResponse(_response(output, request_id, chat))
+
+    async def _sse(handle: RequestHandle, first: StreamDelta, request_id: str, chat: bool, include_usage: bool,
+                   metrics: _Metrics) -> AsyncIterator[str]:
+        """Server-sent events; if the client disconnects, the generator is closed and ``deltas()``
+        (closed with it) aborts the request."""
+        deltas = handle.deltas()
+        try:
+            if chat:
+                yield _event(_chunk(request_id, chat, {"role": "assistant", "content": ""}, None))
+            delta: StreamDelta | None = first
+            while delta is not None:
+                reason = _finish_reason(delta.finish_reason) if delta.finished else None
+                if delta.text or reason:
+                    yield _event(_chunk(request_id, chat, {"content": delta.text} if chat else delta.text, reason))
+                if delta.finished:
+                    break
+                try:
+                    delta = await deltas.__anext__()
+                except StopAsyncIteration:
+                    delta = None
+                except RequestError as e:
+                    yield _event({"error": {"message": str(e), "type": "BadRequestError", "code": 400}})
+                    return
+            out = handle.output
+            metrics.observe(out)
+            if include_usage:
+                yield _event({"id": request_id, "object": _object(chat, stream=True), "created": int(time.time()),
+                              "model": model_name, "choices": [], "usage": _usage(out)})
+            yield "data: [DONE]\n\n"
+        finally:
+            await deltas.aclose()  # type: ignore[attr-defined]
+            metrics.in_server.dec()
+
+    async def _first_delta(handle: RequestHandle) -> StreamDelta:
+        try:
+            return await handle.deltas().__anext__()
+        except RequestError as e:
+            await handle.deltas().aclose()  # type: ignore[attr-defined]
+            metrics.in_server.dec()
+            raise APIError(400, _engine_message(e)) from None
+
+    async def _collect(handle: RequestHandle, request: Request) -> GenerationOutput | None:
+        """The whole output; None if the client disconnected first (the request is then aborted)."""
+        async def drain() -> None:
+            async for _ in handle.deltas():
+                pass
+
+        task = asyncio.ensure_future(drain())
+        try:
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if not done and await request.is_disconnected():
+                    task.cancel()  # cancelling the drain closes deltas(): the request is aborted
+                    return None
+            task.result()
+        except RequestError as e:
+            raise APIError(400, _engine_message(e)) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from None
+        return handle.output
+
+    def _chunk(request_id: str, chat: bool, content: Any, reason: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
+        if chat:
+            choice["delta"] = content
+        else:
+            choice["text"] = content
+            choice["logprobs"] = None
+        return {"id": request_id, "object": _object(chat, stream=True), "created": int(time.time()),
+                "model": model_name, "choices": [choice]}
+
+    def _response(out: GenerationOutput, request_id: str, chat: bool) -> dict[str, Any]:
+        reason = _finish_reason(out.finish_reason)
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                                      "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": out.text, "finish_reason": reason, "logprobs": None}
+        return {"id": request_id, "object": _object(chat, stream=False), "created": int(time.time()),
+                "model": model_name, "choices": [choice], "usage": _usage(out)}
+
+    return app
+
+
+def _sampling_params(body: _Request, max_tokens: int, default_backend: str) -> SamplingParams:
+    guided = _guided(body)
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                                top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+                                seed=body.seed, stop=tuple(stop), ignore_eos=body.ignore_eos, guided=guided,
+                                repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
+                                presence_penalty=body.presence_penalty)
+        params.validate()
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    return params
+
+
+def _guided(body: _Request) -> GuidedDecoding | None:
+    """The request's one constraint, from ``response_format`` or the ``guided_*`` fields."""
+    found: list[tuple[str, GuidedDecoding]] = []
+    fmt = body.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_schema":
+            spec = fmt.get("json_schema") or {}
+            schema = spec.get("schema", spec.get("json_schema"))
+            if schema is None:
+                raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format")
+            found.append(("response_format", GuidedDecoding(json_schema=schema if isinstance(schema, str)
+                                                            else json.dumps(schema))))
+        elif kind == "json_object":
+            found.append(("response_format", GuidedDecoding(json_object=True)))
+        elif kind not in ("text", None):
+            raise APIError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                           "response_format")
+    if body.guided_json is not None:
+        schema = body.guided_json if isinstance(body.guided_json, str) else json.dumps(body.guided_json)
+        found.append(("guided_json", GuidedDecoding(json_schema=schema)))
+    if body.guided_regex is not None:
+        found.append(("guided_regex", GuidedDecoding(regex=body.guided_regex)))
+    if body.guided_grammar is not None:
+        found.append(("guided_grammar", GuidedDecoding(grammar=body.guided_grammar)))
+    if body.guided_choice is not None:
+        found.append(("guided_choice", GuidedDecoding(choice=tuple(body.guided_choice))))
+    if len(found) > 1:
+        raise APIError(400, f"at most one constraint per request, got {', '.join(name for name, _ in found)}",
+                       found[1][0])
+    if not found:
+        return None
+    name, guided = found[0]
+    if body.guided_decoding_backend is not None:
+        guided = GuidedDecoding(**{**guided.__dict__, "backend": body.guided_decoding_backend})
+    try:
+        guided.validate()
+    except ValueError as e:
+        raise APIError(400, f"{name}: {e}", name) from None
+    return guided
+
+
+def _chat_message(message: dict[str, Any], index: int) -> dict[str, str]:
+    role, content = message.get("role"), message.get("content")
+    if role not in ("system", "user", "assistant", "developer", "tool"):
+        raise APIError(400, f"messages[{index}].role must be system, user or assistant, got {role!r}", "messages")
+    if isinstance(content, list):  # content parts: only text is supported
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise APIError(400, f"messages[{index}]: only text content parts are supported", "messages")
+            texts.append(str(part.get("text", "")))
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise APIError(400, f"messages[{index}].content must be a string or text parts", "messages")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _engine_message(e: Exception) -> str:
+    """The engine's refusal without our request id prefix."""
+    text = str(e)
+    return text.split(": ", 1)[1] if text.startswith("request ") and ": " in text else text
+
+
+def _finish_reason(reason: str | None) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def _object(chat: bool, stream: bool) -> str:
+    if chat:
+        return "chat.completion.chunk" if stream else "chat.completion"
+    return "text_completion"
+
+
+def _usage(out: GenerationOutput) -> dict[str, int]:
+    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 422: "UnprocessableEntityError",
+            503: "ServiceUnavailableError"}.get(status, "APIError")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status)
+
+
+def run_server(llm: LLM, model_name: str, host: str, port: int, api_key: str | None, log_level: str = "warning") -> None:
+    import uvicorn
+
+    uvicorn.run(create_app(llm, model_name, api_key), host=host, port=port, log_level=log_level,
+                timeout_graceful_shutdown=5)

@@ -1,0 +1,164 @@
+"""``guidespec serve`` as a real process, driven by the official ``openai`` client: chat and
+completion, streaming, structured output that validates, OpenAI-style errors, and a client that
+disconnects mid-stream freeing its slot (seen in /metrics)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "test-key"
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "Give me a person as JSON."}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "guidespec.launch.cli", "serve", "--port", str(port),
+                                "--api-key", KEY, "--max-batch-size", "4", "--speculative", "ngram"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"guidespec serve exited: {process.stdout.read() if process.stdout else ''}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("guidespec serve did not become healthy in 240 s")
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _metric(server: str, name: str) -> float:
+    text = httpx.get(f"{server}/metrics", timeout=5).text
+    match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def test_models_chat_and_completion(client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == ["SmolLM2-135M-Instruct"]
+    chat = client.chat.completions.create(model=models[0].id, messages=ASK, max_tokens=12, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    assert chat.usage is not None and chat.usage.completion_tokens <= 12 and chat.usage.prompt_tokens > 5
+    completion = client.completions.create(model=models[0].id, prompt="The capital of France is", max_tokens=8,
+                                           temperature=0)
+    assert completion.choices[0].text and completion.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streaming_equals_the_whole_response(client: openai.OpenAI) -> None:
+    kwargs = dict(model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=24, temperature=0)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content  # type: ignore[call-overload]
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))  # type: ignore[call-overload]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    streamed = client.completions.create(model="SmolLM2-135M-Instruct", prompt="1, 2, 3,", max_tokens=10,
+                                         temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed)
+
+
+def test_structured_outputs_validate(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=64, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    jsonschema.validate(json.loads(out.choices[0].message.content or ""), PERSON)
+    choice = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=8,
+                                            extra_body={"guided_choice": ["yes", "no"]})
+    assert choice.choices[0].message.content in ("yes", "no")
+    regex = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Phone: ", max_tokens=12,
+                                      extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", regex.choices[0].text)
+    obj = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=48, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server: str, client: openai.OpenAI) -> None:
+    bad_schema = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=8,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": bad_schema}})
+    assert e.value.status_code == 400 and "no-such-type" in str(e.value)
+    with pytest.raises(openai.BadRequestError, match="not valid JSON"):
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=8,
+                                       extra_body={"guided_json": "{not json"})
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=100000)
+    with pytest.raises(openai.BadRequestError, match="unknown parameter.*colour"):
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, extra_body={"colour": "red"})
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-5", messages=ASK)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages="not a list")  # type: ignore[arg-type]
+    body = httpx.post(f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"messages": ASK, "guided_regex": "[0-9"}).json()
+    assert body["error"]["code"] == 400 and body["error"]["type"] == "BadRequestError"
+    ok = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=4)
+    assert ok.choices[0].message.content is not None
+
+
+def test_a_disconnect_mid_stream_frees_the_slot(server: str) -> None:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"messages": ASK, "max_tokens": 1500, "stream": True, "ignore_eos": True, "temperature": 0}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{server}/v1/chat/completions", headers=headers, json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            received = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in received)
+            assert _metric(server, "guidespec_num_requests_running") == 1
+        # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 20
+    while _metric(server, "guidespec_num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the disconnected request still holds its slot"
+        time.sleep(0.2)
+    assert httpx.get(f"{server}/health", timeout=5).status_code == 200
+    assert _metric(server, "guidespec_time_to_first_token_seconds_count") >= 1
