@@ -1,4 +1,4 @@
-"""The ``guidespec`` command line: ``generate``, ``serve``, ``sweep``, ``train-eagle`` (later ``bench``)."""
+"""The ``guidespec`` command line: ``generate``, ``serve``, ``bench``, ``sweep``, ``train-eagle``."""
 
 from __future__ import annotations
 
@@ -58,6 +58,22 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--no-jump-forward", action="store_true", help="sample every token, even forced ones")
     serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
 
+    bench = commands.add_parser("bench", help="load generator: a concurrency sweep with a table and plots")
+    _add_engine_args(bench)
+    bench.add_argument("--url", default=None, help="a running server (guidespec serve) instead of an in-process engine")
+    bench.add_argument("--api-key", default=None)
+    bench.add_argument("--served-model-name", default=None)
+    bench.add_argument("--configs", nargs="+", default=["unguided", "guided", "guided+spec"],
+                       help="unguided, guided (the case's schema), guided+spec (schema and the engine's drafter)")
+    bench.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    bench.add_argument("--num-prompts", type=int, default=32, help="requests per configuration and level")
+    bench.add_argument("--max-tokens", type=int, default=256)
+    bench.add_argument("--workload", default=None, help="workload.jsonl (default: ../shared/data/jsonschemabench)")
+    bench.add_argument("--synthetic", action="store_true", help="synthetic prompts instead of the workload")
+    bench.add_argument("--input-len", type=int, default=128, help="words per synthetic prompt")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--output-dir", default="out/bench", help="bench.json, bench.md and bench.png go here")
+
     train = commands.add_parser("train-eagle", help="train an EAGLE-3 draft head for a model on CPU, from its own generations")
     train.add_argument("--model", default=None, help="the target (default: SmolLM2-135M-Instruct)")
     train.add_argument("--output", required=True, metavar="DIR", help="the head folder to write")
@@ -83,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
                                    args.ttt_steps, max_minutes=args.max_minutes, lr=args.lr, seed=args.seed,
                                    threads=args.threads))
             return 0
+        if args.command == "bench":
+            from guidespec.launch.bench import run_bench
+
+            return run_bench(args)
         if args.command == "serve":
             return _serve(args)
         if args.command == "sweep":

@@ -67,6 +67,7 @@ class _Request(BaseModel):
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
     guided_decoding_backend: str | None = None
+    speculative: bool = True  # guidespec: False turns the engine's drafter off for this request
 
 
 class CompletionRequest(_Request):
@@ -327,7 +328,7 @@ def _sampling_params(body: _Request, max_tokens: int, default_backend: str) -> S
                                 top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
                                 seed=body.seed, stop=tuple(stop), ignore_eos=body.ignore_eos, guided=guided,
                                 repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
-                                presence_penalty=body.presence_penalty)
+                                presence_penalty=body.presence_penalty, speculative=body.speculative)
         params.validate()
     except ValueError as e:
         raise APIError(400, str(e)) from None
@@ -408,9 +409,15 @@ def _object(chat: bool, stream: bool) -> str:
     return "text_completion"
 
 
-def _usage(out: GenerationOutput) -> dict[str, int]:
+def _usage(out: GenerationOutput) -> dict[str, Any]:
+    """OpenAI's usage, plus guidespec's decoding figures (extra fields, which OpenAI clients ignore):
+    target ``steps``, ``spec_steps`` (steps that verified drafts) and ``accepted_tokens_per_step``
+    (tokens per speculative step, the target's own token included; 1.0 without speculation)."""
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    stats = out.stats
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "steps": stats.num_steps, "spec_steps": stats.num_spec_steps,
+            "accepted_tokens_per_step": round(stats.mean_accepted_tokens_per_step, 4)}
 
 
 def _event(payload: dict[str, Any]) -> str:

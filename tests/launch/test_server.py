@@ -162,3 +162,20 @@ def test_a_disconnect_mid_stream_frees_the_slot(server: str) -> None:
         time.sleep(0.2)
     assert httpx.get(f"{server}/health", timeout=5).status_code == 200
     assert _metric(server, "guidespec_time_to_first_token_seconds_count") >= 1
+
+
+def test_bench_against_the_server_writes_its_table_and_plot(server: str, tmp_path: Path) -> None:
+    from guidespec.launch.cli import main
+
+    code = main(["bench", "--url", server, "--api-key", KEY, "--synthetic", "--input-len", "12", "--num-prompts", "2",
+                 "--concurrency", "1", "2", "--max-tokens", "40", "--output-dir", str(tmp_path)])
+    assert code == 0
+    levels = json.loads((tmp_path / "bench.json").read_text())["levels"]
+    assert [(lv["config"], lv["concurrency"]) for lv in levels] == [
+        (c, n) for c in ("unguided", "guided", "guided+spec") for n in (1, 2)]
+    assert all(lv["errors"] == 0 and lv["output_tokens"] > 0 and lv["ttft_p50_s"] > 0 for lv in levels)
+    assert all(lv["valid_fraction"] is not None for lv in levels if lv["config"] != "unguided")
+    assert max(lv["accepted_per_step"] for lv in levels if lv["config"] == "guided+spec") >= 1.0
+    table = (tmp_path / "bench.md").read_text()
+    assert table.count("| guided+spec |") == 2
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
