@@ -89,6 +89,8 @@ async def run_cases(llm: Any, cases: list[dict[str, Any]], backend: str, tempera
             start = time.perf_counter()
             try:
                 out = await llm.agenerate(case["messages"], params)
+            except ValueError as e:  # the prompt does not fit the model length: not run, said so
+                result = CaseResult(case["id"], category(case["id"]), "skipped", str(e)[:300], 0, 0.0)
             except RequestError as e:
                 status = "compile_error" if any(s in str(e) for s in ("cannot compile", "cannot enforce", "compilation")) else "error"
                 result = CaseResult(case["id"], category(case["id"]), status, str(e)[:300], 0, 0.0)
@@ -116,8 +118,8 @@ def summarize(results: list[CaseResult], wall_s: float, timed: list[CaseResult] 
         row[r.status] += 1
         row["tokens"] += r.num_tokens
         row["latency"] += r.latency_s
-    lines = ["| category | cases | compiled | compile errors | valid | invalid | other errors | tok/s per request |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| category | cases | compiled | compile errors | valid | invalid | other errors | prompt too long "
+             "| tok/s per request |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     total: dict[str, float] = defaultdict(float)
     for name in sorted(rows):
         row = rows[name]
@@ -146,7 +148,7 @@ def _line(name: str, row: dict[str, float]) -> str:
     compiled = row["valid"] + row["invalid"]
     rate = row["tokens"] / row["latency"] if row["latency"] else 0.0
     return (f"| {name} | {int(row['cases'])} | {int(compiled)} | {int(row['compile_error'])} | {int(row['valid'])} | "
-            f"{int(row['invalid'])} | {int(row['error'])} | {rate:.1f} |")
+            f"{int(row['invalid'])} | {int(row['error'])} | {int(row['skipped'])} | {rate:.1f} |")
 
 
 def run_sweep(args: Any) -> int:
@@ -162,7 +164,8 @@ def run_sweep(args: Any) -> int:
     speculative = speculative_from_args(args)
     results_path = Path(args.results) if args.results else None
     with LLM(args.model, max_batch_size=args.concurrency, grammar_backend=args.backend, speculative=speculative,
-             grammar_compile_timeout_s=args.compile_timeout) as llm:
+             grammar_compile_timeout_s=args.compile_timeout, max_model_len=args.max_model_len or _model_limit(args.model),
+             dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size) as llm:
         for temperature in args.temperature:
             config = {"backend": args.backend, "temperature": temperature, "max_tokens": args.max_tokens,
                       "repetition_penalty": args.repetition_penalty, "speculative": speculative}
@@ -183,6 +186,14 @@ def run_sweep(args: Any) -> int:
             for r in [r for r in everything if r.status in ("invalid", "error")][:40]:
                 print(f"  {r.status}: {r.case_id}: {r.detail}")
     return 0
+
+
+def _model_limit(model: str | None) -> int:
+    """The sweep runs at the model's full length (long prompts are part of the workload)."""
+    from guidespec.worker import checkpoint
+
+    hf_config = checkpoint.load_hf_config(checkpoint.resolve_model_dir(model, show_progress=False))
+    return int(hf_config.max_position_embeddings)
 
 
 def print_saved_results(path: Path) -> int:
