@@ -133,6 +133,8 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 30.0
     jump_forward: bool = True
     speculative: SpeculativeConfig | None = None
+    distributed_executor: str = "mp"  # "mp": local processes; "ray": every rank a Ray actor (launch/ray_executor.py)
+    ray_address: str | None = None  # the Ray cluster to join (None: the one this process is in, or a new local one)
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,7 @@ def config_from_dict(cls: type[_C], data: dict[str, Any]) -> _C:
     fields = dict(data)
     fields["model_dir"] = Path(str(fields["model_dir"]))
     broadcast = dict(fields["broadcast"])
-    broadcast["ring"] = RingSpec(**broadcast["ring"])
+    broadcast["ring"] = RingSpec(**broadcast["ring"]) if broadcast["ring"] is not None else None
     fields["broadcast"] = BroadcastSpec(**broadcast)
     if "eos_token_ids" in fields:
         fields["eos_token_ids"] = tuple(fields["eos_token_ids"])

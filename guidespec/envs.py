@@ -45,3 +45,9 @@ def worker_threads() -> int | None:
     OpenMP threads spin against each other and every engine slows down many times over."""
     value = os.environ.get("GUIDESPEC_WORKER_THREADS")
     return int(value) if value else None
+
+
+def ray_placement_timeout_s() -> float:
+    """How long to wait for a Ray placement group the cluster could hold but is busy
+    (``GUIDESPEC_RAY_PLACEMENT_TIMEOUT_S``)."""
+    return float(os.environ.get("GUIDESPEC_RAY_PLACEMENT_TIMEOUT_S", "60"))

@@ -129,17 +129,23 @@ class LLM:
                  max_batch_size: int = 16, max_model_len: int | None = None, max_num_batched_tokens: int = 512,
                  show_progress: bool = True, remote_ranks: Sequence[int] = (), grammar_backend: str = "xgrammar",
                  grammar_compile_timeout_s: float = 30.0, jump_forward: bool = True,
-                 speculative: SpeculativeConfig | dict[str, Any] | str | None = None) -> None:
+                 speculative: SpeculativeConfig | dict[str, Any] | str | None = None,
+                 distributed_executor: str = "mp", ray_address: str | None = None) -> None:
         if grammar_backend not in GRAMMAR_BACKENDS:
             raise ValueError(f"grammar_backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {grammar_backend!r}")
         if grammar_compile_timeout_s <= 0:
             raise ValueError("grammar_compile_timeout_s must be > 0")
+        if distributed_executor not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor must be 'mp' or 'ray', got {distributed_executor!r}")
+        if distributed_executor == "ray" and remote_ranks:
+            raise ValueError("remote_ranks and distributed_executor='ray' do not mix: under Ray every rank is remote")
         config, self.tokenizer = _create_engine_config(model, tensor_parallel_size, dtype, max_batch_size,
                                                        max_model_len, max_num_batched_tokens, show_progress,
                                                        tuple(remote_ranks))
         self.config = dataclasses.replace(config, grammar_backend=grammar_backend, jump_forward=jump_forward,
                                           grammar_compile_timeout_s=grammar_compile_timeout_s,
-                                          speculative=_speculative_config(speculative))
+                                          speculative=_speculative_config(speculative),
+                                          distributed_executor=distributed_executor, ray_address=ray_address)
         self._streams: dict[str, _RequestStream] = {}
         self.scheduler_stats = SchedulerStats(0, 0, 0, max_batch_size)  # the queue, as the scheduler last said
         self._lock = threading.Lock()

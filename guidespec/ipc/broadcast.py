@@ -18,7 +18,7 @@ from guidespec.ipc.shm_ring import RingReader, RingSpec, ShmRing
 
 @dataclass(frozen=True)
 class BroadcastSpec:
-    ring: RingSpec
+    ring: RingSpec | None  # None: no rank reads locally (every rank a Ray actor)
     remote_endpoint: str | None = None  # tcp://ADDR:PORT the scheduler binds for remote ranks
     remote_key: str = ""  # hex HMAC key shared with remote ranks
     num_remote_readers: int = 0
@@ -33,8 +33,8 @@ class StepReader(Protocol):
 class StepBroadcaster:
     def __init__(self, spec: BroadcastSpec, ctx: zmq.Context) -> None:
         self.spec = spec
-        self.ring = ShmRing.attach(spec.ring)
-        self.ring_writer = self.ring.writer()
+        self.ring = ShmRing.attach(spec.ring) if spec.ring is not None else None
+        self.ring_writer = self.ring.writer() if self.ring is not None else None
         self.remote = None
         if spec.num_remote_readers:
             assert spec.remote_endpoint is not None
@@ -47,12 +47,14 @@ class StepBroadcaster:
     def write(self, payload: bytes, timeout: float) -> None:
         if self.remote is not None:
             self.remote.write(payload)
-        self.ring_writer.write(payload, timeout=timeout)
+        if self.ring_writer is not None:
+            self.ring_writer.write(payload, timeout=timeout)
 
     def close(self) -> None:
         if self.remote is not None:
             self.remote.close()
-        self.ring.close()
+        if self.ring is not None:
+            self.ring.close()
 
 
 class _RingStepReader:
@@ -72,5 +74,6 @@ def create_step_reader(spec: BroadcastSpec, ring_index: int | None, ctx: zmq.Con
         if spec.remote_endpoint is None:
             raise ValueError("this rank reads remotely but the broadcast has no remote endpoint")
         return RemoteReader(ctx, spec.remote_endpoint, bytes.fromhex(spec.remote_key))
+    assert spec.ring is not None, "a local rank needs the ring"
     ring = ShmRing.attach(spec.ring)
     return _RingStepReader(ring, ring.reader(ring_index))

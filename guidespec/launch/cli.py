@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--distributed-executor", default="mp", choices=["mp", "ray"],
+                   help="mp: worker ranks as local processes; ray: as Ray actors in a placement group")
+    p.add_argument("--ray-address", default=None, help="the Ray cluster to join (default: the current or a new local one)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -160,7 +163,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
              max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, grammar_backend=args.backend,
-             jump_forward=not args.no_jump_forward, speculative=speculative_from_args(args)) as llm:
+             jump_forward=not args.no_jump_forward, speculative=speculative_from_args(args),
+             distributed_executor=args.distributed_executor, ray_address=args.ray_address) as llm:
         name = args.served_model_name or (args.model and Path(args.model).name) or "SmolLM2-135M-Instruct"
         print(f"guidespec: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         run_server(llm, name, args.host, args.port, args.api_key, args.log_level)
@@ -179,7 +183,8 @@ def _generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
              max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, grammar_backend=args.backend,
-             jump_forward=not args.no_jump_forward, speculative=speculative_from_args(args)) as llm:
+             jump_forward=not args.no_jump_forward, speculative=speculative_from_args(args),
+             distributed_executor=args.distributed_executor, ray_address=args.ray_address) as llm:
         print(f"engine ready in {time.perf_counter() - start:.1f} s "
               f"(tensor_parallel_size={args.tensor_parallel_size}, dtype={args.dtype})", file=sys.stderr)
         if args.stream:

@@ -11,6 +11,7 @@ message naming it, so the client can fail in-flight requests at once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -51,11 +52,24 @@ class EngineProcesses:
         self.endpoints = Endpoints(*(new_ipc_endpoint(t) for t in ("in", "out", "results")))
         if 0 in cfg.remote_ranks or any(not 0 <= r < cfg.tensor_parallel_size for r in cfg.remote_ranks):
             raise ValueError(f"remote_ranks must be among ranks 1..{cfg.tensor_parallel_size - 1}")
-        self.local_ranks = [r for r in range(cfg.tensor_parallel_size) if r not in cfg.remote_ranks]
+        self.threads = envs.worker_threads() or max(1, (os.cpu_count() or 1) // cfg.tensor_parallel_size)
+        self.ray = None
+        host = "127.0.0.1"
+        if cfg.distributed_executor == "ray":  # every rank an actor: the broadcast and results go over TCP
+            from guidespec.launch.ray_executor import RayRanks
+
+            self.ray = RayRanks(cfg.tensor_parallel_size, self.threads, cfg.ray_address, envs.ray_placement_timeout_s())
+            host = self.ray.driver_address()
+            self.endpoints = dataclasses.replace(self.endpoints, worker_results=f"tcp://{host}:{_free_port(host)}")
+            self.local_ranks: list[int] = []
+        else:
+            self.local_ranks = [r for r in range(cfg.tensor_parallel_size) if r not in cfg.remote_ranks]
+        num_remote = cfg.tensor_parallel_size - len(self.local_ranks)
         self.ring = ShmRing.create(f"guidespec-{uuid.uuid4().hex[:12]}", len(self.local_ranks),
-                                   _RING_SLOTS, _RING_SLOT_SIZE)
-        remote = f"tcp://127.0.0.1:{_free_port()}" if cfg.remote_ranks else None
-        self.broadcast = BroadcastSpec(self.ring.spec, remote, secrets.token_hex(32), len(cfg.remote_ranks))
+                                   _RING_SLOTS, _RING_SLOT_SIZE) if self.local_ranks else None
+        remote = f"tcp://{host}:{_free_port(host)}" if num_remote else None
+        self.broadcast = BroadcastSpec(self.ring.spec if self.ring is not None else None, remote,
+                                       secrets.token_hex(32), num_remote)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -68,15 +82,18 @@ class EngineProcesses:
                                         cfg.grammar_backend, cfg.grammar_compile_timeout_s, cfg.jump_forward,
                                         cfg.speculative)
         self._spawn("scheduler", "scheduler", scheduler_cfg)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        threads = envs.worker_threads() or max(1, (os.cpu_count() or 1) // cfg.tensor_parallel_size)
-        for rank in range(cfg.tensor_parallel_size):
-            worker_cfg = WorkerConfig(cfg.model_dir, cfg.dtype, rank, cfg.tensor_parallel_size, cfg.max_batch_size,
-                                      cfg.max_model_len, self.broadcast, self._ring_index(rank), ep.worker_results,
-                                      init_method, threads, cfg.show_progress,
-                                      draft_model=_draft_model(cfg) if rank == 0 else None,
-                                      draft_method=cfg.speculative.method if cfg.speculative else "draft_model")
-            self._spawn(f"worker rank {rank}", "worker", worker_cfg)
+        init_method = self.ray.rank0_rendezvous() if self.ray is not None else f"tcp://127.0.0.1:{_free_port()}"
+        worker_cfgs = [WorkerConfig(cfg.model_dir, cfg.dtype, rank, cfg.tensor_parallel_size, cfg.max_batch_size,
+                                    cfg.max_model_len, self.broadcast, self._ring_index(rank), ep.worker_results,
+                                    init_method, self.threads, cfg.show_progress,
+                                    draft_model=_draft_model(cfg) if rank == 0 else None,
+                                    draft_method=cfg.speculative.method if cfg.speculative else "draft_model")
+                       for rank in range(cfg.tensor_parallel_size)]
+        if self.ray is not None:
+            self.ray.start(worker_cfgs)
+        else:
+            for worker_cfg in worker_cfgs:
+                self._spawn(f"worker rank {worker_cfg.rank}", "worker", worker_cfg)
         self._monitor = threading.Thread(target=self._watch, name="guidespec-monitor", daemon=True)
         self._monitor.start()
 
@@ -87,7 +104,7 @@ class EngineProcesses:
         for name, process in self.processes.items():
             if process.poll() is not None:
                 return _death_message(name, process)
-        return None
+        return self.ray.first_dead() if self.ray is not None else None
 
     def shutdown(self, grace_s: float = 3.0) -> None:
         self._stopping.set()
@@ -101,10 +118,13 @@ class EngineProcesses:
             if process.poll() is None:
                 process.kill()
                 process.wait(timeout=5.0)
-        self.ring.close()
+        if self.ray is not None:
+            self.ray.close(grace_s=max(0.0, deadline - time.monotonic()))
+        if self.ring is not None:
+            self.ring.close()
         for endpoint in (self.endpoints.client_in, self.endpoints.client_out, self.endpoints.worker_results):
             path = endpoint.removeprefix("ipc://")
-            if os.path.exists(path):
+            if endpoint.startswith("ipc://") and os.path.exists(path):
                 os.unlink(path)
 
     def _spawn(self, name: str, role: str, config: SchedulerConfig | WorkerConfig) -> None:
@@ -138,7 +158,7 @@ def _draft_model(cfg: EngineConfig) -> str | None:
     return spec.draft_model if spec is not None and spec.method in MODEL_DRAFTERS else None
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -1,0 +1,126 @@
+"""Worker ranks as Ray actors (``distributed_executor="ray"``), one per bundle of a placement group.
+
+The scheduler stays a local process beside the client; every rank is a ``RayRank`` actor placed
+in bundle ``rank`` of a placement group (one bundle of ``num_cpus`` CPUs — or one GPU — per
+rank, on any node: ``PACK`` where they fit). The ranks read the step broadcast over the signed
+ZeroMQ TCP stream (``ipc/remote.py``) and send results to a TCP endpoint the scheduler binds, on
+the driver node's address; torch.distributed rendezvouses at rank 0's node. A cluster that
+cannot hold the placement fails at once with what it has and what it needs (or after
+``placement_timeout_s`` when resources are busy). The model folder must exist at the same path
+on every node.
+
+Ray is imported only here, only when this executor is chosen.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from guidespec.config import WorkerConfig, config_from_dict
+
+
+class RayRank:
+    """One worker rank inside a Ray actor; ``run`` is its whole life (``worker.run_worker``)."""
+
+    def node_address(self) -> tuple[str, int]:
+        """This node's address and a free TCP port on it (for torch.distributed's rendezvous)."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))
+            return ip, int(s.getsockname()[1])
+
+    def run(self, config_json: str) -> str:
+        from guidespec.worker.worker import run_worker
+
+        cfg = config_from_dict(WorkerConfig, json.loads(config_json))
+        run_worker(cfg, os.getppid())  # the actor's parent (Ray's worker process) stands for the client
+        return f"rank {cfg.rank} done"
+
+
+class RayRanks:
+    """The placement group and the rank actors of one engine."""
+
+    def __init__(self, num_ranks: int, num_cpus: int, address: str | None, placement_timeout_s: float) -> None:
+        try:
+            import ray
+            from ray.util.placement_group import placement_group, remove_placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        except ImportError:
+            raise ImportError("distributed_executor='ray' needs Ray: pip install 'ray>=2.9'") from None
+        self._ray = ray
+        self._remove_pg = remove_placement_group
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False,
+                     runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("GUIDESPEC_")}})
+        self.refs: list[Any] = []
+        self.actors: list[Any] = []
+        total = ray.cluster_resources().get("CPU", 0.0)
+        if total < num_ranks * num_cpus:
+            self.close()
+            raise RuntimeError(f"the Ray cluster cannot hold the placement: {num_ranks} ranks x {num_cpus} CPU need "
+                               f"{num_ranks * num_cpus} CPUs, the cluster has {total:g} (add nodes, lower "
+                               f"tensor_parallel_size, or GUIDESPEC_WORKER_THREADS for fewer CPUs per rank)")
+        self.pg = placement_group([{"CPU": num_cpus}] * num_ranks, strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=placement_timeout_s)
+        except Exception:
+            available = ray.available_resources().get("CPU", 0.0)
+            self.close()
+            raise RuntimeError(f"the Ray cluster could not place {num_ranks} ranks x {num_cpus} CPU within "
+                               f"{placement_timeout_s:g} s ({available:g} CPUs free now)") from None
+        actor_cls = ray.remote(RayRank)
+        self.actors = [actor_cls.options(num_cpus=num_cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=self.pg, placement_group_bundle_index=rank)).remote() for rank in range(num_ranks)]
+
+    def driver_address(self) -> str:
+        return str(self._ray.util.get_node_ip_address())
+
+    def rank0_rendezvous(self) -> str:
+        ip, port = self._ray.get(self.actors[0].node_address.remote(), timeout=60)
+        return f"tcp://{ip}:{port}"
+
+    def start(self, configs: list[WorkerConfig]) -> None:
+        from guidespec.config import config_to_dict
+
+        self.refs = [actor.run.remote(json.dumps(config_to_dict(cfg))) for actor, cfg in zip(self.actors, configs)]
+
+    def first_dead(self) -> str | None:
+        if not self.refs:
+            return None
+        done, _ = self._ray.wait(self.refs, num_returns=1, timeout=0)
+        if not done:
+            return None
+        rank = self.refs.index(done[0])
+        try:
+            how = self._ray.get(done[0], timeout=1)
+        except Exception as e:
+            how = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        return f"worker rank {rank} (Ray actor) stopped: {how}"
+
+    def close(self, grace_s: float = 3.0) -> None:
+        ray = self._ray
+        if self.refs:
+            deadline = time.monotonic() + grace_s
+            ray.wait(self.refs, num_returns=len(self.refs), timeout=max(0.0, deadline - time.monotonic()))
+        for actor in self.actors:
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+        self.actors, self.refs = [], []
+        if getattr(self, "pg", None) is not None:
+            try:
+                self._remove_pg(self.pg)
+            except Exception:
+                pass
+            self.pg = None
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
