@@ -20,6 +20,7 @@ EXAMPLES = [
     protocol.AbortRequest("r1"),
     protocol.Shutdown("bye"),
     protocol.EngineReady(2, 16, 2048),
+    protocol.SchedulerStats(running=3, waiting=2, waiting_for_grammar=1, free_slots=13),
     protocol.RequestOutput("r1", [1, 2], "hi", True, "stop", None, 5, 2.0),
     protocol.RequestOutput("r2", [3], "x", stats=protocol.DecodeStats(4, 2, 6, 3, [0, 1, 1])),
     protocol.DecodeStats(1, 0, 0, 0, []),
