@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--lr", type=float, default=2e-3)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    train.add_argument("--max-updates", type=int, default=None, help="stop after this many updates")
+    train.add_argument("--prompt-window", type=int, default=96, help="prompt tokens before the output trained over")
+    train.add_argument("--prompt-loss-weight", type=float, default=0.0,
+                       help="weight of those prompt tokens in the loss (the output's: 1)")
     args = parser.parse_args(argv)
     try:
         if args.command == "train-eagle":
@@ -97,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             train_head(TrainConfig(Path(args.output), args.model, [Path(f) for f in args.from_results], args.generate,
                                    args.exclude_prefix or None, args.max_sequences, args.draft_vocab_size,
                                    args.ttt_steps, max_minutes=args.max_minutes, lr=args.lr, seed=args.seed,
-                                   threads=args.threads))
+                                   threads=args.threads, max_updates=args.max_updates,
+                                   prompt_window=args.prompt_window, prompt_loss_weight=args.prompt_loss_weight))
             return 0
         if args.command == "bench":
             from guidespec.launch.bench import run_bench

@@ -53,6 +53,8 @@ class TrainConfig:
     prompt_window: int = 96  # prompt tokens before the output the head trains over
     max_output_tokens: int = 320
     max_minutes: float = 10.0
+    max_updates: int | None = None  # stop after this many updates (the schedule follows whichever ends first)
+    prompt_loss_weight: float = 0.0  # weight of the prompt window's tokens in the loss (outputs: 1)
     lr: float = 2e-3
     seed: int = 0
     workload: Path | None = None
@@ -274,23 +276,32 @@ class TrainableHead(nn.Module):
         return self._rms(hidden, self.norm) @ self.lm_head.T
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, first_position: int, output_start: int,
-                t2d: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[float]]:
+                t2d: torch.Tensor, steps: int, prompt_weight: float = 0.0) -> tuple[torch.Tensor, list[float]]:
         """Loss over ``steps`` unrolled draft steps (weights 0.8^(k-1)), and each step's accuracy
-        on the output tokens (targets outside the draft vocabulary count as misses)."""
+        on the output tokens (targets outside the draft vocabulary count as misses). With
+        ``prompt_weight`` the prompt tokens in the window count too, at that weight."""
         n = tokens.shape[0]
         index = torch.arange(n - 1)
         total = torch.zeros(())
         accuracy = []
         for k, hidden in enumerate(self.unroll(features, tokens, first_position, steps), start=1):
             target = index + k + 1
-            use = torch.nonzero((target < n) & (target >= output_start)).squeeze(1)
+            in_output = target >= output_start
+            use = torch.nonzero((target < n) & (in_output | (prompt_weight > 0))).squeeze(1)
             labels = t2d[tokens[target[use]]]
-            if not bool((labels >= 0).any()):
+            known = labels >= 0
+            if not bool(known.any()):
                 accuracy.append(float("nan"))
                 continue
             logits = self.logits(hidden[use])
-            total = total + 0.8 ** (k - 1) * F.cross_entropy(logits, labels, ignore_index=-1)
-            accuracy.append(float((logits.argmax(-1) == labels).float().mean()))
+            weights = torch.where(in_output[use], 1.0, prompt_weight)[known]
+            losses = F.cross_entropy(logits[known], labels[known], reduction="none")
+            total = total + 0.8 ** (k - 1) * (losses * weights).sum() / weights.sum().clamp(min=1e-6)
+            output_rows = in_output[use]
+            if bool(output_rows.any()):
+                accuracy.append(float((logits[output_rows].argmax(-1) == labels[output_rows]).float().mean()))
+            else:
+                accuracy.append(float("nan"))
         return total, accuracy
 
     def state_for_checkpoint(self, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -379,14 +390,14 @@ def _train(cfg: TrainConfig, log: Any) -> dict[str, Any]:
     bar = tqdm(desc="train-eagle: training", unit="seq", total=None)
     while True:
         elapsed = time.perf_counter() - train_start
-        if elapsed >= budget_s:
+        if elapsed >= budget_s or (cfg.max_updates is not None and step >= cfg.max_updates):
             break
         feats, tokens, first, out_start = train_set[rng.randrange(len(train_set))]
-        progress = elapsed / budget_s
+        progress = max(elapsed / budget_s, step / cfg.max_updates if cfg.max_updates else 0.0)
         lr = cfg.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * progress))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss, acc = head(feats, tokens, first, out_start, t2d, cfg.ttt_steps)
+        loss, acc = head(feats, tokens, first, out_start, t2d, cfg.ttt_steps, cfg.prompt_loss_weight)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -405,7 +416,8 @@ def _train(cfg: TrainConfig, log: Any) -> dict[str, Any]:
         "draft_vocab_size": len(draft_ids), "ttt_steps": cfg.ttt_steps, "updates": estimate_total,
         "held_out_accuracy_per_step": [round(float(a), 4) for a in per_step],
         "data_s": round(collected_s, 1), "train_s": round(time.perf_counter() - train_start, 1),
-        "excluded_prefix": cfg.exclude_prefix,
+        "excluded_prefix": cfg.exclude_prefix, "prompt_window": cfg.prompt_window,
+        "prompt_loss_weight": cfg.prompt_loss_weight,
     }
     save_head(cfg.output, head.state_for_checkpoint(model_cfg.vocab_size),
               head_config(head_cfg, model_cfg.vocab_size, len(draft_ids), aux, info))
