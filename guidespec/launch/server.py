@@ -272,10 +272,10 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
     async def _first_delta(handle: RequestHandle) -> StreamDelta:
         try:
             return await handle.deltas().__anext__()
-        except RequestError as e:
+        except (RequestError, EngineDeadError) as e:
             await handle.deltas().aclose()  # type: ignore[attr-defined]
             metrics.in_server.dec()
-            raise APIError(400, _engine_message(e)) from None
+            raise APIError(503 if isinstance(e, EngineDeadError) else 400, _engine_message(e)) from None
 
     async def _collect(handle: RequestHandle, request: Request) -> GenerationOutput | None:
         """The whole output; None if the client disconnected first (the request is then aborted)."""

@@ -101,17 +101,19 @@ class DraftSampling:
         return targets
 
     def draft_probs(self, inputs: StepInputs, drafts: list[np.ndarray]) -> list[torch.Tensor | None] | None:
-        """q' for each row whose drafts are the ones proposed for its slot last step (else None)."""
-        if not self.kept:
+        """q' for each row whose drafts are the ones proposed for its slot last step (else None).
+        The kept q' serve this one step: proposals not verified now are never verified later."""
+        kept, self.kept = self.kept, {}
+        if not kept:
             return None
         out: list[torch.Tensor | None] = []
         for b, row_drafts in enumerate(drafts):
-            kept = self.kept.get(int(inputs.slots[b]))
+            row_kept = kept.get(int(inputs.slots[b]))
             n = len(row_drafts)
-            if kept is None or n == 0 or inputs.temperature[b] <= 0 or kept[0][:n] != row_drafts.tolist():
+            if row_kept is None or n == 0 or inputs.temperature[b] <= 0 or row_kept[0][:n] != row_drafts.tolist():
                 out.append(None)
             else:
-                out.append(torch.stack(kept[1][:n]))
+                out.append(torch.stack(row_kept[1][:n]))
         return out
 
 

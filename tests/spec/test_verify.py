@@ -114,10 +114,11 @@ def test_drafts_sampled_by_a_model_drafter_and_verified_with_their_q_keep_the_di
     sampling = DraftSampling(V)
     sampling.start()
     chosen = sampling.choose(draft_logits, np.arange(n), inputs, np.ones(n, np.int32), 0, lambda d: ids[d])
-    drafts = [np.array([t]) for t in chosen.tolist()]
+    drafts = [np.array([4])] + [np.array([t]) for t in chosen.tolist()[1:]]  # row 0: not the proposal
     q = sampling.draft_probs(inputs, drafts)
-    assert q is not None and all(row is not None and row.shape == (1, V) for row in q[:10])
-    assert sampling.draft_probs(inputs, [np.array([4])] + drafts[1:])[0] is None  # not the kept draft: one-hot
+    assert q is not None and q[0] is None  # a draft that is not the kept proposal counts as one-hot
+    assert all(row is not None and row.shape == (1, V) for row in q[1:10])
+    assert sampling.draft_probs(inputs, drafts) is None  # kept q' serve one step only
 
     logits = _masked_logits(2 * n, seed=11)
     p = _rows(n, 1, 0.8)
@@ -129,6 +130,6 @@ def test_drafts_sampled_by_a_model_drafter_and_verified_with_their_q_keep_the_di
 
     target = filtered_probs(logits[:1], torch.tensor([0.8]), torch.tensor([4]), torch.tensor([1.0]))[0].numpy()
     assert _chi_square_p_value(np.bincount(tokens[offsets], minlength=V), target) > 1e-3
-    q0 = q[0][0].numpy()  # type: ignore[index]
+    q0 = q[1][0].numpy()  # type: ignore[index]
     expected_acceptance = np.minimum(target, q0).sum()  # sum min(p', q'): higher than any one-hot draft's
     assert abs((counts == 2).mean() - expected_acceptance) < 0.02
