@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 from typing import Any, Callable, Sequence
@@ -65,7 +66,8 @@ class XGrammarBackend:
         kind = spec.kind
         try:
             if kind == "json_schema":
-                schema = _declare_required(json.loads(spec.json_schema))  # type: ignore[arg-type]
+                original = json.loads(spec.json_schema)  # type: ignore[arg-type]
+                schema = _declare_required(_distribute_siblings(original, original))
                 with _CapturedStderr() as log:  # xgrammar reports approximations only as a C++ log line
                     compiled = self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
                                                                  separators=(", ", ": "))
@@ -100,6 +102,110 @@ class XGrammarBackend:
         self.batch.batch_fill_next_token_bitmask(inner, torch.from_numpy(bitmask), list(rows))
 
 
+_ANNOTATIONS = {"title", "description", "$schema", "$id", "id", "default", "examples", "$comment", "definitions",
+                "$defs", "deprecated", "readOnly", "writeOnly"}
+
+
+def _distribute_siblings(schema: Any, root: Any) -> Any:
+    """The schema with the keywords beside an ``anyOf`` / ``oneOf`` / ``allOf`` moved into its
+    branches: xgrammar compiles only the composition and drops its siblings (a ``required`` next
+    to an ``anyOf`` was not enforced: found by the sweep, Github_medium o22092). S and (B1 or B2)
+    is (S and B1) or (S and B2), and exactly one of (S and Bi) holds iff S holds and exactly one
+    Bi does, so the rewrite is exact; ``allOf`` branches are merged into one schema. A branch
+    that contradicts its siblings' type can never match and is dropped; keywords that cannot be
+    merged exactly are refused."""
+    if isinstance(schema, list):
+        return [_distribute_siblings(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _distribute_siblings(value, root) for key, value in schema.items()}
+    compositions = [k for k in ("allOf", "anyOf", "oneOf") if isinstance(out.get(k), list)]
+    if not compositions:
+        return out
+    kept = {k: v for k, v in out.items() if k in _ANNOTATIONS}
+    siblings = {k: v for k, v in out.items() if k not in _ANNOTATIONS and k not in compositions}
+    if "allOf" in compositions:
+        for branch in out["allOf"]:
+            merged = _merge(siblings, _inline_ref(branch, root))
+            if merged is None:
+                raise GrammarError("this json_schema's allOf contradicts itself: no value can match it")
+            siblings = merged
+        compositions.remove("allOf")
+    if not compositions:
+        return {**kept, **siblings}
+    if len(compositions) == 2:  # anyOf and oneOf side by side: the second becomes a sibling of the first
+        siblings = {**siblings, "oneOf": out["oneOf"]} if not siblings.get("oneOf") else siblings
+        compositions = ["anyOf"]
+    key = compositions[0]
+    if not siblings:
+        return {**kept, key: out[key]}
+    branches = [_merge(siblings, _inline_ref(branch, root)) for branch in out[key]]
+    branches = [b for b in branches if b is not None]
+    if not branches:
+        raise GrammarError(f"no branch of this json_schema's {key} fits the keywords beside it: no value can match")
+    return {**kept, key: [_distribute_siblings(b, root) for b in branches]}
+
+
+def _inline_ref(branch: Any, root: Any) -> Any:
+    """A branch that is only a local ``$ref``, replaced by its target (one level)."""
+    if isinstance(branch, dict) and set(branch) == {"$ref"} and str(branch["$ref"]).startswith("#/"):
+        target: Any = root
+        for part in str(branch["$ref"])[2:].split("/"):
+            if not isinstance(target, dict) or part not in target:
+                return branch
+            target = target[part]
+        return target
+    return branch
+
+
+def _merge(a: dict[str, Any], b: Any) -> dict[str, Any] | None:
+    """The schema meaning ``a and b``, or None where they contradict (no value matches both);
+    GrammarError where the two cannot be combined exactly here."""
+    if b is True or b == {}:
+        return dict(a)
+    if b is False:
+        return None
+    if not isinstance(b, dict):
+        raise GrammarError("xgrammar cannot combine this json_schema's composition with the keywords beside it")
+    out = dict(a)
+    for key, value in b.items():
+        if key in _ANNOTATIONS or key not in out:
+            out.setdefault(key, value)
+        elif key == "required":
+            out[key] = list(dict.fromkeys([*out[key], *value]))
+        elif key == "properties":
+            merged = dict(out[key])
+            for name, sub in value.items():
+                if name in merged and merged[name] != sub:
+                    raise GrammarError(f"xgrammar cannot combine two schemas of property {name!r} in a composition")
+                merged[name] = sub
+            out[key] = merged
+        elif key == "type":
+            ours = {out[key]} if isinstance(out[key], str) else set(out[key])
+            theirs = {value} if isinstance(value, str) else set(value)
+            if "number" in ours and "integer" in theirs:
+                ours.add("integer")
+            if "number" in theirs and "integer" in ours:
+                theirs.add("integer")
+            both = sorted(ours & theirs)
+            if not both:
+                return None
+            out[key] = both[0] if len(both) == 1 else both
+        elif out[key] != value:
+            raise GrammarError(f"xgrammar cannot combine {key!r} of a composition with the {key!r} beside it")
+    return None if _requires_forbidden(out) else out
+
+
+def _requires_forbidden(schema: dict[str, Any]) -> bool:
+    """True if the object schema requires a name that ``additionalProperties: false`` forbids."""
+    if schema.get("additionalProperties") is not False or not isinstance(schema.get("required"), list):
+        return False
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    patterns = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
+    return any(isinstance(name, str) and name not in properties  # type: ignore[operator]
+               and not any(re.search(p, name) for p in patterns) for name in schema["required"])  # type: ignore[union-attr]
+
+
 def _declare_required(schema: Any) -> Any:
     """The schema with every ``required`` name that ``properties`` leaves undeclared declared as
     ``additionalProperties`` allows it (any value by default): xgrammar closes objects, and would
@@ -111,13 +217,18 @@ def _declare_required(schema: Any) -> Any:
         return schema
     out = {key: _declare_required(value) for key, value in schema.items()}
     required, properties = out.get("required"), out.get("properties", {})
-    if isinstance(required, list) and isinstance(properties, dict) and "patternProperties" not in out:
+    if isinstance(required, list) and isinstance(properties, dict):
         missing = [name for name in required if isinstance(name, str) and name not in properties]
+        patterns: dict[str, Any] = out["patternProperties"] if isinstance(out.get("patternProperties"), dict) else {}
         extra = out.get("additionalProperties", True)
-        if missing and extra is False:
-            raise GrammarError(f"the schema requires {missing[0]!r}, which additionalProperties: false forbids")
-        if missing:
-            out["properties"] = {**properties, **{name: extra if isinstance(extra, dict) else {} for name in missing}}
+        declared = {}
+        for name in missing:  # a name a patternProperty matches takes that schema (Github_medium o83151)
+            match = next((sub for pattern, sub in patterns.items() if re.search(pattern, name)), None)
+            if match is None and extra is False:
+                raise GrammarError(f"the schema requires {name!r}, which additionalProperties: false forbids")
+            declared[name] = match if match is not None else (extra if isinstance(extra, dict) else {})
+        if declared:
+            out["properties"] = {**properties, **declared}
     return out
 
 

@@ -4,10 +4,13 @@ to its end instead of being cut mid-value.
 A small model under a JSON grammar can fall into a cycle (``"water", "water", ...``) that the
 grammar happily allows until ``max_tokens`` cuts it, and a cut JSON document is invalid. While
 a request is *closing*, its bitmask row is intersected with the *closing tokens* — tokens made
-only of ``"``, ``]``, ``}`` (and spaces) — wherever the grammar allows one of them; where it
-allows none (a required property is still missing, a string is below its minLength) the row is
-left as the grammar made it and the model writes on. The grammar alone still decides validity:
-the intersection never allows a token the grammar refused.
+only of ``"``, ``]``, ``}`` (and spaces) — wherever the grammar allows one of them; where a value
+must come first (after ``"key": `` or ``[``), with the *short values* — a number's digits,
+``true``, ``false``, ``null``, ``""``, ``[]``, ``{}`` or a string's opening quote — so a recursive
+schema cannot nest deeper forever (found by the sweep: ``{"log": {"log": ...`` until cut, Github_trivial
+o47165); where it allows none of those (a required property is still missing, a string is below
+its minLength) the row is left as the grammar made it and the model writes on. The grammar
+alone still decides validity: the intersection never allows a token the grammar refused.
 
 A request starts closing when
 
@@ -40,11 +43,12 @@ class ClosingTokens:
 
     in_string: np.ndarray
     outside: np.ndarray
+    values: np.ndarray  # short complete values, or a string's opening quote
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, vocab_size: int) -> "ClosingTokens":
         special = set(tokenizer.all_special_ids)
-        in_string, outside = [], []
+        in_string, outside, values = [], [], []
         for i, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), vocab_size))))):
             if piece is None or i in special:
                 continue
@@ -56,15 +60,20 @@ class ClosingTokens:
                 in_string.append(i)
             elif set(piece) <= _BRACKETS:
                 outside.append(i)
-        return cls(bitmask_row(in_string, vocab_size), bitmask_row(outside, vocab_size))
+            if piece.isdigit() or piece in _SHORT_VALUES:
+                values.append(i)
+        return cls(bitmask_row(in_string, vocab_size), bitmask_row(outside, vocab_size),
+                   bitmask_row(values, vocab_size))
 
 
 _BRACKETS = frozenset("]}")
+_SHORT_VALUES = frozenset({"true", "false", "null", '"', '""', "[]", "{}"})
 
 
 def budget_reserve(max_tokens: int) -> int:
-    """How many tokens before ``max_tokens`` a JSON output starts closing."""
-    return min(64, max_tokens // 4)
+    """How many tokens before ``max_tokens`` a JSON output starts closing (required properties
+    still to come can take many: 64 was too few for Github_medium o14497)."""
+    return min(128, max_tokens // 4)
 
 
 class RepeatDetector:
@@ -135,9 +144,13 @@ class EarlyCloser:
         return self._in_string
 
     def restrict(self, row: np.ndarray, closing: ClosingTokens, tokenizer: Any) -> bool:
-        """Intersect a bitmask row with the tokens that close the current value, in place, if that
-        leaves any token; the row is untouched otherwise."""
-        both = row & (closing.in_string if self.in_string(tokenizer) else closing.outside)
+        """Intersect a bitmask row with the tokens that close the current value (or, outside a
+        string where no closing token is allowed, with the short values), in place, if that leaves
+        any token; the row is untouched otherwise."""
+        inside = self.in_string(tokenizer)
+        both = row & (closing.in_string if inside else closing.outside)
+        if not both.any() and not inside:
+            both = row & closing.values
         if not both.any():
             return False
         row[:] = both

@@ -80,4 +80,20 @@ def test_restriction_keeps_only_allowed_closing_tokens(tokenizer) -> None:  # ty
 
 
 def test_budget_reserve() -> None:
-    assert budget_reserve(1024) == 64 and budget_reserve(40) == 10 and budget_reserve(1) == 0
+    assert budget_reserve(1024) == 128 and budget_reserve(40) == 10 and budget_reserve(1) == 0
+
+
+def test_where_a_value_must_come_closing_prefers_a_short_one(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """A recursive schema looping {"log": {"log": ... gets a scalar, not another level."""
+    closing = ClosingTokens.from_tokenizer(tokenizer, 49152)
+    values = {tokenizer.decode([i]).strip() for i in _ids(closing.values)}
+    assert {"true", "false", "null", "0", "1", '"'} <= values and "{" not in values and "[" not in values
+    closer = EarlyCloser()
+    for token in tokenizer.encode('{"log": {"log": '):
+        closer.add(token)
+    brace, true = tokenizer.encode("{")[0], tokenizer.encode("true")[0]
+    row = np.zeros(1536, dtype=np.int32)
+    for token in (brace, true):
+        row[token // 32] |= np.int32(1 << (token % 32)) if token % 32 != 31 else np.int32(-(1 << 31))
+    assert closer.restrict(row, closing, tokenizer)
+    assert _ids(row) == [true]
