@@ -67,9 +67,7 @@ def test_restriction_keeps_only_allowed_closing_tokens(tokenizer) -> None:  # ty
     for token in tokenizer.encode('["water", "water"'):
         closer.add(token)
     close_bracket, comma = tokenizer.encode("]")[0], tokenizer.encode(",")[0]
-    row = np.zeros(1536, dtype=np.int32)
-    for token in (close_bracket, comma):
-        row[token // 32] |= np.int32(1 << (token % 32)) if token % 32 != 31 else np.int32(-(1 << 31))
+    row = _row(close_bracket, comma)
     assert closer.restrict(row, closing, tokenizer)
     assert _ids(row) == [close_bracket]  # the grammar allowed both; closing keeps "]"
     only_comma = np.zeros(1536, dtype=np.int32)
@@ -92,8 +90,14 @@ def test_where_a_value_must_come_closing_prefers_a_short_one(tokenizer) -> None:
     for token in tokenizer.encode('{"log": {"log": '):
         closer.add(token)
     brace, true = tokenizer.encode("{")[0], tokenizer.encode("true")[0]
-    row = np.zeros(1536, dtype=np.int32)
-    for token in (brace, true):
-        row[token // 32] |= np.int32(1 << (token % 32)) if token % 32 != 31 else np.int32(-(1 << 31))
+    row = _row(brace, true)
     assert closer.restrict(row, closing, tokenizer)
     assert _ids(row) == [true]
+
+
+def _row(*tokens: int) -> np.ndarray:
+    """A bitmask row allowing ``tokens``."""
+    row = np.zeros(1536, dtype=np.int32)
+    for token in tokens:
+        row[token // 32] |= np.int32(1 << (token % 32)) if token % 32 != 31 else np.int32(-(1 << 31))
+    return row
