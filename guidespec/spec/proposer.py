@@ -11,7 +11,8 @@ Each step, for every decoding row whose request speculates:
    compute-bound speculation turns itself down instead of turning into a loss; a request whose
    drafts keep failing still probes one draft every few steps;
 2. the drafts: the grammar's forced tokens first (guided requests), then the drafter's tokens,
-   cut at the first one the grammar rejects;
+   cut at the first one the grammar rejects; a guided row given no drafter tokens still drafts
+   its forced tokens (certain to be accepted: what jump-forward gives the others);
 3. the row becomes ``1 + k`` tokens with ``1 + k`` logits rows, verified by the workers
    (``spec/verify.py``).
 
@@ -81,6 +82,7 @@ class Speculator:
         self.acceptance: dict[str, _Acceptance] = {}
         self.cost = CostModel()
         self.draft_cost: float | None = None  # seconds per draft token proposed on rank 0 (model drafters)
+        self._forced_only: set[str] = set()  # requests whose drafts this step are only the grammar's forced tokens
 
     def speculates(self, request: Request) -> bool:
         params = request.params
@@ -103,12 +105,21 @@ class Speculator:
         if not limits or budget <= 0:
             return rows
         lengths = self._lengths(rows, limits, budget)
+        budget -= sum(lengths.values())
         out = list(rows)
         for i, k in lengths.items():
-            if k <= 0:
-                continue
             request = rows[i].request
-            drafts = self._propose(request, k)
+            if k <= 0:
+                # not worth the drafter's tokens now, but the grammar's forced tokens are certain:
+                # they stay drafts (what jump-forward gives requests that do not speculate)
+                if not (request.guided and self.cfg.use_forced_tokens and budget > 0):
+                    continue
+                drafts = self.grammar.forced_tokens(request.request_id, min(limits[i], budget))
+                budget -= len(drafts)
+                if drafts:
+                    self._forced_only.add(request.request_id)
+            else:
+                drafts = self._propose(request, k)
             request.draft_tokens = drafts
             if drafts:
                 out[i] = ScheduledRow(request, rows[i].start, 1 + len(drafts), 1 + len(drafts))
@@ -147,7 +158,8 @@ class Speculator:
     def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """After verification: update the request's acceptance rate and its figures."""
         request.draft_tokens = []
-        if num_drafts == 0:
+        if num_drafts == 0 or request.request_id in self._forced_only:  # forced drafts say nothing of the drafter
+            self._forced_only.discard(request.request_id)
             return
         stats = self.acceptance.setdefault(request.request_id, _Acceptance())
         stats.rate = 0.7 * stats.rate + 0.3 * (num_accepted / num_drafts)
@@ -161,6 +173,7 @@ class Speculator:
 
     def release(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
+        self._forced_only.discard(request_id)
         self.drafter.release(request_id)
 
     # ------------------------------------------------------------------ helpers
