@@ -13,10 +13,9 @@ stays exact). What the listed limitations are:
 - xgrammar refuses 60 schemas: 5 it cannot compile (``minItems``/``minProperties`` larger than
   a closed schema can hold), 45 whose ``oneOf`` it could only approximate by ``anyOf``
   (branches it cannot prove disjoint; our backend refuses those, as llguidance does, unless
-  every ``oneOf`` has branches of distinct plain types), and 10 whose ``anyOf``/``oneOf``/``allOf``
-  sits beside keywords our backend cannot merge into the branches exactly (xgrammar itself
-  drops the keywords beside a composition; the backend moves them into the branches where it
-  can). Of the others, it rejects 50 valid instances: its strict mode closes objects and arrays
+  every ``oneOf`` has branches of distinct plain types), and 10 more since the backend moves the
+  keywords beside an ``anyOf``/``oneOf``/``allOf`` into its branches (xgrammar itself drops
+  them): where that cannot be done exactly, or leaves no satisfiable branch, it refuses. Of the others, it rejects 50 valid instances: its strict mode closes objects and arrays
   the schema leaves open (extra properties, extra items), so it accepts a subset of the
   schema's language (outputs stay valid; required names that ``properties`` leaves undeclared
   are declared first, so closing does not drop them). It accepts 4 invalid instances in 4
