@@ -43,3 +43,43 @@ def test_required_names_missing_from_properties_stay_required(tokenizer) -> None
     assert matcher_accepts(backend, compiled, tokenizer, '{"text": [1, "a"]}', 2)
     with pytest.raises(GrammarError, match="additionalProperties: false"):
         backend.compile(GuidedDecoding(json_schema={**schema, "additionalProperties": False}))
+
+
+@pytest.mark.parametrize("composition", ["anyOf", "oneOf", "allOf"])
+def test_keywords_beside_a_composition_are_enforced(tokenizer, composition: str) -> None:  # type: ignore[no-untyped-def]
+    """xgrammar drops the keywords beside anyOf/oneOf/allOf; the backend moves them into the
+    branches (sweep, Github_medium o22092: a top-level required was not enforced). The oneOf
+    here has overlapping branches (an object can hold both), so it stays refused."""
+    from tests.grammar_backends.dataset import matcher_accepts
+
+    backend = create_backend("xgrammar", tokenizer, 49152, (2,))
+    schema = {"type": "object", "properties": {"target": {"type": "string"}, "routes": {"type": "array"},
+                                               "file": {"type": "string"}},
+              "required": ["target"], "additionalProperties": False,
+              composition: [{"required": ["routes"]}, {"required": ["file"]}]}
+    if composition == "oneOf":
+        with pytest.raises(GrammarError, match="oneOf"):
+            backend.compile(GuidedDecoding(json_schema=schema))
+        return
+    compiled = backend.compile(GuidedDecoding(json_schema=schema))
+    accepts = lambda text: matcher_accepts(backend, compiled, tokenizer, text, 2)  # noqa: E731
+    assert not accepts('{"routes": []}')  # the required beside the composition holds
+    if composition == "allOf":
+        assert accepts('{"target": "a", "routes": [], "file": "f"}') and not accepts('{"target": "a", "routes": []}')
+    else:
+        assert accepts('{"target": "a", "routes": []}') and accepts('{"target": "a", "file": "f"}')
+        assert not accepts('{"target": "a"}')
+
+
+def test_required_names_a_pattern_property_matches_are_declared_with_its_schema(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Sweep, Github_medium o83151: "required": ["from"] with "from" only in patternProperties."""
+    from tests.grammar_backends.dataset import matcher_accepts
+
+    backend = create_backend("xgrammar", tokenizer, 49152, (2,))
+    schema = {"type": "object", "properties": {"user": {"type": "string"}}, "required": ["from"],
+              "patternProperties": {"^from": {"type": "object", "properties": {"image": {"type": "string"}},
+                                              "required": ["image"]}}}
+    compiled = backend.compile(GuidedDecoding(json_schema=schema))
+    assert not matcher_accepts(backend, compiled, tokenizer, '{"user": "u"}', 2)
+    assert not matcher_accepts(backend, compiled, tokenizer, '{"from": 3}', 2)
+    assert matcher_accepts(backend, compiled, tokenizer, '{"from": {"image": "x"}}', 2)
