@@ -102,8 +102,9 @@ def eagle_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_eagle_equals_greedy_plain(reference: list[list[int]], eagle_head: Path, tp: int) -> None:
-    # TP=2 also combines the head with prompt lookup (the longer valid draft wins)
-    speculative = dict(method="eagle", draft_model=str(eagle_head), adaptive=False, combine_ngram=tp == 2)
+    # TP=2 also combines the head with prompt lookup (the longer valid draft wins) and lets the
+    # adaptive plan turn drafting on and off (the head then follows lazily, from a backlog)
+    speculative = dict(method="eagle", draft_model=str(eagle_head), adaptive=tp == 2, combine_ngram=tp == 2)
     with LLM(max_batch_size=8, show_progress=False, tensor_parallel_size=tp, speculative=speculative) as llm:
         outs = _run(llm, _requests())
     if tp == 1:

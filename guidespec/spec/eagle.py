@@ -18,8 +18,10 @@ How it follows the target (``EagleRunner``): after each step's verification, eve
 whose feature is final (the row's non-draft tokens and its accepted drafts) goes through the
 head with the token that followed it; the head's KV cache (same slots as the target's) is
 overwritten from there on, so rejected draft positions need no rewind. A non-final prefill
-chunk's last position waits for the next chunk's first token (``pending``). The last position's
-output gives the first draft; each further draft step feeds the head its own output and the
+chunk's last position waits for the next chunk's first token (``pending``). A row that is not
+asked for drafts this step keeps its positions in a ``backlog`` instead, run in one batch the
+next time it is (lazy following: the adaptive plan can turn the head off at no cost). The last
+position's output gives the first draft; each further draft step feeds the head its own output and the
 drafted token. Draft steps of guided rows are masked by the scheduler's grammar as the draft
 model's are (``draft_model.py``); with a pruned vocabulary the target mask is read through ``d2t``.
 """
@@ -197,6 +199,7 @@ class EagleRunner:
         width = len(self.head.aux_layers) * target.cfg.hidden_size if self.head.version == 3 else target.cfg.hidden_size
         self.pending = torch.zeros(max_batch_size, width, dtype=target.dtype)
         self.pending_pos = np.full(max_batch_size, -2, dtype=np.int64)
+        self.backlog: dict[int, tuple[int, list[torch.Tensor], list[int]]] = {}  # slot -> positions not yet run
         self._step: tuple[ForwardBatch, torch.Tensor] | None = None
         self.sampling = DraftSampling(self.vocab_size)
 
@@ -217,50 +220,66 @@ class EagleRunner:
         assert self._step is not None
         batch, features = self._step
         self._step = None
-        feats, ids, slots, starts, lens = [], [], [], [], []
         ends = np.cumsum(counts)
         offsets = np.concatenate([[0], np.cumsum(inputs.num_new_tokens)])
         last_position = np.zeros(inputs.batch_size, dtype=np.int64)
+        chunks: dict[int, tuple[int, torch.Tensor, list[int]]] = {}  # batch row -> (first position, features, tokens)
         for b in range(inputs.batch_size):
             slot, start, n, nlog, c = (int(inputs.slots[b]), int(inputs.start_positions[b]),
                                        int(inputs.num_new_tokens[b]), int(inputs.num_logits[b]), int(counts[b]))
             m = n - max(nlog, 1) + 1  # the row's non-draft tokens
             own = inputs.token_ids[offsets[b] : offsets[b] + m].tolist()
             true = own + tokens[ends[b] - c : ends[b]].tolist()
-            row_feats = [features[offsets[b] + i] for i in range(len(true) - 1)]
+            row_feats = features[offsets[b] : offsets[b] + len(true) - 1]
             row_ids = true[1:]
             first = start
             if start == 0:
                 self.pending_pos[slot] = -2
+                self.backlog.pop(slot, None)
             elif self.pending_pos[slot] == start - 1:  # the last chunk's final position, waiting for this token
-                row_feats.insert(0, self.pending[slot])
+                row_feats = torch.cat([self.pending[slot][None], row_feats])
                 row_ids.insert(0, true[0])
                 first = start - 1
             if c == 0:  # its next token is not known yet
                 self.pending[slot] = features[offsets[b] + m - 1]
                 self.pending_pos[slot] = start + m - 1
-            if row_feats:
-                feats.extend(row_feats)
-                ids.extend(row_ids)
-                slots.append(slot)
-                starts.append(first)
-                lens.append(len(row_feats))
-            last_position[b] = first + len(row_feats) - 1 if row_feats else -1
+            if row_ids:
+                chunks[b] = (first, row_feats, row_ids)
+            last_position[b] = first + len(row_ids) - 1 if row_ids else -1
         wanted = np.zeros(inputs.batch_size, dtype=np.int64)
         if inputs.draft_lens is not None:
             wanted = np.minimum(inputs.draft_lens, self.max_model_len - 2 - last_position)
             wanted[(counts == 0) | (last_position < 0)] = 0
         drafts: list[list[int]] = [[] for _ in range(inputs.batch_size)]
         self.sampling.start()
+        # rows that propose now run their backlog and this step's positions; the others wait (lazy
+        # following: a request the adaptive plan does not draft for costs no head forward)
+        feats, ids, slots, starts, lens, row_of = [], [], [], [], [], []
+        for b, (first, row_feats, row_ids) in chunks.items():
+            slot = int(inputs.slots[b])
+            if wanted[b] <= 0:
+                held = self.backlog.get(slot)
+                if held is None:
+                    self.backlog[slot] = (first, [row_feats.clone()], list(row_ids))
+                else:
+                    held[1].append(row_feats.clone())
+                    held[2].extend(row_ids)
+                continue
+            held = self.backlog.pop(slot, None)
+            if held is not None and held[0] + len(held[2]) == first:  # (a gap would only weaken drafts)
+                first, row_feats, row_ids = held[0], torch.cat([*held[1], row_feats]), held[2] + row_ids
+            feats.append(row_feats)
+            ids.extend(row_ids)
+            slots.append(slot)
+            starts.append(first)
+            lens.append(len(row_ids))
+            row_of.append(b)
         if not slots:
             return _flat(drafts)
-        row_of = [b for b in range(inputs.batch_size) if last_position[b] >= 0]
         follow = ForwardBatch.create(np.array(ids), slots, starts, lens, np.ones(len(slots), dtype=np.int32))
-        out, logits = self.head.forward(torch.stack(feats), follow.token_ids, follow, self.kv)
+        out, logits = self.head.forward(torch.cat(feats), follow.token_ids, follow, self.kv)
         rows = np.array(row_of, dtype=np.int64)
         current = torch.zeros(0, dtype=torch.long)
-        keep = wanted[rows] > 0
-        rows, out, logits = rows[keep], out[torch.from_numpy(keep)], logits[torch.from_numpy(keep)]
         produced = [tokens[end - n : end].tolist() for end, n in zip(ends.tolist(), counts.tolist())]
         for step in range(int(wanted.max(initial=0))):
             if step > 0:

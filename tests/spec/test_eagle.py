@@ -132,10 +132,37 @@ def test_bad_head_folders_are_refused(target, tmp_path: Path) -> None:  # type: 
         EagleRunner(tmp_path / "odd", model, folder, hf, 1, 64)
 
 
-def _step_inputs(prompt: np.ndarray, draft_lens: list[int]) -> StepInputs:
-    """One row: the whole prompt in slot 0, greedy, one logits row, drafts wanted after it."""
+def test_lazy_following_drafts_what_eager_following_drafts(target, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A row not asked for drafts keeps its positions in a backlog; when it is asked, the head runs
+    them in one batch and drafts exactly what a head that followed every step drafts."""
+    folder, model, hf = target
+    trained = _random_head(model, hf, torch.arange(0, 300, 2))
+    save_head(tmp_path / "head", trained.state_for_checkpoint(300),
+              head_config(trained.cfg, 300, 150, default_aux_layers(2), {}))
+    prompt = np.array([5, 9, 13, 7, 3, 11, 2], dtype=np.int32)
+    steps = [(prompt, 0, 40), (np.array([40], np.int32), 7, 41), (np.array([41], np.int32), 8, 42),
+             (np.array([42], np.int32), 9, 43)]
+    results = {}
+    for mode in ("eager", "lazy"):
+        runner = EagleRunner(tmp_path / "head", model, folder, hf, max_batch_size=1, max_model_len=64)
+        kv = model.create_kv_cache(1)
+        for i, (tokens, start, produced) in enumerate(steps):
+            wanted = 3 if mode == "eager" or i == len(steps) - 1 else 0
+            batch = ForwardBatch.create(tokens, [0], [start], [len(tokens)], [1])
+            model.forward(batch, kv, capture=runner.capture)
+            runner.follow(batch, model.captured)
+            drafts, counts = runner.propose(_step_inputs(tokens, [wanted], start),
+                                            np.array([produced], np.int32), np.array([1], np.int32))
+            assert counts.tolist() == [wanted]
+        assert mode == "eager" or runner.backlog == {}
+        results[mode] = drafts.tolist()
+    assert results["lazy"] == results["eager"] and len(results["lazy"]) == 3
+
+
+def _step_inputs(prompt: np.ndarray, draft_lens: list[int], start: int = 0) -> StepInputs:
+    """One row: ``prompt`` in slot 0 from ``start``, greedy, one logits row, drafts wanted after it."""
     one = lambda dtype, value=0: np.full(1, value, dtype=dtype)  # noqa: E731
-    return StepInputs(step=0, slots=one(np.int32), start_positions=one(np.int32),
+    return StepInputs(step=0, slots=one(np.int32), start_positions=one(np.int32, start),
                       num_new_tokens=one(np.int32, len(prompt)), token_ids=prompt, num_logits=one(np.int32, 1),
                       temperature=one(np.float32), top_k=one(np.int32), top_p=one(np.float32, 1.0),
                       seeds=one(np.int64, -1), sample_index=one(np.int32), num_prompt_tokens=one(np.int32, len(prompt)),
