@@ -4,11 +4,8 @@ to its end instead of being cut mid-value.
 A small model under a JSON grammar can fall into a cycle (``"water", "water", ...``) that the
 grammar happily allows until ``max_tokens`` cuts it, and a cut JSON document is invalid. While
 a request is *closing*, its bitmask row is intersected with the *closing tokens* — tokens made
-only of ``"``, ``]``, ``}`` (and spaces) — wherever the grammar allows one of them; where a value
-must come first (after ``"key": `` or ``[``), with the *short values* — a number's digits,
-``true``, ``false``, ``null``, ``""``, ``[]``, ``{}`` or a string's opening quote — so a recursive
-schema cannot nest deeper forever (found by the sweep: ``{"log": {"log": ...`` until cut, Github_trivial
-o47165); where it allows none of those (a required property is still missing, a string is below
+only of ``"``, ``]``, ``}`` (and spaces) — wherever the grammar allows one of them; where it
+allows none of those (a required property is still missing, a string is below
 its minLength) the row is left as the grammar made it and the model writes on. The grammar
 alone still decides validity: the intersection never allows a token the grammar refused.
 
@@ -144,13 +141,11 @@ class EarlyCloser:
         return self._in_string
 
     def restrict(self, row: np.ndarray, closing: ClosingTokens, tokenizer: Any) -> bool:
-        """Intersect a bitmask row with the tokens that close the current value (or, outside a
-        string where no closing token is allowed, with the short values), in place, if that leaves
-        any token; the row is untouched otherwise."""
-        inside = self.in_string(tokenizer)
-        both = row & (closing.in_string if inside else closing.outside)
-        if not both.any() and not inside:
-            both = row & closing.values
+        """Intersect a bitmask row with the tokens that close the current value, in place, if that
+        leaves any token; the row is untouched otherwise."""
+        # (short values where a value must come were tried and reverted: when the string scanner
+        # misses a quote, e.g. in jump-forward text, it forced digits inside a string forever)
+        both = row & (closing.in_string if self.in_string(tokenizer) else closing.outside)
         if not both.any():
             return False
         row[:] = both

@@ -81,20 +81,6 @@ def test_budget_reserve() -> None:
     assert budget_reserve(1024) == 128 and budget_reserve(40) == 10 and budget_reserve(1) == 0
 
 
-def test_where_a_value_must_come_closing_prefers_a_short_one(tokenizer) -> None:  # type: ignore[no-untyped-def]
-    """A recursive schema looping {"log": {"log": ... gets a scalar, not another level."""
-    closing = ClosingTokens.from_tokenizer(tokenizer, 49152)
-    values = {tokenizer.decode([i]).strip() for i in _ids(closing.values)}
-    assert {"true", "false", "null", "0", "1", '"'} <= values and "{" not in values and "[" not in values
-    closer = EarlyCloser()
-    for token in tokenizer.encode('{"log": {"log": '):
-        closer.add(token)
-    brace, true = tokenizer.encode("{")[0], tokenizer.encode("true")[0]
-    row = _row(brace, true)
-    assert closer.restrict(row, closing, tokenizer)
-    assert _ids(row) == [true]
-
-
 def _row(*tokens: int) -> np.ndarray:
     """A bitmask row allowing ``tokens``."""
     row = np.zeros(1536, dtype=np.int32)
