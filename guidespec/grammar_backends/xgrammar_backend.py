@@ -196,39 +196,45 @@ def _merge(a: dict[str, Any], b: Any) -> dict[str, Any] | None:
     return None if _requires_forbidden(out) else out
 
 
+def _undeclared_required(schema: dict[str, Any]) -> dict[str, Any]:
+    """Each ``required`` name that ``properties`` does not declare, with the schema its value may
+    have: the first matching ``patternProperties`` schema (Github_medium o83151), else what
+    ``additionalProperties`` allows (any value by default), else ``False`` (forbidden)."""
+    required, properties = schema.get("required"), schema.get("properties", {})
+    if not isinstance(required, list) or not isinstance(properties, dict):
+        return {}
+    patterns: dict[str, Any] = schema["patternProperties"] if isinstance(schema.get("patternProperties"), dict) else {}
+    extra = schema.get("additionalProperties", True)
+    out: dict[str, Any] = {}
+    for name in required:
+        if isinstance(name, str) and name not in properties:
+            match = next((sub for pattern, sub in patterns.items() if re.search(pattern, name)), None)
+            if match is None:
+                match = extra if isinstance(extra, dict) else ({} if extra is not False else False)
+            out[name] = match
+    return out
+
+
 def _requires_forbidden(schema: dict[str, Any]) -> bool:
     """True if the object schema requires a name that ``additionalProperties: false`` forbids."""
-    if schema.get("additionalProperties") is not False or not isinstance(schema.get("required"), list):
-        return False
-    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    patterns = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
-    return any(isinstance(name, str) and name not in properties  # type: ignore[operator]
-               and not any(re.search(p, name) for p in patterns) for name in schema["required"])  # type: ignore[union-attr]
+    return any(value is False for value in _undeclared_required(schema).values())
 
 
 def _declare_required(schema: Any) -> Any:
-    """The schema with every ``required`` name that ``properties`` leaves undeclared declared as
-    ``additionalProperties`` allows it (any value by default): xgrammar closes objects, and would
-    otherwise drop the requirement. Refuses a requirement that ``additionalProperties: false``
-    makes impossible to meet."""
+    """The schema with every ``required`` name that ``properties`` leaves undeclared declared
+    (``_undeclared_required``): xgrammar closes objects, and would otherwise drop the
+    requirement. Refuses a requirement that ``additionalProperties: false`` makes impossible."""
     if isinstance(schema, list):
         return [_declare_required(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
     out = {key: _declare_required(value) for key, value in schema.items()}
-    required, properties = out.get("required"), out.get("properties", {})
-    if isinstance(required, list) and isinstance(properties, dict):
-        missing = [name for name in required if isinstance(name, str) and name not in properties]
-        patterns: dict[str, Any] = out["patternProperties"] if isinstance(out.get("patternProperties"), dict) else {}
-        extra = out.get("additionalProperties", True)
-        declared = {}
-        for name in missing:  # a name a patternProperty matches takes that schema (Github_medium o83151)
-            match = next((sub for pattern, sub in patterns.items() if re.search(pattern, name)), None)
-            if match is None and extra is False:
-                raise GrammarError(f"the schema requires {name!r}, which additionalProperties: false forbids")
-            declared[name] = match if match is not None else (extra if isinstance(extra, dict) else {})
-        if declared:
-            out["properties"] = {**properties, **declared}
+    declared = _undeclared_required(out)
+    forbidden = next((name for name, value in declared.items() if value is False), None)
+    if forbidden is not None:
+        raise GrammarError(f"the schema requires {forbidden!r}, which additionalProperties: false forbids")
+    if declared:
+        out["properties"] = {**out.get("properties", {}), **declared}
     return out
 
 

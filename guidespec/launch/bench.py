@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+import numpy as np
+
 CONFIGS = ("unguided", "guided", "guided+spec")
 
 
@@ -88,10 +90,7 @@ def load_cases(workload: Path | None, num: int, synthetic: bool, input_len: int,
 
 
 def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+    return float(np.percentile(values, q, method="nearest")) if values else 0.0
 
 
 async def run_level(submit: Submit, cases: list[Case], config: str, concurrency: int, max_tokens: int,

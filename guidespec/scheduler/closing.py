@@ -5,9 +5,11 @@ A small model under a JSON grammar can fall into a cycle (``"water", "water", ..
 grammar happily allows until ``max_tokens`` cuts it, and a cut JSON document is invalid. While
 a request is *closing*, its bitmask row is intersected with the *closing tokens* — tokens made
 only of ``"``, ``]``, ``}`` (and spaces) — wherever the grammar allows one of them; where it
-allows none of those (a required property is still missing, a string is below
-its minLength) the row is left as the grammar made it and the model writes on. The grammar
-alone still decides validity: the intersection never allows a token the grammar refused.
+allows none (a required property is still missing, a string is below its minLength) the row is
+left as the grammar made it and the model writes on. The grammar alone still decides validity:
+the intersection never allows a token the grammar refused. (Preferring short values where a
+value must come was tried and reverted: where the string scanner misses a quote it forced
+digits inside a string until ``max_tokens``.)
 
 A request starts closing when
 
@@ -40,12 +42,11 @@ class ClosingTokens:
 
     in_string: np.ndarray
     outside: np.ndarray
-    values: np.ndarray  # short complete values, or a string's opening quote
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, vocab_size: int) -> "ClosingTokens":
         special = set(tokenizer.all_special_ids)
-        in_string, outside, values = [], [], []
+        in_string, outside = [], []
         for i, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), vocab_size))))):
             if piece is None or i in special:
                 continue
@@ -57,14 +58,10 @@ class ClosingTokens:
                 in_string.append(i)
             elif set(piece) <= _BRACKETS:
                 outside.append(i)
-            if piece.isdigit() or piece in _SHORT_VALUES:
-                values.append(i)
-        return cls(bitmask_row(in_string, vocab_size), bitmask_row(outside, vocab_size),
-                   bitmask_row(values, vocab_size))
+        return cls(bitmask_row(in_string, vocab_size), bitmask_row(outside, vocab_size))
 
 
 _BRACKETS = frozenset("]}")
-_SHORT_VALUES = frozenset({"true", "false", "null", '"', '""', "[]", "{}"})
 
 
 def budget_reserve(max_tokens: int) -> int:
@@ -143,8 +140,6 @@ class EarlyCloser:
     def restrict(self, row: np.ndarray, closing: ClosingTokens, tokenizer: Any) -> bool:
         """Intersect a bitmask row with the tokens that close the current value, in place, if that
         leaves any token; the row is untouched otherwise."""
-        # (short values where a value must come were tried and reverted: when the string scanner
-        # misses a quote, e.g. in jump-forward text, it forced digits inside a string forever)
         both = row & (closing.in_string if self.in_string(tokenizer) else closing.outside)
         if not both.any():
             return False

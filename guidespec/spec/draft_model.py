@@ -35,10 +35,13 @@ from guidespec.protocol import StepInputs
 from guidespec.worker.checkpoint import load_hf_config
 from guidespec.worker.mask import apply_bitmask
 from guidespec.worker.model import ForwardBatch, LlamaModel
+from guidespec.worker.sampler import _SEED_STRIDE, filtered_probs
 from guidespec.worker.tp import TPInfo
 
 # (draft index, batch rows, each row's tokens past its final ones) -> bitmask rows [R, V/32]
 MaskSource = Callable[[int, np.ndarray, list[list[int]]], np.ndarray]
+# (logits [R, V'], logits rows, bitmask rows [n, ceil(V/32)] over the target vocabulary) -> None, in place
+MaskApply = Callable[[torch.Tensor, np.ndarray, np.ndarray], None]
 
 
 _DRAFT_SALT = 0x5DEECE66D  # draft draws of seeded requests use other random numbers than verification's
@@ -69,8 +72,7 @@ class DraftSampling:
         sampled = np.flatnonzero(temperature > 0)
         q_rows: dict[int, torch.Tensor] = {}
         if len(sampled):
-            from guidespec.worker.sampler import _SEED_STRIDE, filtered_probs
-
+            ids = to_target(torch.arange(logits.shape[1])).clamp(max=self.vocab_size - 1) if to_target else None
             probs = filtered_probs(logits[torch.from_numpy(sampled)], torch.from_numpy(temperature[sampled].astype(np.float32)),
                                    torch.from_numpy(inputs.top_k[rows[sampled]].astype(np.int64)),
                                    torch.from_numpy(inputs.top_p[rows[sampled]].astype(np.float32)))
@@ -86,9 +88,7 @@ class DraftSampling:
                     generator = torch.Generator().manual_seed(((seed * _SEED_STRIDE + index) ^ _DRAFT_SALT) % 2**63)
                 token = int(torch.multinomial(q, 1, generator=generator))
                 chosen[local] = token
-                ids = to_target(torch.arange(q.shape[0])) if to_target is not None else None
-                full = q if ids is None else torch.zeros(self.vocab_size).index_add_(0, ids.clamp(max=self.vocab_size - 1), q)
-                q_rows[local] = full
+                q_rows[local] = q if ids is None else torch.zeros(self.vocab_size).index_add_(0, ids, q)
         targets = to_target(chosen) if to_target is not None else chosen
         for local, b in enumerate(rows.tolist()):
             if inputs.temperature[b] <= 0:
@@ -173,7 +173,7 @@ class DraftRunner:
             assert logits is not None
             if masks is not None and inputs.draft_masked is not None:
                 produced = [tokens[end - n : end].tolist() for end, n in zip(ends.tolist(), counts.tolist())]
-                _constrain(logits, rows, inputs.draft_masked, [p + d for p, d in zip(produced, drafts)], step, masks)
+                constrain(logits, rows, inputs.draft_masked, [p + d for p, d in zip(produced, drafts)], step, masks)
             current = self.sampling.choose(logits, rows, inputs, counts, step).numpy()
             for b, token in zip(rows.tolist(), current.tolist()):
                 drafts[b].append(int(token))
@@ -181,15 +181,17 @@ class DraftRunner:
         return flat, np.array([len(row) for row in drafts], dtype=np.int32)
 
 
-def _constrain(logits: torch.Tensor, rows: np.ndarray, draft_masked: np.ndarray, sequences: list[list[int]],
-               draft_index: int, masks: MaskSource) -> None:
+def constrain(logits: torch.Tensor, rows: np.ndarray, draft_masked: np.ndarray, sequences: list[list[int]],
+              draft_index: int, masks: MaskSource, apply: MaskApply = apply_bitmask) -> None:
     """Mask the draft logits of the guided rows (``logits[i]`` is batch row ``rows[i]``) with the
-    scheduler's masks for their grammar after ``sequences[b]`` (the row's tokens past its final ones)."""
+    scheduler's masks for their grammar after ``sequences[b]`` (the row's tokens past its final ones).
+    ``apply`` puts target-vocabulary bitmask rows on logits rows (an EAGLE head with a pruned
+    vocabulary reads them through ``d2t``)."""
     local = np.flatnonzero(draft_masked[rows])
     if len(local):
         batch_rows = rows[local]
         bitmask = masks(draft_index, batch_rows.astype(np.int32), [sequences[b] for b in batch_rows.tolist()])
-        apply_bitmask(logits, local.astype(np.int32), bitmask)
+        apply(logits, local.astype(np.int32), bitmask)
 
 
 def _resolve(spec: str, target_dir: Path) -> tuple[Path, int | None]:

@@ -16,7 +16,7 @@ import importlib
 from collections import OrderedDict
 from typing import Callable, Protocol, Sequence
 
-from guidespec.config import SpeculativeConfig
+from guidespec.config import MODEL_DRAFTERS, SpeculativeConfig
 
 ValidPrefix = Callable[[Sequence[int]], int]
 
@@ -176,14 +176,14 @@ class ModelDrafter:
 
 def create_drafter(cfg: SpeculativeConfig) -> Drafter:
     if cfg.method == "ngram":
-        return NGramDrafter(cfg.max_draft_len, cfg.max_matching_ngram_size, cfg.is_keep_all, cfg.is_use_oldest,
-                            cfg.is_public_pool)
+        return _ngram(cfg)
     if cfg.method == "user":
         return UserDrafter(cfg.user_drafter or "")
-    if cfg.method in ("draft_model", "eagle"):
-        ngram = None
-        if cfg.combine_ngram:
-            ngram = NGramDrafter(cfg.max_draft_len, cfg.max_matching_ngram_size, cfg.is_keep_all, cfg.is_use_oldest,
-                                 cfg.is_public_pool)
-        return ModelDrafter(ngram)
+    if cfg.method in MODEL_DRAFTERS:
+        return ModelDrafter(_ngram(cfg) if cfg.combine_ngram else None)
     return NoDrafter()
+
+
+def _ngram(cfg: SpeculativeConfig) -> NGramDrafter:
+    return NGramDrafter(cfg.max_draft_len, cfg.max_matching_ngram_size, cfg.is_keep_all, cfg.is_use_oldest,
+                        cfg.is_public_pool)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from guidespec.config import ModelConfig
 from guidespec.protocol import StepInputs
-from guidespec.spec.draft_model import DraftSampling, MaskSource
+from guidespec.spec.draft_model import DraftSampling, MaskSource, constrain
 from guidespec.worker.kernels import linear
 from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.model import ForwardBatch, LlamaModel, _rms_norm
@@ -200,8 +200,14 @@ class EagleRunner:
         self.pending = torch.zeros(max_batch_size, width, dtype=target.dtype)
         self.pending_pos = np.full(max_batch_size, -2, dtype=np.int64)
         self.backlog: dict[int, tuple[int, list[torch.Tensor], list[int]]] = {}  # slot -> positions not yet run
-        self._step: tuple[ForwardBatch, torch.Tensor] | None = None
+        self._features: torch.Tensor | None = None  # the step's target features, until propose
         self.sampling = DraftSampling(self.vocab_size)
+        # where each draft id's bit sits in a target bitmask row (rows of a padded LM head past the
+        # vocabulary are never allowed)
+        ids = self.head.d2t if self.head.d2t is not None else torch.arange(self.head.draft_vocab_size)
+        self._mask_inside = ids < self.vocab_size
+        ids = ids.clamp(max=self.vocab_size - 1)
+        self._mask_word, self._mask_bit = ids >> 5, ids & 31
 
     @property
     def capture(self) -> tuple[int, ...] | str:
@@ -210,16 +216,15 @@ class EagleRunner:
     def follow(self, batch: ForwardBatch, features: torch.Tensor | None) -> None:
         """Keep the step's target features until its tokens are verified (``propose``)."""
         assert features is not None, "the target forward did not keep the features the EAGLE head needs"
-        self._step = (batch, features)
+        self._features = features
 
     @torch.inference_mode()
     def propose(self, inputs: StepInputs, tokens: np.ndarray, counts: np.ndarray,
                 masks: MaskSource | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Run the step's final positions through the head, then chain ``draft_lens[b]`` drafts per
         row (argmax, or drawn from q' for sampled rows): (flat draft tokens as target ids, counts)."""
-        assert self._step is not None
-        batch, features = self._step
-        self._step = None
+        features, self._features = self._features, None
+        assert features is not None, "propose without follow"
         ends = np.cumsum(counts)
         offsets = np.concatenate([[0], np.cumsum(inputs.num_new_tokens)])
         last_position = np.zeros(inputs.batch_size, dtype=np.int64)
@@ -289,27 +294,20 @@ class EagleRunner:
                                                  np.ones(len(rows), dtype=np.int32), np.ones(len(rows), dtype=np.int32))
                 out, logits = self.head.forward(out, batch_step.token_ids, batch_step, self.kv)
             if masks is not None and inputs.draft_masked is not None:
-                self._constrain(logits, rows, inputs.draft_masked, [p + d for p, d in zip(produced, drafts)], step, masks)
+                constrain(logits, rows, inputs.draft_masked, [p + d for p, d in zip(produced, drafts)], step, masks,
+                          self._apply_mask)
             current = self.sampling.choose(logits, rows, inputs, counts, step, self.head.to_target)
             for b, token in zip(rows.tolist(), current.tolist()):
                 drafts[b].append(int(token))
         return _flat(drafts)
 
-    def _constrain(self, logits: torch.Tensor, rows: np.ndarray, draft_masked: np.ndarray, sequences: list[list[int]],
-                   draft_index: int, masks: MaskSource) -> None:
-        local = np.flatnonzero(draft_masked[rows])
-        if not len(local):
-            return
-        batch_rows = rows[local]
-        bitmask = torch.from_numpy(np.array(masks(draft_index, batch_rows.astype(np.int32),
-                                                  [sequences[b] for b in batch_rows.tolist()])))
-        ids = self.head.d2t if self.head.d2t is not None else torch.arange(logits.shape[1])
-        inside = ids < self.vocab_size  # rows of a padded LM head past the vocabulary are never allowed
-        ids = ids.clamp(max=self.vocab_size - 1)
-        allowed = ((bitmask[:, ids >> 5] >> (ids & 31)) & 1).bool() & inside  # the target mask, in draft ids
-        # where the grammar allows nothing in the draft vocabulary the row drafts anyway (argmax of
-        # -inf rows is 0): the scheduler's check refuses that draft
-        index = torch.from_numpy(local)
+    def _apply_mask(self, logits: torch.Tensor, local: np.ndarray, bitmask: np.ndarray) -> None:
+        """Target-vocabulary bitmask rows on draft-vocabulary logits rows, read through ``d2t``.
+        Where the grammar allows nothing in the draft vocabulary the row drafts anyway (argmax of
+        -inf rows is 0): the scheduler's check refuses that draft."""
+        words = torch.from_numpy(np.asarray(bitmask))[:, self._mask_word]
+        allowed = ((words >> self._mask_bit) & 1).bool() & self._mask_inside
+        index = torch.from_numpy(local.astype(np.int64))
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 

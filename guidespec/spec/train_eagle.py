@@ -106,32 +106,20 @@ def _encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 
 def _generate(cases: list[dict[str, Any]], model_dir: Path, log: Any) -> dict[str, str]:
+    """The target's greedy guided outputs for ``cases``, through the validity sweep's runner; the
+    valid ones are kept, as from ``--from-results``."""
     import asyncio
 
     from tqdm import tqdm
 
-    from guidespec import LLM, SamplingParams
-    from guidespec.protocol import GuidedDecoding
+    from guidespec import LLM
+    from guidespec.launch.sweep import run_cases
 
     log(f"train-eagle: generating {len(cases)} outputs with the target (greedy, guided by each case's schema)")
-    out: dict[str, str] = {}
     with LLM(str(model_dir), max_batch_size=16, show_progress=False) as llm, \
             tqdm(total=len(cases), desc="train-eagle: generating", unit="case") as bar:
-        async def one(case: dict[str, Any]) -> None:
-            params = SamplingParams(max_tokens=384, temperature=0.0, guided=GuidedDecoding(json_schema=case["schema"]))
-            try:
-                result = await llm.agenerate(case["messages"], params)
-                if result.finish_reason == "stop":
-                    out[case["id"]] = result.text
-            except Exception as e:  # a schema the backend refuses: skip that case
-                log(f"train-eagle: {case['id']} skipped: {e}")
-            bar.update(1)
-
-        async def run() -> None:
-            await asyncio.gather(*(one(c) for c in cases))
-
-        asyncio.run(run())
-    return out
+        results = asyncio.run(run_cases(llm, cases, "xgrammar", 0.0, 384, 16, progress=bar))
+    return {r.case_id: r.text for r in results if r.status == "valid"}
 
 
 # ---------------------------------------------------------------------- features
@@ -383,7 +371,6 @@ def _train(cfg: TrainConfig, log: Any) -> dict[str, Any]:
     budget_s = cfg.max_minutes * 60
     train_start = time.perf_counter()
     step = 0
-    estimate_total = None
     rng = random.Random(cfg.seed)
     from tqdm import tqdm
 
@@ -406,14 +393,13 @@ def _train(cfg: TrainConfig, log: Any) -> dict[str, Any]:
         bar.update(1)
         if step % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}", acc1=f"{acc[0]:.2f}")
-        estimate_total = step
     bar.close()
     with torch.no_grad():
         per_step = np.nanmean([head(f, t, p, o, t2d, cfg.ttt_steps)[1] for f, t, p, o in test_set], axis=0)
     info = {
         "target": str(model_dir), "sequences": len(train_set), "held_out": len(test_set),
         "output_tokens": int(sum(len(s.token_ids) - s.output_start for s in sequences)),
-        "draft_vocab_size": len(draft_ids), "ttt_steps": cfg.ttt_steps, "updates": estimate_total,
+        "draft_vocab_size": len(draft_ids), "ttt_steps": cfg.ttt_steps, "updates": step,
         "held_out_accuracy_per_step": [round(float(a), 4) for a in per_step],
         "data_s": round(collected_s, 1), "train_s": round(time.perf_counter() - train_start, 1),
         "excluded_prefix": cfg.exclude_prefix, "prompt_window": cfg.prompt_window,

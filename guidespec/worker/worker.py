@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 import traceback
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -28,14 +28,14 @@ from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.process_utils import parent_alive, setup_child_process
 from guidespec.protocol import (DraftMask, DraftTokens, Shutdown, StepBitmask, StepInputs, StepOutputs, WorkerError,
                                 WorkerReady)
+from guidespec.spec.draft_model import DraftRunner
+from guidespec.spec.eagle import EagleRunner
+from guidespec.spec.verify import verify
 from guidespec.worker import tp as tp_mod
 from guidespec.worker.checkpoint import load_hf_config
 from guidespec.worker.mask import apply_bitmask
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.penalties import TokenHistory
-from guidespec.spec.draft_model import DraftRunner
-from guidespec.spec.eagle import EagleRunner
-from guidespec.spec.verify import verify
 
 _IDLE_READ_TIMEOUT_S = 1.0
 
