@@ -1,4 +1,4 @@
-"""llguidance behind the grammar interface. Fills use llguidance's parallel executor
+r"""llguidance behind the grammar interface. Fills use llguidance's parallel executor
 (``fill_next_token_bitmask_par``, GIL released); forced tokens come from its own
 ``compute_ff_tokens``. JSON is compact (no whitespace), as with xgrammar. Note: llguidance's
 regex ``\d`` is Unicode-aware (any decimal digit), unlike xgrammar's."""

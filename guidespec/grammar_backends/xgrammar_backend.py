@@ -18,8 +18,6 @@ import xgrammar as xgr
 from guidespec.grammar_backends.interface import GrammarError, GrammarMatcher
 from guidespec.protocol import GuidedDecoding
 
-_MAX_ROLLBACK = 64
-
 
 class XGrammarMatcher:
     def __init__(self, matcher: xgr.GrammarMatcher, encode: Callable[[str], list[int]]) -> None:
@@ -67,7 +65,7 @@ class XGrammarBackend:
         try:
             if kind == "json_schema":
                 original = json.loads(spec.json_schema)  # type: ignore[arg-type]
-                schema = _declare_required(_distribute_siblings(original, original))
+                schema = _rewrite_patterns(_declare_required(_distribute_siblings(original, original)))
                 with _CapturedStderr() as log:  # xgrammar reports approximations only as a C++ log line
                     compiled = self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
                                                                  separators=(", ", ": "))
@@ -79,7 +77,7 @@ class XGrammarBackend:
             if kind == "json_object":
                 return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=(", ", ": "))
             if kind == "regex":
-                return self.compiler.compile_regex(spec.regex)  # type: ignore[arg-type]
+                return self.compiler.compile_regex(optional_groups_as_alternations(spec.regex))  # type: ignore[arg-type]
             if kind == "grammar":
                 return self.compiler.compile_grammar(spec.grammar)  # type: ignore[arg-type]
             return self.compiler.compile_grammar(_choice_ebnf(spec.choice or ()))
@@ -95,11 +93,65 @@ class XGrammarBackend:
         return xgr.CompiledGrammar.deserialize_json(text, self.info)
 
     def create_matcher(self, compiled: Any) -> GrammarMatcher:
-        return XGrammarMatcher(xgr.GrammarMatcher(compiled, max_rollback_tokens=_MAX_ROLLBACK), self._encode)
+        return XGrammarMatcher(xgr.GrammarMatcher(compiled), self._encode)
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: np.ndarray, rows: Sequence[int]) -> None:
         inner = [m.matcher for m in matchers]  # type: ignore[attr-defined]
         self.batch.batch_fill_next_token_bitmask(inner, torch.from_numpy(bitmask), list(rows))
+
+
+def optional_groups_as_alternations(pattern: str) -> str:
+    """``(X)?`` and ``(X){0,1}`` written as ``(X|)``, the same language. xgrammar compiles an
+    optional group wrongly when X has a repeated part followed by a part that can be empty:
+    ``^/(a+b*)?$`` accepted ``/b``, and the URI-path pattern of Github_hard o21410 accepted
+    ``//x`` (sweep); the alternation form compiles right (tested against Python's ``re`` on
+    random patterns). Escapes and character classes are left alone; ``)??`` and ``)?+`` too."""
+    out = list(pattern)
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += 1 + pattern.startswith("^", i + 1)
+            i += pattern.startswith("]", i)  # a leading "]" is a member, not the end
+            continue
+        elif c == ")" and pattern.startswith("?", i + 1) and not pattern.startswith(("??", "?+"), i + 1):
+            out[i], out[i + 1] = "|)", ""
+        elif c == ")" and pattern.startswith("{0,1}", i + 1):
+            out[i] = "|)"
+            out[i + 1 : i + 6] = [""] * 5
+        i += 1
+    return "".join(out)
+
+
+_DATA_KEYWORDS = {"const", "enum", "default", "examples"}  # values, not schemas: never rewritten
+
+
+def _rewrite_patterns(schema: Any) -> Any:
+    """The schema with every ``pattern`` and ``patternProperties`` key passed through
+    ``optional_groups_as_alternations``."""
+    if isinstance(schema, list):
+        return [_rewrite_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key == "pattern" and isinstance(value, str):
+            out[key] = optional_groups_as_alternations(value)
+        elif key == "patternProperties" and isinstance(value, dict):
+            out[key] = {optional_groups_as_alternations(k): _rewrite_patterns(v) for k, v in value.items()}
+        elif key == "properties" and isinstance(value, dict):  # names are data; their values schemas
+            out[key] = {name: _rewrite_patterns(v) for name, v in value.items()}
+        else:
+            out[key] = _rewrite_patterns(value)
+    return out
 
 
 _ANNOTATIONS = {"title", "description", "$schema", "$id", "id", "default", "examples", "$comment", "definitions",

@@ -1,15 +1,28 @@
 """Early closing of JSON outputs: a guided output that loops, or nears ``max_tokens``, is steered
 to its end instead of being cut mid-value.
 
-A small model under a JSON grammar can fall into a cycle (``"water", "water", ...``) that the
-grammar happily allows until ``max_tokens`` cuts it, and a cut JSON document is invalid. While
-a request is *closing*, its bitmask row is intersected with the *closing tokens* — tokens made
-only of ``"``, ``]``, ``}`` (and spaces) — wherever the grammar allows one of them; where it
-allows none (a required property is still missing, a string is below its minLength) the row is
-left as the grammar made it and the model writes on. The grammar alone still decides validity:
-the intersection never allows a token the grammar refused. (Preferring short values where a
-value must come was tried and reverted: where the string scanner misses a quote it forced
-digits inside a string until ``max_tokens``.)
+A small model under a JSON grammar can fall into a cycle (``"water", "water", ...``,
+``1000000...``) that the grammar happily allows until ``max_tokens`` cuts it, and a cut JSON
+document is invalid. While a request is *closing*, its bitmask row is narrowed to the first of
+these that the grammar allows:
+
+1. *closing tokens*: in a string, a quote then ``]``/``}`` (``"``, ``"}``); outside one, ``]``/``}``
+   only, or a stop token (a top-level number ends with the output);
+2. outside a string, *ending tokens*: a comma (a number before a required property ends there);
+3. in a string, an *example* (with the grammar's view): the shortest string of a ``pattern`` in
+   the schema (``exrex``) or of a ``format``, if the grammar accepts it here and lets the string
+   end after it; its tokens are then written one by one (an unanchored ``hh:hh:hh:hh:hh``
+   pattern that a looping model never writes);
+4. *steps* (with the grammar's view): short tokens after which the grammar allows 1 or 2, else
+   those that move the grammar to a different mask (``:`` leaves the ``[a-zA-Z]+`` loop of
+   ``^[a-zA-Z]+://``, ``Z`` ends a time's fraction digits);
+5. the tokens allowed but the ones of the cycles the output repeated (banned for the rest of the
+   closing, so what no step reaches is at least written differently each time).
+
+Where none is allowed the row is left as the grammar made it. The grammar alone still decides
+validity: the narrowing never allows a token the grammar refused. (Preferring short values
+where a value must come was tried and reverted: where the string scanner misses a quote it
+forced digits inside a string until ``max_tokens``.)
 
 A request starts closing when
 
@@ -23,7 +36,7 @@ Switch it off per request with ``GuidedDecoding(close_early=False)``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -31,43 +44,124 @@ from guidespec.grammar_backends.interface import bitmask_row
 
 MAX_PERIOD = 32
 MIN_SPAN = 24
+MAX_STEPS = 64  # lookahead candidates tried per closing row
 _SPACES = ("Ġ", "▁", " ")  # how byte-level and sentencepiece vocabularies spell a space
+_BRACKETS = frozenset("]}")
+_ENDING = frozenset(",]}")
+
+FORMAT_EXAMPLES = {"date-time": "2020-01-01T00:00:00Z", "date": "2020-01-01", "time": "00:00:00Z",
+                   "email": "a@example.com", "hostname": "example.com", "ipv4": "127.0.0.1", "ipv6": "::1",
+                   "uuid": "00000000-0000-4000-8000-000000000000", "uri": "http://example.com",
+                   "uri-reference": "/", "duration": "P1D"}
+MAX_EXAMPLES = 16
+MAX_EXAMPLE_LEN = 256
+
+
+class GrammarView(Protocol):
+    """What closing may ask of the request's grammar (supplied by its owner; nothing is kept)."""
+
+    def lookahead(self, candidates: Sequence[int], target: np.ndarray) -> tuple[list[int], list[int]]:
+        """The candidates after which a token of ``target`` is allowed, and those after which the
+        mask differs from the current one."""
+
+    def completion(self, texts: Sequence[str], target: np.ndarray) -> list[int]:
+        """The tokens of the first text the grammar accepts from here and after which a token of
+        ``target`` is allowed; empty if none."""
+
+
+def schema_examples(schema: Any) -> list[str]:
+    """Short strings for the ``pattern``s, ``patternProperties`` names and ``format``s of a JSON
+    schema: the first string ``exrex`` generates for each pattern (minimal repeats, first
+    branches), a fixed example per format. Patterns exrex cannot read are skipped."""
+    import exrex
+
+    patterns: list[str] = []
+    formats: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("const", "enum", "default", "examples"):
+                    continue
+                if key == "pattern" and isinstance(value, str):
+                    patterns.append(value)
+                elif key == "format" and isinstance(value, str):
+                    formats.append(value)
+                elif key == "patternProperties" and isinstance(value, dict):
+                    patterns.extend(value)
+                walk(value)
+
+    walk(schema)
+    examples: list[str] = []
+    for pattern in dict.fromkeys(patterns):
+        try:
+            example = next(iter(exrex.generate(pattern, limit=4)))
+        except Exception:  # exrex reads Python's regex dialect; some JSON Schema patterns are not
+            continue
+        if len(example) <= MAX_EXAMPLE_LEN:
+            examples.append(example)
+    examples += [FORMAT_EXAMPLES[f] for f in dict.fromkeys(formats) if f in FORMAT_EXAMPLES]
+    return list(dict.fromkeys(examples))[:MAX_EXAMPLES]
 
 
 @dataclass(frozen=True)
 class ClosingTokens:
-    """Bitmasks (packed int32, bit i of word i // 32) of the tokens that only close JSON values:
-    ``in_string`` tokens are a quote then ``]``/``}`` (``"``, ``"]``, ``"}}``), ``outside`` tokens
-    are ``]``/``}`` only. Spaces may come before either."""
+    """Bitmasks (packed int32, bit i of word i // 32) of the token classes closing steers to:
+    ``in_string``: a quote then ``]``/``}`` (``"``, ``"]``, ``"}}``); ``outside``: ``]``/``}`` only,
+    and the stop tokens; ``ending``: commas, maybe with brackets (``,``, ``},``); spaces may come
+    before any of them. ``steps``: short tokens for the lookahead (one ASCII character, or up to
+    three of punctuation; no quote or backslash, so a step never enters or leaves a string), tried in
+    the order of ``step_order`` (punctuation first)."""
 
     in_string: np.ndarray
     outside: np.ndarray
+    ending: np.ndarray
+    steps: np.ndarray
+    step_rank: np.ndarray  # per token id: its place in the lookahead order
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any, vocab_size: int) -> "ClosingTokens":
+    def from_tokenizer(cls, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] = ()) -> "ClosingTokens":
         special = set(tokenizer.all_special_ids)
-        in_string, outside = [], []
+        in_string, outside, ending = [], list(stop_token_ids), []
+        punctuation, characters = [], []
         for i, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), vocab_size))))):
             if piece is None or i in special:
                 continue
+            text = piece
             for space in _SPACES:
-                piece = piece.replace(space, "")
-            if not piece:
+                text = text.replace(space, "")
+            if not text:
                 continue
-            if piece[0] == '"' and set(piece[1:]) <= _BRACKETS:
+            if text[0] == '"' and set(text[1:]) <= _BRACKETS:
                 in_string.append(i)
-            elif set(piece) <= _BRACKETS:
+            elif set(text) <= _BRACKETS:
                 outside.append(i)
-        return cls(bitmask_row(in_string, vocab_size), bitmask_row(outside, vocab_size))
-
-
-_BRACKETS = frozenset("]}")
+            elif set(text) <= _ENDING:
+                ending.append(i)
+            if not (piece.isascii() and piece.isprintable()) or '"' in piece or "\\" in piece or " " in piece:
+                continue  # byte-level pieces of multi-byte characters would "move" into a partial character
+            if all(not c.isalnum() and not c.isspace() for c in piece) and len(piece) <= 3:
+                punctuation.append(i)
+            elif len(piece) == 1 and piece.isprintable():
+                characters.append(i)
+        rank = np.full(vocab_size, len(punctuation) + len(characters), dtype=np.int64)
+        rank[punctuation + characters] = np.arange(len(punctuation) + len(characters))
+        return cls(bitmask_row(in_string, vocab_size), bitmask_row(outside, vocab_size),
+                   bitmask_row(ending, vocab_size), bitmask_row(punctuation + characters, vocab_size), rank)
 
 
 def budget_reserve(max_tokens: int) -> int:
     """How many tokens before ``max_tokens`` a JSON output starts closing (required properties
     still to come can take many: 64 was too few for Github_medium o14497)."""
     return min(128, max_tokens // 4)
+
+
+def allowed_ids(row: np.ndarray) -> np.ndarray:
+    """The token ids a bitmask row allows."""
+    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
 
 
 class RepeatDetector:
@@ -91,34 +185,55 @@ class RepeatDetector:
         self.history[-1] = token
         return bool((self.runs >= self.thresholds).any())
 
+    def cycle(self) -> list[int]:
+        """The tokens of the shortest cycle the sequence ends in (empty if none)."""
+        periods = np.flatnonzero(self.runs >= self.thresholds)
+        if not len(periods):
+            return []
+        return self.history[-(int(periods[0]) + 1):].tolist()
+
 
 class EarlyCloser:
-    """One JSON-guided request's closing state: the cycle detector, and once closing, whether the
-    output is inside a string (scanned lazily from the text, only while closing)."""
+    """One JSON-guided request's closing state: the cycle detector, the tokens banned for the
+    cycles met while closing, and whether the output is inside a string (scanned lazily from the
+    text, only while closing)."""
 
-    def __init__(self) -> None:
+    def __init__(self, examples: Callable[[], list[str]] | None = None) -> None:
+        self._examples_of = examples  # closing's step 3 (``schema_examples``), made at first need
+        self._examples: list[str] | None = None
+        self.plan: list[int] = []  # an example's tokens still to write
         self.detector = RepeatDetector()
         self.tokens: list[int] = []
         self.closing = False
         self.reason = ""
+        self.banned: frozenset[int] = frozenset()
         self._scanned = 0
         self._in_string = False
         self._escaped = False
 
     def add(self, token: int) -> None:
         self.tokens.append(token)
-        if self.detector.add(token) and not self.closing:
-            self.closing, self.reason = True, "repeat"
+        self.plan = self.plan[1:] if self.plan and self.plan[0] == token else []
+        if self.detector.add(token):
+            if not self.closing:
+                self.closing, self.reason = True, "repeat"
+            self.banned = self.banned | frozenset(self.detector.cycle())
 
     def snapshot(self) -> tuple[Any, ...]:
         d = self.detector
-        return (d.history.copy(), d.runs.copy(), len(self.tokens), self.closing, self.reason, self._scanned,
-                self._in_string, self._escaped)
+        return (d.history.copy(), d.runs.copy(), len(self.tokens), self.closing, self.reason, self.banned,
+                list(self.plan), self._scanned, self._in_string, self._escaped)
 
     def restore(self, state: tuple[Any, ...]) -> None:
-        history, runs, num_tokens, self.closing, self.reason, self._scanned, self._in_string, self._escaped = state
+        (history, runs, num_tokens, self.closing, self.reason, self.banned, self.plan, self._scanned,
+         self._in_string, self._escaped) = state
         self.detector.history, self.detector.runs = history, runs
         del self.tokens[num_tokens:]
+
+    def examples(self) -> list[str]:
+        if self._examples is None:
+            self._examples = self._examples_of() if self._examples_of is not None else []
+        return self._examples
 
     def near_budget(self) -> None:
         if not self.closing:
@@ -137,11 +252,37 @@ class EarlyCloser:
             self._scanned = len(self.tokens)
         return self._in_string
 
-    def restrict(self, row: np.ndarray, closing: ClosingTokens, tokenizer: Any) -> bool:
-        """Intersect a bitmask row with the tokens that close the current value, in place, if that
-        leaves any token; the row is untouched otherwise."""
-        both = row & (closing.in_string if self.in_string(tokenizer) else closing.outside)
-        if not both.any():
-            return False
-        row[:] = both
-        return True
+    def restrict(self, row: np.ndarray, closing: ClosingTokens, tokenizer: Any, grammar: GrammarView | None = None) -> bool:
+        """Narrow a bitmask row, in place, to the first class of the module's list that it allows;
+        False (the row untouched) if none."""
+        inside = self.in_string(tokenizer)
+        tiers = [closing.in_string] if inside else [closing.outside, closing.ending]
+        for tier in tiers:
+            both = row & tier
+            if both.any():
+                row[:] = both
+                return True
+        vocab_size = len(closing.step_rank)
+        if grammar is not None:
+            target = np.bitwise_or.reduce(tiers)
+            if inside and not self.plan and self.examples():
+                self.plan = grammar.completion(self.examples(), target)
+            if self.plan and _allows(row, self.plan[0]):
+                row[:] = bitmask_row(self.plan[:1], vocab_size)
+                return True
+            candidates = allowed_ids(row & closing.steps)
+            candidates = candidates[np.argsort(closing.step_rank[candidates], kind="stable")][:MAX_STEPS]
+            reaching, moving = grammar.lookahead(candidates.tolist(), target)
+            if reaching or moving:
+                row[:] = bitmask_row(reaching or moving, vocab_size)
+                return True
+        if self.banned:
+            rest = row & ~bitmask_row(sorted(self.banned), vocab_size)
+            if rest.any():
+                row[:] = rest
+                return True
+        return False
+
+
+def _allows(row: np.ndarray, token: int) -> bool:
+    return bool((int(row[token // 32]) >> (token % 32)) & 1)

@@ -26,14 +26,14 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from guidespec.grammar_backends import GrammarBackend, GrammarError, GrammarMatcher, create_backend
 from guidespec.grammar_backends.interface import bitmask_row, bitmask_width
 from guidespec.protocol import GuidedDecoding
-from guidespec.scheduler.closing import ClosingTokens, EarlyCloser, budget_reserve
+from guidespec.scheduler.closing import ClosingTokens, EarlyCloser, budget_reserve, schema_examples
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class GrammarManager:
         if key in self.failed:
             raise GrammarError(self.failed[key])
         if spec.close_early and spec.kind in ("json_schema", "json_object"):
-            self.closers[request_id] = EarlyCloser()
+            self.closers[request_id] = EarlyCloser(lambda: _examples(spec))
         if key in self.compiled:
             self.compiled.move_to_end(key)
             self._create_matcher(request_id, backend, self.compiled[key])
@@ -319,7 +319,9 @@ class GrammarManager:
             return
         index = row.output_len + depth  # the output index this row's token will have
         if closer.closing or (index >= 1 and row.max_tokens - index <= budget_reserve(row.max_tokens)):
-            closer.restrict(self.bitmask[out_row], self._closing(), self.tokenizer)
+            backend, matcher = self.matchers[row.request_id]
+            view = _GrammarView(self.backends[backend], matcher, self.bitmask[out_row], self.tokenizer)
+            closer.restrict(self.bitmask[out_row], self._closing(), self.tokenizer, view)
 
     def _accept_draft(self, request_id: str, token: int) -> bool:
         if not self.matchers[request_id][1].accept_token(token):
@@ -340,7 +342,8 @@ class GrammarManager:
 
     def _closing(self) -> ClosingTokens:
         if self._closing_tokens is None:
-            self._closing_tokens = ClosingTokens.from_tokenizer(self.tokenizer, self.settings.vocab_size)
+            self._closing_tokens = ClosingTokens.from_tokenizer(self.tokenizer, self.settings.vocab_size,
+                                                               self.settings.stop_token_ids)
         return self._closing_tokens
 
     def _remember(self, cache: OrderedDict[str, Any], key: str, value: Any) -> None:
@@ -407,3 +410,54 @@ class _CompileProcess:
             if not message.get("ready"):
                 self.answers.put((generation, message))
         self.answers.put((generation, {"exited": True}))
+
+
+class _GrammarView:
+    """Closing's view of one request's grammar at one mask row: trial accepts, always rolled back."""
+
+    def __init__(self, backend: GrammarBackend, matcher: GrammarMatcher, current: np.ndarray, tokenizer: Any) -> None:
+        self.backend, self.matcher, self.current, self.tokenizer = backend, matcher, current.copy(), tokenizer
+        self.scratch = np.zeros((1, current.shape[0]), dtype=np.int32)
+        self._accepted = False  # whether the last trial's tokens were all accepted
+
+    def lookahead(self, candidates: Sequence[int], target: np.ndarray) -> tuple[list[int], list[int]]:
+        reaching: list[int] = []
+        moving: list[int] = []
+        for token in candidates:
+            if self._after([token], target):
+                reaching.append(token)
+            elif self._accepted and not np.array_equal(self.scratch[0], self.current):
+                moving.append(token)
+        return reaching, moving
+
+    def completion(self, texts: Sequence[str], target: np.ndarray) -> list[int]:
+        for text in texts:
+            tokens = list(self.tokenizer.encode(text, add_special_tokens=False))
+            if tokens and self._after(tokens, target):
+                return tokens
+        return []
+
+    def _after(self, tokens: list[int], target: np.ndarray) -> bool:
+        """Whether the grammar accepts ``tokens`` and then allows a token of ``target`` (its mask
+        left in ``self.scratch``); the matcher is rolled back."""
+        accepted = 0
+        try:
+            for token in tokens:
+                if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                    break
+                accepted += 1
+            self._accepted = accepted == len(tokens)
+            if not self._accepted:
+                return False
+            self.backend.fill_bitmasks([self.matcher], self.scratch, [0])
+            return bool((self.scratch[0] & target).any())
+        finally:
+            self.matcher.rollback(accepted)
+
+
+def _examples(spec: GuidedDecoding) -> list[str]:
+    """Closing's example strings for a JSON-schema request (none for any JSON object)."""
+    if spec.kind != "json_schema":
+        return []
+    schema = json.loads(spec.json_schema) if isinstance(spec.json_schema, str) else spec.json_schema
+    return schema_examples(schema)

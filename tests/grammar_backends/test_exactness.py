@@ -83,3 +83,54 @@ def test_required_names_a_pattern_property_matches_are_declared_with_its_schema(
     assert not matcher_accepts(backend, compiled, tokenizer, '{"user": "u"}', 2)
     assert not matcher_accepts(backend, compiled, tokenizer, '{"from": 3}', 2)
     assert matcher_accepts(backend, compiled, tokenizer, '{"from": {"image": "x"}}', 2)
+
+
+def _random_pattern(rng: Any, depth: int = 0) -> str:
+    """A small anchored-or-not regex over ``a``, ``b``, ``/``: groups, alternations, quantifiers."""
+    r = rng.random()
+    if depth > 2 or r < 0.3:
+        return str(rng.choice(["a", "b", "/", "[ab]"])) + str(rng.choice(["", "", "*", "+", "?"]))
+    if r < 0.5:
+        return _random_pattern(rng, depth + 1) + _random_pattern(rng, depth + 1)
+    if r < 0.6:
+        return f"({_random_pattern(rng, depth + 1)}|{_random_pattern(rng, depth + 1)})"
+    return f"({_random_pattern(rng, depth + 1)})" + str(rng.choice(["?", "*", "+", "{0,1}", "{1,2}", "?"]))
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
+def test_string_patterns_accept_exactly_what_python_re_matches(tokenizer, backend_name: str) -> None:  # type: ignore[no-untyped-def]
+    """Differential test of ``pattern`` against Python's ``re`` (JSON Schema patterns are
+    searches, not anchored unless written so), on every string of up to four characters over
+    the patterns' alphabet. xgrammar compiled ``(X)?`` wrongly where X repeats then may be
+    empty (Github_hard o21410's URI-path pattern accepted ``//...``); the backend writes such
+    groups as ``(X|)``."""
+    import itertools
+    import json
+    import re
+
+    import numpy as np
+
+    from tests.grammar_backends.dataset import matcher_accepts
+
+    backend = create_backend(backend_name, tokenizer, 49152, (2,))
+    strings = ["".join(p) for n in range(5) for p in itertools.product("ab/", repeat=n)]
+    uri_path = r"^/(([a-zA-Z0-9._~!$&'()*+,;=:@-]|%[0-9a-fA-F]{2})+(/([a-zA-Z0-9._~!$&'()*+,;=:@-]|%[0-9a-fA-F]{2})*)*)?$"
+    rng = np.random.default_rng(1)
+    patterns = [uri_path, r"^/(a+b*)?$", r"^[ab]((b)+(b|/))?$"]
+    patterns += [f"^{_random_pattern(rng)}{_random_pattern(rng)}{_random_pattern(rng)}$" for _ in range(100)]
+    wrong = []
+    for pattern in patterns:
+        compiled = backend.compile(GuidedDecoding(json_schema={"type": "string", "pattern": pattern}))
+        for s in strings + ["/a//b", "//abc", "/%2f:x/"]:
+            if matcher_accepts(backend, compiled, tokenizer, json.dumps(s), 2) != bool(re.search(pattern, s)):
+                wrong.append((pattern, s))
+    assert not wrong, wrong[:10]
+
+
+def test_optional_groups_as_alternations_leaves_classes_and_escapes_alone() -> None:
+    from guidespec.grammar_backends.xgrammar_backend import optional_groups_as_alternations as rewrite
+
+    assert rewrite(r"^/(a+(/b*)*)?$") == r"^/(a+(/b*)*|)$"
+    assert rewrite(r"(?:ab){0,1}x") == r"(?:ab|)x"
+    assert rewrite(r"[()?]\)?(a)??(b)?+") == r"[()?]\)?(a)??(b)?+"
+    assert rewrite(r"[]a)]?(c)?") == r"[]a)]?(c|)"

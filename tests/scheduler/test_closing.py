@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from guidespec.scheduler.closing import ClosingTokens, EarlyCloser, RepeatDetector, budget_reserve
+from guidespec.scheduler.closing import ClosingTokens, EarlyCloser, RepeatDetector, budget_reserve, schema_examples
 from guidespec.worker.checkpoint import default_model_path, resolve_model_dir
 
 
@@ -48,6 +48,9 @@ def test_closing_tokens_of_the_default_tokenizer(tokenizer) -> None:  # type: ig
     in_string = {tokenizer.decode([i]) for i in _ids(closing.in_string)}
     outside = {tokenizer.decode([i]) for i in _ids(closing.outside)}
     assert {'"', '"]', '"}'} <= in_string and {"]", "}", "]}", "}}"} <= outside
+    assert {",", "},", "],"} <= {tokenizer.decode([i]) for i in _ids(closing.ending)}
+    steps = [tokenizer.decode([i]) for i in _ids(closing.steps)]
+    assert {":", "://", "Z", "7", "-"} <= set(steps) and not any('"' in t or "\\" in t for t in steps)
     assert all(t.strip().startswith('"') for t in in_string)
     assert all(set(t.strip()) <= set("]}") for t in outside)
 
@@ -70,11 +73,68 @@ def test_restriction_keeps_only_allowed_closing_tokens(tokenizer) -> None:  # ty
     row = _row(close_bracket, comma)
     assert closer.restrict(row, closing, tokenizer)
     assert _ids(row) == [close_bracket]  # the grammar allowed both; closing keeps "]"
-    only_comma = np.zeros(1536, dtype=np.int32)
-    only_comma[comma // 32] = np.int32(1 << (comma % 32))
-    before = only_comma.copy()
-    assert not closer.restrict(only_comma, closing, tokenizer)  # nothing closing allowed: untouched
-    assert (only_comma == before).all()
+    comma_or_digit = _row(comma, tokenizer.encode("7")[0])
+    assert closer.restrict(comma_or_digit, closing, tokenizer)  # no bracket allowed: the value ends
+    assert _ids(comma_or_digit) == [comma]
+    closer.add(tokenizer.encode(' "')[0])  # inside a string now: a comma is text, not an end
+    letters = _row(*tokenizer.encode("abc"))
+    before = letters.copy()
+    assert not closer.restrict(letters, closing, tokenizer)  # nothing closing allowed: untouched
+    assert (letters == before).all()
+
+
+LOOPS = [  # (schema, text the output starts with, the tokens a looping model keeps writing)
+    ({"type": "integer", "minimum": 0}, "1", ["0"]),
+    ({"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+      "required": ["x", "y"], "additionalProperties": False}, '{"x": 1', ["0"]),
+    ({"type": "object", "patternProperties": {"^[a-zA-Z]+://[^ \"]+$": {}}, "additionalProperties": False},
+     '{"description', ["Type", "Info"]),
+    ({"type": "string", "pattern": ".*:.*"}, '"A', [".", "T", ".", "S", ".", "R"]),
+    ({"type": "object", "properties": {"mac": {"type": "string", "pattern": "([0-9a-f][0-9a-f](:|-)){4}[0-9a-f]{2}"}},
+      "required": ["mac"]}, '{"mac": "1', ["2", "3", "4", "5", "6", "7", "8", "9", "0", "1"]),
+]
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("schema,start,loop", LOOPS, ids=["integer", "number-before-required", "key-pattern", "pattern", "unanchored-pattern"])
+def test_a_looping_model_is_steered_to_a_valid_end(tokenizer, real_model_dir, backend, schema, start, loop) -> None:  # type: ignore[no-untyped-def]
+    """A model that writes its cycle whenever the grammar allows it (and otherwise the
+    highest-numbered token allowed) still ends with a valid document: closing finds the comma, the
+    stop token, the pattern's ``://`` or ``:`` through the grammar's lookahead, a MAC address
+    from the schema's pattern (Github_easy o40228 wrote digits until max_tokens)."""
+    import json
+    import time
+
+    import jsonschema
+
+    from guidespec.protocol import GuidedDecoding
+    from guidespec.scheduler.grammar import FillRow, GrammarManager, GrammarSettings
+
+    grammar = GrammarManager(GrammarSettings(real_model_dir, backend, 49152, (2,), 60.0, 4), tokenizer)
+    try:
+        ready = grammar.submit("r", GuidedDecoding(json_schema=schema))
+        deadline = time.monotonic() + 60
+        while not ready:
+            assert time.monotonic() < deadline, "the grammar did not compile"
+            ready = "r" in grammar.poll()[0]
+            time.sleep(0.01)
+        output = list(tokenizer.encode(start if backend == "xgrammar" else start.replace(": ", ":")))
+        for token in output:
+            assert grammar.accept("r", token)
+        cycle = [tokenizer.encode(t)[0] for t in loop]
+        for step in range(300):
+            allowed = set(_ids(grammar.fill([FillRow("r", output_len=len(output), max_tokens=4096)])[0]))
+            wanted = cycle[step % len(cycle)]
+            token = wanted if wanted in allowed else max(allowed)
+            if token == 2:
+                break
+            assert grammar.accept("r", token)
+            output.append(token)
+        else:
+            raise AssertionError(f"not closed in 300 tokens: {tokenizer.decode(output)[-200:]!r}")
+        jsonschema.validate(json.loads(tokenizer.decode(output)), schema)
+    finally:
+        grammar.shutdown()
 
 
 def test_budget_reserve() -> None:
@@ -87,3 +147,13 @@ def _row(*tokens: int) -> np.ndarray:
     for token in tokens:
         row[token // 32] |= np.int32(1 << (token % 32)) if token % 32 != 31 else np.int32(-(1 << 31))
     return row
+
+
+def test_schema_examples_come_from_patterns_and_formats() -> None:
+    schema = {"properties": {"a": {"type": "string", "pattern": "^[a-z]+://[^ ]+$"},
+                             "b": {"type": "string", "format": "date-time"},
+                             "c": {"enum": [{"pattern": "not a schema"}]}},
+              "patternProperties": {"^x-[0-9]{2}$": {}}}
+    examples = schema_examples(schema)
+    assert examples[:2] == ["a://!", "x-00"] and "2020-01-01T00:00:00Z" in examples
+    assert "not a schema" not in " ".join(examples)
