@@ -48,6 +48,7 @@ MAX_STEPS = 64  # lookahead candidates tried per closing row
 _SPACES = ("Ġ", "▁", " ")  # how byte-level and sentencepiece vocabularies spell a space
 _BRACKETS = frozenset("]}")
 _ENDING = frozenset(",]}")
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values in a schema, not schemas
 
 FORMAT_EXAMPLES = {"date-time": "2020-01-01T00:00:00Z", "date": "2020-01-01", "time": "00:00:00Z",
                    "email": "a@example.com", "hostname": "example.com", "ipv4": "127.0.0.1", "ipv6": "::1",
@@ -84,7 +85,7 @@ def schema_examples(schema: Any) -> list[str]:
                 walk(item)
         elif isinstance(node, dict):
             for key, value in node.items():
-                if key in ("const", "enum", "default", "examples"):
+                if key in _DATA_KEYWORDS:
                     continue
                 if key == "pattern" and isinstance(value, str):
                     patterns.append(value)
@@ -153,10 +154,21 @@ class ClosingTokens:
                    bitmask_row(ending, vocab_size), bitmask_row(punctuation + characters, vocab_size), rank)
 
 
-def budget_reserve(max_tokens: int) -> int:
-    """How many tokens before ``max_tokens`` a JSON output starts closing (required properties
-    still to come can take many: 64 was too few for Github_medium o14497)."""
-    return min(128, max_tokens // 4)
+def budget_reserve(max_tokens: int, required_names: int = 0) -> int:
+    """How many tokens before ``max_tokens`` a JSON output starts closing: required properties
+    still to come can take many (64 was too few for Github_medium o14497, 128 for o43230 with 23
+    required names in its schema), so 8 more per required name, up to a third of the budget."""
+    return min(128 + 8 * required_names, max_tokens // 3)
+
+
+def count_required(schema: Any) -> int:
+    """How many names the ``required`` lists of a JSON schema hold, all together."""
+    if isinstance(schema, list):
+        return sum(count_required(item) for item in schema)
+    if not isinstance(schema, dict):
+        return 0
+    own = len(schema["required"]) if isinstance(schema.get("required"), list) else 0
+    return own + sum(count_required(v) for k, v in schema.items() if k not in _DATA_KEYWORDS)
 
 
 def allowed_ids(row: np.ndarray) -> np.ndarray:
@@ -198,9 +210,10 @@ class EarlyCloser:
     cycles met while closing, and whether the output is inside a string (scanned lazily from the
     text, only while closing)."""
 
-    def __init__(self, examples: Callable[[], list[str]] | None = None) -> None:
-        self._examples_of = examples  # closing's step 3 (``schema_examples``), made at first need
-        self._examples: list[str] | None = None
+    def __init__(self, schema: Callable[[], Any] | None = None) -> None:
+        self._schema_of = schema  # the request's JSON schema (None: any JSON), read at first need
+        self._examples: list[str] | None = None  # closing's step 3 (``schema_examples``)
+        self._required: int | None = None
         self.plan: list[int] = []  # an example's tokens still to write
         self.detector = RepeatDetector()
         self.tokens: list[int] = []
@@ -232,8 +245,14 @@ class EarlyCloser:
 
     def examples(self) -> list[str]:
         if self._examples is None:
-            self._examples = self._examples_of() if self._examples_of is not None else []
+            self._examples = schema_examples(self._schema_of()) if self._schema_of is not None else []
         return self._examples
+
+    def reserve(self, max_tokens: int) -> int:
+        """``budget_reserve`` for this request's schema."""
+        if self._required is None:
+            self._required = count_required(self._schema_of()) if self._schema_of is not None else 0
+        return budget_reserve(max_tokens, self._required)
 
     def near_budget(self) -> None:
         if not self.closing:

@@ -26,14 +26,14 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from guidespec.grammar_backends import GrammarBackend, GrammarError, GrammarMatcher, create_backend
 from guidespec.grammar_backends.interface import bitmask_row, bitmask_width
 from guidespec.protocol import GuidedDecoding
-from guidespec.scheduler.closing import ClosingTokens, EarlyCloser, budget_reserve, schema_examples
+from guidespec.scheduler.closing import ClosingTokens, EarlyCloser
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class GrammarManager:
         if key in self.failed:
             raise GrammarError(self.failed[key])
         if spec.close_early and spec.kind in ("json_schema", "json_object"):
-            self.closers[request_id] = EarlyCloser(lambda: _examples(spec))
+            self.closers[request_id] = EarlyCloser(_schema_reader(spec))
         if key in self.compiled:
             self.compiled.move_to_end(key)
             self._create_matcher(request_id, backend, self.compiled[key])
@@ -222,10 +222,11 @@ class GrammarManager:
             closer.add(token)
         return self.matchers[request_id][1].accept_token(token)
 
-    def near_budget(self, request_id: str) -> None:
-        """The request is close to max_tokens: a JSON output starts closing."""
+    def near_budget(self, request_id: str, budget: int, produced: int) -> None:
+        """The request has ``produced`` of its ``budget`` output tokens: a JSON output close to
+        the end starts closing."""
         closer = self.closers.get(request_id)
-        if closer is not None:
+        if closer is not None and budget - produced <= closer.reserve(budget):
             closer.near_budget()
 
     def closing_reason(self, request_id: str) -> str:
@@ -318,7 +319,7 @@ class GrammarManager:
         if closer is None:
             return
         index = row.output_len + depth  # the output index this row's token will have
-        if closer.closing or (index >= 1 and row.max_tokens - index <= budget_reserve(row.max_tokens)):
+        if closer.closing or (index >= 1 and row.max_tokens - index <= closer.reserve(row.max_tokens)):
             backend, matcher = self.matchers[row.request_id]
             view = _GrammarView(self.backends[backend], matcher, self.bitmask[out_row], self.tokenizer)
             closer.restrict(self.bitmask[out_row], self._closing(), self.tokenizer, view)
@@ -455,9 +456,8 @@ class _GrammarView:
             self.matcher.rollback(accepted)
 
 
-def _examples(spec: GuidedDecoding) -> list[str]:
-    """Closing's example strings for a JSON-schema request (none for any JSON object)."""
+def _schema_reader(spec: GuidedDecoding) -> Callable[[], Any] | None:
+    """The request's JSON schema, parsed when closing first needs it (None for any JSON object)."""
     if spec.kind != "json_schema":
-        return []
-    schema = json.loads(spec.json_schema) if isinstance(spec.json_schema, str) else spec.json_schema
-    return schema_examples(schema)
+        return None
+    return lambda: json.loads(spec.json_schema) if isinstance(spec.json_schema, str) else spec.json_schema

@@ -33,7 +33,6 @@ from guidespec.protocol import (AbortRequest, DraftMask, DraftTokens, EngineDead
                                 RequestOutput, SchedulerStats, Shutdown, StepBitmask, StepInputs, StepOutputs,
                                 WorkerError, WorkerReady)
 from guidespec.scheduler.batching import Batcher, ScheduledRow
-from guidespec.scheduler.closing import budget_reserve
 from guidespec.scheduler.detokenizer import IncrementalDetokenizer
 from guidespec.scheduler.grammar import FillRow, GrammarManager, GrammarSettings
 from guidespec.scheduler.output import append_token, finish_output, make_delta
@@ -273,9 +272,7 @@ class Scheduler:
                 self._fail(request, f"internal error: the grammar rejected sampled token {token}")
                 return "error"
             grammar_done = self.grammar.is_terminated(request.request_id)
-            budget = self._output_budget(request)
-            if budget - len(request.output_token_ids) - 1 <= budget_reserve(budget):
-                self.grammar.near_budget(request.request_id)
+            self.grammar.near_budget(request.request_id, self._output_budget(request), len(request.output_token_ids) + 1)
         return append_token(request, token, self.cfg.eos_token_ids, self.cfg.max_model_len, grammar_done)
 
     def _output_budget(self, request: Request) -> int:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from guidespec.scheduler.closing import ClosingTokens, EarlyCloser, RepeatDetector, budget_reserve, schema_examples
+from guidespec.scheduler.closing import (ClosingTokens, EarlyCloser, RepeatDetector, budget_reserve, count_required,
+                                         schema_examples)
 from guidespec.worker.checkpoint import default_model_path, resolve_model_dir
 
 
@@ -138,7 +139,12 @@ def test_a_looping_model_is_steered_to_a_valid_end(tokenizer, real_model_dir, ba
 
 
 def test_budget_reserve() -> None:
-    assert budget_reserve(1024) == 128 and budget_reserve(40) == 10 and budget_reserve(1) == 0
+    assert budget_reserve(1024) == 128 and budget_reserve(40) == 13 and budget_reserve(1) == 0
+    assert budget_reserve(1024, required_names=23) == 312 and budget_reserve(1024, required_names=125) == 341
+    schema = {"required": ["a", "b"], "properties": {"a": {"required": ["c"]}, "d": {"const": {"required": ["x"]}}}}
+    assert count_required(schema) == 3
+    closer = EarlyCloser(lambda: schema)
+    assert closer.reserve(1024) == 152 and EarlyCloser().reserve(1024) == 128
 
 
 def _row(*tokens: int) -> np.ndarray:
