@@ -10,9 +10,10 @@ Each step, for every decoding row whose request speculates:
    added greedily while they raise tokens per second, so at a large batch where the forward is
    compute-bound speculation turns itself down instead of turning into a loss; a request whose
    drafts keep failing still probes one draft every few steps;
-2. the drafts: the grammar's forced tokens first (guided requests), then the drafter's tokens,
-   cut at the first one the grammar rejects; a guided row given no drafter tokens still drafts
-   its forced tokens (certain to be accepted: what jump-forward gives the others);
+2. the drafts: the grammar's forced tokens first (guided requests; up to ``MAX_FORCED_DRAFTS``,
+   not counted in the draft length: they are certain, and jump-forward gives requests that do
+   not speculate all of them), then the drafter's tokens, cut at the first one the grammar
+   rejects; a guided row given no drafter tokens still drafts its forced tokens;
 3. the row becomes ``1 + k`` tokens with ``1 + k`` logits rows, verified by the workers
    (``spec/verify.py``).
 
@@ -33,6 +34,7 @@ from guidespec.scheduler.request import Request
 from guidespec.spec.drafters import Drafter, ModelDrafter, create_drafter
 
 _PROBE_EVERY = 8
+MAX_FORCED_DRAFTS = 16
 
 
 @dataclasses.dataclass
@@ -82,7 +84,7 @@ class Speculator:
         self.acceptance: dict[str, _Acceptance] = {}
         self.cost = CostModel()
         self.draft_cost: float | None = None  # seconds per draft token proposed on rank 0 (model drafters)
-        self._forced_only: set[str] = set()  # requests whose drafts this step are only the grammar's forced tokens
+        self._num_forced: dict[str, int] = {}  # request -> how many of its drafts this step are forced tokens
 
     def speculates(self, request: Request) -> bool:
         params = request.params
@@ -91,17 +93,17 @@ class Speculator:
     def plan(self, rows: list[ScheduledRow], max_tokens_per_step: int) -> list[ScheduledRow]:
         """The rows again, decoding rows of speculating requests extended by their drafts."""
         budget = max_tokens_per_step - sum(row.num_new_tokens for row in rows)
-        limits: dict[int, int] = {}
+        limits: dict[int, int] = {}  # row -> the most drafter tokens it may get
+        rooms: dict[int, int] = {}  # row -> the most drafts of any kind (max_tokens, model length)
         for i, row in enumerate(rows):
             request = row.request
             if not (self.speculates(request) and row.num_logits == 1 and row.num_new_tokens == 1
                     and row.start == request.num_tokens - 1 and request.output_token_ids):
                 continue
-            cap = min(request.params.max_draft_len or self.cfg.max_draft_len,
-                      request.params.max_tokens - len(request.output_token_ids) - 1,
-                      self.max_model_len - 1 - row.start)
+            room = min(request.params.max_tokens - len(request.output_token_ids) - 1, self.max_model_len - 1 - row.start)
+            cap = min(request.params.max_draft_len or self.cfg.max_draft_len, room)
             if cap > 0:
-                limits[i] = cap
+                limits[i], rooms[i] = cap, room
         if not limits or budget <= 0:
             return rows
         lengths = self._lengths(rows, limits, budget)
@@ -109,17 +111,14 @@ class Speculator:
         out = list(rows)
         for i, k in lengths.items():
             request = rows[i].request
-            if k <= 0:
-                # not worth the drafter's tokens now, but the grammar's forced tokens are certain:
-                # they stay drafts (what jump-forward gives requests that do not speculate)
-                if not (request.guided and self.cfg.use_forced_tokens and budget > 0):
-                    continue
-                drafts = self.grammar.forced_tokens(request.request_id, min(limits[i], budget))
-                budget -= len(drafts)
-                if drafts:
-                    self._forced_only.add(request.request_id)
-            else:
-                drafts = self._propose(request, k)
+            # the grammar's forced tokens are certain: drafted even where the drafter's are not
+            # worth it now (what jump-forward gives requests that do not speculate)
+            forced: list[int] = []
+            if request.guided and self.cfg.use_forced_tokens and k + budget > 0:
+                forced = self.grammar.forced_tokens(request.request_id, min(rooms[i], MAX_FORCED_DRAFTS, k + budget))
+            drafts = self._propose(request, forced, min(k, rooms[i] - len(forced))) if k > 0 else forced
+            budget -= len(drafts) - k
+            self._num_forced[request.request_id] = len(forced)
             request.draft_tokens = drafts
             if drafts:
                 out[i] = ScheduledRow(request, rows[i].start, 1 + len(drafts), 1 + len(drafts))
@@ -158,11 +157,11 @@ class Speculator:
     def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """After verification: update the request's acceptance rate and its figures."""
         request.draft_tokens = []
-        if num_drafts == 0 or request.request_id in self._forced_only:  # forced drafts say nothing of the drafter
-            self._forced_only.discard(request.request_id)
+        forced = self._num_forced.pop(request.request_id, 0)  # forced drafts say nothing of the drafter
+        if num_drafts <= forced:
             return
         stats = self.acceptance.setdefault(request.request_id, _Acceptance())
-        stats.rate = 0.7 * stats.rate + 0.3 * (num_accepted / num_drafts)
+        stats.rate = 0.7 * stats.rate + 0.3 * (max(0, num_accepted - forced) / (num_drafts - forced))
 
     def observe_step(self, num_tokens: int, forward_s: float, num_proposed: int = 0, draft_s: float = 0.0) -> None:
         """A step's forward time for its token count, and what rank 0's drafter spent proposing."""
@@ -173,7 +172,7 @@ class Speculator:
 
     def release(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
-        self._forced_only.discard(request_id)
+        self._num_forced.pop(request_id, None)
         self.drafter.release(request_id)
 
     # ------------------------------------------------------------------ helpers
@@ -217,13 +216,12 @@ class Speculator:
             stats.planned = lengths[i]
         return lengths
 
-    def _propose(self, request: Request, max_len: int) -> list[int]:
+    def _propose(self, request: Request, forced: list[int], max_len: int) -> list[int]:
+        """The forced tokens, then up to ``max_len`` of the drafter's tokens after them."""
         request_id = request.request_id
         guided = request.guided
-        drafts: list[int] = []
-        if guided and self.cfg.use_forced_tokens:
-            drafts = self.grammar.forced_tokens(request_id, max_len)
-        if len(drafts) < max_len:
+        drafts = list(forced)
+        if max_len > 0:
             context = request.prompt_token_ids + request.output_token_ids
             num_committed = len(context)
             prefix = list(drafts)
@@ -233,5 +231,5 @@ class Speculator:
                     return int(self.grammar.valid_prefix(request_id, prefix, tokens))
                 return len(tokens)
 
-            drafts += self.drafter.propose(request_id, context + drafts, num_committed, max_len - len(drafts), valid_prefix)
+            drafts += self.drafter.propose(request_id, context + drafts, num_committed, max_len, valid_prefix)
         return drafts

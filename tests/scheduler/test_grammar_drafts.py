@@ -114,3 +114,39 @@ def _wait(grammar: GrammarManager, request_id: str) -> bool:
         assert time.monotonic() < deadline, "the grammar did not compile"
         time.sleep(0.01)
     return True
+
+
+def test_forced_tokens_are_drafted_beyond_the_draft_length(manager: tuple[GrammarManager, Any]) -> None:
+    """The grammar's forced tokens are certain, so they are drafted past ``max_draft_len`` (as
+    jump-forward appends all of them for requests that do not speculate), up to what max_tokens
+    leaves; they do not count toward the drafter's acceptance."""
+    from guidespec.config import SpeculativeConfig
+    from guidespec.protocol import SamplingParams
+    from guidespec.scheduler.batching import ScheduledRow
+    from guidespec.scheduler.detokenizer import IncrementalDetokenizer
+    from guidespec.scheduler.request import Request
+    from guidespec.spec.proposer import Speculator
+
+    grammar, text = manager
+    schema = {"type": "object", "properties": {"a_rather_long_property_name": {"type": "integer"}},
+              "required": ["a_rather_long_property_name"], "additionalProperties": False}
+    speculator = Speculator(SpeculativeConfig(method="ngram", max_draft_len=3, adaptive=False), grammar, 4096)
+    for max_tokens, expected_room in ((200, None), (4, 2)):
+        spec = GuidedDecoding(json_schema=schema, close_early=False)
+        prompt = text.encode("Write it.")
+        request = Request("f", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, guided=spec), 0.0,
+                          IncrementalDetokenizer(text.tokenizer, prompt))
+        assert grammar.submit("f", spec) or _wait(grammar, "f")
+        request.output_token_ids = text.encode("{")
+        assert grammar.accept("f", request.output_token_ids[0])
+        request.num_computed_tokens = len(prompt)
+        forced = grammar.forced_tokens("f", 16)
+        assert len(forced) > 3, text.tokenizer.decode(forced)  # '"a_rather_long_property_name": '
+        [row] = speculator.plan([ScheduledRow(request, len(prompt), 1, 1)], max_tokens_per_step=512)
+        if expected_room is None:
+            assert request.draft_tokens[: len(forced)] == forced and row.num_logits == 1 + len(request.draft_tokens)
+        else:  # max_tokens 4 with one token out: room for 2 drafts (and the bonus token)
+            assert request.draft_tokens == forced[:expected_room]
+        speculator.observe(request, len(request.draft_tokens), len(request.draft_tokens))
+        assert request.request_id not in speculator.acceptance  # forced drafts say nothing of the drafter
+        grammar.release("f")
