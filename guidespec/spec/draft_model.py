@@ -1,10 +1,13 @@
 """The draft model (two-model speculation), run by rank 0 of the workers.
 
-The draft model follows the target: every step it runs the same tokens at the same positions
-through its own KV cache (same slots), so its cache holds every position the target's does —
-rejected drafts included, overwritten later exactly as the target's are; no rewind is needed.
-After the target's tokens are verified, it proposes the next step's drafts greedily: it feeds
-each row's newest token, takes the argmax, feeds that, and so on, ``draft_lens[b]`` times.
+The draft model follows the target lazily: after a step's tokens are verified, a row asked for
+drafts runs its final tokens (the step's non-draft tokens and its accepted drafts, after any
+it held back) and its newest token through the draft model's KV cache (same slots, same
+positions as the target's) in one chunk, whose last logits give the first draft; a row not
+asked for drafts only holds its final tokens back (``backlog``), so while the adaptive plan
+does not draft for a request the draft model costs nothing. Positions past the final ones are
+overwritten by the next run, so no rewind is needed. Then each further draft feeds the
+previous one, ``draft_lens[b]`` times.
 The proposals go back with the step's outputs; the scheduler checks them against the grammar,
 puts them in the next step's row, and the target verifies them there.
 
@@ -140,13 +143,31 @@ class DraftRunner:
         self.model.load(model_dir, hf_config, show_progress=False)
         self.kv = self.model.create_kv_cache(max_batch_size)
         self.sampling = DraftSampling(target_vocab_size)
+        self.backlog: dict[int, tuple[int, list[int]]] = {}  # slot -> (first position, final tokens not yet run)
+        self._unproposed: list[tuple[int, int, list[int]]] | None = None  # the last step's rows, until propose
 
     capture = None  # no target features needed (an EAGLE head needs them: eagle.py)
 
     def follow(self, batch: ForwardBatch, features: torch.Tensor | None = None) -> None:
-        """Run the step's tokens through the draft model: its cache keeps the target's positions."""
-        self.model.forward(batch, self.kv)
+        """Note the step's tokens (run lazily, in ``propose``); a previous step that had no
+        logits (prefill chunks only: never proposed after) holds all its tokens back."""
+        if self._unproposed is not None:
+            for slot, start, ids in self._unproposed:
+                self._hold(slot, start, ids)
+        offsets = np.concatenate([[0], np.cumsum(batch.num_new_tokens)])
+        ids = batch.token_ids.tolist()
+        self._unproposed = [(slot, start, ids[offsets[i] : offsets[i + 1]])
+                            for i, (slot, start) in enumerate(zip(batch.slots, batch.start_positions))]
 
+    def _hold(self, slot: int, start: int, ids: list[int]) -> None:
+        """Keep final tokens at ``start..`` of ``slot`` for a later run."""
+        held = self.backlog.get(slot)
+        if start == 0 or held is None or held[0] + len(held[1]) != start:  # a new request, or a gap
+            self.backlog[slot] = (start, list(ids))  # (a gap only weakens drafts: the cache keeps older values)
+        else:
+            held[1].extend(ids)
+
+    @torch.inference_mode()
     def propose(self, inputs: StepInputs, tokens: np.ndarray, counts: np.ndarray,
                 masks: MaskSource | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Drafts after each row's last produced token: (flat tokens, per-row counts).
@@ -155,20 +176,43 @@ class DraftRunner:
         ``counts[b]`` tokens, so its newest token goes at that position plus ``counts[b]``.
         """
         assert inputs.draft_lens is not None
+        self._unproposed = None
         ends = np.cumsum(counts)
+        offsets = np.concatenate([[0], np.cumsum(inputs.num_new_tokens)])
         first_logits = inputs.start_positions + inputs.num_new_tokens - inputs.num_logits
         positions = first_logits + counts
         wanted = np.minimum(inputs.draft_lens, self.max_model_len - 1 - positions)
         wanted[counts == 0] = 0
-        rows = np.flatnonzero(wanted > 0)
+        chunk_ids: list[int] = []
+        slots, starts, lens, proposing = [], [], [], []
+        for b in range(inputs.batch_size):
+            slot, start = int(inputs.slots[b]), int(inputs.start_positions[b])
+            m = int(inputs.num_new_tokens[b]) - max(int(inputs.num_logits[b]), 1) + 1  # the row's non-draft tokens
+            final = inputs.token_ids[offsets[b] : offsets[b] + m].tolist() + tokens[ends[b] - counts[b] : ends[b]].tolist()
+            if wanted[b] <= 0:
+                self._hold(slot, start, final[:-1] if counts[b] else final)  # the newest token starts the next step
+                continue
+            held = self.backlog.pop(slot, None)
+            if start > 0 and held is not None and held[0] + len(held[1]) == start:
+                start, final = held[0], held[1] + final
+            chunk_ids.extend(final)
+            slots.append(slot)
+            starts.append(start)
+            lens.append(len(final))
+            proposing.append(b)
         drafts: list[list[int]] = [[] for _ in range(inputs.batch_size)]
+        if not proposing:
+            return flat_drafts(drafts)
+        rows = np.array(proposing, dtype=np.int64)
         self.sampling.start()
-        current = tokens[ends[rows] - 1].astype(np.int64) if len(rows) else np.zeros(0, dtype=np.int64)
+        batch = ForwardBatch.create(chunk_ids, slots, starts, lens, np.ones(len(rows), dtype=np.int32))
+        current = np.zeros(0, dtype=np.int64)
         for step in range(int(wanted.max(initial=0))):
-            live = wanted[rows] > step
-            rows, current = rows[live], current[live]
-            batch = ForwardBatch.create(current, inputs.slots[rows], positions[rows] + step,
-                                        np.ones(len(rows), dtype=np.int32), np.ones(len(rows), dtype=np.int32))
+            if step > 0:
+                live = wanted[rows] > step
+                rows, current = rows[live], current[live]
+                batch = ForwardBatch.create(current, inputs.slots[rows], positions[rows] + step,
+                                            np.ones(len(rows), dtype=np.int32), np.ones(len(rows), dtype=np.int32))
             logits = self.model.compute_logits(self.model.forward(batch, self.kv))
             assert logits is not None
             if masks is not None and inputs.draft_masked is not None:
@@ -177,8 +221,13 @@ class DraftRunner:
             current = self.sampling.choose(logits, rows, inputs, counts, step).numpy()
             for b, token in zip(rows.tolist(), current.tolist()):
                 drafts[b].append(int(token))
-        flat = np.array([t for row in drafts for t in row], dtype=np.int32)
-        return flat, np.array([len(row) for row in drafts], dtype=np.int32)
+        return flat_drafts(drafts)
+
+
+def flat_drafts(drafts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row drafts as (flat tokens, per-row counts), as they travel in StepOutputs."""
+    return (np.array([t for row in drafts for t in row], dtype=np.int32),
+            np.array([len(row) for row in drafts], dtype=np.int32))
 
 
 def constrain(logits: torch.Tensor, rows: np.ndarray, draft_masked: np.ndarray, sequences: list[list[int]],

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from guidespec.config import ModelConfig
 from guidespec.protocol import StepInputs
-from guidespec.spec.draft_model import DraftSampling, MaskSource, constrain
+from guidespec.spec.draft_model import DraftSampling, MaskSource, constrain, flat_drafts
 from guidespec.worker.kernels import linear
 from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.model import ForwardBatch, LlamaModel, _rms_norm
@@ -280,7 +280,7 @@ class EagleRunner:
             lens.append(len(row_ids))
             row_of.append(b)
         if not slots:
-            return _flat(drafts)
+            return flat_drafts(drafts)
         follow = ForwardBatch.create(np.array(ids), slots, starts, lens, np.ones(len(slots), dtype=np.int32))
         out, logits = self.head.forward(torch.cat(feats), follow.token_ids, follow, self.kv)
         rows = np.array(row_of, dtype=np.int64)
@@ -299,7 +299,7 @@ class EagleRunner:
             current = self.sampling.choose(logits, rows, inputs, counts, step, self.head.to_target)
             for b, token in zip(rows.tolist(), current.tolist()):
                 drafts[b].append(int(token))
-        return _flat(drafts)
+        return flat_drafts(drafts)
 
     def _apply_mask(self, logits: torch.Tensor, local: np.ndarray, bitmask: np.ndarray) -> None:
         """Target-vocabulary bitmask rows on draft-vocabulary logits rows, read through ``d2t``.
@@ -309,11 +309,6 @@ class EagleRunner:
         allowed = ((words >> self._mask_bit) & 1).bool() & self._mask_inside
         index = torch.from_numpy(local.astype(np.int64))
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-
-
-def _flat(drafts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    flat = np.array([t for row in drafts for t in row], dtype=np.int32)
-    return flat, np.array([len(row) for row in drafts], dtype=np.int32)
 
 
 def _head_model_config(config: dict[str, Any], target: ModelConfig) -> ModelConfig:
