@@ -35,6 +35,7 @@ Switch it off per request with ``GuidedDecoding(close_early=False)``.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
@@ -54,7 +55,8 @@ FORMAT_EXAMPLES = {"date-time": "2020-01-01T00:00:00Z", "date": "2020-01-01", "t
                    "email": "a@example.com", "hostname": "example.com", "ipv4": "127.0.0.1", "ipv6": "::1",
                    "uuid": "00000000-0000-4000-8000-000000000000", "uri": "http://example.com",
                    "uri-reference": "/", "duration": "P1D"}
-MAX_EXAMPLES = 16
+MAX_EXAMPLES = 32
+EXAMPLES_PER_PATTERN = 3
 MAX_EXAMPLE_LEN = 256
 
 
@@ -72,8 +74,8 @@ class GrammarView(Protocol):
 
 def schema_examples(schema: Any) -> list[str]:
     """Short strings for the ``pattern``s, ``patternProperties`` names and ``format``s of a JSON
-    schema: the first string ``exrex`` generates for each pattern (minimal repeats, first
-    branches), a fixed example per format. Patterns exrex cannot read are skipped."""
+    schema: the first strings ``exrex`` generates for each pattern (minimal repeats, one per
+    branch), a fixed example per format. Patterns exrex cannot read are skipped."""
     import exrex
 
     patterns: list[str] = []
@@ -98,12 +100,11 @@ def schema_examples(schema: Any) -> list[str]:
     walk(schema)
     examples: list[str] = []
     for pattern in dict.fromkeys(patterns):
-        try:
-            example = next(iter(exrex.generate(pattern, limit=4)))
+        try:  # the first few: each alternative of "^allow|deny$" (a string that began "dre" needs "deny")
+            found = list(itertools.islice(exrex.generate(pattern, limit=4), EXAMPLES_PER_PATTERN))
         except Exception:  # exrex reads Python's regex dialect; some JSON Schema patterns are not
             continue
-        if len(example) <= MAX_EXAMPLE_LEN:
-            examples.append(example)
+        examples += [e for e in found if len(e) <= MAX_EXAMPLE_LEN]
     examples += [FORMAT_EXAMPLES[f] for f in dict.fromkeys(formats) if f in FORMAT_EXAMPLES]
     return list(dict.fromkeys(examples))[:MAX_EXAMPLES]
 

@@ -93,11 +93,13 @@ LOOPS = [  # (schema, text the output starts with, the tokens a looping model ke
     ({"type": "string", "pattern": ".*:.*"}, '"A', [".", "T", ".", "S", ".", "R"]),
     ({"type": "object", "properties": {"mac": {"type": "string", "pattern": "([0-9a-f][0-9a-f](:|-)){4}[0-9a-f]{2}"}},
       "required": ["mac"]}, '{"mac": "1', ["2", "3", "4", "5", "6", "7", "8", "9", "0", "1"]),
+    ({"type": "string", "pattern": "^allow|deny$"}, '"', ["d", "re", "am", "p", "ick"]),  # o26627, sampled
 ]
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
-@pytest.mark.parametrize("schema,start,loop", LOOPS, ids=["integer", "number-before-required", "key-pattern", "pattern", "unanchored-pattern"])
+@pytest.mark.parametrize("schema,start,loop", LOOPS, ids=["integer", "number-before-required", "key-pattern", "pattern", "unanchored-pattern",
+                              "alternatives"])
 def test_a_looping_model_is_steered_to_a_valid_end(tokenizer, real_model_dir, backend, schema, start, loop) -> None:  # type: ignore[no-untyped-def]
     """A model that writes its cycle whenever the grammar allows it (and otherwise the
     highest-numbered token allowed) still ends with a valid document: closing finds the comma, the
@@ -161,5 +163,6 @@ def test_schema_examples_come_from_patterns_and_formats() -> None:
                              "c": {"enum": [{"pattern": "not a schema"}]}},
               "patternProperties": {"^x-[0-9]{2}$": {}}}
     examples = schema_examples(schema)
-    assert examples[:2] == ["a://!", "x-00"] and "2020-01-01T00:00:00Z" in examples
+    assert examples[:3] == ["a://!", 'a://"', "a://#"] and "x-00" in examples and "2020-01-01T00:00:00Z" in examples
+    assert schema_examples({"pattern": "^allow|deny$"}) == ["allow", "deny"]  # Github_easy o26627, sampled
     assert "not a schema" not in " ".join(examples)
