@@ -92,7 +92,7 @@ async def run_cases(llm: Any, cases: list[dict[str, Any]], backend: str, tempera
             except ValueError as e:  # the prompt does not fit the model length: not run, said so
                 result = CaseResult(case["id"], category(case["id"]), "skipped", str(e)[:300], 0, 0.0)
             except RequestError as e:
-                status = "compile_error" if any(s in str(e) for s in ("cannot compile", "cannot enforce", "compilation")) else "error"
+                status = "compile_error" if is_grammar_refusal(str(e)) else "error"
                 result = CaseResult(case["id"], category(case["id"]), status, str(e)[:300], 0, 0.0)
             else:
                 latency = time.perf_counter() - start
@@ -107,6 +107,13 @@ async def run_cases(llm: Any, cases: list[dict[str, Any]], backend: str, tempera
         return result
 
     return list(await asyncio.gather(*(one(i, c) for i, c in enumerate(cases))))
+
+
+def is_grammar_refusal(message: str) -> bool:
+    """Whether a request's error is its grammar failing to compile (a backend's refusal, or the
+    compile timeout), not a failure of the engine."""
+    return any(s in message for s in ("xgrammar cannot", "llguidance cannot", "cannot compile", "cannot enforce",
+                                      "grammar compilation", "no value can match", "additionalProperties: false forbids"))
 
 
 def summarize(results: list[CaseResult], wall_s: float, timed: list[CaseResult] | None = None) -> str:

@@ -63,3 +63,16 @@ def test_sweep_validates_outputs_and_resumes(tmp_path: Path) -> None:
     again = subprocess.run(command, capture_output=True, text=True, timeout=600)  # nothing left to run
     assert again.returncode == 0 and "valid among compiled: 2/2 = 100.0%" in again.stdout
     assert len(results.read_text().splitlines()) == 2
+
+
+def test_sweep_counts_a_backends_refusal_as_a_compile_error() -> None:
+    """Refusals seen in the sweep (the xgrammar backend's own, with no "compile" in them) are
+    compile errors, not engine errors."""
+    from guidespec.launch.sweep import is_grammar_refusal
+
+    for message in ("request req-56: xgrammar cannot combine 'if' of a composition with the 'if' beside it",
+                    "request r: no branch of this json_schema's anyOf fits the keywords beside it: no value can match",
+                    "request r: grammar compilation took longer than 30 s",
+                    "request r: llguidance cannot compile this json_schema: oneOf is not supported"):
+        assert is_grammar_refusal(message), message
+    assert not is_grammar_refusal("the engine is dead: worker rank 0 (pid 22242) died")
