@@ -116,7 +116,7 @@ class ClosingTokens:
     and the stop tokens; ``ending``: commas, maybe with brackets (``,``, ``},``); spaces may come
     before any of them. ``steps``: short tokens for the lookahead (one ASCII character, or up to
     three of punctuation; no quote or backslash, so a step never enters or leaves a string), tried in
-    the order of ``step_order`` (punctuation first)."""
+    the order of ``step_rank`` (punctuation first)."""
 
     in_string: np.ndarray
     outside: np.ndarray
