@@ -21,8 +21,11 @@ def worker_start_timeout_s() -> float:
 
 
 def step_timeout_s() -> float:
-    """How long the scheduler waits for a step's outputs before declaring the workers stuck."""
-    return float(os.environ.get("GUIDESPEC_STEP_TIMEOUT_S", "120"))
+    """How long the scheduler waits for a step's outputs (running time) before declaring the
+    workers stuck. A dead worker is found at once by its exit; this is for a hung one. 600 s: on
+    a busy 2-core CPU, one prefill step of an 8k-token prompt took over 120 s (the sweep's engine
+    was declared dead)."""
+    return float(os.environ.get("GUIDESPEC_STEP_TIMEOUT_S", "600"))
 
 
 def log_level() -> str:

@@ -202,6 +202,30 @@ def test_killed_worker_fails_requests_with_a_clear_error_within_2s() -> None:
         engine.close()
 
 
+def test_an_engine_paused_past_its_step_timeout_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """All the engine's processes stopped (SIGSTOP) mid-generation for longer than the step
+    timeout, then resumed: the request completes with the tokens it has unpaused (the scheduler's
+    and the workers' timeouts count running time, not the pause)."""
+    monkeypatch.setenv("GUIDESPEC_STEP_TIMEOUT_S", "15")  # a step of a busy machine can take seconds
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    engine = LLM(max_batch_size=2, show_progress=False)
+    try:
+        expected = engine.generate("Tell me a long story.", params)[0].token_ids
+        stream = engine.stream("Tell me a long story.", params)
+        tokens = list(next(stream).token_ids)
+        pids = [process.pid for process in engine._processes.processes.values()]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(20.0)
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        for delta in stream:
+            tokens += delta.token_ids
+        assert tokens == expected and len(tokens) == 60
+    finally:
+        engine.close()
+
+
 def test_astream_yields_the_same_tokens_as_generate(llm: LLM) -> None:
     expected = llm.generate(CHATS[2], GREEDY)[0].token_ids
 

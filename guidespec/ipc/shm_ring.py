@@ -10,7 +10,8 @@ reader (the reader's "read flags": reader ``r`` has read every chunk below its c
   reader marked dead (``mark_reader_dead``) no longer holds the writer back.
 - Waits spin for a few microseconds (a step's messages arrive back to back), then sleep with
   a growing interval up to 1 ms, so an idle reader costs almost no CPU. Every wait has a
-  deadline and raises ``RingTimeout`` naming who it waited for.
+  timeout (of running time: ``waiting.AwakeTimer``, so processes paused together and resumed
+  go on) and raises ``RingTimeout`` naming who it waited for.
 
 Ordering: data, then length, then the slot's sequence number are stored in that order; on
 x86 (TSO) a reader that sees the sequence number sees the data. This module does not know
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
+
+from guidespec.ipc.waiting import AwakeTimer
 
 _CTRL_WORDS = 4  # num_readers, num_slots, slot_size, magic
 _MAGIC = 0x67756964  # "guid"
@@ -125,11 +128,11 @@ class RingWriter:
         ring = self.ring
         view = memoryview(payload).cast("B")
         size, slot_size = view.nbytes, ring.spec.slot_size
-        deadline = time.monotonic() + timeout
+        timer = AwakeTimer(timeout)
         sent = 0
         while sent < size or sent == 0:
             chunk = self._next_chunk
-            self._wait_free(chunk, deadline)
+            self._wait_free(chunk, timer)
             slot = chunk % ring.spec.num_slots
             n = min(slot_size, size - sent)
             ring.data[slot, :n] = np.frombuffer(view[sent : sent + n], dtype=np.uint8)
@@ -141,10 +144,10 @@ class RingWriter:
             if size == 0:
                 break
 
-    def _wait_free(self, chunk: int, deadline: float) -> None:
+    def _wait_free(self, chunk: int, timer: AwakeTimer) -> None:
         ring = self.ring
         oldest_allowed = chunk - ring.spec.num_slots
-        backoff = _Backoff(deadline)
+        backoff = _Backoff(timer)
         while True:
             lagging = [
                 r
@@ -168,8 +171,8 @@ class RingReader:
     def read(self, timeout: float | None = 10.0) -> bytes:
         """Read the next message (a private copy). ``timeout=None`` waits forever."""
         ring = self.ring
-        deadline = None if timeout is None else time.monotonic() + timeout
-        slot, n, total = self._wait_chunk(deadline)
+        timer = AwakeTimer(timeout)
+        slot, n, total = self._wait_chunk(timer)
         if total == n:
             out = ring.data[slot, :n].tobytes()
             self._advance()
@@ -185,18 +188,18 @@ class RingReader:
             self._advance()
             if filled >= total:
                 return bytes(buf)
-            slot, n, _ = self._wait_chunk(deadline)
+            slot, n, _ = self._wait_chunk(timer)
 
     def poll(self) -> bool:
         """True if a message is waiting."""
         cursor = int(self.ring.cursors[self.index])
         return int(self.ring.slot_seq[cursor % self.ring.spec.num_slots]) == cursor
 
-    def _wait_chunk(self, deadline: float | None) -> tuple[int, int, int]:
+    def _wait_chunk(self, timer: AwakeTimer) -> tuple[int, int, int]:
         ring = self.ring
         cursor = int(ring.cursors[self.index])
         slot = cursor % ring.spec.num_slots
-        backoff = _Backoff(deadline)
+        backoff = _Backoff(timer)
         while int(ring.slot_seq[slot]) != cursor:
             if not backoff.wait():
                 raise RingTimeout(f"ring {ring.spec.name}: reader {self.index} got no message in time")
@@ -207,17 +210,17 @@ class RingReader:
 
 
 class _Backoff:
-    """Spin briefly, then sleep with a doubling interval up to 1 ms, until a deadline."""
+    """Spin briefly, then sleep with a doubling interval up to 1 ms, until the timer expires."""
 
-    def __init__(self, deadline: float | None) -> None:
-        self.deadline = deadline
+    def __init__(self, timer: AwakeTimer) -> None:
+        self.timer = timer
         self.start = time.monotonic()
         self.sleep = 20e-6
 
     def wait(self) -> bool:
-        now = time.monotonic()
-        if self.deadline is not None and now >= self.deadline:
+        if self.timer.expired():
             return False
+        now = time.monotonic()
         if now - self.start > _SPIN_S:
             time.sleep(self.sleep)
             self.sleep = min(self.sleep * 2, _MAX_SLEEP_S)

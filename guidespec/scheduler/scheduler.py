@@ -26,6 +26,7 @@ from guidespec.config import SchedulerConfig
 from guidespec.ipc import codec
 from guidespec.ipc.broadcast import StepBroadcaster
 from guidespec.ipc.shm_ring import RingTimeout
+from guidespec.ipc.waiting import AwakeTimer
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.process_utils import parent_alive, setup_child_process
 from guidespec.grammar_backends import GrammarError
@@ -196,7 +197,7 @@ class Scheduler:
     def collect(self, rows: list[ScheduledRow]) -> StepOutputs:
         """Wait for rank 0's outputs for this step, answering its draft steps' mask requests and
         watching the workers while waiting."""
-        deadline = time.monotonic() + envs.step_timeout_s()
+        timer = AwakeTimer(envs.step_timeout_s())  # running time: a pause of the whole engine is no hang
         while True:
             message = self.worker_results.recv(timeout_s=_IDLE_POLL_S)
             if isinstance(message, StepOutputs) and message.step == self.step_id:
@@ -207,7 +208,7 @@ class Scheduler:
                 raise EngineFailure(message.message)
             if message is None:
                 self._check_health()
-                if time.monotonic() > deadline:
+                if timer.expired():
                     raise EngineFailure(f"step {self.step_id}: workers gave no result in {envs.step_timeout_s():.0f} s")
 
     def emit(self, rows: list[ScheduledRow], outputs: StepOutputs) -> None:

@@ -124,3 +124,39 @@ def test_owner_close_removes_the_segment(ring_name: str) -> None:
     assert os.path.exists(f"/dev/shm/{ring_name}")
     ring.close()
     assert not os.path.exists(f"/dev/shm/{ring_name}")
+
+
+def _timed_reader_main(spec: RingSpec, timeout: float, results: mp.Queue) -> None:
+    ring = ShmRing.attach(spec)
+    results.put("waiting")
+    try:
+        results.put(ring.reader(0).read(timeout=timeout))
+    except RingTimeout as e:
+        results.put(str(e))
+    finally:
+        ring.close()
+
+
+def test_a_reader_paused_past_its_timeout_still_reads(ring_name: str) -> None:
+    """A process stopped (SIGSTOP) for longer than its read timeout and resumed before the
+    message comes does not time out: the timeout counts running time (``waiting.AwakeTimer``).
+    The engine's processes can be paused together and resumed."""
+    import signal
+
+    ring = ShmRing.create(ring_name, num_readers=1, num_slots=4, slot_size=64)
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    child = ctx.Process(target=_timed_reader_main, args=(ring.spec, 3.0, results))
+    child.start()
+    try:
+        assert results.get(timeout=60) == "waiting"
+        time.sleep(0.5)  # in its read now
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(4.0)  # past its 3 s timeout in wall time
+        os.kill(child.pid, signal.SIGCONT)
+        time.sleep(0.3)
+        ring.writer().write(b"after the pause")
+        assert results.get(timeout=10) == b"after the pause"
+    finally:
+        child.join(timeout=10)
+        ring.close()
