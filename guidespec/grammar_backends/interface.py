@@ -55,3 +55,22 @@ def bitmask_row(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
     bits = np.zeros(bitmask_width(vocab_size) * 32, dtype=np.uint8)
     bits[list(token_ids)] = 1
     return np.packbits(bits, bitorder="little").view(np.int32).copy()
+
+
+def find_counted_open_object(schema: Any) -> bool:
+    """Whether a JSON schema bounds ``minProperties`` of an object open to names it does not list
+    (``patternProperties``, or ``additionalProperties`` other than false). Neither backend keeps a
+    name from repeating in such an object (``{"a": 1, "a": 2}``), and a repeated name counts
+    twice for them, once for the schema: both refuse such schemas (sweep, Handwritten dep6)."""
+    if isinstance(schema, list):
+        return any(find_counted_open_object(item) for item in schema)
+    if not isinstance(schema, dict):
+        return False
+    if "minProperties" in schema and ("patternProperties" in schema
+                                      or schema.get("additionalProperties") not in (None, False)):
+        return True
+    return any(find_counted_open_object(v) for k, v in schema.items() if k not in ("const", "enum", "default", "examples"))
+
+
+COUNTED_OPEN_OBJECT = ("cannot enforce 'minProperties' on an object open to more names in this json_schema "
+                       "(a name may repeat)")

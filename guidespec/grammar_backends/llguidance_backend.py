@@ -13,7 +13,8 @@ import llguidance.hf
 import llguidance.numpy
 import numpy as np
 
-from guidespec.grammar_backends.interface import GrammarError, GrammarMatcher
+from guidespec.grammar_backends.interface import (COUNTED_OPEN_OBJECT, GrammarError, GrammarMatcher,
+                                                  find_counted_open_object)
 from guidespec.protocol import GuidedDecoding
 
 
@@ -51,6 +52,8 @@ class LLGuidanceBackend:
 
     def compile(self, spec: GuidedDecoding) -> Any:
         kind = spec.kind
+        if kind == "json_schema" and find_counted_open_object(json.loads(spec.json_schema)):  # type: ignore[arg-type]
+            raise GrammarError(f"llguidance {COUNTED_OPEN_OBJECT}")
         try:
             if kind == "json_schema":
                 grammar = llg.LLMatcher.grammar_from_json_schema(spec.json_schema, overrides=_COMPACT_JSON)  # type: ignore[arg-type]

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from guidespec.grammar_backends.interface import GrammarError, GrammarMatcher
+from guidespec.grammar_backends.interface import (COUNTED_OPEN_OBJECT, GrammarError, GrammarMatcher,
+                                                  find_counted_open_object)
 from guidespec.protocol import GuidedDecoding
 
 
@@ -65,6 +66,9 @@ class XGrammarBackend:
         try:
             if kind == "json_schema":
                 original = json.loads(spec.json_schema)  # type: ignore[arg-type]
+                _refuse_ignored_keywords(original)
+                if find_counted_open_object(original):
+                    raise GrammarError(f"xgrammar {COUNTED_OPEN_OBJECT}")
                 schema = _rewrite_patterns(_declare_required(_distribute_siblings(original, original)))
                 with _CapturedStderr() as log:  # xgrammar reports approximations only as a C++ log line
                     compiled = self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
@@ -98,6 +102,43 @@ class XGrammarBackend:
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: np.ndarray, rows: Sequence[int]) -> None:
         inner = [m.matcher for m in matchers]  # type: ignore[attr-defined]
         self.batch.batch_fill_next_token_bitmask(inner, torch.from_numpy(bitmask), list(rows))
+
+
+# keywords xgrammar compiles without enforcing them (an invalid instance of each is accepted:
+# tests/grammar_backends/test_exactness.py); the sweep found outputs breaking "not", "if",
+# "dependencies" and a "$ref" beside "type" (Handwritten pNameFalse, key5, dep6, num2)
+_IGNORED_KEYWORDS = ("not", "if", "dependencies", "dependentRequired", "dependentSchemas", "contains", "minContains",
+                     "maxContains")
+
+
+def _refuse_ignored_keywords(schema: Any) -> None:
+    """Raise GrammarError where xgrammar would compile a schema without enforcing part of it:
+    the keywords above, ``uniqueItems: true``, keywords beside a ``$ref`` (xgrammar follows the
+    reference and drops them). ``minProperties`` on an open object: ``find_counted_open_object``."""
+    if isinstance(schema, list):
+        for item in schema:
+            _refuse_ignored_keywords(item)
+        return
+    if not isinstance(schema, dict):
+        return
+    for key in _IGNORED_KEYWORDS:
+        if key in schema:
+            raise GrammarError(f"xgrammar cannot enforce {key!r} in this json_schema (it would ignore it)")
+    if schema.get("uniqueItems") is True:
+        raise GrammarError("xgrammar cannot enforce 'uniqueItems' in this json_schema (it would ignore it)")
+    if "$ref" in schema:
+        beside = sorted(k for k in schema if k != "$ref" and k not in _ANNOTATIONS)
+        if beside:
+            raise GrammarError(f"xgrammar cannot enforce the keywords beside a '$ref' in this json_schema "
+                               f"({', '.join(beside)}: it would ignore them)")
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            continue
+        if key in ("properties", "patternProperties", "definitions", "$defs") and isinstance(value, dict):
+            for sub in value.values():  # names are data; their values are schemas
+                _refuse_ignored_keywords(sub)
+        else:
+            _refuse_ignored_keywords(value)
 
 
 def optional_groups_as_alternations(pattern: str) -> str:

@@ -5,24 +5,27 @@ the backend limitations listed, case by case, in ``known_limitations.json`` (reg
 ``make_known_limitations.py``; the test fails on any change, better or worse, so the list
 stays exact). What the listed limitations are:
 
-- llguidance refuses 92 of the 470 schemas outright rather than approximate them: ``oneOf``
+- llguidance refuses 94 of the 470 schemas outright rather than approximate them: ``oneOf``
   (it would need ``coerce_one_of``), unimplemented keywords (``dependencies``, ``contains``,
   ``if``/``then``/``else``), unknown string formats, min/maxProperties on partly-optional
-  objects, schema intersections too deep. On every schema it accepts, it agrees with every
-  test instance.
-- xgrammar refuses 60 schemas: 5 it cannot compile (``minItems``/``minProperties`` larger than
+  objects, schema intersections too deep, and (our backend, 2 schemas) ``minProperties`` on an
+  object open to more names, where a name may repeat. On every schema it accepts, it agrees
+  with every test instance.
+- xgrammar refuses 98 schemas: 5 it cannot compile (``minItems``/``minProperties`` larger than
   a closed schema can hold), 45 whose ``oneOf`` it could only approximate by ``anyOf``
   (branches it cannot prove disjoint; our backend refuses those, as llguidance does, unless
-  every ``oneOf`` has branches of distinct plain types), and 10 more since the backend moves the
+  every ``oneOf`` has branches of distinct plain types), 10 since the backend moves the
   keywords beside an ``anyOf``/``oneOf``/``allOf`` into its branches (xgrammar itself drops
-  them): where that cannot be done exactly, or leaves no satisfiable branch, it refuses. Of the others, it rejects 50 valid instances: its strict mode closes objects and arrays
-  the schema leaves open (extra properties, extra items), so it accepts a subset of the
-  schema's language (outputs stay valid; required names that ``properties`` leaves undeclared
-  are declared first, so closing does not drop them). It accepts 3 invalid instances in 3
-  schemas (4 before optional groups were rewritten as alternations: a pattern it compiled
-  wrongly): keywords its grammar does not enforce (the case's ``schema uses`` lists the
-  candidates: ``uniqueItems``, ``format``, ``not``, ``multipleOf``...). The validity sweep is
-  where those would show as invalid outputs.
+  them) and refuses where that cannot be done exactly, and 38 more since the backend refuses
+  the keywords xgrammar compiles without enforcing (``not``, ``if``, ``dependencies``,
+  ``uniqueItems``, ``contains``, keywords beside a ``$ref``, ``minProperties`` on an open
+  object: the sweep's Handwritten pNameFalse, key5, num2, dep6). Of the others, it rejects 43
+  valid instances: its strict mode closes objects and arrays the schema leaves open (extra
+  properties, extra items), so it accepts a subset of the schema's language (outputs stay
+  valid; required names that ``properties`` leaves undeclared are declared first, so closing
+  does not drop them). It accepts 3 invalid instances in 3 schemas (a ``multipleOf`` on a
+  number, a ``pattern`` with ``minLength``, a ``format``). The validity sweep is where those
+  would show as invalid outputs.
 """
 
 from __future__ import annotations
@@ -48,4 +51,4 @@ def test_instances_match_the_data_set_except_known_limitations(backend_name: str
     backend = create_backend(backend_name, tokenizer, 49152, (2,))
     found = disagreements(backend_name, backend, tokenizer, stop_token=2)
     assert found == KNOWN[backend_name]
-    assert len(found) <= 100  # of 470 schemas
+    assert len(found) <= 140  # of 470 schemas

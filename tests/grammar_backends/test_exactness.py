@@ -134,3 +134,49 @@ def test_optional_groups_as_alternations_leaves_classes_and_escapes_alone() -> N
     assert rewrite(r"(?:ab){0,1}x") == r"(?:ab|)x"
     assert rewrite(r"[()?]\)?(a)??(b)?+") == r"[()?]\)?(a)??(b)?+"
     assert rewrite(r"[]a)]?(c)?") == r"[]a)]?(c|)"
+
+
+IGNORABLE = [  # (keyword, schema, an instance the schema forbids only through that keyword)
+    ("not", {"type": "integer", "not": {"const": 5}}, "5"),
+    ("if", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "if": {"required": ["a"]}, "then": {"required": ["b"]}}, '{"a": 1}'),
+    ("dependencies", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                      "dependencies": {"a": ["b"]}}, '{"a": 1}'),
+    ("dependentRequired", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                           "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
+    ("dependentSchemas", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                          "dependentSchemas": {"a": {"required": ["b"]}}}, '{"a": 1}'),
+    ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]"),
+    ("contains", {"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}}, "[1]"),
+    ("$ref beside type", {"type": "integer", "$ref": "#/definitions/x", "definitions": {"x": {"not": {"const": 1}}}},
+     '"s"'),
+    ("$ref beside minimum", {"$ref": "#/definitions/x", "minimum": 5, "definitions": {"x": {"type": "integer"}}}, "1"),
+    ("minProperties, repeated name", {"type": "object", "patternProperties": {"^[a-e]$": True},
+                                      "additionalProperties": False, "minProperties": 2}, '{"a": 1, "a": 2}'),
+    ("propertyNames", {"type": "object", "propertyNames": {"pattern": "^a"}, "additionalProperties": {"type": "integer"}},
+     '{"b": 1}'),
+    ("multipleOf", {"type": "integer", "multipleOf": 3}, "4"),
+    ("maxProperties", {"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 1},
+     '{"a": 1, "b": 2}'),
+]
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("keyword,schema,invalid", IGNORABLE, ids=[c[0] for c in IGNORABLE])
+def test_a_keyword_is_enforced_or_the_schema_refused(tokenizer, backend_name, keyword, schema, invalid) -> None:  # type: ignore[no-untyped-def]
+    """No backend compiles a schema and then ignores one of its keywords: xgrammar ignored
+    ``not``, ``if``, ``dependencies``, ``uniqueItems``, ``contains``, keywords beside ``$ref``
+    and repeated names under ``minProperties`` (the sweep's Handwritten pNameFalse, key5, num2
+    and dep6 broke their schemas); it now refuses them, naming the keyword. llguidance let a
+    name repeat under minProperties too, and refuses that now."""
+    from tests.grammar_backends.dataset import matcher_accepts
+
+    backend = create_backend(backend_name, tokenizer, 49152, (2,))
+    try:
+        compiled = backend.compile(GuidedDecoding(json_schema=schema))
+    except GrammarError as e:
+        named = keyword.split(",")[0].split()[0].lstrip("$")  # "$ref beside type" -> "ref"
+        assert backend_name == "llguidance" or named in str(e), str(e)
+        return
+    text = invalid if backend_name == "xgrammar" else invalid.replace(": ", ":").replace(", ", ",")
+    assert not matcher_accepts(backend, compiled, tokenizer, text, 2), f"{backend_name} ignores {keyword}"
