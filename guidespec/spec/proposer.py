@@ -9,7 +9,8 @@ Each step, for every decoding row whose request speculates:
    draft model or EAGLE head on rank 0, its measured proposing time per draft token). Drafts are
    added greedily while they raise tokens per second, so at a large batch where the forward is
    compute-bound speculation turns itself down instead of turning into a loss; a request whose
-   drafts keep failing still probes one draft every few steps;
+   drafts keep failing still probes one draft every 8 steps (a model drafter's: every 32
+   steps, all such requests in the same step, since each probe first catches the draft model up);
 2. the drafts: the grammar's forced tokens first (guided requests; up to ``MAX_FORCED_DRAFTS``,
    not counted in the draft length: they are certain, and jump-forward gives requests that do
    not speculate all of them), then the drafter's tokens, cut at the first one the grammar
@@ -34,6 +35,9 @@ from guidespec.scheduler.request import Request
 from guidespec.spec.drafters import Drafter, ModelDrafter, create_drafter
 
 _PROBE_EVERY = 8
+# a model drafter's probes are rarer and all at once: a probing row first runs the tokens it held
+# back (lazy following), one draft-model forward for every probing row together
+_MODEL_PROBE_EVERY = 32
 MAX_FORCED_DRAFTS = 16
 
 
@@ -84,6 +88,7 @@ class Speculator:
         self.acceptance: dict[str, _Acceptance] = {}
         self.cost = CostModel()
         self.draft_cost: float | None = None  # seconds per draft token proposed on rank 0 (model drafters)
+        self._plans = 0  # plans made so far: a model drafter's probes fall on multiples of _MODEL_PROBE_EVERY
         self._num_forced: dict[str, int] = {}  # request -> how many of its drafts this step are forced tokens
 
     def speculates(self, request: Request) -> bool:
@@ -92,6 +97,7 @@ class Speculator:
 
     def plan(self, rows: list[ScheduledRow], max_tokens_per_step: int) -> list[ScheduledRow]:
         """The rows again, decoding rows of speculating requests extended by their drafts."""
+        self._plans += 1
         budget = max_tokens_per_step - sum(row.num_new_tokens for row in rows)
         limits: dict[int, int] = {}  # row -> the most drafter tokens it may get
         rooms: dict[int, int] = {}  # row -> the most drafts of any kind (max_tokens, model length)
@@ -146,8 +152,8 @@ class Speculator:
         stats = self.acceptance.get(request.request_id)
         if not self.cfg.adaptive or stats is None or stats.planned is None:
             return cap
-        if stats.planned == 0:  # not drafting: propose only for the coming probe
-            return 1 if stats.steps_without_drafts >= _PROBE_EVERY - 1 else 0
+        if stats.planned == 0:  # not drafting: propose only for the coming probe (the next plan's)
+            return 1 if (self._plans + 1) % _MODEL_PROBE_EVERY == 0 else 0
         return min(cap, stats.planned + 1)
 
     def store_proposals(self, request: Request, tokens: list[int]) -> None:
@@ -208,7 +214,11 @@ class Speculator:
             stats = self.acceptance.setdefault(rows[i].request.request_id, _Acceptance())
             if lengths[i] == 0:
                 stats.steps_without_drafts += 1
-                if stats.steps_without_drafts >= _PROBE_EVERY and budget > 0:
+                if isinstance(self.drafter, ModelDrafter):
+                    due = self._plans % _MODEL_PROBE_EVERY == 0 and stats.steps_without_drafts > 1
+                else:
+                    due = stats.steps_without_drafts >= _PROBE_EVERY
+                if due and budget > 0:
                     lengths[i], stats.steps_without_drafts = 1, 0
                     budget -= 1
             else:
