@@ -126,6 +126,8 @@ def _refuse_ignored_keywords(schema: Any) -> None:
             raise GrammarError(f"xgrammar cannot enforce {key!r} in this json_schema (it would ignore it)")
     if schema.get("uniqueItems") is True:
         raise GrammarError("xgrammar cannot enforce 'uniqueItems' in this json_schema (it would ignore it)")
+    if "multipleOf" in schema and schema.get("type") != "integer":  # it enforces it on integers only (o17460)
+        raise GrammarError("xgrammar cannot enforce 'multipleOf' on a non-integer in this json_schema (it would ignore it)")
     if "$ref" in schema:
         beside = sorted(k for k in schema if k != "$ref" and k not in _ANNOTATIONS)
         if beside:

@@ -156,13 +156,14 @@ IGNORABLE = [  # (keyword, schema, an instance the schema forbids only through t
     ("propertyNames", {"type": "object", "propertyNames": {"pattern": "^a"}, "additionalProperties": {"type": "integer"}},
      '{"b": 1}'),
     ("multipleOf", {"type": "integer", "multipleOf": 3}, "4"),
+    ("multipleOf", {"type": "number", "multipleOf": 0.01}, "1000.008321"),  # sampled sweep, Github_easy o17460
     ("maxProperties", {"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 1},
      '{"a": 1, "b": 2}'),
 ]
 
 
 @pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
-@pytest.mark.parametrize("keyword,schema,invalid", IGNORABLE, ids=[c[0] for c in IGNORABLE])
+@pytest.mark.parametrize("keyword,schema,invalid", IGNORABLE, ids=[f"{c[0]}-{i}" for i, c in enumerate(IGNORABLE)])
 def test_a_keyword_is_enforced_or_the_schema_refused(tokenizer, backend_name, keyword, schema, invalid) -> None:  # type: ignore[no-untyped-def]
     """No backend compiles a schema and then ignores one of its keywords: xgrammar ignored
     ``not``, ``if``, ``dependencies``, ``uniqueItems``, ``contains``, keywords beside ``$ref``
