@@ -57,6 +57,9 @@ def bitmask_row(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
     return np.packbits(bits, bitorder="little").view(np.int32).copy()
 
 
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values in a JSON schema, not schemas
+
+
 def find_counted_open_object(schema: Any) -> bool:
     """Whether a JSON schema bounds ``minProperties`` of an object open to names it does not list
     (``patternProperties``, or ``additionalProperties`` other than false). Neither backend keeps a
@@ -69,7 +72,7 @@ def find_counted_open_object(schema: Any) -> bool:
     if "minProperties" in schema and ("patternProperties" in schema
                                       or schema.get("additionalProperties") not in (None, False)):
         return True
-    return any(find_counted_open_object(v) for k, v in schema.items() if k not in ("const", "enum", "default", "examples"))
+    return any(find_counted_open_object(v) for k, v in schema.items() if k not in DATA_KEYWORDS)
 
 
 COUNTED_OPEN_OBJECT = ("cannot enforce 'minProperties' on an object open to more names in this json_schema "

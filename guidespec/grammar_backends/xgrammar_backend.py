@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from guidespec.grammar_backends.interface import (COUNTED_OPEN_OBJECT, GrammarError, GrammarMatcher,
+from guidespec.grammar_backends.interface import (COUNTED_OPEN_OBJECT, DATA_KEYWORDS, GrammarError, GrammarMatcher,
                                                   find_counted_open_object)
 from guidespec.protocol import GuidedDecoding
 
@@ -134,7 +134,7 @@ def _refuse_ignored_keywords(schema: Any) -> None:
             raise GrammarError(f"xgrammar cannot enforce the keywords beside a '$ref' in this json_schema "
                                f"({', '.join(beside)}: it would ignore them)")
     for key, value in schema.items():
-        if key in _DATA_KEYWORDS:
+        if key in DATA_KEYWORDS:
             continue
         if key in ("properties", "patternProperties", "definitions", "$defs") and isinstance(value, dict):
             for sub in value.values():  # names are data; their values are schemas
@@ -172,9 +172,6 @@ def optional_groups_as_alternations(pattern: str) -> str:
     return "".join(out)
 
 
-_DATA_KEYWORDS = {"const", "enum", "default", "examples"}  # values, not schemas: never rewritten
-
-
 def _rewrite_patterns(schema: Any) -> Any:
     """The schema with every ``pattern`` and ``patternProperties`` key passed through
     ``optional_groups_as_alternations``."""
@@ -184,7 +181,7 @@ def _rewrite_patterns(schema: Any) -> Any:
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
-        if key in _DATA_KEYWORDS:
+        if key in DATA_KEYWORDS:
             out[key] = value
         elif key == "pattern" and isinstance(value, str):
             out[key] = optional_groups_as_alternations(value)

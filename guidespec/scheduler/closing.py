@@ -41,7 +41,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from guidespec.grammar_backends.interface import bitmask_row
+from guidespec.grammar_backends.interface import DATA_KEYWORDS, bitmask_row
 
 MAX_PERIOD = 32
 MIN_SPAN = 24
@@ -49,7 +49,6 @@ MAX_STEPS = 64  # lookahead candidates tried per closing row
 _SPACES = ("Ġ", "▁", " ")  # how byte-level and sentencepiece vocabularies spell a space
 _BRACKETS = frozenset("]}")
 _ENDING = frozenset(",]}")
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values in a schema, not schemas
 
 FORMAT_EXAMPLES = {"date-time": "2020-01-01T00:00:00Z", "date": "2020-01-01", "time": "00:00:00Z",
                    "email": "a@example.com", "hostname": "example.com", "ipv4": "127.0.0.1", "ipv6": "::1",
@@ -87,7 +86,7 @@ def schema_examples(schema: Any) -> list[str]:
                 walk(item)
         elif isinstance(node, dict):
             for key, value in node.items():
-                if key in _DATA_KEYWORDS:
+                if key in DATA_KEYWORDS:
                     continue
                 if key == "pattern" and isinstance(value, str):
                     patterns.append(value)
@@ -169,7 +168,7 @@ def count_required(schema: Any) -> int:
     if not isinstance(schema, dict):
         return 0
     own = len(schema["required"]) if isinstance(schema.get("required"), list) else 0
-    return own + sum(count_required(v) for k, v in schema.items() if k not in _DATA_KEYWORDS)
+    return own + sum(count_required(v) for k, v in schema.items() if k not in DATA_KEYWORDS)
 
 
 def allowed_ids(row: np.ndarray) -> np.ndarray:

@@ -417,7 +417,8 @@ class _GrammarView:
     """Closing's view of one request's grammar at one mask row: trial accepts, always rolled back."""
 
     def __init__(self, backend: GrammarBackend, matcher: GrammarMatcher, current: np.ndarray, tokenizer: Any) -> None:
-        self.backend, self.matcher, self.current, self.tokenizer = backend, matcher, current.copy(), tokenizer
+        # ``current`` is the row itself: closing narrows it only after asking (no copy needed)
+        self.backend, self.matcher, self.current, self.tokenizer = backend, matcher, current, tokenizer
         self.scratch = np.zeros((1, current.shape[0]), dtype=np.int32)
         self._accepted = False  # whether the last trial's tokens were all accepted
 
