@@ -35,12 +35,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from guidespec.config import ModelConfig
 from guidespec.protocol import StepInputs
 from guidespec.spec.draft_model import DraftSampling, MaskSource, constrain, flat_drafts
-from guidespec.worker.kernels import linear
+from guidespec.worker.kernels import Weight, embedding, linear, pack
 from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.model import ForwardBatch, LlamaModel, _rms_norm
 from guidespec.worker.tp import TPInfo
@@ -89,8 +88,8 @@ def save_head(head_dir: Path, state: dict[str, torch.Tensor], config: dict[str, 
 class EagleHead:
     """The head's weights and one forward step; ``capture`` names the target features it needs."""
 
-    def __init__(self, head_dir: Path, target_cfg: ModelConfig, target_hf_config: Any, embed: torch.Tensor,
-                 target_lm_head: torch.Tensor, dtype: torch.dtype, max_model_len: int) -> None:
+    def __init__(self, head_dir: Path, target_cfg: ModelConfig, target_hf_config: Any, embed: Weight,
+                 target_lm_head: Weight, dtype: torch.dtype, max_model_len: int) -> None:
         state, config = load_head_state(head_dir)
         state = {k.removeprefix("model."): v for k, v in state.items()}
         if "midlayer.self_attn.q_proj.weight" in state:
@@ -112,21 +111,21 @@ class EagleHead:
         self.dtype = dtype
         self.eps = head_cfg.rms_norm_eps
         t = lambda x: x.to(dtype).contiguous()  # noqa: E731
-        self.layer = {
-            "qkv": t(torch.cat([state[prefix + f"self_attn.{n}_proj.weight"] for n in "qkv"])),
-            "o": t(state[prefix + "self_attn.o_proj.weight"]),
-            "gate_up": t(torch.cat([state[prefix + "mlp.gate_proj.weight"], state[prefix + "mlp.up_proj.weight"]])),
-            "down": t(state[prefix + "mlp.down_proj.weight"]),
+        self.layer: dict[str, Any] = {
+            "qkv": pack(t(torch.cat([state[prefix + f"self_attn.{n}_proj.weight"] for n in "qkv"]))),
+            "o": pack(t(state[prefix + "self_attn.o_proj.weight"])),
+            "gate_up": pack(t(torch.cat([state[prefix + "mlp.gate_proj.weight"], state[prefix + "mlp.up_proj.weight"]]))),
+            "down": pack(t(state[prefix + "mlp.down_proj.weight"])),
             "post_norm": t(state[prefix + "post_attention_layernorm.weight"]),
         }
-        self.fc = t(state["fc.weight"])
+        self.fc = pack(t(state["fc.weight"]))
         self.fc_bias = t(state["fc.bias"]) if "fc.bias" in state else None
         self.embed = embed  # the target's (rank 0 holds it whole when TP = 1; see EagleRunner)
         if self.version == 3:
             self.layer["input_norm"] = t(state[prefix + "input_layernorm.weight"])
             self.layer["hidden_norm"] = t(state[prefix + "hidden_norm.weight"])
             self.norm = t(state["norm.weight"])
-            self.lm_head = t(state["lm_head.weight"]) if "lm_head.weight" in state else target_lm_head
+            self.lm_head = pack(t(state["lm_head.weight"])) if "lm_head.weight" in state else target_lm_head
             aux = config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids") or config.get("aux_layers")
             self.aux_layers = tuple(int(i) for i in aux) if aux else default_aux_layers(target_cfg.num_layers)
             if list(self.aux_layers) != sorted(self.aux_layers) or not 0 <= min(self.aux_layers) <= max(
@@ -165,7 +164,7 @@ class EagleHead:
         """Features [T, F] (target features, or the head's own outputs [T, hidden]) and the tokens
         that followed; returns (output hidden [R, hidden], draft logits [R, draft vocab]) at
         ``batch.logits_indices``."""
-        emb = F.embedding(token_ids, self.embed)
+        emb = embedding(token_ids, self.embed)
         if self.version == 3:
             h = linear(features, self.fc) if features.shape[-1] != self.fc.shape[0] else features
             x = torch.cat([_rms_norm(emb, self.layer["input_norm"], self.eps),
@@ -339,13 +338,13 @@ def _rotary_config(target_hf_config: Any, head: ModelConfig) -> Any:
     return config
 
 
-def _whole_embedding(target: LlamaModel, target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def _whole_embedding(target: LlamaModel, target_dir: Path) -> tuple[Weight, Weight]:
     """Under TP the target's embedding is sharded by vocabulary; the head on rank 0 reads it whole
     from the checkpoint (no collective: the other ranks do not run the head)."""
     from guidespec.worker.checkpoint import ShardReader
 
     reader = ShardReader(target_dir)
-    embed = reader.get("model.embed_tokens.weight").to(target.dtype)
+    embed = pack(reader.get("model.embed_tokens.weight").to(target.dtype))
     if target.cfg.tie_word_embeddings or not reader.has("lm_head.weight"):
         return embed, embed
-    return embed, reader.get("lm_head.weight").to(target.dtype)
+    return embed, pack(reader.get("lm_head.weight").to(target.dtype))

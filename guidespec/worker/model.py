@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ from tqdm import tqdm
 
 from guidespec.config import ModelConfig
 from guidespec.worker.checkpoint import ShardReader
-from guidespec.worker.kernels import linear
+from guidespec.worker.kernels import Weight, embedding, linear, pack
 from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.tp import TPInfo, all_reduce, gather_vocab
 
@@ -79,6 +80,7 @@ class ForwardBatch:
         )
 
 
+LINEAR_WEIGHTS = ("qkv", "o", "gate_up", "down")  # a layer's weights that kernels.pack packs
 _SMALL_ATTENTION = 1 << 16  # query rows x keys below which attention is done with plain matmuls
 
 
@@ -96,7 +98,7 @@ class LlamaModel:
         self.intermediate = tp.split(cfg.intermediate_size)
         self.vocab = tp.vocab_shard(cfg.vocab_size)
         self.max_model_len = max_model_len
-        self.layers: list[dict[str, torch.Tensor]] = []
+        self.layers: list[dict[str, Any]] = []
         self.captured: torch.Tensor | None = None  # forward(capture=...) keeps its features here
 
     # ------------------------------------------------------------------ loading
@@ -107,13 +109,14 @@ class LlamaModel:
         v0, v1, shard = self.vocab
         embed = torch.zeros(shard, cfg.hidden_size, dtype=self.dtype)
         embed[: v1 - v0] = reader.get("model.embed_tokens.weight", rows=(v0, v1))
-        self.embed = embed.to(self.device)
+        # packed for the CPU kernel where it applies (kernels.pack); a tied embedding is packed once
+        self.embed: Weight = pack(embed.to(self.device))
         if cfg.tie_word_embeddings or not reader.has("lm_head.weight"):
-            head = self.embed
+            self.lm_head = self.embed
         else:
             head = torch.zeros(shard, cfg.hidden_size, dtype=self.dtype)
             head[: v1 - v0] = reader.get("lm_head.weight", rows=(v0, v1))
-        self.lm_head = head.to(self.device)
+            self.lm_head = pack(head.to(self.device))
         self.final_norm = self._t(reader.get("model.norm.weight"))
         layer_ids = range(cfg.num_layers)
         if show_progress:
@@ -121,7 +124,7 @@ class LlamaModel:
         self.layers = [self._load_layer(reader, i) for i in layer_ids]
         self._init_rotary(hf_config)
 
-    def _load_layer(self, reader: ShardReader, i: int) -> dict[str, torch.Tensor]:
+    def _load_layer(self, reader: ShardReader, i: int) -> dict[str, Any]:
         cfg, d = self.cfg, self.cfg.head_dim
         p = f"model.layers.{i}."
         q_rows = (self.kv_heads[0] * cfg.num_query_groups * d, self.kv_heads[1] * cfg.num_query_groups * d)
@@ -145,7 +148,7 @@ class LlamaModel:
             )
         if cfg.o_bias and self.tp.is_driver:  # added once, before the all-reduce sums the ranks
             layer["o_bias"] = reader.get(p + "self_attn.o_proj.bias")
-        return {k: self._t(v) for k, v in layer.items()}
+        return {k: pack(self._t(v)) if k in LINEAR_WEIGHTS else self._t(v) for k, v in layer.items()}
 
     def _init_rotary(self, hf_config: object) -> None:
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -198,11 +201,11 @@ class LlamaModel:
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(token_ids, self.embed)
+            return embedding(token_ids, self.embed)
         v0, v1, shard = self.vocab
         inside = (token_ids >= v0) & (token_ids < v1)
         local = torch.where(inside, token_ids - v0, torch.zeros_like(token_ids))
-        out = F.embedding(local, self.embed) * inside[:, None].to(self.dtype)
+        out = embedding(local, self.embed) * inside[:, None].to(self.dtype)
         return all_reduce(out, self.tp)
 
     def _attention(self, h, layer, kv: KVCache, i: int, batch: ForwardBatch, cos, sin) -> torch.Tensor:  # type: ignore[no-untyped-def]

@@ -17,6 +17,7 @@ from guidespec.spec.draft_model import constrain
 from guidespec.spec.eagle import EagleHead, EagleRunner, default_aux_layers, save_head
 from guidespec.spec.train_eagle import TrainableHead, head_config
 from guidespec.worker.checkpoint import load_hf_config
+from guidespec.worker.kernels import dense
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.tp import TPInfo
 from tests.conftest import make_tiny_model
@@ -34,7 +35,7 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LlamaModel, 
 def _random_head(model: LlamaModel, hf: object, draft_ids: torch.Tensor, heads: int = 2) -> TrainableHead:
     cfg = dataclasses.replace(model.cfg, num_layers=1, num_heads=heads, num_kv_heads=1, intermediate_size=96)
     torch.manual_seed(1)
-    head = TrainableHead(cfg, hf, model.embed.clone(), draft_ids, 3, 64)
+    head = TrainableHead(cfg, hf, dense(model.embed).clone(), draft_ids, 3, 64)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.3)  # norms and fc off their initial values too

@@ -84,6 +84,6 @@ def test_tp2_logits_match_hf(tmp_path: Path, kind: str) -> None:
 def test_real_model_logits_match_hf(real_model_dir: Path) -> None:
     prompts = [[1, 4093, 28, 2683, 314, 253, 1345, 30], [504, 3458, 282, 4649, 314]]
     for ours, ref in zip(our_logits(real_model_dir, prompts), hf_logits(real_model_dir, prompts)):  # type: ignore[arg-type]
-        # Logits here reach ~20 after 30 layers; two fp32 summation orders (our skinny kernel,
+        # Logits here reach ~20 after 30 layers; two fp32 summation orders (our packed kernel,
         # the BLAS) drift apart by up to ~1e-4 absolute there, so allow 1e-5 relative on top.
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-5)

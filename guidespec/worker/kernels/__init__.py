@@ -1,8 +1,12 @@
 """CPU kernels built at first use: the C source is compiled with the system's C compiler into
 the cache directory and called through ctypes (no torch headers, so it builds in a second).
 
-``skinny_linear`` is the only kernel: see ``skinny_linear.c`` for why it exists. Without a
-compiler, or with ``GUIDESPEC_CPU_KERNELS=0``, everything falls back to ``torch.nn.functional``.
+``packed_linear`` is the only kernel: fp32 linear layers over weights packed at load time
+(:class:`PackedWeight`; see ``packed_linear.c`` for the layout and why). The model packs its
+linear weights with :func:`pack` and multiplies with :func:`linear`; a tied embedding is packed
+once and looked up with :func:`embedding`. Without a compiler, or with
+``GUIDESPEC_CPU_KERNELS=0``, :func:`pack` leaves weights as they are and everything runs on
+``torch.nn.functional``.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import torch.nn.functional as F
 from guidespec import envs
 
 logger = logging.getLogger(__name__)
-MAX_SKINNY_ROWS = 16
-_SOURCE = Path(__file__).with_name("skinny_linear.c")
+BLOCK = 16  # output rows per packed block (one 16-lane vector)
+_SOURCE = Path(__file__).with_name("packed_linear.c")
 
 
 @lru_cache(maxsize=1)
@@ -32,11 +36,11 @@ def _library() -> ctypes.CDLL | None:
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
-        logger.warning("no C compiler found: using torch's linear layers for decoding")
+        logger.warning("no C compiler found: using torch's linear layers")
         return None
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(source + compiler.encode() + os.uname().machine.encode()).hexdigest()[:16]
-    target = envs.cache_dir() / "kernels" / f"skinny_linear-{key}.so"
+    target = envs.cache_dir() / "kernels" / f"packed_linear-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(f".tmp{os.getpid()}.so")
@@ -47,8 +51,8 @@ def _library() -> ctypes.CDLL | None:
             return None
         os.replace(tmp, target)
     lib = ctypes.CDLL(str(target))
-    lib.skinny_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-    lib.skinny_linear_f32.restype = None
+    lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    lib.packed_linear_f32.restype = None
     return lib
 
 
@@ -56,14 +60,62 @@ def available() -> bool:
     return _library() is not None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for 2-D x; few-row fp32 CPU products go to the skinny kernel."""
-    lib = _library()
-    if (lib is None or x.shape[0] > MAX_SKINNY_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
-            or weight.dtype != torch.float32 or not weight.is_contiguous()):
+class PackedWeight:
+    """An fp32 [N, K] weight stored as ``blocks`` [ceil(N/16), K, 16]: 16 output rows side by
+    side for each k (the last block zero-padded). Same ``shape`` as the weight it packs."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
+        padded = torch.zeros(-(-n // BLOCK) * BLOCK, k, dtype=torch.float32)
+        padded[:n] = weight
+        self.blocks = padded.view(-1, BLOCK, k).transpose(1, 2).contiguous()
+        self.shape = torch.Size((n, k))
+        self.dtype = torch.float32
+        self.device = torch.device("cpu")
+
+    def unpack(self) -> torch.Tensor:
+        return self.blocks.transpose(1, 2).reshape(-1, self.shape[1])[: self.shape[0]]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``weight[ids]`` (an embedding lookup): [*ids.shape, K]."""
+        return self.blocks[ids // BLOCK, :, ids % BLOCK]
+
+
+Weight = torch.Tensor | PackedWeight
+
+
+def pack(weight: torch.Tensor) -> Weight:
+    """The weight packed for :func:`linear` when the kernel applies (fp32, 2-D, on the CPU, a
+    compiled kernel), else the weight itself."""
+    if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu"
+            or _library() is None):
+        return weight
+    return PackedWeight(weight)
+
+
+def dense(weight: Weight) -> torch.Tensor:
+    return weight.unpack() if isinstance(weight, PackedWeight) else weight
+
+
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for 2-D x; packed weights go to the kernel."""
+    if not isinstance(weight, PackedWeight):
         return F.linear(x, weight, bias)
+    lib = _library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+        return F.linear(x, weight.unpack(), bias)
+    n, k = weight.shape
     x = x.contiguous()
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    lib.skinny_linear_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                          out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads())
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if x.shape[0]:
+        bias = None if bias is None else bias.float().contiguous()
+        lib.packed_linear_f32(x.data_ptr(), weight.blocks.data_ptr(), None if bias is None else bias.data_ptr(),
+                              out.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
     return out
+
+
+def embedding(token_ids: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """``F.embedding`` that also reads a packed (tied) embedding."""
+    if isinstance(weight, PackedWeight):
+        return weight.rows(token_ids)
+    return F.embedding(token_ids, weight)
