@@ -15,6 +15,9 @@ n-gram with a fixed length.
 Greedy speculative output equals plain greedy output token for token; guided alone uses
 jump-forward, which appends forced text tokenized its own way, so its tokens may differ.
 "tokens/step" = output tokens ÷ target steps that produced them (prefill's last step included);
+"tok/s" = output tokens ÷ wall time (prefill included); "decode tok/s" = output tokens after each
+request's first ÷ the time after its first token (1 / time per output token, the per-user speed
+of TensorRT-LLM's curves; at batch 1 the requests do not overlap);
 "accepted/spec step" = tokens per step that verified drafts (the target's own token included),
 TensorRT-LLM's acceptance length. Guided alone already exceeds 1 token/step: jump-forward appends
 forced tokens without a step.
@@ -34,8 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import machine  # noqa: E402
 
 EAGLE_HEAD = "eagle-head"  # replaced by --eagle-head
+NO_JUMP_FORWARD = "no-jump-forward"
 BATCH1 = {
     "guided alone (jump-forward)": None,
+    "guided alone, no jump-forward (TensorRT-LLM's baseline)": NO_JUMP_FORWARD,
     "grammar-forced drafts only": dict(method="forced"),
     "n-gram, no forced drafts": dict(method="ngram", use_forced_tokens=False),
     "n-gram + forced, drafts unchecked": dict(method="ngram", constrain_drafts=False),
@@ -67,16 +72,19 @@ def load_cases(n: int) -> list[dict[str, Any]]:
     return load_workload(default_workload(), "JME_", n)
 
 
-def run(cases: list[dict[str, Any]], speculative: dict[str, Any] | None, draft_len: int, concurrency: int,
+def run(cases: list[dict[str, Any]], speculative: dict[str, Any] | str | None, draft_len: int, concurrency: int,
         backend: str, max_tokens: int) -> dict[str, Any]:
     from guidespec import LLM, RequestError, SamplingParams
     from guidespec.protocol import GuidedDecoding
 
-    if speculative is not None:
+    jump_forward = speculative != NO_JUMP_FORWARD
+    if isinstance(speculative, dict):
         speculative = {"max_draft_len": draft_len, "adaptive": False, **speculative}
+    else:
+        speculative = None
     guided = [GuidedDecoding(json_schema=c["schema"], backend=backend) for c in cases]
     with LLM(max_batch_size=max(concurrency, 2), grammar_backend=backend, show_progress=False,
-             speculative=speculative) as llm:
+             speculative=speculative, jump_forward=jump_forward) as llm:
         usable = []
         for i, case in enumerate(cases):  # compile first: this measures decoding, not compilation
             try:
@@ -107,7 +115,8 @@ def run(cases: list[dict[str, Any]], speculative: dict[str, Any] | None, draft_l
         for n, count in enumerate(o.stats.accepted_histogram):
             histogram.extend([0] * (n + 1 - len(histogram)))
             histogram[n] += count
-    return {"tok_s": tokens / wall, "tokens": tokens, "tokens_per_step": tokens / max(steps, 1),
+    decode_s = sum(o.finish_time - o.first_token_time for o in outs)
+    return {"tok_s": tokens / wall, "decode_tok_s": (tokens - len(outs)) / decode_s, "tokens": tokens, "tokens_per_step": tokens / max(steps, 1),
             "accepted_per_spec_step": 1 + accepted / spec_steps if spec_steps else 1.0,
             "acceptance_rate": accepted / drafted if drafted else 0.0, "histogram": histogram,
             "outputs": [o.token_ids for o in outs]}
@@ -116,11 +125,13 @@ def run(cases: list[dict[str, Any]], speculative: dict[str, Any] | None, draft_l
 def table(title: str, results: dict[str, dict[str, Any]]) -> str:
     base = next(iter(results.values()))
     lines = [f"\n{title}\n", "| configuration | tokens | tokens/step | accepted/spec step | draft acceptance | "
-             "steps by drafts accepted | tok/s | ÷ guided alone |", "|---|---:|---:|---:|---:|---|---:|---:|"]
+             "steps by drafts accepted | tok/s | ÷ guided alone | decode tok/s | ÷ guided alone, decode |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for name, r in results.items():
         lines.append(f"| {name} | {r['tokens']} | {r['tokens_per_step']:.2f} | {r['accepted_per_spec_step']:.2f} | "
                      f"{r['acceptance_rate']:.0%} | {r['histogram']} | {r['tok_s']:.1f} | "
-                     f"{r['tok_s'] / base['tok_s']:.2f}x |")
+                     f"{r['tok_s'] / base['tok_s']:.2f}x | {r['decode_tok_s']:.1f} | "
+                     f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x |")
     return "\n".join(lines)
 
 
@@ -144,7 +155,7 @@ def main() -> None:
         for i, (name, spec) in enumerate(configs.items()):
             if i and args.only and not re.search(args.only, name):
                 continue
-            if spec is not None and spec.get("draft_model") == EAGLE_HEAD:
+            if isinstance(spec, dict) and spec.get("draft_model") == EAGLE_HEAD:
                 if not Path(args.eagle_head).is_dir():
                     print(f"skipping {name!r}: no EAGLE head at {args.eagle_head} (guidespec train-eagle)")
                     continue
@@ -161,7 +172,7 @@ def main() -> None:
             results[name] = run(cases, spec, args.draft_len, concurrency, args.backend, args.max_tokens)
             print(f"{title}: {name}: {results[name]['tok_s']:.1f} tok/s, "
                   f"{results[name]['tokens_per_step']:.2f} tokens/step", flush=True)
-        speculative = [r["outputs"] for r in list(results.values())[1:]]
+        speculative = [r["outputs"] for name, r in results.items() if isinstance(configs[name], dict)]
         same = all(outputs == speculative[0] for outputs in speculative)
         report.append(table(f"{title}, {len(cases)} JME cases, greedy, max_tokens {args.max_tokens}, draft length "
                             f"{args.draft_len}, {args.backend}; speculative outputs identical token for token: {same}",

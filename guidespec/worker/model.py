@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from guidespec.config import ModelConfig
 from guidespec.worker.checkpoint import ShardReader
-from guidespec.worker.kernels import Weight, embedding, linear, pack
+from guidespec.worker.kernels import Weight, cache_attention, embedding, linear, pack
 from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.tp import TPInfo, all_reduce, gather_vocab
 
@@ -37,6 +37,8 @@ class AttentionGroup:
     num_new_tokens: int
     length: int  # keys to read: max start + n
     mask: torch.Tensor | None  # [B, 1, n, length] bool (True = attend), None when nothing is masked
+    slot_ids: torch.Tensor  # [B] int32, as ``slots`` (for kernels.cache_attention)
+    starts: torch.Tensor  # [B] int32: each row's first new position
 
 
 @dataclass
@@ -233,6 +235,9 @@ class LlamaModel:
         """
         g, d, hkv = self.cfg.num_query_groups, self.cfg.head_dim, self.num_local_kv_heads
         n, b = group.num_new_tokens, len(group.rows)
+        out = cache_attention(q, kv.k[i], kv.v[i], group.slot_ids, group.starts, n, g)
+        if out is not None:  # decode-sized, on the CPU: the C kernel reads the cache in place
+            return out
         k, v = kv.gather(i, group.slots, group.length)
         q = q.view(b, n, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * n, d)
         if n * g * group.length <= _SMALL_ATTENTION:
@@ -286,5 +291,7 @@ def _attention_groups(batch: ForwardBatch) -> list[AttentionGroup]:
         index = None
         if len(by_count) > 1:
             index = torch.cat([torch.arange(offsets[r], offsets[r + 1]) for r in rows])
-        groups.append(AttentionGroup(rows, [batch.slots[r] for r in rows], index, n, length, mask))
+        slots = [batch.slots[r] for r in rows]
+        groups.append(AttentionGroup(rows, slots, index, n, length, mask, torch.tensor(slots, dtype=torch.int32),
+                                     starts.to(torch.int32)))
     return groups

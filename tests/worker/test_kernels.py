@@ -48,3 +48,44 @@ def test_weights_the_kernel_cannot_take_stay_as_they_are() -> None:
     assert kernels.pack(w16) is w16
     x = torch.randn(3, 8, dtype=torch.bfloat16)
     torch.testing.assert_close(kernels.linear(x, w16), F.linear(x, w16))
+
+
+def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: list[int], starts: list[int],
+                         n: int, g: int) -> torch.Tensor:
+    out = torch.empty_like(q)
+    hkv, d = k.shape[1], k.shape[3]
+    for r, (slot, start) in enumerate(zip(slots, starts)):
+        for j in range(n):
+            keys, values = k[slot, :, : start + j + 1], v[slot, :, : start + j + 1]  # [hkv, L, D]
+            qj = q[r * n + j].view(hkv, g, d)
+            p = torch.softmax(qj @ keys.transpose(-1, -2) * d**-0.5, dim=-1)
+            out[r * n + j] = (p @ values).reshape(hkv * g, d)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 9])
+@pytest.mark.parametrize("g,d", [(3, 64), (1, 16), (6, 32)])
+def test_cache_attention_matches_torch(n: int, g: int, d: int) -> None:
+    gen = torch.Generator().manual_seed(n * 100 + g + d)
+    hkv, max_len = 2, 300
+    k = torch.randn(5, hkv, max_len, d, generator=gen)
+    v = torch.randn(5, hkv, max_len, d, generator=gen)
+    slots, starts = [3, 0, 4], [0, 17, 250]  # a first token, a short and a long context
+    q = torch.randn(len(slots) * n, hkv * g, d, generator=gen) * 3
+    out = kernels.cache_attention(q, k, v, torch.tensor(slots, dtype=torch.int32),
+                                  torch.tensor(starts, dtype=torch.int32), n, g)
+    assert out is not None
+    torch.testing.assert_close(out, _reference_attention(q, k, v, slots, starts, n, g), atol=1e-5, rtol=1e-5)
+
+
+def test_cache_attention_of_a_token_does_not_depend_on_later_tokens_or_other_rows() -> None:
+    gen = torch.Generator().manual_seed(1)
+    k, v = torch.randn(4, 3, 64, 64, generator=gen), torch.randn(4, 3, 64, 64, generator=gen)
+    q = torch.randn(4 * 5, 9, 64, generator=gen)
+    int32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    together = kernels.cache_attention(q, k, v, int32([0, 1, 2, 3]), int32([10, 20, 30, 40]), 5, 3)
+    assert together is not None
+    for r in range(4):
+        for j in range(5):  # token j alone, as a decode step would run it
+            alone = kernels.cache_attention(q[r * 5 + j : r * 5 + j + 1], k, v, int32([r]), int32([10 * (r + 1) + j]), 1, 3)
+            assert alone is not None and torch.equal(alone[0], together[r * 5 + j])

@@ -1,12 +1,16 @@
 """CPU kernels built at first use: the C source is compiled with the system's C compiler into
 the cache directory and called through ctypes (no torch headers, so it builds in a second).
 
-``packed_linear`` is the only kernel: fp32 linear layers over weights packed at load time
-(:class:`PackedWeight`; see ``packed_linear.c`` for the layout and why). The model packs its
-linear weights with :func:`pack` and multiplies with :func:`linear`; a tied embedding is packed
-once and looked up with :func:`embedding`. Without a compiler, or with
-``GUIDESPEC_CPU_KERNELS=0``, :func:`pack` leaves weights as they are and everything runs on
-``torch.nn.functional``.
+Two kernels, both fp32:
+
+- ``packed_linear.c``: linear layers over weights packed at load time (:class:`PackedWeight`;
+  the file says why). The model packs its linear weights with :func:`pack` and multiplies with
+  :func:`linear`; a tied embedding is packed once and looked up with :func:`embedding`.
+- ``attention.c``: :func:`cache_attention`, a few new tokens per row attending the KV cache in
+  place (decode and draft verification).
+
+Without a compiler, or with ``GUIDESPEC_CPU_KERNELS=0``, :func:`pack` leaves weights as they
+are, :func:`cache_attention` is unavailable, and everything runs on ``torch.nn.functional``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from guidespec import envs
 
 logger = logging.getLogger(__name__)
 BLOCK = 16  # output rows per packed block (one 16-lane vector)
-_SOURCE = Path(__file__).with_name("packed_linear.c")
+_SOURCES = [Path(__file__).with_name(name) for name in ("packed_linear.c", "attention.c")]
 
 
 @lru_cache(maxsize=1)
@@ -38,13 +42,14 @@ def _library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found: using torch's linear layers")
         return None
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     key = hashlib.sha256(source + compiler.encode() + os.uname().machine.encode()).hexdigest()[:16]
-    target = envs.cache_dir() / "kernels" / f"packed_linear-{key}.so"
+    target = envs.cache_dir() / "kernels" / f"guidespec-cpu-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(f".tmp{os.getpid()}.so")
-        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(_SOURCE), "-o", str(tmp)]
+        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", *map(str, _SOURCES), "-o", str(tmp),
+               "-lm"]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             logger.warning("building the CPU kernel failed, using torch: %s", result.stderr[-2000:])
@@ -53,6 +58,8 @@ def _library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.packed_linear_f32.restype = None
+    lib.cache_attention_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.cache_attention_f32.restype = None
     return lib
 
 
@@ -119,3 +126,29 @@ def embedding(token_ids: torch.Tensor, weight: Weight) -> torch.Tensor:
     if isinstance(weight, PackedWeight):
         return weight.rows(token_ids)
     return F.embedding(token_ids, weight)
+
+
+MAX_CACHE_ATTENTION_TOKENS = 64  # new tokens per row up to which cache_attention applies
+
+
+def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                    starts: torch.Tensor, num_new_tokens: int, num_query_groups: int) -> torch.Tensor | None:
+    """Attention of ``num_new_tokens`` new tokens per row over one layer's cache, or None where
+    the kernel does not apply (torch does it then).
+
+    q [B * n, hkv * g, D] (row after row); k_cache, v_cache [num_slots, hkv, max_len, D] with the
+    new tokens' keys already written; slots, starts [B] int32: each row's cache slot and the
+    position of its first new token. Returns [B * n, hkv * g, D].
+    """
+    lib = _library()
+    if (lib is None or num_new_tokens > MAX_CACHE_ATTENTION_TOKENS or q.shape[-1] % 16 or q.dtype != torch.float32
+            or k_cache.dtype != torch.float32 or q.device.type != "cpu" or not k_cache.is_contiguous()
+            or not v_cache.is_contiguous()):
+        return None
+    _, hkv, max_len, d = k_cache.shape
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    lib.cache_attention_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), slots.data_ptr(),
+                            starts.data_ptr(), len(slots), num_new_tokens, hkv, num_query_groups, d, max_len,
+                            d**-0.5, torch.get_num_threads())
+    return out
