@@ -213,10 +213,9 @@ class LlamaModel:
     def _attention(self, h, layer, kv: KVCache, i: int, batch: ForwardBatch, cos, sin) -> torch.Tensor:  # type: ignore[no-untyped-def]
         d, hq, hkv = self.cfg.head_dim, self.num_local_heads, self.num_local_kv_heads
         qkv = linear(h, layer["qkv"], layer.get("qkv_bias"))
-        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        q = _rope(q.view(-1, hq, d), cos, sin)
-        k = _rope(k.view(-1, hkv, d), cos, sin)
-        kv.write(i, batch.slot_of_token, batch.positions, k, v.view(-1, hkv, d))
+        qk = _rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)  # q and k heads in one go
+        q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
+        kv.write(i, batch.slot_of_token, batch.positions, k, v)
         if len(batch.groups) == 1:
             out = self._attend_group(q, kv, i, batch.groups[0])
         else:
