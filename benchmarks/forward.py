@@ -1,0 +1,97 @@
+"""One model forward (+ LM head) of the default model, in process, with the CPU kernels on and off:
+what a decode step (1 new token per row) and a verification step (1 + draft length tokens per
+row) cost, at batch 1 and 16, each row with a context of --context tokens.
+
+    python benchmarks/forward.py [--context 700] [--repeats 10]
+
+"kernels off" is ``GUIDESPEC_CPU_KERNELS=0``: torch's linear layers and attention. The time
+spent in the linear layers and in attention is shown apart (wall time of those calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import machine  # noqa: E402
+
+SHAPES = [(1, 1), (1, 4), (1, 8), (16, 1), (16, 4)]  # (rows, new tokens per row)
+
+
+def measure(context: int, repeats: int) -> dict[tuple[int, int], dict[str, float]]:
+    import guidespec.worker.model as model_mod
+    from guidespec.config import ModelConfig
+    from guidespec.worker import kernels
+    from guidespec.worker.checkpoint import load_hf_config, resolve_model_dir
+    from guidespec.worker.tp import TPInfo
+
+    kernels._library.cache_clear()
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return wrapper
+
+    linear, attend = model_mod.linear, model_mod.LlamaModel._attend_group
+    model_mod.linear = timed("linear", linear)
+    model_mod.LlamaModel._attend_group = timed("attention", attend)  # type: ignore[method-assign]
+    try:
+        model_dir = resolve_model_dir(None, show_progress=False)
+        hf = load_hf_config(model_dir)
+        model = model_mod.LlamaModel(ModelConfig.from_hf(hf), TPInfo(), torch.float32, context + 64)
+        model.load(model_dir, hf, show_progress=False)
+        kv = model.create_kv_cache(16)
+        for slot in range(16):
+            model.forward(model_mod.ForwardBatch.create(np.arange(context), [slot], [0], [context], [1]), kv)
+        results = {}
+        for rows, n in SHAPES:
+            spent.clear()
+            batch = model_mod.ForwardBatch.create(np.arange(rows * n) % 1000, list(range(rows)), [context] * rows,
+                                                  [n] * rows, [n] * rows)
+            model.compute_logits(model.forward(batch, kv))  # warm
+            spent.clear()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                model.compute_logits(model.forward(batch, kv))
+            total = time.perf_counter() - start
+            results[(rows, n)] = {"total": total, **spent}
+        return {k: {name: 1000 * v / repeats for name, v in r.items()} for k, r in results.items()}
+    finally:
+        model_mod.linear, model_mod.LlamaModel._attend_group = linear, attend  # type: ignore[method-assign]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=700)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    on = measure(args.context, args.repeats)
+    os.environ["GUIDESPEC_CPU_KERNELS"] = "0"
+    off = measure(args.context, args.repeats)
+    print(f"{machine()}; context {args.context} tokens per row; ms per forward + LM head (linear / attention)\n")
+    print("| rows × new tokens | kernels on | kernels off | off ÷ on | ÷ 1 × 1 token, on | ÷ 1 × 1 token, off |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for key in SHAPES:
+        a, b = on[key], off[key]
+        print(f"| {key[0]} × {key[1]} | {a['total']:.1f} ({a['linear']:.1f} / {a['attention']:.1f}) | "
+              f"{b['total']:.1f} ({b['linear']:.1f} / {b['attention']:.1f}) | {b['total'] / a['total']:.2f}x | "
+              f"{a['total'] / on[(1, 1)]['total']:.2f} | {b['total'] / off[(1, 1)]['total']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
