@@ -65,11 +65,26 @@ def validate_output(text: str, schema: Any) -> str | None:
     except json.JSONDecodeError as e:
         return f"not JSON: {e}"
     try:
-        validator_cls = jsonschema.validators.validator_for(schema)
+        validator_cls = jsonschema.validators.extend(jsonschema.validators.validator_for(schema),
+                                                     {"multipleOf": _decimal_multiple_of})
         errors = sorted(validator_cls(schema).iter_errors(instance), key=str)
     except Exception as e:  # unresolvable $ref and the like: the schema, not the output
         return f"cannot validate: {type(e).__name__}: {e}"
     return None if not errors else f"schema violation: {errors[0].message[:200]}"
+
+
+def _decimal_multiple_of(validator: Any, divisor: Any, instance: Any, schema: Any) -> Any:
+    """``multipleOf`` in decimal, as JSON numbers are written: jsonschema divides floats, so it
+    finds 1283.34 not a multiple of 0.01 (1283.34 / 0.01 = 128333.99999999999); the backends
+    (llguidance) enforce it on the digits."""
+    from decimal import Decimal
+
+    import jsonschema
+
+    if not validator.is_type(instance, "number") or isinstance(instance, bool):
+        return
+    if Decimal(repr(instance)) % Decimal(repr(divisor)) != 0:
+        yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor!r}")
 
 
 async def run_cases(llm: Any, cases: list[dict[str, Any]], backend: str, temperature: float, max_tokens: int,

@@ -76,3 +76,17 @@ def test_sweep_counts_a_backends_refusal_as_a_compile_error() -> None:
                     "request r: llguidance cannot compile this json_schema: oneOf is not supported"):
         assert is_grammar_refusal(message), message
     assert not is_grammar_refusal("the engine is dead: worker rank 0 (pid 22242) died")
+
+
+def test_sweep_checks_multiple_of_on_the_decimal_digits() -> None:
+    """jsonschema divides floats and calls 1283.34 not a multiple of 0.01 (a sampled llguidance
+    output, Snowplow sp_32); the sweep checks multipleOf on the digits as written."""
+    from guidespec.launch.sweep import validate_output
+
+    schema = {"type": "object", "properties": {"price": {"type": "number", "multipleOf": 0.01},
+                                               "n": {"type": "integer", "multipleOf": 3}}}
+    assert validate_output('{"price": 1283.34, "n": 9}', schema) is None
+    assert validate_output('{"price": 0.3, "n": 0}', schema) is None
+    assert "multiple" in (validate_output('{"price": 1283.345}', schema) or "")
+    assert "multiple" in (validate_output('{"n": 10}', schema) or "")
+    assert validate_output('{"price": "1.5"}', schema) is not None  # other keywords still apply
