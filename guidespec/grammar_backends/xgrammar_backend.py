@@ -128,6 +128,11 @@ def _refuse_ignored_keywords(schema: Any) -> None:
         raise GrammarError("xgrammar cannot enforce 'uniqueItems' in this json_schema (it would ignore it)")
     if "multipleOf" in schema and schema.get("type") != "integer":  # it enforces it on integers only (o17460)
         raise GrammarError("xgrammar cannot enforce 'multipleOf' on a non-integer in this json_schema (it would ignore it)")
+    if "pattern" in schema:  # it compiles the pattern and drops the lengths (sampled sweep, Snowplow sp_332)
+        for key in ("minLength", "maxLength"):
+            if key in schema:
+                raise GrammarError(f"xgrammar cannot enforce {key!r} beside a 'pattern' in this json_schema "
+                                   "(it would ignore it)")
     if "$ref" in schema:
         beside = sorted(k for k in schema if k != "$ref" and k not in _ANNOTATIONS)
         if beside:

@@ -11,7 +11,7 @@ stays exact). What the listed limitations are:
   objects, schema intersections too deep, and (our backend, 2 schemas) ``minProperties`` on an
   object open to more names, where a name may repeat. On every schema it accepts, it agrees
   with every test instance.
-- xgrammar refuses 101 schemas: 5 it cannot compile (``minItems``/``minProperties`` larger than
+- xgrammar refuses 110 schemas: 5 it cannot compile (``minItems``/``minProperties`` larger than
   a closed schema can hold), 45 whose ``oneOf`` it could only approximate by ``anyOf``
   (branches it cannot prove disjoint; our backend refuses those, as llguidance does, unless
   every ``oneOf`` has branches of distinct plain types), 10 since the backend moves the
@@ -19,13 +19,14 @@ stays exact). What the listed limitations are:
   them) and refuses where that cannot be done exactly, and 41 more since the backend refuses
   the keywords xgrammar compiles without enforcing (``not``, ``if``, ``dependencies``,
   ``uniqueItems``, ``contains``, keywords beside a ``$ref``, ``minProperties`` on an open
-  object, ``multipleOf`` on a non-integer: the sweep's Handwritten pNameFalse, key5, num2,
-  dep6, Github_easy o17460). Of the others, it rejects 43
+  object, ``multipleOf`` on a non-integer, ``minLength``/``maxLength`` beside a ``pattern``:
+  the sweep's Handwritten pNameFalse, key5, num2, dep6, Github_easy o17460, Snowplow sp_332;
+  50 in all). Of the others, it rejects 43
   valid instances: its strict mode closes objects and arrays the schema leaves open (extra
   properties, extra items), so it accepts a subset of the schema's language (outputs stay
   valid; required names that ``properties`` leaves undeclared are declared first, so closing
-  does not drop them). It accepts 2 invalid instances in 2 schemas (a ``pattern`` with
-  ``minLength``, a ``format``). The validity sweep is where those
+  does not drop them). It accepts 1 invalid instance (Glaiveai2K search_news, a
+  ``format``). The validity sweep is where those
   would show as invalid outputs.
 """
 

@@ -159,6 +159,9 @@ IGNORABLE = [  # (keyword, schema, an instance the schema forbids only through t
     ("multipleOf", {"type": "number", "multipleOf": 0.01}, "1000.008321"),  # sampled sweep, Github_easy o17460
     ("maxProperties", {"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 1},
      '{"a": 1, "b": 2}'),
+    # sampled sweep, Snowplow sp_332: a 250-digit "version" under maxLength 32 and this pattern
+    ("maxLength", {"type": "string", "maxLength": 8, "pattern": "^(\\d+\\.\\d+\\.\\d+.*)$"}, '"1.2.3456789"'),
+    ("minLength", {"type": "string", "minLength": 9, "pattern": "^(\\d+\\.\\d+\\.\\d+.*)$"}, '"1.2.3"'),
 ]
 
 
