@@ -12,6 +12,7 @@ Not here: sampling (``sampler.py``), the process loop (``worker.py``), file hand
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +37,18 @@ class AttentionGroup:
     token_index: torch.Tensor | None  # flat token indices, None when the group is the whole batch
     num_new_tokens: int
     length: int  # keys to read: max start + n
-    mask: torch.Tensor | None  # [B, 1, n, length] bool (True = attend), None when nothing is masked
     slot_ids: torch.Tensor  # [B] int32, as ``slots`` (for kernels.cache_attention)
     starts: torch.Tensor  # [B] int32: each row's first new position
+
+    @cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[B, 1, n, length] bool (True = attend), None when nothing is masked; built once per
+        step, and only where torch attends (the C kernel needs none)."""
+        n = self.num_new_tokens
+        if len(self.rows) == 1 and n == 1:
+            return None
+        query_pos = self.starts.long()[:, None] + torch.arange(n)[None]  # [B, n]
+        return (torch.arange(self.length)[None, None, :] <= query_pos[:, :, None])[:, None]
 
 
 @dataclass
@@ -272,7 +282,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def _attention_groups(batch: ForwardBatch) -> list[AttentionGroup]:
-    """Group rows by new-token count and build each group's causal mask once per step."""
+    """Group rows by new-token count (each group's causal mask is built on first use)."""
     offsets = [0]
     for count in batch.num_new_tokens:
         offsets.append(offsets[-1] + count)
@@ -283,14 +293,10 @@ def _attention_groups(batch: ForwardBatch) -> list[AttentionGroup]:
     for n, rows in by_count.items():
         starts = torch.tensor([batch.start_positions[r] for r in rows])
         length = int(starts.max()) + n
-        mask = None
-        if len(rows) > 1 or n > 1:
-            query_pos = starts[:, None] + torch.arange(n)[None]  # [B, n]
-            mask = (torch.arange(length)[None, None, :] <= query_pos[:, :, None])[:, None]  # [B, 1, n, L]
         index = None
         if len(by_count) > 1:
             index = torch.cat([torch.arange(offsets[r], offsets[r + 1]) for r in rows])
         slots = [batch.slots[r] for r in rows]
-        groups.append(AttentionGroup(rows, slots, index, n, length, mask, torch.tensor(slots, dtype=torch.int32),
+        groups.append(AttentionGroup(rows, slots, index, n, length, torch.tensor(slots, dtype=torch.int32),
                                      starts.to(torch.int32)))
     return groups
