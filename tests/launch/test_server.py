@@ -154,7 +154,11 @@ def test_a_disconnect_mid_stream_frees_the_slot(server: str) -> None:
             lines = response.iter_lines()
             received = [next(lines) for _ in range(6)]
             assert any(line.startswith("data: ") for line in received)
-            assert _metric(server, "guidespec_num_requests_running") == 1
+            # the scheduler reports its queue at most every 0.1 s: wait for the report, as a scraper would
+            deadline = time.monotonic() + 5
+            while _metric(server, "guidespec_num_requests_running") != 1:
+                assert time.monotonic() < deadline, "the streaming request never showed as running"
+                time.sleep(0.05)
         # leaving the block closes the connection mid-stream
     deadline = time.monotonic() + 20
     while _metric(server, "guidespec_num_requests_running") != 0:
