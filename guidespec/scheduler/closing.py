@@ -28,7 +28,14 @@ A request starts closing when
 
 - its last tokens repeat a cycle: for some period ``p`` the last ``max(2p, min_span)`` tokens
   equal the ``p`` tokens before them (three or more copies of the cycle), or
-- fewer than ``reserve`` tokens of its ``max_tokens`` budget are left.
+- fewer than ``reserve`` tokens of its ``max_tokens`` budget are left, or
+- a dry run of closing from the grammar's state (``GrammarManager.closing_length``: this
+  module's narrowing with the grammar alone choosing), and half as many tokens again, would no
+  longer fit in what is left: a recursive schema's required structure can need hundreds of
+  tokens (Github_hard o59999: ~760 from the start), far more than any fixed reserve.
+
+While closing, a row where the grammar forces the next tokens (a required name) is left as the
+grammar made it: narrowing it to the one-character steps would only spell the name out.
 
 Switch it off per request with ``GuidedDecoding(close_early=False)``.
 """
@@ -215,6 +222,7 @@ class EarlyCloser:
         self._examples: list[str] | None = None  # closing's step 3 (``schema_examples``)
         self._required: int | None = None
         self.plan: list[int] = []  # an example's tokens still to write
+        self.next_check = 0  # the output length at which the budget is next checked (``GrammarManager``)
         self.detector = RepeatDetector()
         self.tokens: list[int] = []
         self.closing = False

@@ -33,7 +33,10 @@ import numpy as np
 from guidespec.grammar_backends import GrammarBackend, GrammarError, GrammarMatcher, create_backend
 from guidespec.grammar_backends.interface import bitmask_row, bitmask_width
 from guidespec.protocol import GuidedDecoding
-from guidespec.scheduler.closing import ClosingTokens, EarlyCloser
+from guidespec.scheduler.closing import MAX_STEPS, ClosingTokens, EarlyCloser, allowed_ids
+
+
+MAX_CLOSING_RUN = 2048  # the longest dry run of closing (``closing_length``)
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,7 @@ class GrammarManager:
         self.matchers: dict[str, tuple[str, GrammarMatcher]] = {}
         self.closers: dict[str, EarlyCloser] = {}
         self._closing_tokens: ClosingTokens | None = None  # built at first use
+        self._pieces: list[str] | None = None  # the tokenizer's pieces, read at first use
         self._job_ids = itertools.count()
         self.bitmask = np.zeros((settings.max_rows, bitmask_width(settings.vocab_size)), dtype=np.int32)
         self._stop_row = bitmask_row(settings.stop_token_ids, settings.vocab_size)
@@ -139,6 +143,8 @@ class GrammarManager:
         firsts = np.cumsum([0] + [1 + len(r.drafts) for r in rows]).tolist()
         if firsts[-1] > self.bitmask.shape[0]:
             self.bitmask = np.zeros((firsts[-1], self.bitmask.shape[1]), dtype=np.int32)
+        for r in rows:
+            self._check_budget(r)
         saved = {r.request_id: c.snapshot() for r in rows if r.drafts and (c := self.closers.get(r.request_id))}
         depths = [len(r.drafts) for r in rows]  # how deep each request's grammar can follow its drafts
         accepted = [0] * len(rows)
@@ -321,8 +327,79 @@ class GrammarManager:
         index = row.output_len + depth  # the output index this row's token will have
         if closer.closing or (index >= 1 and row.max_tokens - index <= closer.reserve(row.max_tokens)):
             backend, matcher = self.matchers[row.request_id]
+            if matcher.forced_tokens(1):
+                return  # the grammar writes the next tokens itself (a name): narrowing would only split them
             view = _GrammarView(self.backends[backend], matcher, self.bitmask[out_row], self.tokenizer)
             closer.restrict(self.bitmask[out_row], self._closing(), self.tokenizer, view)
+
+    def _check_budget(self, row: FillRow) -> None:
+        """Start closing a JSON output once the tokens its closing would take (``closing_length``,
+        and half as many again, and 16 for the model's own choices) no longer fit in what is left
+        of its budget. Checked at its first mask and then again as what is left nears what is
+        needed: more often the nearer it gets, so a long output costs a few dry runs."""
+        closer = self.closers.get(row.request_id)
+        if closer is None or closer.closing or row.output_len < closer.next_check:
+            return
+        remaining = row.max_tokens - row.output_len
+        length = self.closing_length(row.request_id, min(remaining, MAX_CLOSING_RUN))
+        length = MAX_CLOSING_RUN + 1 if length is None else length  # at least
+        need = length + length // 2 + 16
+        if need >= remaining:
+            closer.near_budget()
+        else:
+            closer.next_check = row.output_len + max(8, (remaining - need) // 2)
+
+    def closing_length(self, request_id: str, limit: int) -> int | None:
+        """How many tokens closing would take from the grammar's state to the end of the
+        document: a dry run of the closer with the grammar alone choosing (forced tokens, then in
+        each narrowed row the token of the longest text, else the lowest id allowed, which is a
+        one-character token); None if more than ``limit``, a lower bound where the dry run cannot
+        go on (a forced token that does not replay). Everything is rolled back."""
+        backend_name, matcher = self.matchers[request_id]
+        closer = self.closers[request_id]
+        backend, closing = self.backends[backend_name], self._closing()
+        saved = closer.snapshot()
+        row = np.zeros((1, self.bitmask.shape[1]), dtype=np.int32)
+        stops = self._stop_row
+        accepted = 0
+        closer.closing = True
+        try:
+            while accepted <= limit:
+                if matcher.is_terminated():
+                    return accepted
+                forced = matcher.forced_tokens(limit + 1 - accepted)
+                if forced:
+                    for token in forced:
+                        if not matcher.accept_token(token):
+                            return accepted  # the forced tokens do not replay: a lower bound
+                        accepted += 1
+                        closer.add(token)
+                    continue
+                backend.fill_bitmasks([matcher], row, [0])
+                if (row[0] & stops).any():
+                    return accepted + 1  # the stop token
+                view = _GrammarView(backend, matcher, row[0], self.tokenizer)
+                narrowed = closer.restrict(row[0], closing, self.tokenizer, view)
+                allowed = allowed_ids(row[0])
+                if not len(allowed):
+                    return accepted  # a lower bound
+                token = int(allowed[0])
+                if narrowed and len(allowed) > 1:
+                    token = max(allowed[:MAX_STEPS].tolist(), key=lambda t: len(self._piece(t)))
+                if not matcher.accept_token(token):
+                    return accepted  # a lower bound
+                accepted += 1
+                closer.add(token)
+            return None
+        finally:
+            matcher.rollback(accepted)
+            closer.restore(saved)
+
+    def _piece(self, token: int) -> str:
+        pieces = self._pieces
+        if pieces is None:
+            pieces = self._pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+        return pieces[token] if token < len(pieces) and pieces[token] is not None else ""
 
     def _accept_draft(self, request_id: str, token: int) -> bool:
         if not self.matchers[request_id][1].accept_token(token):

@@ -3,6 +3,10 @@ and the mask restriction never allowing a token the grammar refused."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -16,6 +20,21 @@ def tokenizer():  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve_model_dir(default_model_path()))
+
+
+def _compiled(request_id: str, schema: Any, backend: str, tokenizer: Any, model_dir: Path) -> Any:
+    """A grammar manager with ``request_id``'s JSON-schema grammar compiled and its matcher made."""
+    from guidespec.protocol import GuidedDecoding
+    from guidespec.scheduler.grammar import GrammarManager, GrammarSettings
+
+    grammar = GrammarManager(GrammarSettings(model_dir, backend, 49152, (2,), 60.0, 4), tokenizer)
+    ready = grammar.submit(request_id, GuidedDecoding(json_schema=schema))
+    deadline = time.monotonic() + 60
+    while not ready:
+        assert time.monotonic() < deadline, "the grammar did not compile"
+        ready = request_id in grammar.poll()[0]
+        time.sleep(0.01)
+    return grammar
 
 
 def _ids(mask: np.ndarray) -> list[int]:
@@ -106,21 +125,13 @@ def test_a_looping_model_is_steered_to_a_valid_end(tokenizer, real_model_dir, ba
     stop token, the pattern's ``://`` or ``:`` through the grammar's lookahead, a MAC address
     from the schema's pattern (Github_easy o40228 wrote digits until max_tokens)."""
     import json
-    import time
 
     import jsonschema
 
-    from guidespec.protocol import GuidedDecoding
-    from guidespec.scheduler.grammar import FillRow, GrammarManager, GrammarSettings
+    from guidespec.scheduler.grammar import FillRow
 
-    grammar = GrammarManager(GrammarSettings(real_model_dir, backend, 49152, (2,), 60.0, 4), tokenizer)
+    grammar = _compiled("r", schema, backend, tokenizer, real_model_dir)
     try:
-        ready = grammar.submit("r", GuidedDecoding(json_schema=schema))
-        deadline = time.monotonic() + 60
-        while not ready:
-            assert time.monotonic() < deadline, "the grammar did not compile"
-            ready = "r" in grammar.poll()[0]
-            time.sleep(0.01)
         output = list(tokenizer.encode(start if backend == "xgrammar" else start.replace(": ", ":")))
         for token in output:
             assert grammar.accept("r", token)
@@ -136,6 +147,54 @@ def test_a_looping_model_is_steered_to_a_valid_end(tokenizer, real_model_dir, ba
         else:
             raise AssertionError(f"not closed in 300 tokens: {tokenizer.decode(output)[-200:]!r}")
         jsonschema.validate(json.loads(tokenizer.decode(output)), schema)
+    finally:
+        grammar.shutdown()
+
+
+def _deep_required_schema() -> dict:
+    """Five required objects of five required strings (Github_hard o59999's shape, smaller): its
+    shortest document takes ~150 tokens, more than ``budget_reserve`` keeps at max_tokens 400."""
+    leaf = {"type": "object", "properties": {f"field{j}": {"type": "string"} for j in range(5)},
+            "required": [f"field{j}" for j in range(5)], "additionalProperties": False}
+    return {"type": "object", "properties": {f"part{i}": leaf for i in range(5)},
+            "required": [f"part{i}" for i in range(5)], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_deep_required_structure_closes_within_max_tokens(tokenizer, real_model_dir, backend) -> None:  # type: ignore[no-untyped-def]
+    """A model that rambles inside every string (random tokens, never a quote) still ends
+    with a valid document before max_tokens: closing starts when the dry run of closing
+    (``closing_length``) no longer fits in what is left, not at a fixed reserve (the sampled sweep
+    cut Github_hard o59999 and o66712 at max_tokens)."""
+    import json
+
+    import jsonschema
+
+    from guidespec.scheduler.grammar import FillRow
+
+    schema, max_tokens = _deep_required_schema(), 400
+    assert budget_reserve(max_tokens, count_required(schema)) == 133
+    grammar = _compiled("r", schema, backend, tokenizer, real_model_dir)
+    try:
+        shortest = grammar.closing_length("r", max_tokens)
+        assert shortest is not None and 140 < shortest < 260  # 25 names and values, 6 objects
+        assert grammar.closing_length("r", 50) is None
+        rng = np.random.default_rng(0)
+        output: list[int] = []
+        for _ in range(max_tokens):
+            allowed = _ids(grammar.fill([FillRow("r", output_len=len(output), max_tokens=max_tokens)])[0])
+            if 2 in allowed:
+                break
+            rambling = [t for t in allowed if '"' not in tokenizer.decode([t])]  # never ends a string itself
+            token = int(rng.choice(rambling or allowed))
+            assert grammar.accept("r", token)
+            output.append(token)
+        else:
+            raise AssertionError(f"cut at max_tokens: {tokenizer.decode(output)[-200:]!r}")
+        document = json.loads(tokenizer.decode(output))
+        jsonschema.validate(document, schema)
+        assert len(document["part0"]["field0"]) > 20  # it rambled until the budget called for closing
+        assert grammar.closing_reason("r") == "budget"
     finally:
         grammar.shutdown()
 
