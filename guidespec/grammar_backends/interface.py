@@ -27,6 +27,10 @@ class GrammarMatcher(Protocol):
     def forced_tokens(self, limit: int) -> list[int]:
         """Tokens the grammar allows alone from here, without accepting them (jump-forward)."""
 
+    def error(self) -> str:
+        """Why the matcher failed (a backend's resource limit), or empty: a failed matcher
+        rejects every token from then on."""
+
 
 class GrammarBackend(Protocol):
     name: str

@@ -41,6 +41,9 @@ class LLGuidanceMatcher:
     def forced_tokens(self, limit: int) -> list[int]:
         return list(self.matcher.compute_ff_tokens())[:limit]
 
+    def error(self) -> str:
+        return str(self.matcher.get_error()) if self.matcher.is_error() else ""
+
 
 class LLGuidanceBackend:
     name = "llguidance"

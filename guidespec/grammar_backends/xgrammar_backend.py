@@ -35,6 +35,9 @@ class XGrammarMatcher:
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
 
+    def error(self) -> str:
+        return ""  # xgrammar's matchers do not fail: a rejected token leaves them as they were
+
     def forced_tokens(self, limit: int) -> list[int]:
         """The jump-forward string, tokenized, less its last token (which the model might extend
         into a longer one), cut where the grammar stops accepting; the matcher is left unchanged."""

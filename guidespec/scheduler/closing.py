@@ -34,6 +34,10 @@ A request starts closing when
   longer fit in what is left: a recursive schema's required structure can need hundreds of
   tokens (Github_hard o59999: ~760 from the start), far more than any fixed reserve.
 
+Once the dry run alone only just fits what is left (8 tokens to spare), its tokens are written
+as they are (``script``): each row allows only the next one. The model then has no choice left,
+but the document ends valid within ``max_tokens`` whenever the dry run found it could.
+
 While closing, a row where the grammar forces the next tokens (a required name) is left as the
 grammar made it: narrowing it to the one-character steps would only spell the name out.
 
@@ -222,6 +226,7 @@ class EarlyCloser:
         self._examples: list[str] | None = None  # closing's step 3 (``schema_examples``)
         self._required: int | None = None
         self.plan: list[int] = []  # an example's tokens still to write
+        self.script: list[int] = []  # a dry run's tokens still to write (the budget leaves no choice)
         self.next_check = 0  # the output length at which the budget is next checked (``GrammarManager``)
         self.detector = RepeatDetector()
         self.tokens: list[int] = []
@@ -235,6 +240,7 @@ class EarlyCloser:
     def add(self, token: int) -> None:
         self.tokens.append(token)
         self.plan = self.plan[1:] if self.plan and self.plan[0] == token else []
+        self.script = self.script[1:] if self.script and self.script[0] == token else []
         if self.detector.add(token):
             if not self.closing:
                 self.closing, self.reason = True, "repeat"
@@ -243,10 +249,10 @@ class EarlyCloser:
     def snapshot(self) -> tuple[Any, ...]:
         d = self.detector
         return (d.history.copy(), d.runs.copy(), len(self.tokens), self.closing, self.reason, self.banned,
-                list(self.plan), self._scanned, self._in_string, self._escaped)
+                list(self.plan), list(self.script), self._scanned, self._in_string, self._escaped)
 
     def restore(self, state: tuple[Any, ...]) -> None:
-        (history, runs, num_tokens, self.closing, self.reason, self.banned, self.plan, self._scanned,
+        (history, runs, num_tokens, self.closing, self.reason, self.banned, self.plan, self.script, self._scanned,
          self._in_string, self._escaped) = state
         self.detector.history, self.detector.runs = history, runs
         del self.tokens[num_tokens:]
@@ -262,9 +268,23 @@ class EarlyCloser:
             self._required = count_required(self._schema_of()) if self._schema_of is not None else 0
         return budget_reserve(max_tokens, self._required)
 
-    def near_budget(self) -> None:
+    def near_budget(self, script: Sequence[int] = ()) -> None:
+        """Start closing; with ``script``, write exactly those tokens (a dry run of closing that
+        just fits what is left of the budget)."""
         if not self.closing:
             self.closing, self.reason = True, "budget"
+        self.script = list(script)
+
+    def follow_script(self, row: np.ndarray) -> bool:
+        """Narrow the row to the script's next token, if there is one and the grammar allows it
+        (else the script is dropped)."""
+        if not self.script:
+            return False
+        if not allows(row, self.script[0]):
+            self.script = []
+            return False
+        row[:] = bitmask_row(self.script[:1], len(row) * 32)
+        return True
 
     def in_string(self, tokenizer: Any) -> bool:
         """Whether the output so far ends inside a JSON string."""
@@ -294,7 +314,7 @@ class EarlyCloser:
             target = np.bitwise_or.reduce(tiers)
             if inside and not self.plan and self.examples():
                 self.plan = grammar.completion(self.examples(), target)
-            if self.plan and _allows(row, self.plan[0]):
+            if self.plan and allows(row, self.plan[0]):
                 row[:] = bitmask_row(self.plan[:1], vocab_size)
                 return True
             candidates = allowed_ids(row & closing.steps)
@@ -311,5 +331,6 @@ class EarlyCloser:
         return False
 
 
-def _allows(row: np.ndarray, token: int) -> bool:
+def allows(row: np.ndarray, token: int) -> bool:
+    """Whether a bitmask row allows ``token``."""
     return bool((int(row[token // 32]) >> (token % 32)) & 1)

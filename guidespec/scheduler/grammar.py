@@ -33,10 +33,11 @@ import numpy as np
 from guidespec.grammar_backends import GrammarBackend, GrammarError, GrammarMatcher, create_backend
 from guidespec.grammar_backends.interface import bitmask_row, bitmask_width
 from guidespec.protocol import GuidedDecoding
-from guidespec.scheduler.closing import MAX_STEPS, ClosingTokens, EarlyCloser, allowed_ids
+from guidespec.scheduler.closing import MAX_STEPS, ClosingTokens, EarlyCloser, allowed_ids, allows
 
 
-MAX_CLOSING_RUN = 2048  # the longest dry run of closing (``closing_length``)
+MAX_CLOSING_RUN = 2048  # the longest dry run of closing (``closing_run``)
+_SCRIPT_MARGIN = 8  # a dry run of closing this near the budget's end is written as it is
 
 
 @dataclass(frozen=True)
@@ -254,6 +255,12 @@ class GrammarManager:
     def is_terminated(self, request_id: str) -> bool:
         return self.matchers[request_id][1].is_terminated()
 
+    def error(self, request_id: str) -> str:
+        """The backend's reason if the request's matcher failed (empty otherwise)."""
+        backend, matcher = self.matchers[request_id]
+        reason = matcher.error()
+        return f"{backend} failed: {reason}" if reason else ""
+
     def shutdown(self) -> None:
         self.process.close()
 
@@ -326,6 +333,8 @@ class GrammarManager:
             return
         index = row.output_len + depth  # the output index this row's token will have
         if closer.closing or (index >= 1 and row.max_tokens - index <= closer.reserve(row.max_tokens)):
+            if closer.follow_script(self.bitmask[out_row]):
+                return
             backend, matcher = self.matchers[row.request_id]
             if matcher.forced_tokens(1):
                 return  # the grammar writes the next tokens itself (a name): narrowing would only split them
@@ -333,66 +342,84 @@ class GrammarManager:
             closer.restrict(self.bitmask[out_row], self._closing(), self.tokenizer, view)
 
     def _check_budget(self, row: FillRow) -> None:
-        """Start closing a JSON output once the tokens its closing would take (``closing_length``,
-        and half as many again, and 16 for the model's own choices) no longer fit in what is left
-        of its budget. Checked at its first mask and then again as what is left nears what is
-        needed: more often the nearer it gets, so a long output costs a few dry runs."""
+        """Start closing a JSON output once a dry run of its closing (``closing_run``), and half
+        as many tokens again, and 16 for the model's own choices, no longer fits in what is left
+        of its budget; once the dry run alone just fits, write the dry run itself. Checked at the
+        first mask and again as what is left nears what is needed: more often the nearer it
+        gets, so a long output costs a few dry runs."""
         closer = self.closers.get(row.request_id)
-        if closer is None or closer.closing or row.output_len < closer.next_check:
+        if closer is None or closer.script or row.output_len < closer.next_check:
             return
         remaining = row.max_tokens - row.output_len
-        length = self.closing_length(row.request_id, min(remaining, MAX_CLOSING_RUN))
-        length = MAX_CLOSING_RUN + 1 if length is None else length  # at least
+        run, ended = self.closing_run(row.request_id, min(remaining, MAX_CLOSING_RUN))
+        length = len(run)
+        if ended and length + _SCRIPT_MARGIN >= remaining:
+            closer.near_budget(script=run)  # no room left for the model's choices
+            return
+        if not ended and length >= remaining:  # no way to close within the budget: do what can be done
+            closer.near_budget()
+            closer.next_check = row.output_len + 32
+            return
         need = length + length // 2 + 16
         if need >= remaining:
             closer.near_budget()
+        if closer.closing:
+            closer.next_check = row.output_len + max(1, (remaining - length - _SCRIPT_MARGIN) // 2)
         else:
             closer.next_check = row.output_len + max(8, (remaining - need) // 2)
 
     def closing_length(self, request_id: str, limit: int) -> int | None:
-        """How many tokens closing would take from the grammar's state to the end of the
-        document: a dry run of the closer with the grammar alone choosing (forced tokens, then in
-        each narrowed row the token of the longest text, else the lowest id allowed, which is a
-        one-character token); None if more than ``limit``, a lower bound where the dry run cannot
-        go on (a forced token that does not replay). Everything is rolled back."""
+        """How many tokens closing would take from here to the end of the document (with the stop
+        token); None if more than ``limit``."""
+        run, ended = self.closing_run(request_id, limit)
+        return len(run) if ended or len(run) <= limit else None
+
+    def closing_run(self, request_id: str, limit: int) -> tuple[list[int], bool]:
+        """A dry run of closing from the grammar's state, the grammar alone choosing: forced
+        tokens, then in each row closing narrowed the token of the longest text, else the lowest
+        id allowed (a one-character token). Returns its tokens (ending with the stop token) and
+        whether they end the document: False if more than ``limit`` were needed (``limit + 1``
+        tokens returned) or where the dry run cannot go on (a forced token that does not replay:
+        the length is a lower bound). Everything is rolled back."""
         backend_name, matcher = self.matchers[request_id]
         closer = self.closers[request_id]
         backend, closing = self.backends[backend_name], self._closing()
         saved = closer.snapshot()
         row = np.zeros((1, self.bitmask.shape[1]), dtype=np.int32)
-        stops = self._stop_row
-        accepted = 0
+        stops = allowed_ids(self._stop_row)
+        run: list[int] = []
         closer.closing = True
         try:
-            while accepted <= limit:
+            while len(run) <= limit:
                 if matcher.is_terminated():
-                    return accepted
-                forced = matcher.forced_tokens(limit + 1 - accepted)
+                    return run, True
+                forced = matcher.forced_tokens(limit + 1 - len(run))
                 if forced:
                     for token in forced:
                         if not matcher.accept_token(token):
-                            return accepted  # the forced tokens do not replay: a lower bound
-                        accepted += 1
+                            return run, False
+                        run.append(token)
                         closer.add(token)
                     continue
                 backend.fill_bitmasks([matcher], row, [0])
-                if (row[0] & stops).any():
-                    return accepted + 1  # the stop token
+                stop = next((int(t) for t in stops if allows(row[0], int(t))), None)
+                if stop is not None:
+                    return run + [stop], True
                 view = _GrammarView(backend, matcher, row[0], self.tokenizer)
                 narrowed = closer.restrict(row[0], closing, self.tokenizer, view)
                 allowed = allowed_ids(row[0])
                 if not len(allowed):
-                    return accepted  # a lower bound
+                    return run, False
                 token = int(allowed[0])
                 if narrowed and len(allowed) > 1:
                     token = max(allowed[:MAX_STEPS].tolist(), key=lambda t: len(self._piece(t)))
                 if not matcher.accept_token(token):
-                    return accepted  # a lower bound
-                accepted += 1
+                    return run, False
+                run.append(token)
                 closer.add(token)
-            return None
+            return run, False
         finally:
-            matcher.rollback(accepted)
+            matcher.rollback(len(run))
             closer.restore(saved)
 
     def _piece(self, token: int) -> str:

@@ -270,7 +270,8 @@ class Scheduler:
         grammar_done = False
         if request.guided:
             if not self.grammar.accept(request.request_id, token):
-                self._fail(request, f"internal error: the grammar rejected sampled token {token}")
+                reason = self.grammar.error(request.request_id) or f"the grammar rejected sampled token {token}"
+                self._fail(request, f"internal error: {reason}")
                 return "error"
             grammar_done = self.grammar.is_terminated(request.request_id)
             self.grammar.near_budget(request.request_id, self._output_budget(request), len(request.output_token_ids) + 1)

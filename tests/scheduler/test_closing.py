@@ -199,6 +199,46 @@ def test_deep_required_structure_closes_within_max_tokens(tokenizer, real_model_
         grammar.shutdown()
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("slack", [4, 60])
+def test_a_budget_that_barely_fits_the_shortest_document_still_ends_valid(tokenizer, real_model_dir, backend, slack) -> None:  # type: ignore[no-untyped-def]
+    """max_tokens only ``slack`` tokens above the dry run's length from the start: the rambling
+    model closes at once, and once what is left only fits the dry run, the dry run itself is
+    written (the sampled sweep's Github_hard o66712 needs 926 of its 1024 tokens with xgrammar's
+    separators; the model's own closing ran past 1024)."""
+    import json
+
+    import jsonschema
+
+    from guidespec.scheduler.grammar import FillRow
+
+    schema = _deep_required_schema()
+    grammar = _compiled("r", schema, backend, tokenizer, real_model_dir)
+    try:
+        shortest = grammar.closing_length("r", 1000)
+        run, ended = grammar.closing_run("r", 1000)
+        assert ended and len(run) == shortest  # ends with the stop token, or where the grammar ends (llguidance)
+        max_tokens = shortest + slack
+        rng = np.random.default_rng(1)
+        output: list[int] = []
+        while True:
+            assert len(output) < max_tokens, f"cut at max_tokens: {tokenizer.decode(output)[-200:]!r}"
+            allowed = _ids(grammar.fill([FillRow("r", output_len=len(output), max_tokens=max_tokens)])[0])
+            rambling = [t for t in allowed if '"' not in tokenizer.decode([t])]
+            token = int(rng.choice(rambling or allowed))
+            if token == 2:
+                break
+            assert grammar.accept("r", token)
+            output.append(token)
+            if grammar.is_terminated("r"):
+                break
+        jsonschema.validate(json.loads(tokenizer.decode(output)), schema)
+        if slack == 4:  # written as the dry run found it
+            assert output == [t for t in run if t != 2]
+    finally:
+        grammar.shutdown()
+
+
 def test_budget_reserve() -> None:
     assert budget_reserve(1024) == 128 and budget_reserve(40) == 13 and budget_reserve(1) == 0
     assert budget_reserve(1024, required_names=23) == 312 and budget_reserve(1024, required_names=125) == 341

@@ -150,3 +150,52 @@ def test_forced_tokens_are_drafted_beyond_the_draft_length(manager: tuple[Gramma
         speculator.observe(request, len(request.draft_tokens), len(request.draft_tokens))
         assert request.request_id not in speculator.acceptance  # forced drafts say nothing of the drafter
         grammar.release("f")
+
+
+O30231 = {"type": "object", "title": "servicegroup_servicegroupmember_binding", "properties": {  # Github_medium, abridged
+    "customserverid": {"type": "string"}, "delay": {"type": "integer"},
+    "graceful": {"enum": ["YES", "NO"], "type": "string"}, "ip": {"type": "string"}, "port": {"type": "integer"},
+    "state": {"enum": ["ENABLED", "DISABLED"], "type": "string"},
+    "svrstate": {"enum": ["UP", "DOWN", "OUT OF SERVICE", "GOING OUT OF SERVICE"], "type": "string"},
+    "weight": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("schema", [SCHEMA, O30231], ids=["person", "o30231"])
+def test_every_token_a_mask_row_allows_is_accepted(manager: tuple[GrammarManager, Any], schema: Any) -> None:
+    """Masks and accepts agree through the scheduler's whole path: forced and n-gram-like drafts
+    filled and rolled back, verification that accepts some and samples from the row where it
+    stops, closing near a small budget. A random "model" picks any token its row allows, so every
+    step's token must be accepted (the sampled sweep once failed a request with "the grammar
+    rejected sampled token" on Github_medium o30231)."""
+    grammar, _ = manager
+    rng = np.random.default_rng(0)
+    for episode in range(4):
+        request_id, max_tokens = f"fuzz{episode}", 96
+        assert grammar.submit(request_id, GuidedDecoding(json_schema=schema)) or _wait(grammar, request_id)
+        output: list[int] = []
+        finished = False
+        while not finished and len(output) < max_tokens:
+            drafts = grammar.forced_tokens(request_id, 6)
+            if len(output) > 4:  # an n-gram-like proposal: a span of the output so far
+                start = int(rng.integers(0, len(output)))
+                drafts = drafts + output[start : start + int(rng.integers(1, 4))]
+            rows = grammar.fill([FillRow(request_id, drafts, len(output), max_tokens)]).copy()
+            step: list[int] = []
+            for j in range(len(drafts) + 1):
+                allowed = np.flatnonzero(np.unpackbits(rows[j].view(np.uint8), bitorder="little"))
+                assert len(allowed), f"row {j} allows nothing"
+                if j < len(drafts) and _allowed(rows[j], drafts[j]) and rng.random() < 0.8:
+                    step.append(drafts[j])
+                    continue
+                step.append(int(rng.choice(allowed)))
+                break
+            for token in step:
+                if token == 2:
+                    finished = True
+                    break
+                assert grammar.accept(request_id, token), f"allowed token {token} rejected: {grammar.error(request_id)}"
+                output.append(token)
+                if grammar.is_terminated(request_id):
+                    finished = True
+                    break
+        grammar.release(request_id)
