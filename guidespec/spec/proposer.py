@@ -10,7 +10,9 @@ Each step, for every decoding row whose request speculates:
    added greedily while they raise tokens per second, so at a large batch where the forward is
    compute-bound speculation turns itself down instead of turning into a loss; a request whose
    drafts keep failing still probes one draft every 8 steps (a model drafter's: every 32
-   steps, all such requests in the same step, since each probe first catches the draft model up);
+   steps, all such requests in the same step, since each probe first catches the draft model up;
+   after two fruitless probes in a row a model drafter stops probing for that request, which
+   then never runs the draft model again);
 2. the drafts: the grammar's forced tokens first (guided requests; up to ``MAX_FORCED_DRAFTS``,
    not counted in the draft length: they are certain, and jump-forward gives requests that do
    not speculate all of them), then the drafter's tokens, cut at the first one the grammar
@@ -38,6 +40,10 @@ _PROBE_EVERY = 8
 # a model drafter's probes are rarer and all at once: a probing row first runs the tokens it held
 # back (lazy following), one draft-model forward for every probing row together
 _MODEL_PROBE_EVERY = 32
+# a request whose model-drafter probes failed this many times in a row (the plan never took
+# drafting up again) stops probing: every probe first runs the draft model over all the tokens
+# held back since the last one, which at a large batch cost more than the probes ever gave back
+_MODEL_PROBES_BEFORE_OFF = 2
 MAX_FORCED_DRAFTS = 16
 
 
@@ -46,6 +52,8 @@ class _Acceptance:
     rate: float = 0.7  # running mean of accepted / drafted, per draft token
     steps_without_drafts: int = 0
     planned: int | None = None  # the draft length the adaptive plan gave it last
+    probes: int = 0  # probes since the plan last drafted for it
+    off: bool = False  # a model drafter's probes kept failing: no more (its forced drafts go on)
 
 
 class CostModel:
@@ -153,7 +161,7 @@ class Speculator:
         if not self.cfg.adaptive or stats is None or stats.planned is None:
             return cap
         if stats.planned == 0:  # not drafting: propose only for the coming probe (the next plan's)
-            return 1 if (self._plans + 1) % _MODEL_PROBE_EVERY == 0 else 0
+            return 1 if not stats.off and (self._plans + 1) % _MODEL_PROBE_EVERY == 0 else 0
         return min(cap, stats.planned + 1)
 
     def store_proposals(self, request: Request, tokens: list[int]) -> None:
@@ -215,14 +223,16 @@ class Speculator:
             if lengths[i] == 0:
                 stats.steps_without_drafts += 1
                 if isinstance(self.drafter, ModelDrafter):
-                    due = self._plans % _MODEL_PROBE_EVERY == 0 and stats.steps_without_drafts > 1
+                    stats.off = stats.off or stats.probes >= _MODEL_PROBES_BEFORE_OFF
+                    due = not stats.off and self._plans % _MODEL_PROBE_EVERY == 0 and stats.steps_without_drafts > 1
                 else:
                     due = stats.steps_without_drafts >= _PROBE_EVERY
                 if due and budget > 0:
                     lengths[i], stats.steps_without_drafts = 1, 0
+                    stats.probes += 1
                     budget -= 1
             else:
-                stats.steps_without_drafts = 0
+                stats.steps_without_drafts = stats.probes = 0
             stats.planned = lengths[i]
         return lengths
 

@@ -94,6 +94,11 @@ def test_a_draft_model_proposes_one_more_than_the_plan_used() -> None:
     assert len(before_probes) == 2 and before_probes[1] - before_probes[0] == _MODEL_PROBE_EVERY
     after_probes = [i + 1 for i in before_probes]  # the probe step planned 1: its proposals may grow to 2
     assert all(p == [0] * 4 for i, p in enumerate(seen) if i not in before_probes + after_probes)
+    # two fruitless probes in a row: the rows stop probing, the draft model never runs for them again
+    for _ in range(3 * _MODEL_PROBE_EVERY):
+        assert _draft_lengths(speculator, rows) == [0] * 4
+        proposals = speculator.proposal_lengths(rows)
+        assert proposals is not None and proposals[0].tolist() == [0] * 4
 
 
 def test_a_costly_drafter_is_turned_off_where_a_cheap_one_drafts() -> None:
