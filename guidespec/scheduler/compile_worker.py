@@ -28,15 +28,26 @@ def main() -> None:
     settings = json.loads(sys.stdin.readline())
     tokenizer = AutoTokenizer.from_pretrained(settings["model_dir"])
     backends: dict[str, Any] = {}
+
+    def backend(name: str) -> Any:
+        if name not in backends:
+            backends[name] = create_backend(name, tokenizer, settings["vocab_size"], tuple(settings["stop_token_ids"]),
+                                            settings["num_threads"])
+        return backends[name]
+
+    # a backend's setup (xgrammar's tokenizer info: a second or more) is not part of any request's
+    # compile time: the default one is made before "ready", another one before its job "started"
+    try:
+        backend(settings["default_backend"])
+    except Exception:
+        pass  # each job then reports the backend's error itself
     _reply({"ready": True})
     for line in sys.stdin:
         job = json.loads(line)
-        _reply({"job": job["job"], "started": True})
         try:
             name = job["backend"]
-            if name not in backends:
-                backends[name] = create_backend(name, tokenizer, settings["vocab_size"],
-                                                tuple(settings["stop_token_ids"]), settings["num_threads"])
+            backend(name)
+            _reply({"job": job["job"], "started": True})
             spec = GuidedDecoding(**job["spec"])
             compiled = backends[name].serialize(backends[name].compile(spec))
             _reply({"job": job["job"], "ok": True, "compiled": compiled})

@@ -462,7 +462,8 @@ class _CompileProcess:
     """The compile subprocess and a thread reading its JSON-line answers into a queue."""
 
     def __init__(self, settings: GrammarSettings) -> None:
-        self.settings_line = json.dumps({"model_dir": str(settings.model_dir), "vocab_size": settings.vocab_size,
+        self.settings_line = json.dumps({"model_dir": str(settings.model_dir), "default_backend": settings.default_backend,
+                                         "vocab_size": settings.vocab_size,
                                          "stop_token_ids": list(settings.stop_token_ids),
                                          "num_threads": settings.num_threads})
         self.answers: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
