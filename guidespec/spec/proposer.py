@@ -12,7 +12,8 @@ Each step, for every decoding row whose request speculates:
    drafts keep failing still probes one draft every 8 steps (a model drafter's: every 32
    steps, all such requests in the same step, since each probe first catches the draft model up;
    after two fruitless probes in a row a model drafter stops probing for that request, which
-   then never runs the draft model again);
+   then never runs the draft model again; and where even a draft of acceptance 0.9 would not pay
+   at the current batch, a model drafter neither probes nor starts new requests);
 2. the drafts: the grammar's forced tokens first (guided requests; up to ``MAX_FORCED_DRAFTS``,
    not counted in the draft length: they are certain, and jump-forward gives requests that do
    not speculate all of them), then the drafter's tokens, cut at the first one the grammar
@@ -44,6 +45,7 @@ _MODEL_PROBE_EVERY = 32
 # drafting up again) stops probing: every probe first runs the draft model over all the tokens
 # held back since the last one, which at a large batch cost more than the probes ever gave back
 _MODEL_PROBES_BEFORE_OFF = 2
+_OPTIMISTIC_RATE = 0.9  # the acceptance a probe could at best reveal
 MAX_FORCED_DRAFTS = 16
 
 
@@ -97,6 +99,10 @@ class Speculator:
         self.cost = CostModel()
         self.draft_cost: float | None = None  # seconds per draft token proposed on rank 0 (model drafters)
         self._plans = 0  # plans made so far: a model drafter's probes fall on multiples of _MODEL_PROBE_EVERY
+        # whether, at the batch the last plan saw, a draft of an optimistic acceptance would pay:
+        # where it would not (a compute-bound batch), a model drafter neither starts new requests
+        # (their first proposal runs the draft model over the whole prompt) nor probes
+        self._model_drafting_pays = True
         self._num_forced: dict[str, int] = {}  # request -> how many of its drafts this step are forced tokens
 
     def speculates(self, request: Request) -> bool:
@@ -158,10 +164,13 @@ class Speculator:
         (so the plan can grow by one a step, and a probe always finds a draft)."""
         cap = request.params.max_draft_len or self.cfg.max_draft_len
         stats = self.acceptance.get(request.request_id)
-        if not self.cfg.adaptive or stats is None or stats.planned is None:
+        if not self.cfg.adaptive:
             return cap
+        if stats is None or stats.planned is None:
+            return cap if self._model_drafting_pays else 0
         if stats.planned == 0:  # not drafting: propose only for the coming probe (the next plan's)
-            return 1 if not stats.off and (self._plans + 1) % _MODEL_PROBE_EVERY == 0 else 0
+            probe_next = (self._plans + 1) % _MODEL_PROBE_EVERY == 0
+            return 1 if not stats.off and self._model_drafting_pays and probe_next else 0
         return min(cap, stats.planned + 1)
 
     def store_proposals(self, request: Request, tokens: list[int]) -> None:
@@ -218,13 +227,17 @@ class Speculator:
             tokens += 1
             drafts += 1
             budget -= 1
+        if isinstance(self.drafter, ModelDrafter):
+            self._model_drafting_pays = (expected + _OPTIMISTIC_RATE) * (c0 + c1 * tokens + cd * drafts) > \
+                expected * (c0 + c1 * (tokens + 1) + cd * (drafts + 1))
         for i in limits:  # a request that stopped drafting probes now and then, to notice a change
             stats = self.acceptance.setdefault(rows[i].request.request_id, _Acceptance())
             if lengths[i] == 0:
                 stats.steps_without_drafts += 1
                 if isinstance(self.drafter, ModelDrafter):
                     stats.off = stats.off or stats.probes >= _MODEL_PROBES_BEFORE_OFF
-                    due = not stats.off and self._plans % _MODEL_PROBE_EVERY == 0 and stats.steps_without_drafts > 1
+                    due = (not stats.off and self._model_drafting_pays and self._plans % _MODEL_PROBE_EVERY == 0
+                           and stats.steps_without_drafts > 1)
                 else:
                     due = stats.steps_without_drafts >= _PROBE_EVERY
                 if due and budget > 0:

@@ -109,3 +109,18 @@ def test_a_costly_drafter_is_turned_off_where_a_cheap_one_drafts() -> None:
     speculator = _speculator((30.0, 0.1))
     speculator.observe_step(1, 0.0301, num_proposed=3, draft_s=0.120)  # 40 ms per draft token: worse than none
     assert _draft_lengths(speculator, rows) == [0]
+
+
+def test_a_draft_model_stays_idle_where_even_good_drafts_would_not_pay() -> None:
+    """16 rows on a compute-bound forward: no draft of any acceptance would raise tokens per second,
+    so the draft model never runs for them, not even to start (a first proposal runs it over the
+    whole prompt) or to probe."""
+    speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3), grammar=None,
+                            max_model_len=1024)
+    for tokens in (1, 4, 16, 64):
+        speculator.observe_step(tokens, (5.0 + 4.0 * tokens) / 1000)
+    rows = _decoding_rows(16)
+    for _ in range(2 * _MODEL_PROBE_EVERY):
+        assert _draft_lengths(speculator, rows) == [0] * 16
+        proposals = speculator.proposal_lengths(rows)
+        assert proposals is not None and proposals[0].tolist() == [0] * 16
