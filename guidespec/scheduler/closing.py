@@ -29,7 +29,7 @@ A request starts closing when
 - its last tokens repeat a cycle: for some period ``p`` the last ``max(2p, min_span)`` tokens
   equal the ``p`` tokens before them (three or more copies of the cycle), or
 - fewer than ``reserve`` tokens of its ``max_tokens`` budget are left, or
-- a dry run of closing from the grammar's state (``GrammarManager.closing_length``: this
+- a dry run of closing from the grammar's state (``GrammarManager.closing_run``: this
   module's narrowing with the grammar alone choosing), and half as many tokens again, would no
   longer fit in what is left: a recursive schema's required structure can need hundreds of
   tokens (Github_hard o59999: ~760 from the start), far more than any fixed reserve.
@@ -133,14 +133,19 @@ class ClosingTokens:
     ending: np.ndarray
     steps: np.ndarray
     step_rank: np.ndarray  # per token id: its place in the lookahead order
+    piece_length: np.ndarray  # per token id: the length of its piece (0 for none)
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] = ()) -> "ClosingTokens":
         special = set(tokenizer.all_special_ids)
         in_string, outside, ending = [], list(stop_token_ids), []
         punctuation, characters = [], []
+        piece_length = np.zeros(vocab_size, dtype=np.int64)
         for i, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), vocab_size))))):
-            if piece is None or i in special:
+            if piece is None:
+                continue
+            piece_length[i] = len(piece)
+            if i in special:
                 continue
             text = piece
             for space in _SPACES:
@@ -162,7 +167,8 @@ class ClosingTokens:
         rank = np.full(vocab_size, len(punctuation) + len(characters), dtype=np.int64)
         rank[punctuation + characters] = np.arange(len(punctuation) + len(characters))
         return cls(bitmask_row(in_string, vocab_size), bitmask_row(outside, vocab_size),
-                   bitmask_row(ending, vocab_size), bitmask_row(punctuation + characters, vocab_size), rank)
+                   bitmask_row(ending, vocab_size), bitmask_row(punctuation + characters, vocab_size), rank,
+                   piece_length)
 
 
 def budget_reserve(max_tokens: int, required_names: int = 0) -> int:
@@ -280,7 +286,7 @@ class EarlyCloser:
         (else the script is dropped)."""
         if not self.script:
             return False
-        if not allows(row, self.script[0]):
+        if not _allows(row, self.script[0]):
             self.script = []
             return False
         row[:] = bitmask_row(self.script[:1], len(row) * 32)
@@ -314,7 +320,7 @@ class EarlyCloser:
             target = np.bitwise_or.reduce(tiers)
             if inside and not self.plan and self.examples():
                 self.plan = grammar.completion(self.examples(), target)
-            if self.plan and allows(row, self.plan[0]):
+            if self.plan and _allows(row, self.plan[0]):
                 row[:] = bitmask_row(self.plan[:1], vocab_size)
                 return True
             candidates = allowed_ids(row & closing.steps)
@@ -331,6 +337,6 @@ class EarlyCloser:
         return False
 
 
-def allows(row: np.ndarray, token: int) -> bool:
+def _allows(row: np.ndarray, token: int) -> bool:
     """Whether a bitmask row allows ``token``."""
     return bool((int(row[token // 32]) >> (token % 32)) & 1)

@@ -45,11 +45,10 @@ def main() -> None:
     for line in sys.stdin:
         job = json.loads(line)
         try:
-            name = job["backend"]
-            backend(name)
+            chosen = backend(job["backend"])
             _reply({"job": job["job"], "started": True})
             spec = GuidedDecoding(**job["spec"])
-            compiled = backends[name].serialize(backends[name].compile(spec))
+            compiled = chosen.serialize(chosen.compile(spec))
             _reply({"job": job["job"], "ok": True, "compiled": compiled})
         except GrammarError as e:
             _reply({"job": job["job"], "ok": False, "error": str(e)})

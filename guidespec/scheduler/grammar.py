@@ -33,7 +33,7 @@ import numpy as np
 from guidespec.grammar_backends import GrammarBackend, GrammarError, GrammarMatcher, create_backend
 from guidespec.grammar_backends.interface import bitmask_row, bitmask_width
 from guidespec.protocol import GuidedDecoding
-from guidespec.scheduler.closing import MAX_STEPS, ClosingTokens, EarlyCloser, allowed_ids, allows
+from guidespec.scheduler.closing import MAX_STEPS, ClosingTokens, EarlyCloser, allowed_ids
 
 
 MAX_CLOSING_RUN = 2048  # the longest dry run of closing (``closing_run``)
@@ -87,7 +87,6 @@ class GrammarManager:
         self.matchers: dict[str, tuple[str, GrammarMatcher]] = {}
         self.closers: dict[str, EarlyCloser] = {}
         self._closing_tokens: ClosingTokens | None = None  # built at first use
-        self._pieces: list[str] | None = None  # the tokenizer's pieces, read at first use
         self._job_ids = itertools.count()
         self.bitmask = np.zeros((settings.max_rows, bitmask_width(settings.vocab_size)), dtype=np.int32)
         self._stop_row = bitmask_row(settings.stop_token_ids, settings.vocab_size)
@@ -386,7 +385,6 @@ class GrammarManager:
         backend, closing = self.backends[backend_name], self._closing()
         saved = closer.snapshot()
         row = np.zeros((1, self.bitmask.shape[1]), dtype=np.int32)
-        stops = allowed_ids(self._stop_row)
         run: list[int] = []
         closer.closing = True
         try:
@@ -402,17 +400,19 @@ class GrammarManager:
                         closer.add(token)
                     continue
                 backend.fill_bitmasks([matcher], row, [0])
-                stop = next((int(t) for t in stops if allows(row[0], int(t))), None)
-                if stop is not None:
-                    return run + [stop], True
+                stops = allowed_ids(row[0] & self._stop_row)
+                if len(stops):
+                    return run + [int(stops[0])], True
                 view = _GrammarView(backend, matcher, row[0], self.tokenizer)
                 narrowed = closer.restrict(row[0], closing, self.tokenizer, view)
                 allowed = allowed_ids(row[0])
                 if not len(allowed):
                     return run, False
-                token = int(allowed[0])
-                if narrowed and len(allowed) > 1:
-                    token = max(allowed[:MAX_STEPS].tolist(), key=lambda t: len(self._piece(t)))
+                if narrowed:  # the longest of the narrowed tokens (the first of them on a tie)
+                    allowed = allowed[:MAX_STEPS]
+                    token = int(allowed[np.argmax(closing.piece_length[allowed])])
+                else:
+                    token = int(allowed[0])
                 if not matcher.accept_token(token):
                     return run, False
                 run.append(token)
@@ -421,12 +421,6 @@ class GrammarManager:
         finally:
             matcher.rollback(len(run))
             closer.restore(saved)
-
-    def _piece(self, token: int) -> str:
-        pieces = self._pieces
-        if pieces is None:
-            pieces = self._pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
-        return pieces[token] if token < len(pieces) and pieces[token] is not None else ""
 
     def _accept_draft(self, request_id: str, token: int) -> bool:
         if not self.matchers[request_id][1].accept_token(token):
