@@ -127,7 +127,8 @@ class Scheduler:
             self.emit(rows, outputs)
             self.times["end"] = time.time()
             if outputs.timings is not None:
-                self.trace.record(self.step_id, self.times, outputs.timings, len(rows), guided_rows)
+                self.trace.record(self.step_id, self.times, outputs.timings, len(rows), guided_rows, outputs.draft_s,
+                                  sum(row.num_new_tokens for row in rows))
 
     def send_stats(self) -> None:
         """The queue's figures to the client when they change (at most every 0.1 s)."""

@@ -22,21 +22,25 @@ class StepTrace:
     outside_forward_s: float = 0.0
     fill_s: float = 0.0
     forward_s: float = 0.0
+    draft_s: float = 0.0
     steps: int = 0
     guided_steps: int = 0
 
-    def record(self, step: int, t: dict[str, float], worker: np.ndarray, batch: int, guided_rows: int) -> None:
+    def record(self, step: int, t: dict[str, float], worker: np.ndarray, batch: int, guided_rows: int,
+               draft_s: float = 0.0, tokens: int = 0) -> None:
         """``t``: scheduler wall times (start, inputs, mask_start, mask, outputs, end); ``worker``:
-        rank 0's (forward_start, forward_end, mask_ready, done)."""
+        rank 0's (forward_start, forward_end, mask_ready, done); ``draft_s``: rank 0's drafter
+        proposing the next step's drafts, at the end of its step."""
         forward_start, forward_end, mask_ready, done = (float(x) for x in worker)
         exposed_fill = max(0.0, t["mask"] - forward_end) if guided_rows else 0.0
         self.step_s += t["end"] - t["start"]
         self.outside_forward_s += (t["inputs"] - t["start"]) + (t["end"] - t["outputs"]) + exposed_fill
         self.fill_s += t["mask"] - t["mask_start"]
         self.forward_s += forward_end - forward_start
+        self.draft_s += draft_s
         self.steps += 1
         self.guided_steps += bool(guided_rows)
-        args: dict[str, object] = {"step": step, "batch": batch, "guided_rows": guided_rows}
+        args: dict[str, object] = {"step": step, "batch": batch, "tokens": tokens, "guided_rows": guided_rows}
         self._span("schedule + write inputs", t["start"], t["inputs"], 1, args)
         if guided_rows:
             self._span("fill + write bitmask", t["mask_start"], t["mask"], 1, args)
@@ -45,14 +49,17 @@ class StepTrace:
         self._span("forward", forward_start, forward_end, 2, args)
         if guided_rows:
             self._span("wait for bitmask", forward_end, max(forward_end, mask_ready), 2, args)
-        self._span("mask + sample", max(forward_end, mask_ready), done, 2, args)
+        self._span("mask + sample", max(forward_end, mask_ready), done - draft_s, 2, args)
+        if draft_s > 0:
+            self._span("propose drafts", done - draft_s, done, 2, args)
 
     def summary(self) -> dict[str, float]:  # noqa: D401
         return {"steps": self.steps, "guided_steps": self.guided_steps,
                 "mean_step_ms": 1000 * self.step_s / max(1, self.steps),
                 "outside_forward_fraction": self.outside_forward_s / self.step_s if self.step_s else 0.0,
                 "mean_fill_ms": 1000 * self.fill_s / max(1, self.guided_steps),
-                "mean_forward_ms": 1000 * self.forward_s / max(1, self.steps)}
+                "mean_forward_ms": 1000 * self.forward_s / max(1, self.steps),
+                "draft_fraction": self.draft_s / self.step_s if self.step_s else 0.0}
 
     def write(self, path: Path) -> None:
         names = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "scheduler"}},

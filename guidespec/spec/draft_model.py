@@ -20,8 +20,13 @@ rejection sampling (``DraftSampling``, ``verify.py``).
 
 Draft models: ``"self"`` (the target's own weights: every greedy draft is accepted; a test of
 the mechanics, not a speed-up), ``"layers:N"`` (the target's first N layers with its final norm
-and LM head: no extra weights to read, weak drafts without training), or a folder holding a
-smaller model with the same tokenizer.
+and LM head: weak drafts without training), or a folder holding a smaller model with the same
+tokenizer. Where the target is whole on rank 0 (TP=1), ``"self"`` and ``"layers:N"`` are views of
+the target (``shared``): its weights, and its KV cache's first N layers, which the target's
+forward has already filled for every final token — so nothing is followed or held back, a
+proposal runs only the newest token and the drafts, and a request costs the draft model
+nothing before its first proposal (no prefill of its prompt). Draft steps write the cache
+past the final positions, which the target's next forward overwrites before reading.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch
 from guidespec.config import ModelConfig
 from guidespec.protocol import StepInputs
 from guidespec.worker.checkpoint import load_hf_config
+from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.mask import apply_bitmask
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.sampler import _SEED_STRIDE, filtered_probs
@@ -128,7 +134,7 @@ def _one_hot(token: int, size: int) -> torch.Tensor:
 
 class DraftRunner:
     def __init__(self, spec: str, target_dir: Path, dtype: torch.dtype, max_batch_size: int, max_model_len: int,
-                 target_vocab_size: int) -> None:
+                 target_vocab_size: int, target: tuple[LlamaModel, KVCache] | None = None) -> None:
         model_dir, num_layers = _resolve(spec, target_dir)
         hf_config = load_hf_config(model_dir)
         cfg = ModelConfig.from_hf(hf_config)
@@ -139,9 +145,17 @@ class DraftRunner:
                 raise ValueError(f"draft model {spec!r}: the target has {cfg.num_layers} layers")
             cfg = dataclasses.replace(cfg, num_layers=num_layers)
         self.max_model_len = max_model_len
-        self.model = LlamaModel(cfg, TPInfo(), dtype, max_model_len)  # whole, on rank 0 alone
-        self.model.load(model_dir, hf_config, show_progress=False)
-        self.kv = self.model.create_kv_cache(max_batch_size)
+        # the target's own first layers, where the target is whole on this rank (TP=1): their
+        # weights and their cache are the target's, which already holds every final token
+        self.shared = (target is not None and model_dir == target_dir and target[0].tp.size == 1
+                       and target[0].dtype == dtype)
+        if target is not None and self.shared:
+            self.model = target[0].first_layers(cfg.num_layers)
+            self.kv = target[1].first_layers(cfg.num_layers)
+        else:
+            self.model = LlamaModel(cfg, TPInfo(), dtype, max_model_len)  # whole, on rank 0 alone
+            self.model.load(model_dir, hf_config, show_progress=False)
+            self.kv = self.model.create_kv_cache(max_batch_size)
         self.sampling = DraftSampling(target_vocab_size)
         self.backlog: dict[int, tuple[int, list[int]]] = {}  # slot -> (first position, final tokens not yet run)
         self._unproposed: list[tuple[int, int, list[int]]] | None = None  # the last step's rows, until propose
@@ -150,7 +164,10 @@ class DraftRunner:
 
     def follow(self, batch: ForwardBatch, features: torch.Tensor | None = None) -> None:
         """Note the step's tokens (run lazily, in ``propose``); a previous step that had no
-        logits (prefill chunks only: never proposed after) holds all its tokens back."""
+        logits (prefill chunks only: never proposed after) holds all its tokens back. A draft
+        model sharing the target's cache has nothing to follow: the target ran them there."""
+        if self.shared:
+            return
         if self._unproposed is not None:
             for slot, start, ids in self._unproposed:
                 self._hold(slot, start, ids)
@@ -190,11 +207,15 @@ class DraftRunner:
             m = int(inputs.num_new_tokens[b]) - max(int(inputs.num_logits[b]), 1) + 1  # the row's non-draft tokens
             final = inputs.token_ids[offsets[b] : offsets[b] + m].tolist() + tokens[ends[b] - counts[b] : ends[b]].tolist()
             if wanted[b] <= 0:
-                self._hold(slot, start, final[:-1] if counts[b] else final)  # the newest token starts the next step
+                if not self.shared:
+                    self._hold(slot, start, final[:-1] if counts[b] else final)  # the newest token starts the next step
                 continue
-            held = self.backlog.pop(slot, None)
-            if start > 0 and held is not None and held[0] + len(held[1]) == start:
-                start, final = held[0], held[1] + final
+            if self.shared:  # the target's forward wrote the final tokens' keys and values: only the newest is new
+                start, final = int(positions[b]), final[-1:]
+            else:
+                held = self.backlog.pop(slot, None)
+                if start > 0 and held is not None and held[0] + len(held[1]) == start:
+                    start, final = held[0], held[1] + final
             chunk_ids.extend(final)
             slots.append(slot)
             starts.append(start)

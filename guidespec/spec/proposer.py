@@ -8,7 +8,8 @@ Each step, for every decoding row whose request speculates:
    the step's cost is modelled as ``c0 + c1 * tokens`` from measured forward times (plus, for a
    draft model or EAGLE head on rank 0, its measured proposing time per draft token). Drafts are
    added greedily while they raise tokens per second, so at a large batch where the forward is
-   compute-bound speculation turns itself down instead of turning into a loss; a request whose
+   compute-bound speculation turns itself down instead of turning into a loss; a new request's
+   rate starts from the drafter's mean over every request so far; a request whose
    drafts keep failing still probes one draft every 8 steps (a model drafter's: every 32
    steps, all such requests in the same step, since each probe first catches the draft model up;
    after two fruitless probes in a row a model drafter stops probing for that request, which
@@ -46,12 +47,13 @@ _MODEL_PROBE_EVERY = 32
 # held back since the last one, which at a large batch cost more than the probes ever gave back
 _MODEL_PROBES_BEFORE_OFF = 2
 _OPTIMISTIC_RATE = 0.9  # the acceptance a probe could at best reveal
+_PRIOR_RATE = 0.7  # a new request's acceptance before its drafter has been seen at work
 MAX_FORCED_DRAFTS = 16
 
 
 @dataclasses.dataclass
 class _Acceptance:
-    rate: float = 0.7  # running mean of accepted / drafted, per draft token
+    rate: float = _PRIOR_RATE  # running mean of accepted / drafted, per draft token
     steps_without_drafts: int = 0
     planned: int | None = None  # the draft length the adaptive plan gave it last
     probes: int = 0  # probes since the plan last drafted for it
@@ -96,6 +98,9 @@ class Speculator:
         self.max_model_len = max_model_len
         self.drafter: Drafter = create_drafter(cfg)
         self.acceptance: dict[str, _Acceptance] = {}
+        # what this drafter's drafts have been worth over every request so far: a new request
+        # starts from it (a drafter that keeps failing is not tried in full on each newcomer)
+        self.prior = _PRIOR_RATE
         self.cost = CostModel()
         self.draft_cost: float | None = None  # seconds per draft token proposed on rank 0 (model drafters)
         self._plans = 0  # plans made so far: a model drafter's probes fall on multiples of _MODEL_PROBE_EVERY
@@ -183,8 +188,10 @@ class Speculator:
         forced = self._num_forced.pop(request.request_id, 0)  # forced drafts say nothing of the drafter
         if num_drafts <= forced:
             return
-        stats = self.acceptance.setdefault(request.request_id, _Acceptance())
-        stats.rate = 0.7 * stats.rate + 0.3 * (max(0, num_accepted - forced) / (num_drafts - forced))
+        stats = self.acceptance.setdefault(request.request_id, _Acceptance(self.prior))
+        observed = max(0, num_accepted - forced) / (num_drafts - forced)
+        stats.rate = 0.7 * stats.rate + 0.3 * observed
+        self.prior = 0.9 * self.prior + 0.1 * observed
 
     def observe_step(self, num_tokens: int, forward_s: float, num_proposed: int = 0, draft_s: float = 0.0) -> None:
         """A step's forward time for its token count, and what rank 0's drafter spent proposing."""
@@ -213,7 +220,7 @@ class Speculator:
         tokens = sum(row.num_new_tokens for row in rows)
         expected = float(sum(row.num_logits for row in rows))
         lengths = {i: 0 for i in limits}
-        rates = {i: self.acceptance.get(rows[i].request.request_id, _Acceptance()).rate for i in limits}
+        rates = {i: self.acceptance.get(rows[i].request.request_id, _Acceptance(self.prior)).rate for i in limits}
         while budget > 0:
             gains = {i: rates[i] ** (lengths[i] + 1) for i in limits if lengths[i] < limits[i]}
             if not gains:
@@ -231,7 +238,7 @@ class Speculator:
             self._model_drafting_pays = (expected + _OPTIMISTIC_RATE) * (c0 + c1 * tokens + cd * drafts) > \
                 expected * (c0 + c1 * (tokens + 1) + cd * (drafts + 1))
         for i in limits:  # a request that stopped drafting probes now and then, to notice a change
-            stats = self.acceptance.setdefault(rows[i].request.request_id, _Acceptance())
+            stats = self.acceptance.setdefault(rows[i].request.request_id, _Acceptance(self.prior))
             if lengths[i] == 0:
                 stats.steps_without_drafts += 1
                 if isinstance(self.drafter, ModelDrafter):

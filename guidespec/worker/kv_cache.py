@@ -18,6 +18,14 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots, self.max_len = num_slots, max_len
 
+    def first_layers(self, n: int) -> KVCache:
+        """A cache of this one's first ``n`` layers, sharing their storage (a draft model made of
+        the target's first layers reads the target's keys and values: ``spec/draft_model.py``)."""
+        view = KVCache.__new__(KVCache)
+        view.k, view.v = self.k[:n], self.v[:n]
+        view.num_slots, view.max_len = self.num_slots, self.max_len
+        return view
+
     def write(self, layer: int, slot_of_token: torch.Tensor, positions: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [T, kv_heads, D] for flat tokens of slots ``slot_of_token`` at ``positions``."""

@@ -11,6 +11,7 @@ Not here: sampling (``sampler.py``), the process loop (``worker.py``), file hand
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -135,6 +136,14 @@ class LlamaModel:
             layer_ids = tqdm(layer_ids, desc="guidespec: loading layers", unit="layer", leave=False)
         self.layers = [self._load_layer(reader, i) for i in layer_ids]
         self._init_rotary(hf_config)
+
+    def first_layers(self, n: int) -> LlamaModel:
+        """This model cut after its first ``n`` layers, final norm and LM head kept: a draft model
+        sharing the target's weights (``spec/draft_model.py``)."""
+        cut = LlamaModel(dataclasses.replace(self.cfg, num_layers=n), self.tp, self.dtype, self.max_model_len, self.device)
+        cut.embed, cut.lm_head, cut.final_norm, cut.layers = self.embed, self.lm_head, self.final_norm, self.layers[:n]
+        cut.cos, cut.sin = self.cos, self.sin
+        return cut
 
     def _load_layer(self, reader: ShardReader, i: int) -> dict[str, Any]:
         cfg, d = self.cfg, self.cfg.head_dim

@@ -84,7 +84,7 @@ class Worker:
                                            cfg.max_batch_size, cfg.max_model_len)
             else:
                 self.drafter = DraftRunner(cfg.draft_model, cfg.model_dir, dtype, cfg.max_batch_size,
-                                           cfg.max_model_len, model_cfg.vocab_size)
+                                           cfg.max_model_len, model_cfg.vocab_size, (self.model, self.kv))
 
     def loop(self, results: Channel, parent_pid: int) -> None:
         self.results = results

@@ -124,3 +124,18 @@ def test_a_draft_model_stays_idle_where_even_good_drafts_would_not_pay() -> None
         assert _draft_lengths(speculator, rows) == [0] * 16
         proposals = speculator.proposal_lengths(rows)
         assert proposals is not None and proposals[0].tolist() == [0] * 16
+
+
+def test_a_new_request_starts_from_what_the_drafter_has_been_worth() -> None:
+    """Acceptance learned on earlier requests carries over: after a drafter's drafts kept failing,
+    a newcomer is not given full drafts to find that out again."""
+    speculator = _speculator((30.0, 2.0))
+    assert _draft_lengths(speculator, _decoding_rows(1)) == [3]  # a fresh drafter is trusted
+    old = _decoding_rows(4)
+    for _ in range(8):  # every draft of earlier requests rejected
+        _draft_lengths(speculator, old)
+        for row in old:
+            speculator.observe(row.request, 3, 0)
+    newcomer = _decoding_rows(1)
+    newcomer[0].request.request_id = "new"
+    assert _draft_lengths(speculator, newcomer) == [0]

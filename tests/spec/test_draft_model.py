@@ -70,3 +70,53 @@ def test_lazy_following_drafts_the_targets_greedy_continuation(target) -> None: 
             if mode == "lazy" and wanted == 0:
                 assert runner.backlog[0] == (0, prompt + [40, 41, 42][: i - 1])  # held back, not run
         assert runner.backlog == {} and drafts.tolist() == expected, mode
+
+
+def _verify_greedy(logits: torch.Tensor, drafts: list[int]) -> list[int]:
+    """The target's tokens for a row of 1 + len(drafts) logits: accepted drafts, then its own."""
+    out = []
+    for j, row in enumerate(logits):
+        out.append(int(row.argmax()))
+        if j == len(drafts) or drafts[j] != out[-1]:
+            break
+    return out
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("spec", ["self", "layers:1"])
+def test_a_view_of_the_target_drafts_what_its_own_copy_drafts(target, spec: str) -> None:  # type: ignore[no-untyped-def]
+    """At TP=1 ``self`` and ``layers:N`` share the target's weights and KV cache: no prompt is run
+    through the draft model, yet through a prefill chunk, accepted and rejected drafts and steps
+    without proposals it drafts exactly what a draft model with its own cache drafts."""
+    folder, model = target
+    kv = model.create_kv_cache(1)
+    shared = DraftRunner(spec, folder, torch.float32, 1, 64, 300, (model, kv))
+    own = DraftRunner(spec, folder, torch.float32, 1, 64, 300)
+    assert shared.shared and not own.shared
+    assert shared.model.layers[0] is model.layers[0] and shared.kv.k[0] is kv.k[0]
+    prompt = [5, 9, 13, 7, 3, 11, 2, 17, 4]
+    first = ForwardBatch.create(np.array(prompt[:5], np.int32), [0], [0], [5], [0])  # a chunk without logits
+    model.forward(first, kv)
+    for runner in (shared, own):
+        runner.follow(first)
+    start, pending, drafts, produced, rejected = 5, prompt[5:], [], [], 0
+    for wanted in [3, 0, 2, 3, 1, 3, 3, 3]:
+        tokens = pending + drafts
+        batch = ForwardBatch.create(np.array(tokens, np.int32), [0], [start], [len(tokens)], [1 + len(drafts)])
+        logits = model.compute_logits(model.forward(batch, kv))
+        assert logits is not None
+        for runner in (shared, own):
+            runner.follow(batch)
+        out = _verify_greedy(logits, drafts)
+        produced += out
+        rejected += len(drafts) - (len(out) - 1)
+        inputs = _step_inputs(np.array(tokens, np.int32), start, wanted)
+        inputs.num_logits[:] = 1 + len(drafts)
+        proposals = [runner.propose(inputs, np.array(out, np.int32), np.array([len(out)], np.int32))[0].tolist()
+                     for runner in (shared, own)]
+        assert proposals[0] == proposals[1] and len(proposals[0]) == wanted
+        start += len(pending) - 1 + len(out)  # the newest token's position
+        pending, drafts = [out[-1]], proposals[0]
+    assert produced == _greedy(model, prompt, len(produced))  # greedy verification kept the target's text
+    assert (rejected == 0) == (spec == "self")  # the whole model's drafts are all accepted, one layer's not
+    assert shared.backlog == {}  # nothing held back: the target's cache has it all
