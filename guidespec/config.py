@@ -97,7 +97,7 @@ class SpeculativeConfig:
     constrain_drafts: bool = True  # cut drafts where the grammar rejects them (off: verification rejects them)
     adaptive: bool = True
     user_drafter: str | None = None
-    draft_model: str | None = None  # draft_model: "self", "layers:N" (the target's first N) or a folder; eagle: a head folder
+    draft_model: str | None = None  # draft_model: "int8", "self", "layers:N" (the target's first N) or a folder; eagle: a head folder
     combine_ngram: bool = False  # draft_model / eagle: also prompt lookup; the longer valid draft wins
 
     def validate(self) -> None:
@@ -110,7 +110,7 @@ class SpeculativeConfig:
         if self.method == "user" and not self.user_drafter:
             raise ValueError("method 'user' needs user_drafter='module:Class'")
         if self.method == "draft_model" and not self.draft_model:
-            raise ValueError("method 'draft_model' needs draft_model='self' | 'layers:N' | a model folder")
+            raise ValueError("method 'draft_model' needs draft_model='int8' | 'self' | 'layers:N' | a model folder")
         if self.combine_ngram and self.method not in MODEL_DRAFTERS:
             raise ValueError(f"combine_ngram goes with a draft model or an EAGLE head, not method {self.method!r}")
         if self.method == "eagle" and not self.draft_model:

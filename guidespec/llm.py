@@ -412,7 +412,7 @@ def _speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None) 
 
         UserDrafter(value.user_drafter or "")
     draft = value.draft_model
-    if value.method == "draft_model" and draft and draft != "self" and not draft.startswith("layers:"):
+    if value.method == "draft_model" and draft and draft not in ("self", "int8") and not draft.startswith("layers:"):
         value = dataclasses.replace(value, draft_model=str(checkpoint.resolve_model_dir(draft, show_progress=False)))
     if value.method == "eagle" and draft:
         from guidespec.spec.eagle import check_head_dir

@@ -138,8 +138,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--speculative", default=None, choices=["ngram", "forced", "user", "draft_model", "eagle"],
                       help="drafter: n-gram prompt lookup, grammar-forced tokens only, --user-drafter, --draft-model, "
                            "or an EAGLE head (--draft-model HEAD_DIR)")
-    spec.add_argument("--draft-model", default=None, metavar="self|layers:N|PATH",
-                      help="the draft model: the target itself, its first N layers, or a folder / .gguf; "
+    spec.add_argument("--draft-model", default=None, metavar="int8|self|layers:N|PATH",
+                      help="the draft model: the target rounded to int8, the target itself, its first N layers, or a folder / .gguf; "
                            "with --speculative eagle, the EAGLE head folder")
     spec.add_argument("--max-draft-len", type=int, default=3)
     spec.add_argument("--max-matching-ngram-size", type=int, default=4)

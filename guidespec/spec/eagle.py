@@ -304,7 +304,7 @@ class EagleRunner:
         """Target-vocabulary bitmask rows on draft-vocabulary logits rows, read through ``d2t``.
         Where the grammar allows nothing in the draft vocabulary the row drafts anyway (argmax of
         -inf rows is 0): the scheduler's check refuses that draft."""
-        words = torch.from_numpy(np.asarray(bitmask))[:, self._mask_word]
+        words = torch.from_numpy(np.asarray(bitmask)[:, self._mask_word.numpy()])  # a copy: the ring's rows are read-only
         allowed = ((words >> self._mask_bit) & 1).bool() & self._mask_inside
         index = torch.from_numpy(local.astype(np.int64))
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

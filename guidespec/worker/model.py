@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from guidespec.config import ModelConfig
 from guidespec.worker.checkpoint import ShardReader
-from guidespec.worker.kernels import Weight, cache_attention, embedding, linear, pack
+from guidespec.worker.kernels import Weight, cache_attention, embedding, linear, pack, quantize
 from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.tp import TPInfo, all_reduce, gather_vocab
 
@@ -144,6 +144,15 @@ class LlamaModel:
         cut.embed, cut.lm_head, cut.final_norm, cut.layers = self.embed, self.lm_head, self.final_norm, self.layers[:n]
         cut.cos, cut.sin = self.cos, self.sin
         return cut
+
+    def int8_copy(self) -> LlamaModel:
+        """This model with its linear layers and LM head rounded to int8 (a scale per output row,
+        ``kernels.quantize``), sharing everything else: a draft model that reads a quarter of the
+        bytes (``spec/draft_model.py``)."""
+        copy = self.first_layers(self.cfg.num_layers)
+        copy.lm_head = quantize(self.lm_head)
+        copy.layers = [{k: quantize(v) if k in LINEAR_WEIGHTS else v for k, v in layer.items()} for layer in self.layers]
+        return copy
 
     def _load_layer(self, reader: ShardReader, i: int) -> dict[str, Any]:
         cfg, d = self.cfg, self.cfg.head_dim

@@ -26,6 +26,25 @@ def test_packed_linear_matches_torch(m: int, n: int, k: int) -> None:
     torch.testing.assert_close(kernels.linear(x, packed, bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n,k", [(960, 576), (37, 100), (16, 1), (5, 33)])
+@pytest.mark.parametrize("m", [0, 1, 3, 6, 7, 13])
+def test_int8_linear_matches_its_dequantized_weight_and_stays_near_the_original(m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    quantized = kernels.quantize(w)
+    assert isinstance(quantized, kernels.QuantizedWeight) and quantized.blocks.dtype == torch.int8
+    rounded = kernels.dense(quantized)
+    assert float((rounded - w).abs().max()) <= float(w.abs().max()) / 254 + 1e-6  # half a step of the row's scale
+    torch.testing.assert_close(kernels.linear(x, quantized, bias), F.linear(x, rounded, bias), atol=1e-4, rtol=1e-5)
+    if m:
+        error = (kernels.linear(x, quantized) - F.linear(x, w)).norm() / F.linear(x, w).norm()
+        assert float(error) < 0.01
+    ids = torch.tensor([0, n - 1, min(16, n - 1)])
+    torch.testing.assert_close(kernels.embedding(ids, quantized), rounded[ids])
+
+
 def test_a_rows_result_does_not_depend_on_the_batch() -> None:
     g = torch.Generator().manual_seed(0)
     w = kernels.pack(torch.randn(300, 576, generator=g))

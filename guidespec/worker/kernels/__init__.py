@@ -1,11 +1,13 @@
 """CPU kernels built at first use: the C source is compiled with the system's C compiler into
 the cache directory and called through ctypes (no torch headers, so it builds in a second).
 
-Two kernels, both fp32:
+Two kernels, fp32 activations:
 
 - ``packed_linear.c``: linear layers over weights packed at load time (:class:`PackedWeight`;
   the file says why). The model packs its linear weights with :func:`pack` and multiplies with
-  :func:`linear`; a tied embedding is packed once and looked up with :func:`embedding`.
+  :func:`linear`; a tied embedding is packed once and looked up with :func:`embedding`. The same
+  tiles read int8 weights with a scale per output row (:class:`QuantizedWeight`, made by
+  :func:`quantize`): a quarter of the bytes, for the target's int8 copy as a draft model.
 - ``attention.c``: :func:`cache_attention`, a few new tokens per row attending the KV cache in
   place (decode and draft verification).
 
@@ -58,6 +60,8 @@ def _library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.packed_linear_f32.restype = None
+    lib.packed_linear_i8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
+    lib.packed_linear_i8.restype = None
     lib.cache_attention_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.cache_attention_f32.restype = None
     return lib
@@ -88,7 +92,30 @@ class PackedWeight:
         return self.blocks[ids // BLOCK, :, ids % BLOCK]
 
 
-Weight = torch.Tensor | PackedWeight
+class QuantizedWeight:
+    """An [N, K] weight as int8 with one fp32 scale per output row (symmetric: the row's largest
+    magnitude maps to 127), packed like :class:`PackedWeight`: ``blocks`` int8 [ceil(N/16), K, 16],
+    ``scale`` [ceil(N/16) * 16] (zero past N)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
+        w = weight.float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+        padded = torch.zeros(-(-n // BLOCK) * BLOCK, k, dtype=torch.int8)
+        padded[:n] = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.blocks = padded.view(-1, BLOCK, k).transpose(1, 2).contiguous()
+        self.scale = torch.zeros(padded.shape[0], dtype=torch.float32)
+        self.scale[:n] = scale
+        self.shape = torch.Size((n, k))
+        self.dtype = torch.float32
+        self.device = torch.device("cpu")
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.shape
+        return self.blocks.transpose(1, 2).reshape(-1, k)[:n].float() * self.scale[:n, None]
+
+
+Weight = torch.Tensor | PackedWeight | QuantizedWeight
 
 
 def pack(weight: torch.Tensor) -> Weight:
@@ -100,31 +127,48 @@ def pack(weight: torch.Tensor) -> Weight:
     return PackedWeight(weight)
 
 
+def quantize(weight: Weight) -> Weight:
+    """The weight rounded to int8 with a scale per output row: a :class:`QuantizedWeight` for
+    :func:`linear` where the kernel is built, else the rounded values as fp32 (the same numbers,
+    without the saving)."""
+    quantized = QuantizedWeight(dense(weight))
+    return quantized if _library() is not None else quantized.dequantize()
+
+
 def dense(weight: Weight) -> torch.Tensor:
+    if isinstance(weight, QuantizedWeight):
+        return weight.dequantize()
     return weight.unpack() if isinstance(weight, PackedWeight) else weight
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for 2-D x; packed weights go to the kernel."""
-    if not isinstance(weight, PackedWeight):
+    """``F.linear`` for 2-D x; packed and int8 weights go to the kernel."""
+    if not isinstance(weight, PackedWeight | QuantizedWeight):
         return F.linear(x, weight, bias)
     lib = _library()
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
-        return F.linear(x, weight.unpack(), bias)
+        return F.linear(x, dense(weight).to(x.dtype), bias)
     n, k = weight.shape
     x = x.contiguous()
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
     if x.shape[0]:
         bias = None if bias is None else bias.float().contiguous()
-        lib.packed_linear_f32(x.data_ptr(), weight.blocks.data_ptr(), None if bias is None else bias.data_ptr(),
-                              out.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
+        bias_ptr = None if bias is None else bias.data_ptr()
+        if isinstance(weight, QuantizedWeight):
+            lib.packed_linear_i8(x.data_ptr(), weight.blocks.data_ptr(), weight.scale.data_ptr(), bias_ptr,
+                                 out.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
+        else:
+            lib.packed_linear_f32(x.data_ptr(), weight.blocks.data_ptr(), bias_ptr, out.data_ptr(), x.shape[0], n, k,
+                                  torch.get_num_threads())
     return out
 
 
 def embedding(token_ids: torch.Tensor, weight: Weight) -> torch.Tensor:
-    """``F.embedding`` that also reads a packed (tied) embedding."""
+    """``F.embedding`` that also reads a packed (tied) or int8 embedding."""
     if isinstance(weight, PackedWeight):
         return weight.rows(token_ids)
+    if isinstance(weight, QuantizedWeight):
+        return weight.blocks[token_ids // BLOCK, :, token_ids % BLOCK].float() * weight.scale[token_ids, None]
     return F.embedding(token_ids, weight)
 
 

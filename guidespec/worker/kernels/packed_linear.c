@@ -80,3 +80,78 @@ void packed_linear_f32(const float* x, const float* wp, const float* bias, float
         }
     }
 }
+
+/* The same tiles over int8 weights with one fp32 scale per output row: w[n][k] ~ scale[n] * q[n][k],
+ * packed the same way (qp[N/16][K][16]). Each 16-wide int8 vector is widened to fp32 in
+ * registers; the row's scale multiplies the finished sum. A quarter of the fp32 weight's bytes
+ * to read: for a draft model made of the target's quantized weights (spec/draft_model.py). */
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+static inline v16 ldq(const signed char* p) {  /* 16 int8 -> 16 fp32 (GCC scalarizes __builtin_convertvector here) */
+#if defined(__AVX512F__)
+    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(__AVX2__)
+    __m128i b = _mm_loadu_si128((const __m128i*)p);
+    __m256 halves[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+    v16 v; memcpy(&v, halves, sizeof v); return v;
+#else
+    v16 v; for (int i = 0; i < 16; i++) v[i] = (float)p[i]; return v;
+#endif
+}
+
+static inline void store_scaled(v16 acc, const float* scale, const float* bias, float* y, int n0, int N) {
+    store_block(acc * ld(scale + n0), bias, y, n0, N);
+}
+
+#define DEFINE_TILE_Q(MC)                                                                         \
+static void tileq##MC(const float* x, int K, const signed char* qp, const float* scale,          \
+                      const float* bias, float* y, int N, int nb0, int two) {                     \
+    v16 acc0[MC], acc1[MC];                                                                       \
+    for (int c = 0; c < MC; c++) { acc0[c] = (v16){0}; acc1[c] = (v16){0}; }                      \
+    const signed char* w0 = qp + (size_t)nb0 * K * 16;                                            \
+    const signed char* w1 = w0 + (size_t)K * 16;                                                  \
+    if (two) {                                                                                    \
+        for (int k = 0; k < K; k++) {                                                             \
+            v16 a = ldq(w0 + (size_t)k * 16), b = ldq(w1 + (size_t)k * 16);                       \
+            for (int c = 0; c < MC; c++) {                                                        \
+                float s = x[(size_t)c * K + k];                                                   \
+                acc0[c] += a * s;                                                                 \
+                acc1[c] += b * s;                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    } else {                                                                                      \
+        for (int k = 0; k < K; k++) {                                                             \
+            v16 a = ldq(w0 + (size_t)k * 16);                                                     \
+            for (int c = 0; c < MC; c++) acc0[c] += a * x[(size_t)c * K + k];                     \
+        }                                                                                         \
+    }                                                                                             \
+    for (int c = 0; c < MC; c++) {                                                                \
+        store_scaled(acc0[c], scale, bias, y + (size_t)c * N, nb0 * 16, N);                       \
+        if (two) store_scaled(acc1[c], scale, bias, y + (size_t)c * N, nb0 * 16 + 16, N);         \
+    }                                                                                             \
+}
+DEFINE_TILE_Q(1)
+DEFINE_TILE_Q(2)
+DEFINE_TILE_Q(3)
+DEFINE_TILE_Q(4)
+DEFINE_TILE_Q(5)
+DEFINE_TILE_Q(6)
+
+typedef void (*tileq_fn)(const float*, int, const signed char*, const float*, const float*, float*, int, int, int);
+static const tileq_fn tilesq[7] = {0, tileq1, tileq2, tileq3, tileq4, tileq5, tileq6};
+
+/* scale has ceil(N/16)*16 entries (zero-padded like the blocks) */
+void packed_linear_i8(const float* x, const signed char* qp, const float* scale, const float* bias, float* y,
+                      int M, int N, int K, int threads) {
+    int nblocks = (N + 15) / 16, npairs = (nblocks + 1) / 2;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int p = 0; p < npairs; p++) {
+        int nb0 = 2 * p, two = nblocks - nb0 >= 2;
+        for (int m0 = 0; m0 < M; m0 += 6) {
+            int mc = M - m0 < 6 ? M - m0 : 6;
+            tilesq[mc](x + (size_t)m0 * K, K, qp, scale, bias, y + (size_t)m0 * N, N, nb0, two);
+        }
+    }
+}
