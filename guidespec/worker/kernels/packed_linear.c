@@ -29,59 +29,7 @@ static inline void store_block(v16 acc, const float* bias, float* y, int n0, int
     for (int i = 0; i < n; i++) y[n0 + i] = lanes[i] + (bias ? bias[n0 + i] : 0.f);
 }
 
-#define DEFINE_TILE(MC)                                                                           \
-static void tile##MC(const float* x, int K, const float* wp, const float* bias, float* y,        \
-                     int N, int nb0, int two) {                                                   \
-    v16 acc0[MC], acc1[MC];                                                                       \
-    for (int c = 0; c < MC; c++) { acc0[c] = (v16){0}; acc1[c] = (v16){0}; }                      \
-    const float* w0 = wp + (size_t)nb0 * K * 16;                                                  \
-    const float* w1 = w0 + (size_t)K * 16;                                                        \
-    if (two) {                                                                                    \
-        for (int k = 0; k < K; k++) {                                                             \
-            v16 a = ld(w0 + (size_t)k * 16), b = ld(w1 + (size_t)k * 16);                         \
-            for (int c = 0; c < MC; c++) {                                                        \
-                float s = x[(size_t)c * K + k];                                                   \
-                acc0[c] += a * s;                                                                 \
-                acc1[c] += b * s;                                                                 \
-            }                                                                                     \
-        }                                                                                         \
-    } else {                                                                                      \
-        for (int k = 0; k < K; k++) {                                                             \
-            v16 a = ld(w0 + (size_t)k * 16);                                                      \
-            for (int c = 0; c < MC; c++) acc0[c] += a * x[(size_t)c * K + k];                     \
-        }                                                                                         \
-    }                                                                                             \
-    for (int c = 0; c < MC; c++) {                                                                \
-        store_block(acc0[c], bias, y + (size_t)c * N, nb0 * 16, N);                               \
-        if (two) store_block(acc1[c], bias, y + (size_t)c * N, nb0 * 16 + 16, N);                 \
-    }                                                                                             \
-}
-DEFINE_TILE(1)
-DEFINE_TILE(2)
-DEFINE_TILE(3)
-DEFINE_TILE(4)
-DEFINE_TILE(5)
-DEFINE_TILE(6)
-
-typedef void (*tile_fn)(const float*, int, const float*, const float*, float*, int, int, int);
-static const tile_fn tiles[7] = {0, tile1, tile2, tile3, tile4, tile5, tile6};
-
-void packed_linear_f32(const float* x, const float* wp, const float* bias, float* y,
-                       int M, int N, int K, int threads) {
-    int nblocks = (N + 15) / 16, npairs = (nblocks + 1) / 2;
-    /* each thread owns whole pairs of blocks: their 2 x 16 x K weights stay in its cache
-       while every input row passes over them */
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int p = 0; p < npairs; p++) {
-        int nb0 = 2 * p, two = nblocks - nb0 >= 2;
-        for (int m0 = 0; m0 < M; m0 += 6) {
-            int mc = M - m0 < 6 ? M - m0 : 6;
-            tiles[mc](x + (size_t)m0 * K, K, wp, bias, y + (size_t)m0 * N, N, nb0, two);
-        }
-    }
-}
-
-/* The same tiles over int8 weights with one fp32 scale per output row: w[n][k] ~ scale[n] * q[n][k],
+/* The tiles also read int8 weights with one fp32 scale per output row: w[n][k] ~ scale[n] * q[n][k],
  * packed the same way (qp[N/16][K][16]). Each 16-wide int8 vector is widened to fp32 in
  * registers; the row's scale multiplies the finished sum. A quarter of the fp32 weight's bytes
  * to read: for a draft model made of the target's quantized weights (spec/draft_model.py). */
@@ -100,21 +48,20 @@ static inline v16 ldq(const signed char* p) {  /* 16 int8 -> 16 fp32 (GCC scalar
     v16 v; for (int i = 0; i < 16; i++) v[i] = (float)p[i]; return v;
 #endif
 }
+static inline v16 unscaled(v16 acc, const float* scale, int n0) { (void)scale; (void)n0; return acc; }
+static inline v16 scaled(v16 acc, const float* scale, int n0) { return acc * ld(scale + n0); }
 
-static inline void store_scaled(v16 acc, const float* scale, const float* bias, float* y, int n0, int N) {
-    store_block(acc * ld(scale + n0), bias, y, n0, N);
-}
-
-#define DEFINE_TILE_Q(MC)                                                                         \
-static void tileq##MC(const float* x, int K, const signed char* qp, const float* scale,          \
-                      const float* bias, float* y, int N, int nb0, int two) {                     \
+/* NAME##MC: MC input rows x (up to) two blocks, weights of type WT read by LOAD, sums finished by FINISH */
+#define DEFINE_TILE(NAME, MC, WT, LOAD, FINISH)                                                   \
+static void NAME##MC(const float* x, int K, const WT* wp, const float* scale, const float* bias, \
+                     float* y, int N, int nb0, int two) {                                         \
     v16 acc0[MC], acc1[MC];                                                                       \
     for (int c = 0; c < MC; c++) { acc0[c] = (v16){0}; acc1[c] = (v16){0}; }                      \
-    const signed char* w0 = qp + (size_t)nb0 * K * 16;                                            \
-    const signed char* w1 = w0 + (size_t)K * 16;                                                  \
+    const WT* w0 = wp + (size_t)nb0 * K * 16;                                                     \
+    const WT* w1 = w0 + (size_t)K * 16;                                                           \
     if (two) {                                                                                    \
         for (int k = 0; k < K; k++) {                                                             \
-            v16 a = ldq(w0 + (size_t)k * 16), b = ldq(w1 + (size_t)k * 16);                       \
+            v16 a = LOAD(w0 + (size_t)k * 16), b = LOAD(w1 + (size_t)k * 16);                     \
             for (int c = 0; c < MC; c++) {                                                        \
                 float s = x[(size_t)c * K + k];                                                   \
                 acc0[c] += a * s;                                                                 \
@@ -123,35 +70,44 @@ static void tileq##MC(const float* x, int K, const signed char* qp, const float*
         }                                                                                         \
     } else {                                                                                      \
         for (int k = 0; k < K; k++) {                                                             \
-            v16 a = ldq(w0 + (size_t)k * 16);                                                     \
+            v16 a = LOAD(w0 + (size_t)k * 16);                                                    \
             for (int c = 0; c < MC; c++) acc0[c] += a * x[(size_t)c * K + k];                     \
         }                                                                                         \
     }                                                                                             \
     for (int c = 0; c < MC; c++) {                                                                \
-        store_scaled(acc0[c], scale, bias, y + (size_t)c * N, nb0 * 16, N);                       \
-        if (two) store_scaled(acc1[c], scale, bias, y + (size_t)c * N, nb0 * 16 + 16, N);         \
+        store_block(FINISH(acc0[c], scale, nb0 * 16), bias, y + (size_t)c * N, nb0 * 16, N);      \
+        if (two) store_block(FINISH(acc1[c], scale, nb0 * 16 + 16), bias, y + (size_t)c * N, nb0 * 16 + 16, N); \
     }                                                                                             \
 }
-DEFINE_TILE_Q(1)
-DEFINE_TILE_Q(2)
-DEFINE_TILE_Q(3)
-DEFINE_TILE_Q(4)
-DEFINE_TILE_Q(5)
-DEFINE_TILE_Q(6)
+#define DEFINE_TILES(NAME, WT, LOAD, FINISH)                                                      \
+    DEFINE_TILE(NAME, 1, WT, LOAD, FINISH) DEFINE_TILE(NAME, 2, WT, LOAD, FINISH)                 \
+    DEFINE_TILE(NAME, 3, WT, LOAD, FINISH) DEFINE_TILE(NAME, 4, WT, LOAD, FINISH)                 \
+    DEFINE_TILE(NAME, 5, WT, LOAD, FINISH) DEFINE_TILE(NAME, 6, WT, LOAD, FINISH)                 \
+    static void (*const NAME##s[7])(const float*, int, const WT*, const float*, const float*, float*, int, int, int) = \
+        {0, NAME##1, NAME##2, NAME##3, NAME##4, NAME##5, NAME##6};
+DEFINE_TILES(tile, float, ld, unscaled)
+DEFINE_TILES(tileq, signed char, ldq, scaled)
 
-typedef void (*tileq_fn)(const float*, int, const signed char*, const float*, const float*, float*, int, int, int);
-static const tileq_fn tilesq[7] = {0, tileq1, tileq2, tileq3, tileq4, tileq5, tileq6};
+/* each thread owns whole pairs of blocks: their 2 x 16 x K weights stay in its cache while every
+   input row passes over them */
+#define RUN_TILES(TILES, WP, SCALE)                                                               \
+    int nblocks = (N + 15) / 16, npairs = (nblocks + 1) / 2;                                      \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                             \
+    for (int p = 0; p < npairs; p++) {                                                            \
+        int nb0 = 2 * p, two = nblocks - nb0 >= 2;                                                \
+        for (int m0 = 0; m0 < M; m0 += 6) {                                                       \
+            int mc = M - m0 < 6 ? M - m0 : 6;                                                     \
+            TILES[mc](x + (size_t)m0 * K, K, WP, SCALE, bias, y + (size_t)m0 * N, N, nb0, two);   \
+        }                                                                                         \
+    }
+
+void packed_linear_f32(const float* x, const float* wp, const float* bias, float* y,
+                       int M, int N, int K, int threads) {
+    RUN_TILES(tiles, wp, (const float*)0)
+}
 
 /* scale has ceil(N/16)*16 entries (zero-padded like the blocks) */
 void packed_linear_i8(const float* x, const signed char* qp, const float* scale, const float* bias, float* y,
                       int M, int N, int K, int threads) {
-    int nblocks = (N + 15) / 16, npairs = (nblocks + 1) / 2;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int p = 0; p < npairs; p++) {
-        int nb0 = 2 * p, two = nblocks - nb0 >= 2;
-        for (int m0 = 0; m0 < M; m0 += 6) {
-            int mc = M - m0 < 6 ? M - m0 : 6;
-            tilesq[mc](x + (size_t)m0 * K, K, qp, scale, bias, y + (size_t)m0 * N, N, nb0, two);
-        }
-    }
+    RUN_TILES(tileqs, qp, scale)
 }
