@@ -200,6 +200,7 @@ class EagleRunner:
         self.pending_pos = np.full(max_batch_size, -2, dtype=np.int64)
         self.backlog: dict[int, tuple[int, list[torch.Tensor], list[int]]] = {}  # slot -> positions not yet run
         self._features: torch.Tensor | None = None  # the step's target features, until propose
+        self._batch: ForwardBatch | None = None  # and its batch
         self.sampling = DraftSampling(self.vocab_size)
         # where each draft id's bit sits in a target bitmask row (rows of a padded LM head past the
         # vocabulary are never allowed)
@@ -213,43 +214,70 @@ class EagleRunner:
         return self.head.capture
 
     def follow(self, batch: ForwardBatch, features: torch.Tensor | None) -> None:
-        """Keep the step's target features until its tokens are verified (``propose``)."""
+        """Keep the step's target features until its tokens are verified (``propose``). A previous
+        step that had no logits (prefill chunks only: the worker proposes nothing after it) puts
+        its positions in the backlog first."""
         assert features is not None, "the target forward did not keep the features the EAGLE head needs"
-        self._features = features
+        if self._features is not None and self._batch is not None:
+            offsets = np.concatenate([[0], np.cumsum(self._batch.num_new_tokens)])
+            ids = self._batch.token_ids.tolist()
+            for b, (slot, start) in enumerate(zip(self._batch.slots, self._batch.start_positions)):
+                chunk = self._final_positions(slot, start, ids[offsets[b] : offsets[b + 1]],
+                                              self._features[offsets[b] : offsets[b + 1]], 0)
+                if chunk is not None:
+                    self._hold(slot, *chunk)
+        self._features, self._batch = features, batch
+
+    def _final_positions(self, slot: int, start: int, true: list[int], features: torch.Tensor,
+                         produced: int) -> tuple[int, torch.Tensor, list[int]] | None:
+        """A row's positions whose features are final, each with the token that followed it:
+        (first position, features, tokens), or None. ``true``: the row's final tokens from ``start``
+        (its non-draft tokens, then the ``produced`` tokens it sampled or accepted); ``features``:
+        the target's, from ``start``. A position whose next token is not known yet (a prefill
+        chunk's last) waits in ``pending`` for the next chunk."""
+        row_feats, row_ids, first = features[: len(true) - 1], true[1:], start
+        if start == 0:
+            self.pending_pos[slot] = -2
+            self.backlog.pop(slot, None)
+        elif self.pending_pos[slot] == start - 1:  # the last chunk's final position, waiting for this token
+            row_feats = torch.cat([self.pending[slot][None], row_feats])
+            row_ids.insert(0, true[0])
+            first = start - 1
+        if produced == 0:  # its next token is not known yet
+            m = len(true)
+            self.pending[slot] = features[m - 1]
+            self.pending_pos[slot] = start + m - 1
+        return (first, row_feats, row_ids) if row_ids else None
+
+    def _hold(self, slot: int, first: int, features: torch.Tensor, ids: list[int]) -> None:
+        """Keep positions for the next time the row proposes (lazy following)."""
+        held = self.backlog.get(slot)
+        if held is None:
+            self.backlog[slot] = (first, [features.clone()], list(ids))
+        else:
+            held[1].append(features.clone())
+            held[2].extend(ids)
 
     @torch.inference_mode()
     def propose(self, inputs: StepInputs, tokens: np.ndarray, counts: np.ndarray,
                 masks: MaskSource | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Run the step's final positions through the head, then chain ``draft_lens[b]`` drafts per
         row (argmax, or drawn from q' for sampled rows): (flat draft tokens as target ids, counts)."""
-        features, self._features = self._features, None
+        features, self._features, self._batch = self._features, None, None
         assert features is not None, "propose without follow"
         ends = np.cumsum(counts)
         offsets = np.concatenate([[0], np.cumsum(inputs.num_new_tokens)])
-        last_position = np.zeros(inputs.batch_size, dtype=np.int64)
+        last_position = np.full(inputs.batch_size, -1, dtype=np.int64)
         chunks: dict[int, tuple[int, torch.Tensor, list[int]]] = {}  # batch row -> (first position, features, tokens)
         for b in range(inputs.batch_size):
-            slot, start, n, nlog, c = (int(inputs.slots[b]), int(inputs.start_positions[b]),
-                                       int(inputs.num_new_tokens[b]), int(inputs.num_logits[b]), int(counts[b]))
-            m = n - max(nlog, 1) + 1  # the row's non-draft tokens
-            own = inputs.token_ids[offsets[b] : offsets[b] + m].tolist()
-            true = own + tokens[ends[b] - c : ends[b]].tolist()
-            row_feats = features[offsets[b] : offsets[b] + len(true) - 1]
-            row_ids = true[1:]
-            first = start
-            if start == 0:
-                self.pending_pos[slot] = -2
-                self.backlog.pop(slot, None)
-            elif self.pending_pos[slot] == start - 1:  # the last chunk's final position, waiting for this token
-                row_feats = torch.cat([self.pending[slot][None], row_feats])
-                row_ids.insert(0, true[0])
-                first = start - 1
-            if c == 0:  # its next token is not known yet
-                self.pending[slot] = features[offsets[b] + m - 1]
-                self.pending_pos[slot] = start + m - 1
-            if row_ids:
-                chunks[b] = (first, row_feats, row_ids)
-            last_position[b] = first + len(row_ids) - 1 if row_ids else -1
+            n, c = int(inputs.num_new_tokens[b]), int(counts[b])
+            m = n - max(int(inputs.num_logits[b]), 1) + 1  # the row's non-draft tokens
+            true = inputs.token_ids[offsets[b] : offsets[b] + m].tolist() + tokens[ends[b] - c : ends[b]].tolist()
+            chunk = self._final_positions(int(inputs.slots[b]), int(inputs.start_positions[b]), true,
+                                          features[offsets[b] : offsets[b] + n], c)
+            if chunk is not None:
+                chunks[b] = chunk
+                last_position[b] = chunk[0] + len(chunk[2]) - 1
         wanted = np.zeros(inputs.batch_size, dtype=np.int64)
         if inputs.draft_lens is not None:
             wanted = np.minimum(inputs.draft_lens, self.max_model_len - 2 - last_position)
@@ -262,12 +290,7 @@ class EagleRunner:
         for b, (first, row_feats, row_ids) in chunks.items():
             slot = int(inputs.slots[b])
             if wanted[b] <= 0:
-                held = self.backlog.get(slot)
-                if held is None:
-                    self.backlog[slot] = (first, [row_feats.clone()], list(row_ids))
-                else:
-                    held[1].append(row_feats.clone())
-                    held[2].extend(row_ids)
+                self._hold(slot, first, row_feats, row_ids)
                 continue
             held = self.backlog.pop(slot, None)
             if held is not None and held[0] + len(held[2]) == first:  # (a gap would only weaken drafts)

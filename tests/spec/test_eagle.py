@@ -161,6 +161,33 @@ def test_lazy_following_drafts_what_eager_following_drafts(target, tmp_path: Pat
     assert results["lazy"] == results["eager"] and len(results["lazy"]) == 3
 
 
+def test_a_prefill_step_without_logits_still_reaches_the_head(target, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A step of prefill chunks only has no logits, so the worker proposes nothing after it; the
+    head still gets its positions (from the backlog) and drafts what it drafts for the prompt run
+    in one step."""
+    folder, model, hf = target
+    trained = _random_head(model, hf, torch.arange(0, 300, 2))
+    save_head(tmp_path / "head", trained.state_for_checkpoint(300),
+              head_config(trained.cfg, 300, 150, default_aux_layers(2), {}))
+    prompt = np.array([5, 9, 13, 7, 3, 11, 2, 17, 4], dtype=np.int32)
+    results = []
+    for chunks in ([prompt], [prompt[:4], prompt[4:7], prompt[7:]]):
+        runner = EagleRunner(tmp_path / "head", model, folder, hf, max_batch_size=1, max_model_len=64)
+        kv = model.create_kv_cache(1)
+        start = 0
+        for i, tokens in enumerate(chunks):
+            last = i == len(chunks) - 1
+            batch = ForwardBatch.create(tokens, [0], [start], [len(tokens)], [int(last)])
+            model.forward(batch, kv, capture=runner.capture)
+            runner.follow(batch, model.captured)
+            start += len(tokens)
+        drafts, _ = runner.propose(_step_inputs(chunks[-1], [3], start - len(chunks[-1])),
+                                   np.array([40], np.int32), np.array([1], np.int32))
+        assert runner.backlog == {}
+        results.append(drafts.tolist())
+    assert results[0] == results[1] and len(results[0]) == 3
+
+
 def _step_inputs(prompt: np.ndarray, draft_lens: list[int], start: int = 0) -> StepInputs:
     """One row: ``prompt`` in slot 0 from ``start``, greedy, one logits row, drafts wanted after it."""
     one = lambda dtype, value=0: np.full(1, value, dtype=dtype)  # noqa: E731
