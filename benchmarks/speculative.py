@@ -2,7 +2,7 @@
 with and without draft-side grammar checks, and tokens/s against guided decoding alone.
 
     python benchmarks/speculative.py [--cases 10] [--max-tokens 256] [--draft-len 3] [--backend xgrammar]
-                                     [--eagle-head DIR] [--only REGEX]
+                                     [--eagle-head DIR] [--only REGEX] [--repeats N]
 
 Part 1, batch 1 (one request at a time, greedy, draft length fixed at --draft-len): one fresh
 engine per configuration serves every case; grammars are compiled before timing. Greedy
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -126,16 +127,26 @@ def run(cases: list[dict[str, Any]], speculative: dict[str, Any] | str | None, d
             "outputs": [o.token_ids for o in outs]}
 
 
-def table(title: str, results: dict[str, dict[str, Any]]) -> str:
-    base = next(iter(results.values()))
+def table(title: str, rounds: dict[str, list[dict[str, Any]]]) -> str:
+    """One row per configuration. With several rounds (--repeats), tok/s is the median over the
+    rounds and each ratio the median of the per-round ratios to that round's guided alone, with
+    their range; the other columns do not change between rounds (greedy)."""
+    base = next(iter(rounds.values()))
     lines = [f"\n{title}\n", "| configuration | tokens | tokens/step | accepted/spec step | draft acceptance | "
              "steps by drafts accepted | tok/s | ÷ guided alone | decode tok/s | ÷ guided alone, decode |",
              "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
-    for name, r in results.items():
+
+    def ratio(runs: list[dict[str, Any]], key: str) -> str:
+        values = sorted(r[key] / b[key] for r, b in zip(runs, base))
+        text = f"{statistics.median(values):.2f}x"
+        return text if len(values) == 1 else f"{text} ({values[0]:.2f}–{values[-1]:.2f})"
+
+    for name, runs in rounds.items():
+        r = runs[0]
         lines.append(f"| {name} | {r['tokens']} | {r['tokens_per_step']:.2f} | {r['accepted_per_spec_step']:.2f} | "
-                     f"{r['acceptance_rate']:.0%} | {r['histogram']} | {r['tok_s']:.1f} | "
-                     f"{r['tok_s'] / base['tok_s']:.2f}x | {r['decode_tok_s']:.1f} | "
-                     f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x |")
+                     f"{r['acceptance_rate']:.0%} | {r['histogram']} | "
+                     f"{statistics.median(x['tok_s'] for x in runs):.1f} | {ratio(runs, 'tok_s')} | "
+                     f"{statistics.median(x['decode_tok_s'] for x in runs):.1f} | {ratio(runs, 'decode_tok_s')} |")
     return "\n".join(lines)
 
 
@@ -147,6 +158,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--backend", default="xgrammar")
     parser.add_argument("--skip-concurrent", action="store_true")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds over every configuration (guided alone first in each); ratios are the "
+                             "median of the per-round ratios, with their range")
     parser.add_argument("--eagle-head", default=str(Path.home() / ".cache" / "guidespec" / "eagle-smollm2"),
                         help="an EAGLE head folder (guidespec train-eagle --output ...)")
     parser.add_argument("--only", default=None, metavar="REGEX",
@@ -171,16 +185,18 @@ def main() -> None:
         (f"{args.concurrency} concurrent", chosen(CONCURRENT), args.concurrency)])
     report = []
     for title, configs, concurrency in parts:
-        results = {}
-        for name, spec in configs.items():
-            results[name] = run(cases, spec, args.draft_len, concurrency, args.backend, args.max_tokens)
-            print(f"{title}: {name}: {results[name]['tok_s']:.1f} tok/s, "
-                  f"{results[name]['tokens_per_step']:.2f} tokens/step", flush=True)
-        speculative = [r["outputs"] for name, r in results.items() if isinstance(configs[name], dict)]
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+        for i in range(args.repeats):
+            for name, spec in configs.items():
+                result = run(cases, spec, args.draft_len, concurrency, args.backend, args.max_tokens)
+                rounds[name].append(result)
+                print(f"{title}, round {i + 1}: {name}: {result['tok_s']:.1f} tok/s, "
+                      f"{result['tokens_per_step']:.2f} tokens/step", flush=True)
+        speculative = [r["outputs"] for name, runs in rounds.items() if isinstance(configs[name], dict) for r in runs]
         same = all(outputs == speculative[0] for outputs in speculative)
         report.append(table(f"{title}, {len(cases)} JME cases, greedy, max_tokens {args.max_tokens}, draft length "
                             f"{args.draft_len}, {args.backend}; speculative outputs identical token for token: {same}",
-                            results))
+                            rounds))
     print(f"\n{machine()}")
     print("\n".join(report))
 
