@@ -13,8 +13,11 @@ Each step, for every decoding row whose request speculates:
    drafts keep failing still probes one draft every 8 steps (a model drafter's: every 32
    steps, all such requests in the same step, since each probe first catches the draft model up;
    after two fruitless probes in a row a model drafter stops probing for that request, which
-   then never runs the draft model again; and where even a draft of acceptance 0.9 would not pay
-   at the current batch, a model drafter neither probes nor starts new requests);
+   then never runs the draft model again). A model drafter runs only where the plan expects
+   tokens per second to rise by at least 10% (near break-even the estimates' error makes it a
+   loss as often as a gain), proposes nothing for a request before a decode plan has judged it
+   (no drafts at its prefill step), and where even drafts of acceptance 0.9 for every row would
+   not clear that bar at the current batch, it neither probes nor starts new requests;
 2. the drafts: the grammar's forced tokens first (guided requests; up to ``MAX_FORCED_DRAFTS``,
    not counted in the draft length: they are certain, and jump-forward gives requests that do
    not speculate all of them), then the drafter's tokens, cut at the first one the grammar
@@ -47,6 +50,8 @@ _MODEL_PROBE_EVERY = 32
 # held back since the last one, which at a large batch cost more than the probes ever gave back
 _MODEL_PROBES_BEFORE_OFF = 2
 _OPTIMISTIC_RATE = 0.9  # the acceptance a probe could at best reveal
+# a model drafter drafts only where the plan expects tokens per second to rise by this much
+_MODEL_MARGIN = 0.1
 _PRIOR_RATE = 0.7  # a new request's acceptance before its drafter has been seen at work
 MAX_FORCED_DRAFTS = 16
 
@@ -171,8 +176,8 @@ class Speculator:
         stats = self.acceptance.get(request.request_id)
         if not self.cfg.adaptive:
             return cap
-        if stats is None or stats.planned is None:
-            return cap if self._model_drafting_pays else 0
+        if stats is None or stats.planned is None:  # no decode plan has judged it yet (its prefill step)
+            return 0
         if stats.planned == 0:  # not drafting: propose only for the coming probe (the next plan's)
             probe_next = (self._plans + 1) % _MODEL_PROBE_EVERY == 0
             return 1 if not stats.off and self._model_drafting_pays and probe_next else 0
@@ -216,27 +221,21 @@ class Speculator:
             return out
         c0, c1 = self.cost.coefficients()
         cd = self.draft_cost or 0.0  # a model drafter's draft token also costs its proposal on rank 0
-        drafts = 0
         tokens = sum(row.num_new_tokens for row in rows)
         expected = float(sum(row.num_logits for row in rows))
-        lengths = {i: 0 for i in limits}
+        plain = expected / (c0 + c1 * tokens)  # expected tokens per second without drafts
         rates = {i: self.acceptance.get(rows[i].request.request_id, _Acceptance(self.prior)).rate for i in limits}
-        while budget > 0:
-            gains = {i: rates[i] ** (lengths[i] + 1) for i in limits if lengths[i] < limits[i]}
-            if not gains:
-                break
-            best = max(gains, key=gains.__getitem__)
-            gain = gains[best]
-            if (expected + gain) * (c0 + c1 * tokens + cd * drafts) <= expected * (c0 + c1 * (tokens + 1) + cd * (drafts + 1)):
-                break  # one more draft token would lower tokens per second
-            lengths[best] += 1
-            expected += gain
-            tokens += 1
-            drafts += 1
-            budget -= 1
+        lengths, speed = _allocate(rates, limits, budget, expected, tokens, (c0, c1, cd))
         if isinstance(self.drafter, ModelDrafter):
-            self._model_drafting_pays = (expected + _OPTIMISTIC_RATE) * (c0 + c1 * tokens + cd * drafts) > \
-                expected * (c0 + c1 * (tokens + 1) + cd * (drafts + 1))
+            # the draft model runs only where the plan expects a clear gain: near break-even the
+            # cost model's error and the drafts' own variance make it a loss as often as a gain
+            if speed < (1 + _MODEL_MARGIN) * plain:
+                lengths = {i: 0 for i in limits}
+            # whether drafting for every row at an optimistic acceptance would clear that bar
+            # (where not, no probes and no new requests: ``_proposal_cap``)
+            optimistic = _allocate({i: _OPTIMISTIC_RATE for i in limits}, limits, budget, expected, tokens, (c0, c1, cd))
+            self._model_drafting_pays = optimistic[1] >= (1 + _MODEL_MARGIN) * plain
+        budget -= sum(lengths.values())
         for i in limits:  # a request that stopped drafting probes now and then, to notice a change
             stats = self.acceptance.setdefault(rows[i].request.request_id, _Acceptance(self.prior))
             if lengths[i] == 0:
@@ -273,3 +272,27 @@ class Speculator:
 
             drafts += self.drafter.propose(request_id, context + drafts, num_committed, max_len, valid_prefix)
         return drafts
+
+
+def _allocate(rates: dict[int, float], limits: dict[int, int], budget: int, expected: float, tokens: int,
+              cost: tuple[float, float, float]) -> tuple[dict[int, int], float]:
+    """Draft lengths per row, added one token at a time where the next draft is worth the most
+    (``rate ** j``) while it raises expected tokens per second; returns them with that speed.
+    ``cost``: (c0, c1, cd), a step's ``c0 + c1 * tokens`` plus ``cd`` per draft token proposed."""
+    c0, c1, cd = cost
+    lengths = {i: 0 for i in limits}
+    drafts = 0
+    while budget > 0:
+        gains = {i: rates[i] ** (lengths[i] + 1) for i in limits if lengths[i] < limits[i]}
+        if not gains:
+            break
+        best = max(gains, key=gains.__getitem__)
+        gain = gains[best]
+        if (expected + gain) * (c0 + c1 * tokens + cd * drafts) <= expected * (c0 + c1 * (tokens + 1) + cd * (drafts + 1)):
+            break  # one more draft token would lower tokens per second
+        lengths[best] += 1
+        expected += gain
+        tokens += 1
+        drafts += 1
+        budget -= 1
+    return lengths, expected / (c0 + c1 * tokens + cd * drafts)

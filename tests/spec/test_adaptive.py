@@ -78,10 +78,17 @@ def test_a_draft_model_proposes_one_more_than_the_plan_used() -> None:
     speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=4), grammar=None,
                             max_model_len=1024)
     for tokens in (1, 4, 16, 64):
-        speculator.observe_step(tokens, (5.0 + 4.0 * tokens) / 1000)  # compute-bound: the plan drafts nothing
+        speculator.observe_step(tokens, (30.0 + 2.0 * tokens) / 1000)  # good drafts would pay here
     rows = _decoding_rows(4)
     proposals = speculator.proposal_lengths(rows)
-    assert proposals is not None and proposals[0].tolist() == [4] * 4  # nothing planned yet: the cap
+    assert proposals is not None and proposals[0].tolist() == [0] * 4  # no plan has judged them yet: nothing
+    assert _draft_lengths(speculator, rows) == [0] * 4  # (no proposals to draft from yet)
+    proposals = speculator.proposal_lengths(rows)
+    assert proposals is not None and min(proposals[0].tolist()) >= 2  # planned: one more than the plan
+    for _ in range(6):  # their drafts fail: the plan stops drafting for them
+        for row in rows:
+            speculator.observe(row.request, 3, 0)
+    assert _draft_lengths(speculator, rows) == [0] * 4
     seen = []
     for _ in range(2 * _MODEL_PROBE_EVERY):
         speculator.plan(rows, max_tokens_per_step=512)
@@ -139,3 +146,20 @@ def test_a_new_request_starts_from_what_the_drafter_has_been_worth() -> None:
     newcomer = _decoding_rows(1)
     newcomer[0].request.request_id = "new"
     assert _draft_lengths(speculator, newcomer) == [0]
+
+
+def test_a_draft_model_runs_only_for_a_clear_gain() -> None:
+    """Near break-even the draft model stays off: its measured cost and the drafts' acceptance are
+    estimates, and a plan that expects a few percent is a loss as often as a gain."""
+    def lengths_with_draft_cost(ms_per_draft: float) -> list[int]:
+        speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3),
+                                grammar=None, max_model_len=1024)
+        for tokens in (1, 4, 16, 64, 1, 4, 16, 64):
+            speculator.observe_step(tokens, (30.0 + 0.1 * tokens) / 1000)
+        speculator.observe_step(1, 0.0301, num_proposed=1, draft_s=ms_per_draft / 1000)
+        rows = _decoding_rows(1)
+        _draft_lengths(speculator, rows)  # the request's first plan
+        return [p for p in speculator.proposal_lengths(rows)[0].tolist()]  # type: ignore[index]
+
+    assert lengths_with_draft_cost(3.0) == [3]  # cheap drafts: a large gain
+    assert lengths_with_draft_cost(17.0) == [0]  # +8% expected at best: not worth it
