@@ -218,8 +218,8 @@ class Scheduler:
         now = time.time()
         if self.speculator is not None:
             self.speculator.observe_step(sum(row.num_new_tokens for row in rows), outputs.forward_s,
-                                         int(outputs.num_draft_tokens.sum()) if outputs.num_draft_tokens is not None
-                                         else 0, outputs.draft_s)
+                                         outputs.num_draft_tokens.tolist() if outputs.num_draft_tokens is not None
+                                         else None, outputs.draft_s)
         for i, row in enumerate(rows):
             request = row.request
             new_tokens = outputs.token_ids[offsets[i] : offsets[i + 1]].tolist()

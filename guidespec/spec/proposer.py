@@ -96,6 +96,39 @@ class CostModel:
         return c0, c1
 
 
+class DraftCost:
+    """Rank 0's proposing time as ``d0 * draft_steps + d1 * draft_tokens``: each draft step is one
+    forward of the draft model over the rows still drafting, so a draft token costs more in a
+    small batch than in a large one. Least squares without intercept, exponentially weighted;
+    until steps with several rows have been seen, all of it is put on ``d0`` (the cautious side)."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.sss = self.ssd = self.sdd = self.sys = self.syd = 0.0  # sums of s*s, s*d, d*d, y*s, y*d
+        self.seen = False
+
+    def observe(self, steps: int, drafts: int, seconds: float) -> None:
+        k = self.decay
+        self.sss = k * self.sss + steps * steps
+        self.ssd = k * self.ssd + steps * drafts
+        self.sdd = k * self.sdd + drafts * drafts
+        self.sys = k * self.sys + seconds * steps
+        self.syd = k * self.syd + seconds * drafts
+        self.seen = True
+
+    def coefficients(self) -> tuple[float, float]:
+        """(d0, d1) >= 0: seconds per draft step and per draft token; (0, 0) before any."""
+        if not self.seen:
+            return 0.0, 0.0
+        det = self.sss * self.sdd - self.ssd * self.ssd
+        if det > 1e-9 * self.sss * self.sdd:
+            d0 = (self.sys * self.sdd - self.syd * self.ssd) / det
+            d1 = (self.syd * self.sss - self.sys * self.ssd) / det
+            if d0 >= 0 and d1 >= 0:
+                return d0, d1
+        return max(0.0, self.sys / self.sss), 0.0
+
+
 class Speculator:
     def __init__(self, cfg: SpeculativeConfig, grammar: Any, max_model_len: int) -> None:
         self.cfg = cfg
@@ -107,7 +140,7 @@ class Speculator:
         # starts from it (a drafter that keeps failing is not tried in full on each newcomer)
         self.prior = _PRIOR_RATE
         self.cost = CostModel()
-        self.draft_cost: float | None = None  # seconds per draft token proposed on rank 0 (model drafters)
+        self.draft_cost = DraftCost()  # rank 0's proposing time (model drafters)
         self._plans = 0  # plans made so far: a model drafter's probes fall on multiples of _MODEL_PROBE_EVERY
         # whether, at the batch the last plan saw, a draft of an optimistic acceptance would pay:
         # where it would not (a compute-bound batch), a model drafter neither starts new requests
@@ -198,12 +231,13 @@ class Speculator:
         stats.rate = 0.7 * stats.rate + 0.3 * observed
         self.prior = 0.9 * self.prior + 0.1 * observed
 
-    def observe_step(self, num_tokens: int, forward_s: float, num_proposed: int = 0, draft_s: float = 0.0) -> None:
-        """A step's forward time for its token count, and what rank 0's drafter spent proposing."""
+    def observe_step(self, num_tokens: int, forward_s: float, proposed: list[int] | None = None,
+                     draft_s: float = 0.0) -> None:
+        """A step's forward time for its token count, and what rank 0's drafter spent proposing
+        ``proposed[b]`` drafts for each row."""
         self.cost.observe(num_tokens, forward_s)
-        if num_proposed > 0:
-            per_token = draft_s / num_proposed
-            self.draft_cost = per_token if self.draft_cost is None else 0.8 * self.draft_cost + 0.2 * per_token
+        if proposed and max(proposed) > 0:
+            self.draft_cost.observe(max(proposed), sum(proposed), draft_s)
 
     def release(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
@@ -220,12 +254,18 @@ class Speculator:
                 budget -= out[i]
             return out
         c0, c1 = self.cost.coefficients()
-        cd = self.draft_cost or 0.0  # a model drafter's draft token also costs its proposal on rank 0
+        # a model drafter's drafts also cost their proposing on rank 0: d0 per draft step, d1 per token
+        d0, d1 = self.draft_cost.coefficients() if isinstance(self.drafter, ModelDrafter) else (0.0, 0.0)
         tokens = sum(row.num_new_tokens for row in rows)
         expected = float(sum(row.num_logits for row in rows))
         plain = expected / (c0 + c1 * tokens)  # expected tokens per second without drafts
         rates = {i: self.acceptance.get(rows[i].request.request_id, _Acceptance(self.prior)).rate for i in limits}
-        lengths, speed = _allocate(rates, limits, budget, expected, tokens, (c0, c1, cd))
+        cost = (c0, c1, d0, d1)
+        lengths, speed = _allocate(rates, limits, budget, expected, tokens, cost)
+        if isinstance(self.drafter, ModelDrafter) and not self.draft_cost.seen and any(lengths.values()):
+            # the draft model's cost is not known yet: measure it on one row before drafting for all
+            first = max(lengths, key=lengths.__getitem__)
+            lengths = {i: lengths[i] if i == first else 0 for i in limits}
         if isinstance(self.drafter, ModelDrafter):
             # the draft model runs only where the plan expects a clear gain: near break-even the
             # cost model's error and the drafts' own variance make it a loss as often as a gain
@@ -233,7 +273,7 @@ class Speculator:
                 lengths = {i: 0 for i in limits}
             # whether drafting for every row at an optimistic acceptance would clear that bar
             # (where not, no probes and no new requests: ``_proposal_cap``)
-            optimistic = _allocate({i: _OPTIMISTIC_RATE for i in limits}, limits, budget, expected, tokens, (c0, c1, cd))
+            optimistic = _allocate({i: _OPTIMISTIC_RATE for i in limits}, limits, budget, expected, tokens, cost)
             self._model_drafting_pays = optimistic[1] >= (1 + _MODEL_MARGIN) * plain
         budget -= sum(lengths.values())
         for i in limits:  # a request that stopped drafting probes now and then, to notice a change
@@ -275,24 +315,31 @@ class Speculator:
 
 
 def _allocate(rates: dict[int, float], limits: dict[int, int], budget: int, expected: float, tokens: int,
-              cost: tuple[float, float, float]) -> tuple[dict[int, int], float]:
+              cost: tuple[float, float, float, float]) -> tuple[dict[int, int], float]:
     """Draft lengths per row, added one token at a time where the next draft is worth the most
     (``rate ** j``) while it raises expected tokens per second; returns them with that speed.
-    ``cost``: (c0, c1, cd), a step's ``c0 + c1 * tokens`` plus ``cd`` per draft token proposed."""
-    c0, c1, cd = cost
+    ``cost``: (c0, c1, d0, d1): a step's ``c0 + c1 * tokens``, plus ``d0`` per draft step (the
+    longest row's length) and ``d1`` per draft token proposed."""
+    c0, c1, d0, d1 = cost
     lengths = {i: 0 for i in limits}
-    drafts = 0
+    drafts = longest = 0
+
+    def seconds(tokens: int, drafts: int, longest: int) -> float:
+        return c0 + c1 * tokens + d0 * longest + d1 * drafts
+
     while budget > 0:
         gains = {i: rates[i] ** (lengths[i] + 1) for i in limits if lengths[i] < limits[i]}
         if not gains:
             break
         best = max(gains, key=gains.__getitem__)
         gain = gains[best]
-        if (expected + gain) * (c0 + c1 * tokens + cd * drafts) <= expected * (c0 + c1 * (tokens + 1) + cd * (drafts + 1)):
+        longer = max(longest, lengths[best] + 1)
+        if (expected + gain) * seconds(tokens, drafts, longest) <= expected * seconds(tokens + 1, drafts + 1, longer):
             break  # one more draft token would lower tokens per second
         lengths[best] += 1
         expected += gain
         tokens += 1
         drafts += 1
+        longest = longer
         budget -= 1
-    return lengths, expected / (c0 + c1 * tokens + cd * drafts)
+    return lengths, expected / seconds(tokens, drafts, longest)

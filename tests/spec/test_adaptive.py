@@ -3,12 +3,14 @@ forward is compute-bound (large batches), and a probe now and then to notice a c
 
 from __future__ import annotations
 
+import pytest
+
 from guidespec.config import SpeculativeConfig
 from guidespec.protocol import SamplingParams
 from guidespec.scheduler.batching import ScheduledRow
 from guidespec.scheduler.detokenizer import IncrementalDetokenizer
 from guidespec.scheduler.request import Request
-from guidespec.spec.proposer import _MODEL_PROBE_EVERY, _PROBE_EVERY, CostModel, Speculator
+from guidespec.spec.proposer import _MODEL_PROBE_EVERY, _PROBE_EVERY, CostModel, DraftCost, Speculator
 
 
 class _Tokenizer:
@@ -49,6 +51,17 @@ def test_cost_model_recovers_a_linear_step_time() -> None:
     assert abs(c0 - 0.030) < 1e-3 and abs(c1 - 0.002) < 1e-4
 
 
+def test_draft_cost_separates_draft_steps_from_draft_tokens() -> None:
+    cost = DraftCost()
+    assert cost.coefficients() == (0.0, 0.0) and not cost.seen
+    cost.observe(3, 3, 0.030)  # one row, 3 draft steps of 10 ms: all on d0 until rows vary
+    assert cost.coefficients() == pytest.approx((0.010, 0.0))
+    for steps, drafts in ((3, 27), (2, 8), (1, 1), (3, 12)):
+        cost.observe(steps, drafts, 0.008 * steps + 0.001 * drafts)
+    d0, d1 = cost.coefficients()
+    assert abs(d0 - 0.008) < 1.5e-3 and abs(d1 - 0.001) < 5e-4
+
+
 def test_full_drafts_when_tokens_are_cheap_and_acceptance_high() -> None:
     speculator = _speculator((30.0, 0.1))  # a memory-bound forward: extra tokens cost little
     rows = _decoding_rows(1)
@@ -84,7 +97,12 @@ def test_a_draft_model_proposes_one_more_than_the_plan_used() -> None:
     assert proposals is not None and proposals[0].tolist() == [0] * 4  # no plan has judged them yet: nothing
     assert _draft_lengths(speculator, rows) == [0] * 4  # (no proposals to draft from yet)
     proposals = speculator.proposal_lengths(rows)
-    assert proposals is not None and min(proposals[0].tolist()) >= 2  # planned: one more than the plan
+    # planned, but the draft model's cost is unknown: one row proposes (one more than planned) to measure it
+    assert proposals is not None and sorted(proposals[0].tolist())[:3] == [0, 0, 0] and max(proposals[0]) >= 2
+    speculator.observe_step(4, 0.038, proposed=proposals[0].tolist(), draft_s=0.004)  # cheap: 1 ms per draft step
+    _draft_lengths(speculator, rows)
+    proposals = speculator.proposal_lengths(rows)
+    assert proposals is not None and min(proposals[0].tolist()) >= 2  # now every row
     for _ in range(6):  # their drafts fail: the plan stops drafting for them
         for row in rows:
             speculator.observe(row.request, 3, 0)
@@ -109,13 +127,18 @@ def test_a_draft_model_proposes_one_more_than_the_plan_used() -> None:
 
 
 def test_a_costly_drafter_is_turned_off_where_a_cheap_one_drafts() -> None:
-    rows = _decoding_rows(1)
-    speculator = _speculator((30.0, 0.1))
-    speculator.observe_step(1, 0.0301, num_proposed=3, draft_s=0.003)  # 1 ms per proposed draft token
-    assert _draft_lengths(speculator, rows) == [3]
-    speculator = _speculator((30.0, 0.1))
-    speculator.observe_step(1, 0.0301, num_proposed=3, draft_s=0.120)  # 40 ms per draft token: worse than none
-    assert _draft_lengths(speculator, rows) == [0]
+    def planned_after_draft_steps_of(ms: float) -> list[int]:
+        speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3),
+                                grammar=None, max_model_len=1024)
+        for tokens in (1, 4, 16, 64, 1, 4, 16, 64):
+            speculator.observe_step(tokens, (30.0 + 0.1 * tokens) / 1000)
+        speculator.observe_step(1, 0.0301, proposed=[3], draft_s=3 * ms / 1000)
+        rows = _decoding_rows(1)
+        _draft_lengths(speculator, rows)
+        return speculator.proposal_lengths(rows)[0].tolist()  # type: ignore[index]
+
+    assert planned_after_draft_steps_of(1.0) == [3]  # planned 3 (the cap)
+    assert planned_after_draft_steps_of(40.0) == [0]  # a draft step costs more than a target step: none
 
 
 def test_a_draft_model_stays_idle_where_even_good_drafts_would_not_pay() -> None:
@@ -156,7 +179,7 @@ def test_a_draft_model_runs_only_for_a_clear_gain() -> None:
                                 grammar=None, max_model_len=1024)
         for tokens in (1, 4, 16, 64, 1, 4, 16, 64):
             speculator.observe_step(tokens, (30.0 + 0.1 * tokens) / 1000)
-        speculator.observe_step(1, 0.0301, num_proposed=1, draft_s=ms_per_draft / 1000)
+        speculator.observe_step(1, 0.0301, proposed=[1], draft_s=ms_per_draft / 1000)
         rows = _decoding_rows(1)
         _draft_lengths(speculator, rows)  # the request's first plan
         return [p for p in speculator.proposal_lengths(rows)[0].tolist()]  # type: ignore[index]
