@@ -6,7 +6,9 @@ Each step, for every decoding row whose request speculates:
    the length that maximises expected tokens per second for the whole batch — a request's
    acceptance rate ``a`` (running average) makes its ``j``-th draft worth ``a**j`` tokens, and
    the step's cost is modelled as ``c0 + c1 * tokens`` from measured forward times (plus, for a
-   draft model or EAGLE head on rank 0, its measured proposing time per draft token). Drafts are
+   draft model or EAGLE head on rank 0, its measured proposing time: ``d0`` per draft step, one
+   forward of the draft model, and ``d1`` per draft token; measured on one row before the draft
+   model drafts for a whole batch). Drafts are
    added greedily while they raise tokens per second, so at a large batch where the forward is
    compute-bound speculation turns itself down instead of turning into a loss; a new request's
    rate starts from the drafter's mean over every request so far; a request whose
