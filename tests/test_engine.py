@@ -166,8 +166,9 @@ def test_shutdown_leaves_no_process_and_no_shared_memory() -> None:
 
 def test_ctrl_c_leaves_no_process_and_no_shared_memory(tmp_path: Path) -> None:
     script = textwrap.dedent("""
-        import json, os, sys
+        import faulthandler, json, os, signal, sys
         from guidespec import LLM, SamplingParams
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks where it hangs, if it does
         with LLM(max_batch_size=2, show_progress=False) as llm:
             p = llm._processes
             names = [f"/dev/shm/{p.ring.spec.name}"] + [e.removeprefix("ipc://") for e in vars(p.endpoints).values()]
@@ -178,7 +179,14 @@ def test_ctrl_c_leaves_no_process_and_no_shared_memory(tmp_path: Path) -> None:
     info = json.loads(proc.stdout.readline())
     time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # say where every thread of the client is stuck, then fail
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"the client did not exit within 60 s of SIGINT; its threads:\n{err[-6000:]}")
     assert "KeyboardInterrupt" in err
     time.sleep(0.5)
     assert _leftovers(info["names"], info["pids"]) == ([], [])
