@@ -151,7 +151,7 @@ class DraftRunner:
         # weights and their cache are the target's, which already holds every final token
         self.shared = (target is not None and model_dir == target_dir and target[0].tp.size == 1
                        and target[0].dtype == dtype)
-        if target is not None and self.shared:
+        if self.shared and target is not None:  # (the second test only narrows the type)
             self.model = target[0].first_layers(cfg.num_layers)
             self.kv = target[1].first_layers(cfg.num_layers)
         else:

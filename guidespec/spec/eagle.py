@@ -199,8 +199,7 @@ class EagleRunner:
         self.pending = torch.zeros(max_batch_size, width, dtype=target.dtype)
         self.pending_pos = np.full(max_batch_size, -2, dtype=np.int64)
         self.backlog: dict[int, tuple[int, list[torch.Tensor], list[int]]] = {}  # slot -> positions not yet run
-        self._features: torch.Tensor | None = None  # the step's target features, until propose
-        self._batch: ForwardBatch | None = None  # and its batch
+        self._step: tuple[ForwardBatch, torch.Tensor] | None = None  # the step and its target features, until propose
         self.sampling = DraftSampling(self.vocab_size)
         # where each draft id's bit sits in a target bitmask row (rows of a padded LM head past the
         # vocabulary are never allowed)
@@ -218,15 +217,16 @@ class EagleRunner:
         step that had no logits (prefill chunks only: the worker proposes nothing after it) puts
         its positions in the backlog first."""
         assert features is not None, "the target forward did not keep the features the EAGLE head needs"
-        if self._features is not None and self._batch is not None:
-            offsets = np.concatenate([[0], np.cumsum(self._batch.num_new_tokens)])
-            ids = self._batch.token_ids.tolist()
-            for b, (slot, start) in enumerate(zip(self._batch.slots, self._batch.start_positions)):
+        if self._step is not None:
+            last, last_features = self._step
+            offsets = np.concatenate([[0], np.cumsum(last.num_new_tokens)])
+            ids = last.token_ids.tolist()
+            for b, (slot, start) in enumerate(zip(last.slots, last.start_positions)):
                 chunk = self._final_positions(slot, start, ids[offsets[b] : offsets[b + 1]],
-                                              self._features[offsets[b] : offsets[b + 1]], 0)
+                                              last_features[offsets[b] : offsets[b + 1]], 0)
                 if chunk is not None:
                     self._hold(slot, *chunk)
-        self._features, self._batch = features, batch
+        self._step = batch, features
 
     def _final_positions(self, slot: int, start: int, true: list[int], features: torch.Tensor,
                          produced: int) -> tuple[int, torch.Tensor, list[int]] | None:
@@ -263,8 +263,8 @@ class EagleRunner:
                 masks: MaskSource | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Run the step's final positions through the head, then chain ``draft_lens[b]`` drafts per
         row (argmax, or drawn from q' for sampled rows): (flat draft tokens as target ids, counts)."""
-        features, self._features, self._batch = self._features, None, None
-        assert features is not None, "propose without follow"
+        assert self._step is not None, "propose without follow"
+        features, self._step = self._step[1], None
         ends = np.cumsum(counts)
         offsets = np.concatenate([[0], np.cumsum(inputs.num_new_tokens)])
         last_position = np.full(inputs.batch_size, -1, dtype=np.int64)

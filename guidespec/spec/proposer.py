@@ -19,7 +19,7 @@ Each step, for every decoding row whose request speculates:
    tokens per second to rise by at least 10% (near break-even the estimates' error makes it a
    loss as often as a gain), proposes nothing for a request before a decode plan has judged it
    (no drafts at its prefill step), and where even drafts of acceptance 0.9 for every row would
-   not clear that bar at the current batch, it neither probes nor starts new requests;
+   not clear that bar at the current batch, nothing probes;
 2. the drafts: the grammar's forced tokens first (guided requests; up to ``MAX_FORCED_DRAFTS``,
    not counted in the draft length: they are certain, and jump-forward gives requests that do
    not speculate all of them), then the drafter's tokens, cut at the first one the grammar
@@ -144,9 +144,8 @@ class Speculator:
         self.cost = CostModel()
         self.draft_cost = DraftCost()  # rank 0's proposing time (model drafters)
         self._plans = 0  # plans made so far: a model drafter's probes fall on multiples of _MODEL_PROBE_EVERY
-        # whether, at the batch the last plan saw, a draft of an optimistic acceptance would pay:
-        # where it would not (a compute-bound batch), a model drafter neither starts new requests
-        # (their first proposal runs the draft model over the whole prompt) nor probes
+        # whether, at the batch the last plan near a probe saw, drafts of an optimistic acceptance
+        # would clear the model drafter's bar: where not (a compute-bound batch), nothing probes
         self._model_drafting_pays = True
         self._num_forced: dict[str, int] = {}  # request -> how many of its drafts this step are forced tokens
 
@@ -264,19 +263,17 @@ class Speculator:
         rates = {i: self.acceptance.get(rows[i].request.request_id, _Acceptance(self.prior)).rate for i in limits}
         cost = (c0, c1, d0, d1)
         lengths, speed = _allocate(rates, limits, budget, expected, tokens, cost)
-        if isinstance(self.drafter, ModelDrafter) and not self.draft_cost.seen and any(lengths.values()):
-            # the draft model's cost is not known yet: measure it on one row before drafting for all
-            first = max(lengths, key=lengths.__getitem__)
-            lengths = {i: lengths[i] if i == first else 0 for i in limits}
         if isinstance(self.drafter, ModelDrafter):
             # the draft model runs only where the plan expects a clear gain: near break-even the
             # cost model's error and the drafts' own variance make it a loss as often as a gain
             if speed < (1 + _MODEL_MARGIN) * plain:
                 lengths = {i: 0 for i in limits}
-            # whether drafting for every row at an optimistic acceptance would clear that bar
-            # (where not, no probes and no new requests: ``_proposal_cap``)
-            optimistic = _allocate({i: _OPTIMISTIC_RATE for i in limits}, limits, budget, expected, tokens, cost)
-            self._model_drafting_pays = optimistic[1] >= (1 + _MODEL_MARGIN) * plain
+            elif not self.draft_cost.seen:  # its cost is not known yet: measure it on one row first
+                first = max(lengths, key=lengths.__getitem__)
+                lengths = {i: lengths[i] if i == first else 0 for i in limits}
+            if self._plans % _MODEL_PROBE_EVERY in (0, _MODEL_PROBE_EVERY - 1):  # a probe is near: may it run?
+                optimistic = _allocate({i: _OPTIMISTIC_RATE for i in limits}, limits, budget, expected, tokens, cost)
+                self._model_drafting_pays = optimistic[1] >= (1 + _MODEL_MARGIN) * plain
         budget -= sum(lengths.values())
         for i in limits:  # a request that stopped drafting probes now and then, to notice a change
             stats = self.acceptance.setdefault(rows[i].request.request_id, _Acceptance(self.prior))

@@ -13,13 +13,16 @@ from guidespec.worker import kernels
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the kernel is not built")
 
 
+def _case(m: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random weight [n, k], input [m, k] and bias [n], seeded by the shape."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    return torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+
+
 @pytest.mark.parametrize("n,k", [(960, 576), (49152 // 8, 64), (37, 100), (16, 1), (5, 33)])
 @pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 6, 7, 13, 70])
 def test_packed_linear_matches_torch(m: int, n: int, k: int) -> None:
-    g = torch.Generator().manual_seed(m * 1000 + n + k)
-    w = torch.randn(n, k, generator=g)
-    x = torch.randn(m, k, generator=g)
-    bias = torch.randn(n, generator=g)
+    w, x, bias = _case(m, n, k)
     packed = kernels.pack(w)
     assert isinstance(packed, kernels.PackedWeight) and packed.shape == w.shape
     torch.testing.assert_close(kernels.linear(x, packed), F.linear(x, w), atol=1e-4, rtol=1e-5)
@@ -29,10 +32,7 @@ def test_packed_linear_matches_torch(m: int, n: int, k: int) -> None:
 @pytest.mark.parametrize("n,k", [(960, 576), (37, 100), (16, 1), (5, 33)])
 @pytest.mark.parametrize("m", [0, 1, 3, 6, 7, 13])
 def test_int8_linear_matches_its_dequantized_weight_and_stays_near_the_original(m: int, n: int, k: int) -> None:
-    g = torch.Generator().manual_seed(m * 1000 + n + k)
-    w = torch.randn(n, k, generator=g)
-    x = torch.randn(m, k, generator=g)
-    bias = torch.randn(n, generator=g)
+    w, x, bias = _case(m, n, k)
     quantized = kernels.quantize(w)
     assert isinstance(quantized, kernels.QuantizedWeight) and quantized.blocks.dtype == torch.int8
     rounded = kernels.dense(quantized)
