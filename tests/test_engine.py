@@ -164,6 +164,19 @@ def test_shutdown_leaves_no_process_and_no_shared_memory() -> None:
     assert _leftovers(names, pids) == ([], [])
 
 
+def _signal_state(pid: int) -> str:
+    """Each thread's blocked, ignored, caught and pending signal masks (hex, bit n-1 for signal n)."""
+    lines = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            fields = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+        except OSError:
+            continue
+        lines.append(f"{task.name} {fields.get('Name', '?')}: " + " ".join(
+            f"{k}={fields.get(k, '?')}" for k in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")))
+    return "\n".join(lines)
+
+
 def test_ctrl_c_leaves_no_process_and_no_shared_memory(tmp_path: Path) -> None:
     script = textwrap.dedent("""
         import faulthandler, json, os, signal, sys
@@ -181,12 +194,13 @@ def test_ctrl_c_leaves_no_process_and_no_shared_memory(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGINT)
     try:
         _, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:  # say where every thread of the client is stuck, then fail
+    except subprocess.TimeoutExpired:  # say where every thread of the client is stuck, and its signal state, then fail
+        masks = _signal_state(proc.pid)
         proc.send_signal(signal.SIGUSR1)
         time.sleep(1.0)
         proc.kill()
         _, err = proc.communicate()
-        pytest.fail(f"the client did not exit within 60 s of SIGINT; its threads:\n{err[-6000:]}")
+        pytest.fail(f"the client did not exit within 60 s of SIGINT; its signal masks:\n{masks}\nits threads:\n{err[-6000:]}")
     assert "KeyboardInterrupt" in err
     time.sleep(0.5)
     assert _leftovers(info["names"], info["pids"]) == ([], [])
