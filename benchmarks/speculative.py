@@ -2,6 +2,7 @@
 with and without draft-side grammar checks, and tokens/s against guided decoding alone.
 
     python benchmarks/speculative.py [--cases 10] [--max-tokens 256] [--draft-len 3] [--backend xgrammar]
+                                     [--concurrency 16] [--concurrent-cases 32]
                                      [--eagle-head DIR] [--only REGEX] [--repeats N]
 
 Part 1, batch 1 (one request at a time, greedy, draft length fixed at --draft-len): one fresh
@@ -9,8 +10,9 @@ engine per configuration serves every case; grammars are compiled before timing.
 speculative output equals plain greedy output, so every configuration computes the same text
 (checked) and differs only in steps taken.
 
-Part 2, --concurrency requests at a time: guided alone, n-gram with the adaptive draft length,
-n-gram with a fixed length.
+Part 2, --concurrency requests at a time over the first --concurrent-cases JME cases (32 by
+default, so that 16 are really in flight at once): guided alone, and each drafter with the
+adaptive draft length (some also at a fixed length).
 
 Greedy speculative output equals plain greedy output token for token; guided alone uses
 jump-forward, which appends forced text tokenized its own way, so its tokens may differ.
@@ -156,6 +158,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--draft-len", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--concurrent-cases", type=int, default=32,
+                        help="JME cases for the concurrent part (more than --concurrency, so it is reached)")
     parser.add_argument("--backend", default="xgrammar")
     parser.add_argument("--skip-concurrent", action="store_true")
     parser.add_argument("--repeats", type=int, default=1,
@@ -181,10 +185,10 @@ def main() -> None:
             out[name] = spec
         return out
 
-    parts = [("batch 1", chosen(BATCH1), 1)] + ([] if args.skip_concurrent else [
-        (f"{args.concurrency} concurrent", chosen(CONCURRENT), args.concurrency)])
+    parts = [("batch 1", chosen(BATCH1), 1, cases)] + ([] if args.skip_concurrent else [
+        (f"{args.concurrency} concurrent", chosen(CONCURRENT), args.concurrency, load_cases(args.concurrent_cases))])
     report = []
-    for title, configs, concurrency in parts:
+    for title, configs, concurrency, cases in parts:
         rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
         for i in range(args.repeats):
             for name, spec in configs.items():

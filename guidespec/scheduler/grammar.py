@@ -37,6 +37,11 @@ from guidespec.scheduler.closing import MAX_STEPS, ClosingTokens, EarlyCloser, a
 
 
 MAX_CLOSING_RUN = 2048  # the longest dry run of closing (``closing_run``)
+# Fills run on the scheduler's own thread. A fill takes tens of microseconds per row, while
+# waking a backend's thread pool on cores the workers' forward keeps busy took milliseconds per
+# call (batch 1, n-gram drafts: 14 ms of filling per step with 2 threads, 2 ms with 1), and the
+# pool's threads slowed the forward they ran beside. Compiles keep ``num_threads`` (their process).
+_FILL_THREADS = 1
 _SCRIPT_MARGIN = 8  # a dry run of closing this near the budget's end is written as it is
 
 
@@ -433,7 +438,7 @@ class GrammarManager:
     def _backend(self, name: str) -> GrammarBackend:
         if name not in self.backends:
             s = self.settings
-            self.backends[name] = create_backend(name, self.tokenizer, s.vocab_size, s.stop_token_ids, s.num_threads)
+            self.backends[name] = create_backend(name, self.tokenizer, s.vocab_size, s.stop_token_ids, _FILL_THREADS)
         return self.backends[name]
 
     def _create_matcher(self, request_id: str, backend: str, compiled: Any) -> None:
