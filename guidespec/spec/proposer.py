@@ -257,8 +257,12 @@ class Speculator:
         c0, c1 = self.cost.coefficients()
         # a model drafter's drafts also cost their proposing on rank 0: d0 per draft step, d1 per token
         d0, d1 = self.draft_cost.coefficients() if isinstance(self.drafter, ModelDrafter) else (0.0, 0.0)
-        tokens = sum(row.num_new_tokens for row in rows)
-        expected = float(sum(row.num_logits for row in rows))
+        # drafts are judged against a step of the decode rows alone: a prefill chunk in the step is
+        # work done whatever is drafted, and counting its time made drafts look cheap beside it
+        # (an int8 draft model drafted for 16 rows beside 200-400-token chunks, and lost)
+        decode = [row for row in rows if row.num_new_tokens == 1]
+        tokens = len(decode)
+        expected = float(sum(row.num_logits for row in decode))
         plain = expected / (c0 + c1 * tokens)  # expected tokens per second without drafts
         rates = {i: self.acceptance.get(rows[i].request.request_id, _Acceptance(self.prior)).rate for i in limits}
         cost = (c0, c1, d0, d1)

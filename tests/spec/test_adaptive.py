@@ -141,6 +141,20 @@ def test_a_costly_drafter_is_turned_off_where_a_cheap_one_drafts() -> None:
     assert planned_after_draft_steps_of(40.0) == [0]  # a draft step costs more than a target step: none
 
 
+def test_a_prefill_chunk_in_the_step_does_not_make_drafts_look_cheap() -> None:
+    """Drafts are judged against a step of the decode rows alone. A 400-token prefill chunk makes
+    the step long whatever is drafted; counted in, each draft looked nearly free beside it."""
+    speculator = _speculator((5.0, 4.0))  # compute-bound: at 16 rows no draft pays
+    rows = _decoding_rows(16)
+    assert _draft_lengths(speculator, rows) == [0] * 16
+    prompt = list(range(10, 510))
+    newcomer = Request("prefill", prompt, SamplingParams(max_tokens=100, temperature=0.0), 0.0,
+                       IncrementalDetokenizer(_Tokenizer(), prompt))  # type: ignore[arg-type]
+    planned = speculator.plan(rows + [ScheduledRow(newcomer, 0, 400, 0)], max_tokens_per_step=1024)
+    assert [row.num_logits - 1 for row in planned[:16]] == [0] * 16
+    assert planned[16].num_new_tokens == 400
+
+
 def test_a_draft_model_stays_idle_where_even_good_drafts_would_not_pay() -> None:
     """16 rows on a compute-bound forward: no draft of any acceptance would raise tokens per second,
     so the draft model never runs for them, not even to start (a first proposal runs it over the
