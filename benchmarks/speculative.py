@@ -20,6 +20,9 @@ jump-forward, which appends forced text tokenized its own way, so its tokens may
 "tok/s" = output tokens ÷ wall time (prefill included); "decode tok/s" = output tokens after each
 request's first ÷ the time after its first token (1 / time per output token, the per-user speed
 of TensorRT-LLM's curves; at batch 1 the requests do not overlap);
+"time to serve all" = the wall time guided alone takes for the same requests ÷ this configuration's
+(jump-forward tokenizes forced text its own way, so guided alone's token count differs a little
+and tok/s alone would credit it for the extra tokens);
 "accepted/spec step" = tokens per step that verified drafts (the target's own token included),
 TensorRT-LLM's acceptance length. Guided alone already exceeds 1 token/step: jump-forward appends
 forced tokens without a step.
@@ -123,7 +126,7 @@ def run(cases: list[dict[str, Any]], speculative: dict[str, Any] | str | None, d
             histogram.extend([0] * (n + 1 - len(histogram)))
             histogram[n] += count
     decode_s = sum(o.finish_time - o.first_token_time for o in outs)
-    return {"tok_s": tokens / wall, "decode_tok_s": (tokens - len(outs)) / decode_s, "tokens": tokens, "tokens_per_step": tokens / max(steps, 1),
+    return {"tok_s": tokens / wall, "wall_s": wall, "decode_tok_s": (tokens - len(outs)) / decode_s, "tokens": tokens, "tokens_per_step": tokens / max(steps, 1),
             "accepted_per_spec_step": 1 + accepted / spec_steps if spec_steps else 1.0,
             "acceptance_rate": accepted / drafted if drafted else 0.0, "histogram": histogram,
             "outputs": [o.token_ids for o in outs]}
@@ -135,11 +138,12 @@ def table(title: str, rounds: dict[str, list[dict[str, Any]]]) -> str:
     their range; the other columns do not change between rounds (greedy)."""
     base = next(iter(rounds.values()))
     lines = [f"\n{title}\n", "| configuration | tokens | tokens/step | accepted/spec step | draft acceptance | "
-             "steps by drafts accepted | tok/s | ÷ guided alone | decode tok/s | ÷ guided alone, decode |",
-             "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+             "steps by drafts accepted | tok/s | ÷ guided alone | decode tok/s | ÷ guided alone, decode | "
+             "time to serve all, guided alone ÷ this |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
 
-    def ratio(runs: list[dict[str, Any]], key: str) -> str:
-        values = sorted(r[key] / b[key] for r, b in zip(runs, base))
+    def ratio(runs: list[dict[str, Any]], key: str, inverse: bool = False) -> str:
+        values = sorted((b[key] / r[key]) if inverse else (r[key] / b[key]) for r, b in zip(runs, base))
         text = f"{statistics.median(values):.2f}x"
         return text if len(values) == 1 else f"{text} ({values[0]:.2f}–{values[-1]:.2f})"
 
@@ -148,7 +152,8 @@ def table(title: str, rounds: dict[str, list[dict[str, Any]]]) -> str:
         lines.append(f"| {name} | {r['tokens']} | {r['tokens_per_step']:.2f} | {r['accepted_per_spec_step']:.2f} | "
                      f"{r['acceptance_rate']:.0%} | {r['histogram']} | "
                      f"{statistics.median(x['tok_s'] for x in runs):.1f} | {ratio(runs, 'tok_s')} | "
-                     f"{statistics.median(x['decode_tok_s'] for x in runs):.1f} | {ratio(runs, 'decode_tok_s')} |")
+                     f"{statistics.median(x['decode_tok_s'] for x in runs):.1f} | {ratio(runs, 'decode_tok_s')} | "
+                     f"{ratio(runs, 'wall_s', inverse=True)} |")
     return "\n".join(lines)
 
 

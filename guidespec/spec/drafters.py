@@ -50,24 +50,44 @@ class NGramDrafter:
     context (n = 1 .. ``max_matching_ngram_size``) maps to the ``max_draft_len`` tokens that
     followed it. A lookup tries the longest suffix of the context first. ``is_keep_all`` keeps
     every distinct continuation of a key (else only the latest); ``is_use_oldest`` tries the
-    oldest first (else the newest); ``is_public_pool`` shares one pool among all requests (else
-    one per request). Of the first ``max_candidates`` continuations, the one the grammar accepts
-    furthest wins."""
+    oldest first (else the newest). Of the first ``max_candidates`` continuations, the one the
+    grammar accepts furthest wins.
+
+    Each request has a pool of its own context. ``is_public_pool`` adds one pool shared by all
+    requests, used where it gives a longer valid draft than the request's own: on the JME cases'
+    greedy outputs (draft length 3, forced drafts first) the own pool first gave 2.92 and 3.00
+    tokens per step on 9 and 20 cases, against 2.74 and 2.91 for the shared pool alone and 2.88
+    and 2.89 for the own pool alone: another request's continuations of a short key are mostly
+    noise, though the shared pool does fill gaps."""
 
     def __init__(self, max_draft_len: int, max_matching_ngram_size: int, is_keep_all: bool = True,
                  is_use_oldest: bool = True, is_public_pool: bool = True, max_keys: int = 1 << 20,
                  max_continuations: int = 32, max_candidates: int = 8) -> None:
         self.max_draft_len = max_draft_len
         self.max_ngram = max_matching_ngram_size
-        self.keep_all, self.use_oldest, self.public = is_keep_all, is_use_oldest, is_public_pool
+        self.keep_all, self.use_oldest = is_keep_all, is_use_oldest
         self.max_keys, self.max_continuations, self.max_candidates = max_keys, max_continuations, max_candidates
-        self.pools: dict[str, _Pool] = {}
-        self.seen: dict[str, int] = {}  # request -> final tokens already in the pool
+        self.public: _Pool | None = OrderedDict() if is_public_pool else None
+        self.own: dict[str, _Pool] = {}
+        self.seen: dict[str, int] = {}  # request -> final tokens already in its pools
 
     def propose(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
                 valid_prefix: ValidPrefix) -> list[int]:
-        pool = self._pool(request_id)
-        self._update(pool, request_id, context[:num_committed])
+        own = self.own.setdefault(request_id, OrderedDict())
+        pools = [own] if self.public is None else [own, self.public]
+        self._update(pools, request_id, context[:num_committed])
+        best = self._lookup(own, context, max_len, valid_prefix)
+        if self.public is not None and len(best) < max_len:
+            shared = self._lookup(self.public, context, max_len, valid_prefix)
+            if len(shared) > len(best):
+                best = shared
+        return best
+
+    def release(self, request_id: str) -> None:
+        self.seen.pop(request_id, None)
+        self.own.pop(request_id, None)
+
+    def _lookup(self, pool: _Pool, context: Sequence[int], max_len: int, valid_prefix: ValidPrefix) -> list[int]:
         for n in range(min(self.max_ngram, len(context)), 0, -1):
             continuations = pool.get(tuple(context[len(context) - n :]))
             if not continuations:
@@ -85,18 +105,7 @@ class NGramDrafter:
                 return best
         return []
 
-    def release(self, request_id: str) -> None:
-        self.seen.pop(request_id, None)
-        if not self.public:
-            self.pools.pop(request_id, None)
-
-    def _pool(self, request_id: str) -> _Pool:
-        key = "" if self.public else request_id
-        if key not in self.pools:
-            self.pools[key] = OrderedDict()
-        return self.pools[key]
-
-    def _update(self, pool: _Pool, request_id: str, final: Sequence[int]) -> None:
+    def _update(self, pools: list[_Pool], request_id: str, final: Sequence[int]) -> None:
         """Add the full-length continuations that the final tokens since the last call completed."""
         d = self.max_draft_len
         first = max(1, self.seen.get(request_id, 0) - d + 1)
@@ -104,18 +113,19 @@ class NGramDrafter:
             value = tuple(final[pos : pos + d])
             for n in range(1, min(self.max_ngram, pos) + 1):
                 key = tuple(final[pos - n : pos])
-                continuations = pool.get(key)
-                if continuations is None:
-                    continuations = pool[key] = OrderedDict()
-                    if len(pool) > self.max_keys:
-                        pool.popitem(last=False)
-                if not self.keep_all:
-                    continuations.clear()
-                if value in continuations:
-                    continue
-                continuations[value] = None
-                if len(continuations) > self.max_continuations:
-                    continuations.popitem(last=False)
+                for pool in pools:
+                    continuations = pool.get(key)
+                    if continuations is None:
+                        continuations = pool[key] = OrderedDict()
+                        if len(pool) > self.max_keys:
+                            pool.popitem(last=False)
+                    if not self.keep_all:
+                        continuations.clear()
+                    if value in continuations:
+                        continue
+                    continuations[value] = None
+                    if len(continuations) > self.max_continuations:
+                        continuations.popitem(last=False)
         self.seen[request_id] = max(self.seen.get(request_id, 0), len(final))
 
 

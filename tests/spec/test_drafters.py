@@ -46,6 +46,22 @@ def test_ngram_pools_are_shared_only_when_public() -> None:
         assert drafter.propose("b", [1, 5, 6], 3, 3, _all) == expected
 
 
+def test_a_public_pool_gives_way_to_the_request_s_own_context() -> None:
+    """The request's own continuation wins where it is as long; the shared pool's where longer."""
+    drafter = NGramDrafter(max_draft_len=3, max_matching_ngram_size=2)
+    other = [5, 6, 1, 2, 3, 4]
+    drafter.propose("a", other, len(other), 3, _all)
+    mine = [5, 6, 7, 8, 9, 0, 5, 6]  # "5 6" was followed by "1 2 3" in a's context, by "7 8 9" in b's
+    assert drafter.propose("b", mine, len(mine), 3, _all) == [7, 8, 9]
+
+    def rejects_8(tokens: Sequence[int]) -> int:
+        return next((i for i, t in enumerate(tokens) if t == 8), len(tokens))
+
+    assert drafter.propose("b", mine, len(mine), 3, rejects_8) == [1, 2, 3]  # its own is cut short here
+    drafter.release("b")
+    assert "b" not in drafter.own and drafter.propose("c", [0, 5, 6], 3, 3, _all) == [1, 2, 3]
+
+
 def test_ngram_uses_only_final_tokens_as_keys_and_values() -> None:
     drafter = NGramDrafter(max_draft_len=2, max_matching_ngram_size=1)
     # the last three tokens are this step's drafts (not final): they must not enter the pool
