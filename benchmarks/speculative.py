@@ -175,8 +175,6 @@ def main() -> None:
     parser.add_argument("--only", default=None, metavar="REGEX",
                         help="only configurations whose name matches (guided alone always runs: the baseline)")
     args = parser.parse_args()
-    cases = load_cases(args.cases)
-
     def chosen(configs: dict[str, Any]) -> dict[str, Any]:
         out = {}
         for i, (name, spec) in enumerate(configs.items()):
@@ -190,7 +188,7 @@ def main() -> None:
             out[name] = spec
         return out
 
-    parts = [("batch 1", chosen(BATCH1), 1, cases)] + ([] if args.skip_concurrent else [
+    parts = [("batch 1", chosen(BATCH1), 1, load_cases(args.cases))] + ([] if args.skip_concurrent else [
         (f"{args.concurrency} concurrent", chosen(CONCURRENT), args.concurrency, load_cases(args.concurrent_cases))])
     report = []
     for title, configs, concurrency, cases in parts:

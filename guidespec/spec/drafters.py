@@ -114,19 +114,21 @@ class NGramDrafter:
             for n in range(1, min(self.max_ngram, pos) + 1):
                 key = tuple(final[pos - n : pos])
                 for pool in pools:
-                    continuations = pool.get(key)
-                    if continuations is None:
-                        continuations = pool[key] = OrderedDict()
-                        if len(pool) > self.max_keys:
-                            pool.popitem(last=False)
-                    if not self.keep_all:
-                        continuations.clear()
-                    if value in continuations:
-                        continue
-                    continuations[value] = None
-                    if len(continuations) > self.max_continuations:
-                        continuations.popitem(last=False)
+                    self._add(pool, key, value)
         self.seen[request_id] = max(self.seen.get(request_id, 0), len(final))
+
+    def _add(self, pool: _Pool, key: tuple[int, ...], value: tuple[int, ...]) -> None:
+        continuations = pool.get(key)
+        if continuations is None:
+            continuations = pool[key] = OrderedDict()
+            if len(pool) > self.max_keys:
+                pool.popitem(last=False)
+        if not self.keep_all:
+            continuations.clear()
+        if value not in continuations:
+            continuations[value] = None
+            if len(continuations) > self.max_continuations:
+                continuations.popitem(last=False)
 
 
 class UserDrafter:

@@ -259,7 +259,7 @@ class Speculator:
         d0, d1 = self.draft_cost.coefficients() if isinstance(self.drafter, ModelDrafter) else (0.0, 0.0)
         # drafts are judged against a step of the decode rows alone: a prefill chunk in the step is
         # work done whatever is drafted, and counting its time made drafts look cheap beside it
-        # (an int8 draft model drafted for 16 rows beside 200-400-token chunks, and lost)
+        # (an int8 draft model drafted for 16 rows in steps of 200-500 tokens, mostly prefill, and lost)
         decode = [row for row in rows if row.num_new_tokens == 1]
         tokens = len(decode)
         expected = float(sum(row.num_logits for row in decode))
