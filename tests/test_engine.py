@@ -180,6 +180,11 @@ def _signal_state(pid: int) -> str:
 def test_ctrl_c_leaves_no_process_and_no_shared_memory(tmp_path: Path) -> None:
     script = textwrap.dedent("""
         import faulthandler, json, os, signal, sys
+        # a Python started by a terminal handles Ctrl-C; this one may have been spawned while another
+        # thread of the test process was inside C's system(), which ignores SIGINT and SIGQUIT
+        # process-wide for a moment, and then it starts with both ignored (seen in a full run:
+        # SigIgn 0x1001006, so SIGINT never arrived)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from guidespec import LLM, SamplingParams
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks where it hangs, if it does
         with LLM(max_batch_size=2, show_progress=False) as llm:
