@@ -12,7 +12,9 @@ speculative output equals plain greedy output, so every configuration computes t
 
 Part 2, --concurrency requests at a time over the first --concurrent-cases JME cases (32 by
 default, so that 16 are really in flight at once): guided alone, and each drafter with the
-adaptive draft length (some also at a fixed length).
+adaptive draft length (some also at a fixed length). With the adaptive length, the rows a draft
+model or EAGLE head would not pay for draft by prompt lookup (``ngram_fallback``, the default;
+one row shows the int8 draft model without it).
 
 Greedy speculative output equals plain greedy output token for token; guided alone uses
 jump-forward, which appends forced text tokenized its own way, so its tokens may differ.
@@ -70,6 +72,8 @@ CONCURRENT = {
     "n-gram + forced, fixed length": dict(method="ngram", adaptive=False),
     "draft model (first 12 layers), adaptive": dict(method="draft_model", draft_model="layers:12", adaptive=True),
     "draft model = the target in int8, adaptive": dict(method="draft_model", draft_model="int8", adaptive=True),
+    "draft model = the target in int8, adaptive, no lookup fallback": dict(method="draft_model", draft_model="int8",
+                                                                           adaptive=True, ngram_fallback=False),
     "EAGLE-3 head, adaptive": dict(method="eagle", draft_model=EAGLE_HEAD, adaptive=True),
     "EAGLE-3 head, fixed length": dict(method="eagle", draft_model=EAGLE_HEAD, adaptive=False),
     "EAGLE-3 head + n-gram, adaptive": dict(method="eagle", draft_model=EAGLE_HEAD, combine_ngram=True, adaptive=True),

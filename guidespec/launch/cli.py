@@ -150,6 +150,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--user-drafter", default=None, metavar="MODULE:CLASS")
     spec.add_argument("--combine-ngram", action="store_true",
                       help="with a draft model or EAGLE head: also prompt lookup; the longer valid draft wins")
+    spec.add_argument("--no-ngram-fallback", action="store_true",
+                      help="with a draft model or EAGLE head and the adaptive length: where the draft model would "
+                           "not pay, draft nothing (default: prompt lookup drafts instead)")
 
 
 def speculative_from_args(args: argparse.Namespace) -> dict[str, object] | None:
@@ -159,7 +162,8 @@ def speculative_from_args(args: argparse.Namespace) -> dict[str, object] | None:
     return dict(method=args.speculative, max_draft_len=args.max_draft_len,
                 max_matching_ngram_size=args.max_matching_ngram_size, adaptive=not args.no_adaptive_draft,
                 use_forced_tokens=not args.no_forced_drafts, constrain_drafts=not args.no_constrain_drafts,
-                user_drafter=args.user_drafter, draft_model=args.draft_model, combine_ngram=args.combine_ngram)
+                user_drafter=args.user_drafter, draft_model=args.draft_model, combine_ngram=args.combine_ngram,
+                ngram_fallback=not args.no_ngram_fallback)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -188,14 +188,14 @@ class ModelDrafter:
 
 def create_drafter(cfg: SpeculativeConfig) -> Drafter:
     if cfg.method == "ngram":
-        return _ngram(cfg)
+        return ngram_drafter(cfg)
     if cfg.method == "user":
         return UserDrafter(cfg.user_drafter or "")
     if cfg.method in MODEL_DRAFTERS:
-        return ModelDrafter(_ngram(cfg) if cfg.combine_ngram else None)
+        return ModelDrafter(ngram_drafter(cfg) if cfg.combine_ngram else None)
     return NoDrafter()
 
 
-def _ngram(cfg: SpeculativeConfig) -> NGramDrafter:
+def ngram_drafter(cfg: SpeculativeConfig) -> NGramDrafter:
     return NGramDrafter(cfg.max_draft_len, cfg.max_matching_ngram_size, cfg.is_keep_all, cfg.is_use_oldest,
                         cfg.is_public_pool)

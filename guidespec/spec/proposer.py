@@ -19,7 +19,10 @@ Each step, for every decoding row whose request speculates:
    tokens per second to rise by at least 10% (near break-even the estimates' error makes it a
    loss as often as a gain), proposes nothing for a request before a decode plan has judged it
    (no drafts at its prefill step), and where even drafts of acceptance 0.9 for every row would
-   not clear that bar at the current batch, nothing probes;
+   not clear that bar at the current batch, nothing probes. Rows the draft model does not draft
+   for (all of them where it does not pay, as at a large batch) draft by prompt lookup instead
+   (``ngram_fallback``, on by default), planned as an n-gram drafter's are, with acceptance
+   figures of its own;
 2. the drafts: the grammar's forced tokens first (guided requests; up to ``MAX_FORCED_DRAFTS``,
    not counted in the draft length: they are certain, and jump-forward gives requests that do
    not speculate all of them), then the drafter's tokens, cut at the first one the grammar
@@ -41,7 +44,7 @@ import numpy as np
 from guidespec.config import SpeculativeConfig
 from guidespec.scheduler.batching import ScheduledRow
 from guidespec.scheduler.request import Request
-from guidespec.spec.drafters import Drafter, ModelDrafter, create_drafter
+from guidespec.spec.drafters import Drafter, ModelDrafter, NGramDrafter, create_drafter, ngram_drafter
 
 _PROBE_EVERY = 8
 # a model drafter's probes are rarer and all at once: a probing row first runs the tokens it held
@@ -138,6 +141,15 @@ class Speculator:
         self.max_model_len = max_model_len
         self.drafter: Drafter = create_drafter(cfg)
         self.acceptance: dict[str, _Acceptance] = {}
+        # a model drafter's fallback: prompt lookup, for the rows the draft model does not draft for
+        # (with the adaptive length), with acceptance figures of its own
+        self.lookup: NGramDrafter | None = None
+        if isinstance(self.drafter, ModelDrafter) and cfg.adaptive and cfg.ngram_fallback:
+            self.lookup = self.drafter.ngram or ngram_drafter(cfg)
+        self.lookup_acceptance: dict[str, _Acceptance] = {}
+        self.lookup_prior = _PRIOR_RATE
+        self._from_lookup: set[int] = set()  # rows of this plan that prompt lookup drafts for
+        self._lookup_drafted: set[str] = set()  # requests whose drafts this step are prompt lookup's
         # what this drafter's drafts have been worth over every request so far: a new request
         # starts from it (a drafter that keeps failing is not tried in full on each newcomer)
         self.prior = _PRIOR_RATE
@@ -180,7 +192,12 @@ class Speculator:
             forced: list[int] = []
             if request.guided and self.cfg.use_forced_tokens and k + budget > 0:
                 forced = self.grammar.forced_tokens(request.request_id, min(rooms[i], MAX_FORCED_DRAFTS, k + budget))
-            drafts = self._propose(request, forced, min(k, rooms[i] - len(forced))) if k > 0 else forced
+            drafter = self.drafter
+            if i in self._from_lookup and self.lookup is not None:
+                drafter = self.lookup
+                self._lookup_drafted.add(request.request_id)
+                self.store_proposals(request, [])  # nothing of the draft model's is due for it this step
+            drafts = self._propose(request, drafter, forced, min(k, rooms[i] - len(forced))) if k > 0 else forced
             budget -= len(drafts) - k
             self._num_forced[request.request_id] = len(forced)
             request.draft_tokens = drafts
@@ -225,12 +242,18 @@ class Speculator:
         """After verification: update the request's acceptance rate and its figures."""
         request.draft_tokens = []
         forced = self._num_forced.pop(request.request_id, 0)  # forced drafts say nothing of the drafter
+        lookup = request.request_id in self._lookup_drafted
+        self._lookup_drafted.discard(request.request_id)
         if num_drafts <= forced:
             return
-        stats = self.acceptance.setdefault(request.request_id, _Acceptance(self.prior))
         observed = max(0, num_accepted - forced) / (num_drafts - forced)
+        if lookup:
+            stats = self.lookup_acceptance.setdefault(request.request_id, _Acceptance(self.lookup_prior))
+            self.lookup_prior = 0.9 * self.lookup_prior + 0.1 * observed
+        else:
+            stats = self.acceptance.setdefault(request.request_id, _Acceptance(self.prior))
+            self.prior = 0.9 * self.prior + 0.1 * observed
         stats.rate = 0.7 * stats.rate + 0.3 * observed
-        self.prior = 0.9 * self.prior + 0.1 * observed
 
     def observe_step(self, num_tokens: int, forward_s: float, proposed: list[int] | None = None,
                      draft_s: float = 0.0) -> None:
@@ -242,12 +265,17 @@ class Speculator:
 
     def release(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
+        self.lookup_acceptance.pop(request_id, None)
         self._num_forced.pop(request_id, None)
+        self._lookup_drafted.discard(request_id)
         self.drafter.release(request_id)
+        if self.lookup is not None:
+            self.lookup.release(request_id)
 
     # ------------------------------------------------------------------ helpers
 
     def _lengths(self, rows: list[ScheduledRow], limits: dict[int, int], budget: int) -> dict[int, int]:
+        self._from_lookup = set()
         if not self.cfg.adaptive:
             out: dict[int, int] = {}
             for i, cap in limits.items():
@@ -255,35 +283,62 @@ class Speculator:
                 budget -= out[i]
             return out
         c0, c1 = self.cost.coefficients()
-        # a model drafter's drafts also cost their proposing on rank 0: d0 per draft step, d1 per token
-        d0, d1 = self.draft_cost.coefficients() if isinstance(self.drafter, ModelDrafter) else (0.0, 0.0)
         # drafts are judged against a step of the decode rows alone: a prefill chunk in the step is
         # work done whatever is drafted, and counting its time made drafts look cheap beside it
         # (an int8 draft model drafted for 16 rows in steps of 200-500 tokens, mostly prefill, and lost)
         decode = [row for row in rows if row.num_new_tokens == 1]
         tokens = len(decode)
         expected = float(sum(row.num_logits for row in decode))
-        plain = expected / (c0 + c1 * tokens)  # expected tokens per second without drafts
-        rates = {i: self.acceptance.get(rows[i].request.request_id, _Acceptance(self.prior)).rate for i in limits}
+        if not isinstance(self.drafter, ModelDrafter):
+            lengths, _ = _allocate(self._rates(rows, limits, self.acceptance, self.prior), limits, budget, expected,
+                                   tokens, (c0, c1, 0.0, 0.0))
+            self._probe(rows, limits, lengths, budget, self.acceptance, self.prior, model=False)
+            return lengths
+        # a model drafter's drafts also cost their proposing on rank 0: d0 per draft step, d1 per token
+        d0, d1 = self.draft_cost.coefficients()
         cost = (c0, c1, d0, d1)
-        lengths, speed = _allocate(rates, limits, budget, expected, tokens, cost)
-        if isinstance(self.drafter, ModelDrafter):
-            # the draft model runs only where the plan expects a clear gain: near break-even the
-            # cost model's error and the drafts' own variance make it a loss as often as a gain
-            if speed < (1 + _MODEL_MARGIN) * plain:
-                lengths = {i: 0 for i in limits}
-            elif not self.draft_cost.seen:  # its cost is not known yet: measure it on one row first
-                first = max(lengths, key=lengths.__getitem__)
-                lengths = {i: lengths[i] if i == first else 0 for i in limits}
-            if self._plans % _MODEL_PROBE_EVERY in (0, _MODEL_PROBE_EVERY - 1):  # a probe is near: may it run?
-                optimistic = _allocate({i: _OPTIMISTIC_RATE for i in limits}, limits, budget, expected, tokens, cost)
-                self._model_drafting_pays = optimistic[1] >= (1 + _MODEL_MARGIN) * plain
-        budget -= sum(lengths.values())
-        for i in limits:  # a request that stopped drafting probes now and then, to notice a change
-            stats = self.acceptance.setdefault(rows[i].request.request_id, _Acceptance(self.prior))
+        bar = expected / (c0 + c1 * tokens)  # expected tokens per second without drafts
+        lengths, speed = _allocate(self._rates(rows, limits, self.acceptance, self.prior), limits, budget, expected,
+                                   tokens, cost)
+        # the draft model runs only where the plan expects a clear gain: near break-even the cost
+        # model's error and the drafts' own variance make it a loss as often as a gain
+        if speed < (1 + _MODEL_MARGIN) * bar:
+            lengths = {i: 0 for i in limits}
+        elif not self.draft_cost.seen:  # its cost is not known yet: measure it on one row first
+            first = max(lengths, key=lengths.__getitem__)
+            lengths = {i: lengths[i] if i == first else 0 for i in limits}
+        if self._plans % _MODEL_PROBE_EVERY in (0, _MODEL_PROBE_EVERY - 1):  # a probe is near: may it run?
+            optimistic = _allocate({i: _OPTIMISTIC_RATE for i in limits}, limits, budget, expected, tokens, cost)
+            self._model_drafting_pays = optimistic[1] >= (1 + _MODEL_MARGIN) * bar
+        budget = self._probe(rows, limits, lengths, budget, self.acceptance, self.prior, model=True)
+        free = {i: cap for i, cap in limits.items() if lengths[i] == 0}
+        if self.lookup is not None and free and budget > 0:
+            # prompt lookup drafts for the rows the draft model does not (all of them where it does
+            # not pay), judged like an n-gram drafter's: its acceptance, no proposing cost
+            taken = sum(lengths.values())
+            lookup, _ = _allocate(self._rates(rows, free, self.lookup_acceptance, self.lookup_prior), free, budget,
+                                  expected, tokens + taken, (c0 + c1 * taken, c1, 0.0, 0.0))
+            self._probe(rows, free, lookup, budget, self.lookup_acceptance, self.lookup_prior, model=False)
+            for i, k in lookup.items():
+                if k > 0:
+                    lengths[i] = k
+                    self._from_lookup.add(i)
+        return lengths
+
+    def _rates(self, rows: list[ScheduledRow], limits: dict[int, int], acceptance: dict[str, _Acceptance],
+               prior: float) -> dict[int, float]:
+        return {i: acceptance.get(rows[i].request.request_id, _Acceptance(prior)).rate for i in limits}
+
+    def _probe(self, rows: list[ScheduledRow], limits: dict[int, int], lengths: dict[int, int], budget: int,
+               acceptance: dict[str, _Acceptance], prior: float, model: bool) -> int:
+        """Give a request that stopped drafting a probe now and then, to notice a change; note what
+        was planned for each. Returns the budget left."""
+        budget -= sum(lengths[i] for i in limits)
+        for i in limits:
+            stats = acceptance.setdefault(rows[i].request.request_id, _Acceptance(prior))
             if lengths[i] == 0:
                 stats.steps_without_drafts += 1
-                if isinstance(self.drafter, ModelDrafter):
+                if model:
                     stats.off = stats.off or stats.probes >= _MODEL_PROBES_BEFORE_OFF
                     due = (not stats.off and self._model_drafting_pays and self._plans % _MODEL_PROBE_EVERY == 0
                            and stats.steps_without_drafts > 1)
@@ -296,9 +351,9 @@ class Speculator:
             else:
                 stats.steps_without_drafts = stats.probes = 0
             stats.planned = lengths[i]
-        return lengths
+        return budget
 
-    def _propose(self, request: Request, forced: list[int], max_len: int) -> list[int]:
+    def _propose(self, request: Request, drafter: Drafter, forced: list[int], max_len: int) -> list[int]:
         """The forced tokens, then up to ``max_len`` of the drafter's tokens after them."""
         request_id = request.request_id
         guided = request.guided
@@ -313,7 +368,7 @@ class Speculator:
                     return int(self.grammar.valid_prefix(request_id, prefix, tokens))
                 return len(tokens)
 
-            drafts += self.drafter.propose(request_id, context + drafts, num_committed, max_len, valid_prefix)
+            drafts += drafter.propose(request_id, context + drafts, num_committed, max_len, valid_prefix)
         return drafts
 
 

@@ -88,7 +88,7 @@ def test_no_drafts_when_the_forward_is_compute_bound_at_a_large_batch() -> None:
 
 
 def test_a_draft_model_proposes_one_more_than_the_plan_used() -> None:
-    speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=4), grammar=None,
+    speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=4, ngram_fallback=False), grammar=None,
                             max_model_len=1024)
     for tokens in (1, 4, 16, 64):
         speculator.observe_step(tokens, (30.0 + 2.0 * tokens) / 1000)  # good drafts would pay here
@@ -128,7 +128,7 @@ def test_a_draft_model_proposes_one_more_than_the_plan_used() -> None:
 
 def test_a_costly_drafter_is_turned_off_where_a_cheap_one_drafts() -> None:
     def planned_after_draft_steps_of(ms: float) -> list[int]:
-        speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3),
+        speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3, ngram_fallback=False),
                                 grammar=None, max_model_len=1024)
         for tokens in (1, 4, 16, 64, 1, 4, 16, 64):
             speculator.observe_step(tokens, (30.0 + 0.1 * tokens) / 1000)
@@ -159,7 +159,7 @@ def test_a_draft_model_stays_idle_where_even_good_drafts_would_not_pay() -> None
     """16 rows on a compute-bound forward: no draft of any acceptance would raise tokens per second,
     so the draft model never runs for them, not even to start (a first proposal runs it over the
     whole prompt) or to probe."""
-    speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3), grammar=None,
+    speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3, ngram_fallback=False), grammar=None,
                             max_model_len=1024)
     for tokens in (1, 4, 16, 64):
         speculator.observe_step(tokens, (5.0 + 4.0 * tokens) / 1000)
@@ -189,7 +189,7 @@ def test_a_draft_model_runs_only_for_a_clear_gain() -> None:
     """Near break-even the draft model stays off: its measured cost and the drafts' acceptance are
     estimates, and a plan that expects a few percent is a loss as often as a gain."""
     def lengths_with_draft_cost(ms_per_draft: float) -> list[int]:
-        speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3),
+        speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3, ngram_fallback=False),
                                 grammar=None, max_model_len=1024)
         for tokens in (1, 4, 16, 64, 1, 4, 16, 64):
             speculator.observe_step(tokens, (30.0 + 0.1 * tokens) / 1000)
@@ -200,3 +200,44 @@ def test_a_draft_model_runs_only_for_a_clear_gain() -> None:
 
     assert lengths_with_draft_cost(3.0) == [3]  # cheap drafts: a large gain
     assert lengths_with_draft_cost(17.0) == [0]  # +8% expected at best: not worth it
+
+
+def _model_speculator(draft_ms: float, fallback: bool) -> Speculator:
+    """A draft-model speculator on a memory-bound forward whose draft steps cost ``draft_ms`` each."""
+    speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3,
+                                              ngram_fallback=fallback), grammar=None, max_model_len=1024)
+    for tokens in (1, 4, 16, 64, 1, 4, 16, 64):
+        speculator.observe_step(tokens, (30.0 + 0.1 * tokens) / 1000)
+    speculator.observe_step(1, 0.0301, proposed=[3], draft_s=3 * draft_ms / 1000)
+    return speculator
+
+
+def test_where_a_draft_model_does_not_pay_prompt_lookup_drafts_instead() -> None:
+    """A draft step dearer than a target step: the draft model stays off, and the rows draft by
+    prompt lookup (no proposing cost) with acceptance figures of its own; without the fallback,
+    they draft nothing."""
+    rows = _decoding_rows(4)
+    alone = _model_speculator(40.0, fallback=False)
+    assert _draft_lengths(alone, rows) == [0] * 4
+    speculator = _model_speculator(40.0, fallback=True)
+    assert _draft_lengths(speculator, rows) == [3] * 4
+    assert all(row.request.draft_tokens == [1, 2, 3] for row in rows)  # lookup's: "3 1 2" follows "1 2" ... "3"
+    proposals = speculator.proposal_lengths(rows)
+    assert proposals is not None and proposals[0].tolist() == [0] * 4  # the draft model does not run for them
+    for _ in range(6):  # lookup's drafts fail: lookup's figures fall, the draft model's are untouched
+        for row in rows:
+            speculator.observe(row.request, 3, 0)
+        _draft_lengths(speculator, rows)
+    assert max(_draft_lengths(speculator, rows)) <= 1  # (a draft costs little on this memory-bound forward)
+    assert all(speculator.lookup_acceptance[row.request.request_id].rate < 0.2 for row in rows)
+    assert all(speculator.acceptance[row.request.request_id].rate == pytest.approx(0.7) for row in rows)
+
+
+def test_a_draft_model_that_pays_is_not_replaced_by_lookup() -> None:
+    """Cheap draft steps: the draft model drafts, as without the fallback."""
+    rows = _decoding_rows(1)
+    speculator = _model_speculator(1.0, fallback=True)
+    _draft_lengths(speculator, rows)
+    proposals = speculator.proposal_lengths(rows)
+    assert proposals is not None and proposals[0].tolist() == [3]
+    assert not speculator._lookup_drafted
