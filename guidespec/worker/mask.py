@@ -2,6 +2,11 @@
 
 Only the rows named in ``rows`` are touched (rows of unguided requests are skipped). This is
 the CPU path; a GPU kernel will sit behind the same function.
+
+A row whose mask allows exactly one token (the grammar forces it) needs no logits at all: its
+masked distribution puts all mass on that token, whatever the model says. ``only_allowed``
+finds those rows, so the workers skip their LM head (a fifth of a token's compute for this
+model) and the mask, as jump-forward skips the whole step for them.
 """
 
 from __future__ import annotations
@@ -25,3 +30,21 @@ def apply_bitmask(logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray) -
     allowed = unpack_bitmask(torch.from_numpy(np.array(bitmask, dtype=np.int32)), logits.shape[-1])
     index = torch.from_numpy(np.asarray(rows, dtype=np.int64))
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def only_allowed(rows: np.ndarray, bitmask: np.ndarray, num_rows: int, vocab_size: int) -> np.ndarray:
+    """[num_rows] int64: for each logits row, the one token its mask allows, or -1 (no mask,
+    or any other number of tokens allowed)."""
+    out = np.full(num_rows, -1, dtype=np.int64)
+    if len(rows) == 0:
+        return out
+    words = np.asarray(bitmask).view(np.uint32)
+    single = np.flatnonzero(np.bitwise_count(words).sum(axis=1, dtype=np.int64) == 1)
+    if len(single):
+        nonzero = words[single] != 0
+        word = np.argmax(nonzero, axis=1)
+        bits = words[single, word].astype(np.int64)
+        token = 32 * word + np.log2(bits).astype(np.int64)  # bits is a power of two
+        inside = token < vocab_size
+        out[np.asarray(rows)[single[inside]]] = token[inside]
+    return out

@@ -1,7 +1,8 @@
 """The worker process: its loop, start to end.
 
     attach ring -> load model shard -> report ready ->
-    loop: read StepInputs -> forward [+ draft model or EAGLE head follows] -> [read StepBitmask, apply]
+    loop: read StepInputs -> forward [+ draft model or EAGLE head follows] -> [read StepBitmask]
+          -> LM head (rows whose mask allows one token skip it) [-> apply the bitmask]
           -> sample or verify drafts (rank 0) -> [draft model proposes next drafts (rank 0)] -> send StepOutputs
 
 Every rank runs the same forward (collectives inside); only rank 0 computes the sampled
@@ -33,7 +34,7 @@ from guidespec.spec.eagle import EagleRunner
 from guidespec.spec.verify import verify
 from guidespec.worker import tp as tp_mod
 from guidespec.worker.checkpoint import load_hf_config
-from guidespec.worker.mask import apply_bitmask
+from guidespec.worker.mask import apply_bitmask, only_allowed
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.penalties import TokenHistory
 
@@ -105,23 +106,23 @@ class Worker:
         batch = ForwardBatch.create(inputs.token_ids, inputs.slots, inputs.start_positions,
                                     inputs.num_new_tokens, inputs.num_logits)
         hidden = self.model.forward(batch, self.kv, self.drafter.capture if self.drafter is not None else None)
-        logits = self.model.compute_logits(hidden)
         if self.drafter is not None:
             self.drafter.follow(batch, self.model.captured)
         forward_end = mask_ready = time.time()
-        rows = np.repeat(np.arange(inputs.batch_size), inputs.num_logits)
-        if logits is not None:
-            self.history.update(batch.slots, batch.start_positions, batch.num_new_tokens, batch.token_ids,
-                                inputs.num_prompt_tokens.tolist())
-            penalties = torch.from_numpy(inputs.penalties[rows].copy())
-            self.history.apply(logits, torch.from_numpy(inputs.slots[rows].copy()), *penalties.unbind(1))
+        # the bitmask before the LM head (filled while the layers ran): rows whose mask allows one
+        # token get it without logits, on every rank alike (the LM head's gather is collective)
+        bitmask = None
         if inputs.has_bitmask:
             bitmask = self._read_bitmask(inputs.step)
             mask_ready = time.time()
-            if logits is not None:
-                apply_bitmask(logits, bitmask.rows, bitmask.bitmask)
+        logits = self._logits(hidden, bitmask)
         if logits is None:
             return None
+        rows = np.repeat(np.arange(inputs.batch_size), inputs.num_logits)
+        self.history.update(batch.slots, batch.start_positions, batch.num_new_tokens, batch.token_ids,
+                            inputs.num_prompt_tokens.tolist())
+        penalties = torch.from_numpy(inputs.penalties[rows].copy())
+        self.history.apply(logits, torch.from_numpy(inputs.slots[rows].copy()), *penalties.unbind(1))
         # rows without drafts are sampled; rows with drafts are verified (spec/verify.py)
         drafts = _drafts(inputs)
         draft_probs = self.drafter.sampling.draft_probs(inputs, drafts) if self.drafter is not None else None
@@ -135,6 +136,31 @@ class Worker:
         draft_s = time.perf_counter() - verified
         timings = np.array([wall_start, forward_end, mask_ready, time.time()], dtype=np.float64)
         return StepOutputs(inputs.step, tokens_np, counts, verified - start, timings, proposals, draft_counts, draft_s)
+
+    def _logits(self, hidden: torch.Tensor, bitmask: StepBitmask | None) -> torch.Tensor | None:
+        """Masked fp32 logits [R, vocab] on rank 0 (None elsewhere). A row whose mask allows one
+        token skips the LM head: -inf everywhere but that token."""
+        if bitmask is None:
+            return self.model.compute_logits(hidden)
+        vocab = self.model.cfg.vocab_size
+        forced = only_allowed(bitmask.rows, bitmask.bitmask, hidden.shape[0], vocab)
+        if not (forced >= 0).any():
+            logits = self.model.compute_logits(hidden)
+            if logits is not None:
+                apply_bitmask(logits, bitmask.rows, bitmask.bitmask)
+            return logits
+        keep = np.flatnonzero(forced < 0)
+        computed = self.model.compute_logits(hidden[torch.from_numpy(keep)]) if len(keep) else None
+        if not self.tp.is_driver:
+            return None
+        logits = torch.full((hidden.shape[0], vocab), float("-inf"), dtype=torch.float32)
+        if computed is not None:
+            logits[torch.from_numpy(keep)] = computed
+        single = np.flatnonzero(forced >= 0)
+        logits[torch.from_numpy(single), torch.from_numpy(forced[single])] = 0.0
+        masked = forced[bitmask.rows] < 0  # the other guided rows: their mask as usual
+        apply_bitmask(logits, bitmask.rows[masked], bitmask.bitmask[masked])
+        return logits
 
     def _draft_mask(self, step: int, draft_index: int, rows: np.ndarray, sequences: list[list[int]]) -> np.ndarray:
         """Send a draft step's tokens up to the scheduler; its mask comes back over the ring."""

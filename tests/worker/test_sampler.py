@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from guidespec.worker.mask import apply_bitmask
+from guidespec.worker.mask import apply_bitmask, only_allowed
 from guidespec.worker.sampler import sample
 
 
@@ -66,3 +66,22 @@ def test_bitmask_masks_only_the_named_rows() -> None:
     apply_bitmask(logits, np.array([1]), bitmask)
     assert torch.isinf(logits[1]).sum() == 38 and logits[1, 3] == 0 and logits[1, 33] == 0
     assert not torch.isinf(logits[0]).any() and not torch.isinf(logits[2]).any()
+
+
+def test_rows_whose_mask_allows_one_token_are_found() -> None:
+    """The workers skip the LM head for these rows: the token must be exactly the one allowed."""
+    vocab = 70  # three words, the last one partly past the vocabulary
+    bitmask = np.zeros((5, 3), dtype=np.int32)
+    bitmask[0, 1] = 1 << 5  # token 37 alone
+    bitmask[1, 0] = 0b11  # tokens 0 and 1
+    bitmask[2, 2] = np.array(1 << 31, dtype=np.uint32).view(np.int32)  # token 95: past the vocabulary
+    bitmask[3, 0] = 1  # token 0 alone
+    bitmask[4, 2] = 1 << 5  # token 69 alone, the last one
+    rows = np.array([0, 2, 3, 4, 6], dtype=np.int32)  # logits rows 1 and 5 are unguided
+    found = only_allowed(rows, bitmask, 7, vocab)
+    assert found.tolist() == [37, -1, -1, -1, 0, -1, 69]
+    logits = torch.randn(7, vocab)
+    apply_bitmask(logits, rows, bitmask)
+    for row, token in enumerate(found.tolist()):  # where one token is allowed, the masked argmax is it
+        if token >= 0:
+            assert logits[row].argmax().item() == token and torch.isinf(logits[row]).sum() == vocab - 1
