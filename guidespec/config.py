@@ -99,8 +99,8 @@ class SpeculativeConfig:
     user_drafter: str | None = None
     draft_model: str | None = None  # draft_model: "int8", "self", "layers:N" (the target's first N) or a folder; eagle: a head folder
     combine_ngram: bool = False  # draft_model / eagle: also prompt lookup; the longer valid draft wins
-    # draft_model / eagle with adaptive: where the draft model would not pay (a large batch, low
-    # acceptance) or prompt lookup promises more, prompt lookup drafts instead
+    # draft_model / eagle with adaptive: the rows the draft model would not pay for (a large batch,
+    # low acceptance) draft by prompt lookup instead
     ngram_fallback: bool = True
 
     def validate(self) -> None:

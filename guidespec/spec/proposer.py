@@ -148,7 +148,6 @@ class Speculator:
             self.lookup = self.drafter.ngram or ngram_drafter(cfg)
         self.lookup_acceptance: dict[str, _Acceptance] = {}
         self.lookup_prior = _PRIOR_RATE
-        self._from_lookup: set[int] = set()  # rows of this plan that prompt lookup drafts for
         self._lookup_drafted: set[str] = set()  # requests whose drafts this step are prompt lookup's
         # what this drafter's drafts have been worth over every request so far: a new request
         # starts from it (a drafter that keeps failing is not tried in full on each newcomer)
@@ -182,7 +181,7 @@ class Speculator:
                 limits[i], rooms[i] = cap, room
         if not limits or budget <= 0:
             return rows
-        lengths = self._lengths(rows, limits, budget)
+        lengths, from_lookup = self._lengths(rows, limits, budget)
         budget -= sum(lengths.values())
         out = list(rows)
         for i, k in lengths.items():
@@ -193,7 +192,7 @@ class Speculator:
             if request.guided and self.cfg.use_forced_tokens and k + budget > 0:
                 forced = self.grammar.forced_tokens(request.request_id, min(rooms[i], MAX_FORCED_DRAFTS, k + budget))
             drafter = self.drafter
-            if i in self._from_lookup and self.lookup is not None:
+            if i in from_lookup and self.lookup is not None:
                 drafter = self.lookup
                 self._lookup_drafted.add(request.request_id)
                 self.store_proposals(request, [])  # nothing of the draft model's is due for it this step
@@ -274,14 +273,15 @@ class Speculator:
 
     # ------------------------------------------------------------------ helpers
 
-    def _lengths(self, rows: list[ScheduledRow], limits: dict[int, int], budget: int) -> dict[int, int]:
-        self._from_lookup = set()
+    def _lengths(self, rows: list[ScheduledRow], limits: dict[int, int],
+                 budget: int) -> tuple[dict[int, int], set[int]]:
+        """Draft lengths per row, and the rows whose drafts prompt lookup makes (the fallback)."""
         if not self.cfg.adaptive:
             out: dict[int, int] = {}
             for i, cap in limits.items():
                 out[i] = min(cap, budget)
                 budget -= out[i]
-            return out
+            return out, set()
         c0, c1 = self.cost.coefficients()
         # drafts are judged against a step of the decode rows alone: a prefill chunk in the step is
         # work done whatever is drafted, and counting its time made drafts look cheap beside it
@@ -293,7 +293,7 @@ class Speculator:
             lengths, _ = _allocate(self._rates(rows, limits, self.acceptance, self.prior), limits, budget, expected,
                                    tokens, (c0, c1, 0.0, 0.0))
             self._probe(rows, limits, lengths, budget, self.acceptance, self.prior, model=False)
-            return lengths
+            return lengths, set()
         # a model drafter's drafts also cost their proposing on rank 0: d0 per draft step, d1 per token
         d0, d1 = self.draft_cost.coefficients()
         cost = (c0, c1, d0, d1)
@@ -312,6 +312,7 @@ class Speculator:
             self._model_drafting_pays = optimistic[1] >= (1 + _MODEL_MARGIN) * bar
         budget = self._probe(rows, limits, lengths, budget, self.acceptance, self.prior, model=True)
         free = {i: cap for i, cap in limits.items() if lengths[i] == 0}
+        from_lookup: set[int] = set()
         if self.lookup is not None and free and budget > 0:
             # prompt lookup drafts for the rows the draft model does not (all of them where it does
             # not pay), judged like an n-gram drafter's: its acceptance, no proposing cost
@@ -322,8 +323,8 @@ class Speculator:
             for i, k in lookup.items():
                 if k > 0:
                     lengths[i] = k
-                    self._from_lookup.add(i)
-        return lengths
+                    from_lookup.add(i)
+        return lengths, from_lookup
 
     def _rates(self, rows: list[ScheduledRow], limits: dict[int, int], acceptance: dict[str, _Acceptance],
                prior: float) -> dict[int, float]:

@@ -43,8 +43,8 @@ def only_allowed(rows: np.ndarray, bitmask: np.ndarray, num_rows: int, vocab_siz
     if len(single):
         nonzero = words[single] != 0
         word = np.argmax(nonzero, axis=1)
-        bits = words[single, word].astype(np.int64)
-        token = 32 * word + np.log2(bits).astype(np.int64)  # bits is a power of two
+        bit = np.bitwise_count(words[single, word] - np.uint32(1))  # the one set bit's index
+        token = 32 * word + bit.astype(np.int64)
         inside = token < vocab_size
         out[np.asarray(rows)[single[inside]]] = token[inside]
     return out

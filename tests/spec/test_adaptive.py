@@ -88,8 +88,8 @@ def test_no_drafts_when_the_forward_is_compute_bound_at_a_large_batch() -> None:
 
 
 def test_a_draft_model_proposes_one_more_than_the_plan_used() -> None:
-    speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=4, ngram_fallback=False), grammar=None,
-                            max_model_len=1024)
+    speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=4,
+                                              ngram_fallback=False), grammar=None, max_model_len=1024)
     for tokens in (1, 4, 16, 64):
         speculator.observe_step(tokens, (30.0 + 2.0 * tokens) / 1000)  # good drafts would pay here
     rows = _decoding_rows(4)
@@ -128,8 +128,8 @@ def test_a_draft_model_proposes_one_more_than_the_plan_used() -> None:
 
 def test_a_costly_drafter_is_turned_off_where_a_cheap_one_drafts() -> None:
     def planned_after_draft_steps_of(ms: float) -> list[int]:
-        speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3, ngram_fallback=False),
-                                grammar=None, max_model_len=1024)
+        speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3,
+                                                  ngram_fallback=False), grammar=None, max_model_len=1024)
         for tokens in (1, 4, 16, 64, 1, 4, 16, 64):
             speculator.observe_step(tokens, (30.0 + 0.1 * tokens) / 1000)
         speculator.observe_step(1, 0.0301, proposed=[3], draft_s=3 * ms / 1000)
@@ -159,8 +159,8 @@ def test_a_draft_model_stays_idle_where_even_good_drafts_would_not_pay() -> None
     """16 rows on a compute-bound forward: no draft of any acceptance would raise tokens per second,
     so the draft model never runs for them, not even to start (a first proposal runs it over the
     whole prompt) or to probe."""
-    speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3, ngram_fallback=False), grammar=None,
-                            max_model_len=1024)
+    speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3,
+                                              ngram_fallback=False), grammar=None, max_model_len=1024)
     for tokens in (1, 4, 16, 64):
         speculator.observe_step(tokens, (5.0 + 4.0 * tokens) / 1000)
     rows = _decoding_rows(16)
@@ -189,8 +189,8 @@ def test_a_draft_model_runs_only_for_a_clear_gain() -> None:
     """Near break-even the draft model stays off: its measured cost and the drafts' acceptance are
     estimates, and a plan that expects a few percent is a loss as often as a gain."""
     def lengths_with_draft_cost(ms_per_draft: float) -> list[int]:
-        speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3, ngram_fallback=False),
-                                grammar=None, max_model_len=1024)
+        speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3,
+                                                  ngram_fallback=False), grammar=None, max_model_len=1024)
         for tokens in (1, 4, 16, 64, 1, 4, 16, 64):
             speculator.observe_step(tokens, (30.0 + 0.1 * tokens) / 1000)
         speculator.observe_step(1, 0.0301, proposed=[1], draft_s=ms_per_draft / 1000)
