@@ -34,6 +34,7 @@ from guidespec import envs
 logger = logging.getLogger(__name__)
 BLOCK = 16  # output rows per packed block (one 16-lane vector)
 _SOURCES = [Path(__file__).with_name(name) for name in ("packed_linear.c", "attention.c")]
+_HEADERS = [Path(__file__).with_name("vec.h")]
 
 
 @lru_cache(maxsize=1)
@@ -44,14 +45,17 @@ def _library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found: using torch's linear layers")
         return None
-    source = b"".join(path.read_bytes() for path in _SOURCES)
-    key = hashlib.sha256(source + compiler.encode() + os.uname().machine.encode()).hexdigest()[:16]
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+    source = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
+    # -march=native: a library built on another CPU (a cache shared between machines) may use
+    # instructions this one lacks, so the CPU's features are part of the key
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(), os.uname().machine.encode(),
+                                      _cpu_flags()])).hexdigest()[:16]
     target = envs.cache_dir() / "kernels" / f"guidespec-cpu-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(f".tmp{os.getpid()}.so")
-        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", *map(str, _SOURCES), "-o", str(tmp),
-               "-lm"]
+        cmd = [compiler, *flags, *map(str, _SOURCES), "-o", str(tmp), "-lm"]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             logger.warning("building the CPU kernel failed, using torch: %s", result.stderr[-2000:])
@@ -65,6 +69,15 @@ def _library() -> ctypes.CDLL | None:
     lib.cache_attention_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.cache_attention_f32.restype = None
     return lib
+
+
+def _cpu_flags() -> bytes:
+    """The CPU's feature flags as Linux reports them (empty where it does not)."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith((b"flags", b"Features"))), b"")
+    except OSError:
+        return b""
 
 
 def available() -> bool:
