@@ -38,6 +38,7 @@ from torch import nn
 
 from guidespec.config import ModelConfig
 from guidespec.spec.eagle import default_aux_layers, save_head
+from guidespec.worker.model import rotary_tables
 
 
 @dataclass
@@ -207,11 +208,9 @@ class TrainableHead(nn.Module):
             self.fc.weight.copy_(torch.cat([torch.eye(h) / num_aux] * num_aux, dim=1))
         self.register_buffer("embed", embed, persistent=False)
         self.register_buffer("draft_ids", draft_ids, persistent=False)
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        cos, sin = LlamaRotaryEmbedding(config=hf_config)(torch.zeros(1), torch.arange(max_len)[None])
-        self.register_buffer("cos", cos[0], persistent=False)
-        self.register_buffer("sin", sin[0], persistent=False)
+        cos, sin = rotary_tables(hf_config, max_len)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, w.shape, w, self.cfg.rms_norm_eps)

@@ -117,6 +117,17 @@ class LlamaModel:
     # ------------------------------------------------------------------ loading
 
     def load(self, model_dir: Path, hf_config: object, show_progress: bool = True) -> None:
+        # one thread: loading is copies bound by memory, and at an engine's start the other
+        # processes (scheduler, grammar compiler, client) are busy importing and loading too; with
+        # the cores taken, torch's threads wait on each other (2 threads: 1.7 s here, 1 thread: 0.8 s)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            self._load(model_dir, hf_config, show_progress)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _load(self, model_dir: Path, hf_config: object, show_progress: bool) -> None:
         reader = ShardReader(model_dir)
         cfg = self.cfg
         v0, v1, shard = self.vocab
@@ -181,12 +192,7 @@ class LlamaModel:
         return {k: pack(self._t(v)) if k in LINEAR_WEIGHTS else self._t(v) for k, v in layer.items()}
 
     def _init_rotary(self, hf_config: object) -> None:
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        rotary = LlamaRotaryEmbedding(config=hf_config)  # type: ignore[arg-type]
-        positions = torch.arange(self.max_model_len)[None]
-        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
-        self.cos, self.sin = cos[0].to(self.dtype).to(self.device), sin[0].to(self.dtype).to(self.device)
+        self.cos, self.sin = (t.to(self.dtype).to(self.device) for t in rotary_tables(hf_config, self.max_model_len))
 
     def _t(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(dtype=self.dtype, device=self.device).contiguous()
@@ -282,6 +288,33 @@ class LlamaModel:
     def _mlp(self, h: torch.Tensor, layer: dict[str, torch.Tensor]) -> torch.Tensor:
         gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)
         return all_reduce(linear(F.silu(gate) * up, layer["down"]), self.tp)
+
+
+def rotary_tables(hf_config: Any, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_len, head_dim] (fp32) of positions 0 .. max_len - 1, as transformers' Llama
+    rotary module computes them: its default inverse frequencies, or its own function for the
+    other RoPE types (``modeling_rope_utils``). The module itself is used only for the types it
+    updates with the sequence length (dynamic, longrope): importing Llama's modeling file costs
+    a worker ~2.7 s of its start."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    positions = torch.arange(max_len)[None]
+    if rope_type in ("dynamic", "longrope"):
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        cos, sin = LlamaRotaryEmbedding(config=hf_config)(torch.zeros(1, dtype=torch.float32), positions)
+        return cos[0], sin[0]
+    if rope_type == "default":
+        dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        scaling = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+    freqs = positions[..., None].float() * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling)[0], (emb.sin() * scaling)[0]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -87,3 +87,25 @@ def test_real_model_logits_match_hf(real_model_dir: Path) -> None:
         # Logits here reach ~20 after 30 layers; two fp32 summation orders (our packed kernel,
         # the BLAS) drift apart by up to ~1e-4 absolute there, so allow 1e-5 relative on top.
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 10000.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 1024},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024},
+    {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+])
+def test_rotary_tables_equal_transformers_rotary_module(rope: dict[str, object]) -> None:
+    """Our tables (computed without importing Llama's modeling file, for a fast worker start)
+    are transformers' own, bit for bit, for each RoPE type."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from guidespec.worker.model import rotary_tables
+
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=4096, rope_parameters=rope)
+    cos, sin = LlamaRotaryEmbedding(config=config)(torch.zeros(1), torch.arange(4096)[None])
+    ours = rotary_tables(config, 4096)
+    assert torch.equal(ours[0], cos[0]) and torch.equal(ours[1], sin[0])
