@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -60,19 +61,27 @@ def disagreements(backend_name: str, backend: Any, tokenizer: Any, stop_token: i
     """Per case: "compile error: ..." or the test indices whose verdict differs from the data set."""
     from guidespec.protocol import GuidedDecoding
 
-    result: dict[str, Any] = {}
-    for case_id, case in load_cases():
+    def compile_case(case: dict[str, Any]) -> Any:
         try:
-            compiled = backend.compile(GuidedDecoding(json_schema=json.dumps(case["schema"])))
+            return backend.compile(GuidedDecoding(json_schema=json.dumps(case["schema"])))
         except Exception:
-            result[case_id] = "compile error"
-            continue
-        wrong = []
-        for i, test in enumerate(case["tests"]):
-            text = json.dumps(order_like_schema(test["data"], case["schema"]), separators=SEPARATORS[backend_name],
-                              ensure_ascii=False)
-            if matcher_accepts(backend, compiled, tokenizer, text, stop_token) != test["valid"]:
-                wrong.append([i, "valid instance rejected" if test["valid"] else "invalid instance accepted"])
-        if wrong:
-            result[case_id] = {"tests": wrong, "schema uses": sorted(keywords_used(case["schema"]))}
+            return None
+
+    cases = load_cases()
+    # compiles on two threads (the backends compile outside the GIL), matching on this one
+    with ThreadPoolExecutor(2) as pool:
+        compiled_cases = pool.map(compile_case, [case for _, case in cases])
+        result: dict[str, Any] = {}
+        for (case_id, case), compiled in zip(cases, compiled_cases):
+            if compiled is None:
+                result[case_id] = "compile error"
+                continue
+            wrong = []
+            for i, test in enumerate(case["tests"]):
+                text = json.dumps(order_like_schema(test["data"], case["schema"]), separators=SEPARATORS[backend_name],
+                                  ensure_ascii=False)
+                if matcher_accepts(backend, compiled, tokenizer, text, stop_token) != test["valid"]:
+                    wrong.append([i, "valid instance rejected" if test["valid"] else "invalid instance accepted"])
+            if wrong:
+                result[case_id] = {"tests": wrong, "schema uses": sorted(keywords_used(case["schema"]))}
     return result
