@@ -4,6 +4,8 @@ result must not depend on the other rows of the batch."""
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -108,3 +110,40 @@ def test_cache_attention_of_a_token_does_not_depend_on_later_tokens_or_other_row
         for j in range(5):  # token j alone, as a decode step would run it
             alone = kernels.cache_attention(q[r * 5 + j : r * 5 + j + 1], k, v, int32([r]), int32([10 * (r + 1) + j]), 1, 3)
             assert alone is not None and torch.equal(alone[0], together[r * 5 + j])
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 instruction sets")
+@pytest.mark.parametrize("arch,runs", [
+    ("-march=x86-64", True),  # SSE2 only: 4-wide vectors
+    ("-march=x86-64-v3", _cpu_has("avx2")),  # AVX2: 8-wide
+    ("-march=x86-64-v4", _cpu_has("avx512f")),  # AVX-512, 16-wide: built everywhere, run where the CPU has it
+])
+def test_each_vector_width_builds_and_matches_torch(monkeypatch: pytest.MonkeyPatch, arch: str, runs: bool) -> None:
+    """The kernels at each vector width vec.h picks, not only this machine's: built, and where
+    the CPU can run them, checked against torch (linear, int8, attention) and for rows that do
+    not depend on their batch."""
+    path = kernels.build([arch])
+    assert path is not None and path.exists()
+    if not runs:
+        return
+    monkeypatch.setattr(kernels, "_library", lambda: kernels.load(path))
+    for m, n, k in [(1, 960, 576), (7, 37, 100), (13, 16, 1)]:
+        w, x, bias = _case(m, n, k)
+        torch.testing.assert_close(kernels.linear(x, kernels.pack(w), bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
+        quantized = kernels.quantize(w)
+        torch.testing.assert_close(kernels.linear(x, quantized), F.linear(x, kernels.dense(quantized)),
+                                   atol=1e-4, rtol=1e-5)
+    w = kernels.pack(_case(0, 300, 576)[0])
+    x = _case(23, 1, 576)[1]
+    alone = torch.cat([kernels.linear(x[i : i + 1], w) for i in range(len(x))])
+    assert torch.equal(kernels.linear(x, w), alone)
+    test_cache_attention_matches_torch(4, 3, 64)
+    test_cache_attention_of_a_token_does_not_depend_on_later_tokens_or_other_rows()

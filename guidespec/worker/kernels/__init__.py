@@ -41,11 +41,18 @@ _HEADERS = [Path(__file__).with_name("vec.h")]
 def _library() -> ctypes.CDLL | None:
     if not envs.cpu_kernels_enabled():
         return None
+    path = build(["-march=native"])
+    return None if path is None else load(path)
+
+
+def build(arch_flags: list[str]) -> Path | None:
+    """The kernels compiled for ``arch_flags`` (the engine's: ``-march=native``), cached by source,
+    compiler, flags and CPU; None (with a warning) where there is no compiler or it fails."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found: using torch's linear layers")
         return None
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+    flags = ["-O3", *arch_flags, "-fopenmp", "-shared", "-fPIC"]
     source = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
     # -march=native: a library built on another CPU (a cache shared between machines) may use
     # instructions this one lacks, so the CPU's features are part of the key
@@ -61,7 +68,12 @@ def _library() -> ctypes.CDLL | None:
             logger.warning("building the CPU kernel failed, using torch: %s", result.stderr[-2000:])
             return None
         os.replace(tmp, target)
-    lib = ctypes.CDLL(str(target))
+    return target
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built kernel library, its functions typed."""
+    lib = ctypes.CDLL(str(path))
     lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.packed_linear_f32.restype = None
     lib.packed_linear_i8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
