@@ -265,6 +265,11 @@ class GrammarManager:
         reason = matcher.error()
         return f"{backend} failed: {reason}" if reason else ""
 
+    def wait_started(self, timeout_s: float) -> bool:
+        """Wait until the compile process has its backend ready (at the engine's start: its imports
+        would otherwise share the cores with the first requests' forwards); False on timeout."""
+        return self.process.started.wait(timeout_s)
+
     def shutdown(self) -> None:
         self.process.close()
 
@@ -467,6 +472,7 @@ class _CompileProcess:
                                          "num_threads": settings.num_threads})
         self.answers: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
         self.generation = 0
+        self.started = threading.Event()  # the first process said "ready" (or exited)
         self._start()
 
     def send(self, job_id: int, backend: str, spec: GuidedDecoding) -> None:
@@ -512,8 +518,11 @@ class _CompileProcess:
         assert proc.stdout is not None
         for line in proc.stdout:
             message = json.loads(line)
-            if not message.get("ready"):
+            if message.get("ready"):
+                self.started.set()
+            else:
                 self.answers.put((generation, message))
+        self.started.set()
         self.answers.put((generation, {"exited": True}))
 
 

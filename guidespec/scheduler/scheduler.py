@@ -1,6 +1,6 @@
 """The scheduler process: its loop, start to end.
 
-    wait for workers -> EngineReady ->
+    wait for workers and the grammar compile process -> EngineReady ->
     loop: receive -> poll grammars -> schedule -> [plan drafts] -> broadcast (inputs, then bitmasks)
           -> collect (answering draft-step mask requests) -> emit
 
@@ -108,6 +108,8 @@ class Scheduler:
             self.broadcaster.wait_for_readers(max(1.0, deadline - time.monotonic()))
         except RingTimeout as e:
             raise EngineFailure(str(e)) from None
+        if not self.grammar.wait_started(max(1.0, deadline - time.monotonic())):
+            logger.warning("the grammar compile process is not ready yet; guided requests will wait for it")
         self.client_out.send(EngineReady(self.cfg.num_workers, self.cfg.max_batch_size, self.cfg.max_model_len))
 
     def run(self) -> None:
