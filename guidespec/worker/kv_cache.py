@@ -7,6 +7,8 @@ lowers its computed length and later writes overwrite the stale positions.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -49,8 +51,5 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Ten
     ~9 s of memset, and holds memory only where requests have written."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    count = 1
-    for size in shape:
-        count *= size
-    raw = torch.from_numpy(np.zeros(count * dtype.itemsize, dtype=np.uint8))
+    raw = torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8))
     return raw.view(dtype).view(shape)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from guidespec import envs
 
 logger = logging.getLogger(__name__)
-BLOCK = 16  # output rows per packed block (one 16-lane vector)
+BLOCK = 16  # output rows per packed block (one AVX-512 vector, two AVX2 vectors: vec.h)
 _SOURCES = [Path(__file__).with_name(name) for name in ("packed_linear.c", "attention.c")]
 _HEADERS = [Path(__file__).with_name("vec.h")]
 

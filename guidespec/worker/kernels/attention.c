@@ -11,11 +11,11 @@
  *   out [B * n, hkv * g, D]
  *
  * Token j of row r sits at position starts[r] + j and attends keys 0 .. starts[r] + j.
- * Scores are computed VW queries at a time (VW: the machine's vector width, as in
- * packed_linear.c; the queries transposed, each key's elements broadcast), the softmax runs on
- * those VW lanes with a vector exp, and the weighted sum of values 4 queries x VW dims at a
- * time. Each query is summed over keys in order, the same way whatever n, B and VW are, and keys past its position weigh exactly 0: a row's result does not depend
- * on the rest of the batch.
+ * Scores are computed VW queries at a time (VW: the machine's vector width, vec.h; the queries
+ * transposed, each key's elements broadcast), the softmax runs on those VW lanes with a vector
+ * exp, and the weighted sum of values 4 queries x VW dims at a time. Each query is summed over
+ * keys in order, the same way whatever n, B and VW are, and keys past its position weigh
+ * exactly 0: a row's result does not depend on the rest of the batch.
  */
 #include <stddef.h>
 #include <stdlib.h>
