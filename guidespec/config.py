@@ -138,6 +138,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     distributed_executor: str = "mp"  # "mp": local processes; "ray": every rank a Ray actor (launch/ray_executor.py)
     ray_address: str | None = None  # the Ray cluster to join (None: the one this process is in, or a new local one)
+    hf_config: dict[str, Any] | None = None  # the model's config as data (checkpoint.config_data)
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,7 @@ class WorkerConfig:
     device: str = "cpu"
     draft_model: str | None = None  # rank 0 runs this draft model after each step (SpeculativeConfig.draft_model)
     draft_method: str = "draft_model"  # or "eagle": draft_model is then an EAGLE head folder
+    hf_config: dict[str, Any] | None = None  # the model's config as the main process read it (checkpoint.config_data)
 
 
 def config_to_dict(config: SchedulerConfig | WorkerConfig) -> dict[str, object]:

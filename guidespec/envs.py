@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    """Where converted model copies are kept (``GUIDESPEC_CACHE_DIR``)."""
+    """Where converted model copies and read model configs are kept (``GUIDESPEC_CACHE_DIR``)."""
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "guidespec"
     return Path(os.environ.get("GUIDESPEC_CACHE_DIR", default))
 

@@ -344,14 +344,13 @@ class LLM:
 def _create_engine_config(model: str | None, tensor_parallel_size: int, dtype: str, max_batch_size: int,
                           max_model_len: int | None, max_num_batched_tokens: int,
                           show_progress: bool, remote_ranks: tuple[int, ...]) -> tuple[EngineConfig, Any]:
-    from transformers import AutoTokenizer
-
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if tensor_parallel_size < 1 or max_batch_size < 1 or max_num_batched_tokens < 1:
         raise ValueError("tensor_parallel_size, max_batch_size and max_num_batched_tokens must be >= 1")
     model_dir = checkpoint.resolve_model_dir(model, show_progress)
-    hf_config = checkpoint.load_hf_config(model_dir)
+    config_data = checkpoint.config_data(model_dir)
+    hf_config = checkpoint.load_hf_config(model_dir, config_data)
     model_cfg = ModelConfig.from_hf(hf_config)
     if any(not 0 < r < tensor_parallel_size for r in remote_ranks):
         raise ValueError(f"remote_ranks must be among ranks 1..{tensor_parallel_size - 1}")
@@ -364,11 +363,11 @@ def _create_engine_config(model: str | None, tensor_parallel_size: int, dtype: s
     length = min(limit, 2048) if max_model_len is None else max_model_len
     if not 1 < length <= limit:
         raise ValueError(f"max_model_len must be in (1, {limit}] for this model, got {length}")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = checkpoint.load_tokenizer(model_dir)
     eos = checkpoint.eos_token_ids(model_dir, hf_config, tokenizer)
     return EngineConfig(model_dir, tensor_parallel_size, dtype, max_batch_size, length,
                         max(max_num_batched_tokens, max_batch_size), eos, show_progress, remote_ranks,
-                        model_cfg.vocab_size), tokenizer
+                        model_cfg.vocab_size, hf_config=config_data), tokenizer
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -18,9 +18,13 @@ def main() -> None:
     spec = json.loads(sys.stdin.read())
     role, parent_pid = spec["role"], int(spec["parent_pid"])
     if role == "scheduler":
+        from guidespec.scheduler.grammar import grammar_settings, start_compile_process
+
+        config = config_from_dict(SchedulerConfig, spec["config"])
+        compile_process = start_compile_process(grammar_settings(config))  # its imports run beside the scheduler's
         from guidespec.scheduler.scheduler import run_scheduler
 
-        run_scheduler(config_from_dict(SchedulerConfig, spec["config"]), parent_pid)
+        run_scheduler(config, parent_pid, compile_process)
     elif role == "worker":
         from guidespec.worker.worker import run_worker
 

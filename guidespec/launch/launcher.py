@@ -87,7 +87,8 @@ class EngineProcesses:
                                     cfg.max_model_len, self.broadcast, self._ring_index(rank), ep.worker_results,
                                     init_method, self.threads, cfg.show_progress,
                                     draft_model=_draft_model(cfg) if rank == 0 else None,
-                                    draft_method=cfg.speculative.method if cfg.speculative else "draft_model")
+                                    draft_method=cfg.speculative.method if cfg.speculative else "draft_model",
+                                    hf_config=cfg.hf_config)
                        for rank in range(cfg.tensor_parallel_size)]
         if self.ray is not None:
             self.ray.start(worker_cfgs)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from guidespec.protocol import GuidedDecoding
@@ -21,12 +22,11 @@ from guidespec.protocol import GuidedDecoding
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from transformers import AutoTokenizer
-
     from guidespec.grammar_backends import GrammarError, create_backend
+    from guidespec.worker.checkpoint import load_tokenizer
 
     settings = json.loads(sys.stdin.readline())
-    tokenizer = AutoTokenizer.from_pretrained(settings["model_dir"])
+    tokenizer = load_tokenizer(Path(settings["model_dir"]))
     backends: dict[str, Any] = {}
 
     def backend(name: str) -> Any:

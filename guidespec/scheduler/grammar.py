@@ -32,6 +32,7 @@ import numpy as np
 
 from guidespec.grammar_backends import GrammarBackend, GrammarError, GrammarMatcher, create_backend
 from guidespec.grammar_backends.interface import bitmask_row, bitmask_width
+from guidespec.config import SchedulerConfig
 from guidespec.protocol import GuidedDecoding
 from guidespec.scheduler.closing import MAX_STEPS, ClosingTokens, EarlyCloser, allowed_ids
 
@@ -57,6 +58,11 @@ class GrammarSettings:
     cache_size: int = 256
 
 
+def grammar_settings(cfg: SchedulerConfig) -> GrammarSettings:
+    return GrammarSettings(cfg.model_dir, cfg.grammar_backend, cfg.vocab_size, cfg.eos_token_ids,
+                           cfg.grammar_compile_timeout_s, cfg.max_batch_size)
+
+
 @dataclass(frozen=True)
 class FillRow:
     """A guided request to fill masks for: its drafts, its output length and output budget
@@ -78,12 +84,17 @@ class _Job:
 
 
 class GrammarManager:
-    def __init__(self, settings: GrammarSettings, tokenizer: Any) -> None:
+    """``compile_process``: one started by ``start_compile_process`` with these settings (the
+    scheduler's process starts it first thing, so that its imports run beside the scheduler's);
+    None starts one here."""
+
+    def __init__(self, settings: GrammarSettings, tokenizer: Any,
+                 compile_process: subprocess.Popen[str] | None = None) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
         self.backends: dict[str, GrammarBackend] = {}
+        self.process = _CompileProcess(settings, compile_process)  # before the backend below: it imports meanwhile
         self._backend(settings.default_backend)  # deserializing needs it; made before the first step
-        self.process = _CompileProcess(settings)
         self.compiled: OrderedDict[str, Any] = OrderedDict()
         self.failed: OrderedDict[str, str] = OrderedDict()
         self.jobs: OrderedDict[int, _Job] = OrderedDict()
@@ -465,15 +476,12 @@ class GrammarManager:
 class _CompileProcess:
     """The compile subprocess and a thread reading its JSON-line answers into a queue."""
 
-    def __init__(self, settings: GrammarSettings) -> None:
-        self.settings_line = json.dumps({"model_dir": str(settings.model_dir), "default_backend": settings.default_backend,
-                                         "vocab_size": settings.vocab_size,
-                                         "stop_token_ids": list(settings.stop_token_ids),
-                                         "num_threads": settings.num_threads})
+    def __init__(self, settings: GrammarSettings, proc: subprocess.Popen[str] | None = None) -> None:
+        self.settings = settings
         self.answers: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
         self.generation = 0
         self.started = threading.Event()  # the first process said "ready" (or exited)
-        self._start()
+        self._start(proc)
 
     def send(self, job_id: int, backend: str, spec: GuidedDecoding) -> None:
         line = json.dumps({"job": job_id, "backend": backend, "spec": dataclasses.asdict(spec)})
@@ -505,12 +513,8 @@ class _CompileProcess:
             self.proc.kill()
         self.proc.wait(timeout=5)
 
-    def _start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "guidespec.scheduler.compile_worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1)
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(self.settings_line + "\n")
-        self.proc.stdin.flush()
+    def _start(self, proc: subprocess.Popen[str] | None = None) -> None:
+        self.proc = proc or start_compile_process(self.settings)
         threading.Thread(target=self._read, args=(self.proc, self.generation), daemon=True,
                          name="guidespec-compile-reader").start()
 
@@ -524,6 +528,18 @@ class _CompileProcess:
                 self.answers.put((generation, message))
         self.started.set()
         self.answers.put((generation, {"exited": True}))
+
+
+def start_compile_process(settings: GrammarSettings) -> subprocess.Popen[str]:
+    """The compile process (``compile_worker.py``), its settings line written."""
+    proc = subprocess.Popen([sys.executable, "-m", "guidespec.scheduler.compile_worker"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, bufsize=1)
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps({"model_dir": str(settings.model_dir), "default_backend": settings.default_backend,
+                                 "vocab_size": settings.vocab_size, "stop_token_ids": list(settings.stop_token_ids),
+                                 "num_threads": settings.num_threads}) + "\n")
+    proc.stdin.flush()
+    return proc
 
 
 class _GrammarView:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -35,10 +36,11 @@ from guidespec.protocol import (AbortRequest, DraftMask, DraftTokens, EngineDead
                                 WorkerError, WorkerReady)
 from guidespec.scheduler.batching import Batcher, ScheduledRow
 from guidespec.scheduler.detokenizer import IncrementalDetokenizer
-from guidespec.scheduler.grammar import FillRow, GrammarManager, GrammarSettings
+from guidespec.scheduler.grammar import FillRow, GrammarManager, grammar_settings
 from guidespec.scheduler.output import append_token, finish_output, make_delta
 from guidespec.scheduler.request import Request
 from guidespec.scheduler.trace import StepTrace
+from guidespec.worker.checkpoint import load_tokenizer
 from guidespec.spec.proposer import Speculator
 
 logger = logging.getLogger(__name__)
@@ -51,10 +53,10 @@ class EngineFailure(RuntimeError):
     """The workers can no longer serve: every request fails with this message."""
 
 
-def run_scheduler(cfg: SchedulerConfig, parent_pid: int) -> None:
-    """Process entry point."""
+def run_scheduler(cfg: SchedulerConfig, parent_pid: int, compile_process: subprocess.Popen[str] | None = None) -> None:
+    """Process entry point (``compile_process``: see ``GrammarManager``)."""
     setup_child_process("scheduler")
-    scheduler = Scheduler(cfg, parent_pid)
+    scheduler = Scheduler(cfg, parent_pid, compile_process)
     try:
         scheduler.start()
         scheduler.run()
@@ -65,21 +67,17 @@ def run_scheduler(cfg: SchedulerConfig, parent_pid: int) -> None:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, parent_pid: int) -> None:
-        from transformers import AutoTokenizer
-
+    def __init__(self, cfg: SchedulerConfig, parent_pid: int, compile_process: subprocess.Popen[str] | None = None) -> None:
         self.cfg = cfg
         self.parent_pid = parent_pid
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
+        self.tokenizer = load_tokenizer(cfg.model_dir)
         self.ctx = zmq.Context()
         self.client_in = Channel(self.ctx, zmq.PULL, cfg.client_in, bind=True)
         self.client_out = Channel(self.ctx, zmq.PUSH, cfg.client_out, bind=False)
         self.worker_results = Channel(self.ctx, zmq.PULL, cfg.worker_results, bind=True)
         self.broadcaster = StepBroadcaster(cfg.broadcast, self.ctx)
         self.batcher = Batcher(cfg.max_batch_size, cfg.max_num_batched_tokens)
-        self.grammar = GrammarManager(GrammarSettings(cfg.model_dir, cfg.grammar_backend, cfg.vocab_size, cfg.eos_token_ids,
-                                                      cfg.grammar_compile_timeout_s, cfg.max_batch_size),
-                                      self.tokenizer)
+        self.grammar = GrammarManager(grammar_settings(cfg), self.tokenizer, compile_process)
         self.requests: dict[str, Request] = {}
         self.worker_pids: dict[int, int] = {}
         self.step_id = 0

@@ -332,9 +332,7 @@ def train(cfg: TrainConfig, log: Any = print) -> dict[str, Any]:
 
 
 def _train(cfg: TrainConfig, log: Any) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
-    from guidespec.worker.checkpoint import ShardReader, load_hf_config, resolve_model_dir
+    from guidespec.worker.checkpoint import ShardReader, load_hf_config, load_tokenizer, resolve_model_dir
 
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
@@ -343,7 +341,7 @@ def _train(cfg: TrainConfig, log: Any) -> dict[str, Any]:
     model_dir = resolve_model_dir(cfg.model, show_progress=False)
     hf_config = load_hf_config(model_dir)
     model_cfg = ModelConfig.from_hf(hf_config)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     eos = int(tokenizer.eos_token_id)  # the token chat outputs end with (SmolLM2: <|im_end|>)
     sequences = load_generations(cfg, tokenizer, model_dir, eos, log)
     if len(sequences) < 2:

@@ -9,16 +9,19 @@ each tensor (``safe_open`` slices). This module does not build the model (see ``
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import torch
 
 from guidespec import envs
+from guidespec.config import SUPPORTED_MODEL_TYPES
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -96,10 +99,54 @@ def _save_plain(model: Any, folder: Path) -> None:
         model.generation_config.save_pretrained(folder)
 
 
-def load_hf_config(model_dir: Path) -> Any:
+def load_hf_config(model_dir: Path, data: dict[str, Any] | None = None) -> Any:
+    """The model's transformers config. Where the model is of a supported type with the default
+    RoPE, only attributes are read, so a plain namespace of its data (``config_data``, or
+    ``data`` as the engine's main process read it) serves: importing transformers' config
+    classes costs each engine process ~4 s of its start."""
+    data = config_data(model_dir) if data is None else data
+    if data.get("model_type") in SUPPORTED_MODEL_TYPES and \
+            (data.get("rope_parameters") or {}).get("rope_type", "default") == "default":
+        return SimpleNamespace(**data)
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_dir)
+
+
+def config_data(model_dir: Path) -> dict[str, Any]:
+    """The model's config with every field its transformers class sets (defaults, RoPE
+    parameters in their current form), as JSON data; kept in the cache directory under the
+    hash of ``config.json`` and the transformers version."""
+    raw = (model_dir / "config.json").read_bytes()
+    key = hashlib.sha256(raw + importlib.metadata.version("transformers").encode()).hexdigest()[:16]
+    path = envs.cache_dir() / "configs" / f"{key}.json"
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        pass
+    from transformers import AutoConfig
+
+    data = dict(json.loads(AutoConfig.from_pretrained(model_dir).to_json_string(use_diff=False)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+    return data
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    """The model's tokenizer. Where it is the plain ``tokenizers`` one (every GGUF conversion's),
+    it is loaded as such: AutoTokenizer would first import the model's config class, ~3 s of
+    each engine process's start, and return the same tokenizer."""
+    import transformers
+
+    try:
+        name = json.loads((model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        name = None
+    if name == "TokenizersBackend" and (model_dir / "tokenizer.json").exists():
+        return transformers.TokenizersBackend.from_pretrained(model_dir)
+    return transformers.AutoTokenizer.from_pretrained(model_dir)
 
 
 def eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:

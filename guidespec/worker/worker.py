@@ -69,7 +69,7 @@ class Worker:
         self.cfg = cfg
         self.tp = tp_mod.TPInfo(cfg.rank, cfg.tensor_parallel_size)
         tp_mod.init_distributed(self.tp, cfg.dist_init_method, "gloo" if cfg.device == "cpu" else "nccl")
-        hf_config = load_hf_config(cfg.model_dir)
+        hf_config = load_hf_config(cfg.model_dir, cfg.hf_config)
         model_cfg = ModelConfig.from_hf(hf_config)
         dtype = getattr(torch, cfg.dtype)
         self.model = LlamaModel(model_cfg, self.tp, dtype, cfg.max_model_len, cfg.device)

@@ -109,3 +109,52 @@ def test_rotary_tables_equal_transformers_rotary_module(rope: dict[str, object])
     cos, sin = LlamaRotaryEmbedding(config=config)(torch.zeros(1), torch.arange(4096)[None])
     ours = rotary_tables(config, 4096)
     assert torch.equal(ours[0], cos[0]) and torch.equal(ours[1], sin[0])
+
+
+@pytest.mark.parametrize("kind", ["real", "llama", "qwen2", "mistral", "yarn"])
+def test_engine_processes_read_the_config_transformers_reads(tmp_path: Path, kind: str, real_model_dir: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine processes read the model's config as plain data, cached by content, not through
+    transformers' config classes (a fast start): the model shape, the rotary tables and the end
+    ids are those of the config class; a RoPE kind that needs the class gets the class."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaConfig
+
+    from guidespec.worker.checkpoint import config_data, eos_token_ids
+    from guidespec.worker.model import rotary_tables
+
+    monkeypatch.setenv("GUIDESPEC_CACHE_DIR", str(tmp_path / "cache"))
+    if kind == "real":
+        folder = real_model_dir
+    elif kind == "yarn":
+        folder = tmp_path / "yarn"
+        LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=512,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                     "original_max_position_embeddings": 128}).save_pretrained(folder)
+    else:
+        folder = make_tiny_model(tmp_path / kind, kind)
+    reference = AutoConfig.from_pretrained(folder)
+    first, again = load_hf_config(folder), load_hf_config(folder, config_data(folder))
+    assert len(list((tmp_path / "cache" / "configs").glob("*.json"))) == 1  # read once, then from the cache
+    for ours in (first, again):
+        assert (type(ours) is type(reference)) == (kind == "yarn")
+        assert ModelConfig.from_hf(ours) == ModelConfig.from_hf(reference)
+        for a, b in zip(rotary_tables(ours, 512), rotary_tables(reference, 512)):
+            assert torch.equal(a, b)
+    if kind == "real":
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        assert eos_token_ids(folder, first, tokenizer) == eos_token_ids(folder, reference, tokenizer) == (2,)
+
+
+def test_engine_processes_load_the_tokenizer_transformers_loads(real_model_dir: Path) -> None:
+    """The real model's tokenizer, loaded without AutoTokenizer's detour through the config
+    class, is AutoTokenizer's: same class, settings, chat prompt and ids."""
+    from transformers import AutoTokenizer
+
+    from guidespec.worker.checkpoint import load_tokenizer
+
+    ours, reference = load_tokenizer(real_model_dir), AutoTokenizer.from_pretrained(real_model_dir)
+    assert type(ours) is type(reference) and ours.init_kwargs == reference.init_kwargs
+    chat = [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": 'Say {"a": [1, 2]} ünïcode'}]
+    assert ours.apply_chat_template(chat, add_generation_prompt=True) == \
+        reference.apply_chat_template(chat, add_generation_prompt=True)
+    assert (ours.eos_token_id, ours.bos_token_id, len(ours)) == (reference.eos_token_id, reference.bos_token_id, len(reference))
