@@ -52,6 +52,7 @@ BATCH1 = {
     "grammar-forced drafts only": dict(method="forced"),
     "n-gram, no forced drafts": dict(method="ngram", use_forced_tokens=False),
     "n-gram + forced, drafts unchecked": dict(method="ngram", constrain_drafts=False),
+    "n-gram + forced, drafts checked, no anchored lookup": dict(method="ngram", anchored_lookup=False),
     "n-gram + forced, drafts checked": dict(method="ngram"),
     "draft model (first 12 layers), draft steps unmasked": dict(method="draft_model", draft_model="layers:12",
                                                                 constrain_drafts=False),

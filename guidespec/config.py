@@ -102,6 +102,9 @@ class SpeculativeConfig:
     # draft_model / eagle with adaptive: the rows the draft model would not pay for (a large batch,
     # low acceptance) draft by prompt lookup instead
     ngram_fallback: bool = True
+    # n-gram: where no suffix matches, look the context's last word up in the prompt's text and
+    # let the grammar pick what follows it (``NGramDrafter``)
+    anchored_lookup: bool = True
 
     def validate(self) -> None:
         if self.method not in SPEC_METHODS:

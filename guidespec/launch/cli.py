@@ -153,6 +153,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     spec.add_argument("--no-ngram-fallback", action="store_true",
                       help="with a draft model or EAGLE head and the adaptive length: where the draft model would "
                            "not pay, draft nothing (default: prompt lookup drafts instead)")
+    spec.add_argument("--no-anchored-lookup", action="store_true",
+                      help="n-gram: where no suffix matches, draft nothing (default: look the last word up in the "
+                           "prompt and let the grammar pick what follows it)")
 
 
 def speculative_from_args(args: argparse.Namespace) -> dict[str, object] | None:
@@ -163,7 +166,7 @@ def speculative_from_args(args: argparse.Namespace) -> dict[str, object] | None:
                 max_matching_ngram_size=args.max_matching_ngram_size, adaptive=not args.no_adaptive_draft,
                 use_forced_tokens=not args.no_forced_drafts, constrain_drafts=not args.no_constrain_drafts,
                 user_drafter=args.user_drafter, draft_model=args.draft_model, combine_ngram=args.combine_ngram,
-                ngram_fallback=not args.no_ngram_fallback)
+                ngram_fallback=not args.no_ngram_fallback, anchored_lookup=not args.no_anchored_lookup)
 
 
 def _serve(args: argparse.Namespace) -> int:

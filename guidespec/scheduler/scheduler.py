@@ -84,7 +84,7 @@ class Scheduler:
         self.stopping = False
         self.times: dict[str, float] = {}
         self.trace = StepTrace()
-        self.speculator = Speculator(cfg.speculative, self.grammar, cfg.max_model_len) if cfg.speculative else None
+        self.speculator = Speculator(cfg.speculative, self.grammar, cfg.max_model_len, self.tokenizer) if cfg.speculative else None
         self._stats: SchedulerStats | None = None
         self._stats_sent_at = 0.0
 

@@ -12,13 +12,17 @@ the workers (``draft_model.py``); ``ModelDrafter`` hands its proposals on.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import importlib
+import re
 from collections import OrderedDict
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from guidespec.config import MODEL_DRAFTERS, SpeculativeConfig
 
 ValidPrefix = Callable[[Sequence[int]], int]
+_WORD = re.compile(r"[A-Za-z0-9_]{3,}")
 
 
 class Drafter(Protocol):
@@ -58,11 +62,24 @@ class NGramDrafter:
     greedy outputs (draft length 3, forced drafts first) the own pool first gave 2.92 and 3.00
     tokens per step on 9 and 20 cases, against 2.74 and 2.91 for the shared pool alone and 2.88
     and 2.89 for the own pool alone: another request's continuations of a short key are mostly
-    noise, though the shared pool does fill gaps."""
+    noise, though the shared pool does fill gaps.
+
+    ``token_texts`` (each token id's text) turns on the anchored lookup, where neither pool has a
+    draft: the context's last word (3+ letters, digits or ``_``, in its last 12 tokens) is found in
+    the prompt's text, and what follows each occurrence there, from 0 to ``_ANCHOR_SKIP`` tokens
+    after it, is a candidate; the one the grammar accepts furthest wins. Tokens differ between
+    the prompt and the output (`` productName`` after a space there, ``productName`` after a
+    quote here) and so do the words between a name and its value (``name is "x"`` there,
+    ``"name": "x"`` here), so the key is text and the grammar picks the offset. Replayed on the
+    JME cases' greedy outputs (draft length 3, forced drafts first), it took tokens per step
+    from 2.92 to 3.14 on the benchmark's 10 cases and from 3.00 to 3.08 on the first 30. Tried
+    before the suffix lookup (where it gives a whole draft, or as long a one) it lost (2.46–2.70):
+    the last word is more often inside a value than a key."""
 
     def __init__(self, max_draft_len: int, max_matching_ngram_size: int, is_keep_all: bool = True,
                  is_use_oldest: bool = True, is_public_pool: bool = True, max_keys: int = 1 << 20,
-                 max_continuations: int = 32, max_candidates: int = 8) -> None:
+                 max_continuations: int = 32, max_candidates: int = 8,
+                 token_texts: Callable[[], Sequence[str]] | None = None) -> None:
         self.max_draft_len = max_draft_len
         self.max_ngram = max_matching_ngram_size
         self.keep_all, self.use_oldest = is_keep_all, is_use_oldest
@@ -70,6 +87,8 @@ class NGramDrafter:
         self.public: _Pool | None = OrderedDict() if is_public_pool else None
         self.own: dict[str, _Pool] = {}
         self.seen: dict[str, int] = {}  # request -> final tokens already in its pools
+        self.token_texts = token_texts
+        self.prompts: dict[str, tuple[Sequence[int], list[int], str]] = {}  # request -> tokens, offsets, text
 
     def propose(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
                 valid_prefix: ValidPrefix) -> list[int]:
@@ -81,11 +100,41 @@ class NGramDrafter:
             shared = self._lookup(self.public, context, max_len, valid_prefix)
             if len(shared) > len(best):
                 best = shared
+        if not best and self.token_texts is not None:
+            best = self._anchored(request_id, context, num_committed, max_len, valid_prefix)
         return best
 
     def release(self, request_id: str) -> None:
         self.seen.pop(request_id, None)
         self.own.pop(request_id, None)
+        self.prompts.pop(request_id, None)
+
+    def _anchored(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
+                  valid_prefix: ValidPrefix) -> list[int]:
+        assert self.token_texts is not None
+        texts = self.token_texts()
+        source = self.prompts.get(request_id)
+        if source is None:  # the prompt, as the first call sees it (plus the prefill's token)
+            pieces = [texts[t] if 0 <= t < len(texts) else "" for t in context[:num_committed]]
+            starts = [0]
+            for piece in pieces[:-1]:
+                starts.append(starts[-1] + len(piece))
+            source = self.prompts[request_id] = (list(context[:num_committed]), starts, "".join(pieces))
+        tokens, offsets, text = source
+        words = _WORD.findall("".join(texts[t] if 0 <= t < len(texts) else "" for t in context[-12:]))
+        if not words:
+            return []
+        best: list[int] = []
+        for match in re.finditer(re.escape(words[-1]), text):
+            first = bisect.bisect_left(offsets, match.end())
+            for start in range(first, min(first + _ANCHOR_SKIP + 1, len(tokens))):
+                draft = list(tokens[start : start + max_len])
+                draft = draft[: valid_prefix(draft)]
+                if len(draft) > len(best):
+                    best = draft
+                    if len(best) == max_len:
+                        return best
+        return best
 
     def _lookup(self, pool: _Pool, context: Sequence[int], max_len: int, valid_prefix: ValidPrefix) -> list[int]:
         for n in range(min(self.max_ngram, len(context)), 0, -1):
@@ -129,6 +178,9 @@ class NGramDrafter:
             continuations[value] = None
             if len(continuations) > self.max_continuations:
                 continuations.popitem(last=False)
+
+
+_ANCHOR_SKIP = 4  # an anchored candidate starts up to this many tokens after its word
 
 
 class UserDrafter:
@@ -186,16 +238,20 @@ class ModelDrafter:
             self.ngram.release(request_id)
 
 
-def create_drafter(cfg: SpeculativeConfig) -> Drafter:
+def create_drafter(cfg: SpeculativeConfig, tokenizer: Any = None) -> Drafter:
     if cfg.method == "ngram":
-        return ngram_drafter(cfg)
+        return ngram_drafter(cfg, tokenizer)
     if cfg.method == "user":
         return UserDrafter(cfg.user_drafter or "")
     if cfg.method in MODEL_DRAFTERS:
-        return ModelDrafter(ngram_drafter(cfg) if cfg.combine_ngram else None)
+        return ModelDrafter(ngram_drafter(cfg, tokenizer) if cfg.combine_ngram else None)
     return NoDrafter()
 
 
-def ngram_drafter(cfg: SpeculativeConfig) -> NGramDrafter:
+def ngram_drafter(cfg: SpeculativeConfig, tokenizer: Any = None) -> NGramDrafter:
+    """The n-gram drafter; with a tokenizer and ``cfg.anchored_lookup``, its anchored lookup."""
+    texts = None
+    if tokenizer is not None and cfg.anchored_lookup:
+        texts = functools.cache(lambda: [tokenizer.decode([i]) for i in range(len(tokenizer))])
     return NGramDrafter(cfg.max_draft_len, cfg.max_matching_ngram_size, cfg.is_keep_all, cfg.is_use_oldest,
-                        cfg.is_public_pool)
+                        cfg.is_public_pool, token_texts=texts)

@@ -135,17 +135,17 @@ class DraftCost:
 
 
 class Speculator:
-    def __init__(self, cfg: SpeculativeConfig, grammar: Any, max_model_len: int) -> None:
+    def __init__(self, cfg: SpeculativeConfig, grammar: Any, max_model_len: int, tokenizer: Any = None) -> None:
         self.cfg = cfg
         self.grammar = grammar
         self.max_model_len = max_model_len
-        self.drafter: Drafter = create_drafter(cfg)
+        self.drafter: Drafter = create_drafter(cfg, tokenizer)
         self.acceptance: dict[str, _Acceptance] = {}
         # a model drafter's fallback: prompt lookup, for the rows the draft model does not draft for
         # (with the adaptive length), with acceptance figures of its own
         self.lookup: NGramDrafter | None = None
         if isinstance(self.drafter, ModelDrafter) and cfg.adaptive and cfg.ngram_fallback:
-            self.lookup = self.drafter.ngram or ngram_drafter(cfg)
+            self.lookup = self.drafter.ngram or ngram_drafter(cfg, tokenizer)
         self.lookup_acceptance: dict[str, _Acceptance] = {}
         self.lookup_prior = _PRIOR_RATE
         self._lookup_drafted: set[str] = set()  # requests whose drafts this step are prompt lookup's

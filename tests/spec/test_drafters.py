@@ -97,3 +97,43 @@ def test_model_proposals_combined_with_lookup_the_longer_valid_draft_wins() -> N
     assert drafter.propose("r", [1, 2, 3], 3, 3, everything) == []  # no proposals stored, no lookup match
     with pytest.raises(ValueError, match="combine_ngram"):
         SpeculativeConfig(method="ngram", combine_ngram=True).validate()
+
+
+def test_anchored_lookup_copies_a_value_from_where_its_name_is_in_the_prompt(real_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Where no suffix of the output matches, the output's last word (the key) is found in the
+    prompt's text and the grammar picks what follows it: the value, not the words between
+    ("productName is "Glen Oak"" in the prompt, "productName": "..." in the output)."""
+    from guidespec.grammar_backends import create_backend
+    from guidespec.protocol import GuidedDecoding
+    from guidespec.spec.drafters import ngram_drafter
+    from guidespec.worker.checkpoint import load_tokenizer
+
+    tokenizer = load_tokenizer(real_model_dir)
+    backend = create_backend("xgrammar", tokenizer, 49152, (2,))
+    schema = '{"type": "object", "properties": {"productName": {"type": "string"}, "price": {"type": "integer"}},' \
+             ' "required": ["productName", "price"]}'
+    compiled = backend.compile(GuidedDecoding(json_schema=schema))
+    prompt = tokenizer.encode('Extract the record as JSON. productName is "Glen Oak"; price is 40.')
+    # after `":` no suffix of the output occurs in the prompt (nor, for price, one the grammar takes)
+    for output, value in (('{"productName":', ' "Glen Oak"'), ('{"productName": "Glen Oak", "price":', " 40")):
+        tokens = prompt + tokenizer.encode(output)
+        matcher = backend.create_matcher(compiled)
+        assert all(matcher.accept_token(t) for t in tokenizer.encode(output))
+
+        def valid_prefix(drafts: Sequence[int]) -> int:
+            count = 0
+            for t in drafts:
+                if not matcher.accept_token(int(t)):
+                    break
+                count += 1
+            matcher.rollback(count)
+            return count
+
+        drafts = {}
+        for anchored in (True, False):
+            drafter = ngram_drafter(SpeculativeConfig(max_draft_len=3, is_public_pool=False, anchored_lookup=anchored),
+                                    tokenizer)
+            drafter.propose("r", prompt, len(prompt), 3, valid_prefix)  # the first call sees the prompt
+            drafts[anchored] = drafter.propose("r", tokens, len(tokens), 3, valid_prefix)
+        assert len(drafts[True]) == 3 and value.startswith(tokenizer.decode(drafts[True]))
+        assert drafts[False] == []  # plain lookup has nothing here
