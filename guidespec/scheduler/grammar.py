@@ -267,6 +267,20 @@ class GrammarManager:
                 closer.add(token)
         return forced
 
+    def end_token(self, request_id: str) -> int | None:
+        """The stop token, where the grammar allows it and nothing else now (the output is
+        complete: the request can end without a step); None otherwise. Checked with a trial
+        accept first, so a grammar that cannot end here costs no fill."""
+        matcher = self.matchers[request_id][1]
+        stops = self.settings.stop_token_ids
+        if not stops or matcher.is_terminated() or not matcher.accept_token(stops[0]):
+            return None
+        matcher.rollback(1)
+        row = np.zeros((1, self.bitmask.shape[1]), dtype=np.int32)
+        self.backends[self.matchers[request_id][0]].fill_bitmasks([matcher], row, [0])
+        allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+        return int(allowed[0]) if allowed.tolist() == [stops[0]] else None
+
     def is_terminated(self, request_id: str) -> bool:
         return self.matchers[request_id][1].is_terminated()
 

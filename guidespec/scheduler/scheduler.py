@@ -240,6 +240,10 @@ class Scheduler:
                 self.speculator.store_proposals(request, proposals[i])
             if reason is None and request.guided and self.cfg.jump_forward and not self._speculates(request):
                 reason = self._jump_forward(request)
+            if reason is None and request.guided and self.cfg.jump_forward:
+                end = self.grammar.end_token(request.request_id)  # a complete output ends here, not in a step
+                if end is not None:
+                    reason = self._append(request, end)
             if reason == "error":
                 continue
             delta = make_delta(request, reason)

@@ -199,3 +199,24 @@ def test_every_token_a_mask_row_allows_is_accepted(manager: tuple[GrammarManager
                     finished = True
                     break
         grammar.release(request_id)
+
+
+def test_a_complete_output_offers_its_end_token_and_nothing_before(manager: tuple[GrammarManager, Any]) -> None:
+    """Once the object is closed the grammar allows only the stop token: the scheduler ends the
+    request there without a step (xgrammar; llguidance's matcher stops by itself there). Before that (inside, or where more may follow) there is none,
+    and the check leaves the grammar as it was."""
+    grammar, text = manager
+    tokens = text.encode('{"name":"Ann","age":41}')
+    _matcher(grammar, "r", [])
+    for i, token in enumerate(tokens):
+        assert grammar.end_token("r") is None, i
+        assert grammar.accept("r", token)
+    if grammar.is_terminated("r"):  # llguidance stops by itself here: the request ends at "}"
+        assert not text.spaced
+        assert grammar.end_token("r") is None
+    else:
+        assert grammar.end_token("r") == 2
+        assert grammar.end_token("r") == 2 and not grammar.is_terminated("r")  # asking changed nothing
+        assert grammar.accept("r", 2) and grammar.is_terminated("r")
+        assert grammar.end_token("r") is None
+    grammar.release("r")
