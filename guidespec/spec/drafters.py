@@ -63,17 +63,19 @@ class NGramDrafter:
     and 2.89 for the own pool alone: another request's continuations of a short key are mostly
     noise, though the shared pool does fill gaps.
 
-    ``token_texts`` (each token id's text) turns on the anchored lookup, where neither pool has a
-    draft: the context's last word (3+ letters, digits or ``_``, in its last 12 tokens) is found in
+    ``token_texts`` (each token id's text) turns on the anchored lookup, where the request's own
+    pool has no draft (before the shared pool, whose hits there are mostly noise): the context's last word (3+ letters, digits or ``_``, in its last 12 tokens) is found in
     the prompt's text, and what follows each occurrence there, from 0 to ``_ANCHOR_SKIP`` tokens
     after it, is a candidate; the one the grammar accepts furthest wins. Tokens differ between
     the prompt and the output (`` productName`` after a space there, ``productName`` after a
     quote here) and so do the words between a name and its value (``name is "x"`` there,
     ``"name": "x"`` here), so the key is text and the grammar picks the offset. Replayed on the
     JME cases' greedy outputs (draft length 3, forced drafts first), it took tokens per step
-    from 2.92 to 3.14 on the benchmark's 10 cases and from 3.00 to 3.08 on the first 30. Tried
-    before the suffix lookup (where it gives a whole draft, or as long a one) it lost (2.46–2.70):
-    the last word is more often inside a value than a key."""
+    from 2.92 to 3.14 on the benchmark's 10 cases and from 3.00 to 3.08 on the first 30 where it
+    came after both pools; before the shared pool, with a complete output ending without a step,
+    3.31 → 3.42 and 3.23 → 3.33 (``benchmarks/replay_drafters.py``). Tried before the own pool's
+    lookup (where it gives a whole draft, or as long a one) it lost (2.46–2.70): the last word is
+    more often inside a value than a key."""
 
     def __init__(self, max_draft_len: int, max_matching_ngram_size: int, is_keep_all: bool = True,
                  is_use_oldest: bool = True, is_public_pool: bool = True, max_keys: int = 1 << 20,
@@ -95,12 +97,12 @@ class NGramDrafter:
         pools = [own] if self.public is None else [own, self.public]
         self._update(pools, request_id, context[:num_committed])
         best = self._lookup(own, context, max_len, valid_prefix)
+        if not best and self.token_texts is not None:
+            best = self._anchored(request_id, context, num_committed, max_len, valid_prefix)
         if self.public is not None and len(best) < max_len:
             shared = self._lookup(self.public, context, max_len, valid_prefix)
             if len(shared) > len(best):
                 best = shared
-        if not best and self.token_texts is not None:
-            best = self._anchored(request_id, context, num_committed, max_len, valid_prefix)
         return best
 
     def release(self, request_id: str) -> None:
