@@ -10,7 +10,8 @@ the drafter's up to ``--draft-len`` tokens after them, cut where the grammar rej
 accepted as far as they match the output, plus the target's own token. The prefill step yields
 one token. Rows: perfect drafts (the bound at this draft length), prompt lookup without and with
 the anchored lookup, and each of those with a complete output ending without a step (the
-scheduler's ``end_token``). The replay of prompt lookup matched the engine's tokens per step.
+scheduler's ``end_token``: the replay ends an output there when only the stop token is left, as
+xgrammar allows nothing else after a JSON value). The replays matched the engine's tokens per step.
 """
 
 from __future__ import annotations
@@ -121,28 +122,30 @@ def main() -> None:
     backend = create_backend("xgrammar", tokenizer, len(tokenizer), (stop,))
     compiled = [backend.compile(GuidedDecoding(json_schema=case["schema"])) for case in outputs]
 
-    def lookup(anchored: bool) -> Callable[[], Propose]:
-        # one drafter for the whole run (its public pool spans requests, as in one engine)
-        drafter = ngram_drafter(SpeculativeConfig(max_draft_len=args.draft_len, anchored_lookup=anchored), tokenizer)
+    def drafter(kind: str) -> Callable[[], Propose] | None:
+        """A new request's propose for ``kind``; one n-gram drafter per replay (its public pool
+        spans requests, as in one engine)."""
+        if kind == "perfect":
+            return None
+        if kind == "forced":
+            return lambda: (lambda context, committed, valid: [])
+        lookup = ngram_drafter(SpeculativeConfig(max_draft_len=args.draft_len, anchored_lookup=kind == "anchored"),
+                               tokenizer)
         ids = iter(range(1 << 30))
 
         def make() -> Propose:
             request_id = str(next(ids))
-            return lambda context, committed, valid: drafter.propose(request_id, context, committed,
-                                                                     args.draft_len, valid)
+            return lambda context, committed, valid: lookup.propose(request_id, context, committed,
+                                                                    args.draft_len, valid)
         return make
 
-    rows: list[tuple[str, Callable[[], Callable[[], Propose] | None]]] = [
-        ("perfect drafts", lambda: None),
-        ("grammar-forced drafts only", lambda: (lambda: (lambda context, committed, valid: []))),
-        ("n-gram + forced, no anchored lookup", lambda: lookup(False)),
-        ("n-gram + forced, anchored lookup", lambda: lookup(True)),
-    ]
+    rows = [("perfect drafts", "perfect"), ("grammar-forced drafts only", "forced"),
+            ("n-gram + forced, no anchored lookup", "ngram"), ("n-gram + forced, anchored lookup", "anchored")]
     print(f"{len(outputs)} JME cases, greedy, max_tokens {args.max_tokens}, draft length {args.draft_len}\n")
     print("| drafter, replayed | tokens/step | with a complete output ending without a step |")
     print("|---|---:|---:|")
-    for name, make in rows:
-        figures = [replay(outputs, backend, compiled, make(), args.draft_len, end, stop) for end in (False, True)]
+    for name, kind in rows:
+        figures = [replay(outputs, backend, compiled, drafter(kind), args.draft_len, end, stop) for end in (False, True)]
         print(f"| {name} | {figures[0]:.2f} | {figures[1]:.2f} |")
 
 

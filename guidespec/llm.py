@@ -349,8 +349,8 @@ def _create_engine_config(model: str | None, tensor_parallel_size: int, dtype: s
     if tensor_parallel_size < 1 or max_batch_size < 1 or max_num_batched_tokens < 1:
         raise ValueError("tensor_parallel_size, max_batch_size and max_num_batched_tokens must be >= 1")
     model_dir = checkpoint.resolve_model_dir(model, show_progress)
-    config_data = checkpoint.config_data(model_dir)
-    hf_config = checkpoint.load_hf_config(model_dir, config_data)
+    hf_data = checkpoint.config_data(model_dir)
+    hf_config = checkpoint.load_hf_config(model_dir, hf_data)
     model_cfg = ModelConfig.from_hf(hf_config)
     if any(not 0 < r < tensor_parallel_size for r in remote_ranks):
         raise ValueError(f"remote_ranks must be among ranks 1..{tensor_parallel_size - 1}")
@@ -367,7 +367,7 @@ def _create_engine_config(model: str | None, tensor_parallel_size: int, dtype: s
     eos = checkpoint.eos_token_ids(model_dir, hf_config, tokenizer)
     return EngineConfig(model_dir, tensor_parallel_size, dtype, max_batch_size, length,
                         max(max_num_batched_tokens, max_batch_size), eos, show_progress, remote_ranks,
-                        model_cfg.vocab_size, hf_config=config_data), tokenizer
+                        model_cfg.vocab_size, hf_config=hf_data), tokenizer
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -30,9 +30,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from guidespec.config import SchedulerConfig
 from guidespec.grammar_backends import GrammarBackend, GrammarError, GrammarMatcher, create_backend
 from guidespec.grammar_backends.interface import bitmask_row, bitmask_width
-from guidespec.config import SchedulerConfig
 from guidespec.protocol import GuidedDecoding
 from guidespec.scheduler.closing import MAX_STEPS, ClosingTokens, EarlyCloser, allowed_ids
 
@@ -278,8 +278,7 @@ class GrammarManager:
         matcher.rollback(1)
         row = np.zeros((1, self.bitmask.shape[1]), dtype=np.int32)
         self.backends[self.matchers[request_id][0]].fill_bitmasks([matcher], row, [0])
-        allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
-        return int(allowed[0]) if allowed.tolist() == [stops[0]] else None
+        return stops[0] if allowed_ids(row[0]).tolist() == [stops[0]] else None
 
     def is_terminated(self, request_id: str) -> bool:
         return self.matchers[request_id][1].is_terminated()

@@ -64,9 +64,10 @@ class NGramDrafter:
     noise, though the shared pool does fill gaps.
 
     ``token_texts`` (each token id's text) turns on the anchored lookup, where the request's own
-    pool has no draft (before the shared pool, whose hits there are mostly noise): the context's last word (3+ letters, digits or ``_``, in its last 12 tokens) is found in
-    the prompt's text, and what follows each occurrence there, from 0 to ``_ANCHOR_SKIP`` tokens
-    after it, is a candidate; the one the grammar accepts furthest wins. Tokens differ between
+    pool has no draft (before the shared pool, whose hits there are mostly noise): the context's
+    last word (3+ letters, digits or ``_``, in its last 12 tokens) is found in the prompt's text,
+    and what follows each occurrence there, from 0 to ``_ANCHOR_SKIP`` tokens after it, is a
+    candidate; the one the grammar accepts furthest wins. Tokens differ between
     the prompt and the output (`` productName`` after a space there, ``productName`` after a
     quote here) and so do the words between a name and its value (``name is "x"`` there,
     ``"name": "x"`` here), so the key is text and the grammar picks the offset. Replayed on the
@@ -114,15 +115,19 @@ class NGramDrafter:
                   valid_prefix: ValidPrefix) -> list[int]:
         texts = self.token_texts
         assert texts is not None
+
+        def pieces(tokens: Sequence[int]) -> list[str]:
+            return [texts[t] if 0 <= t < len(texts) else "" for t in tokens]
+
         source = self.prompts.get(request_id)
         if source is None:  # the prompt, as the first call sees it (plus the prefill's token)
-            pieces = [texts[t] if 0 <= t < len(texts) else "" for t in context[:num_committed]]
+            prompt = pieces(context[:num_committed])
             starts = [0]
-            for piece in pieces[:-1]:
+            for piece in prompt[:-1]:
                 starts.append(starts[-1] + len(piece))
-            source = self.prompts[request_id] = (list(context[:num_committed]), starts, "".join(pieces))
+            source = self.prompts[request_id] = (list(context[:num_committed]), starts, "".join(prompt))
         tokens, offsets, text = source
-        words = _WORD.findall("".join(texts[t] if 0 <= t < len(texts) else "" for t in context[-12:]))
+        words = _WORD.findall("".join(pieces(context[-12:])))
         if not words:
             return []
         best: list[int] = []
