@@ -149,6 +149,17 @@ def test_sampled_guided_outputs_stay_valid_and_switches_work() -> None:
         assert one.token_ids[:24] == off.token_ids
 
 
+def test_the_prefill_step_verifies_drafts(reference: list[list[int]]) -> None:
+    """The prompt's last step verifies drafts too: the grammar's forced opening (``{"startDate": "``,
+    a required first property) comes out of the prefill step, not one step per token after it."""
+    messages, params = _requests()[1]
+    with LLM(max_batch_size=8, show_progress=False, speculative=dict(method="forced")) as llm:
+        deltas = list(llm.stream(messages, params))
+    first = deltas[0].token_ids
+    assert len(first) > 2 and first == reference[1][: len(first)]
+    assert [t for d in deltas for t in d.token_ids] == reference[1]
+
+
 def test_bad_speculative_options_are_refused_in_the_client() -> None:
     with pytest.raises(ValueError, match="speculative method"):
         LLM(speculative="medusa")

@@ -22,6 +22,7 @@ from guidespec.config import MODEL_DRAFTERS, SpeculativeConfig
 
 ValidPrefix = Callable[[Sequence[int]], int]
 _WORD = re.compile(r"[A-Za-z0-9_]{3,}")
+_KEY_END = re.compile(r'"([A-Za-z0-9_]{2,})"\s*:\s*$')
 
 
 class Drafter(Protocol):
@@ -76,7 +77,14 @@ class NGramDrafter:
     came after both pools; before the shared pool, with a complete output ending without a step,
     3.31 → 3.42 and 3.23 → 3.33 (``benchmarks/replay_drafters.py``). Tried before the own pool's
     lookup (where it gives a whole draft, or as long a one) it lost (2.46–2.70): the last word is
-    more often inside a value than a key."""
+    more often inside a value than a key.
+
+    Where the context ends with a JSON key and its colon (``"price":``, often forced by the grammar),
+    that key is looked up in the prompt first, before the own pool (whose draft there is the
+    previous value after ``":``), and from the prompt position where the last key's value was found
+    on (records list their values in the prompt's order: the second item's ``name`` is the prompt's
+    second ``name``). Replayed as above, with the prefill step drafting too: 3.61 → 3.69 tokens per
+    step on the 10 cases, 3.46 → 3.67 on 30."""
 
     def __init__(self, max_draft_len: int, max_matching_ngram_size: int, is_keep_all: bool = True,
                  is_use_oldest: bool = True, is_public_pool: bool = True, max_keys: int = 1 << 20,
@@ -91,14 +99,22 @@ class NGramDrafter:
         self.seen: dict[str, int] = {}  # request -> final tokens already in its pools
         self.token_texts = token_texts
         self.prompts: dict[str, tuple[Sequence[int], list[int], str]] = {}  # request -> tokens, offsets, text
+        self.cursors: dict[str, int] = {}  # request -> the prompt token where its last anchored draft began
 
     def propose(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
                 valid_prefix: ValidPrefix) -> list[int]:
         own = self.own.setdefault(request_id, OrderedDict())
         pools = [own] if self.public is None else [own, self.public]
         self._update(pools, request_id, context[:num_committed])
-        best = self._lookup(own, context, max_len, valid_prefix)
-        if not best and self.token_texts is not None:
+        best: list[int] = []
+        key = self._key_before(context) if self.token_texts is not None else None
+        if key is not None:  # a value after its key: copied from where the key is in the prompt, first
+            best = self._anchored(request_id, context, num_committed, max_len, valid_prefix, key)
+        if len(best) < max_len:
+            mine = self._lookup(own, context, max_len, valid_prefix)
+            if len(mine) > len(best):
+                best = mine
+        if not best and self.token_texts is not None and key is None:
             best = self._anchored(request_id, context, num_committed, max_len, valid_prefix)
         if self.public is not None and len(best) < max_len:
             shared = self._lookup(self.public, context, max_len, valid_prefix)
@@ -110,36 +126,53 @@ class NGramDrafter:
         self.seen.pop(request_id, None)
         self.own.pop(request_id, None)
         self.prompts.pop(request_id, None)
+        self.cursors.pop(request_id, None)
 
-    def _anchored(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
-                  valid_prefix: ValidPrefix) -> list[int]:
+    def _pieces(self, tokens: Sequence[int]) -> list[str]:
         texts = self.token_texts
         assert texts is not None
+        return [texts[t] if 0 <= t < len(texts) else "" for t in tokens]
 
-        def pieces(tokens: Sequence[int]) -> list[str]:
-            return [texts[t] if 0 <= t < len(texts) else "" for t in tokens]
+    def _key_before(self, context: Sequence[int]) -> str | None:
+        """The key when the context ends with a JSON object key and its colon (``"name":``)."""
+        found = _KEY_END.search("".join(self._pieces(context[-12:])))
+        return found.group(1) if found else None
 
+    def _anchored(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
+                  valid_prefix: ValidPrefix, word: str | None = None) -> list[int]:
+        pieces = self._pieces
         source = self.prompts.get(request_id)
-        if source is None:  # the prompt, as the first call sees it (plus the prefill's token)
+        if source is None:  # the prompt, as the first call sees it (at the prefill step, or after it)
             prompt = pieces(context[:num_committed])
             starts = [0]
             for piece in prompt[:-1]:
                 starts.append(starts[-1] + len(piece))
             source = self.prompts[request_id] = (list(context[:num_committed]), starts, "".join(prompt))
         tokens, offsets, text = source
-        words = _WORD.findall("".join(pieces(context[-12:])))
-        if not words:
-            return []
+        keyed = word is not None
+        if word is None:
+            words = _WORD.findall("".join(pieces(context[-12:])))
+            if not words:
+                return []
+            word = words[-1]
+        # a key's occurrences from the cursor on first (records list their values in the prompt's order)
+        cursor = self.cursors.get(request_id, 0) if keyed else 0
+        firsts = [bisect.bisect_left(offsets, match.end()) for match in re.finditer(re.escape(word), text)]
+        firsts = [f for f in firsts if f >= cursor] + [f for f in firsts if f < cursor]
         best: list[int] = []
-        for match in re.finditer(re.escape(words[-1]), text):
-            first = bisect.bisect_left(offsets, match.end())
+        best_start = 0
+        for first in firsts:
             for start in range(first, min(first + _ANCHOR_SKIP + 1, len(tokens))):
                 draft = list(tokens[start : start + max_len])
                 draft = draft[: valid_prefix(draft)]
                 if len(draft) > len(best):
-                    best = draft
+                    best, best_start = draft, start
                     if len(best) == max_len:
-                        return best
+                        break
+            if len(best) == max_len:
+                break
+        if best and keyed:
+            self.cursors[request_id] = best_start
         return best
 
     def _lookup(self, pool: _Pool, context: Sequence[int], max_len: int, valid_prefix: ValidPrefix) -> list[int]:

@@ -1,6 +1,9 @@
 """The scheduler's side of speculation: which requests draft, how many tokens, and which.
 
-Each step, for every decoding row whose request speculates:
+Each step, for every row of a speculating request that ends at its last known token (a decode
+row, or the prompt's last chunk: the prefill step verifies drafts too, the grammar's forced
+opening and prompt lookup's guess at what follows, except with a model drafter, which proposes
+after a decode step):
 
 1. the draft length: ``max_draft_len`` (the request's or the engine's), or with ``adaptive``
    the length that maximises expected tokens per second for the whole batch — a request's
@@ -170,12 +173,18 @@ class Speculator:
         budget = max_tokens_per_step - sum(row.num_new_tokens for row in rows)
         limits: dict[int, int] = {}  # row -> the most drafter tokens it may get
         rooms: dict[int, int] = {}  # row -> the most drafts of any kind (max_tokens, model length)
+        model = isinstance(self.drafter, ModelDrafter)
         for i, row in enumerate(rows):
             request = row.request
-            if not (self.speculates(request) and row.num_logits == 1 and row.num_new_tokens == 1
-                    and row.start == request.num_tokens - 1 and request.output_token_ids):
+            # a row that ends at its last known token drafts: a decode row, or the prompt's last
+            # chunk (its drafts verified in the prefill step; not with a model drafter, whose
+            # proposals come from a decode step)
+            if not (self.speculates(request) and row.num_logits == 1
+                    and row.start + row.num_new_tokens == request.num_tokens
+                    and (request.output_token_ids or not model)):
                 continue
-            room = min(request.params.max_tokens - len(request.output_token_ids) - 1, self.max_model_len - 1 - row.start)
+            room = min(request.params.max_tokens - len(request.output_token_ids) - 1,
+                       self.max_model_len - request.num_tokens)
             cap = min(request.params.max_draft_len or self.cfg.max_draft_len, room)
             if cap > 0:
                 limits[i], rooms[i] = cap, room
@@ -201,7 +210,7 @@ class Speculator:
             self._num_forced[request.request_id] = len(forced)
             request.draft_tokens = drafts
             if drafts:
-                out[i] = ScheduledRow(request, rows[i].start, 1 + len(drafts), 1 + len(drafts))
+                out[i] = ScheduledRow(request, rows[i].start, rows[i].num_new_tokens + len(drafts), 1 + len(drafts))
         return out
 
     def proposal_lengths(self, rows: list[ScheduledRow]) -> tuple[np.ndarray, np.ndarray] | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import pytest
 
@@ -119,16 +119,7 @@ def test_anchored_lookup_copies_a_value_from_where_its_name_is_in_the_prompt(rea
         tokens = prompt + tokenizer.encode(output)
         matcher = backend.create_matcher(compiled)
         assert all(matcher.accept_token(t) for t in tokenizer.encode(output))
-
-        def valid_prefix(drafts: Sequence[int]) -> int:
-            count = 0
-            for t in drafts:
-                if not matcher.accept_token(int(t)):
-                    break
-                count += 1
-            matcher.rollback(count)
-            return count
-
+        valid_prefix = _valid_prefix(matcher)
         drafts = {}
         for anchored in (True, False):
             drafter = ngram_drafter(SpeculativeConfig(max_draft_len=3, is_public_pool=False, anchored_lookup=anchored),
@@ -137,3 +128,49 @@ def test_anchored_lookup_copies_a_value_from_where_its_name_is_in_the_prompt(rea
             drafts[anchored] = drafter.propose("r", tokens, len(tokens), 3, valid_prefix)
         assert len(drafts[True]) == 3 and value.startswith(tokenizer.decode(drafts[True]))
         assert drafts[False] == []  # plain lookup has nothing here
+
+
+def test_a_value_after_its_key_comes_from_the_keys_next_mention_in_the_prompt(real_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """After ``"name":`` the key is looked up in the prompt before the output's own n-grams (which
+    would repeat the previous item's value), and from where the last key's value was found on: the
+    second item's name is the prompt's second name."""
+    from guidespec.grammar_backends import create_backend
+    from guidespec.protocol import GuidedDecoding
+    from guidespec.spec.drafters import ngram_drafter
+    from guidespec.worker.checkpoint import load_tokenizer
+
+    tokenizer = load_tokenizer(real_model_dir)
+    backend = create_backend("xgrammar", tokenizer, 49152, (2,))
+    item = {"type": "object", "properties": {"name": {"type": "string"}, "price": {"type": "integer"}},
+            "required": ["name", "price"]}
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": item}}, "required": ["items"]}
+    compiled = backend.compile(GuidedDecoding(json_schema=schema))
+    prompt = tokenizer.encode('Extract the order as JSON. items item 1 -> name is "Wireless Mouse"; items item 1 -> '
+                              'price is 15; items item 2 -> name is "Webcam HD"; items item 2 -> price is 45.')
+    output = '{"items": [{"name": "Wireless Mouse", "price": 15}, {"name": "Webcam HD", "price": 45}]}'
+    values = {'{"items": [{"name":': ' "Wireless Mouse"', '{"items": [{"name": "Wireless Mouse", "price":': " 15",
+              '{"items": [{"name": "Wireless Mouse", "price": 15}, {"name":': ' "Webcam HD"',
+              '{"items": [{"name": "Wireless Mouse", "price": 15}, {"name": "Webcam HD", "price":': " 45"}
+    assert all(output.startswith(prefix) for prefix in values)
+    drafter = ngram_drafter(SpeculativeConfig(max_draft_len=3, is_public_pool=False), tokenizer)
+    drafter.propose("r", prompt, len(prompt), 3, lambda tokens: len(tokens))  # the prefill step's call
+    for prefix, value in values.items():
+        matcher = backend.create_matcher(compiled)
+        done = tokenizer.encode(prefix)
+        assert all(matcher.accept_token(t) for t in done)
+        tokens = prompt + done
+        drafts = drafter.propose("r", tokens, len(tokens), 3, _valid_prefix(matcher))
+        assert drafts and value.startswith(tokenizer.decode(drafts)), (prefix, tokenizer.decode(drafts))
+
+
+def _valid_prefix(matcher: Any) -> Callable[[Sequence[int]], int]:
+    """How many of the drafts ``matcher`` accepts from where it is (left as it was)."""
+    def valid_prefix(drafts: Sequence[int]) -> int:
+        count = 0
+        for t in drafts:
+            if not matcher.accept_token(int(t)):
+                break
+            count += 1
+        matcher.rollback(count)
+        return count
+    return valid_prefix
