@@ -23,6 +23,7 @@ from guidespec.config import MODEL_DRAFTERS, SpeculativeConfig
 ValidPrefix = Callable[[Sequence[int]], int]
 _WORD = re.compile(r"[A-Za-z0-9_]{3,}")
 _KEY_END = re.compile(r'"([A-Za-z0-9_]{2,})"\s*:\s*$')
+_STRING_COMMA_END = re.compile(r'("[^"]+")\s*,\s*$')
 
 
 class Drafter(Protocol):
@@ -83,8 +84,12 @@ class NGramDrafter:
     that key is looked up in the prompt first, before the own pool (whose draft there is the
     previous value after ``":``), and from the prompt position where the last key's value was found
     on (records list their values in the prompt's order: the second item's ``name`` is the prompt's
-    second ``name``). Replayed as above, with the prefill step drafting too: 3.61 → 3.69 tokens per
-    step on the 10 cases, 3.46 → 3.67 on 30."""
+    second ``name``). Where it ends with a string and a comma (``"Tuesday",``, a list's item), the
+    string after that one in the prompt is tried first (``"Wednesday"``). A copy from the prompt
+    that the grammar cuts where the prompt closes a string its own way (``";``) ends with the
+    closing the grammar takes (``",``, ``"}``, ``"]``). Replayed as above, with the prefill step
+    drafting too: 3.61 → 3.69 tokens per step on the 10 cases and 3.46 → 3.67 on 30 for the key
+    first, 3.75 and 3.72 with the list's next string and the closing."""
 
     def __init__(self, max_draft_len: int, max_matching_ngram_size: int, is_keep_all: bool = True,
                  is_use_oldest: bool = True, is_public_pool: bool = True, max_keys: int = 1 << 20,
@@ -100,6 +105,9 @@ class NGramDrafter:
         self.token_texts = token_texts
         self.prompts: dict[str, tuple[Sequence[int], list[int], str]] = {}  # request -> tokens, offsets, text
         self.cursors: dict[str, int] = {}  # request -> the prompt token where its last anchored draft began
+        # the tokens that close a JSON string, and what follows it (most often first)
+        ids = {text: i for i, text in enumerate(token_texts or [])}
+        self.closers = [ids[text] for text in ('",', '"}', '"]', '"') if text in ids]
 
     def propose(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
                 valid_prefix: ValidPrefix) -> list[int]:
@@ -110,6 +118,8 @@ class NGramDrafter:
         key = self._key_before(context) if self.token_texts is not None else None
         if key is not None:  # a value after its key: copied from where the key is in the prompt, first
             best = self._anchored(request_id, context, num_committed, max_len, valid_prefix, key)
+        elif self.token_texts is not None:  # after a string and its comma: the prompt's next string
+            best = self._next_quoted(request_id, context, num_committed, max_len, valid_prefix)
         if len(best) < max_len:
             mine = self._lookup(own, context, max_len, valid_prefix)
             if len(mine) > len(best):
@@ -138,17 +148,57 @@ class NGramDrafter:
         found = _KEY_END.search("".join(self._pieces(context[-12:])))
         return found.group(1) if found else None
 
-    def _anchored(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
-                  valid_prefix: ValidPrefix, word: str | None = None) -> list[int]:
-        pieces = self._pieces
+    def _prompt(self, request_id: str, context: Sequence[int], num_committed: int) -> tuple[Sequence[int], list[int], str]:
+        """The request's prompt tokens, each token's first character in its text, and the text, as
+        the first call sees them (at the prefill step, or after it)."""
         source = self.prompts.get(request_id)
-        if source is None:  # the prompt, as the first call sees it (at the prefill step, or after it)
-            prompt = pieces(context[:num_committed])
+        if source is None:
+            prompt = self._pieces(context[:num_committed])
             starts = [0]
             for piece in prompt[:-1]:
                 starts.append(starts[-1] + len(piece))
             source = self.prompts[request_id] = (list(context[:num_committed]), starts, "".join(prompt))
-        tokens, offsets, text = source
+        return source
+
+    def _copy(self, tokens: Sequence[int], start: int, context: Sequence[int], max_len: int,
+              valid_prefix: ValidPrefix) -> list[int]:
+        """The prompt's tokens from ``start``, cut where the grammar rejects one; where that one
+        closes a string in the prompt's own way (``";``), the way the output closed its last
+        string (``",``, ``"}``) takes its place if the grammar accepts it."""
+        draft = list(tokens[start : start + max_len])
+        draft = draft[: valid_prefix(draft)]
+        cut = start + len(draft)
+        if len(draft) < max_len and cut < len(tokens) and self._pieces([tokens[cut]])[0].startswith('"'):
+            for closer in self.closers:
+                if valid_prefix(draft + [closer]) == len(draft) + 1:
+                    return draft + [closer]
+        return draft
+
+    def _next_quoted(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
+                     valid_prefix: ValidPrefix) -> list[int]:
+        """Where the context ends with a string and a comma (``"Monday",``): the string that follows
+        it in the prompt, from the token holding its opening quote (a list's next item)."""
+        found = _STRING_COMMA_END.search("".join(self._pieces(context[-16:])))
+        if found is None:
+            return []
+        tokens, offsets, text = self._prompt(request_id, context, num_committed)
+        best: list[int] = []
+        for match in re.finditer(re.escape(found.group(1)), text):
+            quote = text.find('"', match.end())
+            if quote < 0:
+                break
+            start = bisect.bisect_right(offsets, quote) - 1
+            draft = self._copy(tokens, start, context, max_len, valid_prefix)
+            if len(draft) > len(best):
+                best = draft
+                if len(best) == max_len:
+                    break
+        return best
+
+    def _anchored(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
+                  valid_prefix: ValidPrefix, word: str | None = None) -> list[int]:
+        pieces = self._pieces
+        tokens, offsets, text = self._prompt(request_id, context, num_committed)
         keyed = word is not None
         if word is None:
             words = _WORD.findall("".join(pieces(context[-12:])))
@@ -163,8 +213,7 @@ class NGramDrafter:
         best_start = 0
         for first in firsts:
             for start in range(first, min(first + _ANCHOR_SKIP + 1, len(tokens))):
-                draft = list(tokens[start : start + max_len])
-                draft = draft[: valid_prefix(draft)]
+                draft = self._copy(tokens, start, context, max_len, valid_prefix)
                 if len(draft) > len(best):
                     best, best_start = draft, start
                     if len(best) == max_len:

@@ -174,3 +174,29 @@ def _valid_prefix(matcher: Any) -> Callable[[Sequence[int]], int]:
         matcher.rollback(count)
         return count
     return valid_prefix
+
+
+def test_a_lists_next_item_is_the_prompts_next_string_closed_the_outputs_way(real_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """After ``"Tuesday",`` the draft is the string after ``"Tuesday"`` in the prompt, not the
+    output's own n-gram (which repeats an earlier item), and the prompt's ``";`` after a value
+    becomes the output's ``",``."""
+    from guidespec.grammar_backends import create_backend
+    from guidespec.protocol import GuidedDecoding
+    from guidespec.spec.drafters import ngram_drafter
+    from guidespec.worker.checkpoint import load_tokenizer
+
+    tokenizer = load_tokenizer(real_model_dir)
+    backend = create_backend("xgrammar", tokenizer, 49152, (2,))
+    schema = {"type": "object", "properties": {"storeID": {"type": "string"},
+                                               "daysOpen": {"type": "array", "items": {"type": "string"}}}}
+    compiled = backend.compile(GuidedDecoding(json_schema=schema))
+    prompt = tokenizer.encode('Extract the record as JSON. storeID is "CS-1123"; daysOpen item 1 is "Monday"; '
+                              'daysOpen item 2 is "Tuesday"; daysOpen item 3 is "Wednesday".')
+    drafter = ngram_drafter(SpeculativeConfig(max_draft_len=3, is_public_pool=False), tokenizer)
+    drafter.propose("r", prompt, len(prompt), 3, lambda tokens: len(tokens))  # the prefill step's call
+    matcher = backend.create_matcher(compiled)
+    output = tokenizer.encode('{"storeID": "CS-1123", "daysOpen": ["Monday", "Tuesday",')
+    assert all(matcher.accept_token(t) for t in output)
+    tokens = prompt + output
+    drafts = drafter.propose("r", tokens, len(tokens), 3, _valid_prefix(matcher))
+    assert tokenizer.decode(drafts) == ' "Wednesday",'
