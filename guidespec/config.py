@@ -139,6 +139,8 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 30.0
     jump_forward: bool = True
     speculative: SpeculativeConfig | None = None
+    # a new request starts where a free slot's cached tokens match its prompt (Batcher._admit)
+    enable_prefix_caching: bool = True
     distributed_executor: str = "mp"  # "mp": local processes; "ray": every rank a Ray actor (launch/ray_executor.py)
     ray_address: str | None = None  # the Ray cluster to join (None: the one this process is in, or a new local one)
     hf_config: dict[str, Any] | None = None  # the model's config as data (checkpoint.config_data)
@@ -161,6 +163,7 @@ class SchedulerConfig:
     grammar_compile_timeout_s: float
     jump_forward: bool
     speculative: SpeculativeConfig | None = None
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)

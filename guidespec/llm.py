@@ -130,7 +130,8 @@ class LLM:
                  show_progress: bool = True, remote_ranks: Sequence[int] = (), grammar_backend: str = "xgrammar",
                  grammar_compile_timeout_s: float = 30.0, jump_forward: bool = True,
                  speculative: SpeculativeConfig | dict[str, Any] | str | None = None,
-                 distributed_executor: str = "mp", ray_address: str | None = None) -> None:
+                 distributed_executor: str = "mp", ray_address: str | None = None,
+                 enable_prefix_caching: bool = True) -> None:
         if grammar_backend not in GRAMMAR_BACKENDS:
             raise ValueError(f"grammar_backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {grammar_backend!r}")
         if grammar_compile_timeout_s <= 0:
@@ -145,7 +146,8 @@ class LLM:
         self.config = dataclasses.replace(config, grammar_backend=grammar_backend, jump_forward=jump_forward,
                                           grammar_compile_timeout_s=grammar_compile_timeout_s,
                                           speculative=_speculative_config(speculative),
-                                          distributed_executor=distributed_executor, ray_address=ray_address)
+                                          distributed_executor=distributed_executor, ray_address=ray_address,
+                                          enable_prefix_caching=enable_prefix_caching)
         self._streams: dict[str, _RequestStream] = {}
         self.scheduler_stats = SchedulerStats(0, 0, 0, max_batch_size)  # the queue, as the scheduler last said
         self._lock = threading.Lock()

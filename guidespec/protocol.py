@@ -195,6 +195,7 @@ class DecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_histogram: list[int] = field(default_factory=list)  # [n]: spec steps that accepted n drafts
+    num_cached_tokens: int = 0  # prompt tokens whose KV a free slot still held (prefix caching): not computed
 
     def record_step(self, num_drafts: int, num_accepted: int) -> None:
         self.num_steps += 1

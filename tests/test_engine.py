@@ -114,6 +114,29 @@ def test_tensor_parallel_2_equals_tp_1(llm: LLM) -> None:
     expected = [o.token_ids for o in llm.generate(CHATS[:3], GREEDY)]
     with LLM(tensor_parallel_size=2, max_batch_size=4, show_progress=False) as tp2:
         assert [o.token_ids for o in tp2.generate(CHATS[:3], GREEDY)] == expected
+        one_by_one = [tp2.generate(chat, GREEDY)[0] for chat in CHATS[:3]]  # each after a finished one: prefix caching
+        assert [o.token_ids for o in one_by_one] == expected
+        assert all(o.stats.num_cached_tokens > 0 for o in one_by_one)
+
+
+def test_prefix_caching_starts_after_a_free_slots_tokens_and_changes_no_output(llm: LLM) -> None:
+    """A request takes the free slot whose kept KV shares the longest prefix with its prompt and
+    computes only the rest (the second request takes the first's slot); outputs equal an engine's
+    that computes every prompt whole."""
+    system = {"role": "system", "content": "You are a careful assistant. Answer briefly and precisely, in plain words."}
+    chats = [[system, {"role": "user", "content": q}] for q in
+             ("Name a planet.", "Name a river in Europe.", "Name a river in Europe.")]
+    penalized = SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3)
+    cached = [llm.generate(chat, GREEDY)[0] for chat in chats] + [llm.generate(chats[1], penalized)[0]]
+    with LLM(max_batch_size=2, show_progress=False, enable_prefix_caching=False) as whole:
+        expected = [whole.generate(chat, GREEDY)[0] for chat in chats] + [whole.generate(chats[1], penalized)[0]]
+    assert [o.token_ids for o in cached] == [o.token_ids for o in expected]
+    shared = len(llm.encode_prompt([system]))  # the system turn, at least, is shared by all three
+    assert all(o.stats.num_cached_tokens >= shared - 2 for o in cached[1:3])
+    # the same prompt again (in the slot the one before it left; a slot keeps one sequence's KV)
+    assert cached[2].stats.num_cached_tokens == len(cached[2].prompt_token_ids) - 1
+    assert cached[3].stats.num_cached_tokens == 0  # penalties: the workers' token history starts with the prompt
+    assert all(o.stats.num_cached_tokens == 0 for o in expected)
 
 
 def test_rank_reading_steps_over_zeromq_tcp_equals_tp_1(llm: LLM) -> None:

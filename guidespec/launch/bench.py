@@ -258,7 +258,8 @@ def run_bench(args: Any) -> int:
         with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
                  max_batch_size=max(args.max_batch_size, max(args.concurrency)), max_model_len=args.max_model_len,
                  grammar_backend=args.backend, speculative=speculative, show_progress=False,
-                 distributed_executor=args.distributed_executor, ray_address=args.ray_address) as llm:
+                 distributed_executor=args.distributed_executor, ray_address=args.ray_address,
+                 enable_prefix_caching=args.enable_prefix_caching) as llm:
             fitting = [c for c in cases
                        if len(llm.encode_prompt(c.messages)) + args.max_tokens <= llm.config.max_model_len]
             if len(fitting) < len(cases):

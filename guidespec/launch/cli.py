@@ -134,6 +134,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--grammar-backend", "--backend", dest="backend", default="xgrammar",
                    choices=["xgrammar", "llguidance"])
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="compute every prompt whole, even where a free slot still holds the KV of its first tokens")
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative", default=None, choices=["ngram", "forced", "user", "draft_model", "eagle"],
                       help="drafter: n-gram prompt lookup, grammar-forced tokens only, --user-drafter, --draft-model, "
@@ -176,7 +178,8 @@ def _serve(args: argparse.Namespace) -> int:
     with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
              max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, grammar_backend=args.backend,
              jump_forward=not args.no_jump_forward, speculative=speculative_from_args(args),
-             distributed_executor=args.distributed_executor, ray_address=args.ray_address) as llm:
+             distributed_executor=args.distributed_executor, ray_address=args.ray_address,
+             enable_prefix_caching=args.enable_prefix_caching) as llm:
         name = args.served_model_name or (args.model and Path(args.model).name) or "SmolLM2-135M-Instruct"
         print(f"guidespec: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         run_server(llm, name, args.host, args.port, args.api_key, args.log_level)
@@ -196,7 +199,8 @@ def _generate(args: argparse.Namespace) -> int:
     with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
              max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, grammar_backend=args.backend,
              jump_forward=not args.no_jump_forward, speculative=speculative_from_args(args),
-             distributed_executor=args.distributed_executor, ray_address=args.ray_address) as llm:
+             distributed_executor=args.distributed_executor, ray_address=args.ray_address,
+             enable_prefix_caching=args.enable_prefix_caching) as llm:
         print(f"engine ready in {time.perf_counter() - start:.1f} s "
               f"(tensor_parallel_size={args.tensor_parallel_size}, dtype={args.dtype})", file=sys.stderr)
         if args.stream:

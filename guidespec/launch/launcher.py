@@ -80,7 +80,7 @@ class EngineProcesses:
                                         cfg.eos_token_ids, cfg.tensor_parallel_size, self.broadcast,
                                         ep.client_in, ep.client_out, ep.worker_results, cfg.vocab_size,
                                         cfg.grammar_backend, cfg.grammar_compile_timeout_s, cfg.jump_forward,
-                                        cfg.speculative)
+                                        cfg.speculative, cfg.enable_prefix_caching)
         self._spawn("scheduler", "scheduler", scheduler_cfg)
         init_method = self.ray.rank0_rendezvous() if self.ray is not None else f"tcp://127.0.0.1:{_free_port()}"
         worker_cfgs = [WorkerConfig(cfg.model_dir, cfg.dtype, rank, cfg.tensor_parallel_size, cfg.max_batch_size,

@@ -187,7 +187,8 @@ def run_sweep(args: Any) -> int:
     results_path = Path(args.results) if args.results else None
     with LLM(args.model, max_batch_size=args.concurrency, grammar_backend=args.backend, speculative=speculative,
              grammar_compile_timeout_s=args.compile_timeout, max_model_len=args.max_model_len or _model_limit(args.model),
-             dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size) as llm:
+             dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+             enable_prefix_caching=args.enable_prefix_caching) as llm:
         for temperature in args.temperature:
             config = {"backend": args.backend, "temperature": temperature, "max_tokens": args.max_tokens,
                       "repetition_penalty": args.repetition_penalty, "speculative": speculative}

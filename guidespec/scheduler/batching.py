@@ -5,6 +5,13 @@ whole life), then give every running request the tokens it still has to compute,
 (decode) rows first, prefill chunks after them under ``max_num_batched_tokens``. A request
 whose known tokens are all computed after this step wants logits for its last position.
 Rows are returned in slot order, so the KV cache is read in contiguous runs.
+
+Prefix caching (``prefix_caching``): a slot given back keeps the KV of the tokens its request
+computed, and a new request takes the free slot whose kept tokens share the longest prefix with
+its prompt (a system prompt, a schema, an earlier turn), starting its prefill after them. The KV
+of a position depends only on the tokens up to it, and each kernel computes a row the same way
+whatever the rest of the batch, so the result is the one a whole prefill gives. Requests with
+penalties do not reuse a prefix (the workers' token history restarts at a row from position 0).
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 from guidespec.scheduler.request import Request, Status
 
@@ -25,10 +34,12 @@ class ScheduledRow:
 
 
 class Batcher:
-    def __init__(self, max_batch_size: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, max_batch_size: int, max_num_batched_tokens: int, prefix_caching: bool = False) -> None:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.free_slots = list(range(max_batch_size))
         heapq.heapify(self.free_slots)
+        self.prefix_caching = prefix_caching
+        self.cached: dict[int, np.ndarray] = {}  # free slot -> the tokens whose KV it still holds
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -60,6 +71,9 @@ class Batcher:
         if request.status is Status.RUNNING:
             self.running.remove(request)
             assert request.slot is not None
+            if self.prefix_caching and request.num_computed_tokens:
+                known = request.prompt_token_ids + request.output_token_ids
+                self.cached[request.slot] = np.asarray(known[: request.num_computed_tokens], dtype=np.int64)
             heapq.heappush(self.free_slots, request.slot)
             request.slot = None
         elif request in self.waiting:
@@ -90,7 +104,33 @@ class Batcher:
             if not self.free_slots or not request.grammar_ready:
                 still_waiting.append(request)
                 continue
-            request.slot = heapq.heappop(self.free_slots)
+            request.slot = self._take_slot(request)
             request.status = Status.RUNNING
             self.running.append(request)
         self.waiting = still_waiting
+
+    def _take_slot(self, request: Request) -> int:
+        """The lowest free slot, or with prefix caching the one whose kept tokens share the longest
+        prefix with the prompt (the request then starts after it; one prompt token is always left
+        to compute, for the logits)."""
+        best, best_len = -1, 0
+        if self.prefix_caching and self.cached and not request.params.has_penalties:
+            prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)
+            for slot in sorted(self.free_slots):  # the lowest of equals
+                kept = self.cached.get(slot)
+                n = 0 if kept is None else min(len(kept), len(prompt) - 1)
+                if n <= best_len:
+                    continue
+                same = kept[:n] == prompt[:n]  # type: ignore[index]
+                length = n if same.all() else int(np.argmin(same))
+                if length > best_len:
+                    best, best_len = slot, length
+        if best_len > 0:
+            self.free_slots.remove(best)
+            heapq.heapify(self.free_slots)
+            request.num_computed_tokens = best_len
+            request.stats.num_cached_tokens = best_len
+        else:
+            best = heapq.heappop(self.free_slots)
+        self.cached.pop(best, None)
+        return best

@@ -23,7 +23,7 @@ import numpy as np
 import zmq
 
 from guidespec import envs
-from guidespec.config import SchedulerConfig
+from guidespec.config import MODEL_DRAFTERS, SchedulerConfig
 from guidespec.ipc import codec
 from guidespec.ipc.broadcast import StepBroadcaster
 from guidespec.ipc.shm_ring import RingTimeout
@@ -76,7 +76,11 @@ class Scheduler:
         self.client_out = Channel(self.ctx, zmq.PUSH, cfg.client_out, bind=False)
         self.worker_results = Channel(self.ctx, zmq.PULL, cfg.worker_results, bind=True)
         self.broadcaster = StepBroadcaster(cfg.broadcast, self.ctx)
-        self.batcher = Batcher(cfg.max_batch_size, cfg.max_num_batched_tokens)
+        # prefix caching needs every cache a step writes to follow the target's: not with a draft
+        # model or an EAGLE head (their caches follow lazily)
+        model_drafter = cfg.speculative is not None and cfg.speculative.method in MODEL_DRAFTERS
+        self.batcher = Batcher(cfg.max_batch_size, cfg.max_num_batched_tokens,
+                               cfg.enable_prefix_caching and not model_drafter)
         self.grammar = GrammarManager(grammar_settings(cfg), self.tokenizer, compile_process)
         self.requests: dict[str, Request] = {}
         self.worker_pids: dict[int, int] = {}
