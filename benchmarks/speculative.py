@@ -3,12 +3,16 @@ with and without draft-side grammar checks, and tokens/s against guided decoding
 
     python benchmarks/speculative.py [--cases 10] [--max-tokens 256] [--draft-len 3] [--backend xgrammar]
                                      [--concurrency 16] [--concurrent-cases 32]
-                                     [--eagle-head DIR] [--only REGEX] [--repeats N]
+                                     [--eagle-head DIR] [--only REGEX] [--repeats N] [--interleave]
 
 Part 1, batch 1 (one request at a time, greedy, draft length fixed at --draft-len): one fresh
 engine per configuration serves every case; grammars are compiled before timing. Greedy
 speculative output equals plain greedy output, so every configuration computes the same text
 (checked) and differs only in steps taken.
+
+With --interleave, part 1 opens every configuration's engine at once and runs each case with
+every configuration in turn, so that a machine whose speed drifts over minutes (a shared VM)
+slows them alike; a round's time is then the sum of its requests' latencies.
 
 Part 2, --concurrency requests at a time over the first --concurrent-cases JME cases (32 by
 default, so that 16 are really in flight at once): guided alone, and each drafter with the
@@ -87,26 +91,40 @@ def load_cases(n: int) -> list[dict[str, Any]]:
     return load_workload(default_workload(), "JME_", n)
 
 
-def run(cases: list[dict[str, Any]], speculative: dict[str, Any] | str | None, draft_len: int, concurrency: int,
-        backend: str, max_tokens: int) -> dict[str, Any]:
-    from guidespec import LLM, RequestError, SamplingParams
-    from guidespec.protocol import GuidedDecoding
+def engine(speculative: dict[str, Any] | str | None, draft_len: int, concurrency: int, backend: str) -> Any:
+    from guidespec import LLM
 
     jump_forward = speculative != NO_JUMP_FORWARD
     if isinstance(speculative, dict):
         speculative = {"max_draft_len": draft_len, "adaptive": False, **speculative}
     else:
         speculative = None
+    return LLM(max_batch_size=max(concurrency, 2), grammar_backend=backend, show_progress=False,
+               speculative=speculative, jump_forward=jump_forward)
+
+
+def compile_all(llm: Any, cases: list[dict[str, Any]], guided: list[Any]) -> list[int]:
+    """Compile every case's grammar first (this measures decoding, not compilation): the usable cases."""
+    from guidespec import RequestError, SamplingParams
+
+    usable = []
+    for i, case in enumerate(cases):
+        try:
+            llm.generate(case["messages"], SamplingParams(max_tokens=1, guided=guided[i]))
+            usable.append(i)
+        except RequestError:
+            pass
+    return usable
+
+
+def run(cases: list[dict[str, Any]], speculative: dict[str, Any] | str | None, draft_len: int, concurrency: int,
+        backend: str, max_tokens: int) -> dict[str, Any]:
+    from guidespec import SamplingParams
+    from guidespec.protocol import GuidedDecoding
+
     guided = [GuidedDecoding(json_schema=c["schema"], backend=backend) for c in cases]
-    with LLM(max_batch_size=max(concurrency, 2), grammar_backend=backend, show_progress=False,
-             speculative=speculative, jump_forward=jump_forward) as llm:
-        usable = []
-        for i, case in enumerate(cases):  # compile first: this measures decoding, not compilation
-            try:
-                llm.generate(case["messages"], SamplingParams(max_tokens=1, guided=guided[i]))
-                usable.append(i)
-            except RequestError:
-                pass
+    with engine(speculative, draft_len, concurrency, backend) as llm:
+        usable = compile_all(llm, cases, guided)
         gate = asyncio.Semaphore(concurrency)
 
         async def one(i: int) -> Any:
@@ -120,6 +138,41 @@ def run(cases: list[dict[str, Any]], speculative: dict[str, Any] | str | None, d
         start = time.perf_counter()
         outs = asyncio.run(every())
         wall = time.perf_counter() - start
+    return figures(outs, wall)
+
+
+def interleaved(cases: list[dict[str, Any]], configs: dict[str, Any], repeats: int, draft_len: int, backend: str,
+                max_tokens: int) -> dict[str, list[dict[str, Any]]]:
+    """Batch 1 with every configuration's engine open at once, each case run by every configuration
+    in turn (the order rotating from case to case): a machine whose speed drifts over minutes
+    slows every configuration alike. A round's wall time is the sum of its requests' latencies;
+    each round has fresh engines (as the rounds of ``run`` do)."""
+    from contextlib import ExitStack
+
+    from guidespec import SamplingParams
+    from guidespec.protocol import GuidedDecoding
+
+    guided = [GuidedDecoding(json_schema=c["schema"], backend=backend) for c in cases]
+    names = list(configs)
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for r in range(repeats):  # fresh engines each round: a drafter's public pool must not remember the cases
+        with ExitStack() as stack:
+            engines = {name: stack.enter_context(engine(configs[name], draft_len, 1, backend)) for name in names}
+            usable = sorted(set.intersection(*(set(compile_all(e, cases, guided)) for e in engines.values())))
+            outs: dict[str, list[Any]] = {name: [] for name in names}
+            for k, i in enumerate(usable):
+                for name in names[k % len(names):] + names[: k % len(names)]:
+                    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, guided=guided[i])
+                    outs[name].append(engines[name].generate(cases[i]["messages"], params)[0])
+        for name in names:
+            result = figures(outs[name], sum(o.finish_time - o.arrival_time for o in outs[name]))
+            rounds[name].append(result)
+            print(f"batch 1, interleaved, round {r + 1}: {name}: {result['tok_s']:.1f} tok/s, "
+                  f"{result['tokens_per_step']:.2f} tokens/step", flush=True)
+    return rounds
+
+
+def figures(outs: list[Any], wall: float) -> dict[str, Any]:
     tokens = sum(len(o.token_ids) for o in outs)
     steps = sum(o.stats.num_steps for o in outs)
     spec_steps = sum(o.stats.num_spec_steps for o in outs)
@@ -175,6 +228,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds over every configuration (guided alone first in each); ratios are the "
                              "median of the per-round ratios, with their range")
+    parser.add_argument("--interleave", action="store_true",
+                        help="batch 1: every configuration's engine open at once, each case run by all in turn "
+                             "(ratios robust to a machine whose speed drifts; a round's time is its latencies' sum)")
     parser.add_argument("--eagle-head", default=str(Path.home() / ".cache" / "guidespec" / "eagle-smollm2"),
                         help="an EAGLE head folder (guidespec train-eagle --output ...)")
     parser.add_argument("--only", default=None, metavar="REGEX",
@@ -198,7 +254,9 @@ def main() -> None:
     report = []
     for title, configs, concurrency, cases in parts:
         rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
-        for i in range(args.repeats):
+        if args.interleave and concurrency == 1:
+            rounds = interleaved(cases, configs, args.repeats, args.draft_len, args.backend, args.max_tokens)
+        for i in range(0 if args.interleave and concurrency == 1 else args.repeats):
             for name, spec in configs.items():
                 result = run(cases, spec, args.draft_len, concurrency, args.backend, args.max_tokens)
                 rounds[name].append(result)
