@@ -160,11 +160,10 @@ class NGramDrafter:
             source = self.prompts[request_id] = (list(context[:num_committed]), starts, "".join(prompt))
         return source
 
-    def _copy(self, tokens: Sequence[int], start: int, context: Sequence[int], max_len: int,
-              valid_prefix: ValidPrefix) -> list[int]:
+    def _copy(self, tokens: Sequence[int], start: int, max_len: int, valid_prefix: ValidPrefix) -> list[int]:
         """The prompt's tokens from ``start``, cut where the grammar rejects one; where that one
-        closes a string in the prompt's own way (``";``), the way the output closed its last
-        string (``",``, ``"}``) takes its place if the grammar accepts it."""
+        closes a string in the prompt's own way (``";``), the first of JSON's closings (``",``,
+        ``"}``, ``"]``, ``"``) that the grammar accepts takes its place."""
         draft = list(tokens[start : start + max_len])
         draft = draft[: valid_prefix(draft)]
         cut = start + len(draft)
@@ -188,7 +187,7 @@ class NGramDrafter:
             if quote < 0:
                 break
             start = bisect.bisect_right(offsets, quote) - 1
-            draft = self._copy(tokens, start, context, max_len, valid_prefix)
+            draft = self._copy(tokens, start, max_len, valid_prefix)
             if len(draft) > len(best):
                 best = draft
                 if len(best) == max_len:
@@ -213,7 +212,7 @@ class NGramDrafter:
         best_start = 0
         for first in firsts:
             for start in range(first, min(first + _ANCHOR_SKIP + 1, len(tokens))):
-                draft = self._copy(tokens, start, context, max_len, valid_prefix)
+                draft = self._copy(tokens, start, max_len, valid_prefix)
                 if len(draft) > len(best):
                     best, best_start = draft, start
                     if len(best) == max_len:
