@@ -165,7 +165,7 @@ def interleaved(cases: list[dict[str, Any]], configs: dict[str, Any], repeats: i
                     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, guided=guided[i])
                     outs[name].append(engines[name].generate(cases[i]["messages"], params)[0])
         for name in names:
-            result = figures(outs[name], sum(o.finish_time - o.arrival_time for o in outs[name]))
+            result = figures(outs[name], sum(o.latency_s for o in outs[name]))
             rounds[name].append(result)
             print(f"batch 1, interleaved, round {r + 1}: {name}: {result['tok_s']:.1f} tok/s, "
                   f"{result['tokens_per_step']:.2f} tokens/step", flush=True)
@@ -253,15 +253,16 @@ def main() -> None:
         (f"{args.concurrency} concurrent", chosen(CONCURRENT), args.concurrency, load_cases(args.concurrent_cases))])
     report = []
     for title, configs, concurrency, cases in parts:
-        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
         if args.interleave and concurrency == 1:
             rounds = interleaved(cases, configs, args.repeats, args.draft_len, args.backend, args.max_tokens)
-        for i in range(0 if args.interleave and concurrency == 1 else args.repeats):
-            for name, spec in configs.items():
-                result = run(cases, spec, args.draft_len, concurrency, args.backend, args.max_tokens)
-                rounds[name].append(result)
-                print(f"{title}, round {i + 1}: {name}: {result['tok_s']:.1f} tok/s, "
-                      f"{result['tokens_per_step']:.2f} tokens/step", flush=True)
+        else:
+            rounds = {name: [] for name in configs}
+            for i in range(args.repeats):
+                for name, spec in configs.items():
+                    result = run(cases, spec, args.draft_len, concurrency, args.backend, args.max_tokens)
+                    rounds[name].append(result)
+                    print(f"{title}, round {i + 1}: {name}: {result['tok_s']:.1f} tok/s, "
+                          f"{result['tokens_per_step']:.2f} tokens/step", flush=True)
         speculative = [r["outputs"] for name, runs in rounds.items() if isinstance(configs[name], dict) for r in runs]
         same = all(outputs == speculative[0] for outputs in speculative)
         report.append(table(f"{title}, {len(cases)} JME cases, greedy, max_tokens {args.max_tokens}, draft length "

@@ -9,8 +9,8 @@ Rows are returned in slot order, so the KV cache is read in contiguous runs.
 Prefix caching (``prefix_caching``): a slot given back keeps the KV of the tokens its request
 computed, and a new request takes the free slot whose kept tokens share the longest prefix with
 its prompt (a system prompt, a schema, an earlier turn), starting its prefill after them. The KV
-of a position depends only on the tokens up to it, and each kernel computes a row the same way
-whatever the rest of the batch, so the result is the one a whole prefill gives. Requests with
+of a position depends only on the tokens up to it; computed in another chunk it can differ only in
+float rounding (greedy outputs with and without caching are equal in the tests). Requests with
 penalties do not reuse a prefix (the workers' token history restarts at a row from position 0).
 """
 

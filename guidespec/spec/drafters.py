@@ -16,7 +16,7 @@ import bisect
 import importlib
 import re
 from collections import OrderedDict
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from guidespec.config import MODEL_DRAFTERS, SpeculativeConfig
 
@@ -115,11 +115,13 @@ class NGramDrafter:
         pools = [own] if self.public is None else [own, self.public]
         self._update(pools, request_id, context[:num_committed])
         best: list[int] = []
-        key = self._key_before(context) if self.token_texts is not None else None
-        if key is not None:  # a value after its key: copied from where the key is in the prompt, first
-            best = self._anchored(request_id, context, num_committed, max_len, valid_prefix, key)
-        elif self.token_texts is not None:  # after a string and its comma: the prompt's next string
-            best = self._next_quoted(request_id, context, num_committed, max_len, valid_prefix)
+        key = None
+        if self.token_texts is not None:
+            key = self._key_before(context)
+            if key is not None:  # a value after its key: copied from where the key is in the prompt, first
+                best = self._anchored(request_id, context, num_committed, max_len, valid_prefix, key)
+            else:  # after a string and its comma: the prompt's next string, first
+                best = self._next_quoted(request_id, context, num_committed, max_len, valid_prefix)
         if len(best) < max_len:
             mine = self._lookup(own, context, max_len, valid_prefix)
             if len(mine) > len(best):
@@ -181,18 +183,23 @@ class NGramDrafter:
         if found is None:
             return []
         tokens, offsets, text = self._prompt(request_id, context, num_committed)
+        quotes = (text.find('"', match.end()) for match in re.finditer(re.escape(found.group(1)), text))
+        starts = (bisect.bisect_right(offsets, quote) - 1 for quote in quotes if quote >= 0)
+        return self._longest(tokens, starts, max_len, valid_prefix)[0]
+
+    def _longest(self, tokens: Sequence[int], starts: Iterable[int], max_len: int,
+                 valid_prefix: ValidPrefix) -> tuple[list[int], int]:
+        """Of the prompt copies from ``starts`` (``_copy``), the first longest, and where it starts;
+        the first of full length ends the search."""
         best: list[int] = []
-        for match in re.finditer(re.escape(found.group(1)), text):
-            quote = text.find('"', match.end())
-            if quote < 0:
-                break
-            start = bisect.bisect_right(offsets, quote) - 1
+        best_start = 0
+        for start in starts:
             draft = self._copy(tokens, start, max_len, valid_prefix)
             if len(draft) > len(best):
-                best = draft
+                best, best_start = draft, start
                 if len(best) == max_len:
                     break
-        return best
+        return best, best_start
 
     def _anchored(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
                   valid_prefix: ValidPrefix, word: str | None = None) -> list[int]:
@@ -208,17 +215,8 @@ class NGramDrafter:
         cursor = self.cursors.get(request_id, 0) if keyed else 0
         firsts = [bisect.bisect_left(offsets, match.end()) for match in re.finditer(re.escape(word), text)]
         firsts = [f for f in firsts if f >= cursor] + [f for f in firsts if f < cursor]
-        best: list[int] = []
-        best_start = 0
-        for first in firsts:
-            for start in range(first, min(first + _ANCHOR_SKIP + 1, len(tokens))):
-                draft = self._copy(tokens, start, max_len, valid_prefix)
-                if len(draft) > len(best):
-                    best, best_start = draft, start
-                    if len(best) == max_len:
-                        break
-            if len(best) == max_len:
-                break
+        starts = (start for first in firsts for start in range(first, min(first + _ANCHOR_SKIP + 1, len(tokens))))
+        best, best_start = self._longest(tokens, starts, max_len, valid_prefix)
         if best and keyed:
             self.cursors[request_id] = best_start
         return best
