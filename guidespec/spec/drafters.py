@@ -22,8 +22,11 @@ from guidespec.config import MODEL_DRAFTERS, SpeculativeConfig
 
 ValidPrefix = Callable[[Sequence[int]], int]
 _WORD = re.compile(r"[A-Za-z0-9_]{3,}")
-_KEY_END = re.compile(r'"([A-Za-z0-9_]{2,})"\s*:\s*$')
+_KEY_END = re.compile(r'"([A-Za-z0-9_]{2,})"\s*:\s*"?$')
 _STRING_COMMA_END = re.compile(r'("[^"]+")\s*,\s*$')
+_KEY_START = re.compile(r'[{,]\s*("?)$')  # an object's next key begins (its quote, or before it)
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_KEY_WORDS = 48  # how many of the prompt's words after the cursor may be the next key
 
 
 class Drafter(Protocol):
@@ -89,12 +92,19 @@ class NGramDrafter:
     that the grammar cuts where the prompt closes a string its own way (``";``) ends with the
     closing the grammar takes (``",``, ``"}``, ``"]``). Replayed as above, with the prefill step
     drafting too: 3.61 → 3.69 tokens per step on the 10 cases and 3.46 → 3.67 on 30 for the key
-    first, 3.75 and 3.72 with the list's next string and the closing."""
+    first, 3.75 and 3.72 with the list's next string and the closing.
+
+    A value's end is read from the prompt's punctuation (``_closed``): ``";`` and ``;`` mean more
+    follows (``",``, ``,``, ``},`` ...), ``".`` and a number's sentence period mean the record ends
+    (``"}``, ``}`` ...); a string the grammar wants as a list opens with `` ["``. The own pool's
+    continuations are closed the same way. A draft shorter than ``max_len`` is chained: after a
+    closing, the next key the prompt names (``_next_key``), else the own pool's continuation of the
+    draft so far. Replayed as above: 3.75 → 4.05 on the 10 cases, 3.72 → 3.90 on 30."""
 
     def __init__(self, max_draft_len: int, max_matching_ngram_size: int, is_keep_all: bool = True,
                  is_use_oldest: bool = True, is_public_pool: bool = True, max_keys: int = 1 << 20,
                  max_continuations: int = 32, max_candidates: int = 8,
-                 token_texts: Sequence[str] | None = None) -> None:
+                 token_texts: Sequence[str] | None = None, encode: Callable[[str], list[int]] | None = None) -> None:
         self.max_draft_len = max_draft_len
         self.max_ngram = max_matching_ngram_size
         self.keep_all, self.use_oldest = is_keep_all, is_use_oldest
@@ -103,11 +113,14 @@ class NGramDrafter:
         self.own: dict[str, _Pool] = {}
         self.seen: dict[str, int] = {}  # request -> final tokens already in its pools
         self.token_texts = token_texts
+        self.encode = encode
         self.prompts: dict[str, tuple[Sequence[int], list[int], str]] = {}  # request -> tokens, offsets, text
         self.cursors: dict[str, int] = {}  # request -> the prompt token where its last anchored draft began
-        # the tokens that close a JSON string, and what follows it (most often first)
+        # JSON's closings of a value, most likely first: where the prompt's own closing (``";``,
+        # ``;``) says more follows, and where its period says the record ends
         ids = {text: i for i, text in enumerate(token_texts or [])}
-        self.closers = [ids[text] for text in ('",', '"}', '"]', '"') if text in ids]
+        self.closers = {kind: [ids[text] for text in texts if text in ids] for kind, texts in _CLOSINGS.items()}
+        self.list_opening = ids.get(' ["')
 
     def propose(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
                 valid_prefix: ValidPrefix) -> list[int]:
@@ -132,6 +145,16 @@ class NGramDrafter:
             shared = self._lookup(self.public, context, max_len, valid_prefix)
             if len(shared) > len(best):
                 best = shared
+        while best and len(best) < max_len:  # chained: the next key, or the own pool, continues the draft
+            head = best
+            after = list(context) + head
+            valid_rest: ValidPrefix = lambda ts: max(0, valid_prefix(head + list(ts)) - len(head))  # noqa: E731
+            rest = self._next_key(request_id, after, num_committed, max_len - len(head), valid_rest)
+            if not rest:
+                rest = self._lookup(own, after, max_len - len(head), valid_rest)
+            if not rest:
+                break
+            best = head + rest
         return best
 
     def release(self, request_id: str) -> None:
@@ -163,17 +186,37 @@ class NGramDrafter:
         return source
 
     def _copy(self, tokens: Sequence[int], start: int, max_len: int, valid_prefix: ValidPrefix) -> list[int]:
-        """The prompt's tokens from ``start``, cut where the grammar rejects one; where that one
-        closes a string in the prompt's own way (``";``), the first of JSON's closings (``",``,
-        ``"}``, ``"]``, ``"``) that the grammar accepts takes its place."""
-        draft = list(tokens[start : start + max_len])
-        draft = draft[: valid_prefix(draft)]
-        cut = start + len(draft)
-        if len(draft) < max_len and cut < len(tokens) and self._pieces([tokens[cut]])[0].startswith('"'):
-            for closer in self.closers:
-                if valid_prefix(draft + [closer]) == len(draft) + 1:
-                    return draft + [closer]
-        return draft
+        """The prompt's tokens from ``start`` (``_closed``)."""
+        return self._closed(list(tokens[start : start + max_len]), max_len, valid_prefix)
+
+    def _closed(self, draft: list[int], max_len: int, valid_prefix: ValidPrefix) -> list[int]:
+        """``draft`` (the prompt's or the output's tokens) cut where the grammar rejects one. Where
+        that one closes the value in the prompt's own way (``";`` or ``;`` where more follows, ``".``
+        or a sentence's period where the record ends), the first of JSON's closings for the case
+        (``",``, ``"}``, ``,``, ``},`` ...) that the grammar accepts takes its place; where the prompt
+        opens a string and the grammar wants a list, `` ["`` opens it."""
+        valid = valid_prefix(draft)
+        if valid == len(draft) or self.token_texts is None:
+            return draft[:valid]
+        pieces = self._pieces(draft)
+        rejected = pieces[valid]
+        if valid > 1 and pieces[valid - 1] == "." and pieces[valid - 2][-1:].isdigit() and not rejected[:1].isdigit():
+            valid, rejected = valid - 1, "."  # a sentence's period after a number, not its decimals
+        kind = None
+        if rejected.startswith('"'):
+            kind = "string end" if rejected[1:2] == "." else "string"
+        elif rejected[:1] in (";", ","):
+            kind = "value"
+        elif rejected[:1] == ".":
+            kind = "value end"
+        if kind is not None:
+            for closer in self.closers[kind]:
+                if valid_prefix(draft[:valid] + [closer]) == valid + 1:
+                    return draft[:valid] + [closer]
+        elif valid == 0 and rejected == ' "' and self.list_opening is not None:
+            opened = [self.list_opening] + draft[1:]
+            return opened[: valid_prefix(opened)]
+        return draft[:valid]
 
     def _next_quoted(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
                      valid_prefix: ValidPrefix) -> list[int]:
@@ -186,6 +229,35 @@ class NGramDrafter:
         quotes = (text.find('"', match.end()) for match in re.finditer(re.escape(found.group(1)), text))
         starts = (bisect.bisect_right(offsets, quote) - 1 for quote in quotes if quote >= 0)
         return self._longest(tokens, starts, max_len, valid_prefix)[0]
+
+    def _next_key(self, request_id: str, context: Sequence[int], num_committed: int, max_len: int,
+                  valid_prefix: ValidPrefix) -> list[int]:
+        """Where the context opens an object's key (``{"``, ``, "``, or ``,`` before the key's quote):
+        the first of the prompt's words after the cursor that the grammar takes as a whole key
+        (``patientID":``). The prompt names the fields in the order the output gives them: the next
+        key is the name after the last value."""
+        encode = self.encode
+        found = _KEY_START.search("".join(self._pieces(context[-4:]))) if encode is not None else None
+        if encode is None or found is None:
+            return []
+        opening = "" if found.group(1) else ' "'
+        if opening and not valid_prefix(encode(opening)):
+            return []  # not an object's key here (a list's next number)
+        tokens, offsets, text = self._prompt(request_id, context, num_committed)
+        cursor = self.cursors.get(request_id, 0)
+        start = offsets[cursor] if cursor < len(offsets) else 0
+        tried: set[str] = set()
+        for match in _NAME.finditer(text, start):
+            name = match.group()
+            if name in tried:
+                continue
+            tried.add(name)
+            draft = encode(opening + name + '":')[:max_len]
+            if valid_prefix(draft) == len(draft):
+                return draft
+            if len(tried) >= _KEY_WORDS:
+                break
+        return []
 
     def _longest(self, tokens: Sequence[int], starts: Iterable[int], max_len: int,
                  valid_prefix: ValidPrefix) -> tuple[list[int], int]:
@@ -229,8 +301,7 @@ class NGramDrafter:
             ordered = list(continuations) if self.use_oldest else list(reversed(continuations))
             best: list[int] = []
             for candidate in ordered[: self.max_candidates]:
-                draft = list(candidate[:max_len])
-                draft = draft[: valid_prefix(draft)]
+                draft = self._closed(list(candidate[:max_len]), max_len, valid_prefix)
                 if len(draft) > len(best):
                     best = draft
                 if len(best) == max_len:
@@ -266,6 +337,8 @@ class NGramDrafter:
 
 
 _ANCHOR_SKIP = 4  # an anchored candidate starts up to this many tokens after its word
+_CLOSINGS = {"string": ('",', '"}', '"]', '"'), "string end": ('"}', '"]', '"', '",'),
+             "value": (",", "},", "}", "],", "]"), "value end": ("}", "}]", "]", ",")}
 
 
 class UserDrafter:
@@ -339,5 +412,8 @@ def ngram_drafter(cfg: SpeculativeConfig, tokenizer: Any = None) -> NGramDrafter
     texts = None
     if tokenizer is not None and cfg.anchored_lookup:
         texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    encode = None
+    if texts is not None:
+        encode = lambda text: list(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
     return NGramDrafter(cfg.max_draft_len, cfg.max_matching_ngram_size, cfg.is_keep_all, cfg.is_use_oldest,
-                        cfg.is_public_pool, token_texts=texts)
+                        cfg.is_public_pool, token_texts=texts, encode=encode)

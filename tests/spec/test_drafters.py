@@ -179,7 +179,7 @@ def _valid_prefix(matcher: Any) -> Callable[[Sequence[int]], int]:
 def test_a_lists_next_item_is_the_prompts_next_string_closed_the_outputs_way(real_model_dir) -> None:  # type: ignore[no-untyped-def]
     """After ``"Tuesday",`` the draft is the string after ``"Tuesday"`` in the prompt, not the
     output's own n-gram (which repeats an earlier item), and the prompt's ``";`` after a value
-    becomes the output's ``",``."""
+    becomes the output's ``",``; the prompt's last item, closed by its period, closes the list."""
     from guidespec.grammar_backends import create_backend
     from guidespec.protocol import GuidedDecoding
     from guidespec.spec.drafters import ngram_drafter
@@ -191,12 +191,50 @@ def test_a_lists_next_item_is_the_prompts_next_string_closed_the_outputs_way(rea
                                                "daysOpen": {"type": "array", "items": {"type": "string"}}}}
     compiled = backend.compile(GuidedDecoding(json_schema=schema))
     prompt = tokenizer.encode('Extract the record as JSON. storeID is "CS-1123"; daysOpen item 1 is "Monday"; '
-                              'daysOpen item 2 is "Tuesday"; daysOpen item 3 is "Wednesday".')
+                              'daysOpen item 2 is "Tuesday"; daysOpen item 3 is "Wednesday"; '
+                              'daysOpen item 4 is "Thursday".')
     drafter = ngram_drafter(SpeculativeConfig(max_draft_len=3, is_public_pool=False), tokenizer)
     drafter.propose("r", prompt, len(prompt), 3, lambda tokens: len(tokens))  # the prefill step's call
-    matcher = backend.create_matcher(compiled)
-    output = tokenizer.encode('{"storeID": "CS-1123", "daysOpen": ["Monday", "Tuesday",')
-    assert all(matcher.accept_token(t) for t in output)
-    tokens = prompt + output
-    drafts = drafter.propose("r", tokens, len(tokens), 3, _valid_prefix(matcher))
-    assert tokenizer.decode(drafts) == ' "Wednesday",'
+    expected = {'{"storeID": "CS-1123", "daysOpen": ["Monday", "Tuesday",': ' "Wednesday",',
+                '{"storeID": "CS-1123", "daysOpen": ["Monday", "Tuesday", "Wednesday",': ' "Thursday"]'}
+    for before, draft in expected.items():
+        matcher = backend.create_matcher(compiled)
+        output = tokenizer.encode(before)
+        assert all(matcher.accept_token(t) for t in output)
+        tokens = prompt + output
+        drafts = drafter.propose("r", tokens, len(tokens), 3, _valid_prefix(matcher))
+        assert tokenizer.decode(drafts) == draft
+
+
+def test_a_values_end_closes_it_the_jsons_way_and_the_next_key_follows(real_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Where the prompt's copy of a value ends (``";``, ``;``, a sentence's period), the draft closes
+    the value as JSON does (``",``, ``,``, ``}``) and goes on with the next field the prompt names
+    (``"patientID":``); where the prompt opens a string and the grammar wants a list, `` ["``."""
+    from guidespec.grammar_backends import create_backend
+    from guidespec.protocol import GuidedDecoding
+    from guidespec.spec.drafters import ngram_drafter
+    from guidespec.worker.checkpoint import load_tokenizer
+
+    tokenizer = load_tokenizer(real_model_dir)
+    backend = create_backend("xgrammar", tokenizer, 49152, (2,))
+    schema = {"type": "object", "properties": {"deviceID": {"type": "string"}, "patientID": {"type": "string"},
+                                               "heartRate": {"type": "integer"},
+                                               "alerts": {"type": "array", "items": {"type": "string"}},
+                                               "stock": {"type": "integer"}}}
+    compiled = backend.compile(GuidedDecoding(json_schema=schema))
+    prompt = tokenizer.encode('Extract the record as JSON. deviceID is "MON123456"; patientID is "PAT654321"; '
+                              'heartRate is 78; alerts item 1 is "Gate oxide integrity"; stock is 150.')
+    drafter = ngram_drafter(SpeculativeConfig(max_draft_len=3, is_public_pool=False), tokenizer)
+    drafter.propose("r", prompt, len(prompt), 3, lambda tokens: len(tokens))  # the prefill step's call
+    expected = {'{"deviceID": "MON123456': '", "patient',  # the string's end, then the next key
+                '{"deviceID": "MON123456", "patientID": "PAT654321", "heartRate": 78': ', "alert',  # the number's end (``;``)
+                '{"deviceID": "MON123456", "patientID": "PAT654321", "heartRate": 78, "alerts":': ' ["Gate oxide',
+                '{"deviceID": "MON123456", "patientID": "PAT654321", "heartRate": 78, "alerts": ["Gate oxide '
+                'integrity"], "stock": 150': '}'}  # the sentence's period ends the record
+    for before, draft in expected.items():
+        matcher = backend.create_matcher(compiled)
+        output = tokenizer.encode(before)
+        assert all(matcher.accept_token(t) for t in output)
+        tokens = prompt + output
+        drafts = drafter.propose("r", tokens, len(tokens), 3, _valid_prefix(matcher))
+        assert tokenizer.decode(drafts) == draft, before
