@@ -155,12 +155,17 @@ def test_a_value_after_its_key_comes_from_the_keys_next_mention_in_the_prompt(re
     drafter = ngram_drafter(SpeculativeConfig(max_draft_len=3, is_public_pool=False), tokenizer)
     drafter.propose("r", prompt, len(prompt), 3, lambda tokens: len(tokens))  # the prefill step's call
     for prefix, value in values.items():
-        matcher = backend.create_matcher(compiled)
-        done = tokenizer.encode(prefix)
-        assert all(matcher.accept_token(t) for t in done)
-        tokens = prompt + done
-        drafts = drafter.propose("r", tokens, len(tokens), 3, _valid_prefix(matcher))
+        drafts = _draft_after(drafter, backend.create_matcher(compiled), tokenizer, prompt, prefix)
         assert drafts and value.startswith(tokenizer.decode(drafts)), (prefix, tokenizer.decode(drafts))
+
+
+def _draft_after(drafter: Any, matcher: Any, tokenizer: Any, prompt: list[int], output: str) -> list[int]:
+    """The drafter's draft (length 3) after ``prompt`` and the output text so far, checked by a
+    fresh ``matcher`` that has taken that output."""
+    done = tokenizer.encode(output)
+    assert all(matcher.accept_token(t) for t in done)
+    tokens = prompt + done
+    return list(drafter.propose("r", tokens, len(tokens), 3, _valid_prefix(matcher)))
 
 
 def _valid_prefix(matcher: Any) -> Callable[[Sequence[int]], int]:
@@ -198,12 +203,7 @@ def test_a_lists_next_item_is_the_prompts_next_string_closed_the_outputs_way(rea
     expected = {'{"storeID": "CS-1123", "daysOpen": ["Monday", "Tuesday",': ' "Wednesday",',
                 '{"storeID": "CS-1123", "daysOpen": ["Monday", "Tuesday", "Wednesday",': ' "Thursday"]'}
     for before, draft in expected.items():
-        matcher = backend.create_matcher(compiled)
-        output = tokenizer.encode(before)
-        assert all(matcher.accept_token(t) for t in output)
-        tokens = prompt + output
-        drafts = drafter.propose("r", tokens, len(tokens), 3, _valid_prefix(matcher))
-        assert tokenizer.decode(drafts) == draft
+        assert tokenizer.decode(_draft_after(drafter, backend.create_matcher(compiled), tokenizer, prompt, before)) == draft
 
 
 def test_a_values_end_closes_it_the_jsons_way_and_the_next_key_follows(real_model_dir) -> None:  # type: ignore[no-untyped-def]
@@ -232,9 +232,5 @@ def test_a_values_end_closes_it_the_jsons_way_and_the_next_key_follows(real_mode
                 '{"deviceID": "MON123456", "patientID": "PAT654321", "heartRate": 78, "alerts": ["Gate oxide '
                 'integrity"], "stock": 150': '}'}  # the sentence's period ends the record
     for before, draft in expected.items():
-        matcher = backend.create_matcher(compiled)
-        output = tokenizer.encode(before)
-        assert all(matcher.accept_token(t) for t in output)
-        tokens = prompt + output
-        drafts = drafter.propose("r", tokens, len(tokens), 3, _valid_prefix(matcher))
+        drafts = _draft_after(drafter, backend.create_matcher(compiled), tokenizer, prompt, before)
         assert tokenizer.decode(drafts) == draft, before
