@@ -98,8 +98,9 @@ class NGramDrafter:
     follows (``",``, ``,``, ``},`` ...), ``".`` and a number's sentence period mean the record ends
     (``"}``, ``}`` ...); a string the grammar wants as a list opens with `` ["``. The own pool's
     continuations are closed the same way. A draft shorter than ``max_len`` is chained: after a
-    closing, the next key the prompt names (``_next_key``), else the own pool's continuation of the
-    draft so far. Replayed as above: 3.75 → 4.05 on the 10 cases, 3.72 → 3.90 on 30."""
+    closing, the list's next item (``_next_quoted``) or the next key the prompt names
+    (``_next_key``), the longer, else the own pool's continuation of the draft so far. Replayed as
+    above: 3.75 → 4.05 on the 10 cases, 3.72 → 3.91 on 30."""
 
     def __init__(self, max_draft_len: int, max_matching_ngram_size: int, is_keep_all: bool = True,
                  is_use_oldest: bool = True, is_public_pool: bool = True, max_keys: int = 1 << 20,
@@ -145,11 +146,15 @@ class NGramDrafter:
             shared = self._lookup(self.public, context, max_len, valid_prefix)
             if len(shared) > len(best):
                 best = shared
-        while best and len(best) < max_len:  # chained: the next key, or the own pool, continues the draft
+        while best and len(best) < max_len:  # chained: the list's next item or the next key, else the own pool
             head = best
             after = list(context) + head
             valid_rest: ValidPrefix = lambda ts: max(0, valid_prefix(head + list(ts)) - len(head))  # noqa: E731
-            rest = self._next_key(request_id, after, num_committed, max_len - len(head), valid_rest)
+            rest: list[int] = []
+            for candidate in (self._next_quoted, self._next_key) if self.token_texts is not None else ():
+                found = candidate(request_id, after, num_committed, max_len - len(head), valid_rest)
+                if len(found) > len(rest):
+                    rest = found
             if not rest:
                 rest = self._lookup(own, after, max_len - len(head), valid_rest)
             if not rest:
