@@ -92,15 +92,17 @@ def test_tensor_parallel_speculative_equals_plain_and_llguidance(reference: list
 @pytest.fixture(scope="module")
 def eagle_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny EAGLE-3 head for the default model, trained for a few seconds by ``train-eagle``'s
-    own code on the target's generations in the committed sweep results (JME cases left out)."""
+    own code on the target's generations in the committed sweep results (JME cases left out). The
+    features' time budget of 0 keeps the first 2 of the 8 generations."""
     from guidespec.spec.train_eagle import TrainConfig, train
 
     results = sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob("sweep-*.jsonl"))
     folder = tmp_path_factory.mktemp("eagle") / "head"
     info = train(TrainConfig(folder, from_results=results, max_sequences=8, draft_vocab_size=2048, max_minutes=0.15,
-                             num_heads=3, num_kv_heads=1, intermediate_size=256, threads=1),
+                             max_feature_minutes=0.0, num_heads=3, num_kv_heads=1, intermediate_size=256, threads=1),
                  log=lambda *_: None)
     assert info["updates"] > 0 and info["draft_vocab_size"] == 2048
+    assert (info["sequences"], info["held_out"]) == (1, 1)
     return folder
 
 

@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--max-sequences", type=int, default=400)
     train.add_argument("--draft-vocab-size", type=int, default=8192)
     train.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training")
-    train.add_argument("--max-minutes", type=float, default=10.0, help="training time (the data comes before it)")
+    train.add_argument("--max-minutes", type=float, default=9.0, help="training time (the data comes before it)")
+    train.add_argument("--max-feature-minutes", type=float, default=5.0,
+                       help="the target's features of as many generations as this time allows (before training)")
     train.add_argument("--lr", type=float, default=2e-3)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 
             train_head(TrainConfig(Path(args.output), args.model, [Path(f) for f in args.from_results], args.generate,
                                    args.exclude_prefix or None, args.max_sequences, args.draft_vocab_size,
-                                   args.ttt_steps, max_minutes=args.max_minutes, lr=args.lr, seed=args.seed,
+                                   args.ttt_steps, max_minutes=args.max_minutes,
+                                   max_feature_minutes=args.max_feature_minutes, lr=args.lr, seed=args.seed,
                                    threads=args.threads, max_updates=args.max_updates,
                                    prompt_window=args.prompt_window, prompt_loss_weight=args.prompt_loss_weight))
             return 0

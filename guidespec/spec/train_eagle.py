@@ -53,7 +53,8 @@ class TrainConfig:
     ttt_steps: int = 3
     prompt_window: int = 96  # prompt tokens before the output the head trains over
     max_output_tokens: int = 320
-    max_minutes: float = 10.0
+    max_minutes: float = 9.0
+    max_feature_minutes: float = 5.0  # the target's features of as many sequences as this allows
     max_updates: int | None = None  # stop after this many updates (the schedule follows whichever ends first)
     prompt_loss_weight: float = 0.0  # weight of the prompt window's tokens in the loss (outputs: 1)
     lr: float = 2e-3
@@ -145,9 +146,11 @@ def draft_vocabulary(sequences: list[Sequence], size: int, vocab_size: int, eos:
 
 @torch.inference_mode()
 def target_features(model_dir: Path, sequences: list[Sequence], aux_layers: tuple[int, ...], window: int,
-                    log: Any = print) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
+                    log: Any = print, budget_s: float | None = None) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
     """Per sequence: (features [N, 3H] bf16, tokens [N], first absolute position, output start in
-    the window) over the window (the prompt's last ``window`` tokens and the output)."""
+    the window) over the window (the prompt's last ``window`` tokens and the output). With
+    ``budget_s``, the sequences (in their shuffled order) whose features fit in that time: a
+    prompt of thousands of tokens costs seconds on a 2-core CPU."""
     from tqdm import tqdm
 
     from guidespec.worker.checkpoint import load_hf_config
@@ -160,8 +163,13 @@ def target_features(model_dir: Path, sequences: list[Sequence], aux_layers: tupl
     model = LlamaModel(cfg, TPInfo(), torch.float32, max_len)
     model.load(model_dir, hf_config, show_progress=False)
     kv = model.create_kv_cache(1)
-    out = []
+    out: list[tuple[torch.Tensor, torch.Tensor, int, int]] = []
+    start = time.perf_counter()
     for seq in tqdm(sequences, desc="train-eagle: target features", unit="seq"):
+        if budget_s is not None and time.perf_counter() - start > budget_s and len(out) >= 2:
+            log(f"train-eagle: the features' {budget_s / 60:.1f} minutes are spent: {len(out)} of "
+                f"{len(sequences)} sequences")
+            break
         n = len(seq.token_ids)
         batch = ForwardBatch.create(seq.token_ids, [0], [0], [n], [0])
         model.forward(batch, kv, capture=aux_layers)
@@ -346,14 +354,15 @@ def _train(cfg: TrainConfig, log: Any) -> dict[str, Any]:
     sequences = load_generations(cfg, tokenizer, model_dir, eos, log)
     if len(sequences) < 2:
         raise ValueError("train-eagle needs generations: give --from-results FILE (a sweep's results) or --generate N")
-    held_out = max(1, len(sequences) // 10)
     aux = default_aux_layers(model_cfg.num_layers)
+    features = target_features(model_dir, sequences, aux, cfg.prompt_window, log, cfg.max_feature_minutes * 60)
+    sequences = sequences[: len(features)]
+    collected_s = time.perf_counter() - start
+    held_out = max(1, len(sequences) // 10)
     draft_ids = draft_vocabulary(sequences[held_out:], min(cfg.draft_vocab_size, model_cfg.vocab_size),
                                  model_cfg.vocab_size, eos)
     t2d = torch.full((model_cfg.vocab_size,), -1, dtype=torch.long)
     t2d[draft_ids] = torch.arange(len(draft_ids))
-    features = target_features(model_dir, sequences, aux, cfg.prompt_window, log)
-    collected_s = time.perf_counter() - start
     embed = ShardReader(model_dir).get("model.embed_tokens.weight").float()
     max_len = max(f[2] + len(f[1]) for f in features) + cfg.ttt_steps + 1
     head_cfg = dataclasses.replace(model_cfg, num_layers=1, num_heads=cfg.num_heads or model_cfg.num_heads,
