@@ -192,9 +192,9 @@ class NGramDrafter:
 
     def _copy(self, tokens: Sequence[int], start: int, max_len: int, valid_prefix: ValidPrefix) -> list[int]:
         """The prompt's tokens from ``start`` (``_closed``)."""
-        return self._closed(list(tokens[start : start + max_len]), max_len, valid_prefix)
+        return self._closed(list(tokens[start : start + max_len]), valid_prefix)
 
-    def _closed(self, draft: list[int], max_len: int, valid_prefix: ValidPrefix) -> list[int]:
+    def _closed(self, draft: list[int], valid_prefix: ValidPrefix) -> list[int]:
         """``draft`` (the prompt's or the output's tokens) cut where the grammar rejects one. Where
         that one closes the value in the prompt's own way (``";`` or ``;`` where more follows, ``".``
         or a sentence's period where the record ends), the first of JSON's closings for the case
@@ -306,7 +306,7 @@ class NGramDrafter:
             ordered = list(continuations) if self.use_oldest else list(reversed(continuations))
             best: list[int] = []
             for candidate in ordered[: self.max_candidates]:
-                draft = self._closed(list(candidate[:max_len]), max_len, valid_prefix)
+                draft = self._closed(list(candidate[:max_len]), valid_prefix)
                 if len(draft) > len(best):
                     best = draft
                 if len(best) == max_len:
