@@ -13,6 +13,7 @@ the workers (``draft_model.py``); ``ModelDrafter`` hands its proposals on.
 from __future__ import annotations
 
 import bisect
+import functools
 import importlib
 import re
 from collections import OrderedDict
@@ -418,7 +419,11 @@ def ngram_drafter(cfg: SpeculativeConfig, tokenizer: Any = None) -> NGramDrafter
     if tokenizer is not None and cfg.anchored_lookup:
         texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
     encode = None
-    if texts is not None:
-        encode = lambda text: list(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    if texts is not None:  # the next-key lookup tokenizes the same few names step after step: cached
+        @functools.lru_cache(maxsize=4096)
+        def encode_text(text: str) -> tuple[int, ...]:
+            return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+        encode = lambda text: list(encode_text(text))  # noqa: E731
     return NGramDrafter(cfg.max_draft_len, cfg.max_matching_ngram_size, cfg.is_keep_all, cfg.is_use_oldest,
                         cfg.is_public_pool, token_texts=texts, encode=encode)
