@@ -6,14 +6,22 @@ before it reaches the scheduler. A receiver thread routes the scheduler's output
 per-request streams, which back the blocking, streaming and asyncio forms alike. Used as a
 context manager (or at interpreter exit) it stops every process and removes every shared
 resource, also after Ctrl-C or an exception.
+
+When an engine process dies, every request in flight ends at once with ``EngineDeadError``
+(the server's 503). With ``restart_on_failure`` (the server's default) a fresh engine then
+starts in the background, with new processes, shared memory and sockets, while new requests
+get ``EngineRestartingError``; deaths in a crash loop (``_CRASH_LOOP_DEATHS`` within
+``_CRASH_LOOP_WINDOW_S``) stop the restarts and leave the LLM dead, for a supervisor to act.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import atexit
+import collections
+import dataclasses
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -30,20 +38,33 @@ from guidespec import envs
 from guidespec.config import DTYPES, EngineConfig, ModelConfig, SpeculativeConfig
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.launcher import EngineProcesses
-from guidespec.protocol import (GRAMMAR_BACKENDS, AbortRequest, DecodeStats, EngineDead, EngineReady, GenerateRequest,
-                                RequestOutput, SamplingParams, SchedulerStats, Shutdown)
+from guidespec.protocol import (ENGINE_UNAVAILABLE, GRAMMAR_BACKENDS, INTERNAL_ERROR, AbortRequest, DecodeStats,
+                                EngineDead, EngineReady, GenerateRequest, InvalidRequest, RequestOutput, SamplingParams,
+                                SchedulerStats, Shutdown, validate_prompt, validate_request)
 from guidespec.worker import checkpoint
 
+logger = logging.getLogger(__name__)
 Message = dict[str, str]
 Prompt = Union[str, list[Message], dict[str, Any]]
+_CRASH_LOOP_DEATHS = 3  # this many engine deaths within the window: no more restarts
+_CRASH_LOOP_WINDOW_S = 60.0
+_RESTART_GRACE_S = 0.5  # a dead engine's other processes get this long to exit before SIGKILL
 
 
 class EngineDeadError(RuntimeError):
-    """The engine's processes are gone; create a new LLM."""
+    """The engine's processes are gone: a request in flight when it died, or a new one."""
+
+
+class EngineRestartingError(EngineDeadError):
+    """The engine died and a fresh one is starting: retry in a few seconds."""
 
 
 class RequestError(RuntimeError):
-    """The engine refused or failed one request."""
+    """The engine refused (``status`` 400) or failed (500) one request; the others go on."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -104,14 +125,19 @@ class _RequestStream:
 
     def put(self, delta: RequestOutput) -> None:
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
+            except RuntimeError:  # its event loop is closed: nobody is waiting
+                pass
         else:
             self.queue.put(delta)
 
     def apply(self, delta: RequestOutput) -> StreamDelta:
         out = self.output
         if delta.error and delta.finish_reason == "error":
-            raise RequestError(f"request {delta.request_id}: {delta.error}")
+            if delta.error_status == ENGINE_UNAVAILABLE:
+                raise EngineDeadError(delta.error)
+            raise RequestError(f"request {delta.request_id}: {delta.error}", delta.error_status or INTERNAL_ERROR)
         out.text += delta.new_text
         out.token_ids.extend(delta.new_token_ids)
         out.first_token_time = out.first_token_time or delta.first_token_time
@@ -131,7 +157,7 @@ class LLM:
                  grammar_compile_timeout_s: float = 30.0, jump_forward: bool = True,
                  speculative: SpeculativeConfig | dict[str, Any] | str | None = None,
                  distributed_executor: str = "mp", ray_address: str | None = None,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, restart_on_failure: bool = False) -> None:
         if grammar_backend not in GRAMMAR_BACKENDS:
             raise ValueError(f"grammar_backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {grammar_backend!r}")
         if grammar_compile_timeout_s <= 0:
@@ -148,26 +174,30 @@ class LLM:
                                           speculative=_speculative_config(speculative),
                                           distributed_executor=distributed_executor, ray_address=ray_address,
                                           enable_prefix_caching=enable_prefix_caching)
-        self._streams: dict[str, _RequestStream] = {}
+        self.restart_on_failure = restart_on_failure
+        self.num_restarts = 0  # fresh engines started after a death
+        self.on_gave_up: Callable[[str], None] | None = None  # called (once) when a crash loop ends the restarts
         self.scheduler_stats = SchedulerStats(0, 0, 0, max_batch_size)  # the queue, as the scheduler last said
-        self._lock = threading.Lock()
-        self._dead_reason: str | None = None
+        self._streams: dict[str, _RequestStream] = {}
+        self._state_lock = threading.Lock()  # streams, engine, and the states below change together
+        self._dead_reason: str | None = None  # set for good: closed, or a crash loop
+        self._restarting: str | None = None  # why the engine is restarting
+        self._deaths: collections.deque[float] = collections.deque()
+        # restarts run on one thread that lives as long as the LLM: the engine processes die with
+        # the thread that started them (PR_SET_PDEATHSIG), so it must outlive them
+        self._restarter: threading.Thread | None = None
+        self._restart_queue: queue.Queue[_Engine | None] = queue.Queue()
         self._closed = False
         self._ids = itertools.count()
         self._ctx = zmq.Context()
-        self._processes = EngineProcesses(self.config, on_death=self._on_engine_death)
-        self._from_scheduler = Channel(self._ctx, zmq.PULL, self._processes.endpoints.client_out, bind=True)
-        self._to_scheduler = Channel(self._ctx, zmq.PUSH, self._processes.endpoints.client_in, bind=False)
-        self._finalizer = weakref.finalize(self, _shutdown_quietly, self._processes, self._to_scheduler)
+        self._current: list[_Engine] = []  # the live engine (a list, so the finalizer sees restarts)
+        self._finalizer = weakref.finalize(self, _close_engines, self._current)
         atexit.register(self._finalizer)
         try:
-            self._processes.start()
-            self._wait_ready()
+            self._engine = self._start_engine()
         except BaseException:
             self.close()
             raise
-        self._receiver = threading.Thread(target=self._receive_loop, name="guidespec-receiver", daemon=True)
-        self._receiver.start()
 
     # ------------------------------------------------------------------ public API
 
@@ -221,16 +251,27 @@ class LLM:
         return RequestHandle(stream.output, self._follow(stream))
 
     def abort(self, request_id: str) -> None:
-        if self._dead_reason is None and not self._closed:
-            with self._lock:
-                self._to_scheduler.send(AbortRequest(request_id))
+        if self._dead_reason is None and self._restarting is None and not self._closed:
+            self._engine.send(AbortRequest(request_id))
+
+    @property
+    def is_healthy(self) -> bool:
+        """Serving now: not closed, not dead, not restarting."""
+        return not self._closed and self._dead_reason is None and self._restarting is None
+
+    @property
+    def gave_up(self) -> bool:
+        """The engine died in a crash loop and will not be restarted."""
+        return not self._closed and self._dead_reason is not None
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids for a prompt: chat messages go through the tokenizer's chat template."""
         if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("a dict prompt must have 'prompt_token_ids'")
-            return [int(t) for t in prompt["prompt_token_ids"]]
+            ids = prompt.get("prompt_token_ids")
+            if not isinstance(ids, (list, tuple, np.ndarray)):
+                raise InvalidRequest("a dict prompt must have 'prompt_token_ids': a list of token ids", "prompt")
+            validate_prompt(list(ids), self.config.vocab_size, self.config.max_model_len)
+            return [int(t) for t in ids]
         if isinstance(prompt, list):
             ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
@@ -239,15 +280,16 @@ class LLM:
         return list(self.tokenizer.encode(prompt))
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._state_lock:
+            if self._closed:
+                return
+            self._closed = True
+        restarter = self._restarter
+        if restarter is not None:  # it closes the engine it was starting when it sees _closed
+            self._restart_queue.put(None)
+            restarter.join(timeout=envs.worker_start_timeout_s())
         self._finalizer()
         atexit.unregister(self._finalizer)
-        receiver = getattr(self, "_receiver", None)
-        if receiver is not None:
-            receiver.join(timeout=2.0)
-        self._from_scheduler.close()
         self._ctx.term()
 
     def __enter__(self) -> LLM:
@@ -260,22 +302,23 @@ class LLM:
 
     def _submit(self, prompt: Prompt, params: SamplingParams,
                 loop: asyncio.AbstractEventLoop | None = None) -> _RequestStream:
+        """Validate (``validate_request``: the one check of the API and the server), then send."""
         self._check_alive()
-        params.validate()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest("sampling_params must be a SamplingParams", "sampling_params")
+        params.validate(self.config.vocab_size)
         if isinstance(prompt, str) and not prompt:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequest("the prompt is empty", "prompt")
         ids = self.encode_prompt(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) >= self.config.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, the model length is {self.config.max_model_len}: "
-                             f"shorten it or raise max_model_len")
+        validate_request(ids, params, self.config.vocab_size, self.config.max_model_len)
         request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         now = time.time()
         stream = _RequestStream(GenerationOutput(request_id, ids, arrival_time=now), loop)
-        with self._lock:
+        with self._state_lock:  # a death after this fails the stream; one before it refuses it
+            self._check_alive()
             self._streams[request_id] = stream
-            self._to_scheduler.send(GenerateRequest(request_id, np.array(ids, dtype=np.int32), params, now))
+            engine = self._engine
+        engine.send(GenerateRequest(request_id, np.array(ids, dtype=np.int32), params, now))
         return stream
 
     async def _follow(self, stream: _RequestStream) -> AsyncIterator[StreamDelta]:
@@ -298,46 +341,180 @@ class LLM:
             except queue.Empty:
                 self._check_alive()
 
-    def _receive_loop(self) -> None:
-        while not self._closed:
-            try:
-                message = self._from_scheduler.recv(timeout_s=0.1)
-            except zmq.ZMQError:
-                return
-            if isinstance(message, RequestOutput):
-                stream = self._streams.get(message.request_id)
-                if stream is not None:
-                    if message.finished:
-                        self._streams.pop(message.request_id, None)
-                    stream.put(message)
-            elif isinstance(message, SchedulerStats):
-                self.scheduler_stats = message
-            elif isinstance(message, EngineDead):
-                self._on_engine_death(message.reason)
+    def _route(self, message: object) -> None:
+        """The receiver thread's handling of one scheduler message (``_Engine.receive_loop``)."""
+        if isinstance(message, RequestOutput):
+            stream = self._streams.get(message.request_id)
+            if stream is not None:
+                if message.finished:
+                    self._streams.pop(message.request_id, None)
+                stream.put(message)
+        elif isinstance(message, SchedulerStats):
+            self.scheduler_stats = message
 
-    def _on_engine_death(self, reason: str) -> None:
-        if self._closed or self._dead_reason is not None:
+    # ------------------------------------------------------------------ failure and restart
+
+    def _start_engine(self) -> _Engine:
+        engine = _Engine(self.config, self._ctx, self._on_engine_death, self._route)
+        self._current[:] = [engine]
+        try:
+            engine.start()
+        except BaseException:
+            engine.close(_RESTART_GRACE_S)
+            self._current.clear()
+            raise
+        return engine
+
+    def _on_engine_death(self, engine: _Engine, reason: str) -> None:
+        """An engine process died (the launcher's monitor) or the scheduler said so: fail every
+        request in flight now, then restart or give up."""
+        with self._state_lock:
+            # an engine still starting (the first, or a restart) is not this: its start fails instead
+            if engine is not getattr(self, "_engine", None) or self._closed or self._dead_reason or self._restarting:
+                return
+            streams = list(self._streams.values())
+            self._streams.clear()
+            logger.error("the engine died: %s", reason)
+            gave_up = self._record_death(reason)
+            if not gave_up:
+                self._restarting = reason
+                if self._restarter is None:
+                    self._restarter = threading.Thread(target=self._restart_loop, daemon=True, name="guidespec-restart")
+                    self._restarter.start()
+        message = (f"the engine died ({reason}); " +
+                   ("it is restarting: retry shortly" if not gave_up else "it will not be restarted"))
+        for stream in streams:
+            stream.put(RequestOutput(stream.output.request_id, [], "", True, "error", message,
+                                     error_status=ENGINE_UNAVAILABLE))
+        if gave_up:
+            engine.close(_RESTART_GRACE_S)
+            if self.on_gave_up is not None:
+                self.on_gave_up(self._dead_reason or reason)
+        else:
+            self._restart_queue.put(engine)
+
+    def _record_death(self, reason: str) -> bool:
+        """Count a death (under the state lock); True if the LLM now gives up (no restart wanted,
+        or a crash loop), with ``_dead_reason`` set."""
+        now = time.monotonic()
+        self._deaths.append(now)
+        while self._deaths and now - self._deaths[0] > _CRASH_LOOP_WINDOW_S:
+            self._deaths.popleft()
+        if not self.restart_on_failure:
+            self._dead_reason = reason
+        elif len(self._deaths) >= _CRASH_LOOP_DEATHS:
+            self._dead_reason = (f"{reason} (a crash loop: {len(self._deaths)} engine deaths within "
+                                 f"{_CRASH_LOOP_WINDOW_S:.0f} s; not restarting)")
+        return self._dead_reason is not None
+
+    def _restart_loop(self) -> None:
+        while (dead := self._restart_queue.get()) is not None:
+            self._restart(dead)
+        self._finalizer()  # the LLM closed: the engines this thread started stop before it ends
+
+    def _restart(self, dead: _Engine) -> None:
+        """The restart thread: the dead engine's processes and shared resources gone, a fresh one up."""
+        dead.close(_RESTART_GRACE_S)
+        while not self._closed:
+            start = time.monotonic()
+            try:
+                engine = self._start_engine()
+            except Exception as e:
+                logger.exception("a fresh engine failed to start")
+                with self._state_lock:
+                    gave_up = self._record_death(f"the restarted engine failed to start: {e}")
+                if gave_up:
+                    self._restarting = None
+                    if self.on_gave_up is not None:
+                        self.on_gave_up(self._dead_reason or str(e))
+                    return
+                continue
+            with self._state_lock:
+                if not self._closed:
+                    self._engine, self._restarting = engine, None
+                    self.num_restarts += 1
+                    logger.warning("a fresh engine is serving (restart %d took %.1f s)", self.num_restarts,
+                                   time.monotonic() - start)
+                    return
+            engine.close()  # closed while starting
             return
-        self._dead_reason = reason
-        for request_id, stream in list(self._streams.items()):
-            stream.put(RequestOutput(request_id, [], "", True, "error", f"engine died: {reason}"))
-        self._streams.clear()
+
+    @property
+    def _processes(self) -> EngineProcesses:
+        """The live engine's processes (tests look at their pids and shared resources)."""
+        return self._engine.processes
 
     def _check_alive(self) -> None:
         if self._closed:
             raise EngineDeadError("this LLM is closed")
         if self._dead_reason is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead_reason}")
+        if self._restarting is not None:
+            raise EngineRestartingError(f"the engine is restarting after a failure ({self._restarting}): retry shortly")
+
+
+class _Engine:
+    """One life of the engine: its processes and the client's two sockets to its scheduler, with
+    the thread that receives from it. ``LLM`` replaces it with a fresh one after a death."""
+
+    def __init__(self, config: EngineConfig, ctx: zmq.Context, on_death: Callable[[_Engine, str], None],
+                 route: Callable[[object], None]) -> None:
+        self.on_death = on_death
+        self.route = route
+        self.processes = EngineProcesses(config, on_death=lambda reason: on_death(self, reason))
+        self.from_scheduler = Channel(ctx, zmq.PULL, self.processes.endpoints.client_out, bind=True)
+        self.to_scheduler = Channel(ctx, zmq.PUSH, self.processes.endpoints.client_in, bind=False)
+        self.send_lock = threading.Lock()
+        self.closed = False
+        self.receiver: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.processes.start()
+        self._wait_ready()
+        self.receiver = threading.Thread(target=self._receive_loop, name="guidespec-receiver", daemon=True)
+        self.receiver.start()
+
+    def send(self, message: object) -> None:
+        with self.send_lock:
+            if not self.closed:
+                self.to_scheduler.send(message)
+
+    def close(self, grace_s: float = 3.0) -> None:
+        """Stop every process (asked, then killed after ``grace_s``) and remove every shared resource."""
+        with self.send_lock:
+            if self.closed:
+                return
+            self.closed = True
+            try:
+                self.to_scheduler.send(Shutdown("client closed"))
+            except Exception:
+                pass
+            self.to_scheduler.close()
+        self.processes.shutdown(grace_s)
+        if self.receiver is not None and self.receiver is not threading.current_thread():
+            self.receiver.join(timeout=2.0)
+        self.from_scheduler.close()
+
+    def _receive_loop(self) -> None:
+        while not self.closed:
+            try:
+                message = self.from_scheduler.recv(timeout_s=0.1)
+            except zmq.ZMQError:
+                return
+            if isinstance(message, EngineDead):
+                self.on_death(self, message.reason)
+            elif message is not None:
+                self.route(message)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + envs.worker_start_timeout_s()
         while time.monotonic() < deadline:
-            message = self._from_scheduler.recv(timeout_s=0.2)
+            message = self.from_scheduler.recv(timeout_s=0.2)
             if isinstance(message, EngineReady):
                 return
             if isinstance(message, EngineDead):
                 raise EngineDeadError(f"the engine failed to start: {message.reason}")
-            dead = self._processes.first_dead()
+            dead = self.processes.first_dead()
             if dead is not None:
                 raise EngineDeadError(f"the engine failed to start: {dead}")
         raise EngineDeadError(f"the engine did not start within {envs.worker_start_timeout_s():.0f} s")
@@ -387,13 +564,9 @@ def _progress(total: int) -> Any:
     return tqdm(total=total, desc="guidespec: requests", unit="req")
 
 
-def _shutdown_quietly(processes: EngineProcesses, to_scheduler: Channel) -> None:
-    try:
-        to_scheduler.send(Shutdown("client closed"))
-    except Exception:
-        pass
-    to_scheduler.close()
-    processes.shutdown()
+def _close_engines(current: list[_Engine]) -> None:
+    for engine in current:
+        engine.close()
 
 
 def _speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:

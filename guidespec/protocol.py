@@ -25,6 +25,49 @@ GREEDY = 0.0
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance")
 
+# What one request may carry (validate_request): every number fits the engine's int32 / float32
+# arrays and keeps its maths finite; sizes bound the scheduler's per-step work per request.
+INT32_MAX = 2**31 - 1
+BAD_REQUEST, INTERNAL_ERROR, ENGINE_UNAVAILABLE = 400, 500, 503  # RequestOutput.error_status
+MAX_TEMPERATURE = 100.0  # float32 logits / temperature stay finite and masked rows stay -inf
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-4, 1e4
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 64, 1024, 1024
+MAX_GRAMMAR_CHARS = 1 << 20  # a JSON schema's text or an EBNF / Lark grammar
+MAX_REGEX_CHARS = 1 << 16
+MAX_SCHEMA_DEPTH = 128  # nesting of the schema document (JSONSchemaBench's deepest: 34)
+MAX_CHOICES = 4096
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot serve, by the client's fault; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """The one check every request passes, in the client (``LLM``, and the server through it) and
+    again in the scheduler: raises InvalidRequest before anything reaches a worker."""
+    validate_prompt(prompt_token_ids, vocab_size, max_model_len)
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequest("sampling parameters must be a SamplingParams", "sampling_params")
+    params.validate(vocab_size)
+
+
+def validate_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    ids = prompt_token_ids
+    if not isinstance(ids, list) or not ids:
+        raise InvalidRequest("the prompt is empty", "prompt")
+    if len(ids) >= max_model_len:
+        raise InvalidRequest(f"the prompt has {len(ids)} tokens, the model length is {max_model_len}: "
+                             f"shorten it or raise max_model_len", "prompt")
+    bad = next((t for t in ids if not _is_int(t) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab_size}) (the model's vocabulary), "
+                             f"got {_short(bad)}", "prompt")
+
+
 
 @register_message(2)
 @dataclass(frozen=True)
@@ -49,7 +92,7 @@ class GuidedDecoding:
     def __post_init__(self) -> None:
         if isinstance(self.json_schema, dict):
             object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
-        if self.choice is not None:
+        if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
 
     @property
@@ -60,20 +103,29 @@ class GuidedDecoding:
         return set_kinds[0]
 
     def validate(self) -> None:
-        kind = self.kind
+        """Raise InvalidRequest naming the first bad field: the kind, its size, a schema's nesting."""
+        try:
+            kind = self.kind
+        except ValueError as e:
+            raise InvalidRequest(str(e), "guided") from None
+        value = getattr(self, kind)
+        if kind in ("json_schema", "regex", "grammar") and (not isinstance(value, str) or not value):
+            raise InvalidRequest(f"{kind} must be a non-empty string", kind)
+        if kind in ("json_schema", "grammar") and len(value) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequest(f"{kind} has {len(value)} characters; the limit is {MAX_GRAMMAR_CHARS}", kind)
+        if kind == "regex" and len(value) > MAX_REGEX_CHARS:
+            raise InvalidRequest(f"regex has {len(value)} characters; the limit is {MAX_REGEX_CHARS}", kind)
         if kind == "json_schema":
-            try:
-                schema = json.loads(self.json_schema)  # type: ignore[arg-type]
-            except json.JSONDecodeError as e:
-                raise ValueError(f"json_schema is not valid JSON: {e}") from None
-            if not isinstance(schema, (dict, bool)):
-                raise ValueError("json_schema must be a JSON object (or true/false)")
-        if kind == "choice" and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError("choice must be a non-empty list of non-empty strings")
-        if kind in ("regex", "grammar") and not getattr(self, kind):
-            raise ValueError(f"{kind} must not be empty")
+            _check_schema(value)
+        if kind == "json_object" and value is not True:
+            raise InvalidRequest("json_object must be true or absent", kind)
+        if kind == "choice":
+            _check_choices(value)
         if self.backend is not None and self.backend not in GRAMMAR_BACKENDS:
-            raise ValueError(f"unknown grammar backend {self.backend!r}; choose one of {', '.join(GRAMMAR_BACKENDS)}")
+            raise InvalidRequest(f"unknown grammar backend {self.backend!r}; choose one of "
+                                 f"{', '.join(GRAMMAR_BACKENDS)}", "backend")
+        if not isinstance(self.close_early, bool):
+            raise InvalidRequest("close_early must be a boolean", "close_early")
 
     def cache_key(self, backend: str) -> str:
         """The canonical grammar: equal keys compile to the same grammar."""
@@ -105,31 +157,41 @@ class SamplingParams:
     max_draft_len: int | None = None  # at most this many draft tokens per step (None: the engine's)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        for name in ("stop", "stop_token_ids"):  # anything else is left for validate() to refuse
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
-    def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {list(self.stop)!r}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidRequest naming the first bad field. Every number must fit the engine's
+        arrays (int32 / float32) and keep its maths finite; token ids need ``vocab_size``."""
+        _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+        _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE, "(0 = greedy)")
+        if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        _check_int("top_k", self.top_k, 0, INT32_MAX, "(0 disables it)")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, 2**63 - 1)
+        if not isinstance(self.stop, tuple) or len(self.stop) > MAX_STOP_STRINGS or any(
+                not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS for s in self.stop):
+            raise InvalidRequest(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                                 f"{MAX_STOP_CHARS} characters", "stop")
+        if not isinstance(self.stop_token_ids, tuple) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids", token, 0, (vocab_size or INT32_MAX + 1) - 1, "(a token id of the model)")
+        for name in ("ignore_eos", "speculative"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(f"{name} must be a boolean", name)
+        _check_float("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
         for name in ("frequency_penalty", "presence_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-        if self.max_draft_len is not None and not (isinstance(self.max_draft_len, int) and 0 <= self.max_draft_len <= 16):
-            raise ValueError(f"max_draft_len must be an integer in [0, 16], got {self.max_draft_len!r}")
+            _check_float(name, getattr(self, name), -2.0, 2.0)
+        if self.max_draft_len is not None:
+            _check_int("max_draft_len", self.max_draft_len, 0, 16)
         if self.guided is not None:
+            if not isinstance(self.guided, GuidedDecoding):
+                raise InvalidRequest("guided must be a GuidedDecoding", "guided")
             self.guided.validate()
 
     @property
@@ -237,6 +299,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     first_token_time: float = 0.0  # scheduler clock (time.time()) of the first output token
     stats: DecodeStats | None = None  # so far (a copy)
+    # with an error: whose fault, as an HTTP status: BAD_REQUEST (the request's), INTERNAL_ERROR
+    # (ours, this request alone), ENGINE_UNAVAILABLE (the engine died; retry after its restart)
+    error_status: int = 0
 
 
 @register_message(15)
@@ -339,7 +404,63 @@ class WorkerReady:
 @dataclass(frozen=True)
 class WorkerError:
     rank: int
-    message: str
+    message: str  # one line: what failed (sent on to clients)
     step: int = -1
+    details: str = ""  # the traceback: for the scheduler's log only, never a response
 
 
+# ---------------------------------------------------------------- checks
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_number(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, (float, np.floating))) and math.isfinite(value)  # type: ignore[arg-type]
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_int(name: str, value: object, low: int, high: int, note: str = "") -> None:
+    if not (_is_int(value) and low <= value <= high):  # type: ignore[operator]
+        raise InvalidRequest(f"{name} must be an integer in [{low}, {high}]{' ' + note if note else ''}, "
+                             f"got {_short(value)}", name)
+
+
+def _check_float(name: str, value: object, low: float, high: float, note: str = "") -> None:
+    if not (_is_number(value) and low <= value <= high):  # type: ignore[operator]
+        raise InvalidRequest(f"{name} must be a number in [{low:g}, {high:g}]{' ' + note if note else ''}, "
+                             f"got {_short(value)}", name)
+
+
+def _check_schema(text: str) -> None:
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"json_schema is not valid JSON: {e}", "json_schema") from None
+    except RecursionError:
+        raise InvalidRequest(f"json_schema nests deeper than {MAX_SCHEMA_DEPTH} levels", "json_schema") from None
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequest("json_schema must be a JSON object (or true/false)", "json_schema")
+    stack: list[tuple[object, int]] = [(schema, 1)]
+    while stack:  # no recursion: the depth is what is being checked
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise InvalidRequest(f"json_schema nests deeper than {MAX_SCHEMA_DEPTH} levels", "json_schema")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+
+
+def _check_choices(choices: object) -> None:
+    if not isinstance(choices, tuple) or not choices or len(choices) > MAX_CHOICES:
+        raise InvalidRequest(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings", "choice")
+    if not all(isinstance(c, str) and c for c in choices):
+        raise InvalidRequest("choice must be a list of non-empty strings", "choice")
+    if sum(len(c) for c in choices) > MAX_GRAMMAR_CHARS:
+        raise InvalidRequest(f"choice has more than {MAX_GRAMMAR_CHARS} characters in all", "choice")

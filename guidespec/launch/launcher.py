@@ -119,6 +119,7 @@ class EngineProcesses:
             if process.poll() is None:
                 process.kill()
                 process.wait(timeout=5.0)
+            _kill_group(process.pid)  # what it started (the scheduler's compile process), if still there
         if self.ray is not None:
             self.ray.close(grace_s=max(0.0, deadline - time.monotonic()))
         if self.ring is not None:
@@ -143,6 +144,14 @@ class EngineProcesses:
             if dead is not None and not self._stopping.is_set():
                 self.on_death(dead)
                 return
+
+
+def _kill_group(pid: int) -> None:
+    """Each engine process leads a session (and process group) of its own: kill what is left in it."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _death_message(name: str, process: subprocess.Popen[bytes]) -> str:

@@ -189,6 +189,10 @@ class GrammarManager:
                 self.closers[request_id].restore(state)
         return self.bitmask[: firsts[-1]]
 
+    def stop_rows(self, count: int) -> np.ndarray:
+        """``count`` mask rows that allow only a stop token (a failed request's rows of a step)."""
+        return np.repeat(self._stop_row[None], count, axis=0)
+
     def fill_after(self, request_ids: list[str], sequences: list[list[int]]) -> np.ndarray:
         """One mask row per request, for its state after ``sequences[i]`` (tokens past its final
         ones: a draft step's mask); the grammars are left as they were. A sequence the grammar

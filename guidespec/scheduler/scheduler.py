@@ -8,6 +8,10 @@ It owns every request's state (and, with guided decoding, every grammar). Worker
 StepInputs on the shared-memory ring; rank 0 answers with StepOutputs over ZeroMQ. A worker
 that reports an error or whose process disappears fails every request with a message naming
 it, and the scheduler tells the client the engine is dead instead of hanging.
+
+Failures that concern one request (its input, its grammar, its drafter, its detokenizer) fail
+that request alone, with a one-line message and a status saying whose fault it is; the
+traceback goes to this process's log.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from guidespec.ipc.waiting import AwakeTimer
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.process_utils import parent_alive, setup_child_process
 from guidespec.grammar_backends import GrammarError
-from guidespec.protocol import (AbortRequest, DraftMask, DraftTokens, EngineDead, EngineReady, GenerateRequest,
-                                RequestOutput, SchedulerStats, Shutdown, StepBitmask, StepInputs, StepOutputs,
-                                WorkerError, WorkerReady)
+from guidespec.protocol import (BAD_REQUEST, ENGINE_UNAVAILABLE, INTERNAL_ERROR, AbortRequest, DraftMask, DraftTokens,
+                                EngineDead, EngineReady, GenerateRequest, InvalidRequest, RequestOutput, SchedulerStats,
+                                Shutdown, StepBitmask, StepInputs, StepOutputs, WorkerError, WorkerReady,
+                                validate_request)
 from guidespec.scheduler.batching import Batcher, ScheduledRow
 from guidespec.scheduler.detokenizer import IncrementalDetokenizer
 from guidespec.scheduler.grammar import FillRow, GrammarManager, grammar_settings
@@ -88,7 +93,8 @@ class Scheduler:
         self.stopping = False
         self.times: dict[str, float] = {}
         self.trace = StepTrace()
-        self.speculator = Speculator(cfg.speculative, self.grammar, cfg.max_model_len, self.tokenizer) if cfg.speculative else None
+        self.speculator = Speculator(cfg.speculative, self.grammar, cfg.max_model_len, self.tokenizer,
+                                     cfg.vocab_size) if cfg.speculative else None
         self._stats: SchedulerStats | None = None
         self._stats_sent_at = 0.0
 
@@ -101,7 +107,7 @@ class Scheduler:
             if isinstance(message, WorkerReady):
                 self.worker_pids[message.rank] = message.pid
             elif isinstance(message, WorkerError):
-                raise EngineFailure(message.message)
+                raise EngineFailure(_worker_failure(message))
             if time.monotonic() > deadline:
                 raise EngineFailure(f"workers did not start within {envs.worker_start_timeout_s():.0f} s")
             if not parent_alive(self.parent_pid):
@@ -124,7 +130,9 @@ class Scheduler:
             if not rows:
                 continue
             if self.speculator is not None:
-                rows = self.speculator.plan(rows, self.cfg.max_num_batched_tokens)
+                rows = self._plan_drafts(rows)
+                if not rows:
+                    continue
             guided_rows = self.broadcast(rows)
             outputs = self.collect(rows)
             self.times["outputs"] = time.time()
@@ -177,7 +185,7 @@ class Scheduler:
         for request_id in ready:
             self.batcher.promote(self.requests[request_id])
         for request_id, error in failed:
-            self._fail(self.requests[request_id], error)
+            self._fail(self.requests[request_id], error, BAD_REQUEST)
 
     def broadcast(self, rows: list[ScheduledRow]) -> int:
         """Two broadcasts: the inputs first, so the forward starts at once; then the bitmasks,
@@ -190,9 +198,9 @@ class Scheduler:
         self.times["inputs"] = self.times["mask_start"] = self.times["mask"] = time.time()
         if guided:
             self.times["mask_start"] = time.time()
-            bitmask = self.grammar.fill([FillRow(row.request.request_id, row.request.draft_tokens,
-                                                 len(row.request.output_token_ids), self._output_budget(row.request))
-                                         for _, row in guided])
+            bitmask = self._fill([FillRow(row.request.request_id, row.request.draft_tokens,
+                                          len(row.request.output_token_ids), self._output_budget(row.request))
+                                  for _, row in guided])
             rows_array = np.concatenate([np.arange(first, first + row.num_logits) for first, row in guided]).astype(np.int32)
             self.broadcaster.write(codec.encode(StepBitmask(self.step_id, rows_array, bitmask)),
                                    timeout=envs.step_timeout_s())
@@ -210,7 +218,7 @@ class Scheduler:
             if isinstance(message, DraftTokens) and message.step == self.step_id:
                 self._send_draft_mask(message, rows)
             if isinstance(message, WorkerError):
-                raise EngineFailure(message.message)
+                raise EngineFailure(_worker_failure(message))
             if message is None:
                 self._check_health()
                 if timer.expired():
@@ -225,35 +233,45 @@ class Scheduler:
                                          outputs.num_draft_tokens.tolist() if outputs.num_draft_tokens is not None
                                          else None, outputs.draft_s)
         for i, row in enumerate(rows):
-            request = row.request
+            if row.request.request_id not in self.requests:  # failed during this step
+                continue
             new_tokens = outputs.token_ids[offsets[i] : offsets[i + 1]].tolist()
-            num_drafts = row.num_logits - 1 if row.num_logits else 0
-            accepted = max(0, len(new_tokens) - 1)
-            request.advance_computed(row.num_new_tokens - num_drafts)
-            if self.speculator is not None:
-                self.speculator.observe(request, num_drafts, accepted)
-            if not new_tokens or request.finished:
-                continue
-            request.stats.record_step(num_drafts, accepted)
-            if not request.output_token_ids:
-                request.first_token_time = now
-            reason, appended = self._append_all(request, new_tokens)
-            # accepted drafts are in the KV cache now; rejected drafts' entries get overwritten later
-            request.advance_computed(min(accepted, appended))
-            if proposals is not None and self.speculator is not None and appended == len(new_tokens):
-                self.speculator.store_proposals(request, proposals[i])
-            if reason is None and request.guided and self.cfg.jump_forward and not self._speculates(request):
-                reason = self._jump_forward(request)
-            if reason is None and request.guided and self.cfg.jump_forward:
-                end = self.grammar.end_token(request.request_id)  # a complete output ends here, not in a step
-                if end is not None:
-                    reason = self._append(request, end)
-            if reason == "error":
-                continue
-            delta = make_delta(request, reason)
-            self.client_out.send(delta)
-            if delta.finished:
-                self._forget(request)
+            try:
+                self._emit_row(row, new_tokens, proposals[i] if proposals is not None else None, now)
+            except Exception as e:
+                self._fail_internal(row.request, "emitting its tokens", e)
+
+    def _emit_row(self, row: ScheduledRow, new_tokens: list[int], proposal: list[int] | None, now: float) -> None:
+        """Append one row's tokens to its request (its grammar, detokenizer, stop checks), then
+        send the request's delta."""
+        request = row.request
+        num_drafts = row.num_logits - 1 if row.num_logits else 0
+        accepted = max(0, len(new_tokens) - 1)
+        request.advance_computed(row.num_new_tokens - num_drafts)
+        if self.speculator is not None:
+            self.speculator.observe(request, num_drafts, accepted)
+        if not new_tokens or request.finished:
+            return
+        request.stats.record_step(num_drafts, accepted)
+        if not request.output_token_ids:
+            request.first_token_time = now
+        reason, appended = self._append_all(request, new_tokens)
+        # accepted drafts are in the KV cache now; rejected drafts' entries get overwritten later
+        request.advance_computed(min(accepted, appended))
+        if proposal is not None and self.speculator is not None and appended == len(new_tokens):
+            self.speculator.store_proposals(request, proposal)
+        if reason is None and request.guided and self.cfg.jump_forward and not self._speculates(request):
+            reason = self._jump_forward(request)
+        if reason is None and request.guided and self.cfg.jump_forward:
+            end = self.grammar.end_token(request.request_id)  # a complete output ends here, not in a step
+            if end is not None:
+                reason = self._append(request, end)
+        if reason == "error":
+            return
+        delta = make_delta(request, reason)
+        self.client_out.send(delta)
+        if delta.finished:
+            self._forget(request)
 
     def _send_draft_mask(self, message: DraftTokens, rows: list[ScheduledRow]) -> None:
         request_ids = [rows[b].request.request_id for b in message.rows.tolist()]
@@ -331,7 +349,13 @@ class Scheduler:
 
     def _handle_client_message(self, message: Any) -> None:
         if isinstance(message, GenerateRequest):
-            self._add_request(message)
+            try:
+                self._add_request(message)
+            except Exception:
+                logger.exception("request %s could not be added", message.request_id)
+                self._forget_id(message.request_id)
+                self.client_out.send(RequestOutput(message.request_id, [], "", True, "error",
+                                                   "internal error while adding the request", error_status=INTERNAL_ERROR))
         elif isinstance(message, AbortRequest):
             request = self.requests.get(message.request_id)
             if request is not None:
@@ -347,10 +371,10 @@ class Scheduler:
             logger.warning("ignoring unexpected %s from the client", type(message).__name__)
 
     def _add_request(self, message: GenerateRequest) -> None:
-        prompt = [int(t) for t in message.prompt_token_ids]
+        prompt = message.prompt_token_ids.tolist() if isinstance(message.prompt_token_ids, np.ndarray) else []
         error = self._validate(message, prompt)
         if error is not None:
-            self.client_out.send(RequestOutput(message.request_id, [], "", True, "error", error))
+            self.client_out.send(RequestOutput(message.request_id, [], "", True, "error", error, error_status=BAD_REQUEST))
             return
         request = Request(message.request_id, prompt, message.params, message.arrival_time,
                           IncrementalDetokenizer(self.tokenizer, prompt))
@@ -358,21 +382,20 @@ class Scheduler:
             try:
                 request.grammar_ready = self.grammar.submit(request.request_id, message.params.guided)
             except GrammarError as e:
-                self.client_out.send(RequestOutput(message.request_id, [], "", True, "error", str(e)))
+                self.client_out.send(RequestOutput(message.request_id, [], "", True, "error", str(e),
+                                                   error_status=BAD_REQUEST))
                 return
         self.requests[request.request_id] = request
         self.batcher.add(request)
 
     def _validate(self, message: GenerateRequest, prompt: list[int]) -> str | None:
+        """The client validated the request already (the same ``validate_request``): this is the
+        engine's own guard, for a client that did not."""
         if message.request_id in self.requests:
             return f"request id {message.request_id!r} is already in use"
-        if not prompt:
-            return "the prompt is empty"
-        if len(prompt) >= self.cfg.max_model_len:
-            return f"the prompt has {len(prompt)} tokens; the model length is {self.cfg.max_model_len}"
         try:
-            message.params.validate()
-        except ValueError as e:
+            validate_request(prompt, message.params, self.cfg.vocab_size, self.cfg.max_model_len)
+        except InvalidRequest as e:
             return str(e)
         return None
 
@@ -383,10 +406,53 @@ class Scheduler:
             self.speculator.release(request.request_id)
         self.requests.pop(request.request_id, None)
 
-    def _fail(self, request: Request, error: str) -> None:
+    def _fail(self, request: Request, error: str, status: int = INTERNAL_ERROR) -> None:
         """End one request with an error; the others carry on."""
-        self.client_out.send(_error_output(request, error))
+        try:
+            output = _error_output(request, error, status)
+        except Exception:  # its detokenizer is what failed: end it without the last text
+            logger.exception("request %s: its last output could not be made", request.request_id)
+            output = RequestOutput(request.request_id, [], "", True, "error", error, error_status=status)
+        self.client_out.send(output)
         self._forget(request)
+
+    def _fail_internal(self, request: Request, doing: str, e: Exception) -> None:
+        """A bug met while serving one request: its traceback to the log, a one-line 500 to it."""
+        logger.exception("request %s failed while %s", request.request_id, doing)
+        self._fail(request, f"internal error while {doing}: {type(e).__name__}", INTERNAL_ERROR)
+
+    def _forget_id(self, request_id: str) -> None:
+        """``_forget`` for a request that may be half added."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._forget(request)
+        else:
+            self.grammar.release(request_id)
+
+    def _plan_drafts(self, rows: list[ScheduledRow]) -> list[ScheduledRow]:
+        """The drafter's plan for this step; a request whose drafter raised is failed and left out."""
+        assert self.speculator is not None
+        planned = self.speculator.plan(rows, self.cfg.max_num_batched_tokens)
+        for request, error, details in self.speculator.take_failures():
+            logger.error("request %s: its drafter failed:\n%s", request.request_id, details)
+            self._fail(request, f"the drafter failed: {error}", INTERNAL_ERROR)
+        return [row for row in planned if row.request.request_id in self.requests]
+
+    def _fill(self, rows: list[FillRow]) -> np.ndarray:
+        """The step's bitmask. If a grammar raises, the rows are filled one request at a time to
+        find it: that request fails, and its rows allow only a stop token (its tokens are dropped)."""
+        try:
+            return self.grammar.fill(rows)
+        except Exception:
+            logger.exception("step %d: a grammar failed while filling the bitmask", self.step_id)
+        parts = []
+        for row in rows:
+            try:
+                parts.append(self.grammar.fill([row]).copy())
+            except Exception as e:
+                parts.append(self.grammar.stop_rows(1 + len(row.drafts)))
+                self._fail_internal(self.requests[row.request_id], "filling its grammar's mask", e)
+        return np.concatenate(parts)
 
     def _check_health(self) -> None:
         for rank, pid in self.worker_pids.items():
@@ -398,17 +464,28 @@ class Scheduler:
     def fail_all(self, reason: str) -> None:
         logger.error("engine failed: %s", reason)
         for request in list(self.requests.values()):
-            self.client_out.send(_error_output(request, reason))
+            try:
+                output = _error_output(request, reason, ENGINE_UNAVAILABLE)
+            except Exception:
+                output = RequestOutput(request.request_id, [], "", True, "error", reason, error_status=ENGINE_UNAVAILABLE)
+            self.client_out.send(output)
         self.requests.clear()
         self.client_out.send(EngineDead(reason))
         time.sleep(0.1)  # let the frames leave
 
 
-def _error_output(request: Request, error: str) -> RequestOutput:
+def _error_output(request: Request, error: str, status: int) -> RequestOutput:
     """The request's last delta, ending it with ``error``."""
     output = finish_output(request, "error")
     return RequestOutput(output.request_id, output.new_token_ids, output.new_text, True, "error", error,
-                         output.num_prompt_tokens)
+                         output.num_prompt_tokens, error_status=status)
+
+
+def _worker_failure(message: WorkerError) -> str:
+    """A worker's failure for the clients: one line; its traceback goes to this log."""
+    if message.details:
+        logger.error("worker rank %d failed at step %d:\n%s", message.rank, message.step, message.details)
+    return message.message.splitlines()[0] if message.message else f"worker rank {message.rank} failed"
 
 
 def _split(flat: np.ndarray | None, counts: np.ndarray | None) -> list[list[int]] | None:

@@ -40,6 +40,7 @@ state would have to follow the drafts).
 from __future__ import annotations
 
 import dataclasses
+import traceback
 from typing import Any
 
 import numpy as np
@@ -138,10 +139,13 @@ class DraftCost:
 
 
 class Speculator:
-    def __init__(self, cfg: SpeculativeConfig, grammar: Any, max_model_len: int, tokenizer: Any = None) -> None:
+    def __init__(self, cfg: SpeculativeConfig, grammar: Any, max_model_len: int, tokenizer: Any = None,
+                 vocab_size: int | None = None) -> None:
         self.cfg = cfg
         self.grammar = grammar
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size  # drafts outside [0, vocab_size) fail their request
+        self._failures: list[tuple[Request, str, str]] = []  # (request, message, traceback) of failed drafters
         self.drafter: Drafter = create_drafter(cfg, tokenizer)
         self.acceptance: dict[str, _Acceptance] = {}
         # a model drafter's fallback: prompt lookup, for the rows the draft model does not draft for
@@ -205,13 +209,22 @@ class Speculator:
                 drafter = self.lookup
                 self._lookup_drafted.add(request.request_id)
                 self.store_proposals(request, [])  # nothing of the draft model's is due for it this step
-            drafts = self._propose(request, drafter, forced, min(k, rooms[i] - len(forced))) if k > 0 else forced
+            try:
+                drafts = self._propose(request, drafter, forced, min(k, rooms[i] - len(forced))) if k > 0 else forced
+            except Exception as e:  # a drafter's fault fails its request alone (take_failures)
+                self._failures.append((request, f"{type(e).__name__}: {str(e)[:200]}", traceback.format_exc()))
+                drafts = []
             budget -= len(drafts) - k
             self._num_forced[request.request_id] = len(forced)
             request.draft_tokens = drafts
             if drafts:
                 out[i] = ScheduledRow(request, rows[i].start, rows[i].num_new_tokens + len(drafts), 1 + len(drafts))
         return out
+
+    def take_failures(self) -> list[tuple[Request, str, str]]:
+        """Requests whose drafter raised during the last ``plan``: (request, message, traceback)."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def proposal_lengths(self, rows: list[ScheduledRow]) -> tuple[np.ndarray, np.ndarray] | None:
         """With a draft model: how many drafts rank 0 should propose after this step, per row, and
@@ -378,7 +391,10 @@ class Speculator:
                     return int(self.grammar.valid_prefix(request_id, prefix, tokens))
                 return len(tokens)
 
-            drafts += drafter.propose(request_id, context + drafts, num_committed, max_len, valid_prefix)
+            proposed = drafter.propose(request_id, context + drafts, num_committed, max_len, valid_prefix)
+            if self.vocab_size is not None and any(not 0 <= t < self.vocab_size for t in proposed):
+                raise ValueError(f"the drafter proposed a token id outside the vocabulary [0, {self.vocab_size})")
+            drafts += proposed
         return drafts
 
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 
 _SEED_STRIDE = 1_000_003
+# a temperature below this samples as if it were this: fp32 logits / temperature stay finite
+# (a valid request may ask for 1e-30; dividing by it would give inf - inf = nan in the softmax)
+_MIN_TEMPERATURE = 1e-4
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -26,7 +29,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    logits = logits / temperature[:, None]
+    logits = logits / temperature.clamp(min=_MIN_TEMPERATURE)[:, None]
     vocab = logits.shape[-1]
     if bool((top_k > 0).any()) or bool((top_p < 1).any()):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -36,6 +39,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
         drop |= (cumulative - sorted_logits.softmax(dim=-1)) >= top_p[:, None]
+        drop[:, 0] = False  # even where a tiny top_p rounds to 0 in fp32
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
     return logits.softmax(dim=-1)

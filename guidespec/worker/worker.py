@@ -53,7 +53,9 @@ def run_worker(cfg: WorkerConfig, parent_pid: int) -> None:
         results.send(WorkerReady(cfg.rank, os.getpid()))
         worker.loop(results, parent_pid)
     except Exception as e:
-        results.send(WorkerError(cfg.rank, f"worker rank {cfg.rank} failed: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        first_line = (str(e).splitlines() or [""])[0][:200]
+        results.send(WorkerError(cfg.rank, f"worker rank {cfg.rank} failed: {type(e).__name__}: {first_line}",
+                                 details=traceback.format_exc()))
         time.sleep(0.2)  # let the frame leave before the socket is torn down
         raise SystemExit(1)
     finally:
