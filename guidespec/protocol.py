@@ -356,6 +356,9 @@ class StepBitmask:
     bitmask: np.ndarray  # [R, ceil(vocab / 32)] int32
 
 
+NO_TOKEN = -1  # a StepOutputs token where the row's mask allowed no token at all
+
+
 @register_message(22)
 @dataclass(frozen=True)
 class StepOutputs:

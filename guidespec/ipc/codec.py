@@ -4,14 +4,25 @@ A frame is ``[u32 header length][msgpack header][8-byte aligned array payloads]`
 are dataclasses registered with a fixed tag; numpy arrays inside them are written as raw
 bytes after the header and decoded with ``np.frombuffer`` over the frame (no copy). Anything
 that is not a registered message, a msgpack primitive, or a numeric numpy array is refused at
-encode time; any frame that does not decode to a registered message raises
-``MalformedMessage`` at decode time, and the receiver carries on.
+encode time; any frame that does not decode to a registered message, each field of the type
+its annotation names, raises ``MalformedMessage`` at decode time, and the receiver carries on.
+Decoding allocates no more than the frame's size suggests: msgpack's own limits bound declared
+lengths by the bytes present, arrays are views checked against the frame, and messages may nest
+only ``_MAX_NESTED_MESSAGES`` deep (each level is a C-stack-hungry ``unpackb`` call: a few
+hundred levels crash the process).
+
+What a field's value means (a token id in range, a positive count) is the receiver's to check:
+the codec checks only types, and not an array's dtype or shape.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import struct
+import types
+import typing
 from typing import Any, Callable, TypeVar
 
 import msgpack
@@ -21,6 +32,8 @@ _EXT_ARRAY = 1
 _EXT_MESSAGE = 2
 _ALLOWED_DTYPES = {"bool", "int8", "uint8", "int16", "int32", "int64", "uint32", "float16", "float32", "float64"}
 _HEADER_LEN = struct.Struct("<I")
+_MAX_NESTED_MESSAGES = 8  # the deepest in use: GenerateRequest > SamplingParams > GuidedDecoding
+_MAX_NDIM = 32  # numpy's own limit before 2.0; also bounds the cost of a shape's product
 
 _TAG_TO_CLASS: dict[int, type] = {}
 _CLASS_TO_TAG: dict[type, int] = {}
@@ -84,13 +97,20 @@ def decode(frame: bytes | bytearray | memoryview) -> Any:
     if start + header_len > view.nbytes:
         raise MalformedMessage(f"header length {header_len} exceeds the frame ({view.nbytes} bytes)")
     payload_base = start + header_len + (-(start + header_len) % 8)
+    depth = [0]
 
     def ext_hook(code: int, data: bytes) -> Any:
         if code == _EXT_ARRAY:
             return _decode_array(data, view, payload_base)
-        if code == _EXT_MESSAGE:
+        if code != _EXT_MESSAGE:
+            raise MalformedMessage(f"unknown extension type {code}")
+        if depth[0] >= _MAX_NESTED_MESSAGES:
+            raise MalformedMessage(f"messages nested deeper than {_MAX_NESTED_MESSAGES}")
+        depth[0] += 1
+        try:
             return _decode_message(msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=True))
-        raise MalformedMessage(f"unknown extension type {code}")
+        finally:
+            depth[0] -= 1
 
     try:
         message = msgpack.unpackb(view[start : start + header_len], ext_hook=ext_hook, raw=False)
@@ -106,8 +126,7 @@ def decode(frame: bytes | bytearray | memoryview) -> Any:
 def _encode_array(array: np.ndarray, arrays: list[np.ndarray], offset: list[int]) -> msgpack.ExtType:
     if array.dtype.name not in _ALLOWED_DTYPES:
         raise TypeError(f"arrays of dtype {array.dtype} cannot be sent")
-    array = np.ascontiguousarray(array)
-    meta = [array.dtype.name, list(array.shape), offset[0], array.nbytes]
+    meta = [array.dtype.name, list(array.shape), offset[0], array.nbytes]  # tobytes() writes C order
     arrays.append(array)
     offset[0] += array.nbytes + (-array.nbytes % 8)
     return msgpack.ExtType(_EXT_ARRAY, msgpack.packb(meta))
@@ -116,15 +135,17 @@ def _encode_array(array: np.ndarray, arrays: list[np.ndarray], offset: list[int]
 def _decode_array(data: bytes, view: memoryview, payload_base: int) -> np.ndarray:
     try:
         dtype_name, shape, offset, nbytes = msgpack.unpackb(data)
-        dtype = np.dtype(dtype_name)
     except Exception as e:
         raise MalformedMessage(f"bad array header: {e}") from None
-    if dtype_name not in _ALLOWED_DTYPES:
+    if not (isinstance(dtype_name, str) and dtype_name in _ALLOWED_DTYPES):
         raise MalformedMessage(f"array dtype {dtype_name!r} is not allowed")
-    if not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not (isinstance(shape, list) and len(shape) <= _MAX_NDIM and all(type(d) is int and d >= 0 for d in shape)):
         raise MalformedMessage(f"bad array shape {shape!r}")
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    if count * dtype.itemsize != nbytes or offset < 0 or payload_base + offset + nbytes > view.nbytes:
+    if not (type(offset) is int and type(nbytes) is int and offset >= 0):
+        raise MalformedMessage(f"bad array offset {offset!r} or size {nbytes!r}")
+    dtype = np.dtype(dtype_name)
+    count = math.prod(shape)  # exact: a product that overflows int64 must not wrap to a small size
+    if count * dtype.itemsize != nbytes or payload_base + offset + nbytes > view.nbytes:
         raise MalformedMessage(f"array of shape {shape} ({nbytes} bytes at {offset}) does not fit the frame")
     return np.frombuffer(view, dtype=dtype, count=count, offset=payload_base + offset).reshape(shape)
 
@@ -136,10 +157,55 @@ def _decode_message(item: Any) -> Any:
     cls = _TAG_TO_CLASS.get(tag)
     if cls is None:
         raise MalformedMessage(f"unknown message tag {tag}")
-    expected = dataclasses.fields(cls)
-    if len(fields) != len(expected):
-        raise MalformedMessage(f"{cls.__name__} has {len(expected)} fields, frame has {len(fields)}")
+    checks = _field_checks(cls)
+    if len(fields) != len(checks):
+        raise MalformedMessage(f"{cls.__name__} has {len(checks)} fields, frame has {len(fields)}")
+    for (name, expected, check), value in zip(checks, fields):
+        if not check(value):
+            raise MalformedMessage(f"{cls.__name__}.{name} must be {expected}, frame has a {type(value).__name__}")
     try:
         return cls(*fields)
     except Exception as e:
         raise MalformedMessage(f"cannot build {cls.__name__}: {e}") from None
+
+
+@functools.cache
+def _field_checks(cls: type) -> list[tuple[str, str, Callable[[Any], bool]]]:
+    """Each field's name, annotation and type check; built on first use (the classes are defined
+    after the codec, some naming others defined later) and kept: decoding is on the hot path."""
+    hints = typing.get_type_hints(cls)
+    return [(f.name, _hint_name(hints[f.name]), _type_check(hints[f.name])) for f in dataclasses.fields(cls)]
+
+
+def _type_check(hint: Any) -> Callable[[Any], bool]:
+    """A predicate: does a decoded value fit the annotation? msgpack gives lists for tuples and
+    may give an int for a float (a float field set to ``1``); other generics are checked as their
+    container."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        if all(typing.get_origin(h) is None for h in args):
+            simple = tuple(t for h in args for t in _simple_types(h))
+            return lambda value: isinstance(value, simple)
+        checks = [_type_check(h) for h in args]
+        return lambda value: any(check(value) for check in checks)
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        checks = [_type_check(h) for h in args]
+        return lambda value: (isinstance(value, list) and len(value) == len(checks)
+                              and all(check(v) for check, v in zip(checks, value)))
+    if origin is list or origin is tuple:
+        item = _type_check(args[0]) if args else lambda value: True
+        return lambda value: isinstance(value, list) and all(item(v) for v in value)
+    if origin is not None:
+        return lambda value: isinstance(value, origin)
+    simple = _simple_types(hint)
+    return lambda value: isinstance(value, simple)
+
+
+def _simple_types(hint: Any) -> tuple[type, ...]:
+    if hint is Any:
+        return (object,)
+    return (int, float) if hint is float else (hint,)
+
+
+def _hint_name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint)

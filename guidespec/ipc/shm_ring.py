@@ -8,6 +8,12 @@ reader (the reader's "read flags": reader ``r`` has read every chunk below its c
   carries the message length, readers reassemble.
 - The writer may overwrite a slot only when every live reader's cursor has passed it. A
   reader marked dead (``mark_reader_dead``) no longer holds the writer back.
+- A message may be at most ``MAX_MESSAGE_SIZE`` bytes; the writer refuses a larger one before
+  writing anything.
+- A reader checks every slot header against the framing the writer keeps (a first chunk's
+  total in ``[0, MAX_MESSAGE_SIZE]``, every chunk full but the last, continuations marked -1)
+  and raises ``RingCorrupt`` on any other; it copies chunk by chunk, so a corrupt total cannot
+  make it allocate more than was written.
 - Waits spin for a few microseconds (a step's messages arrive back to back), then sleep with
   a growing interval up to 1 ms, so an idle reader costs almost no CPU. Every wait has a
   timeout (of running time: ``waiting.AwakeTimer``, so processes paused together and resumed
@@ -34,10 +40,16 @@ _MAGIC = 0x67756964  # "guid"
 _CURSOR_STRIDE = 8  # int64 words between reader cursors: one cache line each
 _SPIN_S = 100e-6
 _MAX_SLEEP_S = 1e-3
+MAX_MESSAGE_SIZE = 1 << 30  # far above any step's messages (a 512-row bitmask over 256k tokens: 16 MiB)
 
 
 class RingTimeout(TimeoutError):
     """A ring wait passed its deadline."""
+
+
+class RingCorrupt(RuntimeError):
+    """A slot header the writer never writes: the segment was overwritten, or a reader lost its
+    place. The reader cannot find the next message's start again."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +140,9 @@ class RingWriter:
         ring = self.ring
         view = memoryview(payload).cast("B")
         size, slot_size = view.nbytes, ring.spec.slot_size
+        if size > MAX_MESSAGE_SIZE:
+            raise ValueError(f"ring {ring.spec.name}: a message of {size} bytes is over the limit "
+                             f"of {MAX_MESSAGE_SIZE}")
         timer = AwakeTimer(timeout)
         sent = 0
         while sent < size or sent == 0:
@@ -169,26 +184,28 @@ class RingReader:
         self.index = index
 
     def read(self, timeout: float | None = 10.0) -> bytes:
-        """Read the next message (a private copy). ``timeout=None`` waits forever."""
+        """Read the next message (a private copy). ``timeout=None`` waits forever.
+
+        Raises ``RingTimeout`` when a chunk does not come in time, ``RingCorrupt`` on a slot
+        header the writer never writes (the cursor stays on that chunk)."""
         ring = self.ring
         timer = AwakeTimer(timeout)
         slot, n, total = self._wait_chunk(timer)
-        if total == n:
-            out = ring.data[slot, :n].tobytes()
-            self._advance()
-            return out
-        if total < n:
-            raise RuntimeError(f"ring {ring.spec.name}: reader {self.index} lost message framing")
-        buf = bytearray(total)
-        dest = np.frombuffer(buf, dtype=np.uint8)
-        filled = 0
+        if not 0 <= total <= MAX_MESSAGE_SIZE:
+            raise self._corrupt(f"a message of {total} bytes")
+        chunks: list[bytes] = []
+        remaining = total
         while True:
-            dest[filled : filled + n] = ring.data[slot, :n]
-            filled += n
+            if n != min(remaining, ring.spec.slot_size):
+                raise self._corrupt(f"a chunk of {n} bytes with {remaining} of {total} bytes to come")
+            chunks.append(ring.data[slot, :n].tobytes())
             self._advance()
-            if filled >= total:
-                return bytes(buf)
-            slot, n, _ = self._wait_chunk(timer)
+            remaining -= n
+            if remaining == 0:
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            slot, n, marker = self._wait_chunk(timer)
+            if marker != -1:
+                raise self._corrupt(f"a new message of {marker} bytes with {remaining} of {total} bytes to come")
 
     def poll(self) -> bool:
         """True if a message is waiting."""
@@ -207,6 +224,10 @@ class RingReader:
 
     def _advance(self) -> None:
         self.ring.cursors[self.index] += 1
+
+    def _corrupt(self, what: str) -> RingCorrupt:
+        cursor = int(self.ring.cursors[self.index])
+        return RingCorrupt(f"ring {self.ring.spec.name}: reader {self.index} found {what} at chunk {cursor}")
 
 
 class _Backoff:

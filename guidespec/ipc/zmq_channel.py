@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import time
 import uuid
 from typing import Any, Callable
 
@@ -54,9 +55,12 @@ class Channel:
         self.socket.send(codec.encode(message), copy=False)
 
     def recv(self, timeout_s: float | None = None, on_malformed: Callable[[str], None] | None = None) -> Any:
-        """The next well-formed message, or None after ``timeout_s`` (None waits forever)."""
+        """The next well-formed message, or None after ``timeout_s`` (None waits forever).
+
+        The timeout runs from the call: malformed frames arriving now and then do not restart it."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            if timeout_s is not None and not self.socket.poll(int(timeout_s * 1000)):
+            if deadline is not None and not self.socket.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                 return None
             frame = self.socket.recv(copy=False)
             try:

@@ -57,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: the folder's)")
     serve.add_argument("--no-jump-forward", action="store_true", help="sample every token, even forced ones")
     serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                       help="on SIGTERM, how long requests in flight may take to finish before the engine stops")
+    serve.add_argument("--no-restart", action="store_true",
+                       help="do not restart a dead engine (default: restart it; a crash loop exits non-zero)")
 
     bench = commands.add_parser("bench", help="load generator: a concurrency sweep with a table and plots")
     _add_engine_args(bench)
@@ -182,11 +186,13 @@ def _serve(args: argparse.Namespace) -> int:
              max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, grammar_backend=args.backend,
              jump_forward=not args.no_jump_forward, speculative=speculative_from_args(args),
              distributed_executor=args.distributed_executor, ray_address=args.ray_address,
-             enable_prefix_caching=args.enable_prefix_caching) as llm:
+             enable_prefix_caching=args.enable_prefix_caching, restart_on_failure=not args.no_restart) as llm:
         name = args.served_model_name or (args.model and Path(args.model).name) or "SmolLM2-135M-Instruct"
         print(f"guidespec: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-        run_server(llm, name, args.host, args.port, args.api_key, args.log_level)
-    return 0
+        code = run_server(llm, name, args.host, args.port, args.api_key, args.log_level, args.shutdown_timeout)
+    if code:
+        print("guidespec: the engine died in a crash loop; exiting for the supervisor", file=sys.stderr)
+    return code
 
 
 def _generate(args: argparse.Namespace) -> int:

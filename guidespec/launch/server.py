@@ -6,35 +6,60 @@ template), both streaming over server-sent events; ``response_format`` (``json_s
 ``guided_grammar``, ``guided_choice``, ``guided_decoding_backend``, ``top_k``,
 ``repetition_penalty``, ``ignore_eos``); ``/health``; ``/metrics`` for Prometheus.
 
-Errors are OpenAI-style bodies (``{"error": {"message", "type", "param", "code"}}``): 400 for a
-request the engine refuses (invalid schema, context overflow, bad or unsupported parameter),
-401 for a wrong API key, 404 for an unknown model or route, 422 for a body of the wrong shape.
-The engine keeps serving the others. A client that disconnects aborts its request, which frees
-its slot (``guidespec_num_requests_running`` in ``/metrics``).
+Errors are OpenAI-style bodies (``{"error": {"message", "type", "param", "code"}}``) whose status
+says whose fault it is: 400 for a request the engine refuses (invalid schema, context overflow,
+bad or unsupported parameter), 401 for a wrong API key, 404 for an unknown model or route, 413
+for a body over ``MAX_BODY_BYTES``, 422 for a body of the wrong shape; 500 for a bug of ours
+(its traceback in this server's log, never in the response); 503 with ``Retry-After`` while the
+engine is restarting after a death, or while the server drains for shutdown. A stream that
+fails after its first byte ends with an error event of the same status. The engine keeps
+serving the others. A client that disconnects aborts its request, which frees its slot
+(``guidespec_num_requests_running`` in ``/metrics``).
+
+The engine restarts itself (``LLM(restart_on_failure=True)``); if it dies in a crash loop the
+server exits with a non-zero status, for its supervisor. SIGTERM (or Ctrl-C) drains: new
+requests get 503, those in flight finish (up to ``shutdown_timeout_s``), then the engine stops.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from guidespec.llm import LLM, EngineDeadError, GenerationOutput, RequestError, RequestHandle, StreamDelta
-from guidespec.protocol import GuidedDecoding, SamplingParams
+from guidespec.llm import (LLM, EngineDeadError, EngineRestartingError, GenerationOutput, RequestError, RequestHandle,
+                           StreamDelta)
+from guidespec.protocol import (INT32_MAX, MAX_CHOICES, MAX_REPETITION_PENALTY, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                                MAX_TEMPERATURE, MIN_REPETITION_PENALTY, GuidedDecoding, InvalidRequest, SamplingParams)
+
+logger = logging.getLogger("guidespec.server")
+MAX_BODY_BYTES = 16 << 20  # a request body past this is refused with 413 before it is read whole
+RETRY_AFTER_S = 5  # what a 503 tells clients to wait (an engine restart takes a few seconds)
 
 _UNSUPPORTED = ("logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "functions", "function_call",
                 "suffix", "best_of", "echo", "audio", "modalities", "prediction")
 _IGNORED = ("user", "store", "metadata", "parallel_tool_calls", "service_tier")  # accepted, without effect
+
+
+_ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+def _documented(default: Any = None, **schema: Any) -> Any:
+    """A field whose OpenAPI schema states the range ``validate_request`` enforces; the check
+    itself stays in ``validate_request`` (a 400 naming the field), not in pydantic."""
+    return Field(default, json_schema_extra=schema)
 
 
 class APIError(Exception):
@@ -43,46 +68,89 @@ class APIError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
-class _Request(BaseModel):
-    """Fields both endpoints take. Unknown fields are collected and refused with a 400."""
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
+class CompletionResponse(BaseModel):
+    """``/v1/completions`` and ``/v1/chat/completions`` answers (choices and usage as OpenAI's);
+    with ``stream``, server-sent events of chunks instead."""
 
     model_config = ConfigDict(extra="allow")
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[dict[str, Any]]
+    usage: dict[str, Any]
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": ErrorResponse, "description": what} for status, what in (
+    (400, "the request is invalid or refused by the engine"), (401, "wrong or missing API key"),
+    (404, "unknown model"), (413, "request body too large"), (422, "request body of the wrong shape"),
+    (500, "a bug of the server (the traceback is in its log)"),
+    (503, "the engine is restarting or the server is shutting down: retry after Retry-After seconds"))}
+_GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"model": CompletionResponse, "content": {"text/event-stream": {"schema": {"type": "string"}}},
+          "description": "the completion (JSON), or with stream: server-sent events"}, **_ERRORS}
+
+
+class _Request(BaseModel):
+    """Fields both endpoints take. Unknown fields are collected and refused with a 400 (the
+    document says no others; OpenAI fields without effect here, ``_IGNORED``, are accepted)."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    n: int = 1
+    max_tokens: int | None = _documented(minimum=1)
+    temperature: float | None = _documented(minimum=0, maximum=MAX_TEMPERATURE)
+    top_p: float | None = _documented(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = _documented(minimum=-1, maximum=INT32_MAX)
+    n: int = _documented(1, minimum=1, maximum=1)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = _documented(maxItems=MAX_STOP_STRINGS, minLength=1, maxLength=MAX_STOP_CHARS)
+    seed: int | None = _documented(minimum=0, maximum=2**63 - 1)
+    presence_penalty: float = _documented(0.0, minimum=-2, maximum=2)
+    frequency_penalty: float = _documented(0.0, minimum=-2, maximum=2)
+    repetition_penalty: float = _documented(1.0, minimum=MIN_REPETITION_PENALTY, maximum=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
-    guided_choice: list[str] | None = None
-    guided_decoding_backend: str | None = None
+    guided_choice: list[str] | None = _documented(minItems=1, maxItems=MAX_CHOICES)
+    guided_decoding_backend: Literal["xgrammar", "llguidance"] | None = None
     speculative: bool = True  # guidespec: False turns the engine's drafter off for this request
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] = _documented(..., minLength=1, minItems=1)
 
 
 class ChatRequest(_Request):
-    messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
+    messages: list[dict[str, Any]] = _documented(..., minItems=1, items={
+        "type": "object", "required": ["role", "content"],
+        "properties": {"role": {"enum": list(_ROLES)},
+                       "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+                           "type": "object", "required": ["type", "text"],
+                           "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}})
+    max_completion_tokens: int | None = _documented(minimum=1)
 
 
 class _Metrics:
     def __init__(self, llm: LLM) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        r.register(_RestartCollector(llm))
         latency_buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
         self.ttft = Histogram("guidespec_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=latency_buckets)
@@ -123,6 +191,17 @@ def _stat_reader(llm: LLM, field: str) -> Any:
     return lambda: float(getattr(llm.scheduler_stats, field))
 
 
+class _RestartCollector:
+    """``guidespec_engine_restarts_total``: fresh engines started after a death (counted by the LLM)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily("guidespec_engine_restarts", "Engine restarts after a process died",
+                                  value=self.llm.num_restarts)
+
+
 def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``llm`` under the name ``model_name``."""
     app = FastAPI(title="guidespec", docs_url=None, redoc_url=None)
@@ -146,23 +225,42 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return _error(e.status_code, str(e.detail))
 
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception) -> JSONResponse:
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=e)
+        metrics.failed.labels(status="500").inc()
+        return _error(500, f"internal server error ({type(e).__name__}); the details are in the server's log")
+
     @app.middleware("http")
-    async def _authenticate(request: Request, call_next: Any) -> Any:
-        if api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+    async def _admit(request: Request, call_next: Any) -> Any:
+        """Authentication, the body size limit, and 503 while the server drains for shutdown."""
+        if request.url.path.startswith("/v1"):
+            if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
                 metrics.failed.labels(status="401").inc()
                 return _error(401, "invalid or missing API key (send Authorization: Bearer <key>)")
+            if app.state.draining:
+                metrics.failed.labels(status="503").inc()
+                return _error(503, "the server is shutting down")
+            length = request.headers.get("content-length", "")
+            if length.isdigit() and int(length) > MAX_BODY_BYTES:
+                metrics.failed.labels(status="413").inc()
+                return _error(413, f"the request body has {length} bytes; the limit is {MAX_BODY_BYTES}")
         return await call_next(request)
 
-    @app.get("/health")
+    app.state.draining = False
+
+    @app.get("/health", responses={200: {"description": "serving"}, 503: _ERRORS[503]})
     async def health() -> JSONResponse:
         try:
             llm._check_alive()
         except EngineDeadError as e:
             return _error(503, str(e))
+        if app.state.draining:
+            return _error(503, "the server is shutting down")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus' text format", "content": {"text/plain": {}}}})
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
@@ -172,7 +270,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
             {"id": model_name, "object": "model", "created": created, "owned_by": "guidespec",
              "max_model_len": max_model_len}]})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_GENERATE_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Any:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -183,7 +281,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
         engine_prompt: Any = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
         return await _serve(body, engine_prompt, request, chat=False, default_max_tokens=16)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES)
     async def chat(body: ChatRequest, request: Request) -> Any:
         messages = [_chat_message(m, i) for i, m in enumerate(body.messages)]
         if body.max_completion_tokens is not None and body.max_tokens is None:
@@ -216,6 +314,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
         params = _sampling_params(body, max_tokens, llm.config.grammar_backend)
         try:
             handle = llm.open_stream({"prompt_token_ids": prompt_ids}, params)
+        except InvalidRequest as e:
+            raise APIError(400, str(e), e.param) from None
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
         except EngineDeadError as e:
@@ -256,8 +356,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
                     delta = await deltas.__anext__()
                 except StopAsyncIteration:
                     delta = None
-                except RequestError as e:
-                    yield _event({"error": {"message": str(e), "type": "BadRequestError", "code": 400}})
+                except Exception as e:  # the stream has begun: its status went out; end with an error event
+                    yield _error_event(e)
                     return
             out = handle.output
             metrics.observe(out)
@@ -275,7 +375,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
         except (RequestError, EngineDeadError) as e:
             await handle.deltas().aclose()  # type: ignore[attr-defined]
             metrics.in_server.dec()
-            raise APIError(503 if isinstance(e, EngineDeadError) else 400, _engine_message(e)) from None
+            raise APIError(_status(e), _engine_message(e)) from None
 
     async def _collect(handle: RequestHandle, request: Request) -> GenerationOutput | None:
         """The whole output; None if the client disconnected first (the request is then aborted)."""
@@ -291,10 +391,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
                     task.cancel()  # cancelling the drain closes deltas(): the request is aborted
                     return None
             task.result()
-        except RequestError as e:
-            raise APIError(400, _engine_message(e)) from None
-        except EngineDeadError as e:
-            raise APIError(503, str(e)) from None
+        except (RequestError, EngineDeadError) as e:
+            raise APIError(_status(e), _engine_message(e)) from None
         return handle.output
 
     def _chunk(request_id: str, chat: bool, content: Any, reason: str | None) -> dict[str, Any]:
@@ -325,7 +423,8 @@ def _sampling_params(body: _Request, max_tokens: int, default_backend: str) -> S
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                                top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+                                top_p=1.0 if body.top_p is None else body.top_p,
+                                top_k=0 if body.top_k in (None, -1) else body.top_k,  # vLLM's -1: off
                                 seed=body.seed, stop=tuple(stop), ignore_eos=body.ignore_eos, guided=guided,
                                 repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
                                 presence_penalty=body.presence_penalty, speculative=body.speculative)
@@ -343,6 +442,8 @@ def _guided(body: _Request) -> GuidedDecoding | None:
         kind = fmt.get("type")
         if kind == "json_schema":
             spec = fmt.get("json_schema") or {}
+            if not isinstance(spec, dict):
+                raise APIError(400, "response_format.json_schema must be an object with a schema", "response_format")
             schema = spec.get("schema", spec.get("json_schema"))
             if schema is None:
                 raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format")
@@ -379,7 +480,7 @@ def _guided(body: _Request) -> GuidedDecoding | None:
 
 def _chat_message(message: dict[str, Any], index: int) -> dict[str, str]:
     role, content = message.get("role"), message.get("content")
-    if role not in ("system", "user", "assistant", "developer", "tool"):
+    if role not in _ROLES:
         raise APIError(400, f"messages[{index}].role must be system, user or assistant, got {role!r}", "messages")
     if isinstance(content, list):  # content parts: only text is supported
         texts = []
@@ -391,6 +492,25 @@ def _chat_message(message: dict[str, Any], index: int) -> dict[str, str]:
     if not isinstance(content, str):
         raise APIError(400, f"messages[{index}].content must be a string or text parts", "messages")
     return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _status(e: Exception) -> int:
+    """The HTTP status of an engine's error: 503 for a dead or restarting engine, else its own."""
+    if isinstance(e, EngineDeadError):
+        return 503
+    return e.status if isinstance(e, RequestError) else 500
+
+
+def _error_event(e: Exception) -> str:
+    """The last event of a stream that failed after it began."""
+    if not isinstance(e, (RequestError, EngineDeadError)):
+        logger.error("a stream failed", exc_info=e)
+        message = f"internal server error ({type(e).__name__}); the details are in the server's log"
+    else:
+        message = _engine_message(e)
+    status = _status(e)
+    return _event({"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "param": None,
+                             "code": status}})
 
 
 def _engine_message(e: Exception) -> str:
@@ -424,15 +544,36 @@ def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
+                422: "UnprocessableEntityError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 422: "UnprocessableEntityError",
-            503: "ServiceUnavailableError"}.get(status, "APIError")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return JSONResponse({"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "param": param,
+                                   "code": status}}, status_code=status, headers=headers)
 
 
-def run_server(llm: LLM, model_name: str, host: str, port: int, api_key: str | None, log_level: str = "warning") -> None:
+def run_server(llm: LLM, model_name: str, host: str, port: int, api_key: str | None, log_level: str = "warning",
+               shutdown_timeout_s: float = 30.0) -> int:
+    """Serve until SIGTERM / Ctrl-C (0) or until the engine gives up after a crash loop (1)."""
     import uvicorn
 
-    uvicorn.run(create_app(llm, model_name, api_key), host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=5)
+    app = create_app(llm, model_name, api_key)
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.draining = True  # new requests: 503; those in flight finish
+            super().handle_exit(sig, frame)
+
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                    timeout_graceful_shutdown=max(1, round(shutdown_timeout_s))))
+
+    def give_up(reason: str) -> None:
+        logger.error("the engine died in a crash loop (%s); the server exits", reason)
+        app.state.draining = True
+        server.should_exit = True
+
+    llm.on_gave_up = give_up
+    server.run()
+    return 1 if llm.gave_up else 0

@@ -35,7 +35,7 @@ from guidespec.ipc.waiting import AwakeTimer
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.process_utils import parent_alive, setup_child_process
 from guidespec.grammar_backends import GrammarError
-from guidespec.protocol import (BAD_REQUEST, ENGINE_UNAVAILABLE, INTERNAL_ERROR, AbortRequest, DraftMask, DraftTokens,
+from guidespec.protocol import (BAD_REQUEST, ENGINE_UNAVAILABLE, INTERNAL_ERROR, NO_TOKEN, AbortRequest, DraftMask, DraftTokens,
                                 EngineDead, EngineReady, GenerateRequest, InvalidRequest, RequestOutput, SchedulerStats,
                                 Shutdown, StepBitmask, StepInputs, StepOutputs, WorkerError, WorkerReady,
                                 validate_request)
@@ -236,6 +236,10 @@ class Scheduler:
             if row.request.request_id not in self.requests:  # failed during this step
                 continue
             new_tokens = outputs.token_ids[offsets[i] : offsets[i + 1]].tolist()
+            if NO_TOKEN in new_tokens:
+                self._fail(row.request, "the grammar allows no token of the model's vocabulary here (it asks for "
+                                        "text the tokenizer cannot produce)", BAD_REQUEST)
+                continue
             try:
                 self._emit_row(row, new_tokens, proposals[i] if proposals is not None else None, now)
             except Exception as e:

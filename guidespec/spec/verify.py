@@ -12,7 +12,9 @@ the grammar's mask for that position already applied (p'). Each row yields 1 to 
   grammar-forced, user) are deterministic: q' is one-hot, so acceptance is ``p'(d_j)`` and the
   residual is p' without ``d_j``. The output follows the masked target distribution exactly.
 
-A draft the mask forbids has p'(d_j) = 0 and is never accepted: masks fail closed.
+A draft the mask forbids has p'(d_j) = 0 and is never accepted: masks fail closed. A row whose
+mask allows no token at all (a grammar the vocabulary cannot follow) yields ``NO_TOKEN``: the
+scheduler fails that request alone.
 Seeded rows draw position ``j``'s randomness from a generator seeded by (seed, output index).
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from guidespec.protocol import NO_TOKEN
 from guidespec.worker.sampler import _SEED_STRIDE, filtered_probs, sample
 
 
@@ -36,6 +39,9 @@ def verify(logits: torch.Tensor, num_logits: np.ndarray, drafts: list[np.ndarray
     batch = len(num_logits)
     offsets = np.concatenate([[0], np.cumsum(num_logits)]).astype(np.int64)
     out: list[list[int]] = [[] for _ in range(batch)]
+    dead = torch.isneginf(logits).all(dim=-1)  # [R]: rows whose mask allows nothing
+    if bool(dead.any()):
+        logits[dead] = 0.0  # sampled harmlessly (no nan), then replaced by NO_TOKEN below
     spec_rows = [b for b in range(batch) if num_logits[b] > 1]
     plain_rows = [b for b in range(batch) if num_logits[b] == 1]
     if plain_rows:  # no drafts: the ordinary sampler, batched
@@ -65,6 +71,10 @@ def verify(logits: torch.Tensor, num_logits: np.ndarray, drafts: list[np.ndarray
             q = draft_probs[b] if draft_probs is not None else None
             out[b] = _verify_sampled(probs[start : start + n], drafts[b], q, int(seeds[b]), int(sample_index[b]), generator)
             start += n
+    if bool(dead.any()):
+        for b in range(batch):  # only a row's last token can come from a dead row (a draft accepted at
+            if bool(dead[offsets[b] + len(out[b]) - 1]):  # a row had p' > 0 there)
+                out[b][-1] = NO_TOKEN
     counts = np.array([len(t) for t in out], dtype=np.int32)
     flat = np.array([t for tokens in out for t in tokens], dtype=np.int32)
     return flat, counts

@@ -5,12 +5,7 @@ disconnects mid-stream freeing its slot (seen in /metrics)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -20,49 +15,22 @@ import jsonschema
 import openai
 import pytest
 
+from tests.launch.serving import KEY, start_server, stop_server
+
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
-KEY = "test-key"
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
 ASK = [{"role": "user", "content": "Give me a person as JSON."}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    port = _free_port()
-    process = subprocess.Popen([sys.executable, "-m", "guidespec.launch.cli", "serve", "--port", str(port),
-                                "--api-key", KEY, "--max-batch-size", "4", "--speculative", "ngram"],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
+    running = start_server("--max-batch-size", "4", "--speculative", "ngram")
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"guidespec serve exited: {process.stdout.read() if process.stdout else ''}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("guidespec serve did not become healthy in 240 s")
-            time.sleep(0.5)
-        yield url
+        yield running.url
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_server(running)
 
 
 @pytest.fixture(scope="module")
