@@ -54,3 +54,10 @@ def ray_placement_timeout_s() -> float:
     """How long to wait for a Ray placement group the cluster could hold but is busy
     (``GUIDESPEC_RAY_PLACEMENT_TIMEOUT_S``)."""
     return float(os.environ.get("GUIDESPEC_RAY_PLACEMENT_TIMEOUT_S", "60"))
+
+
+def crash_loop() -> tuple[int, float]:
+    """A restarting LLM gives up after this many engine deaths within this many seconds
+    (``GUIDESPEC_CRASH_LOOP_DEATHS``, default 3; ``GUIDESPEC_CRASH_LOOP_WINDOW_S``, default 60)."""
+    return (int(os.environ.get("GUIDESPEC_CRASH_LOOP_DEATHS", "3")),
+            float(os.environ.get("GUIDESPEC_CRASH_LOOP_WINDOW_S", "60")))

@@ -10,8 +10,8 @@ resource, also after Ctrl-C or an exception.
 When an engine process dies, every request in flight ends at once with ``EngineDeadError``
 (the server's 503). With ``restart_on_failure`` (the server's default) a fresh engine then
 starts in the background, with new processes, shared memory and sockets, while new requests
-get ``EngineRestartingError``; deaths in a crash loop (``_CRASH_LOOP_DEATHS`` within
-``_CRASH_LOOP_WINDOW_S``) stop the restarts and leave the LLM dead, for a supervisor to act.
+get ``EngineRestartingError``; deaths in a crash loop (``envs.crash_loop()``: 3 within 60 s)
+stop the restarts and leave the LLM dead, for a supervisor to act.
 """
 
 from __future__ import annotations
@@ -46,8 +46,6 @@ from guidespec.worker import checkpoint
 logger = logging.getLogger(__name__)
 Message = dict[str, str]
 Prompt = Union[str, list[Message], dict[str, Any]]
-_CRASH_LOOP_DEATHS = 3  # this many engine deaths within the window: no more restarts
-_CRASH_LOOP_WINDOW_S = 60.0
 _RESTART_GRACE_S = 0.5  # a dead engine's other processes get this long to exit before SIGKILL
 
 
@@ -397,14 +395,15 @@ class LLM:
         """Count a death (under the state lock); True if the LLM now gives up (no restart wanted,
         or a crash loop), with ``_dead_reason`` set."""
         now = time.monotonic()
+        max_deaths, window_s = envs.crash_loop()
         self._deaths.append(now)
-        while self._deaths and now - self._deaths[0] > _CRASH_LOOP_WINDOW_S:
+        while self._deaths and now - self._deaths[0] > window_s:
             self._deaths.popleft()
         if not self.restart_on_failure:
             self._dead_reason = reason
-        elif len(self._deaths) >= _CRASH_LOOP_DEATHS:
+        elif len(self._deaths) >= max_deaths:
             self._dead_reason = (f"{reason} (a crash loop: {len(self._deaths)} engine deaths within "
-                                 f"{_CRASH_LOOP_WINDOW_S:.0f} s; not restarting)")
+                                 f"{window_s:g} s; not restarting)")
         return self._dead_reason is not None
 
     def _restart_loop(self) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import time
 import uuid
 from typing import Any, AsyncIterator, Iterator, Literal
@@ -565,6 +566,9 @@ def run_server(llm: LLM, model_name: str, host: str, port: int, api_key: str | N
         def handle_exit(self, sig: int, frame: Any) -> None:
             app.state.draining = True  # new requests: 503; those in flight finish
             super().handle_exit(sig, frame)
+            # uvicorn raises a caught signal again once it has drained: SIGTERM's default action
+            # would end this process before the engine is stopped and its shared memory removed
+            self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                     timeout_graceful_shutdown=max(1, round(shutdown_timeout_s))))
