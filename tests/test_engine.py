@@ -13,10 +13,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from guidespec import LLM, EngineDeadError, RequestError, SamplingParams
+from guidespec import LLM, EngineDeadError, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -242,14 +243,69 @@ def test_killed_worker_fails_requests_with_a_clear_error_within_2s() -> None:
         next(stream)
         os.kill(worker.pid, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(RequestError, match=r"worker rank 0 .*(killed|died)"):
+        with pytest.raises(EngineDeadError, match=r"worker rank 0 .*(killed|died)"):
             for _ in stream:
                 pass
         assert time.monotonic() - start < 2.0
         with pytest.raises(EngineDeadError, match="worker rank 0"):
             engine.generate("Hi", GREEDY)
+        assert not engine.is_healthy and engine.num_restarts == 0  # restart_on_failure is off by default
     finally:
         engine.close()
+
+
+def test_a_restarting_llm_serves_again_after_its_scheduler_dies() -> None:
+    engine = LLM(max_batch_size=2, show_progress=False, restart_on_failure=True)
+    try:
+        expected = engine.generate("Hi", GREEDY)[0].token_ids
+        old = engine._processes
+        pids = [p.pid for p in old.processes.values()]
+        names = [f"/dev/shm/{old.ring.spec.name}"] + [e.removeprefix("ipc://") for e in vars(old.endpoints).values()]
+        stream = engine.stream("Tell me a long story.", SamplingParams(max_tokens=5000, ignore_eos=True))
+        next(stream)
+        os.kill(old.processes["scheduler"].pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="scheduler .*killed.*restarting"):
+            for _ in stream:
+                pass
+        deadline = time.monotonic() + 60
+        while not engine.is_healthy:
+            assert time.monotonic() < deadline, "no fresh engine within 60 s"
+            time.sleep(0.1)
+        assert engine.num_restarts == 1 and engine._processes is not old
+        assert engine.generate("Hi", GREEDY)[0].token_ids == expected
+        assert _leftovers(names, pids) == ([], [])
+    finally:
+        engine.close()
+
+
+def test_the_scheduler_refuses_what_a_client_did_not_check(llm: LLM) -> None:
+    """A GenerateRequest straight onto the scheduler's socket, past the client's validation: the
+    scheduler's own ``validate_request`` refuses it; nothing reaches a worker."""
+    import zmq
+
+    from guidespec.ipc import codec
+    from guidespec.protocol import GenerateRequest
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(llm._processes.endpoints.client_in)
+    for ids, params in (([60000, 1, 2], GREEDY), ([1, 2], SamplingParams(max_tokens=4, top_k=2**40)),
+                        ([1], SamplingParams(max_tokens=4, temperature=float("inf")))):
+        sock.send(codec.encode(GenerateRequest(f"raw-{len(ids)}-{params.top_k}", np.array(ids, dtype=np.int64),
+                                               params, time.time())))
+    sock.close(linger=1000)
+    ctx.term()
+    assert llm.is_healthy and llm.generate("Hi", SamplingParams(max_tokens=3, temperature=0.0))[0].finished
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({"prompt_token_ids": [60000, 1, 2]}, "vocabulary"), ({"prompt_token_ids": [27070147699068784]}, "vocabulary"),
+    ({"prompt_token_ids": [-1]}, "vocabulary"), ({"prompt_token_ids": [True, 2]}, "integers"),
+    ({"prompt_token_ids": "12"}, "list of token ids"),
+])
+def test_token_ids_outside_the_vocabulary_raise_in_the_client(llm: LLM, prompt: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompt, GREEDY)
 
 
 def test_an_engine_paused_past_its_step_timeout_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:

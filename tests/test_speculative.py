@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from guidespec import LLM, SamplingParams
+from guidespec import LLM, RequestError, SamplingParams
 from guidespec.launch.sweep import validate_output
 from guidespec.llm import GenerationOutput
 from guidespec.protocol import GuidedDecoding
@@ -181,3 +181,23 @@ def test_bad_speculative_options_are_refused_in_the_client() -> None:
         LLM(speculative={"method": "eagle", "draft_model": "/no/such/head"})
     with pytest.raises(ValueError, match="max_draft_len"):
         SamplingParams(max_draft_len=-1).validate()
+
+
+def test_a_drafter_that_fails_fails_its_request_alone() -> None:
+    """A drafter that raises, or proposes a token id past the vocabulary, for one request: that
+    request fails with a 500-class RequestError (no traceback in it); the others finish."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(max_batch_size=4, show_progress=False,
+             speculative=dict(method="user", user_drafter="tests.spec.test_drafters:_Faulty", adaptive=False)) as llm:
+        async def run() -> list[GenerationOutput | BaseException]:
+            prompts = [{"prompt_token_ids": [1, 2, 7777]}, {"prompt_token_ids": [1, 2, 3]},
+                       {"prompt_token_ids": [1, 2, 8888]}, {"prompt_token_ids": [4, 5, 6]}]
+            return list(await asyncio.gather(*(llm.agenerate(p, params) for p in prompts), return_exceptions=True))
+
+        raised, ok, past_vocabulary, ok_too = asyncio.run(run())
+        assert isinstance(raised, RequestError) and raised.status == 500
+        assert "drafter failed: KeyError" in str(raised) and "Traceback" not in str(raised)
+        assert isinstance(past_vocabulary, RequestError) and "outside the vocabulary" in str(past_vocabulary)
+        assert isinstance(ok, GenerationOutput) and isinstance(ok_too, GenerationOutput)
+        assert len(ok.token_ids) == len(ok_too.token_ids) == 12
+        assert llm.is_healthy

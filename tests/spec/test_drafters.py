@@ -234,3 +234,13 @@ def test_a_values_end_closes_it_the_jsons_way_and_the_next_key_follows(real_mode
     for before, draft in expected.items():
         drafts = _draft_after(drafter, backend.create_matcher(compiled), tokenizer, prompt, before)
         assert tokenizer.decode(drafts) == draft, before
+
+
+class _Faulty:
+    """A user's drafter with bugs: it raises where the context holds token 7777, and proposes a
+    token id past the vocabulary where it holds 8888 (``tests/test_speculative.py``)."""
+
+    def propose(self, context: list[int], max_len: int) -> list[int]:
+        if 7777 in context:
+            raise KeyError("a bug in the user's drafter")
+        return [10**9] * max_len if 8888 in context else [context[-1]] * max_len
