@@ -40,7 +40,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from guidespec.llm import (LLM, EngineDeadError, EngineRestartingError, GenerationOutput, RequestError, RequestHandle,
+from guidespec.llm import (LLM, EngineDeadError, GenerationOutput, RequestError, RequestHandle,
                            StreamDelta)
 from guidespec.protocol import (INT32_MAX, MAX_CHOICES, MAX_REPETITION_PENALTY, MAX_STOP_CHARS, MAX_STOP_STRINGS,
                                 MAX_TEMPERATURE, MIN_REPETITION_PENALTY, GuidedDecoding, InvalidRequest, SamplingParams)

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,3 +68,40 @@ def stop_server(server: Server, sig: int = signal.SIGINT) -> None:
         except subprocess.TimeoutExpired:
             server.process.kill()
             server.process.wait()
+
+
+def engine_processes(server_pid: int) -> dict[int, str]:
+    """The engine's processes under the server, and theirs: pid -> name (``gs-scheduler``,
+    ``gs-worker0``, the scheduler's grammar compile process ``python``)."""
+    children: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+        if rest[0] != "Z":
+            pid = int(stat.parent.name)
+            names[pid] = name
+            children.setdefault(int(rest[1]), []).append(pid)
+    found: dict[int, str] = {}
+    stack = [pid for pid in children.get(server_pid, []) if names[pid].startswith("gs-")]
+    while stack:  # (the server's other children, e.g. multiprocessing's resource tracker, are its own)
+        pid = stack.pop()
+        found[pid] = names[pid]
+        stack.extend(children.get(pid, []))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def shared_files() -> set[str]:
+    """Shared-memory segments and ipc socket files of guidespec engines on this machine."""
+    return {str(p) for p in Path("/dev/shm").glob("guidespec-*")} | {
+        str(p) for p in Path(tempfile.gettempdir()).glob("guidespec-*")}

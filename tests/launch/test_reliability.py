@@ -13,17 +13,16 @@ import asyncio
 import json
 import os
 import signal
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import pytest
 
 from benchmarks.load import build_requests, load_cases, run_load
-from tests.launch.serving import AUTH, KEY, Server, healthy, start_server, stop_server
+from tests.launch.serving import (AUTH, KEY, Server, alive, engine_processes, healthy, shared_files, start_server,
+                                  stop_server)
 
 pytestmark = pytest.mark.slow
 ASK = [{"role": "user", "content": "Give me a person as JSON."}]
@@ -130,43 +129,6 @@ def test_a_small_mixed_load_loses_nothing(server: Server) -> None:
     assert sum(report.outcomes.values()) == 48 and report.finish_reasons
 
 
-def _engine_processes(server_pid: int) -> dict[int, str]:
-    """The engine's processes under the server, and theirs: pid -> name (``gs-scheduler``,
-    ``gs-worker0``, the scheduler's grammar compile process ``python``)."""
-    children: dict[int, list[int]] = {}
-    names: dict[int, str] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        name, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
-        if rest[0] != "Z":
-            pid = int(stat.parent.name)
-            names[pid] = name
-            children.setdefault(int(rest[1]), []).append(pid)
-    found: dict[int, str] = {}
-    stack = [pid for pid in children.get(server_pid, []) if names[pid].startswith("gs-")]
-    while stack:  # (the server's other children, e.g. multiprocessing's resource tracker, are its own)
-        pid = stack.pop()
-        found[pid] = names[pid]
-        stack.extend(children.get(pid, []))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _shared_files() -> set[str]:
-    """Shared-memory segments and ipc socket files of guidespec engines on this machine."""
-    return {str(p) for p in Path("/dev/shm").glob("guidespec-*")} | {
-        str(p) for p in Path(tempfile.gettempdir()).glob("guidespec-*")}
-
-
 def _inflight(server: Server, stream: bool, outcome: list[tuple[float, int]]) -> None:
     """A long request; records (when it ended, its status or its stream's error code)."""
     body = {"messages": ASK, "max_tokens": 1500, "ignore_eos": True, "stream": stream}
@@ -186,7 +148,7 @@ def _inflight(server: Server, stream: bool, outcome: list[tuple[float, int]]) ->
 def _kill_worker_under_load(server: Server) -> tuple[list[tuple[float, int]], float, dict[int, str], set[str]]:
     """Four requests in flight (two streamed), then SIGKILL to worker rank 0: (outcomes, kill time,
     the engine's processes before, the shared files before)."""
-    before, files = _engine_processes(server.process.pid), _shared_files()
+    before, files = engine_processes(server.process.pid), shared_files()
     outcomes: list[tuple[float, int]] = []
     threads = [threading.Thread(target=_inflight, args=(server, i % 2 == 0, outcomes)) for i in range(4)]
     for thread in threads:
@@ -219,10 +181,10 @@ def test_a_killed_worker_gives_503s_within_2s_and_a_fresh_engine_within_60s(serv
         assert during.status_code == 200 or (during.status_code == 503 and "retry-after" in during.headers)
     _wait_healthy(server)
     assert _post(server, {"messages": ASK, "max_tokens": 4}).status_code == 200
-    after = _engine_processes(server.process.pid)
-    assert not [before[pid] for pid in before if _alive(pid)], f"a process of the dead engine is still running: {before}"
+    after = engine_processes(server.process.pid)
+    assert not [before[pid] for pid in before if alive(pid)], f"a process of the dead engine is still running: {before}"
     assert sorted(after.values()) == sorted(before.values())  # a fresh scheduler, worker, compile process
-    gone, new = files - _shared_files(), _shared_files() - files
+    gone, new = files - shared_files(), shared_files() - files
     assert len(gone) == len(new) == 4, (gone, new)  # the ring's segment and the three ipc sockets, replaced
     metrics = httpx.get(f"{server.url}/metrics", timeout=5).text
     assert "guidespec_engine_restarts_total 1.0" in metrics
@@ -230,7 +192,7 @@ def test_a_killed_worker_gives_503s_within_2s_and_a_fresh_engine_within_60s(serv
 
 def test_sigterm_drains_in_flight_requests_then_stops_everything(server: Server) -> None:
     """The module's last test: it stops the server."""
-    processes, files = _engine_processes(server.process.pid), _shared_files()
+    processes, files = engine_processes(server.process.pid), shared_files()
     body = {"messages": ASK, "max_tokens": 40, "ignore_eos": True, "stream": True, "temperature": 0}
     events: list[str] = []
 
@@ -248,18 +210,18 @@ def test_sigterm_drains_in_flight_requests_then_stops_everything(server: Server)
     assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
     finish = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e[6:])["choices"]]
     assert finish[-1] == "length"
-    assert not [pid for pid in processes if _alive(pid)]
-    assert len(files - _shared_files()) == 4 and not _shared_files() - files  # its ring and ipc sockets, gone
+    assert not [pid for pid in processes if alive(pid)]
+    assert len(files - shared_files()) == 4 and not shared_files() - files  # its ring and ipc sockets, gone
 
 
 def test_a_crash_loop_exits_non_zero_for_the_supervisor() -> None:
     """Three deaths within a minute: no more restarts, the server exits non-zero, leaving nothing."""
-    files = _shared_files()
+    files = shared_files()
     crashing = start_server("--max-batch-size", "2")
     killed: list[int] = []
     try:
         while crashing.process.poll() is None and len(killed) < 3:
-            workers = [pid for pid, name in _engine_processes(crashing.process.pid).items()
+            workers = [pid for pid, name in engine_processes(crashing.process.pid).items()
                        if name == "gs-worker0" and pid not in killed]
             if workers and healthy(crashing.url):  # the engine of the last kill has been replaced
                 os.kill(workers[0], signal.SIGKILL)
@@ -270,4 +232,4 @@ def test_a_crash_loop_exits_non_zero_for_the_supervisor() -> None:
         stop_server(crashing)
     assert len(killed) == 3 and code == 1
     assert "crash loop" in crashing.log()
-    assert not _shared_files() - files
+    assert not shared_files() - files
