@@ -174,7 +174,7 @@ class LLM:
                                           enable_prefix_caching=enable_prefix_caching)
         self.restart_on_failure = restart_on_failure
         self.num_restarts = 0  # fresh engines started after a death
-        self.on_gave_up: Callable[[str], None] | None = None  # called (once) when a crash loop ends the restarts
+        self.on_gave_up: Callable[[str], None] | None = None  # called (once) when the engine died for good
         self.scheduler_stats = SchedulerStats(0, 0, 0, max_batch_size)  # the queue, as the scheduler last said
         self._streams: dict[str, _RequestStream] = {}
         self._state_lock = threading.Lock()  # streams, engine, and the states below change together
@@ -259,7 +259,7 @@ class LLM:
 
     @property
     def gave_up(self) -> bool:
-        """The engine died in a crash loop and will not be restarted."""
+        """The engine died and will not be restarted (restarts off, or a crash loop)."""
         return not self._closed and self._dead_reason is not None
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                        help="on SIGTERM, how long requests in flight may take to finish before the engine stops")
     serve.add_argument("--no-restart", action="store_true",
-                       help="do not restart a dead engine (default: restart it; a crash loop exits non-zero)")
+                       help="exit non-zero when the engine dies (default: restart it; a crash loop exits non-zero)")
 
     bench = commands.add_parser("bench", help="load generator: a concurrency sweep with a table and plots")
     _add_engine_args(bench)
