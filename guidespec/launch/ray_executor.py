@@ -9,6 +9,14 @@ cannot hold the placement fails at once with what it has and what it needs (or a
 ``placement_timeout_s`` when resources are busy). The model folder must exist at the same path
 on every node.
 
+Joining a cluster that uses Ray's token authentication (``ray start`` turns it on when it finds
+a token, e.g. ``~/.ray/auth_token``): ``ray.init(address=...)`` sends none unless
+``RAY_AUTH_MODE=token`` is set, so before joining the executor asks the cluster's GCS whether it
+takes this process unauthenticated and, when it does not, joins in token mode with the token Ray
+finds here (``RAY_AUTH_TOKEN``, else the file ``RAY_AUTH_TOKEN_PATH`` names, else
+``~/.ray/auth_token``), or fails at once saying which of these to set. It does not create or copy
+tokens.
+
 Ray is imported only here, only when this executor is chosen.
 """
 
@@ -19,7 +27,8 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 from guidespec.config import WorkerConfig, config_from_dict
 
@@ -57,9 +66,15 @@ class RayRanks:
         self._ray = ray
         self._remove_pg = remove_placement_group
         self.started_ray = not ray.is_initialized()
+        self._undo_auth: Callable[[], None] = _keep_auth
         if self.started_ray:
-            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False,
-                     runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("GUIDESPEC_")}})
+            self._undo_auth = _adopt_cluster_auth(address)
+            try:
+                ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False,
+                         runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("GUIDESPEC_")}})
+            except BaseException:
+                self._undo_auth()
+                raise
         self.refs: list[Any] = []
         self.actors: list[Any] = []
         total = ray.cluster_resources().get("CPU", 0.0)
@@ -124,3 +139,87 @@ class RayRanks:
             self.pg = None
         if self.started_ray and ray.is_initialized():
             ray.shutdown()
+        self._undo_auth()
+        self._undo_auth = _keep_auth
+
+
+_TOKEN_HELP = ("set RAY_AUTH_TOKEN to the cluster's token (or RAY_AUTH_TOKEN_PATH to a file holding it, or put it "
+               "in ~/.ray/auth_token); `ray get-auth-token` on the head node prints it")
+
+
+def _adopt_cluster_auth(address: str | None) -> Callable[[], None]:
+    """Make this process speak the authentication the cluster at ``address`` expects, before
+    ``ray.init`` joins it; returns what undoes that (at ``close``). Ray itself only guesses token
+    mode for an automatically found local cluster; an explicit address gets none, and the join
+    then retries for ~30 s and ends in "Failed to connect to Ray cluster"."""
+    if not address or "://" in address or address in ("auto", "local"):
+        return _keep_auth  # a new local cluster or one Ray finds itself: Ray decides (ray:// is Ray Client)
+    try:
+        from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]
+    except ImportError:
+        return _keep_auth  # a Ray without token authentication
+    mode = os.environ.get("RAY_AUTH_MODE")  # Ray's own setting, passed through as it is
+    _set_auth_mode(mode)  # Ray caches its config at import; read the environment as it is now
+    undo = _keep_auth
+    if (mode or "").lower() != "token":
+        if _gcs_answer(address) != "rejected":
+            return _keep_auth  # open, or unreachable (ray.init says so as before)
+        if mode is not None:
+            raise RuntimeError(f"the Ray cluster at {address} requires token authentication, but RAY_AUTH_MODE={mode} "
+                               f"here turns it off: unset RAY_AUTH_MODE (or set it to token) and {_TOKEN_HELP}")
+        undo = _restore_auth_mode
+    if not AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
+        why = "requires token authentication" if mode is None else f"is joined with RAY_AUTH_MODE={mode}"
+        raise RuntimeError(f"the Ray cluster at {address} {why} and no token was found here: {_TOKEN_HELP}")
+    _set_auth_mode("token")  # Ray's core worker asserts a token exists in token mode: checked above
+    if _gcs_answer(address) == "rejected":
+        undo()
+        raise RuntimeError(f"the Ray cluster at {address} rejected the authentication token from {_token_source()}: "
+                           f"{_TOKEN_HELP}")
+    return undo
+
+
+def _gcs_answer(address: str) -> str:
+    """``accepted``, ``rejected`` (by token authentication) or ``unreachable``: one GCS client
+    made under this process's current auth mode (an answer takes milliseconds; no answer ~12 s)."""
+    from ray._raylet import InnerGcsClient  # type: ignore[attr-defined]
+    from ray.exceptions import AuthenticationError
+
+    try:
+        InnerGcsClient.standalone(address, None, 2000)
+    except AuthenticationError:
+        return "rejected"
+    except Exception:
+        return "unreachable"
+    return "accepted"
+
+
+def _set_auth_mode(mode: str | None) -> None:
+    """Ray reads ``RAY_AUTH_MODE`` only from the environment (``ray.init`` refuses it in
+    ``_system_config``) and caches it, and the token, in C++: refresh both, config first (as Ray's
+    own tests do, so no thread reloads a token under a stale mode)."""
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+
+    if mode is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = mode
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _restore_auth_mode() -> None:
+    _set_auth_mode(None)
+
+
+def _keep_auth() -> None:
+    pass
+
+
+def _token_source() -> str:
+    """Where Ray took the token from, in the order its loader looks."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return f"RAY_AUTH_TOKEN_PATH ({os.environ['RAY_AUTH_TOKEN_PATH']})"
+    return str(Path.home() / ".ray" / "auth_token")
