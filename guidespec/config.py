@@ -109,10 +109,15 @@ class SpeculativeConfig:
     def validate(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
-        if not 1 <= self.max_draft_len <= 16:
+        if not isinstance(self.max_draft_len, int) or not 1 <= self.max_draft_len <= 16:
             raise ValueError(f"max_draft_len must be in [1, 16], got {self.max_draft_len}")
-        if self.max_matching_ngram_size < 1:
-            raise ValueError(f"max_matching_ngram_size must be >= 1, got {self.max_matching_ngram_size}")
+        if not isinstance(self.max_matching_ngram_size, int) or not 1 <= self.max_matching_ngram_size <= 64:
+            raise ValueError(f"max_matching_ngram_size must be an integer in [1, 64], got {self.max_matching_ngram_size!r}")
+        flags = ("is_keep_all", "is_use_oldest", "is_public_pool", "use_forced_tokens", "constrain_drafts", "adaptive",
+                 "combine_ngram", "ngram_fallback", "anchored_lookup")
+        for name in flags:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.method == "user" and not self.user_drafter:
             raise ValueError("method 'user' needs user_drafter='module:Class'")
         if self.method == "draft_model" and not self.draft_model:
