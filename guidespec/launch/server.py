@@ -95,13 +95,16 @@ class CompletionResponse(BaseModel):
     usage: dict[str, Any]
 
 
+# one server-sent event (as OpenAPI 3.2 readers such as schemathesis parse a stream): its data is
+# a chunk as JSON, an error object as JSON, or "[DONE]"
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
 _ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": ErrorResponse, "description": what} for status, what in (
     (400, "the request is invalid or refused by the engine"), (401, "wrong or missing API key"),
     (404, "unknown model"), (413, "request body too large"), (422, "request body of the wrong shape"),
     (500, "a bug of the server (the traceback is in its log)"),
     (503, "the engine is restarting or the server is shutting down: retry after Retry-After seconds"))}
 _GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"model": CompletionResponse, "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    200: {"model": CompletionResponse, "content": {"text/event-stream": {"schema": _SSE_EVENT}},
           "description": "the completion (JSON), or with stream: server-sent events"}, **_ERRORS}
 
 

@@ -58,6 +58,11 @@ def test_no_generated_request_gets_a_server_error(fuzzed_server: Server, mode: G
             statuses[response.status_code] += 1
 
         call()
+    if mode is GenerationMode.POSITIVE:  # streams, whatever the generator drew: the events are checked too
+        for path, body in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": [
+                {"role": "user", "content": "Hi"}]})):
+            case = api[path]["POST"].Case(body={**body, "max_tokens": 5, "stream": True})
+            statuses[case.call_and_validate(headers=AUTH, timeout=60, checks=CHECKS).status_code] += 1
     print(f"{mode.value}: {sum(statuses.values())} requests, by status {dict(sorted(statuses.items()))}")
     assert statuses[200] > 0 if mode is GenerationMode.POSITIVE else sum(statuses.values()) > 0
     assert httpx.get(f"{fuzzed_server.url}/health", timeout=5).status_code == 200
