@@ -2,10 +2,12 @@
 
 The writer binds an XPUB socket to an explicit TCP address (never ``*``) and waits until the
 expected number of readers has subscribed, so no message is lost to a late joiner; it never
-drops messages (no high-water mark). Every frame is signed with HMAC-SHA256 under a key the
-launcher hands to each reader: a reader drops, and counts, any frame whose signature does not
-match, so a stranger on the network can neither inject steps nor make a reader unpickle
-anything (nothing is ever unpickled: frames are codec frames).
+drops messages (no high-water mark). Readers subscribe to a topic derived from the key the
+launcher hands them (HMAC of a fixed label), and only those subscriptions count: a stranger who
+connects first cannot take a reader's place. Every frame is ``[topic, HMAC-SHA256, payload]``:
+a reader drops, and counts, any frame whose signature does not match, so a stranger can neither
+inject steps nor make a reader unpickle anything (nothing is ever unpickled: frames are codec
+frames). The stream is signed, not encrypted: bind it to a private network.
 """
 
 from __future__ import annotations
@@ -22,12 +24,18 @@ from guidespec.ipc.zmq_channel import check_bind_address
 _MAC_LEN = 32
 
 
+def reader_topic(key: bytes) -> bytes:
+    """The subscription topic of the stream under ``key``: knowing it proves knowing the key."""
+    return hmac.new(key, b"guidespec remote reader", hashlib.sha256).digest()
+
+
 class RemoteWriter:
     def __init__(self, ctx: zmq.Context, endpoint: str, key: bytes) -> None:
         if len(key) < 16:
             raise ValueError("the authentication key must be at least 16 bytes")
         check_bind_address(endpoint)
         self.key = key
+        self.topic = reader_topic(key)
         self.socket = ctx.socket(zmq.XPUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, 0)
@@ -44,12 +52,12 @@ class RemoteWriter:
             if remaining <= 0 or not self.socket.poll(int(remaining * 1000)):
                 raise RingTimeout(f"{self.num_subscribed} of {count} remote readers joined {self.endpoint} in time")
             event = self.socket.recv()
-            if event[:1] == b"\x01":
+            if event == b"\x01" + self.topic:  # (a stranger's subscription, to anything else, does not count)
                 self.num_subscribed += 1
 
     def write(self, payload: bytes) -> None:
         mac = hmac.new(self.key, payload, hashlib.sha256).digest()
-        self.socket.send_multipart([mac, payload], copy=False)
+        self.socket.send_multipart([self.topic, mac, payload], copy=False)
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -61,7 +69,7 @@ class RemoteReader:
         self.socket = ctx.socket(zmq.SUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
-        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.socket.setsockopt(zmq.SUBSCRIBE, reader_topic(key))
         self.socket.connect(endpoint)
         self.rejected = 0
 
@@ -73,9 +81,9 @@ class RemoteReader:
             if not self.socket.poll(wait_ms):
                 raise RingTimeout(f"no message from the remote writer in {timeout} s")
             parts = self.socket.recv_multipart()
-            if len(parts) == 2 and len(parts[0]) == _MAC_LEN and hmac.compare_digest(
-                    parts[0], hmac.new(self.key, parts[1], hashlib.sha256).digest()):
-                return parts[1]
+            if len(parts) == 3 and len(parts[1]) == _MAC_LEN and hmac.compare_digest(
+                    parts[1], hmac.new(self.key, parts[2], hashlib.sha256).digest()):
+                return parts[2]
             self.rejected += 1
 
     def close(self) -> None:

@@ -211,7 +211,7 @@ def test_remote_reader_drops_unsigned_frames_and_hands_on_signed_ones(
     if signed:
         writer.write(parts[-1])  # garbage the scheduler (or a bug) signed: the codec refuses it later
     else:
-        writer.socket.send_multipart(parts)
+        writer.socket.send_multipart([writer.topic, *parts])  # behind the topic, which a sniffer could learn
     writer.write(codec.encode(protocol.Shutdown("after the garbage")))
     if signed:
         assert reader.read(timeout=5) == parts[-1]

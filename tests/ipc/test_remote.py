@@ -11,7 +11,7 @@ import zmq
 
 from guidespec import protocol
 from guidespec.ipc import codec
-from guidespec.ipc.remote import RemoteReader, RemoteWriter
+from guidespec.ipc.remote import RemoteReader, RemoteWriter, reader_topic
 from guidespec.ipc.shm_ring import RingTimeout
 
 KEY = b"k" * 32
@@ -55,8 +55,11 @@ def test_two_remote_readers_get_every_message() -> None:
 
 
 def test_frames_signed_with_another_key_are_rejected() -> None:
+    """A sender that learnt the topic (it travels in the clear) but not the key: its frames are
+    dropped and counted."""
     ctx = zmq.Context()
     impostor = RemoteWriter(ctx, "tcp://127.0.0.1:0", b"x" * 32)
+    impostor.topic = reader_topic(KEY)  # sniffed
     reader = RemoteReader(ctx, impostor.endpoint, KEY)
     impostor.wait_for_readers(1, timeout=10)
     impostor.write(codec.encode(protocol.Shutdown("forged")))
@@ -65,6 +68,24 @@ def test_frames_signed_with_another_key_are_rejected() -> None:
     assert reader.rejected == 1
     reader.close()
     impostor.close()
+    ctx.term()
+
+
+def test_a_stranger_who_subscribes_first_does_not_count_as_a_reader() -> None:
+    ctx = zmq.Context()
+    writer = RemoteWriter(ctx, "tcp://127.0.0.1:0", KEY)
+    stranger = ctx.socket(zmq.SUB)
+    stranger.setsockopt(zmq.SUBSCRIBE, b"")
+    stranger.connect(writer.endpoint)
+    with pytest.raises(RingTimeout, match="0 of 1 remote readers"):
+        writer.wait_for_readers(1, timeout=0.5)
+    reader = RemoteReader(ctx, writer.endpoint, KEY)
+    writer.wait_for_readers(1, timeout=10)
+    writer.write(b"step")
+    assert reader.read(timeout=5) == b"step"
+    for socket in (stranger, reader):
+        socket.close()
+    writer.close()
     ctx.term()
 
 
