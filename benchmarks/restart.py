@@ -60,8 +60,8 @@ def kill_once(url: str, server_pid: int, num_inflight: int) -> dict[str, float]:
     return {"answered_s": answered, "healthy_s": health, "serving_s": serving,
             "all_503": float(all(code == 503 for _, code in answers)), "served": float(served == 200),
             "left_processes": float(len(left)),
-            # the dead engine's ring segment and three ipc sockets gone, the fresh one's four there
-            "files_replaced": float(len(files - now) == len(now - files) == 4)}
+            # the dead engine's ring, mask arena and three ipc sockets gone, the fresh one's five there
+            "files_replaced": float(len(files - now) == len(now - files) == 5)}
 
 
 def main() -> int:

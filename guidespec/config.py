@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from guidespec.ipc.broadcast import BroadcastSpec
+from guidespec.ipc.mask_arena import ArenaSpec
 from guidespec.ipc.shm_ring import RingSpec
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -203,6 +204,7 @@ def config_from_dict(cls: type[_C], data: dict[str, Any]) -> _C:
     fields["model_dir"] = Path(str(fields["model_dir"]))
     broadcast = dict(fields["broadcast"])
     broadcast["ring"] = RingSpec(**broadcast["ring"]) if broadcast["ring"] is not None else None
+    broadcast["arena"] = ArenaSpec(**broadcast["arena"]) if broadcast.get("arena") is not None else None
     fields["broadcast"] = BroadcastSpec(**broadcast)
     if "eos_token_ids" in fields:
         fields["eos_token_ids"] = tuple(fields["eos_token_ids"])

@@ -353,7 +353,8 @@ class StepBitmask:
 
     step: int
     rows: np.ndarray  # [R] int32: which logits rows the bitmask rows apply to
-    bitmask: np.ndarray  # [R, ceil(vocab / 32)] int32
+    bitmask: np.ndarray  # [R, ceil(vocab / 32)] int32; [0, words] when the rows are in the arena
+    arena_buffer: int = -1  # >= 0: the rows are in this buffer of the mask arena (ipc/mask_arena.py)
 
 
 NO_TOKEN = -1  # a StepOutputs token where the row's mask allowed no token at all

@@ -2,7 +2,9 @@
 
 Local ranks read the shared-memory ring; ranks on other hosts (Ray placements) read the
 signed ZeroMQ stream of ``remote.py``. The scheduler writes each message to both. Which rank
-reads what is decided once by the launcher and frozen in ``BroadcastSpec``.
+reads what is decided once by the launcher and frozen in ``BroadcastSpec``. A step's bitmask
+reaches local ranks through the mask arena (``mask_arena.py``: the ring carries its header
+only) and remote ranks whole.
 """
 
 from __future__ import annotations
@@ -12,8 +14,13 @@ from typing import Protocol
 
 import zmq
 
+import numpy as np
+
+from guidespec.ipc import codec
+from guidespec.ipc.mask_arena import ArenaSpec, MaskArena
 from guidespec.ipc.remote import RemoteReader, RemoteWriter
 from guidespec.ipc.shm_ring import RingReader, RingSpec, ShmRing
+from guidespec.protocol import StepBitmask
 
 
 @dataclass(frozen=True)
@@ -22,10 +29,15 @@ class BroadcastSpec:
     remote_endpoint: str | None = None  # tcp://ADDR:PORT the scheduler binds for remote ranks
     remote_key: str = ""  # hex HMAC key shared with remote ranks
     num_remote_readers: int = 0
+    arena: ArenaSpec | None = None  # the bitmask arena local ranks map (None: masks through the ring)
 
 
 class StepReader(Protocol):
     def read(self, timeout: float | None = 10.0) -> bytes: ...
+
+    def bitmask(self, message: StepBitmask) -> np.ndarray:
+        """The message's bitmask rows [R, words], wherever they travelled."""
+        ...
 
     def close(self) -> None: ...
 
@@ -35,6 +47,7 @@ class StepBroadcaster:
         self.spec = spec
         self.ring = ShmRing.attach(spec.ring) if spec.ring is not None else None
         self.ring_writer = self.ring.writer() if self.ring is not None else None
+        self.arena = MaskArena.attach(spec.arena) if spec.arena is not None and self.ring is not None else None
         self.remote = None
         if spec.num_remote_readers:
             assert spec.remote_endpoint is not None
@@ -50,22 +63,51 @@ class StepBroadcaster:
         if self.ring_writer is not None:
             self.ring_writer.write(payload, timeout=timeout)
 
+    def write_bitmask(self, message: StepBitmask, timeout: float) -> None:
+        """Remote ranks get the whole message; local ranks the rows in the arena and the header
+        on the ring (the whole message where the arena cannot hold it)."""
+        if self.remote is not None:
+            self.remote.write(codec.encode(message))
+        if self.ring_writer is None:
+            return
+        if self.arena is not None and self.arena.fits(message.bitmask):
+            buffer = self.arena.put(message.bitmask)
+            empty = np.empty((0, message.bitmask.shape[1]), dtype=np.int32)
+            message = StepBitmask(message.step, message.rows, empty, arena_buffer=buffer)
+        self.ring_writer.write(codec.encode(message), timeout=timeout)
+
     def close(self) -> None:
         if self.remote is not None:
             self.remote.close()
+        if self.arena is not None:
+            self.arena.close()
         if self.ring is not None:
             self.ring.close()
 
 
 class _RingStepReader:
-    def __init__(self, ring: ShmRing, reader: RingReader) -> None:
-        self.ring, self.reader = ring, reader
+    def __init__(self, ring: ShmRing, reader: RingReader, arena: MaskArena | None) -> None:
+        self.ring, self.reader, self.arena = ring, reader, arena
 
     def read(self, timeout: float | None = 10.0) -> bytes:
         return self.reader.read(timeout)
 
+    def bitmask(self, message: StepBitmask) -> np.ndarray:
+        if message.arena_buffer < 0:
+            return message.bitmask
+        if self.arena is None:
+            raise RuntimeError(f"step {message.step}: its bitmask is in the arena, which this rank does not map")
+        return self.arena.view(message.arena_buffer, len(message.rows))
+
     def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
         self.ring.close()
+
+
+class _RemoteStepReader(RemoteReader):
+    def bitmask(self, message: StepBitmask) -> np.ndarray:
+        return message.bitmask  # remote ranks always get the rows in the message
 
 
 def create_step_reader(spec: BroadcastSpec, ring_index: int | None, ctx: zmq.Context) -> StepReader:
@@ -73,7 +115,8 @@ def create_step_reader(spec: BroadcastSpec, ring_index: int | None, ctx: zmq.Con
     if ring_index is None:
         if spec.remote_endpoint is None:
             raise ValueError("this rank reads remotely but the broadcast has no remote endpoint")
-        return RemoteReader(ctx, spec.remote_endpoint, bytes.fromhex(spec.remote_key))
+        return _RemoteStepReader(ctx, spec.remote_endpoint, bytes.fromhex(spec.remote_key))
     assert spec.ring is not None, "a local rank needs the ring"
     ring = ShmRing.attach(spec.ring)
-    return _RingStepReader(ring, ring.reader(ring_index))
+    arena = MaskArena.attach(spec.arena) if spec.arena is not None else None
+    return _RingStepReader(ring, ring.reader(ring_index), arena)

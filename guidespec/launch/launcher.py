@@ -29,6 +29,7 @@ from typing import Callable
 from guidespec import envs
 from guidespec.config import MODEL_DRAFTERS, EngineConfig, SchedulerConfig, WorkerConfig, config_to_dict
 from guidespec.ipc.broadcast import BroadcastSpec
+from guidespec.ipc.mask_arena import ArenaSpec, MaskArena
 from guidespec.ipc.shm_ring import ShmRing
 from guidespec.ipc.zmq_channel import new_ipc_endpoint
 
@@ -68,8 +69,10 @@ class EngineProcesses:
         self.ring = ShmRing.create(f"guidespec-{uuid.uuid4().hex[:12]}", len(self.local_ranks),
                                    _RING_SLOTS, _RING_SLOT_SIZE) if self.local_ranks else None
         remote = f"tcp://{host}:{_free_port(host)}" if num_remote else None
+        self.arena = MaskArena.create(_arena_spec(cfg)) if self.local_ranks and cfg.vocab_size else None
         self.broadcast = BroadcastSpec(self.ring.spec if self.ring is not None else None, remote,
-                                       secrets.token_hex(32), num_remote)
+                                       secrets.token_hex(32), num_remote,
+                                       self.arena.spec if self.arena is not None else None)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -124,6 +127,8 @@ class EngineProcesses:
             self.ray.close(grace_s=max(0.0, deadline - time.monotonic()))
         if self.ring is not None:
             self.ring.close()
+        if self.arena is not None:
+            self.arena.close()
         for endpoint in (self.endpoints.client_in, self.endpoints.client_out, self.endpoints.worker_results):
             path = endpoint.removeprefix("ipc://")
             if endpoint.startswith("ipc://") and os.path.exists(path):
@@ -144,6 +149,14 @@ class EngineProcesses:
             if dead is not None and not self._stopping.is_set():
                 self.on_death(dead)
                 return
+
+
+def _arena_spec(cfg: EngineConfig) -> ArenaSpec:
+    """Room for every row of a full batch verifying the engine's draft length (a step with more
+    rows, e.g. long forced drafts, sends its mask through the ring instead)."""
+    rows_per_request = 1 + (cfg.speculative.max_draft_len if cfg.speculative is not None else 0)
+    return ArenaSpec(f"guidespec-{uuid.uuid4().hex[:12]}-masks", cfg.max_batch_size * rows_per_request,
+                     -(-cfg.vocab_size // 32))
 
 
 def _kill_group(pid: int) -> None:

@@ -202,8 +202,7 @@ class Scheduler:
                                           len(row.request.output_token_ids), self._output_budget(row.request))
                                   for _, row in guided])
             rows_array = np.concatenate([np.arange(first, first + row.num_logits) for first, row in guided]).astype(np.int32)
-            self.broadcaster.write(codec.encode(StepBitmask(self.step_id, rows_array, bitmask)),
-                                   timeout=envs.step_timeout_s())
+            self.broadcaster.write_bitmask(StepBitmask(self.step_id, rows_array, bitmask), timeout=envs.step_timeout_s())
             self.times["mask"] = time.time()
         return len(guided)
 

@@ -174,10 +174,11 @@ class Worker:
         return message.bitmask
 
     def _read_bitmask(self, step: int) -> StepBitmask:
+        """The step's bitmask, its rows read in place from the mask arena where they are there."""
         message = codec.decode(self.reader.read(timeout=60.0))
         if not isinstance(message, StepBitmask) or message.step != step:
             raise RuntimeError(f"step {step}: expected its bitmask, got {type(message).__name__}")
-        return message
+        return StepBitmask(message.step, message.rows, self.reader.bitmask(message))
 
     def _next_message(self, parent_pid: int) -> object:
         while True:

@@ -185,7 +185,7 @@ def test_a_killed_worker_gives_503s_within_2s_and_a_fresh_engine_within_60s(serv
     assert not [before[pid] for pid in before if alive(pid)], f"a process of the dead engine is still running: {before}"
     assert sorted(after.values()) == sorted(before.values())  # a fresh scheduler, worker, compile process
     gone, new = files - shared_files(), shared_files() - files
-    assert len(gone) == len(new) == 4, (gone, new)  # the ring's segment and the three ipc sockets, replaced
+    assert len(gone) == len(new) == 5, (gone, new)  # the ring, the mask arena, three ipc sockets: replaced
     metrics = httpx.get(f"{server.url}/metrics", timeout=5).text
     assert "guidespec_engine_restarts_total 1.0" in metrics
 
@@ -211,7 +211,7 @@ def test_sigterm_drains_in_flight_requests_then_stops_everything(server: Server)
     finish = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e[6:])["choices"]]
     assert finish[-1] == "length"
     assert not [pid for pid in processes if alive(pid)]
-    assert len(files - shared_files()) == 4 and not shared_files() - files  # its ring and ipc sockets, gone
+    assert len(files - shared_files()) == 5 and not shared_files() - files  # its ring, arena, ipc sockets: gone
 
 
 def test_a_crash_loop_exits_non_zero_for_the_supervisor() -> None:
