@@ -353,7 +353,7 @@ class StepBitmask:
 
     step: int
     rows: np.ndarray  # [R] int32: which logits rows the bitmask rows apply to
-    bitmask: np.ndarray  # [R, ceil(vocab / 32)] int32; [0, words] when the rows are in the arena
+    bitmask: np.ndarray | None  # [R, ceil(vocab / 32)] int32; None when the rows are in the arena
     arena_buffer: int = -1  # >= 0: the rows are in this buffer of the mask arena (ipc/mask_arena.py)
 
 

@@ -17,6 +17,7 @@ import zmq
 import numpy as np
 
 from guidespec.ipc import codec
+from guidespec.ipc.codec import MalformedMessage
 from guidespec.ipc.mask_arena import ArenaSpec, MaskArena
 from guidespec.ipc.remote import RemoteReader, RemoteWriter
 from guidespec.ipc.shm_ring import RingReader, RingSpec, ShmRing
@@ -36,7 +37,7 @@ class StepReader(Protocol):
     def read(self, timeout: float | None = 10.0) -> bytes: ...
 
     def bitmask(self, message: StepBitmask) -> np.ndarray:
-        """The message's bitmask rows [R, words], wherever they travelled."""
+        """The message's bitmask rows [R, words], wherever they travelled (MalformedMessage: none)."""
         ...
 
     def close(self) -> None: ...
@@ -63,6 +64,10 @@ class StepBroadcaster:
         if self.ring_writer is not None:
             self.ring_writer.write(payload, timeout=timeout)
 
+    def reserve_bitmask(self) -> np.ndarray | None:
+        """A buffer of the mask arena to fill the next step's bitmask into (None: no arena)."""
+        return self.arena.reserve()[1] if self.arena is not None else None
+
     def write_bitmask(self, message: StepBitmask, timeout: float) -> None:
         """Remote ranks get the whole message; local ranks the rows in the arena and the header
         on the ring (the whole message where the arena cannot hold it)."""
@@ -70,10 +75,12 @@ class StepBroadcaster:
             self.remote.write(codec.encode(message))
         if self.ring_writer is None:
             return
+        assert message.bitmask is not None
         if self.arena is not None and self.arena.fits(message.bitmask):
-            buffer = self.arena.put(message.bitmask)
-            empty = np.empty((0, message.bitmask.shape[1]), dtype=np.int32)
-            message = StepBitmask(message.step, message.rows, empty, arena_buffer=buffer)
+            buffer = self.arena.index_of(message.bitmask)  # filled in place (``reserve_bitmask``)
+            if buffer is None:
+                buffer = self.arena.put(message.bitmask)
+            message = StepBitmask(message.step, message.rows, None, arena_buffer=buffer)
         self.ring_writer.write(codec.encode(message), timeout=timeout)
 
     def close(self) -> None:
@@ -94,7 +101,7 @@ class _RingStepReader:
 
     def bitmask(self, message: StepBitmask) -> np.ndarray:
         if message.arena_buffer < 0:
-            return message.bitmask
+            return _rows_in(message)
         if self.arena is None:
             raise RuntimeError(f"step {message.step}: its bitmask is in the arena, which this rank does not map")
         return self.arena.view(message.arena_buffer, len(message.rows))
@@ -107,7 +114,13 @@ class _RingStepReader:
 
 class _RemoteStepReader(RemoteReader):
     def bitmask(self, message: StepBitmask) -> np.ndarray:
-        return message.bitmask  # remote ranks always get the rows in the message
+        return _rows_in(message)  # remote ranks always get the rows in the message
+
+
+def _rows_in(message: StepBitmask) -> np.ndarray:
+    if message.bitmask is None:
+        raise MalformedMessage(f"step {message.step}: a bitmask message without rows or an arena buffer")
+    return message.bitmask
 
 
 def create_step_reader(spec: BroadcastSpec, ring_index: int | None, ctx: zmq.Context) -> StepReader:

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import math
 import struct
+import threading
 import types
 import typing
 from typing import Any, Callable, TypeVar
@@ -31,6 +32,7 @@ import numpy as np
 _EXT_ARRAY = 1
 _EXT_MESSAGE = 2
 _ALLOWED_DTYPES = {"bool", "int8", "uint8", "int16", "int32", "int64", "uint32", "float16", "float32", "float64"}
+_DTYPE_NAMES = {np.dtype(name): name for name in _ALLOWED_DTYPES}  # dtype.name costs microseconds a call
 _HEADER_LEN = struct.Struct("<I")
 _MAX_NESTED_MESSAGES = 8  # the deepest in use: GenerateRequest > SamplingParams > GuidedDecoding
 _MAX_NDIM = 32  # numpy's own limit before 2.0; also bounds the cost of a shape's product
@@ -62,21 +64,10 @@ def encode(message: Any) -> bytes:
     """Encode a registered message into one frame."""
     if type(message) not in _CLASS_TO_TAG:
         raise TypeError(f"{type(message).__name__} is not a registered message")
-    arrays: list[np.ndarray] = []
-    offset = [0]
-
-    def default(obj: Any) -> msgpack.ExtType:
-        if isinstance(obj, np.ndarray):
-            return _encode_array(obj, arrays, offset)
-        if isinstance(obj, np.generic):
-            return obj.item()
-        tag = _CLASS_TO_TAG.get(type(obj))
-        if tag is None:
-            raise TypeError(f"cannot encode {type(obj).__name__}")
-        fields = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
-        return msgpack.ExtType(_EXT_MESSAGE, msgpack.packb([tag, fields], default=default, use_bin_type=True))
-
-    header = msgpack.packb(message, default=default, use_bin_type=True)
+    encoder = getattr(_local, "encoder", None)
+    if encoder is None:
+        encoder = _local.encoder = _Encoder()
+    header, arrays = encoder.encode(message)
     parts = [_HEADER_LEN.pack(len(header)), header]
     pad = -(_HEADER_LEN.size + len(header)) % 8
     parts.append(b"\0" * pad)
@@ -85,6 +76,50 @@ def encode(message: Any) -> bytes:
         parts.append(raw)
         parts.append(b"\0" * (-len(raw) % 8))
     return b"".join(parts)
+
+
+class _Encoder:
+    """One thread's msgpack packers, one per nesting depth, kept between messages: a packer is
+    costly to make (``msgpack.packb`` makes one per call, with a fresh buffer), and the
+    ``default`` hook packs nested messages and array headers while its caller is mid-pack."""
+
+    def __init__(self) -> None:
+        self.packers: list[msgpack.Packer] = []
+        self.depth = 0
+        self.arrays: list[np.ndarray] = []
+        self.offset = [0]
+
+    def encode(self, message: Any) -> tuple[bytes, list[np.ndarray]]:
+        self.arrays, self.offset, self.depth = [], [0], 0
+        try:
+            return self.pack(message), self.arrays
+        except BaseException:
+            self.packers = []  # a packer stopped mid-message: start afresh
+            raise
+
+    def pack(self, obj: Any) -> bytes:
+        if self.depth == len(self.packers):
+            self.packers.append(msgpack.Packer(default=self.default, use_bin_type=True, autoreset=True))
+        packer = self.packers[self.depth]
+        self.depth += 1
+        try:
+            return packer.pack(obj)
+        finally:
+            self.depth -= 1
+
+    def default(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            return _encode_array(obj, self.arrays, self.offset, self.pack)
+        if isinstance(obj, np.generic):
+            return obj.item()
+        tag = _CLASS_TO_TAG.get(type(obj))
+        if tag is None:
+            raise TypeError(f"cannot encode {type(obj).__name__}")
+        fields = [getattr(obj, name) for name in _field_names(type(obj))]
+        return msgpack.ExtType(_EXT_MESSAGE, self.pack([tag, fields]))
+
+
+_local = threading.local()
 
 
 def decode(frame: bytes | bytearray | memoryview) -> Any:
@@ -123,13 +158,25 @@ def decode(frame: bytes | bytearray | memoryview) -> Any:
     return message
 
 
-def _encode_array(array: np.ndarray, arrays: list[np.ndarray], offset: list[int]) -> msgpack.ExtType:
-    if array.dtype.name not in _ALLOWED_DTYPES:
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _encode_array(array: np.ndarray, arrays: list[np.ndarray], offset: list[int],
+                  pack: Callable[[Any], bytes]) -> msgpack.ExtType:
+    dtype_name = _DTYPE_NAMES.get(array.dtype)
+    if dtype_name is None:
         raise TypeError(f"arrays of dtype {array.dtype} cannot be sent")
-    meta = [array.dtype.name, list(array.shape), offset[0], array.nbytes]  # tobytes() writes C order
+    meta = [dtype_name, list(array.shape), offset[0], array.nbytes]  # tobytes() writes C order
     arrays.append(array)
     offset[0] += array.nbytes + (-array.nbytes % 8)
-    return msgpack.ExtType(_EXT_ARRAY, msgpack.packb(meta))
+    return msgpack.ExtType(_EXT_ARRAY, pack(meta))
 
 
 def _decode_array(data: bytes, view: memoryview, payload_base: int) -> np.ndarray:

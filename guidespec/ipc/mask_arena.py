@@ -40,6 +40,7 @@ class MaskArena:
         self._shm = shm
         self._owner = owner
         self.buffers = np.ndarray((spec.num_buffers, spec.num_rows, spec.num_words), dtype=np.int32, buffer=shm.buf)
+        self._addresses = [self.buffers[i].__array_interface__["data"][0] for i in range(spec.num_buffers)]
         self._next = 0
 
     @classmethod
@@ -56,14 +57,26 @@ class MaskArena:
     def fits(self, bitmask: np.ndarray) -> bool:
         return bitmask.ndim == 2 and bitmask.shape[0] <= self.spec.num_rows and bitmask.shape[1] == self.spec.num_words
 
+    def reserve(self) -> tuple[int, np.ndarray]:
+        """The next buffer, whole [num_rows, num_words], to fill in place; and its index."""
+        index = self._next
+        self._next = (index + 1) % self.spec.num_buffers
+        return index, self.buffers[index]
+
+    def index_of(self, bitmask: np.ndarray) -> int | None:
+        """The buffer ``bitmask`` is the first rows of, if it is one (filled in place)."""
+        if bitmask.ndim != 2 or bitmask.shape[1] != self.spec.num_words:
+            return None
+        address = bitmask.__array_interface__["data"][0]
+        return next((i for i, start in enumerate(self._addresses) if start == address), None)
+
     def put(self, bitmask: np.ndarray) -> int:
         """Copy ``bitmask`` [rows, words] into the next buffer; returns the buffer's index."""
         if not self.fits(bitmask):
             raise ValueError(f"a bitmask of shape {bitmask.shape} does not fit the arena "
                              f"({self.spec.num_rows} rows of {self.spec.num_words} words)")
-        index = self._next
-        self._next = (index + 1) % self.spec.num_buffers
-        self.buffers[index, : bitmask.shape[0]] = bitmask
+        index, buffer = self.reserve()
+        buffer[: bitmask.shape[0]] = bitmask
         return index
 
     def view(self, index: int, num_rows: int) -> np.ndarray:

@@ -151,11 +151,23 @@ class GrammarManager:
 
     # ------------------------------------------------------------------ per step
 
-    def fill(self, rows: list[FillRow]) -> np.ndarray:
+    def fill(self, rows: list[FillRow], out: np.ndarray | None = None) -> np.ndarray:
         """One bitmask row per position to verify, request by request: a request with drafts
         ``d_1..d_k`` gets rows for its current state and after each ``d_j`` (its grammar is
         advanced through the drafts, filled at each depth, and rolled back). Fills are batched
-        per backend and depth. Returns [sum(1 + len(drafts)), ceil(vocab / 32)]."""
+        per backend and depth. Returns [sum(1 + len(drafts)), ceil(vocab / 32)]: the first rows
+        of ``out`` where it has room (the mask arena's buffer: the rows are then written once),
+        else of this manager's own buffer."""
+        needed = sum(1 + len(r.drafts) for r in rows)
+        if out is None or out.shape[0] < needed or out.shape[1] != self.bitmask.shape[1]:
+            return self._fill_rows_of(rows)
+        own, self.bitmask = self.bitmask, out
+        try:
+            return self._fill_rows_of(rows)
+        finally:
+            self.bitmask = own
+
+    def _fill_rows_of(self, rows: list[FillRow]) -> np.ndarray:
         firsts = np.cumsum([0] + [1 + len(r.drafts) for r in rows]).tolist()
         if firsts[-1] > self.bitmask.shape[0]:
             self.bitmask = np.zeros((firsts[-1], self.bitmask.shape[1]), dtype=np.int32)

@@ -200,7 +200,7 @@ class Scheduler:
             self.times["mask_start"] = time.time()
             bitmask = self._fill([FillRow(row.request.request_id, row.request.draft_tokens,
                                           len(row.request.output_token_ids), self._output_budget(row.request))
-                                  for _, row in guided])
+                                  for _, row in guided], self.broadcaster.reserve_bitmask())
             rows_array = np.concatenate([np.arange(first, first + row.num_logits) for first, row in guided]).astype(np.int32)
             self.broadcaster.write_bitmask(StepBitmask(self.step_id, rows_array, bitmask), timeout=envs.step_timeout_s())
             self.times["mask"] = time.time()
@@ -441,11 +441,12 @@ class Scheduler:
             self._fail(request, f"the drafter failed: {error}", INTERNAL_ERROR)
         return [row for row in planned if row.request.request_id in self.requests]
 
-    def _fill(self, rows: list[FillRow]) -> np.ndarray:
-        """The step's bitmask. If a grammar raises, the rows are filled one request at a time to
-        find it: that request fails, and its rows allow only a stop token (its tokens are dropped)."""
+    def _fill(self, rows: list[FillRow], out: np.ndarray | None) -> np.ndarray:
+        """The step's bitmask, in ``out`` (the mask arena's next buffer) where it fits. If a grammar
+        raises, the rows are filled one request at a time to find it: that request fails, and its
+        rows allow only a stop token (its tokens are dropped)."""
         try:
-            return self.grammar.fill(rows)
+            return self.grammar.fill(rows, out)
         except Exception:
             logger.exception("step %d: a grammar failed while filling the bitmask", self.step_id)
         parts = []

@@ -139,17 +139,18 @@ class Worker:
         timings = np.array([wall_start, forward_end, mask_ready, time.time()], dtype=np.float64)
         return StepOutputs(inputs.step, tokens_np, counts, verified - start, timings, proposals, draft_counts, draft_s)
 
-    def _logits(self, hidden: torch.Tensor, bitmask: StepBitmask | None) -> torch.Tensor | None:
+    def _logits(self, hidden: torch.Tensor, mask: tuple[np.ndarray, np.ndarray] | None) -> torch.Tensor | None:
         """Masked fp32 logits [R, vocab] on rank 0 (None elsewhere). A row whose mask allows one
         token skips the LM head: -inf everywhere but that token."""
-        if bitmask is None:
+        if mask is None:
             return self.model.compute_logits(hidden)
+        rows, bitmask = mask
         vocab = self.model.cfg.vocab_size
-        forced = only_allowed(bitmask.rows, bitmask.bitmask, hidden.shape[0], vocab)
+        forced = only_allowed(rows, bitmask, hidden.shape[0], vocab)
         if not (forced >= 0).any():
             logits = self.model.compute_logits(hidden)
             if logits is not None:
-                apply_bitmask(logits, bitmask.rows, bitmask.bitmask)
+                apply_bitmask(logits, rows, bitmask)
             return logits
         keep = np.flatnonzero(forced < 0)
         computed = self.model.compute_logits(hidden[torch.from_numpy(keep)]) if len(keep) else None
@@ -160,8 +161,8 @@ class Worker:
             logits[torch.from_numpy(keep)] = computed
         single = np.flatnonzero(forced >= 0)
         logits[torch.from_numpy(single), torch.from_numpy(forced[single])] = 0.0
-        masked = forced[bitmask.rows] < 0  # the other guided rows: their mask as usual
-        apply_bitmask(logits, bitmask.rows[masked], bitmask.bitmask[masked])
+        masked = forced[rows] < 0  # the other guided rows: their mask as usual
+        apply_bitmask(logits, rows[masked], bitmask[masked])
         return logits
 
     def _draft_mask(self, step: int, draft_index: int, rows: np.ndarray, sequences: list[list[int]]) -> np.ndarray:
@@ -173,12 +174,13 @@ class Worker:
             raise RuntimeError(f"step {step}: expected the mask of draft {draft_index}, got {type(message).__name__}")
         return message.bitmask
 
-    def _read_bitmask(self, step: int) -> StepBitmask:
-        """The step's bitmask, its rows read in place from the mask arena where they are there."""
+    def _read_bitmask(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The step's bitmask: (logits rows, bitmask rows), read in place from the mask arena
+        where they are there."""
         message = codec.decode(self.reader.read(timeout=60.0))
         if not isinstance(message, StepBitmask) or message.step != step:
             raise RuntimeError(f"step {step}: expected its bitmask, got {type(message).__name__}")
-        return StepBitmask(message.step, message.rows, self.reader.bitmask(message))
+        return message.rows, self.reader.bitmask(message)
 
     def _next_message(self, parent_pid: int) -> object:
         while True:
