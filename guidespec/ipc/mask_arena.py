@@ -21,7 +21,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from guidespec.ipc.shm_ring import _open_untracked
+from guidespec.ipc.shm_ring import _open_untracked, close_segment
 
 
 @dataclass(frozen=True)
@@ -89,12 +89,4 @@ class MaskArena:
 
     def close(self) -> None:
         self.buffers = None  # type: ignore[assignment]  # drop the view before closing the mapping
-        try:
-            self._shm.close()
-        except BufferError:
-            pass
-        if self._owner:
-            try:
-                self._shm.unlink()
-            except FileNotFoundError:
-                pass
+        close_segment(self._shm, self._owner)

@@ -119,15 +119,7 @@ class ShmRing:
         # Drop numpy views before closing the mapping.
         self.ctrl = self.slot_seq = self.slot_nbytes = self.slot_total = None  # type: ignore[assignment]
         self.cursors = self.reader_dead = self.data = None  # type: ignore[assignment]
-        try:
-            self._shm.close()
-        except BufferError:
-            pass
-        if self._owner:
-            try:
-                self._shm.unlink()
-            except FileNotFoundError:
-                pass
+        close_segment(self._shm, self._owner)
 
 
 class RingWriter:
@@ -259,6 +251,19 @@ def unlink_segment(name: str) -> None:
         shm.unlink()
     except FileNotFoundError:
         pass
+
+
+def close_segment(shm: shared_memory.SharedMemory, owner: bool) -> None:
+    """Unmap a segment (its numpy views dropped first by the caller); the owner also removes it."""
+    try:
+        shm.close()
+    except BufferError:
+        pass
+    if owner:
+        try:
+            shm.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def _open_untracked(name: str) -> shared_memory.SharedMemory:
