@@ -202,18 +202,18 @@ class Speculator:
             # the grammar's forced tokens are certain: drafted even where the drafter's are not
             # worth it now (what jump-forward gives requests that do not speculate)
             forced: list[int] = []
-            if request.guided and self.cfg.use_forced_tokens and k + budget > 0:
-                forced = self.grammar.forced_tokens(request.request_id, min(rooms[i], MAX_FORCED_DRAFTS, k + budget))
             drafter = self.drafter
             if i in from_lookup and self.lookup is not None:
                 drafter = self.lookup
                 self._lookup_drafted.add(request.request_id)
                 self.store_proposals(request, [])  # nothing of the draft model's is due for it this step
             try:
+                if request.guided and self.cfg.use_forced_tokens and k + budget > 0:
+                    forced = self.grammar.forced_tokens(request.request_id, min(rooms[i], MAX_FORCED_DRAFTS, k + budget))
                 drafts = self._propose(request, drafter, forced, min(k, rooms[i] - len(forced))) if k > 0 else forced
-            except Exception as e:  # a drafter's fault fails its request alone (take_failures)
+            except Exception as e:  # a drafter's (or its grammar's) fault fails its request alone (take_failures)
                 self._failures.append((request, f"{type(e).__name__}: {str(e)[:200]}", traceback.format_exc()))
-                drafts = []
+                forced, drafts = [], []
             budget -= len(drafts) - k
             self._num_forced[request.request_id] = len(forced)
             request.draft_tokens = drafts
