@@ -139,8 +139,10 @@ def _inflight(server: Server, stream: bool, outcome: list[tuple[float, int]]) ->
             return
         with http.stream("POST", f"{server.url}/v1/chat/completions", json=body) as response:
             for line in response.iter_lines():
-                if '"error"' in line:
-                    outcome.append((time.monotonic(), json.loads(line.removeprefix("data: "))["error"]["code"]))
+                # parsed, not matched: a delta whose content is the token "error" is no error event
+                event = json.loads(line.removeprefix("data: ")) if line.startswith("data: {") else {}
+                if "error" in event:
+                    outcome.append((time.monotonic(), event["error"]["code"]))
                     return
         outcome.append((time.monotonic(), response.status_code))
 
@@ -192,6 +194,7 @@ def test_a_killed_worker_gives_503s_within_2s_and_a_fresh_engine_within_60s(serv
 
 def test_sigterm_drains_in_flight_requests_then_stops_everything(server: Server) -> None:
     """The module's last test: it stops the server."""
+    _wait_healthy(server)  # (an earlier test's restart may still be going on)
     processes, files = engine_processes(server.process.pid), shared_files()
     body = {"messages": ASK, "max_tokens": 40, "ignore_eos": True, "stream": True, "temperature": 0}
     events: list[str] = []
@@ -207,7 +210,7 @@ def test_sigterm_drains_in_flight_requests_then_stops_everything(server: Server)
     server.process.send_signal(signal.SIGTERM)
     thread.join(timeout=60)
     assert server.process.wait(timeout=60) == 0
-    assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
+    assert events[-1] == "data: [DONE]" and not any("error" in json.loads(e[6:]) for e in events[:-1])
     finish = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e[6:])["choices"]]
     assert finish[-1] == "length"
     assert not [pid for pid in processes if alive(pid)]
