@@ -35,7 +35,7 @@ import numpy as np
 import zmq
 
 from guidespec import envs
-from guidespec.config import DTYPES, EngineConfig, ModelConfig, SpeculativeConfig
+from guidespec.config import DTYPES, MODEL_DRAFTERS, EngineConfig, ModelConfig, SpeculativeConfig
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.launcher import EngineProcesses
 from guidespec.protocol import (ENGINE_UNAVAILABLE, GRAMMAR_BACKENDS, INTERNAL_ERROR, AbortRequest, DecodeStats,
@@ -149,13 +149,14 @@ class _RequestStream:
 class LLM:
     """An engine on this machine. ``LLM()`` serves the embedded SmolLM2-135M-Instruct."""
 
-    def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, dtype: str = "float32",
+    def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, dtype: str = "auto",
                  max_batch_size: int = 16, max_model_len: int | None = None, max_num_batched_tokens: int = 512,
                  show_progress: bool = True, remote_ranks: Sequence[int] = (), grammar_backend: str = "xgrammar",
                  grammar_compile_timeout_s: float = 30.0, jump_forward: bool = True,
                  speculative: SpeculativeConfig | dict[str, Any] | str | None = None,
                  distributed_executor: str = "mp", ray_address: str | None = None,
-                 enable_prefix_caching: bool = True, restart_on_failure: bool = False) -> None:
+                 enable_prefix_caching: bool = True, restart_on_failure: bool = False, device: str = "auto",
+                 enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, ray_placement: str = "pack") -> None:
         if grammar_backend not in GRAMMAR_BACKENDS:
             raise ValueError(f"grammar_backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {grammar_backend!r}")
         if grammar_compile_timeout_s <= 0:
@@ -164,14 +165,32 @@ class LLM:
             raise ValueError(f"distributed_executor must be 'mp' or 'ray', got {distributed_executor!r}")
         if distributed_executor == "ray" and remote_ranks:
             raise ValueError("remote_ranks and distributed_executor='ray' do not mix: under Ray every rank is remote")
-        config, self.tokenizer = _create_engine_config(model, tensor_parallel_size, dtype, max_batch_size,
+        if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        if ray_placement not in ("pack", "spread"):
+            raise ValueError(f"ray_placement must be 'pack' or 'spread', got {ray_placement!r}")
+        from guidespec.worker.device import resolve_device, resolve_dtype
+
+        # Ray places its ranks itself: only a local launch needs the GPUs here
+        local = 0 if distributed_executor == "ray" else tensor_parallel_size
+        resolved_device = resolve_device(device, local)
+        config, self.tokenizer = _create_engine_config(model, tensor_parallel_size,
+                                                       resolve_dtype(dtype, resolved_device), max_batch_size,
                                                        max_model_len, max_num_batched_tokens, show_progress,
                                                        tuple(remote_ranks))
+        spec_config = _speculative_config(speculative)
+        if resolved_device == "cuda" and spec_config is not None and spec_config.method in MODEL_DRAFTERS:
+            raise ValueError(f"speculative method {spec_config.method!r} runs on CPU workers only so far (its GPU "
+                             "path, a fused draft/verify graph, is not built yet): use --device cpu, or a drafter "
+                             "of the scheduler (ngram, forced, user)")
         self.config = dataclasses.replace(config, grammar_backend=grammar_backend, jump_forward=jump_forward,
                                           grammar_compile_timeout_s=grammar_compile_timeout_s,
-                                          speculative=_speculative_config(speculative),
+                                          speculative=spec_config,
                                           distributed_executor=distributed_executor, ray_address=ray_address,
-                                          enable_prefix_caching=enable_prefix_caching)
+                                          enable_prefix_caching=enable_prefix_caching, device=resolved_device,
+                                          enforce_eager=bool(enforce_eager),
+                                          gpu_memory_utilization=float(gpu_memory_utilization),
+                                          ray_placement=ray_placement)
         self.restart_on_failure = restart_on_failure
         self.num_restarts = 0  # fresh engines started after a death
         self.on_gave_up: Callable[[str], None] | None = None  # called (once) when the engine died for good

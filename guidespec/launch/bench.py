@@ -228,7 +228,7 @@ def plot(levels: list[Level], path: Path, title: str) -> None:
 def run_bench(args: Any) -> int:
     from tqdm import tqdm
 
-    from guidespec.launch.cli import speculative_from_args
+    from guidespec.launch.cli import device_from_args, speculative_from_args
 
     configs = args.configs
     unknown = [c for c in configs if c not in CONFIGS]
@@ -259,7 +259,7 @@ def run_bench(args: Any) -> int:
                  max_batch_size=max(args.max_batch_size, max(args.concurrency)), max_model_len=args.max_model_len,
                  grammar_backend=args.backend, speculative=speculative, show_progress=False,
                  distributed_executor=args.distributed_executor, ray_address=args.ray_address,
-                 enable_prefix_caching=args.enable_prefix_caching) as llm:
+                 enable_prefix_caching=args.enable_prefix_caching, **device_from_args(args)) as llm:
             fitting = [c for c in cases
                        if len(llm.encode_prompt(c.messages)) + args.max_tokens <= llm.config.max_model_len]
             if len(fitting) < len(cases):

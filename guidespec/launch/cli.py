@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from guidespec.llm import GenerationOutput
@@ -130,13 +130,27 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def device_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's placement options (``LLM``'s keyword arguments) from the command line."""
+    return {"device": args.device, "enforce_eager": args.enforce_eager,
+            "gpu_memory_utilization": args.gpu_memory_utilization, "ray_placement": args.ray_placement}
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--distributed-executor", default="mp", choices=["mp", "ray"],
                    help="mp: worker ranks as local processes; ray: as Ray actors in a placement group")
     p.add_argument("--ray-address", default=None, help="the Ray cluster to join (default: the current or a new local one)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="auto: CUDA where torch sees a GPU (rank i on cuda:i), else the CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: the share of each GPU's memory a rank may take (weights, KV cache, activations)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: run every step eagerly, without CUDA graphs")
+    p.add_argument("--ray-placement", default="pack", choices=["pack", "spread"],
+                   help="Ray GPU ranks: pack (STRICT_PACK, one node) or spread (STRICT_SPREAD, one rank per node)")
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--grammar-backend", "--backend", dest="backend", default="xgrammar",
@@ -186,7 +200,8 @@ def _serve(args: argparse.Namespace) -> int:
              max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, grammar_backend=args.backend,
              jump_forward=not args.no_jump_forward, speculative=speculative_from_args(args),
              distributed_executor=args.distributed_executor, ray_address=args.ray_address,
-             enable_prefix_caching=args.enable_prefix_caching, restart_on_failure=not args.no_restart) as llm:
+             enable_prefix_caching=args.enable_prefix_caching, restart_on_failure=not args.no_restart,
+             **device_from_args(args)) as llm:
         name = args.served_model_name or (args.model and Path(args.model).name) or "SmolLM2-135M-Instruct"
         print(f"guidespec: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         code = run_server(llm, name, args.host, args.port, args.api_key, args.log_level, args.shutdown_timeout)
@@ -209,9 +224,9 @@ def _generate(args: argparse.Namespace) -> int:
              max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, grammar_backend=args.backend,
              jump_forward=not args.no_jump_forward, speculative=speculative_from_args(args),
              distributed_executor=args.distributed_executor, ray_address=args.ray_address,
-             enable_prefix_caching=args.enable_prefix_caching) as llm:
-        print(f"engine ready in {time.perf_counter() - start:.1f} s "
-              f"(tensor_parallel_size={args.tensor_parallel_size}, dtype={args.dtype})", file=sys.stderr)
+             enable_prefix_caching=args.enable_prefix_caching, **device_from_args(args)) as llm:
+        print(f"engine ready in {time.perf_counter() - start:.1f} s (tensor_parallel_size={args.tensor_parallel_size}, "
+              f"device={llm.config.device}, dtype={llm.config.dtype})", file=sys.stderr)
         if args.stream:
             for delta in llm.stream(prompts[0], params):
                 print(delta.text, end="", flush=True)

@@ -32,6 +32,7 @@ from guidespec.ipc.broadcast import BroadcastSpec
 from guidespec.ipc.mask_arena import ArenaSpec, MaskArena
 from guidespec.ipc.shm_ring import ShmRing
 from guidespec.ipc.zmq_channel import new_ipc_endpoint
+from guidespec.worker.device import rank_device
 
 logger = logging.getLogger(__name__)
 _RING_SLOTS = 16
@@ -59,7 +60,8 @@ class EngineProcesses:
         if cfg.distributed_executor == "ray":  # every rank an actor: the broadcast and results go over TCP
             from guidespec.launch.ray_executor import RayRanks
 
-            self.ray = RayRanks(cfg.tensor_parallel_size, self.threads, cfg.ray_address, envs.ray_placement_timeout_s())
+            self.ray = RayRanks(cfg.tensor_parallel_size, self.threads, cfg.ray_address, envs.ray_placement_timeout_s(),
+                                num_gpus=1 if cfg.device == "cuda" else 0, placement=cfg.ray_placement)
             host = self.ray.driver_address()
             self.endpoints = dataclasses.replace(self.endpoints, worker_results=f"tcp://{host}:{_free_port(host)}")
             self.local_ranks: list[int] = []
@@ -91,7 +93,10 @@ class EngineProcesses:
                                     init_method, self.threads, cfg.show_progress,
                                     draft_model=_draft_model(cfg) if rank == 0 else None,
                                     draft_method=cfg.speculative.method if cfg.speculative else "draft_model",
-                                    hf_config=cfg.hf_config)
+                                    hf_config=cfg.hf_config, enforce_eager=cfg.enforce_eager,
+                                    gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                    # rank i on cuda:i locally; a Ray rank on the one GPU Ray gave it
+                                    device=rank_device(cfg.device, None if self.ray is not None else rank))
                        for rank in range(cfg.tensor_parallel_size)]
         if self.ray is not None:
             self.ray.start(worker_cfgs)

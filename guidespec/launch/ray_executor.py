@@ -33,6 +33,38 @@ from typing import Any, Callable
 from guidespec.config import WorkerConfig, config_from_dict
 
 
+PLACEMENTS = ("pack", "spread")
+
+
+def placement_bundle(num_cpus: int, num_gpus: int) -> dict[str, float]:
+    """One rank's resources: its CPUs, and its GPU on a CUDA engine."""
+    return {"CPU": float(num_cpus), **({"GPU": float(num_gpus)} if num_gpus else {})}
+
+
+def placement_strategy(placement: str, num_gpus: int) -> str:
+    """GPU ranks: ``STRICT_PACK`` (one node: NCCL over NVLink / PCIe) or ``STRICT_SPREAD``; CPU
+    ranks: ``PACK`` or ``SPREAD`` (best effort, as before)."""
+    if num_gpus:
+        return "STRICT_PACK" if placement == "pack" else "STRICT_SPREAD"
+    return "PACK" if placement == "pack" else "SPREAD"
+
+
+def placement_problem(num_ranks: int, bundle: dict[str, float], cluster: dict[str, float]) -> str | None:
+    """Why a cluster with ``cluster`` resources can never hold ``num_ranks`` bundles, or None."""
+    for resource, amount in bundle.items():
+        have, need = cluster.get(resource, 0.0), num_ranks * amount
+        if have < need:
+            hint = ("add GPU nodes, or lower tensor_parallel_size" if resource == "GPU" else
+                    "add nodes, lower tensor_parallel_size, or GUIDESPEC_WORKER_THREADS for fewer CPUs per rank")
+            return (f"the Ray cluster cannot hold the placement: {num_ranks} ranks x {amount:g} {resource} need "
+                    f"{need:g} {resource}s, the cluster has {have:g} ({hint})")
+    return None
+
+
+def _describe(resources: dict[str, float]) -> str:
+    return " + ".join(f"{amount:g} {name}" for name, amount in resources.items())
+
+
 class RayRank:
     """One worker rank inside a Ray actor; ``run`` is its whole life (``worker.run_worker``)."""
 
@@ -56,7 +88,10 @@ class RayRank:
 class RayRanks:
     """The placement group and the rank actors of one engine."""
 
-    def __init__(self, num_ranks: int, num_cpus: int, address: str | None, placement_timeout_s: float) -> None:
+    def __init__(self, num_ranks: int, num_cpus: int, address: str | None, placement_timeout_s: float,
+                 num_gpus: int = 0, placement: str = "pack") -> None:
+        if placement not in PLACEMENTS:
+            raise ValueError(f"ray placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
         try:
             import ray
             from ray.util.placement_group import placement_group, remove_placement_group
@@ -77,23 +112,26 @@ class RayRanks:
                 raise
         self.refs: list[Any] = []
         self.actors: list[Any] = []
-        total = ray.cluster_resources().get("CPU", 0.0)
-        if total < num_ranks * num_cpus:
+        bundle = placement_bundle(num_cpus, num_gpus)
+        problem = placement_problem(num_ranks, bundle, ray.cluster_resources())
+        if problem is not None:
             self.close()
-            raise RuntimeError(f"the Ray cluster cannot hold the placement: {num_ranks} ranks x {num_cpus} CPU need "
-                               f"{num_ranks * num_cpus} CPUs, the cluster has {total:g} (add nodes, lower "
-                               f"tensor_parallel_size, or GUIDESPEC_WORKER_THREADS for fewer CPUs per rank)")
-        self.pg = placement_group([{"CPU": num_cpus}] * num_ranks, strategy="PACK")
+            raise RuntimeError(problem)
+        strategy = placement_strategy(placement, num_gpus)
+        self.pg = placement_group([bundle] * num_ranks, strategy=strategy)
         try:
             ray.get(self.pg.ready(), timeout=placement_timeout_s)
         except Exception:
-            available = ray.available_resources().get("CPU", 0.0)
+            free = {k: ray.available_resources().get(k, 0.0) for k in bundle}
             self.close()
-            raise RuntimeError(f"the Ray cluster could not place {num_ranks} ranks x {num_cpus} CPU within "
-                               f"{placement_timeout_s:g} s ({available:g} CPUs free now)") from None
+            where = " on one node" if strategy == "STRICT_PACK" else (" on distinct nodes" if "SPREAD" in strategy else "")
+            raise RuntimeError(f"the Ray cluster could not place {num_ranks} ranks x {_describe(bundle)}{where} within "
+                               f"{placement_timeout_s:g} s ({_describe(free)} free now)") from None
         actor_cls = ray.remote(RayRank)
-        self.actors = [actor_cls.options(num_cpus=num_cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=self.pg, placement_group_bundle_index=rank)).remote() for rank in range(num_ranks)]
+        self.actors = [actor_cls.options(num_cpus=num_cpus, num_gpus=num_gpus,
+                                         scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                             placement_group=self.pg, placement_group_bundle_index=rank)).remote()
+                       for rank in range(num_ranks)]
 
     def driver_address(self) -> str:
         return str(self._ray.util.get_node_ip_address())

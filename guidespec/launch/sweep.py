@@ -180,7 +180,7 @@ def run_sweep(args: Any) -> int:
     from tqdm import tqdm
 
     from guidespec import LLM
-    from guidespec.launch.cli import speculative_from_args
+    from guidespec.launch.cli import device_from_args, speculative_from_args
 
     cases = load_workload(Path(args.workload) if args.workload else default_workload(), args.prefix, args.limit)
     speculative = speculative_from_args(args)
@@ -188,7 +188,7 @@ def run_sweep(args: Any) -> int:
     with LLM(args.model, max_batch_size=args.concurrency, grammar_backend=args.backend, speculative=speculative,
              grammar_compile_timeout_s=args.compile_timeout, max_model_len=args.max_model_len or _model_limit(args.model),
              dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-             enable_prefix_caching=args.enable_prefix_caching) as llm:
+             enable_prefix_caching=args.enable_prefix_caching, **device_from_args(args)) as llm:
         for temperature in args.temperature:
             config = {"backend": args.backend, "temperature": temperature, "max_tokens": args.max_tokens,
                       "repetition_penalty": args.repetition_penalty, "speculative": speculative}
