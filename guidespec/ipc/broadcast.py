@@ -40,6 +40,10 @@ class StepReader(Protocol):
         """The message's bitmask rows [R, words], wherever they travelled (MalformedMessage: none)."""
         ...
 
+    def arena_buffers(self) -> list[np.ndarray]:
+        """The mask arena's buffers this rank maps (to page-lock them on a GPU); none remotely."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -106,6 +110,9 @@ class _RingStepReader:
             raise RuntimeError(f"step {message.step}: its bitmask is in the arena, which this rank does not map")
         return self.arena.view(message.arena_buffer, len(message.rows))
 
+    def arena_buffers(self) -> list[np.ndarray]:
+        return [] if self.arena is None else [self.arena.buffers]
+
     def close(self) -> None:
         if self.arena is not None:
             self.arena.close()
@@ -115,6 +122,9 @@ class _RingStepReader:
 class _RemoteStepReader(RemoteReader):
     def bitmask(self, message: StepBitmask) -> np.ndarray:
         return _rows_in(message)  # remote ranks always get the rows in the message
+
+    def arena_buffers(self) -> list[np.ndarray]:
+        return []
 
 
 def _rows_in(message: StepBitmask) -> np.ndarray:

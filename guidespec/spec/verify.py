@@ -15,6 +15,7 @@ the grammar's mask for that position already applied (p'). Each row yields 1 to 
 A draft the mask forbids has p'(d_j) = 0 and is never accepted: masks fail closed. A row whose
 mask allows no token at all (a grammar the vocabulary cannot follow) yields ``NO_TOKEN``: the
 scheduler fails that request alone.
+Everything runs on the logits' device; only the chosen tokens (and argmaxes) travel back.
 Seeded rows draw position ``j``'s randomness from a generator seeded by (seed, output index).
 """
 
@@ -52,11 +53,11 @@ def verify(logits: torch.Tensor, num_logits: np.ndarray, drafts: list[np.ndarray
                         torch.from_numpy(top_p[plain_rows].astype(np.float32)),
                         torch.from_numpy(seeds[plain_rows].astype(np.int64)),
                         torch.from_numpy(sample_index[plain_rows].astype(np.int64)), generator)
-        for b, token in zip(plain_rows, tokens.tolist()):
+        for b, token in zip(plain_rows, tokens.cpu().tolist()):
             out[b] = [token]
     greedy = [b for b in spec_rows if temperature[b] == 0]
     if greedy:
-        best = logits.argmax(dim=-1).numpy()
+        best = logits.argmax(dim=-1).cpu().numpy()  # only the argmaxes travel back
         for b in greedy:
             out[b] = _verify_greedy(best[offsets[b] : offsets[b + 1]], drafts[b])
     sampled = [b for b in spec_rows if temperature[b] != 0]
@@ -91,26 +92,27 @@ def _verify_sampled(probs: torch.Tensor, drafts: np.ndarray, q: torch.Tensor | N
                     generator: torch.Generator | None) -> list[int]:
     tokens: list[int] = []
     for j, draft in enumerate(drafts.tolist()):
-        g = _generator(seed, first_index + j, generator)
+        g = _generator(seed, first_index + j, generator, probs.device)
         p = probs[j]
         q_draft = float(q[j, draft]) if q is not None else 1.0
-        u = float(torch.rand(1, generator=g))
+        u = float(torch.rand(1, generator=g, device=p.device))
         if q_draft > 0 and u * q_draft < float(p[draft]):  # u < p'/q', without dividing
             tokens.append(draft)
             continue
-        residual = (p - q[j]).clamp(min=0) if q is not None else p.clone()
+        residual = (p - q[j].to(p.device)).clamp(min=0) if q is not None else p.clone()
         if q is None:
             residual[draft] = 0
         if float(residual.sum()) <= 0:  # p' == q': nothing left to correct, draw from p'
             residual = p
         tokens.append(int(torch.multinomial(residual, 1, generator=g)))
         return tokens
-    g = _generator(seed, first_index + len(drafts), generator)
+    g = _generator(seed, first_index + len(drafts), generator, probs.device)
     tokens.append(int(torch.multinomial(probs[len(drafts)], 1, generator=g)))
     return tokens
 
 
-def _generator(seed: int, index: int, shared: torch.Generator | None) -> torch.Generator | None:
+def _generator(seed: int, index: int, shared: torch.Generator | None,
+               device: torch.device | None = None) -> torch.Generator | None:
     if seed < 0:
         return shared
-    return torch.Generator().manual_seed((seed * _SEED_STRIDE + index) % 2**63)
+    return torch.Generator(device=device or "cpu").manual_seed((seed * _SEED_STRIDE + index) % 2**63)

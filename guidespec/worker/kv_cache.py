@@ -41,7 +41,7 @@ class KVCache:
         first = slots[0]
         if slots == list(range(first, first + len(slots))):
             return k[first : first + len(slots), :, :length], v[first : first + len(slots), :, :length]
-        index = torch.tensor(slots)
+        index = torch.tensor(slots, device=k.device)
         return k[index, :, :length], v[index, :, :length]
 
 

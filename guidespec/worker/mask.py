@@ -1,7 +1,9 @@
 """Applying token bitmasks to logits: bit j of word w set means token 32*w + j is allowed.
 
-Only the rows named in ``rows`` are touched (rows of unguided requests are skipped). This is
-the CPU path; a GPU kernel will sit behind the same function.
+Only the rows named in ``rows`` are touched (rows of unguided requests are skipped): bitmask
+row ``i`` applies to logits row ``rows[i]``. :func:`apply_bitmask` works on any device (torch
+ops); on CUDA, :class:`DeviceMasks` copies the step's rows from the mask arena to the GPU
+asynchronously and applies them with xgrammar's kernel where it is installed.
 
 A row whose mask allows exactly one token (the grammar forces it) needs no logits at all: its
 masked distribution puts all mass on that token, whatever the model says. ``only_allowed``
@@ -11,24 +13,32 @@ model) and the mask, as jump-forward skips the whole step for them.
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import numpy as np
 import torch
 
+logger = logging.getLogger(__name__)
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, W] int32 -> [R, vocab] bool (True = allowed)."""
-    bits = (bitmask[:, :, None] >> _BITS) & 1
+    """[R, W] int32 -> [R, vocab] bool (True = allowed), on ``bitmask``'s device."""
+    bits = (bitmask[:, :, None] >> _BITS.to(bitmask.device)) & 1
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
-def apply_bitmask(logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray) -> None:
-    """Set disallowed tokens of ``logits[rows]`` to -inf, in place."""
+def apply_bitmask(logits: torch.Tensor, rows: np.ndarray | torch.Tensor, bitmask: np.ndarray | torch.Tensor) -> None:
+    """Set disallowed tokens of ``logits[rows]`` to -inf, in place (torch ops on logits' device)."""
     if len(rows) == 0:
         return
-    allowed = unpack_bitmask(torch.from_numpy(np.array(bitmask, dtype=np.int32)), logits.shape[-1])
-    index = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+    device = logits.device
+    if isinstance(bitmask, np.ndarray):
+        bitmask = torch.from_numpy(np.array(bitmask, dtype=np.int32))
+    index = rows.to(device) if isinstance(rows, torch.Tensor) else torch.from_numpy(np.asarray(rows, dtype=np.int64))
+    allowed = unpack_bitmask(bitmask.to(device, non_blocking=True), logits.shape[-1])
+    index = index.to(device, non_blocking=True)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
@@ -48,3 +58,115 @@ def only_allowed(rows: np.ndarray, bitmask: np.ndarray, num_rows: int, vocab_siz
         inside = token < vocab_size
         out[np.asarray(rows)[single[inside]]] = token[inside]
     return out
+
+
+class DeviceMasks:
+    """A step's bitmask rows on the model's device.
+
+    On CUDA, the arena's pages are page-locked once (``cudaHostRegister``), so :meth:`upload`
+    copies a step's rows host-to-device asynchronously on a side stream: the copy is enqueued as
+    soon as the scheduler's second broadcast arrives, while the forward's kernels still run, and
+    the main stream waits on it only where the mask is applied. Rows that come in a message (a
+    remote rank's) are copied the same way from pageable memory. On the CPU nothing is copied:
+    the arena's rows are used in place.
+
+    Bookkeeping (which buffers are registered, the device buffer's shape) is the same on both, so
+    the CPU tests run it.
+    """
+
+    def __init__(self, device: torch.device | str, max_rows: int, num_words: int,
+                 arena_buffers: list[np.ndarray] | None = None) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.max_rows, self.num_words = max_rows, num_words
+        self.registered: list[tuple[int, int]] = []  # (address, bytes) page-locked with CUDA
+        self._stream: Any = None
+        self._copied: Any = None  # the event the last upload recorded
+        if self.cuda:
+            self._stream = torch.cuda.Stream(device=self.device)
+            for buffer in arena_buffers or []:
+                self._register(buffer)
+        # one device buffer of the arena's row capacity, written by uploads (CPU: unused)
+        self.rows_on_device = torch.empty(max_rows if self.cuda else 0, num_words, dtype=torch.int32,
+                                          device=self.device)
+
+    def _register(self, buffer: np.ndarray) -> None:
+        address, size = int(buffer.__array_interface__["data"][0]), int(buffer.nbytes)
+        code = torch.cuda.cudart().cudaHostRegister(address, size, 0)
+        if int(code) != 0:  # not fatal: the copy is then synchronous (as from any pageable memory)
+            logger.warning("page-locking the mask arena failed (cudaError %s): its copies will not overlap", int(code))
+            return
+        self.registered.append((address, size))
+
+    def is_pinned(self, bitmask: np.ndarray) -> bool:
+        address = int(bitmask.__array_interface__["data"][0])
+        return any(start <= address < start + size for start, size in self.registered)
+
+    def upload(self, bitmask: np.ndarray) -> torch.Tensor:
+        """``bitmask`` [R, W] on the device: on CUDA, an asynchronous copy on the side stream
+        into the device buffer (the returned view is valid once :meth:`wait` ran on the stream
+        that reads it); on the CPU, the rows themselves."""
+        host = torch.from_numpy(np.asarray(bitmask))
+        if not self.cuda:
+            return host
+        n = host.shape[0]
+        if n > self.max_rows or host.shape[1] != self.num_words:
+            raise ValueError(f"a bitmask of {tuple(host.shape)} does not fit the device buffer "
+                             f"({self.max_rows} rows of {self.num_words} words)")
+        # the main stream may still read the previous step's rows: the side stream waits for it
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            target = self.rows_on_device[:n]
+            target.copy_(host, non_blocking=self.is_pinned(bitmask))
+            self._copied = torch.cuda.Event()
+            self._copied.record(self._stream)
+        return target
+
+    def wait(self) -> None:
+        """Make the current stream wait for the last upload (no host wait)."""
+        if self.cuda and self._copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._copied)
+
+    def apply(self, logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray) -> None:
+        """Apply ``bitmask`` (bitmask row i to logits row ``rows[i]``), in place on the device."""
+        if len(rows) == 0:
+            return
+        if not self.cuda:
+            apply_bitmask(logits, rows, bitmask)
+            return
+        on_device = self.upload(bitmask)
+        self.wait()
+        apply_on_device(logits, rows, on_device)
+
+    def close(self) -> None:
+        for address, _ in self.registered:
+            torch.cuda.cudart().cudaHostUnregister(address)
+        self.registered = []
+
+
+def apply_on_device(logits: torch.Tensor, rows: np.ndarray, bitmask: torch.Tensor) -> None:
+    """Rows already on the device: xgrammar's CUDA kernel, given a bitmask aligned with the logits
+    rows and the indices of the guided rows (unguided rows are not touched); torch ops where
+    xgrammar or its kernel is missing."""
+    kernel = _xgrammar_kernel()
+    if kernel is None or logits.dtype != torch.float32:
+        apply_bitmask(logits, rows, bitmask)
+        return
+    aligned = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32, device=logits.device)
+    index = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(logits.device, non_blocking=True)
+    aligned[index] = bitmask
+    kernel(logits, aligned, vocab_size=logits.shape[-1], indices=[int(r) for r in rows])
+
+
+_KERNEL: list[Any] = []
+
+
+def _xgrammar_kernel() -> Any:
+    if not _KERNEL:
+        try:
+            import xgrammar
+
+            _KERNEL.append(xgrammar.apply_token_bitmask_inplace)
+        except (ImportError, AttributeError):
+            _KERNEL.append(None)
+    return _KERNEL[0]

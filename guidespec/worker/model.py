@@ -11,6 +11,7 @@ Not here: sampling (``sampler.py``), the process loop (``worker.py``), file hand
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -48,8 +49,9 @@ class AttentionGroup:
         n = self.num_new_tokens
         if len(self.rows) == 1 and n == 1:
             return None
-        query_pos = self.starts.long()[:, None] + torch.arange(n)[None]  # [B, n]
-        return (torch.arange(self.length)[None, None, :] <= query_pos[:, :, None])[:, None]
+        device = self.starts.device
+        query_pos = self.starts.long()[:, None] + torch.arange(n, device=device)[None]  # [B, n]
+        return (torch.arange(self.length, device=device)[None, None, :] <= query_pos[:, :, None])[:, None]
 
 
 @dataclass
@@ -72,6 +74,20 @@ class ForwardBatch:
     def __post_init__(self) -> None:
         self.slot_of_token = torch.repeat_interleave(torch.tensor(self.slots), torch.tensor(self.num_new_tokens))
         self.groups = _attention_groups(self)
+
+    def to(self, device: torch.device | str) -> ForwardBatch:
+        """This batch with its tensors on ``device`` (itself on the CPU)."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self
+        moved = copy.copy(self)
+        for name in ("token_ids", "positions", "logits_indices", "slot_of_token"):
+            setattr(moved, name, getattr(self, name).to(device, non_blocking=True))
+        moved.groups = [dataclasses.replace(
+            g, token_index=None if g.token_index is None else g.token_index.to(device, non_blocking=True),
+            slot_ids=g.slot_ids.to(device, non_blocking=True), starts=g.starts.to(device, non_blocking=True))
+            for g in self.groups]
+        return moved
 
     @classmethod
     def create(cls, token_ids, slots, start_positions, num_new_tokens, num_logits) -> ForwardBatch:  # type: ignore[no-untyped-def]
@@ -212,6 +228,7 @@ class LlamaModel:
         (``spec/eagle.py``): the inputs of the given layers side by side [T, n * hidden], or
         ``"final"``, the last hidden state after the final norm [T, hidden].
         """
+        batch = batch.to(self.device)
         x = self._embed(batch.token_ids)  # [T, H]
         cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
         kept: list[torch.Tensor] = []
@@ -229,6 +246,47 @@ class LlamaModel:
         self.captured = torch.cat(kept, dim=-1) if kept else None
         x = x[batch.logits_indices]
         return _rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def forward_padded(self, kv: KVCache, token_ids: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
+                       row_slots: torch.Tensor, tokens_per_row: int, key_length: int) -> torch.Tensor:
+        """The forward of a fixed shape, for CUDA graphs (``graphs.py``): ``B`` rows of exactly
+        ``tokens_per_row`` tokens each, attending the first ``key_length`` keys of their slot.
+
+        token_ids, positions, token_slots [B * n] (token_slots: where each token's keys are
+        written; padding goes to a scratch slot); row_slots [B] (whose keys each row reads).
+        Returns the normalized hidden states of every position [B * n, hidden]. No host
+        synchronisation and no shape that depends on the values: capturable as it is.
+        """
+        n, b = tokens_per_row, row_slots.shape[0]
+        g = self.cfg.num_query_groups
+        key_positions = torch.arange(key_length, device=positions.device)
+        allowed = key_positions[None, None, :] <= positions.view(b, n)[:, :, None]  # [B, n, L]
+        mask = allowed[:, None].repeat(1, 1, g, 1)  # [B, 1, G*n, L], rows ordered (group, token)
+        x = self._embed(token_ids)
+        cos, sin = self.cos[positions], self.sin[positions]
+        for i, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer["input_norm"], self.cfg.rms_norm_eps)
+            x = x + self._attention_padded(h, layer, kv, i, positions, token_slots, row_slots, n, key_length, mask,
+                                           cos, sin)
+            h = _rms_norm(x, layer["post_norm"], self.cfg.rms_norm_eps)
+            x = x + self._mlp(h, layer)
+        return _rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
+
+    def _attention_padded(self, h, layer, kv: KVCache, i: int, positions, token_slots, row_slots, n: int,  # type: ignore[no-untyped-def]
+                          key_length: int, mask, cos, sin) -> torch.Tensor:
+        d, hq, hkv, g = self.cfg.head_dim, self.num_local_heads, self.num_local_kv_heads, self.cfg.num_query_groups
+        b = row_slots.shape[0]
+        qkv = linear(h, layer["qkv"], layer.get("qkv_bias"))
+        qk = _rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)
+        q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
+        kv.write(i, token_slots, positions, k, v)
+        keys = kv.k[i][:, :, :key_length].index_select(0, row_slots)  # [B, hkv, L, D]: only the rows' slots
+        values = kv.v[i][:, :, :key_length].index_select(0, row_slots)
+        q = q.reshape(b, n, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * n, d)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        out = out.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, hq * d)
+        return all_reduce(linear(out, layer["o"], layer.get("o_bias")), self.tp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[R, hidden] -> fp32 logits [R, vocab] on rank 0, None on the other ranks."""

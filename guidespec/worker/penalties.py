@@ -3,7 +3,7 @@
 Every token of a sequence passes through a step's inputs once (prompt chunks, then each
 sampled token fed back), so the worker keeps, per slot, which tokens occurred (prompt and
 output: Hugging Face's repetition penalty) and how often each occurred in the output
-(OpenAI's frequency and presence penalties). A row starting at position 0 resets its slot.
+(OpenAI's frequency and presence penalties), on the logits' device. A row starting at position 0 resets its slot.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import torch
 
 
 class TokenHistory:
-    def __init__(self, num_slots: int, vocab_size: int) -> None:
-        self.seen = torch.zeros(num_slots, vocab_size, dtype=torch.bool)
-        self.output_counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32)
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device | str = "cpu") -> None:
+        self.seen = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
+        self.output_counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)
 
     def update(self, slots: list[int], starts: list[int], counts: list[int], token_ids: torch.Tensor,
                num_prompt_tokens: list[int]) -> None:
         offset = 0
+        token_ids = token_ids.to(self.seen.device, non_blocking=True)
         for slot, start, count, prompt_len in zip(slots, starts, counts, num_prompt_tokens):
             tokens = token_ids[offset : offset + count]
             offset += count
@@ -36,8 +37,9 @@ class TokenHistory:
         active = ((repetition != 1) | (frequency != 0) | (presence != 0)).nonzero().flatten()
         for r in active.tolist():
             row, slot = logits[r], int(slots[r])
-            if repetition[r] != 1:
+            rep, freq, pres = float(repetition[r]), float(frequency[r]), float(presence[r])
+            if rep != 1:
                 seen = self.seen[slot]
-                row[seen] = torch.where(row[seen] > 0, row[seen] / repetition[r], row[seen] * repetition[r])
+                row[seen] = torch.where(row[seen] > 0, row[seen] / rep, row[seen] * rep)
             counts = self.output_counts[slot].to(row.dtype)
-            row -= frequency[r] * counts + presence[r] * (counts > 0).to(row.dtype)
+            row -= freq * counts + pres * (counts > 0).to(row.dtype)

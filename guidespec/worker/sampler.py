@@ -1,8 +1,9 @@
 """Turning logits rows into tokens: greedy, temperature, top-k, top-p, per-request seeds.
 
-Seeded rows draw from a generator seeded by (request seed, index of the token in the
-output), so a seeded request gives the same tokens whatever batch it shares and however its
-steps are cut. Bitmasks (guided decoding) are applied before this, by the caller.
+Every tensor op runs on the logits' device (the CPU, or rank 0's GPU: only the tokens travel
+back). Seeded rows draw from a generator seeded by (request seed, index of the token in the
+output), on that device, so a seeded request gives the same tokens whatever batch it shares and
+however its steps are cut. Bitmasks (guided decoding) are applied before this, by the caller.
 """
 
 from __future__ import annotations
@@ -23,18 +24,20 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     if bool(greedy.all()):
         return tokens
     rows = (~greedy).nonzero().flatten()
-    probs = filtered_probs(logits[rows], temperature[rows], top_k[rows], top_p[rows])
-    tokens[rows] = _draw(probs, seeds[rows], sample_index[rows], generator)
+    probs = filtered_probs(logits[rows.to(logits.device)], temperature[rows], top_k[rows], top_p[rows])
+    tokens[rows.to(logits.device)] = _draw(probs, seeds[rows].cpu(), sample_index[rows].cpu(), generator)
     return tokens
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    device = logits.device
+    temperature, top_k, top_p = temperature.to(device), top_k.to(device), top_p.to(device)
     logits = logits / temperature.clamp(min=_MIN_TEMPERATURE)[:, None]
     vocab = logits.shape[-1]
     if bool((top_k > 0).any()) or bool((top_p < 1).any()):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-        ranks = torch.arange(vocab)[None]
+        ranks = torch.arange(vocab, device=device)[None]
         drop = ranks >= k[:, None]
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
@@ -46,11 +49,13 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 
 
 def _draw(probs: torch.Tensor, seeds: torch.Tensor, sample_index: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    out = torch.empty(probs.shape[0], dtype=torch.long)
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     unseeded = (seeds < 0).nonzero().flatten()
     if len(unseeded):
-        out[unseeded] = torch.multinomial(probs[unseeded], 1, generator=generator).flatten()
+        out[unseeded.to(probs.device)] = torch.multinomial(probs[unseeded.to(probs.device)], 1,
+                                                           generator=generator).flatten()
     for row in (seeds >= 0).nonzero().flatten().tolist():
-        g = torch.Generator().manual_seed((int(seeds[row]) * _SEED_STRIDE + int(sample_index[row])) % 2**63)
+        g = torch.Generator(device=probs.device).manual_seed(
+            (int(seeds[row]) * _SEED_STRIDE + int(sample_index[row])) % 2**63)
         out[row] = torch.multinomial(probs[row], 1, generator=g).item()
     return out

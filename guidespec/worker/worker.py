@@ -34,7 +34,9 @@ from guidespec.spec.eagle import EagleRunner
 from guidespec.spec.verify import verify
 from guidespec.worker import tp as tp_mod
 from guidespec.worker.checkpoint import load_hf_config
-from guidespec.worker.mask import apply_bitmask, only_allowed
+from guidespec.worker.device import check_device_memory
+from guidespec.worker.graphs import MAX_TOKENS_PER_ROW, GraphRunner
+from guidespec.worker.mask import DeviceMasks, only_allowed
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.penalties import TokenHistory
 
@@ -60,6 +62,7 @@ def run_worker(cfg: WorkerConfig, parent_pid: int) -> None:
         raise SystemExit(1)
     finally:
         if worker is not None:
+            worker.masks.close()  # unregister the arena's pages before the reader unmaps them
             worker.reader.close()
         results.close()
         ctx.term()
@@ -70,16 +73,30 @@ class Worker:
     def __init__(self, cfg: WorkerConfig, ctx: zmq.Context) -> None:
         self.cfg = cfg
         self.tp = tp_mod.TPInfo(cfg.rank, cfg.tensor_parallel_size)
-        tp_mod.init_distributed(self.tp, cfg.dist_init_method, "gloo" if cfg.device == "cpu" else "nccl")
+        self.device = torch.device(cfg.device)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.set_device(self.device)  # before NCCL: its communicator binds the current device
+        tp_mod.init_distributed(self.tp, cfg.dist_init_method, "nccl" if cuda else "gloo")
         hf_config = load_hf_config(cfg.model_dir, cfg.hf_config)
         model_cfg = ModelConfig.from_hf(hf_config)
         dtype = getattr(torch, cfg.dtype)
+        arena = cfg.broadcast.arena
+        max_rows = arena.num_rows if arena is not None else cfg.max_batch_size * (1 + MAX_TOKENS_PER_ROW)
+        # CUDA graphs pad batches onto a scratch slot: one KV slot more than the batch
+        use_graphs = cuda and not cfg.enforce_eager and cfg.draft_model is None
+        num_slots = cfg.max_batch_size + (1 if use_graphs else 0)
+        check_device_memory(model_cfg, dtype, self.tp.size, num_slots, cfg.max_model_len, max_rows, cfg.device,
+                            cfg.gpu_memory_utilization)
         self.model = LlamaModel(model_cfg, self.tp, dtype, cfg.max_model_len, cfg.device)
         self.model.load(cfg.model_dir, hf_config, show_progress=self.tp.is_driver and cfg.show_progress)
-        self.kv = self.model.create_kv_cache(cfg.max_batch_size)
-        self.history = TokenHistory(cfg.max_batch_size, model_cfg.vocab_size)
+        self.kv = self.model.create_kv_cache(num_slots)
+        self.graphs = GraphRunner(self.model, self.kv, cfg.max_batch_size, capture=True) if use_graphs else None
+        self.history = TokenHistory(cfg.max_batch_size, model_cfg.vocab_size, self.device)
         self.reader = create_step_reader(cfg.broadcast, cfg.ring_index, ctx)
-        self.generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
+        self.masks = DeviceMasks(self.device, max_rows, -(-model_cfg.vocab_size // 32),
+                                 self.reader.arena_buffers())
+        self.generator = torch.Generator(device=self.device).manual_seed(int.from_bytes(os.urandom(7), "little"))
         self.drafter: DraftRunner | EagleRunner | None = None
         if cfg.draft_model is not None and self.tp.is_driver:
             if cfg.draft_method == "eagle":
@@ -107,7 +124,11 @@ class Worker:
         start, wall_start = time.perf_counter(), time.time()
         batch = ForwardBatch.create(inputs.token_ids, inputs.slots, inputs.start_positions,
                                     inputs.num_new_tokens, inputs.num_logits)
-        hidden = self.model.forward(batch, self.kv, self.drafter.capture if self.drafter is not None else None)
+        key = self.graphs.plan(batch) if self.graphs is not None else None
+        if key is not None:  # decode and verify steps: a replayed CUDA graph (graphs.py)
+            hidden = self.graphs.run(batch, key)  # type: ignore[union-attr]
+        else:
+            hidden = self.model.forward(batch, self.kv, self.drafter.capture if self.drafter is not None else None)
         if self.drafter is not None:
             self.drafter.follow(batch, self.model.captured)
         forward_end = mask_ready = time.time()
@@ -123,7 +144,7 @@ class Worker:
         rows = np.repeat(np.arange(inputs.batch_size), inputs.num_logits)
         self.history.update(batch.slots, batch.start_positions, batch.num_new_tokens, batch.token_ids,
                             inputs.num_prompt_tokens.tolist())
-        penalties = torch.from_numpy(inputs.penalties[rows].copy())
+        penalties = torch.from_numpy(inputs.penalties[rows].copy())  # per-row scalars: read on the host
         self.history.apply(logits, torch.from_numpy(inputs.slots[rows].copy()), *penalties.unbind(1))
         # rows without drafts are sampled; rows with drafts are verified (spec/verify.py)
         drafts = _drafts(inputs)
@@ -150,19 +171,19 @@ class Worker:
         if not (forced >= 0).any():
             logits = self.model.compute_logits(hidden)
             if logits is not None:
-                apply_bitmask(logits, rows, bitmask)
+                self.masks.apply(logits, rows, bitmask)
             return logits
         keep = np.flatnonzero(forced < 0)
-        computed = self.model.compute_logits(hidden[torch.from_numpy(keep)]) if len(keep) else None
+        computed = self.model.compute_logits(hidden[torch.from_numpy(keep).to(self.device)]) if len(keep) else None
         if not self.tp.is_driver:
             return None
-        logits = torch.full((hidden.shape[0], vocab), float("-inf"), dtype=torch.float32)
+        logits = torch.full((hidden.shape[0], vocab), float("-inf"), dtype=torch.float32, device=self.device)
         if computed is not None:
-            logits[torch.from_numpy(keep)] = computed
+            logits[torch.from_numpy(keep).to(self.device)] = computed
         single = np.flatnonzero(forced >= 0)
-        logits[torch.from_numpy(single), torch.from_numpy(forced[single])] = 0.0
+        logits[torch.from_numpy(single).to(self.device), torch.from_numpy(forced[single]).to(self.device)] = 0.0
         masked = forced[rows] < 0  # the other guided rows: their mask as usual
-        apply_bitmask(logits, rows[masked], bitmask[masked])
+        self.masks.apply(logits, rows[masked], bitmask[masked])
         return logits
 
     def _draft_mask(self, step: int, draft_index: int, rows: np.ndarray, sequences: list[list[int]]) -> np.ndarray:

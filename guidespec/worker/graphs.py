@@ -1,0 +1,180 @@
+"""Decode and speculative-verify steps as CUDA graphs, replayed step after step.
+
+A step whose rows all run few new tokens (decode: 1; verify: 1 + the draft length) runs a
+forward of fixed shape (``LlamaModel.forward_padded``) chosen by three buckets:
+
+- ``B``: the batch, rounded up to 1, 2, 4, 8, 16, 32, ... (and the engine's max batch size);
+- ``n``: tokens per row, the step's largest row count (at most ``MAX_TOKENS_PER_ROW``);
+- ``L``: keys attended, the longest row's end rounded up to a power of two (at least 256).
+
+Each (B, n, L) is captured once, the first time a step needs it, into a graph that reads a
+set of static buffers: the step writes its token ids, positions and slots into them (one
+host-to-device copy from a page-locked staging tensor) and replays. Padding is harmless by
+construction: padded tokens write their keys into a scratch slot (the cache holds one slot more
+than the batch), padded rows read it, and their outputs are never read. Larger steps (prefill
+chunks), and every step with ``--enforce-eager``, run the ordinary eager forward.
+
+The same runner without capture (``capture=False``) runs the same padded forward eagerly on any
+device: that is what the CPU tests check against the ordinary forward, so bucket choice, static
+buffers and padding are tested where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from guidespec.worker.kv_cache import KVCache
+from guidespec.worker.model import ForwardBatch, LlamaModel
+
+logger = logging.getLogger(__name__)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+MAX_TOKENS_PER_ROW = 8  # 1 + draft tokens; more runs eagerly
+MIN_KEY_BUCKET = 256
+
+
+def batch_bucket(batch_size: int, max_batch_size: int) -> int | None:
+    """The smallest bucket holding ``batch_size`` rows (the max batch size is a bucket too)."""
+    if not 0 < batch_size <= max_batch_size:
+        return None
+    return next((b for b in BATCH_BUCKETS if batch_size <= b <= max_batch_size), max_batch_size)
+
+
+def key_bucket(length: int, max_model_len: int) -> int:
+    """Keys to attend for rows ending at ``length``: a power of two >= length (>= 256), capped."""
+    bucket = MIN_KEY_BUCKET
+    while bucket < length:
+        bucket *= 2
+    return min(bucket, max_model_len)
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    batch: int  # B: rows
+    tokens_per_row: int  # n
+    key_length: int  # L
+
+
+class StaticBuffers:
+    """The inputs a graph of one key reads: views of one device tensor, written by one copy from
+    a page-locked host tensor: [token ids (B*n) | positions (B*n) | token slots (B*n) | row slots (B)]."""
+
+    def __init__(self, key: GraphKey, device: torch.device, scratch_slot: int) -> None:
+        t, b = key.batch * key.tokens_per_row, key.batch
+        self.key, self.scratch_slot = key, scratch_slot
+        pin = device.type == "cuda"
+        self.host = torch.zeros(3 * t + b, dtype=torch.long, pin_memory=pin)
+        self.device = torch.zeros(3 * t + b, dtype=torch.long, device=device)
+        self.host_np = self.host.numpy()
+        self.token_ids, self.positions, self.token_slots, self.row_slots = self.device.split([t, t, t, b])
+        self.fill_padding()
+
+    def fill_padding(self) -> None:
+        """Every token and row on the scratch slot (what a capture runs on)."""
+        t = self.key.batch * self.key.tokens_per_row
+        self.host_np[:] = 0
+        self.host_np[2 * t :] = self.scratch_slot
+        self.host_np[t : 2 * t] = np.tile(np.arange(self.key.tokens_per_row), self.key.batch)
+        self.device.copy_(self.host)
+
+    def write(self, batch: ForwardBatch, max_model_len: int) -> np.ndarray:
+        """Lay ``batch`` out in the buffers (row i in row i, its tokens first); returns the flat
+        index, in the padded layout, of each of the batch's logits rows."""
+        key, n = self.key, self.key.tokens_per_row
+        t = key.batch * n
+        counts = np.asarray(batch.num_new_tokens, dtype=np.int64)
+        starts = np.asarray(batch.start_positions, dtype=np.int64)
+        rows = len(counts)
+        column = np.arange(n)[None, :]
+        real = column < counts[:, None]  # [rows, n]
+        tokens = np.zeros((key.batch, n), dtype=np.int64)
+        tokens[:rows][real] = batch.token_ids.cpu().numpy()
+        positions = np.tile(np.arange(n), (key.batch, 1))
+        positions[:rows] = np.minimum(starts[:, None] + column, max_model_len - 1)
+        token_slots = np.full((key.batch, n), self.scratch_slot, dtype=np.int64)
+        token_slots[:rows][real] = np.repeat(np.asarray(batch.slots, dtype=np.int64), counts)
+        row_slots = np.full(key.batch, self.scratch_slot, dtype=np.int64)
+        row_slots[:rows] = batch.slots
+        out = self.host_np
+        out[:t], out[t : 2 * t], out[2 * t : 3 * t], out[3 * t :] = tokens.ravel(), positions.ravel(), \
+            token_slots.ravel(), row_slots
+        # (the host tensor is written again only after this step's tokens came back: copied by then)
+        self.device.copy_(self.host, non_blocking=True)
+        flat_of_real = (np.arange(rows)[:, None] * n + column)[real]  # the padded index of each real token
+        return flat_of_real[batch.logits_indices.cpu().numpy()]
+
+
+class GraphRunner:
+    """Runs steps that fit a bucket as replayed graphs (``capture=True``, CUDA) or as the same
+    padded forward run eagerly (``capture=False``). ``kv`` must hold one slot more than the
+    batch: the last one is the scratch slot."""
+
+    def __init__(self, model: LlamaModel, kv: KVCache, max_batch_size: int, capture: bool,
+                 max_tokens_per_row: int = MAX_TOKENS_PER_ROW) -> None:
+        if kv.num_slots < max_batch_size + 1:
+            raise ValueError(f"a graph runner needs a scratch slot: {kv.num_slots} slots for a batch of {max_batch_size}")
+        self.model, self.kv = model, kv
+        self.max_batch_size, self.max_tokens_per_row = max_batch_size, max_tokens_per_row
+        self.capture = capture
+        self.scratch_slot = kv.num_slots - 1
+        self.device = torch.device(model.device)
+        self.buffers: dict[GraphKey, StaticBuffers] = {}
+        self.graphs: dict[GraphKey, Any] = {}  # key -> (torch.cuda.CUDAGraph, its output tensor)
+        self._pool: Any = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = 0
+        self.eager_runs = 0
+
+    def plan(self, batch: ForwardBatch) -> GraphKey | None:
+        """The bucket ``batch`` runs in, or None (eager)."""
+        n = max(batch.num_new_tokens)
+        if n > self.max_tokens_per_row:
+            return None
+        b = batch_bucket(len(batch.slots), self.max_batch_size)
+        if b is None:
+            return None
+        end = max(s + c for s, c in zip(batch.start_positions, batch.num_new_tokens))
+        if end > self.model.max_model_len:
+            return None
+        return GraphKey(b, n, key_bucket(end, self.model.max_model_len))
+
+    def run(self, batch: ForwardBatch, key: GraphKey) -> torch.Tensor:
+        """Hidden states after the final norm at ``batch.logits_indices``: [R, hidden]."""
+        buffers = self.buffers.get(key)
+        if buffers is None:
+            buffers = self.buffers[key] = StaticBuffers(key, self.device, self.scratch_slot)
+        index = buffers.write(batch, self.model.max_model_len)
+        if self.capture:
+            graph, output = self.graphs.get(key) or self._capture(key, buffers, batch)
+            graph.replay()
+            self.replays += 1
+        else:
+            output = self._forward(buffers)
+            self.eager_runs += 1
+        return output[torch.from_numpy(index).to(self.device, non_blocking=True)]
+
+    def _forward(self, buffers: StaticBuffers) -> torch.Tensor:
+        key = buffers.key
+        return self.model.forward_padded(self.kv, buffers.token_ids, buffers.positions, buffers.token_slots,
+                                         buffers.row_slots, key.tokens_per_row, key.key_length)
+
+    def _capture(self, key: GraphKey, buffers: StaticBuffers, batch: ForwardBatch) -> tuple[Any, torch.Tensor]:
+        """Capture ``key``'s graph on padding only (warm-up and capture write the scratch slot),
+        then lay the step out again."""
+        buffers.fill_padding()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # allocations and lazy initialisation outside the graph
+                self._forward(buffers)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = self._forward(buffers)
+        self.graphs[key] = (graph, output)
+        logger.info("captured a CUDA graph for %s (%d graphs)", key, len(self.graphs))
+        buffers.write(batch, self.model.max_model_len)
+        return graph, output
