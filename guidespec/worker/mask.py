@@ -3,7 +3,7 @@
 Only the rows named in ``rows`` are touched (rows of unguided requests are skipped): bitmask
 row ``i`` applies to logits row ``rows[i]``. :func:`apply_bitmask` works on any device (torch
 ops); on CUDA, :class:`DeviceMasks` copies the step's rows from the mask arena to the GPU
-asynchronously and applies them with xgrammar's kernel where it is installed.
+asynchronously and applies them with our Triton kernel (``kernels/bitmask_triton.py``).
 
 A row whose mask allows exactly one token (the grammar forces it) needs no logits at all: its
 masked distribution puts all mass on that token, whatever the model says. ``only_allowed``
@@ -145,28 +145,12 @@ class DeviceMasks:
 
 
 def apply_on_device(logits: torch.Tensor, rows: np.ndarray, bitmask: torch.Tensor) -> None:
-    """Rows already on the device: xgrammar's CUDA kernel, given a bitmask aligned with the logits
-    rows and the indices of the guided rows (unguided rows are not touched); torch ops where
-    xgrammar or its kernel is missing."""
-    kernel = _xgrammar_kernel()
-    if kernel is None or logits.dtype != torch.float32:
+    """Rows already on the device: our Triton kernel, which reads the row map as it is (unguided
+    rows are not in it and cost nothing: ``kernels/bitmask_triton.py``); torch ops without Triton."""
+    from guidespec.worker.kernels import bitmask_triton
+
+    if not bitmask_triton.available():
         apply_bitmask(logits, rows, bitmask)
         return
-    aligned = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32, device=logits.device)
     index = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(logits.device, non_blocking=True)
-    aligned[index] = bitmask
-    kernel(logits, aligned, vocab_size=logits.shape[-1], indices=[int(r) for r in rows])
-
-
-_KERNEL: list[Any] = []
-
-
-def _xgrammar_kernel() -> Any:
-    if not _KERNEL:
-        try:
-            import xgrammar
-
-            _KERNEL.append(xgrammar.apply_token_bitmask_inplace)
-        except (ImportError, AttributeError):
-            _KERNEL.append(None)
-    return _KERNEL[0]
+    bitmask_triton.apply_rows(logits, index, bitmask.contiguous())
