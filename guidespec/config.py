@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from guidespec.cuda_ext.channel import ChannelSpec
 from guidespec.ipc.broadcast import BroadcastSpec
 from guidespec.ipc.mask_arena import ArenaSpec
 from guidespec.ipc.shm_ring import RingSpec
@@ -174,6 +175,7 @@ class SchedulerConfig:
     jump_forward: bool
     speculative: SpeculativeConfig | None = None
     enable_prefix_caching: bool = True
+    draft_channel: ChannelSpec | None = None  # model drafts and their masks with rank 0 (cuda_ext)
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,8 @@ class WorkerConfig:
     hf_config: dict[str, Any] | None = None  # the model's config as the main process read it (checkpoint.config_data)
     enforce_eager: bool = False  # CUDA: no graphs
     gpu_memory_utilization: float = 0.9
+    draft_channel: ChannelSpec | None = None  # rank 0's draft/mask exchange with the scheduler (cuda_ext)
+    scheduler_pid: int = 0  # the draft channel's peer: a wait ends at once when it dies
 
 
 def config_to_dict(config: SchedulerConfig | WorkerConfig) -> dict[str, object]:
@@ -214,6 +218,8 @@ def config_from_dict(cls: type[_C], data: dict[str, Any]) -> _C:
     fields["broadcast"] = BroadcastSpec(**broadcast)
     if "eos_token_ids" in fields:
         fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
+    if fields.get("draft_channel") is not None:
+        fields["draft_channel"] = ChannelSpec(**fields["draft_channel"])
     if fields.get("speculative") is not None:
         fields["speculative"] = SpeculativeConfig(**fields["speculative"])
     return cls(**fields)

@@ -56,6 +56,21 @@ def ray_placement_timeout_s() -> float:
     return float(os.environ.get("GUIDESPEC_RAY_PLACEMENT_TIMEOUT_S", "60"))
 
 
+def draft_channel() -> str:
+    """How rank 0 exchanges model drafts and their masks with the scheduler
+    (``GUIDESPEC_DRAFT_CHANNEL``): ``c`` (default: the cuda_ext shared-memory channel, its C
+    functions called directly), ``stream`` (the same functions run by the C host stream, as a
+    CUDA stream would call them back) or ``python`` (messages over ZeroMQ and the ring)."""
+    value = os.environ.get("GUIDESPEC_DRAFT_CHANNEL", "c")
+    return value if value in ("c", "stream", "python") else "c"
+
+
+def draft_mask_timeout_s() -> float:
+    """How long rank 0 waits for a draft step's mask before drafting no more this step
+    (``GUIDESPEC_DRAFT_MASK_TIMEOUT_S``; a dead scheduler ends the wait at once)."""
+    return float(os.environ.get("GUIDESPEC_DRAFT_MASK_TIMEOUT_S", "30"))
+
+
 def crash_loop() -> tuple[int, float]:
     """A restarting LLM gives up after this many engine deaths within this many seconds
     (``GUIDESPEC_CRASH_LOOP_DEATHS``, default 3; ``GUIDESPEC_CRASH_LOOP_WINDOW_S``, default 60)."""

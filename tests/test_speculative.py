@@ -122,6 +122,22 @@ def test_greedy_eagle_equals_greedy_plain(reference: list[list[int]], eagle_head
     assert sum(o.stats.num_draft_tokens for o in outs) > 0
 
 
+@pytest.mark.parametrize("exchange", ["stream", "python"])
+def test_every_draft_exchange_gives_the_same_greedy_eagle_output(reference: list[list[int]], eagle_head: Path,
+                                                                 exchange: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's draft steps through the C host stream (the trampolines a CUDA graph calls back) or
+    as messages over ZeroMQ and the ring give what the default (the C channel, called directly)
+    gives: plain greedy output."""
+    monkeypatch.setenv("GUIDESPEC_DRAFT_CHANNEL", exchange)
+    speculative = dict(method="eagle", draft_model=str(eagle_head), adaptive=False)
+    with LLM(max_batch_size=8, show_progress=False, speculative=speculative) as llm:
+        channel = llm._engine.processes.drafts
+        assert (channel is not None) == (exchange != "python")
+        outs = _run(llm, _requests())
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.stats.num_draft_tokens for o in outs) > 0
+
+
 def test_sampled_drafts_of_the_target_itself_are_all_accepted_with_their_q() -> None:
     """The target as its own draft model, sampling: each draft is drawn from q' = p' (same model,
     same grammar mask), so rejection sampling accepts practically every one — only if rank 0 keeps

@@ -28,6 +28,8 @@ from typing import Callable
 
 from guidespec import envs
 from guidespec.config import MODEL_DRAFTERS, EngineConfig, SchedulerConfig, WorkerConfig, config_to_dict
+from guidespec.cuda_ext.channel import ChannelSpec, DraftChannel
+from guidespec.cuda_ext.channel import available as channel_available
 from guidespec.ipc.broadcast import BroadcastSpec
 from guidespec.ipc.mask_arena import ArenaSpec, MaskArena
 from guidespec.ipc.shm_ring import ShmRing
@@ -75,6 +77,8 @@ class EngineProcesses:
         self.broadcast = BroadcastSpec(self.ring.spec if self.ring is not None else None, remote,
                                        secrets.token_hex(32), num_remote,
                                        self.arena.spec if self.arena is not None else None)
+        # model drafts and their masks between rank 0 and the scheduler (cuda_ext), where rank 0 is local
+        self.drafts = DraftChannel.create(_channel_spec(cfg)) if _uses_channel(cfg, self.local_ranks) else None
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -85,7 +89,8 @@ class EngineProcesses:
                                         cfg.eos_token_ids, cfg.tensor_parallel_size, self.broadcast,
                                         ep.client_in, ep.client_out, ep.worker_results, cfg.vocab_size,
                                         cfg.grammar_backend, cfg.grammar_compile_timeout_s, cfg.jump_forward,
-                                        cfg.speculative, cfg.enable_prefix_caching)
+                                        cfg.speculative, cfg.enable_prefix_caching,
+                                        draft_channel=self.drafts.spec if self.drafts is not None else None)
         self._spawn("scheduler", "scheduler", scheduler_cfg)
         init_method = self.ray.rank0_rendezvous() if self.ray is not None else f"tcp://127.0.0.1:{_free_port()}"
         worker_cfgs = [WorkerConfig(cfg.model_dir, cfg.dtype, rank, cfg.tensor_parallel_size, cfg.max_batch_size,
@@ -96,7 +101,9 @@ class EngineProcesses:
                                     hf_config=cfg.hf_config, enforce_eager=cfg.enforce_eager,
                                     gpu_memory_utilization=cfg.gpu_memory_utilization,
                                     # rank i on cuda:i locally; a Ray rank on the one GPU Ray gave it
-                                    device=rank_device(cfg.device, None if self.ray is not None else rank))
+                                    device=rank_device(cfg.device, None if self.ray is not None else rank),
+                                    draft_channel=self.drafts.spec if self.drafts is not None and rank == 0 else None,
+                                    scheduler_pid=self.processes["scheduler"].pid)
                        for rank in range(cfg.tensor_parallel_size)]
         if self.ray is not None:
             self.ray.start(worker_cfgs)
@@ -134,6 +141,8 @@ class EngineProcesses:
             self.ring.close()
         if self.arena is not None:
             self.arena.close()
+        if self.drafts is not None:
+            self.drafts.close()
         for endpoint in (self.endpoints.client_in, self.endpoints.client_out, self.endpoints.worker_results):
             path = endpoint.removeprefix("ipc://")
             if endpoint.startswith("ipc://") and os.path.exists(path):
@@ -162,6 +171,18 @@ def _arena_spec(cfg: EngineConfig) -> ArenaSpec:
     rows_per_request = 1 + (cfg.speculative.max_draft_len if cfg.speculative is not None else 0)
     return ArenaSpec(f"guidespec-{uuid.uuid4().hex[:12]}-masks", cfg.max_batch_size * rows_per_request,
                      -(-cfg.vocab_size // 32))
+
+
+def _uses_channel(cfg: EngineConfig, local_ranks: list[int]) -> bool:
+    """A model drafter on a local rank 0, the C library built, and the channel not switched off."""
+    spec = cfg.speculative
+    return (spec is not None and spec.method in MODEL_DRAFTERS and 0 in local_ranks and bool(cfg.vocab_size)
+            and envs.draft_channel() != "python" and channel_available())
+
+
+def _channel_spec(cfg: EngineConfig) -> ChannelSpec:
+    return ChannelSpec(f"guidespec-{uuid.uuid4().hex[:12]}-drafts", cfg.max_batch_size, cfg.max_batch_size * 128,
+                       -(-cfg.vocab_size // 32))
 
 
 def _kill_group(pid: int) -> None:

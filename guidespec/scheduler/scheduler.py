@@ -39,6 +39,8 @@ from guidespec.protocol import (BAD_REQUEST, ENGINE_UNAVAILABLE, INTERNAL_ERROR,
                                 EngineDead, EngineReady, GenerateRequest, InvalidRequest, RequestOutput, SchedulerStats,
                                 Shutdown, StepBitmask, StepInputs, StepOutputs, WorkerError, WorkerReady,
                                 validate_request)
+from guidespec.cuda_ext.channel import DONE as DRAFTS_DONE
+from guidespec.cuda_ext.channel import DraftChannel, DraftChannelError
 from guidespec.scheduler.batching import Batcher, ScheduledRow
 from guidespec.scheduler.detokenizer import IncrementalDetokenizer
 from guidespec.scheduler.grammar import FillRow, GrammarManager, grammar_settings
@@ -81,6 +83,9 @@ class Scheduler:
         self.client_out = Channel(self.ctx, zmq.PUSH, cfg.client_out, bind=False)
         self.worker_results = Channel(self.ctx, zmq.PULL, cfg.worker_results, bind=True)
         self.broadcaster = StepBroadcaster(cfg.broadcast, self.ctx)
+        # rank 0's model drafts come through the draft channel (cuda_ext) where it is local
+        self.drafts = DraftChannel.attach(cfg.draft_channel) if cfg.draft_channel is not None else None
+        self._step_drafts = False  # this step's rank 0 drafts (and ends with DONE on the channel)
         # prefix caching needs every cache a step writes to follow the target's: not with a draft
         # model or an EAGLE head (their caches follow lazily)
         model_drafter = cfg.speculative is not None and cfg.speculative.method in MODEL_DRAFTERS
@@ -162,6 +167,8 @@ class Scheduler:
         if trace_path:
             self.trace.write(Path(trace_path))
         self.broadcaster.close()
+        if self.drafts is not None:
+            self.drafts.close()
         self.ctx.term()
 
     # ------------------------------------------------------------------ the step
@@ -194,6 +201,7 @@ class Scheduler:
         logits_row = np.cumsum([0] + [row.num_logits for row in rows])
         guided = [(int(logits_row[i]), row) for i, row in enumerate(rows) if row.num_logits and row.request.guided]
         inputs = self._step_inputs(rows, has_bitmask=bool(guided))
+        self._step_drafts = self.drafts is not None and inputs.draft_lens is not None
         self.broadcaster.write(codec.encode(inputs), timeout=envs.step_timeout_s())
         self.times["inputs"] = self.times["mask_start"] = self.times["mask"] = time.time()
         if guided:
@@ -210,8 +218,10 @@ class Scheduler:
         """Wait for rank 0's outputs for this step, answering its draft steps' mask requests and
         watching the workers while waiting."""
         timer = AwakeTimer(envs.step_timeout_s())  # running time: a pause of the whole engine is no hang
+        early = self._serve_drafts(rows, timer) if self._step_drafts else None
         while True:
-            message = self.worker_results.recv(timeout_s=_IDLE_POLL_S)
+            message = early if early is not None else self.worker_results.recv(timeout_s=_IDLE_POLL_S)
+            early = None
             if isinstance(message, StepOutputs) and message.step == self.step_id:
                 return message
             if isinstance(message, DraftTokens) and message.step == self.step_id:
@@ -276,11 +286,40 @@ class Scheduler:
         if delta.finished:
             self._forget(request)
 
+    def _serve_drafts(self, rows: list[ScheduledRow], timer: AwakeTimer) -> object | None:
+        """Answer rank 0's draft steps through the draft channel until it says it is done; returns
+        a message from the workers that came meanwhile (their error), if one did."""
+        assert self.drafts is not None
+        last, rank0 = -1, self.worker_pids.get(0, 0)
+        while True:
+            try:
+                got = self.drafts.next_drafts(self.step_id, last, _IDLE_POLL_S, rank0)
+            except DraftChannelError as e:
+                raise EngineFailure(f"worker rank 0's drafts: {e}") from None
+            if got is None:  # nothing yet: is everyone alive, has a worker failed?
+                message = self.worker_results.recv(timeout_s=0)
+                if message is not None:
+                    return message
+                self._check_health()
+                if timer.expired():
+                    raise EngineFailure(f"step {self.step_id}: rank 0 drafted nothing in {envs.step_timeout_s():.0f} s")
+                continue
+            index, batch_rows, sequences = got
+            if index == DRAFTS_DONE:
+                return None
+            self.drafts.answer(self.step_id, index, self._draft_mask_rows(batch_rows, sequences, rows))
+            last = index
+
+    def _draft_mask_rows(self, batch_rows: np.ndarray, sequences: list[list[int]],
+                         rows: list[ScheduledRow]) -> np.ndarray:
+        """The mask rows of a draft step: each drafting row's grammar after its sequence."""
+        return self.grammar.fill_after([rows[b].request.request_id for b in batch_rows.tolist()], sequences)
+
     def _send_draft_mask(self, message: DraftTokens, rows: list[ScheduledRow]) -> None:
-        request_ids = [rows[b].request.request_id for b in message.rows.tolist()]
+        """A draft step through messages (rank 0 remote, or GUIDESPEC_DRAFT_CHANNEL=python)."""
         sequences = _split(message.token_ids, message.num_tokens)
         assert sequences is not None
-        bitmask = self.grammar.fill_after(request_ids, sequences)
+        bitmask = self._draft_mask_rows(message.rows, sequences, rows)
         self.broadcaster.write(codec.encode(DraftMask(message.step, message.draft_index, bitmask)),
                                timeout=envs.step_timeout_s())
 

@@ -12,6 +12,7 @@ and the cause before the process exits, so the scheduler can fail in-flight requ
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import traceback
@@ -21,7 +22,9 @@ import numpy as np
 import torch
 import zmq
 
+from guidespec import envs
 from guidespec.config import ModelConfig, WorkerConfig
+from guidespec.cuda_ext.channel import DraftChannel, DraftChannelError, StreamExchange
 from guidespec.ipc import codec
 from guidespec.ipc.broadcast import create_step_reader
 from guidespec.ipc.shm_ring import RingTimeout
@@ -41,6 +44,7 @@ from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.penalties import TokenHistory
 
 _IDLE_READ_TIMEOUT_S = 1.0
+logger = logging.getLogger(__name__)
 
 
 def run_worker(cfg: WorkerConfig, parent_pid: int) -> None:
@@ -62,6 +66,7 @@ def run_worker(cfg: WorkerConfig, parent_pid: int) -> None:
         raise SystemExit(1)
     finally:
         if worker is not None:
+            worker.close_drafts()
             worker.masks.close()  # unregister the arena's pages before the reader unmaps them
             worker.reader.close()
         results.close()
@@ -97,6 +102,12 @@ class Worker:
         self.masks = DeviceMasks(self.device, max_rows, -(-model_cfg.vocab_size // 32),
                                  self.reader.arena_buffers())
         self.generator = torch.Generator(device=self.device).manual_seed(int.from_bytes(os.urandom(7), "little"))
+        # rank 0's draft steps: through the draft channel's C functions (cuda_ext), called directly
+        # or by the C host stream; without a channel (a remote rank 0), as messages
+        self.drafts = DraftChannel.attach(cfg.draft_channel) if cfg.draft_channel is not None else None
+        self.stream_exchange = None
+        if self.drafts is not None and envs.draft_channel() == "stream":
+            self.stream_exchange = StreamExchange(self.drafts, envs.draft_mask_timeout_s(), cfg.scheduler_pid)
         self.drafter: DraftRunner | EagleRunner | None = None
         if cfg.draft_model is not None and self.tp.is_driver:
             if cfg.draft_method == "eagle":
@@ -105,6 +116,12 @@ class Worker:
             else:
                 self.drafter = DraftRunner(cfg.draft_model, cfg.model_dir, dtype, cfg.max_batch_size,
                                            cfg.max_model_len, model_cfg.vocab_size, (self.model, self.kv))
+
+    def close_drafts(self) -> None:
+        if self.stream_exchange is not None:
+            self.stream_exchange.close()
+        if self.drafts is not None:
+            self.drafts.close()
 
     def loop(self, results: Channel, parent_pid: int) -> None:
         self.results = results
@@ -154,8 +171,15 @@ class Worker:
         proposals = draft_counts = None
         verified = time.perf_counter()
         if self.drafter is not None and inputs.draft_lens is not None:
-            proposals, draft_counts = self.drafter.propose(inputs, tokens_np, counts,
-                                                        lambda j, rows, seqs: self._draft_mask(inputs.step, j, rows, seqs))
+            try:
+                proposals, draft_counts = self.drafter.propose(
+                    inputs, tokens_np, counts, lambda j, rows, seqs: self._draft_mask(inputs.step, j, rows, seqs))
+            except DraftChannelError as e:  # no mask came: nothing of this step's drafting is used
+                logger.warning("worker rank 0: %s; no drafts this step", e)
+                proposals = draft_counts = None
+            finally:
+                if self.drafts is not None:
+                    self.drafts.done(inputs.step)
         draft_s = time.perf_counter() - verified
         timings = np.array([wall_start, forward_end, mask_ready, time.time()], dtype=np.float64)
         return StepOutputs(inputs.step, tokens_np, counts, verified - start, timings, proposals, draft_counts, draft_s)
@@ -187,7 +211,14 @@ class Worker:
         return logits
 
     def _draft_mask(self, step: int, draft_index: int, rows: np.ndarray, sequences: list[list[int]]) -> np.ndarray:
-        """Send a draft step's tokens up to the scheduler; its mask comes back over the ring."""
+        """Send a draft step's tokens up to the scheduler and wait for its mask: through the draft
+        channel (DraftChannelError where none came in time, or the scheduler died), else as a
+        message whose mask comes back over the ring."""
+        if self.stream_exchange is not None:
+            return self.stream_exchange.exchange(step, draft_index, rows, sequences)
+        if self.drafts is not None:
+            return self.drafts.exchange(step, draft_index, rows, sequences, envs.draft_mask_timeout_s(),
+                                        self.cfg.scheduler_pid)
         flat = np.array([t for seq in sequences for t in seq], dtype=np.int32)
         self.results.send(DraftTokens(step, draft_index, rows, flat, np.array([len(s) for s in sequences], np.int32)))
         message = codec.decode(self.reader.read(timeout=60.0))

@@ -18,18 +18,14 @@ are, :func:`cache_attention` is unavailable, and everything runs on ``torch.nn.f
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from guidespec import envs
+from guidespec import envs, native
 
 logger = logging.getLogger(__name__)
 BLOCK = 16  # output rows per packed block (one AVX-512 vector, two AVX2 vectors: vec.h)
@@ -48,27 +44,7 @@ def _library() -> ctypes.CDLL | None:
 def build(arch_flags: list[str]) -> Path | None:
     """The kernels compiled for ``arch_flags`` (the engine's: ``-march=native``), cached by source,
     compiler, flags and CPU; None (with a warning) where there is no compiler or it fails."""
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        logger.warning("no C compiler found: using torch's linear layers")
-        return None
-    flags = ["-O3", *arch_flags, "-fopenmp", "-shared", "-fPIC"]
-    source = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
-    # -march=native: a library built on another CPU (a cache shared between machines) may use
-    # instructions this one lacks, so the CPU's features are part of the key
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(), os.uname().machine.encode(),
-                                      _cpu_flags()])).hexdigest()[:16]
-    target = envs.cache_dir() / "kernels" / f"guidespec-cpu-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(f".tmp{os.getpid()}.so")
-        cmd = [compiler, *flags, *map(str, _SOURCES), "-o", str(tmp), "-lm"]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            logger.warning("building the CPU kernel failed, using torch: %s", result.stderr[-2000:])
-            return None
-        os.replace(tmp, target)
-    return target
+    return native.build_shared("guidespec-cpu", _SOURCES, _HEADERS, ["-O3", *arch_flags, "-fopenmp"], ["-lm"])
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -81,15 +57,6 @@ def load(path: Path) -> ctypes.CDLL:
     lib.cache_attention_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.cache_attention_f32.restype = None
     return lib
-
-
-def _cpu_flags() -> bytes:
-    """The CPU's feature flags as Linux reports them (empty where it does not)."""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            return next((line for line in f if line.startswith((b"flags", b"Features"))), b"")
-    except OSError:
-        return b""
 
 
 def available() -> bool:

@@ -1,0 +1,100 @@
+/* The draft channel: model drafts (worker rank 0 -> scheduler) and their masks (scheduler ->
+ * rank 0) through one shared-memory segment, as plain C with no Python in any function.
+ *
+ * A draft step is a ping-pong on two sequence words: rank 0 writes the step's draft tokens and
+ * publishes the tag (step, draft index) in draft_seq; the scheduler, waiting on it, fills one
+ * bitmask row per drafting row and publishes the same tag in mask_seq; rank 0, waiting on that,
+ * copies the rows out. One slot each way is enough: each side writes again only after the other
+ * answered. Waits spin briefly, then sleep on a futex (shared between processes), up to a
+ * deadline, and look at the peer's pid between sleeps: a dead peer ends the wait at once.
+ *
+ * A mask that does not come (timeout, dead peer) or that carries another tag (stale) is never
+ * used: the waiter zeroes its output rows (forbid every token, so no draft is accepted), writes
+ * the error into the channel's error slot with the step and draft index, and returns the code.
+ *
+ * The same functions are what a CUDA stream calls back (host_callbacks.cu) and what the CPU
+ * worker calls directly or through gs_host_stream (a thread that runs enqueued host functions
+ * in order, as cudaLaunchHostFunc does).
+ */
+#ifndef GUIDESPEC_DRAFT_CHANNEL_H
+#define GUIDESPEC_DRAFT_CHANNEL_H
+
+#include <stdint.h>
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum {
+    GS_OK = 0,
+    GS_TIMEOUT = 1,    /* no answer before the deadline */
+    GS_STALE = 2,      /* an answer for another step or draft index */
+    GS_PEER_GONE = 3,  /* the other process died */
+    GS_TOO_LARGE = 4,  /* more rows or tokens than the channel holds */
+    GS_BAD_CHANNEL = 5 /* not a channel, or another layout */
+};
+
+#define GS_DRAFTS_DONE (-1) /* draft index of "rank 0 drafts no more this step" */
+
+size_t gs_channel_bytes(int32_t max_rows, int32_t max_tokens, int32_t num_words);
+int gs_channel_init(void *base, int32_t max_rows, int32_t max_tokens, int32_t num_words);
+int gs_channel_check(const void *base, int32_t max_rows, int32_t max_tokens, int32_t num_words);
+
+/* offsets (bytes from base) of the arrays: rows [max_rows], lens [max_rows], tokens [max_tokens],
+ * mask [max_rows][num_words] */
+size_t gs_channel_offset(const void *base, int32_t which);
+
+/* rank 0 */
+int gs_publish_drafts(void *base, int64_t step, int32_t draft_index, const int32_t *rows, int32_t num_rows,
+                      const int32_t *lens, const int32_t *tokens, int32_t num_tokens);
+int gs_publish_done(void *base, int64_t step); /* no more drafts this step */
+int gs_wait_mask(void *base, int64_t step, int32_t draft_index, int64_t timeout_us, int32_t peer_pid,
+                 int32_t *out, int32_t num_rows);
+
+/* the scheduler: the next tag of `step` after `last_index` (GS_OK with *draft_index, which is
+ * GS_DRAFTS_DONE when rank 0 is done), GS_TIMEOUT, GS_PEER_GONE or GS_STALE */
+int gs_wait_drafts(void *base, int64_t step, int32_t last_index, int64_t timeout_us, int32_t peer_pid,
+                   int32_t *draft_index, int32_t *num_rows, int32_t *num_tokens);
+int gs_publish_mask(void *base, int64_t step, int32_t draft_index, int32_t num_rows);
+
+/* the error slot: the last failed wait (code, step, draft index); cleared by gs_clear_error */
+int32_t gs_last_error(const void *base, int64_t *step, int32_t *draft_index);
+void gs_clear_error(void *base);
+
+/* host-callback trampolines: their argument blocks live as long as the graph (or the stream's
+ * work); fields behind pointers are read when the callback runs, so a replay sees this step's */
+typedef struct {
+    void *channel;
+    const int64_t *step;
+    int32_t draft_index;
+    const int32_t *rows, *lens, *tokens;
+    const int32_t *num_rows, *num_tokens;
+    int32_t *status; /* GS_* of the callback */
+} gs_publish_args;
+
+typedef struct {
+    void *channel;
+    const int64_t *step;
+    int32_t draft_index;
+    int64_t timeout_us;
+    int32_t peer_pid;
+    int32_t *out; /* page-locked on a GPU: the mask's host-to-device copy follows in the stream */
+    const int32_t *num_rows;
+    int32_t *status;
+} gs_wait_args;
+
+void gs_cb_publish_drafts(void *args);
+void gs_cb_wait_mask(void *args);
+
+/* a CPU "stream": host functions run in order on one thread */
+typedef struct gs_host_stream gs_host_stream;
+gs_host_stream *gs_host_stream_create(int32_t capacity);
+int gs_host_stream_enqueue(gs_host_stream *stream, void (*fn)(void *), void *args);
+void gs_host_stream_synchronize(gs_host_stream *stream);
+void gs_host_stream_destroy(gs_host_stream *stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
