@@ -14,6 +14,7 @@ model) and the mask, as jump-forward skips the whole step for them.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import numpy as np
@@ -106,13 +107,15 @@ class DeviceMasks:
         """``bitmask`` [R, W] on the device: on CUDA, an asynchronous copy on the side stream
         into the device buffer (the returned view is valid once :meth:`wait` ran on the stream
         that reads it); on the CPU, the rows themselves."""
-        host = torch.from_numpy(np.asarray(bitmask))
+        with warnings.catch_warnings():  # the arena's rows are read-only views; nothing writes them here
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            host = torch.from_numpy(np.asarray(bitmask))
         if not self.cuda:
             return host
         n = host.shape[0]
-        if n > self.max_rows or host.shape[1] != self.num_words:
-            raise ValueError(f"a bitmask of {tuple(host.shape)} does not fit the device buffer "
-                             f"({self.max_rows} rows of {self.num_words} words)")
+        if n > self.max_rows or host.shape[1] != self.num_words:  # (a step whose mask came through the ring)
+            self._copied = None
+            return host.to(self.device)
         # the main stream may still read the previous step's rows: the side stream waits for it
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
