@@ -74,6 +74,10 @@ class ModelConfig:
 
 
 SPEC_METHODS = ("ngram", "forced", "user", "draft_model", "eagle")
+# jump-forward: "verified" (the grammar's forced tokens are drafts the model verifies in the same
+# forward: output as without jump-forward), "unverified" (appended as the forced text's canonical
+# tokenization without asking the model: the model may have spelled it in other tokens), "off"
+JUMP_FORWARD_MODES = ("verified", "unverified", "off")
 MODEL_DRAFTERS = ("draft_model", "eagle")  # run by rank 0 of the workers
 
 
@@ -144,7 +148,7 @@ class EngineConfig:
     vocab_size: int = 0
     grammar_backend: str = "xgrammar"
     grammar_compile_timeout_s: float = 30.0
-    jump_forward: bool = True
+    jump_forward: str = "verified"  # JUMP_FORWARD_MODES
     speculative: SpeculativeConfig | None = None
     # a new request starts where a free slot's cached tokens match its prompt (Batcher._admit)
     enable_prefix_caching: bool = True
@@ -172,7 +176,7 @@ class SchedulerConfig:
     vocab_size: int
     grammar_backend: str
     grammar_compile_timeout_s: float
-    jump_forward: bool
+    jump_forward: str  # JUMP_FORWARD_MODES
     speculative: SpeculativeConfig | None = None
     enable_prefix_caching: bool = True
     draft_channel: ChannelSpec | None = None  # model drafts and their masks with rank 0 (cuda_ext)

@@ -35,7 +35,7 @@ import numpy as np
 import zmq
 
 from guidespec import envs
-from guidespec.config import DTYPES, MODEL_DRAFTERS, EngineConfig, ModelConfig, SpeculativeConfig
+from guidespec.config import DTYPES, JUMP_FORWARD_MODES, MODEL_DRAFTERS, EngineConfig, ModelConfig, SpeculativeConfig
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.launcher import EngineProcesses
 from guidespec.protocol import (ENGINE_UNAVAILABLE, GRAMMAR_BACKENDS, INTERNAL_ERROR, AbortRequest, DecodeStats,
@@ -152,7 +152,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, dtype: str = "auto",
                  max_batch_size: int = 16, max_model_len: int | None = None, max_num_batched_tokens: int = 512,
                  show_progress: bool = True, remote_ranks: Sequence[int] = (), grammar_backend: str = "xgrammar",
-                 grammar_compile_timeout_s: float = 30.0, jump_forward: bool = True,
+                 grammar_compile_timeout_s: float = 30.0, jump_forward: bool | str = True,
                  speculative: SpeculativeConfig | dict[str, Any] | str | None = None,
                  distributed_executor: str = "mp", ray_address: str | None = None,
                  enable_prefix_caching: bool = True, restart_on_failure: bool = False, device: str = "auto",
@@ -183,7 +183,8 @@ class LLM:
             raise ValueError(f"speculative method {spec_config.method!r} runs on CPU workers only so far (its GPU "
                              "path, a fused draft/verify graph, is not built yet): use --device cpu, or a drafter "
                              "of the scheduler (ngram, forced, user)")
-        self.config = dataclasses.replace(config, grammar_backend=grammar_backend, jump_forward=jump_forward,
+        self.config = dataclasses.replace(config, grammar_backend=grammar_backend,
+                                          jump_forward=_jump_forward_mode(jump_forward),
                                           grammar_compile_timeout_s=grammar_compile_timeout_s,
                                           speculative=spec_config,
                                           distributed_executor=distributed_executor, ray_address=ray_address,
@@ -585,6 +586,15 @@ def _progress(total: int) -> Any:
 def _close_engines(current: list[_Engine]) -> None:
     for engine in current:
         engine.close()
+
+
+def _jump_forward_mode(value: bool | str) -> str:
+    """True: "verified" (the default), False: "off", or a mode's name (config.JUMP_FORWARD_MODES)."""
+    if isinstance(value, bool):
+        return "verified" if value else "off"
+    if value not in JUMP_FORWARD_MODES:
+        raise ValueError(f"jump_forward must be True, False or one of {', '.join(JUMP_FORWARD_MODES)}, got {value!r}")
+    return value
 
 
 def _speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:

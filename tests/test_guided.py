@@ -88,8 +88,11 @@ def test_jump_forward_does_not_change_greedy_text(llm: LLM) -> None:
     params = SamplingParams(max_tokens=60, temperature=0.0, guided=GuidedDecoding(json_schema=schema))
     with LLM(max_batch_size=2, jump_forward=False, show_progress=False) as no_jump:
         expected = no_jump.generate(prompt, params)[0]
-    out = llm.generate(prompt, params)[0]
-    assert json.loads(out.text) == json.loads(expected.text)
+    out = llm.generate(prompt, params)[0]  # the default: forced tokens verified by the model
+    assert out.token_ids == expected.token_ids
+    with LLM(max_batch_size=2, jump_forward="unverified", show_progress=False) as unverified:
+        appended = unverified.generate(prompt, params)[0]  # the forced text's own tokenization: same text here
+    assert json.loads(appended.text) == json.loads(expected.text)
 
 
 @pytest.mark.parametrize("bad, message", [

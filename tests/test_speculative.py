@@ -55,10 +55,38 @@ def _run(llm: LLM, requests: list[tuple[Any, SamplingParams]]) -> list[Generatio
 
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
-    """Plain greedy decoding: no drafts, and no jump-forward (it appends the grammar's forced text
-    tokenized its own way, where the model may have chosen another tokenization)."""
+    """Plain greedy decoding: no drafts, and no jump-forward (what every way of drafting,
+    jump-forward's forced tokens included, must give)."""
     with LLM(max_batch_size=8, show_progress=False, jump_forward=False) as llm:
         return [out.token_ids for out in _run(llm, _requests())]
+
+
+@pytest.fixture(scope="module")
+def reference_llguidance() -> list[list[int]]:
+    with LLM(max_batch_size=8, show_progress=False, jump_forward=False) as llm:
+        return [out.token_ids for out in _run(llm, _requests("llguidance"))]
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_jump_forward_changes_nothing_the_model_says(reference: list[list[int]], reference_llguidance: list[list[int]],
+                                                      backend: str) -> None:
+    """Jump-forward as it is by default (no drafter): the grammar's forced tokens are drafts the
+    model verifies in the same forward, so greedy output equals greedy output without it."""
+    with LLM(max_batch_size=8, show_progress=False) as llm:
+        assert llm.config.jump_forward == "verified"
+        outs = _run(llm, _requests(backend))
+    assert [o.token_ids for o in outs] == (reference if backend == "xgrammar" else reference_llguidance)
+    guided = outs[:3]
+    assert sum(o.stats.num_accepted_tokens for o in guided) > 0  # forced tokens went through as verified drafts
+    assert sum(o.stats.num_steps for o in guided) < sum(len(o.token_ids) for o in guided)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft-model-int8"])
+def test_greedy_speculative_equals_greedy_plain_on_llguidance(reference_llguidance: list[list[int]],
+                                                              drafter: str) -> None:
+    with LLM(max_batch_size=8, show_progress=False, speculative=DRAFTERS[drafter]) as llm:
+        outs = _run(llm, _requests("llguidance"))
+    assert [o.token_ids for o in outs] == reference_llguidance
 
 
 @pytest.mark.parametrize("drafter", list(DRAFTERS))

@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     constraint.add_argument("--grammar", metavar="FILE", help="EBNF (xgrammar) or Lark (llguidance) grammar file")
     constraint.add_argument("--choice", nargs="+", metavar="S", help="the output is one of these strings")
     gen.add_argument("--no-jump-forward", action="store_true", help="sample every token, even forced ones")
+    gen.add_argument("--unverified-jump-forward", action="store_true",
+                      help="append the grammar's forced text as its own tokenization without asking the model "
+                           "(faster where forced text is long; the tokens may differ from the model's)")
 
     sweep = commands.add_parser("sweep", help="validity sweep of the JSON-schema workload")
     _add_engine_args(sweep)
@@ -56,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: the folder's)")
     serve.add_argument("--no-jump-forward", action="store_true", help="sample every token, even forced ones")
+    serve.add_argument("--unverified-jump-forward", action="store_true",
+                      help="append the grammar's forced text as its own tokenization without asking the model "
+                           "(faster where forced text is long; the tokens may differ from the model's)")
     serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                        help="on SIGTERM, how long requests in flight may take to finish before the engine stops")
@@ -130,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def jump_forward_from_args(args: argparse.Namespace) -> bool | str:
+    if args.no_jump_forward:
+        return False
+    return "unverified" if args.unverified_jump_forward else True
+
+
 def device_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's placement options (``LLM``'s keyword arguments) from the command line."""
     return {"device": args.device, "enforce_eager": args.enforce_eager,
@@ -198,7 +210,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
              max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, grammar_backend=args.backend,
-             jump_forward=not args.no_jump_forward, speculative=speculative_from_args(args),
+             jump_forward=jump_forward_from_args(args), speculative=speculative_from_args(args),
              distributed_executor=args.distributed_executor, ray_address=args.ray_address,
              enable_prefix_caching=args.enable_prefix_caching, restart_on_failure=not args.no_restart,
              **device_from_args(args)) as llm:
@@ -222,7 +234,7 @@ def _generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
              max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, grammar_backend=args.backend,
-             jump_forward=not args.no_jump_forward, speculative=speculative_from_args(args),
+             jump_forward=jump_forward_from_args(args), speculative=speculative_from_args(args),
              distributed_executor=args.distributed_executor, ray_address=args.ray_address,
              enable_prefix_caching=args.enable_prefix_caching, **device_from_args(args)) as llm:
         print(f"engine ready in {time.perf_counter() - start:.1f} s (tensor_parallel_size={args.tensor_parallel_size}, "

@@ -27,7 +27,7 @@ import numpy as np
 import zmq
 
 from guidespec import envs
-from guidespec.config import MODEL_DRAFTERS, SchedulerConfig
+from guidespec.config import MODEL_DRAFTERS, SchedulerConfig, SpeculativeConfig
 from guidespec.ipc import codec
 from guidespec.ipc.broadcast import StepBroadcaster
 from guidespec.ipc.shm_ring import RingTimeout
@@ -98,8 +98,12 @@ class Scheduler:
         self.stopping = False
         self.times: dict[str, float] = {}
         self.trace = StepTrace()
-        self.speculator = Speculator(cfg.speculative, self.grammar, cfg.max_model_len, self.tokenizer,
-                                     cfg.vocab_size) if cfg.speculative else None
+        # verified jump-forward without a drafter: the grammar's forced tokens alone, as drafts
+        speculative = cfg.speculative
+        if speculative is None and cfg.jump_forward == "verified":
+            speculative = SpeculativeConfig(method="forced", adaptive=False)
+        self.speculator = Speculator(speculative, self.grammar, cfg.max_model_len, self.tokenizer,
+                                     cfg.vocab_size) if speculative else None
         self._stats: SchedulerStats | None = None
         self._stats_sent_at = 0.0
 
@@ -273,9 +277,9 @@ class Scheduler:
         request.advance_computed(min(accepted, appended))
         if proposal is not None and self.speculator is not None and appended == len(new_tokens):
             self.speculator.store_proposals(request, proposal)
-        if reason is None and request.guided and self.cfg.jump_forward and not self._speculates(request):
+        if reason is None and request.guided and self.cfg.jump_forward == "unverified" and not self._speculates(request):
             reason = self._jump_forward(request)
-        if reason is None and request.guided and self.cfg.jump_forward:
+        if reason is None and request.guided and self.cfg.jump_forward != "off":
             end = self.grammar.end_token(request.request_id)  # a complete output ends here, not in a step
             if end is not None:
                 reason = self._append(request, end)
