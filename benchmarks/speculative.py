@@ -20,18 +20,16 @@ adaptive draft length (some also at a fixed length). With the adaptive length, t
 model or EAGLE head would not pay for draft by prompt lookup (``ngram_fallback``, the default;
 one row shows the int8 draft model without it).
 
-Greedy speculative output equals plain greedy output token for token; guided alone uses
-jump-forward, which appends forced text tokenized its own way, so its tokens may differ.
+Greedy speculative output equals plain greedy output token for token; so does guided alone,
+whose jump-forward (the default, verified) drafts the grammar's forced tokens for the model to check.
 "tokens/step" = output tokens ÷ target steps that produced them (prefill's last step included);
 "tok/s" = output tokens ÷ wall time (prefill included); "decode tok/s" = output tokens after each
 request's first ÷ the time after its first token (1 / time per output token, the per-user speed
 of TensorRT-LLM's curves; at batch 1 the requests do not overlap);
-"time to serve all" = the wall time guided alone takes for the same requests ÷ this configuration's
-(jump-forward tokenizes forced text its own way, so guided alone's token count differs a little
-and tok/s alone would credit it for the extra tokens);
+"time to serve all" = the wall time guided alone takes for the same requests ÷ this configuration's;
 "accepted/spec step" = tokens per step that verified drafts (the target's own token included),
-TensorRT-LLM's acceptance length. Guided alone already exceeds 1 token/step: jump-forward appends
-forced tokens without a step.
+TensorRT-LLM's acceptance length. Guided alone already exceeds 1 token/step: its forced tokens
+are verified several to a step.
 """
 
 from __future__ import annotations
