@@ -146,7 +146,7 @@ class EngineConfig:
     show_progress: bool = True
     remote_ranks: tuple[int, ...] = ()  # ranks that read steps over ZeroMQ TCP (ranks on other hosts)
     vocab_size: int = 0
-    grammar_backend: str = "xgrammar"
+    grammar_backend: str = "auto"  # or "xgrammar", "llguidance" (protocol.BACKEND_CHOICES)
     grammar_compile_timeout_s: float = 30.0
     jump_forward: str = "verified"  # JUMP_FORWARD_MODES
     speculative: SpeculativeConfig | None = None

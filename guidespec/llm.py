@@ -38,7 +38,7 @@ from guidespec import envs
 from guidespec.config import DTYPES, JUMP_FORWARD_MODES, MODEL_DRAFTERS, EngineConfig, ModelConfig, SpeculativeConfig
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.launcher import EngineProcesses
-from guidespec.protocol import (ENGINE_UNAVAILABLE, GRAMMAR_BACKENDS, INTERNAL_ERROR, AbortRequest, DecodeStats,
+from guidespec.protocol import (BACKEND_CHOICES, ENGINE_UNAVAILABLE, INTERNAL_ERROR, AbortRequest, DecodeStats,
                                 EngineDead, EngineReady, GenerateRequest, InvalidRequest, RequestOutput, SamplingParams,
                                 SchedulerStats, Shutdown, validate_prompt, validate_request)
 from guidespec.worker import checkpoint
@@ -77,6 +77,8 @@ class GenerationOutput:
     first_token_time: float = 0.0
     finish_time: float = 0.0
     stats: DecodeStats = field(default_factory=DecodeStats)  # steps, drafts and acceptance
+    grammar_backend: str = ""  # guided: the backend that enforced the grammar
+    grammar_refusal: str = ""  # guided, backend "auto": why the backend tried first refused, if it did
 
     @property
     def time_to_first_token_s(self) -> float:
@@ -139,6 +141,8 @@ class _RequestStream:
         out.text += delta.new_text
         out.token_ids.extend(delta.new_token_ids)
         out.first_token_time = out.first_token_time or delta.first_token_time
+        out.grammar_backend = out.grammar_backend or delta.grammar_backend
+        out.grammar_refusal = out.grammar_refusal or delta.grammar_refusal
         if delta.stats is not None:
             out.stats = delta.stats
         if delta.finished:
@@ -151,14 +155,14 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, dtype: str = "auto",
                  max_batch_size: int = 16, max_model_len: int | None = None, max_num_batched_tokens: int = 512,
-                 show_progress: bool = True, remote_ranks: Sequence[int] = (), grammar_backend: str = "xgrammar",
+                 show_progress: bool = True, remote_ranks: Sequence[int] = (), grammar_backend: str = "auto",
                  grammar_compile_timeout_s: float = 30.0, jump_forward: bool | str = True,
                  speculative: SpeculativeConfig | dict[str, Any] | str | None = None,
                  distributed_executor: str = "mp", ray_address: str | None = None,
                  enable_prefix_caching: bool = True, restart_on_failure: bool = False, device: str = "auto",
                  enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, ray_placement: str = "pack") -> None:
-        if grammar_backend not in GRAMMAR_BACKENDS:
-            raise ValueError(f"grammar_backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {grammar_backend!r}")
+        if grammar_backend not in BACKEND_CHOICES:
+            raise ValueError(f"grammar_backend must be one of {', '.join(BACKEND_CHOICES)}, got {grammar_backend!r}")
         if grammar_compile_timeout_s <= 0:
             raise ValueError("grammar_compile_timeout_s must be > 0")
         if distributed_executor not in ("mp", "ray"):

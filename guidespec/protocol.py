@@ -24,6 +24,9 @@ from guidespec.ipc.codec import register_message
 GREEDY = 0.0
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance")
+# "auto": the first of these that enforces the grammar exactly (the other where one refuses)
+AUTO_BACKEND_ORDER = ("xgrammar", "llguidance")
+BACKEND_CHOICES = ("auto", *GRAMMAR_BACKENDS)
 
 # What one request may carry (validate_request): every number fits the engine's int32 / float32
 # arrays and keeps its maths finite; sizes bound the scheduler's per-step work per request.
@@ -121,9 +124,9 @@ class GuidedDecoding:
             raise InvalidRequest("json_object must be true or absent", kind)
         if kind == "choice":
             _check_choices(value)
-        if self.backend is not None and self.backend not in GRAMMAR_BACKENDS:
+        if self.backend is not None and self.backend not in BACKEND_CHOICES:
             raise InvalidRequest(f"unknown grammar backend {self.backend!r}; choose one of "
-                                 f"{', '.join(GRAMMAR_BACKENDS)}", "backend")
+                                 f"{', '.join(BACKEND_CHOICES)}", "backend")
         if not isinstance(self.close_early, bool):
             raise InvalidRequest("close_early must be a boolean", "close_early")
 
@@ -302,6 +305,8 @@ class RequestOutput:
     # with an error: whose fault, as an HTTP status: BAD_REQUEST (the request's), INTERNAL_ERROR
     # (ours, this request alone), ENGINE_UNAVAILABLE (the engine died; retry after its restart)
     error_status: int = 0
+    grammar_backend: str = ""  # the backend that enforces the request's grammar
+    grammar_refusal: str = ""  # why the one tried before it (backend "auto") refused, if one did
 
 
 @register_message(15)

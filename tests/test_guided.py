@@ -128,6 +128,30 @@ def test_grammar_the_backend_rejects_fails_that_request_alone(llm: LLM, guided: 
         llm.generate("Hello", SamplingParams(max_tokens=6, guided=guided))
 
 
+def test_backend_auto_serves_what_one_backend_refuses(llm: LLM) -> None:
+    """xgrammar refuses 'minLength' beside a 'pattern' (it would ignore it); with backend auto (the
+    default) llguidance serves the request, and the output says so; a schema both refuse fails
+    with both reasons."""
+    import jsonschema
+
+    assert llm.config.grammar_backend == "auto"
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-z]+$", "minLength": 3}},
+              "required": ["code"], "additionalProperties": False}
+    prompt = [{"role": "user", "content": "Give a JSON object whose code is a lowercase word."}]
+    out = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0,
+                                              guided=GuidedDecoding(json_schema=schema)))[0]
+    assert out.grammar_backend == "llguidance" and "xgrammar cannot enforce 'minLength'" in out.grammar_refusal
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), schema)
+    plain = llm.generate(prompt, SamplingParams(max_tokens=8, guided=GuidedDecoding(choice=("yes", "no"))))[0]
+    assert (plain.grammar_backend, plain.grammar_refusal) == ("xgrammar", "")
+    with pytest.raises(RequestError) as failure:
+        llm.generate(prompt, SamplingParams(max_tokens=8, guided=GuidedDecoding(
+            json_schema={"type": "object", "dependencies": {"a": ["b"]}})))
+    assert failure.value.status == 400
+    assert "xgrammar cannot enforce 'dependencies'" in str(failure.value) and "llguidance cannot" in str(failure.value)
+
+
 def _slow_schema(tag: str) -> dict:
     """An enum this large takes xgrammar several seconds to compile on our machines (5 s alone;
     12000 values, 2.1 s, were not always still compiling when the unguided request ended)."""

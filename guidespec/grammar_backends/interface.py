@@ -4,11 +4,12 @@ meaning token 32*w + j is allowed."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from guidespec.protocol import GuidedDecoding
+from guidespec.protocol import GRAMMAR_BACKENDS, GuidedDecoding
 
 
 class GrammarError(ValueError):
@@ -81,3 +82,25 @@ def find_counted_open_object(schema: Any) -> bool:
 
 COUNTED_OPEN_OBJECT = ("cannot enforce 'minProperties' on an object open to more names in this json_schema "
                        "(a name may repeat)")
+
+
+def is_refusal(error: str) -> bool:
+    """A backend's refusal of a grammar it cannot enforce exactly (another backend may), as
+    opposed to a grammar that is wrong for any backend or a compile that ran out of time."""
+    return error.startswith(tuple(f"{name} cannot" for name in GRAMMAR_BACKENDS))
+
+
+def refusals_in(message: str) -> list[tuple[str, str]]:
+    """(backend, keyword) of every refusal in an error message ("a; b" when both refused)."""
+    parts = message.split(": ", 1)[1] if message.startswith("no grammar backend") else message
+    return [(part.split(" ", 1)[0], refusal_keyword(part)) for part in parts.split("; ") if is_refusal(part)]
+
+
+def refusal_keyword(error: str) -> str:
+    """What a refusal names (the first quoted keyword: 'not', 'uniqueItems'), for metrics."""
+    match = re.search(r"""['"`]([A-Za-z$][A-Za-z0-9_$]*)['"`]""", error)
+    if match:
+        return match.group(1)
+    named = re.search(r"\b(oneOf|anyOf|allOf|not|if|dependencies|uniqueItems|contains|format|pattern|\$ref)\b", error)
+    return named.group(1) if named else "other"
+

@@ -165,8 +165,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Ray GPU ranks: pack (STRICT_PACK, one node) or spread (STRICT_SPREAD, one rank per node)")
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--grammar-backend", "--backend", dest="backend", default="xgrammar",
-                   choices=["xgrammar", "llguidance"])
+    p.add_argument("--grammar-backend", "--backend", dest="backend", default="auto",
+                   choices=["auto", "xgrammar", "llguidance"],
+                   help="auto: xgrammar, or llguidance where xgrammar cannot enforce a grammar exactly")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="compute every prompt whole, even where a free slot still holds the KV of its first tokens")
     spec = p.add_argument_group("speculative decoding")

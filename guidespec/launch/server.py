@@ -40,6 +40,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from guidespec.grammar_backends.interface import refusals_in
 from guidespec.llm import (LLM, EngineDeadError, GenerationOutput, RequestError, RequestHandle,
                            StreamDelta)
 from guidespec.protocol import (INT32_MAX, MAX_CHOICES, MAX_REPETITION_PENALTY, MAX_STOP_CHARS, MAX_STOP_STRINGS,
@@ -132,7 +133,7 @@ class _Request(BaseModel):
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = _documented(minItems=1, maxItems=MAX_CHOICES)
-    guided_decoding_backend: Literal["xgrammar", "llguidance"] | None = None
+    guided_decoding_backend: Literal["auto", "xgrammar", "llguidance"] | None = None
     speculative: bool = True  # guidespec: False turns the engine's drafter off for this request
 
 
@@ -169,6 +170,9 @@ class _Metrics:
                                 registry=r)
         self.failed = Counter("guidespec_request_failure", "Requests refused or failed, by HTTP status",
                               ["status"], registry=r)
+        self.refusals = Counter("guidespec_grammar_refusals", "Grammars a backend refused (it cannot enforce them "
+                                "exactly), by backend and the keyword it named; with backend auto the other one "
+                                "may have served the request", ["backend", "keyword"], registry=r)
         self.prompt_tokens = Counter("guidespec_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("guidespec_generation_tokens", "Generated tokens", registry=r)
         self.in_server = Gauge("guidespec_num_requests_in_server", "HTTP requests being served", registry=r)
@@ -178,7 +182,12 @@ class _Metrics:
             gauge = Gauge(f"guidespec_num_requests_{field}", doc, registry=r)
             gauge.set_function(_stat_reader(llm, field))
 
+    def count_refusals(self, message: str) -> None:
+        for backend, keyword in refusals_in(message):
+            self.refusals.labels(backend=backend, keyword=keyword).inc()
+
     def observe(self, out: GenerationOutput) -> None:
+        self.count_refusals(out.grammar_refusal)
         self.finished.labels(finished_reason=out.finish_reason or "unknown").inc()
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.generation_tokens.inc(len(out.token_ids))
@@ -331,7 +340,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
                 first = await _first_delta(handle)  # a grammar the engine refuses answers 400 before any byte
                 include_usage = bool((body.stream_options or {}).get("include_usage"))
                 return StreamingResponse(_sse(handle, first, request_id, chat, include_usage, metrics),
-                                         media_type="text/event-stream")
+                                         media_type="text/event-stream", headers=_served_by(handle.output))
             output = await _collect(handle, request)
         finally:
             if not body.stream:
@@ -339,7 +348,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
         if output is None:  # the client went away: the request was aborted
             return JSONResponse({}, status_code=499)
         metrics.observe(output)
-        return JSONResponse(_response(output, request_id, chat))
+        return JSONResponse(_response(output, request_id, chat), headers=_served_by(output))
 
     async def _sse(handle: RequestHandle, first: StreamDelta, request_id: str, chat: bool, include_usage: bool,
                    metrics: _Metrics) -> AsyncIterator[str]:
@@ -379,6 +388,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
         except (RequestError, EngineDeadError) as e:
             await handle.deltas().aclose()  # type: ignore[attr-defined]
             metrics.in_server.dec()
+            metrics.count_refusals(_engine_message(e))
             raise APIError(_status(e), _engine_message(e)) from None
 
     async def _collect(handle: RequestHandle, request: Request) -> GenerationOutput | None:
@@ -396,6 +406,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
                     return None
             task.result()
         except (RequestError, EngineDeadError) as e:
+            metrics.count_refusals(_engine_message(e))
             raise APIError(_status(e), _engine_message(e)) from None
         return handle.output
 
@@ -533,6 +544,11 @@ def _object(chat: bool, stream: bool) -> str:
     return "text_completion"
 
 
+def _served_by(out: GenerationOutput) -> dict[str, str] | None:
+    """The response header naming the grammar backend that enforced a guided request."""
+    return {"X-Guidespec-Grammar-Backend": out.grammar_backend} if out.grammar_backend else None
+
+
 def _usage(out: GenerationOutput) -> dict[str, Any]:
     """OpenAI's usage, plus guidespec's decoding figures (extra fields, which OpenAI clients ignore):
     target ``steps``, ``spec_steps`` (steps that verified drafts) and ``accepted_tokens_per_step``
@@ -541,7 +557,8 @@ def _usage(out: GenerationOutput) -> dict[str, Any]:
     stats = out.stats
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "steps": stats.num_steps, "spec_steps": stats.num_spec_steps,
-            "accepted_tokens_per_step": round(stats.mean_accepted_tokens_per_step, 4)}
+            "accepted_tokens_per_step": round(stats.mean_accepted_tokens_per_step, 4),
+            **({"grammar_backend": out.grammar_backend} if out.grammar_backend else {})}
 
 
 def _event(payload: dict[str, Any]) -> str:

@@ -32,8 +32,8 @@ import numpy as np
 
 from guidespec.config import SchedulerConfig
 from guidespec.grammar_backends import GrammarBackend, GrammarError, GrammarMatcher, create_backend
-from guidespec.grammar_backends.interface import bitmask_row, bitmask_width
-from guidespec.protocol import GuidedDecoding
+from guidespec.grammar_backends.interface import bitmask_row, bitmask_width, is_refusal
+from guidespec.protocol import AUTO_BACKEND_ORDER, GuidedDecoding
 from guidespec.scheduler.closing import MAX_STEPS, ClosingTokens, EarlyCloser, allowed_ids
 
 
@@ -94,13 +94,15 @@ class GrammarManager:
         self.tokenizer = tokenizer
         self.backends: dict[str, GrammarBackend] = {}
         self.process = _CompileProcess(settings, compile_process)  # before the backend below: it imports meanwhile
-        self._backend(settings.default_backend)  # deserializing needs it; made before the first step
+        self._backend(self._order(None)[0])  # deserializing needs it; made before the first step
         self.compiled: OrderedDict[str, Any] = OrderedDict()
         self.failed: OrderedDict[str, str] = OrderedDict()
         self.jobs: OrderedDict[int, _Job] = OrderedDict()
         self.job_of_key: dict[str, int] = {}
         self.pending: dict[str, int] = {}  # request id -> job id
         self.matchers: dict[str, tuple[str, GrammarMatcher]] = {}
+        self.fallbacks: dict[str, tuple[GuidedDecoding, list[str], list[str]]] = {}  # request -> (spec, backends left, refusals)
+        self.refusals: dict[str, str] = {}  # request -> why a backend before the one serving it refused
         self.closers: dict[str, EarlyCloser] = {}
         self._closing_tokens: ClosingTokens | None = None  # built at first use
         self._job_ids = itertools.count()
@@ -110,13 +112,41 @@ class GrammarManager:
     # ------------------------------------------------------------------ compile
 
     def submit(self, request_id: str, spec: GuidedDecoding) -> bool:
-        """Start (or join) the compile; True if the matcher is ready now. Raises GrammarError."""
-        backend = spec.backend or self.settings.default_backend
-        key = spec.cache_key(backend)
-        if key in self.failed:
-            raise GrammarError(self.failed[key])
+        """Start (or join) the compile; True if the matcher is ready now. Raises GrammarError.
+        With backend "auto", a backend that refuses the grammar (it cannot enforce it exactly)
+        hands it to the next one; GrammarError says why each refused."""
         if spec.close_early and spec.kind in ("json_schema", "json_object"):
             self.closers[request_id] = EarlyCloser(_schema_reader(spec))
+        try:
+            return self._try(request_id, spec, list(self._order(spec.backend)), [])
+        except GrammarError:
+            self.closers.pop(request_id, None)
+            raise
+
+    def _order(self, backend: str | None) -> tuple[str, ...]:
+        chosen = backend or self.settings.default_backend
+        return AUTO_BACKEND_ORDER if chosen == "auto" else (chosen,)
+
+    def _try(self, request_id: str, spec: GuidedDecoding, backends: list[str], refusals: list[str]) -> bool:
+        """Start the first of ``backends`` whose compile has not failed (True: ready now)."""
+        while backends:
+            backend = backends.pop(0)
+            key = spec.cache_key(backend)
+            error = self.failed.get(key)
+            if error is None:
+                self.fallbacks[request_id] = (spec, backends, refusals)
+                return self._start(request_id, spec, backend, key)
+            if not (backends and is_refusal(error)):
+                raise GrammarError(_refused(refusals + [error]))
+            refusals.append(error)
+        raise GrammarError(_refused(refusals))
+
+    def served(self, request_id: str) -> tuple[str, str]:
+        """(the backend enforcing the request's grammar, why one before it refused or "")."""
+        backend = self.matchers[request_id][0] if request_id in self.matchers else ""
+        return backend, self.refusals.get(request_id, "")
+
+    def _start(self, request_id: str, spec: GuidedDecoding, backend: str, key: str) -> bool:
         if key in self.compiled:
             self.compiled.move_to_end(key)
             self._create_matcher(request_id, backend, self.compiled[key])
@@ -146,6 +176,8 @@ class GrammarManager:
 
     def release(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
+        self.fallbacks.pop(request_id, None)
+        self.refusals.pop(request_id, None)
         self.matchers.pop(request_id, None)
         self.closers.pop(request_id, None)
 
@@ -334,7 +366,20 @@ class GrammarManager:
                 ready.append(request_id)
         else:
             self._remember(self.failed, job.key, message["error"])
-            failed.extend((request_id, message["error"]) for request_id in self._waiting(job))
+            for request_id in self._waiting(job):
+                self._fall_back(request_id, message["error"], ready, failed)
+
+    def _fall_back(self, request_id: str, error: str, ready: list[str], failed: list[tuple[str, str]]) -> None:
+        """A compile failed: the next backend of an "auto" request where this one refused, else fail."""
+        spec, backends, refusals = self.fallbacks.get(request_id, (None, [], []))
+        if spec is None or not backends or not is_refusal(error):
+            failed.append((request_id, _refused(refusals + [error]) if refusals else error))
+            return
+        try:
+            if self._try(request_id, spec, backends, refusals + [error]):
+                ready.append(request_id)
+        except GrammarError as e:
+            failed.append((request_id, str(e)))
 
     def _enforce_deadline(self, failed: list[tuple[str, str]]) -> None:
         running = next((j for j in self.jobs.values() if j.deadline is not None), None)
@@ -488,6 +533,9 @@ class GrammarManager:
 
     def _create_matcher(self, request_id: str, backend: str, compiled: Any) -> None:
         self.matchers[request_id] = (backend, self._backend(backend).create_matcher(compiled))
+        _, _, refusals = self.fallbacks.pop(request_id, (None, [], []))
+        if refusals:
+            self.refusals[request_id] = "; ".join(refusals)
 
     def _closing(self) -> ClosingTokens:
         if self._closing_tokens is None:
@@ -620,3 +668,9 @@ def _schema_reader(spec: GuidedDecoding) -> Callable[[], Any] | None:
     if spec.kind != "json_schema":
         return None
     return lambda: json.loads(spec.json_schema) if isinstance(spec.json_schema, str) else spec.json_schema
+
+
+def _refused(errors: list[str]) -> str:
+    if len(errors) == 1:
+        return errors[0]
+    return "no grammar backend can enforce this exactly: " + "; ".join(errors)

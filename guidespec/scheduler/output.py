@@ -71,4 +71,6 @@ def _delta(request: Request, reason: str | None) -> RequestOutput:
         num_prompt_tokens=request.num_prompt_tokens,
         first_token_time=request.first_token_time,
         stats=dataclasses.replace(request.stats, accepted_histogram=list(request.stats.accepted_histogram)),
+        grammar_backend=request.grammar_backend,
+        grammar_refusal=request.grammar_refusal,
     )

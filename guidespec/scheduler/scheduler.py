@@ -194,7 +194,9 @@ class Scheduler:
         """Move requests whose grammar compiled to the front of the queue; fail those that did not."""
         ready, failed = self.grammar.poll()
         for request_id in ready:
-            self.batcher.promote(self.requests[request_id])
+            request = self.requests[request_id]
+            request.grammar_backend, request.grammar_refusal = self.grammar.served(request_id)
+            self.batcher.promote(request)
         for request_id, error in failed:
             self._fail(self.requests[request_id], error, BAD_REQUEST)
 
@@ -427,6 +429,8 @@ class Scheduler:
         if message.params.guided is not None:
             try:
                 request.grammar_ready = self.grammar.submit(request.request_id, message.params.guided)
+                if request.grammar_ready:
+                    request.grammar_backend, request.grammar_refusal = self.grammar.served(request.request_id)
             except GrammarError as e:
                 self.client_out.send(RequestOutput(message.request_id, [], "", True, "error", str(e),
                                                    error_status=BAD_REQUEST))

@@ -113,6 +113,32 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server: str
     assert ok.choices[0].message.content is not None
 
 
+def test_the_backend_that_served_is_named_and_refusals_are_counted(server: str) -> None:
+    """Backend auto (the default): xgrammar refuses 'minLength' beside a 'pattern', llguidance
+    enforces it; the response names it, the metrics count xgrammar's refusal. A schema both
+    refuse is a 400 naming both."""
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-z]+$", "minLength": 2}},
+              "required": ["code"], "additionalProperties": False}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for stream in (False, True):
+        response = httpx.post(f"{server}/v1/chat/completions", headers=headers, timeout=120,
+                              json={"messages": ASK, "max_tokens": 24, "guided_json": schema, "stream": stream})
+        assert response.status_code == 200 and response.headers["x-guidespec-grammar-backend"] == "llguidance"
+        if not stream:
+            assert response.json()["usage"]["grammar_backend"] == "llguidance"
+    text = httpx.get(f"{server}/metrics", timeout=5).text
+    assert re.search(r'^guidespec_grammar_refusals_total\{backend="xgrammar",keyword="minLength"\} [1-9]', text,
+                     re.MULTILINE), text[-2000:]
+    both = httpx.post(f"{server}/v1/chat/completions", headers=headers, timeout=120,
+                      json={"messages": ASK, "max_tokens": 8,
+                            "guided_json": {"type": "object", "dependencies": {"a": ["b"]}}})
+    message = both.json()["error"]["message"]
+    assert both.status_code == 400 and "xgrammar cannot enforce 'dependencies'" in message and "llguidance" in message
+    plain = httpx.post(f"{server}/v1/chat/completions", headers=headers, timeout=120,
+                       json={"messages": ASK, "max_tokens": 8, "guided_json": PERSON})
+    assert plain.headers["x-guidespec-grammar-backend"] == "xgrammar"
+
+
 def test_a_disconnect_mid_stream_frees_the_slot(server: str) -> None:
     headers = {"Authorization": f"Bearer {KEY}"}
     body = {"messages": ASK, "max_tokens": 1500, "stream": True, "ignore_eos": True, "temperature": 0}
