@@ -71,6 +71,12 @@ def draft_mask_timeout_s() -> float:
     return float(os.environ.get("GUIDESPEC_DRAFT_MASK_TIMEOUT_S", "30"))
 
 
+def schema_rewrites_enabled() -> bool:
+    """``GUIDESPEC_SCHEMA_REWRITES=0`` compiles JSON schemas as sent, without the exact rewrites
+    (``grammar_backends/rewrites.py``): to measure what the rewrites unlock."""
+    return os.environ.get("GUIDESPEC_SCHEMA_REWRITES", "1") != "0"
+
+
 def crash_loop() -> tuple[int, float]:
     """A restarting LLM gives up after this many engine deaths within this many seconds
     (``GUIDESPEC_CRASH_LOOP_DEATHS``, default 3; ``GUIDESPEC_CRASH_LOOP_WINDOW_S``, default 60)."""

@@ -11,6 +11,7 @@ backend's serialized grammar.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
@@ -23,8 +24,12 @@ from guidespec.protocol import GuidedDecoding
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from guidespec.grammar_backends import GrammarError, create_backend
+    from guidespec.grammar_backends.rewrites import rewrite_schema
     from guidespec.worker.checkpoint import load_tokenizer
 
+    from guidespec import envs
+
+    rewrites = envs.schema_rewrites_enabled()
     settings = json.loads(sys.stdin.readline())
     tokenizer = load_tokenizer(Path(settings["model_dir"]))
     backends: dict[str, Any] = {}
@@ -48,6 +53,10 @@ def main() -> None:
             chosen = backend(job["backend"])
             _reply({"job": job["job"], "started": True})
             spec = GuidedDecoding(**job["spec"])
+            if spec.kind == "json_schema" and rewrites:  # exact rewrites first (grammar_backends/rewrites.py)
+                schema, applied = rewrite_schema(json.loads(spec.json_schema))  # type: ignore[arg-type]
+                if applied:
+                    spec = dataclasses.replace(spec, json_schema=json.dumps(schema))
             compiled = chosen.serialize(chosen.compile(spec))
             _reply({"job": job["job"], "ok": True, "compiled": compiled})
         except GrammarError as e:

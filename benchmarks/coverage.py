@@ -1,0 +1,87 @@
+"""Which schemas each grammar backend compiles (enforces exactly), and backend ``auto``.
+
+    python -m benchmarks.coverage [--schemas ../shared/data/jsonschemabench/schemas] [--timeout 30]
+
+Every schema goes through the engine's own grammar manager (the compile process, its deadline,
+the fallback of ``auto``), once per backend: xgrammar, llguidance, auto (xgrammar, then
+llguidance where xgrammar refuses). Prints a table per JSONSchemaBench category: schemas, and how
+many each compiles; then the refusals of ``auto`` by keyword. Compiling is not generating:
+``guidespec sweep`` checks that the outputs of the compiled ones are valid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from guidespec.grammar_backends import GrammarError  # noqa: E402
+from guidespec.grammar_backends.interface import refusals_in  # noqa: E402
+from guidespec.protocol import GuidedDecoding  # noqa: E402
+from guidespec.scheduler.grammar import GrammarManager, GrammarSettings  # noqa: E402
+from guidespec.worker.checkpoint import eos_token_ids, load_hf_config, load_tokenizer, resolve_model_dir  # noqa: E402
+
+DEFAULT_SCHEMAS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "jsonschemabench" / "schemas"
+BACKENDS = ("xgrammar", "llguidance", "auto")
+
+
+def category(name: str) -> str:
+    return name.split("---")[0] if "---" in name else name.rsplit("_", 1)[0]
+
+
+def compile_all(schemas: dict[str, str], backend: str, timeout_s: float) -> dict[str, str | None]:
+    """Schema name -> None (compiled) or the error."""
+    model_dir = resolve_model_dir(None, show_progress=False)
+    tokenizer = load_tokenizer(model_dir)
+    hf = load_hf_config(model_dir)
+    settings = GrammarSettings(model_dir, backend, hf.vocab_size, eos_token_ids(model_dir, hf, tokenizer), timeout_s, 16)
+    manager = GrammarManager(settings, tokenizer)
+    manager.wait_started(120)
+    results: dict[str, str | None] = {}
+    try:
+        for name, text in schemas.items():
+            try:
+                if manager.submit(name, GuidedDecoding(json_schema=text)):
+                    results[name] = None
+            except GrammarError as e:
+                results[name] = str(e)
+            except ValueError as e:  # not a schema the request boundary would take
+                results[name] = f"invalid: {e}"
+            while manager.has_pending:
+                ready, failed = manager.poll()
+                results.update({r: None for r in ready})
+                results.update(dict(failed))
+                time.sleep(0.005)
+            manager.release(name)
+    finally:
+        manager.shutdown()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schemas", default=str(DEFAULT_SCHEMAS))
+    parser.add_argument("--timeout", type=float, default=30.0)
+    args = parser.parse_args()
+    schemas = {p.stem: json.dumps(json.loads(p.read_text())["schema"]) for p in sorted(Path(args.schemas).glob("*.json"))}
+    runs = {backend: compile_all(schemas, backend, args.timeout) for backend in BACKENDS}
+    by_category: dict[str, list[str]] = collections.defaultdict(list)
+    for name in schemas:
+        by_category[category(name)].append(name)
+    print("| category | schemas | " + " | ".join(BACKENDS) + " |")
+    print("|---|---:|" + "---:|" * len(BACKENDS))
+    for cat, names in sorted(by_category.items()):
+        cells = [sum(runs[b][n] is None for n in names) for b in BACKENDS]
+        print(f"| {cat} | {len(names)} | " + " | ".join(map(str, cells)) + " |")
+    total = [sum(r is None for r in runs[b].values()) for b in BACKENDS]
+    print(f"| **all** | {len(schemas)} | " + " | ".join(f"{t} ({100 * t / len(schemas):.1f}%)" for t in total) + " |")
+    keywords = collections.Counter(k for error in runs["auto"].values() if error for _, k in refusals_in(error))
+    print("\nauto's refusals by the keyword each backend named:", dict(keywords.most_common()))
+
+
+if __name__ == "__main__":
+    main()

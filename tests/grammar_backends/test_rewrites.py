@@ -1,0 +1,119 @@
+"""Every exact rewrite of ``grammar_backends/rewrites.py`` accepts exactly what the schema it
+rewrites accepts: checked with the jsonschema library on the dataset's valid and invalid
+instances of every schema a rewrite applies to, and on instances hypothesis generates (any JSON
+value, the schema's own enum values, and values near them)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from guidespec.grammar_backends.rewrites import rewrite_schema
+
+SCHEMAS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "jsonschemabench" / "schemas"
+
+HAND = {  # (schema, what it becomes, the rewrites applied)
+    "double negation": ({"not": {"not": {"type": "string", "minLength": 2}}}, {"type": "string", "minLength": 2},
+                        ["double negation"]),
+    "double negation beside keywords": ({"type": "string", "not": {"not": {"maxLength": 3}}},
+                                        {"type": "string", "allOf": [{"maxLength": 3}]}, ["double negation"]),
+    "enum narrowed by a pattern": ({"enum": ["ab", "b", "abc"], "pattern": "^a"}, {"enum": ["ab", "abc"]},
+                                   ["finite values"]),
+    "allOf of an enum and a not": ({"allOf": [{"enum": [1, "x", None]}, {"not": {"type": "string"}}]},
+                                   {"enum": [1, None]}, ["not of a type", "finite values"]),
+    "not of a type": ({"type": ["string", "integer", "null"], "not": {"type": "null"}},
+                      {"type": ["string", "integer"]}, ["not of a type"]),
+    "not of number removes integer": ({"not": {"type": "number"}},
+                                      {"type": ["null", "boolean", "object", "array", "string"]}, ["not of a type"]),
+}
+LEFT_ALONE = {  # no exact rewrite: left for the backend to refuse
+    "not integer": {"not": {"type": "integer"}},
+    "not of a pattern": {"type": "string", "not": {"pattern": "^a"}},
+    "an enum beside its type": {"type": "string", "enum": ["a", "b"]},
+    "an enum with a $ref": {"enum": ["a"], "allOf": [{"$ref": "#/definitions/x"}], "definitions": {"x": {}}},
+    "an enum with a format": {"enum": ["a"], "format": "email", "minLength": 1},
+    "no value left": {"enum": ["a"], "minLength": 2},
+}
+
+
+def _dataset() -> list[tuple[str, Any, list[Any]]]:
+    out = []
+    for path in sorted(SCHEMAS.glob("*.json")):
+        data = json.loads(path.read_text())
+        if rewrite_schema(data["schema"])[1]:
+            out.append((path.stem, data["schema"], [t.get("data") for t in data.get("tests", [])]))
+    return out
+
+
+DATASET = _dataset()
+
+
+def _validity(schema: Any, reference: Any, value: Any) -> bool:
+    cls = jsonschema.validators.validator_for(reference, default=jsonschema.Draft202012Validator)
+    return bool(cls(schema).is_valid(value))
+
+
+def _same(original: Any, value: Any) -> None:
+    rewritten, _ = rewrite_schema(original)
+    assert _validity(rewritten, original, value) == _validity(original, original, value), (original, rewritten, value)
+
+
+@pytest.mark.parametrize("name", list(HAND))
+def test_each_rewrite_gives_what_it_should(name: str) -> None:
+    schema, expected, applied = HAND[name]
+    assert rewrite_schema(schema) == (expected, applied)
+
+
+@pytest.mark.parametrize("name", list(LEFT_ALONE))
+def test_what_cannot_be_rewritten_exactly_is_left_alone(name: str) -> None:
+    assert rewrite_schema(LEFT_ALONE[name]) == (LEFT_ALONE[name], [])
+
+
+def test_the_dataset_has_schemas_to_rewrite() -> None:
+    applied = [set(rewrite_schema(schema)[1]) for _, schema, _ in DATASET]
+    assert len(DATASET) >= 20 and all(any(name in a for a in applied) for name in
+                                      ("double negation", "finite values", "not of a type"))
+
+
+@pytest.mark.parametrize("name, schema, instances", DATASET, ids=[d[0][:60] for d in DATASET])
+def test_dataset_instances_are_judged_alike(name: str, schema: Any, instances: list[Any]) -> None:
+    for value in instances:
+        _same(schema, value)
+
+
+def _values_in(node: Any) -> list[Any]:
+    """Every enum and const value in a schema (the values a rewrite keeps or drops)."""
+    found: list[Any] = []
+    if isinstance(node, dict):
+        found += node.get("enum", []) if isinstance(node.get("enum"), list) else []
+        found += [node["const"]] if "const" in node else []
+        for v in node.values():
+            found += _values_in(v)
+    elif isinstance(node, list):
+        for v in node:
+            found += _values_in(v)
+    return found
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-10, 10) | st.floats(-10, 10, allow_nan=False)
+                     | st.text(max_size=5),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                     max_leaves=6)
+_CASES = [s for s, _, _ in HAND.values()] + [s for _, s, _ in DATASET]
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_generated_instances_are_judged_alike(data: st.DataObject) -> None:
+    schema = data.draw(st.sampled_from(_CASES))
+    known = _values_in(schema)
+    value = data.draw(_JSON | st.sampled_from(known) if known else _JSON)
+    if known and data.draw(st.booleans()):  # a near miss: a known value inside a list or an object
+        value = data.draw(st.sampled_from([[value], {"foo": value}, {"bar": value, "foo": 1}]))
+    _same(schema, value)
