@@ -96,11 +96,20 @@ def refusals_in(message: str) -> list[tuple[str, str]]:
     return [(part.split(" ", 1)[0], refusal_keyword(part)) for part in parts.split("; ") if is_refusal(part)]
 
 
-def refusal_keyword(error: str) -> str:
-    """What a refusal names (the first quoted keyword: 'not', 'uniqueItems'), for metrics."""
-    match = re.search(r"""['"`]([A-Za-z$][A-Za-z0-9_$]*)['"`]""", error)
-    if match:
-        return match.group(1)
-    named = re.search(r"\b(oneOf|anyOf|allOf|not|if|dependencies|uniqueItems|contains|format|pattern|\$ref)\b", error)
-    return named.group(1) if named else "other"
+_KEYWORDS = {"not", "oneOf", "anyOf", "allOf", "if", "then", "else", "dependencies", "dependentRequired",
+             "dependentSchemas", "uniqueItems", "contains", "minContains", "maxContains", "format", "$ref", "pattern",
+             "minLength", "maxLength", "minProperties", "maxProperties", "propertyNames", "multipleOf",
+             "patternProperties", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "prefixItems",
+             "minItems", "maxItems", "const", "enum"}
 
+
+def refusal_keyword(error: str) -> str:
+    """The JSON Schema keyword a refusal names ('not', 'uniqueItems'), for metrics: the first
+    quoted one, else the first named one, else "other"."""
+    quoted = re.findall(r"""['"`]([A-Za-z$][A-Za-z0-9_$]*)['"`]""", error)
+    for word in quoted:
+        if word in _KEYWORDS:
+            return word
+    named = re.search(r"(?<![\w$])(" + "|".join(re.escape(k) for k in sorted(_KEYWORDS, key=len, reverse=True))
+                      + r")(?![\w$])", error)
+    return named.group(1) if named else "other"
