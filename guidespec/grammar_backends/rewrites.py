@@ -8,6 +8,9 @@ exact it does nothing, and the backend refuses as before.
   exactly those of its values that the whole node accepts: it becomes ``enum`` of those, each
   checked by the ``jsonschema`` library against the node (nodes with a ``$ref``, or a keyword whose
   meaning depends on the draft, or ``format``, are left alone).
+- **Dependencies**: ``dependencies`` / ``dependentRequired`` / ``dependentSchemas`` become, per
+  name, an ``anyOf`` of "absent" (``properties: {name: false}``) and "present with what it needs"
+  (xgrammar still refuses the result; llguidance enforces it, so backend ``auto`` serves it).
 - **``not`` of a type**: ``{"not": {"type": T}}`` is ``type`` of the other JSON types (not where
   T names ``integer`` without ``number``: "a number that is not an integer" has no type).
 
@@ -57,6 +60,7 @@ def _walk(node: Any, applied: list[str]) -> Any:
         node["items"] = [_walk(s, applied) for s in node["items"]]
     node = _double_negation(node, applied)
     node = _not_type(node, applied)
+    node = _dependencies(node, applied)
     return _finite_values(node, applied)
 
 
@@ -92,6 +96,36 @@ def _not_type(node: dict[str, Any], applied: list[str]) -> dict[str, Any]:
     out = {k: v for k, v in node.items() if k != "not"}
     out["type"] = kept[0] if len(kept) == 1 else kept
     applied.append("not of a type")
+    return out
+
+
+def _dependencies(node: dict[str, Any], applied: list[str]) -> dict[str, Any]:
+    """``dependencies`` / ``dependentRequired`` / ``dependentSchemas``: for each name, an ``anyOf``
+    of "the name is absent" (``properties: {name: false}``) and "present, with its dependants"
+    (``required`` of the name and the names it needs, or the name and the schema it needs)."""
+    branches: list[Any] = []
+    for key in ("dependencies", "dependentRequired", "dependentSchemas"):
+        value = node.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            return node
+        for name, need in value.items():
+            absent = {"properties": {name: False}}
+            if isinstance(need, list) and key != "dependentSchemas" and all(isinstance(n, str) for n in need):
+                present: Any = {"required": [name, *need]}
+            elif isinstance(need, (dict, bool)) and key != "dependentRequired":
+                present = {"allOf": [{"required": [name]}, need]}
+            else:
+                return node
+            branches.append({"anyOf": [absent, present]})
+    if not branches:
+        return node
+    if "allOf" in node and not isinstance(node["allOf"], list):
+        return node
+    out = {k: v for k, v in node.items() if k not in ("dependencies", "dependentRequired", "dependentSchemas")}
+    out["allOf"] = [*out.get("allOf", []), *branches]
+    applied.append("dependencies")
     return out
 
 

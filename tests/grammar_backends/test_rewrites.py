@@ -29,6 +29,15 @@ HAND = {  # (schema, what it becomes, the rewrites applied)
                                    {"enum": [1, None]}, ["not of a type", "finite values"]),
     "not of a type": ({"type": ["string", "integer", "null"], "not": {"type": "null"}},
                       {"type": ["string", "integer"]}, ["not of a type"]),
+    "dependencies, both forms": ({"type": "object", "dependencies": {"a": ["b"], "c": {"required": ["d"]}}},
+                                 {"type": "object", "allOf": [
+                                     {"anyOf": [{"properties": {"a": False}}, {"required": ["a", "b"]}]},
+                                     {"anyOf": [{"properties": {"c": False}},
+                                                {"allOf": [{"required": ["c"]}, {"required": ["d"]}]}]}]},
+                                 ["dependencies"]),
+    "dependentRequired": ({"dependentRequired": {"x": ["y", "z"]}},
+                          {"allOf": [{"anyOf": [{"properties": {"x": False}}, {"required": ["x", "y", "z"]}]}]},
+                          ["dependencies"]),
     "not of number removes integer": ({"not": {"type": "number"}},
                                       {"type": ["null", "boolean", "object", "array", "string"]}, ["not of a type"]),
 }
@@ -55,7 +64,10 @@ DATASET = _dataset()
 
 
 def _validity(schema: Any, reference: Any, value: Any) -> bool:
-    cls = jsonschema.validators.validator_for(reference, default=jsonschema.Draft202012Validator)
+    """``value`` against ``schema`` in the draft ``reference`` is written in (a schema using
+    ``dependencies`` and no ``$schema`` is read as draft 7: in 2020-12 it would be ignored)."""
+    default = jsonschema.Draft7Validator if '"dependencies"' in json.dumps(reference) else jsonschema.Draft202012Validator
+    cls = jsonschema.validators.validator_for(reference, default=default)
     return bool(cls(schema).is_valid(value))
 
 
@@ -78,7 +90,7 @@ def test_what_cannot_be_rewritten_exactly_is_left_alone(name: str) -> None:
 def test_the_dataset_has_schemas_to_rewrite() -> None:
     applied = [set(rewrite_schema(schema)[1]) for _, schema, _ in DATASET]
     assert len(DATASET) >= 20 and all(any(name in a for a in applied) for name in
-                                      ("double negation", "finite values", "not of a type"))
+                                      ("double negation", "finite values", "not of a type", "dependencies"))
 
 
 @pytest.mark.parametrize("name, schema, instances", DATASET, ids=[d[0][:60] for d in DATASET])
@@ -108,12 +120,39 @@ _JSON = st.recursive(st.none() | st.booleans() | st.integers(-10, 10) | st.float
 _CASES = [s for s, _, _ in HAND.values()] + [s for _, s, _ in DATASET]
 
 
-@settings(max_examples=300, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+def _names_in(node: Any) -> list[str]:
+    """Property names a schema mentions (its properties, required and dependencies' names)."""
+    names: list[str] = []
+    if isinstance(node, dict):
+        for key in ("properties", "dependencies", "dependentRequired", "dependentSchemas"):
+            if isinstance(node.get(key), dict):
+                names += list(node[key])
+        for key in ("required",):
+            names += [n for n in node.get(key, []) if isinstance(n, str)] if isinstance(node.get(key), list) else []
+        for v in node.values():
+            names += _names_in(v)
+        for deps in (node.get("dependencies"), node.get("dependentRequired")):
+            if isinstance(deps, dict):
+                names += [n for need in deps.values() if isinstance(need, list) for n in need if isinstance(n, str)]
+    elif isinstance(node, list):
+        for v in node:
+            names += _names_in(v)
+    return sorted(set(names))
+
+
+def _objects(names: list[str]) -> st.SearchStrategy[Any]:
+    """Objects whose keys are mostly the schema's own names (where dependencies bite)."""
+    keys = st.sampled_from(names) | st.text(max_size=2) if names else st.text(max_size=2)
+    return st.dictionaries(keys, _JSON, max_size=4)
+
+
+@settings(max_examples=400, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_generated_instances_are_judged_alike(data: st.DataObject) -> None:
     schema = data.draw(st.sampled_from(_CASES))
     known = _values_in(schema)
-    value = data.draw(_JSON | st.sampled_from(known) if known else _JSON)
+    generated = _JSON | _objects(_names_in(schema))
+    value = data.draw(generated | st.sampled_from(known) if known else generated)
     if known and data.draw(st.booleans()):  # a near miss: a known value inside a list or an object
         value = data.draw(st.sampled_from([[value], {"foo": value}, {"bar": value, "foo": 1}]))
     _same(schema, value)
