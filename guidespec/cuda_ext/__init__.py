@@ -4,9 +4,9 @@
   the shared-memory draft channel (publish drafts, wait for a mask, and the scheduler's side),
   the host-callback trampolines a stream calls, and a CPU "host stream" that runs enqueued host
   functions in order on a thread (what ``cudaLaunchHostFunc`` does on a CUDA stream);
-- ``host_callbacks.cu`` (CUDA, built with ``nvcc`` where it exists): the trampolines enqueued
-  with ``cudaLaunchHostFunc``, so a CUDA graph can wait for the scheduler's masks with no
-  Python in the callback.
+- ``host_callbacks.cu`` (CUDA): the trampolines enqueued with ``cudaLaunchHostFunc``, so a CUDA
+  graph can wait for the scheduler's masks with no Python in the callback. The tests compile it
+  with ``nvcc``; nothing loads it yet (the fused GPU graph that will is not built).
 
 ``library()`` loads the host library (None without a C compiler); ``channel.py`` wraps it.
 """
@@ -19,7 +19,7 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
-from guidespec import envs, native
+from guidespec import native
 
 HERE = Path(__file__).parent
 HOST_SOURCES = [HERE / "draft_channel.c"]
@@ -66,17 +66,9 @@ def nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
-def compile_cuda(output: Path, compile_only: bool = True, arch: str = "sm_90") -> subprocess.CompletedProcess[str]:
-    """``host_callbacks.cu`` through nvcc: an object file (``compile_only``, what CI checks on a
-    machine without a GPU) or, with the host library's C source, a shared library."""
-    cmd = [nvcc() or "nvcc", "-O2", f"-arch={arch}", "-Xcompiler", "-fPIC", "-I", str(HERE)]
-    if compile_only:
-        cmd += ["-c", str(CUDA_SOURCES[0]), "-o", str(output)]
-    else:
-        cmd += ["-shared", *map(str, CUDA_SOURCES + HOST_SOURCES), "-o", str(output), "-lpthread"]
+def compile_cuda(output: Path, arch: str = "sm_90") -> subprocess.CompletedProcess[str]:
+    """``host_callbacks.cu`` compiled by nvcc into an object file (what CI checks on a machine
+    without a GPU; nothing loads it yet: the fused GPU graph that would is issue 23's next part)."""
+    cmd = [nvcc() or "nvcc", "-O2", f"-arch={arch}", "-Xcompiler", "-fPIC", "-I", str(HERE),
+           "-c", str(CUDA_SOURCES[0]), "-o", str(output)]
     return subprocess.run(cmd, capture_output=True, text=True)
-
-
-def cuda_library_path() -> Path:
-    """Where the CUDA library is built (the host library's cache directory)."""
-    return envs.cache_dir() / "native" / "libguidespec-cuda.so"

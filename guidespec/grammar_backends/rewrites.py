@@ -131,7 +131,7 @@ def _dependencies(node: dict[str, Any], applied: list[str]) -> dict[str, Any]:
 
 def _finite_values(node: dict[str, Any], applied: list[str]) -> dict[str, Any]:
     values = _values_of(node)
-    if values is None or _has_ref(node) or _draft_sensitive(node):
+    if values is None or _contains(node, _REFS | _SENSITIVE):
         return node
     if not _VALIDATION & set(node):  # (an enum beside its type needs nothing: every backend enforces both)
         return node
@@ -167,18 +167,14 @@ _SENSITIVE = {"prefixItems", "additionalItems", "dependencies", "dependentRequir
               "contentMediaType"}
 
 
-def _draft_sensitive(node: Any) -> bool:
-    if isinstance(node, dict):
-        return (bool(_SENSITIVE & set(node)) or isinstance(node.get("items"), list)
-                or any(_draft_sensitive(v) for v in node.values()))
-    if isinstance(node, list):
-        return any(_draft_sensitive(v) for v in node)
-    return False
+_REFS = {"$ref", "$dynamicRef"}
 
 
-def _has_ref(node: Any) -> bool:
+def _contains(node: Any, keywords: set[str]) -> bool:
+    """Whether a schema holds one of ``keywords``, or ``items`` as a list (draft-dependent), anywhere."""
     if isinstance(node, dict):
-        return "$ref" in node or "$dynamicRef" in node or any(_has_ref(v) for v in node.values())
+        return (bool(keywords & set(node)) or isinstance(node.get("items"), list)
+                or any(_contains(v, keywords) for v in node.values()))
     if isinstance(node, list):
-        return any(_has_ref(v) for v in node)
+        return any(_contains(v, keywords) for v in node)
     return False
