@@ -8,6 +8,9 @@ Two kernels, fp32 activations:
   :func:`linear`; a tied embedding is packed once and looked up with :func:`embedding`. The same
   tiles read int8 weights with a scale per output row (:class:`QuantizedWeight`, made by
   :func:`quantize`): a quarter of the bytes, for the target's int8 copy as a draft model.
+- ``gguf_linear.c``: linear layers over a GGUF file's own quantized blocks
+  (:class:`~guidespec.worker.kernels.gguf_weights.GGUFWeight`, that module says which formats),
+  activations rounded to int8 per block of 32 as llama.cpp does: :func:`linear` takes them too.
 - ``attention.c``: :func:`cache_attention`, a few new tokens per row attending the KV cache in
   place (decode and draft verification).
 
@@ -26,10 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from guidespec import envs, native
+from guidespec.worker.kernels.gguf_weights import GGUFWeight
 
 logger = logging.getLogger(__name__)
 BLOCK = 16  # output rows per packed block (one AVX-512 vector, two AVX2 vectors: vec.h)
-_SOURCES = [Path(__file__).with_name(name) for name in ("packed_linear.c", "attention.c")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("packed_linear.c", "gguf_linear.c", "attention.c")]
 _HEADERS = [Path(__file__).with_name("vec.h")]
 
 
@@ -54,6 +58,13 @@ def load(path: Path) -> ctypes.CDLL:
     lib.packed_linear_f32.restype = None
     lib.packed_linear_i8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
     lib.packed_linear_i8.restype = None
+    lib.gguf_linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
+    lib.gguf_linear.restype = None
+    lib.gguf_dequantize_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                         ctypes.c_void_p]
+    lib.gguf_dequantize_rows.restype = None
+    lib.gguf_block_bytes.argtypes = [ctypes.c_int]
+    lib.gguf_block_bytes.restype = ctypes.c_int
     lib.cache_attention_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.cache_attention_f32.restype = None
     return lib
@@ -107,7 +118,7 @@ class QuantizedWeight:
         return self.blocks.transpose(1, 2).reshape(-1, k)[:n].float() * self.scale[:n, None]
 
 
-Weight = torch.Tensor | PackedWeight | QuantizedWeight
+Weight = torch.Tensor | PackedWeight | QuantizedWeight | GGUFWeight
 
 
 def pack(weight: torch.Tensor) -> Weight:
@@ -130,12 +141,14 @@ def quantize(weight: Weight) -> Weight:
 def dense(weight: Weight) -> torch.Tensor:
     if isinstance(weight, QuantizedWeight):
         return weight.dequantize()
+    if isinstance(weight, GGUFWeight):
+        return weight.dequantize(lib=_library())
     return weight.unpack() if isinstance(weight, PackedWeight) else weight
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for 2-D x; packed and int8 weights go to the kernel."""
-    if not isinstance(weight, PackedWeight | QuantizedWeight):
+    """``F.linear`` for 2-D x; packed, int8 and GGUF weights go to the kernels."""
+    if not isinstance(weight, PackedWeight | QuantizedWeight | GGUFWeight):
         return F.linear(x, weight, bias)
     lib = _library()
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
@@ -146,7 +159,10 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     if x.shape[0]:
         bias = None if bias is None else bias.float().contiguous()
         bias_ptr = None if bias is None else bias.data_ptr()
-        if isinstance(weight, QuantizedWeight):
+        if isinstance(weight, GGUFWeight):
+            lib.gguf_linear(x.data_ptr(), weight.blocks.data_ptr(), weight.fmt, bias_ptr, out.data_ptr(), x.shape[0],
+                            n, k, torch.get_num_threads())
+        elif isinstance(weight, QuantizedWeight):
             lib.packed_linear_i8(x.data_ptr(), weight.blocks.data_ptr(), weight.scale.data_ptr(), bias_ptr,
                                  out.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
         else:
@@ -159,6 +175,8 @@ def embedding(token_ids: torch.Tensor, weight: Weight) -> torch.Tensor:
     """``F.embedding`` that also reads a packed (tied) or int8 embedding."""
     if isinstance(weight, PackedWeight):
         return weight.rows(token_ids)
+    if isinstance(weight, GGUFWeight):
+        return weight.dequantize(token_ids, _library())
     if isinstance(weight, QuantizedWeight):
         return weight.blocks[token_ids // BLOCK, :, token_ids % BLOCK].float() * weight.scale[token_ids, None]
     return F.embedding(token_ids, weight)

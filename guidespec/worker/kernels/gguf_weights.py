@@ -1,0 +1,156 @@
+"""GGUF's quantized weights kept in their own blocks, for the CPU kernel in ``gguf_linear.c``.
+
+A :class:`GGUFWeight` is an [N, K] weight as N rows of K/32 blocks in one of four kernel
+formats. Q4_1 and Q8_0 blocks are used as the file stores them; Q4_0, Q4_K and Q6_K blocks
+are rewritten once, exactly (every weight the kernel sees equals ``gguf.quants.dequantize``'s):
+
+- Q4_0 -> Q4_1 with offset -8 d (an fp16 product by 8: exact);
+- Q4_K (256 inputs, a 6-bit scale and min per 32) -> ``Q4F``: per 32 inputs, the scale
+  d * sc and offset -dmin * m in fp32 (exact products), the same nibbles;
+- Q6_K (256 inputs, an int8 scale per 16) -> ``Q8H``: per 32 inputs, the two scales d * sc in
+  fp32 and the 6-bit quants as int8.
+
+The K-quants' rewritten blocks are a third (Q4_K) and half (Q6_K) larger than the file's, a
+price for one simple kernel; in return every format is cut at any multiple of 32 inputs, which
+is all tensor parallelism needs (``columns``). Other types (F16, F32, the other quants) are not
+kept: :func:`from_gguf` returns None and the caller dequantizes them.
+
+Not here: reading the file (``checkpoint.GGUFTensors``), choosing which weights to keep
+(``model.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+import numpy as np
+import torch
+
+QK = 32  # inputs per kernel block
+Q4_1, Q4F, Q8_0, Q8H = range(4)  # the kernel's formats (gguf_linear.c: FMT_*)
+BLOCK_BYTES = {Q4_1: 20, Q4F: 24, Q8_0: 34, Q8H: 40}
+SUPPORTED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # gguf.GGMLQuantizationType names kept as blocks
+
+
+class GGUFWeight:
+    """An [N, K] weight as ``blocks`` uint8 [N, K/32, block bytes] of kernel format ``fmt``."""
+
+    def __init__(self, blocks: torch.Tensor, fmt: int) -> None:
+        assert blocks.dtype == torch.uint8 and blocks.dim() == 3 and blocks.shape[2] == BLOCK_BYTES[fmt]
+        self.blocks = blocks.contiguous()
+        self.fmt = fmt
+        self.shape = torch.Size((blocks.shape[0], blocks.shape[1] * QK))
+        self.dtype = torch.float32
+        self.device = torch.device("cpu")
+
+    def select_rows(self, rows: torch.Tensor | slice) -> GGUFWeight:
+        return GGUFWeight(self.blocks[rows], self.fmt)
+
+    def columns(self, k0: int, k1: int) -> GGUFWeight | None:
+        """Inputs [k0, k1): None where they do not fall on block boundaries."""
+        if k0 % QK or k1 % QK:
+            return None
+        return GGUFWeight(self.blocks[:, k0 // QK : k1 // QK], self.fmt)
+
+    def padded_rows(self, n: int) -> GGUFWeight:
+        """``n`` rows, the ones past N all zero blocks (scale 0: outputs 0)."""
+        blocks = torch.zeros(n, *self.blocks.shape[1:], dtype=torch.uint8)
+        blocks[: self.shape[0]] = self.blocks
+        return GGUFWeight(blocks, self.fmt)
+
+    def dequantize(self, ids: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+        """Rows ``ids`` (all where None) in fp32, [*ids.shape, K]: the file's numbers exactly."""
+        flat = torch.arange(self.shape[0]) if ids is None else ids.reshape(-1).long().contiguous()
+        out = torch.empty(len(flat), self.shape[1], dtype=torch.float32)
+        if lib is None:
+            out = _dequantize_numpy(self.blocks[flat].numpy(), self.fmt)
+        elif len(flat):
+            lib.gguf_dequantize_rows(self.blocks.data_ptr(), self.fmt, flat.data_ptr(), len(flat), self.shape[1],
+                                     out.data_ptr())
+        shape = (self.shape[0],) if ids is None else tuple(ids.shape)
+        return out.view(*shape, self.shape[1])
+
+
+def concat_rows(parts: Sequence[GGUFWeight]) -> GGUFWeight | None:
+    """The parts' rows one after the other; None where their formats differ."""
+    if len({p.fmt for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+        return None
+    return GGUFWeight(torch.cat([p.blocks for p in parts]), parts[0].fmt)
+
+
+def from_gguf(data: np.ndarray, type_name: str, k: int) -> GGUFWeight | None:
+    """The kernel's blocks for a GGUF tensor's raw rows ``data`` uint8 [N, row bytes] of
+    ``type_name`` with K = ``k`` inputs; None where the type is not kept as blocks."""
+    if type_name not in SUPPORTED_TYPES or k % QK:
+        return None
+    n = data.shape[0]
+    rows = np.ascontiguousarray(data, dtype=np.uint8)
+    if type_name in ("Q4_1", "Q8_0"):
+        fmt, blocks = (Q4_1 if type_name == "Q4_1" else Q8_0), rows
+    elif type_name == "Q4_0":
+        fmt, blocks = Q4_1, _q4_0_as_q4_1(rows.reshape(-1, 18))
+    elif type_name == "Q4_K":
+        fmt, blocks = Q4F, _q4_k_as_q4f(rows.reshape(-1, 144))
+    else:
+        fmt, blocks = Q8H, _q6_k_as_q8h(rows.reshape(-1, 210))
+    return GGUFWeight(torch.from_numpy(np.ascontiguousarray(blocks).reshape(n, k // QK, BLOCK_BYTES[fmt])), fmt)
+
+
+# ---------------------------------------------------------------- rewriting blocks
+
+
+def _q4_0_as_q4_1(blocks: np.ndarray) -> np.ndarray:
+    d = blocks[:, :2].copy().view(np.float16)
+    offset = (d * np.float16(-8)).view(np.uint8)
+    return np.concatenate([blocks[:, :2], offset, blocks[:, 2:]], axis=1)
+
+
+def _q4_k_as_q4f(blocks: np.ndarray) -> np.ndarray:
+    """[B, 144] Q4_K super-blocks -> [B * 8, 24] Q4F blocks (the layout of gguf.quants.Q4_K)."""
+    from gguf.quants import Q4_K
+
+    b = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    scale = (d * sc.astype(np.float32)).reshape(b * 8, 1)
+    offset = -(dmin * mn.astype(np.float32)).reshape(b * 8, 1)
+    # 4 chunks of 32 bytes: low nibbles are sub-block 2c, high nibbles sub-block 2c + 1
+    qs = blocks[:, 16:].reshape(b, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 15).reshape(b * 8, 32)
+    packed = q[:, :16] | (q[:, 16:] << 4)
+    return np.concatenate([scale.view(np.uint8), offset.view(np.uint8), packed], axis=1)
+
+
+def _q6_k_as_q8h(blocks: np.ndarray) -> np.ndarray:
+    """[B, 210] Q6_K super-blocks -> [B * 8, 40] Q8H blocks (the layout of gguf.quants.Q6_K)."""
+    b = blocks.shape[0]
+    ql, qh = blocks[:, :128], blocks[:, 128:192]
+    sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+    scale = (d * sc).reshape(b * 8, 2)
+    low = (ql.reshape(b, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
+    high = (qh.reshape(b, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = (low.reshape(b, 8, 32) | (high.reshape(b, 8, 32) << 4)).astype(np.int8) - np.int8(32)
+    return np.concatenate([scale.view(np.uint8), q.reshape(b * 8, 32).view(np.uint8)], axis=1)
+
+
+def _dequantize_numpy(blocks: np.ndarray, fmt: int) -> torch.Tensor:
+    """[R, nb, bytes] -> fp32 [R, nb * 32] without the C library (the same sums as the kernel's)."""
+    r, nb = blocks.shape[:2]
+    flat = blocks.reshape(r * nb, -1)
+    if fmt in (Q4_1, Q4F):
+        width = 2 if fmt == Q4_1 else 4
+        kind = np.float16 if fmt == Q4_1 else np.float32
+        d = flat[:, :width].copy().view(kind).astype(np.float32)
+        m = flat[:, width : 2 * width].copy().view(kind).astype(np.float32)
+        nibbles = flat[:, 2 * width :]
+        q = np.concatenate([nibbles & 15, nibbles >> 4], axis=1).astype(np.float32)
+        values = d * q + m
+    else:
+        width = 2 if fmt == Q8_0 else 8
+        scale = flat[:, :width].copy().view(np.float16 if fmt == Q8_0 else np.float32).astype(np.float32)
+        q = flat[:, width:].copy().view(np.int8).astype(np.float32).reshape(-1, 2, 16)
+        values = (scale.reshape(-1, scale.shape[1], 1) * q).reshape(-1, 32)
+    return torch.from_numpy(np.ascontiguousarray(values.reshape(r, nb * QK), dtype=np.float32))
