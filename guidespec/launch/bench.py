@@ -228,7 +228,7 @@ def plot(levels: list[Level], path: Path, title: str) -> None:
 def run_bench(args: Any) -> int:
     from tqdm import tqdm
 
-    from guidespec.launch.cli import device_from_args, speculative_from_args
+    from guidespec.launch.args import device_from_args, speculative_from_args
 
     configs = args.configs
     unknown = [c for c in configs if c not in CONFIGS]

@@ -180,7 +180,7 @@ def run_sweep(args: Any) -> int:
     from tqdm import tqdm
 
     from guidespec import LLM
-    from guidespec.launch.cli import device_from_args, speculative_from_args
+    from guidespec.launch.args import device_from_args, speculative_from_args
 
     cases = load_workload(Path(args.workload) if args.workload else default_workload(), args.prefix, args.limit)
     speculative = speculative_from_args(args)
