@@ -1,11 +1,12 @@
 """Which schemas each grammar backend compiles (enforces exactly), and backend ``auto``.
 
-    python -m benchmarks.coverage [--schemas ../shared/data/jsonschemabench/schemas] [--timeout 30]
+    python -m benchmarks.coverage [--schemas ../shared/data/jsonschemabench/schemas] [--timeout 30] [--list]
 
 Every schema goes through the engine's own grammar manager (the compile process, its deadline,
 the fallback of ``auto``), once per backend: xgrammar, llguidance, auto (xgrammar, then
 llguidance where xgrammar refuses). Prints a table per JSONSchemaBench category: schemas, and how
-many each compiles; then the refusals of ``auto`` by keyword. Compiling is not generating:
+many each compiles; then the refusals of ``auto`` by keyword (``--list``: every schema ``auto``
+refuses, with the error). Compiling is not generating:
 ``guidespec sweep`` checks that the outputs of the compiled ones are valid.
 """
 
@@ -66,6 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schemas", default=str(DEFAULT_SCHEMAS))
     parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--list", action="store_true", help="print every schema auto refuses, with the error")
     args = parser.parse_args()
     schemas = {p.stem: json.dumps(json.loads(p.read_text())["schema"]) for p in sorted(Path(args.schemas).glob("*.json"))}
     runs = {backend: compile_all(schemas, backend, args.timeout) for backend in BACKENDS}
@@ -81,6 +83,10 @@ def main() -> None:
     print(f"| **all** | {len(schemas)} | " + " | ".join(f"{t} ({100 * t / len(schemas):.1f}%)" for t in total) + " |")
     keywords = collections.Counter(k for error in runs["auto"].values() if error for _, k in refusals_in(error))
     print("\nauto's refusals by the keyword each backend named:", dict(keywords.most_common()))
+    if args.list:
+        for name, error in sorted(runs["auto"].items()):
+            if error:
+                print(f"{name}\t{error}")
 
 
 if __name__ == "__main__":

@@ -21,9 +21,18 @@ the tests, which check each one's equivalence on the dataset's instances).
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
+import json
+import math
+import urllib.parse
+from itertools import combinations
 from typing import Any
 
 import jsonschema
+
+from guidespec.grammar_backends.disjoint import disjoint
+from guidespec.grammar_backends.negation import VALIDATION, any_of, negate
 
 _TYPES = ("null", "boolean", "object", "array", "string", "number")
 _ANNOTATIONS = {"title", "description", "$comment", "examples", "default", "$id", "$schema", "$anchor", "deprecated",
@@ -40,28 +49,92 @@ _SUBSCHEMAS = ("not", "items", "additionalProperties", "contains", "propertyName
 
 
 def rewrite_schema(schema: Any) -> tuple[Any, list[str]]:
-    applied: list[str] = []
-    return _walk(copy.deepcopy(schema), applied), applied
+    context = _Context(copy.deepcopy(schema), [])
+    root = context.root
+    if not isinstance(root, dict):
+        return root, []
+    for key in ("definitions", "$defs"):  # first, so that a "$ref" resolves to a rewritten target
+        if isinstance(root.get(key), dict):
+            root[key] = {name: _walk(s, context) for name, s in root[key].items()}
+    return _walk(root, context, skip=("definitions", "$defs")), context.applied
 
 
-def _walk(node: Any, applied: list[str]) -> Any:
+@dataclasses.dataclass
+class _Context:
+    """The schema being rewritten (for its ``$ref`` targets) and the names of rewrites applied."""
+
+    root: Any
+    applied: list[str]
+
+    @functools.cached_property
+    def legacy_refs(self) -> bool:
+        """Whether the schema is read in a draft (up to 7) that ignores the keywords beside a
+        ``$ref``: as it says, or as ``jsonschema`` reads a schema with ``dependencies`` and no
+        ``$schema`` (the tests' reading)."""
+        declared = self.root.get("$schema") if isinstance(self.root, dict) else None
+        if isinstance(declared, str):
+            return any(f"draft-0{n}" in declared for n in (3, 4, 6, 7))
+        return _contains(self.root, {"dependencies"})
+
+    @functools.cached_property
+    def draft_4_integers(self) -> bool:
+        """Whether "integer" excludes 5.0 (drafts 3 and 4)."""
+        declared = self.root.get("$schema") if isinstance(self.root, dict) else None
+        return isinstance(declared, str) and ("draft-03" in declared or "draft-04" in declared)
+
+    @functools.cached_property
+    def has_nested_ids(self) -> bool:
+        """A nested ``$id``/``id`` moves the base of the ``$ref``s under it: none is followed then."""
+        return _nested_ids(self.root, top=True)
+
+    def resolve(self, ref: str) -> Any:
+        """The target of a local ``$ref`` ("#/definitions/x"), a copy; None for any other."""
+        if not ref.startswith("#") or self.has_nested_ids:
+            return None
+        target = self.root
+        for part in [p for p in ref[1:].split("/") if p] if ref != "#" else []:
+            part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and part in target:
+                target = target[part]
+            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            else:
+                return None
+        return copy.deepcopy(target)
+
+    def is_valid(self, schema: Any, value: Any) -> bool:
+        """Whether ``value`` is valid against ``schema`` (a part of the root), in the root's draft."""
+        default = jsonschema.Draft7Validator if self.legacy_refs else jsonschema.Draft202012Validator
+        validator = jsonschema.validators.validator_for(self.root, default=default)(self.root)
+        return bool(validator.evolve(schema=schema).is_valid(value))
+
+
+def _walk(node: Any, context: _Context, skip: tuple[str, ...] = ()) -> Any:
+    if not isinstance(node, dict):
+        return node
+    node = _double_negation(node, context.applied)  # before the inner "not" is rewritten on its own
     if not isinstance(node, dict):
         return node
     for key in _SUBSCHEMA_LISTS:
         if isinstance(node.get(key), list):
-            node[key] = [_walk(s, applied) for s in node[key]]
+            node[key] = [_walk(s, context) for s in node[key]]
     for key in _SUBSCHEMA_MAPS:
-        if isinstance(node.get(key), dict):
-            node[key] = {name: _walk(s, applied) for name, s in node[key].items()}
+        if isinstance(node.get(key), dict) and key not in skip:
+            node[key] = {name: _walk(s, context) for name, s in node[key].items()}
     for key in _SUBSCHEMAS:
         if key in node:
-            node[key] = _walk(node[key], applied)
+            node[key] = _walk(node[key], context)
     if isinstance(node.get("items"), list):
-        node["items"] = [_walk(s, applied) for s in node["items"]]
-    node = _double_negation(node, applied)
+        node["items"] = [_walk(s, context) for s in node["items"]]
+    if isinstance(node.get("dependencies"), dict):  # its values: schemas, or lists of names
+        node["dependencies"] = {name: _walk(s, context) for name, s in node["dependencies"].items()}
+    applied = context.applied
     node = _not_type(node, applied)
     node = _dependencies(node, applied)
-    return _finite_values(node, applied)
+    for rewrite in (_not, _if_then_else, _one_of, _unknown_format, _ref_siblings, _bounded_integers):
+        if isinstance(node, dict):
+            node = rewrite(node, context)
+    return _finite_values(node, applied) if isinstance(node, dict) else node
 
 
 def _double_negation(node: dict[str, Any], applied: list[str]) -> dict[str, Any]:
@@ -129,6 +202,175 @@ def _dependencies(node: dict[str, Any], applied: list[str]) -> dict[str, Any]:
     return out
 
 
+def _not(node: dict[str, Any], context: _Context) -> Any:
+    """``not: S`` becomes S's negation in positive keywords (``negation.py``)."""
+    if "not" not in node:
+        return node
+    negated = negate(node["not"], context.resolve)
+    if negated is None:
+        return node
+    context.applied.append("not")
+    return _conjoin({k: v for k, v in node.items() if k != "not"}, negated)
+
+
+def _if_then_else(node: dict[str, Any], context: _Context) -> Any:
+    """``if: I, then: T, else: E`` is ``anyOf: [I and T, (not I) and E]``."""
+    if "if" not in node:
+        return node
+    negated = negate(node["if"], context.resolve)
+    if negated is None:
+        return node
+    chosen = any_of([_conjoin_all([node["if"], node.get("then", True)]), _conjoin_all([negated, node.get("else", True)])])
+    context.applied.append("if/then/else")
+    return _conjoin({k: v for k, v in node.items() if k not in ("if", "then", "else")}, chosen)
+
+
+_MAX_ONE_OF_CHARS = 200_000  # a oneOf by negation repeats every branch n times: not past this
+
+
+def _one_of(node: dict[str, Any], context: _Context) -> Any:
+    """``oneOf`` as ``anyOf``: of its one branch; of branches proven pairwise disjoint
+    (``disjoint.py``); else of "branch i and not any other", where every branch negates."""
+    branches = node.get("oneOf")
+    if not isinstance(branches, list) or not branches:
+        return node
+    rest = {k: v for k, v in node.items() if k != "oneOf"}
+    if len(branches) == 1:
+        context.applied.append("oneOf of one branch")
+        return _conjoin(rest, branches[0])
+    values = _finite_branches(branches, context)
+    if values:
+        exactly_one = [v for v in values if sum(context.is_valid(b, v) for b in branches) == 1]
+        if exactly_one:
+            context.applied.append("oneOf of finite branches")
+            return _conjoin(rest, {"enum": exactly_one})
+    types = node.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else None
+    required = frozenset(n for n in node.get("required", []) if isinstance(n, str)) if isinstance(
+        node.get("required"), list) else frozenset()
+    if all(disjoint(a, b, types, context.resolve, context.is_valid, required) for a, b in combinations(branches, 2)):
+        context.applied.append("oneOf of disjoint branches")
+        return _conjoin(rest, {"anyOf": branches})
+    negated = [negate(b, context.resolve) for b in branches]
+    if any(n is None for n in negated):
+        return node
+    exactly_one = any_of([_conjoin_all([b, *[n for j, n in enumerate(negated) if j != i]])
+                          for i, b in enumerate(branches)])
+    if len(json.dumps(exactly_one)) > _MAX_ONE_OF_CHARS:
+        return node
+    context.applied.append("oneOf by negation")
+    return _conjoin(rest, exactly_one)
+
+
+def _finite_branches(branches: list[Any], context: _Context) -> list[Any] | None:
+    """The values of branches that each list their values (``enum``/``const`` beside at most a
+    ``type``, after ``$ref``s), in order, without repeats; None where a branch does not."""
+    values: list[Any] = []
+    for branch in branches:
+        for _ in range(8):  # follow a chain of "$ref"s
+            if not (isinstance(branch, dict) and set(branch) & VALIDATION == {"$ref"}):
+                break
+            branch = context.resolve(branch["$ref"]) if isinstance(branch["$ref"], str) else None
+        if not isinstance(branch, dict) or set(branch) & VALIDATION - {"type"} not in ({"enum"}, {"const"}):
+            return None
+        listed = branch["enum"] if "enum" in branch else [branch["const"]]
+        if not isinstance(listed, list):
+            return None
+        values += [v for v in listed if not any(_same_json(v, w) for w in values)]
+    return values
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+_MAX_INTEGERS = 2000
+
+
+def _bounded_integers(node: dict[str, Any], context: _Context) -> dict[str, Any]:
+    """An integer node between two bounds, with a keyword left that a backend cannot enforce
+    (``not``, ``oneOf``, ``if``...), becomes the ``enum`` of its valid integers (each checked by
+    ``jsonschema``). Not in drafts 3 and 4, where 5.0 is no integer but equals the value 5."""
+    if node.get("type") != "integer" or not _UNENFORCEABLE & set(node) or context.draft_4_integers:
+        return node
+    low, high = _integer_bounds(node)
+    if low is None or high is None or high - low + 1 > _MAX_INTEGERS or _contains(node, _SENSITIVE):
+        return node
+    try:
+        kept = [n for n in range(low, high + 1) if context.is_valid(node, n)]
+    except Exception:  # a schema jsonschema cannot evaluate: leave it to the backend
+        return node
+    if not kept:
+        return node
+    context.applied.append("bounded integers")
+    return {**{k: v for k, v in node.items() if k in _ANNOTATIONS or k in ("definitions", "$defs")}, "enum": kept}
+
+
+_UNENFORCEABLE = {"not", "oneOf", "if", "$ref", "allOf", "anyOf"}
+
+
+def _integer_bounds(node: dict[str, Any]) -> tuple[int | None, int | None]:
+    """The least and greatest integers the node's own bounds allow (None: unbounded)."""
+    low = high = None
+    for key, value in node.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            continue
+        if key in ("minimum", "exclusiveMinimum"):
+            bound = math.floor(value) + 1 if key == "exclusiveMinimum" else math.ceil(value)
+            low = bound if low is None else max(low, bound)
+        elif key in ("maximum", "exclusiveMaximum"):
+            bound = math.ceil(value) - 1 if key == "exclusiveMaximum" else math.floor(value)
+            high = bound if high is None else min(high, bound)
+    return low, high
+
+
+# the formats the JSON Schema drafts define (draft 3's own only in a draft-3 schema); any other
+# "format" is an annotation every draft tells validators to ignore
+_FORMATS = {"date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname", "ipv4", "ipv6",
+            "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template", "json-pointer",
+            "relative-json-pointer", "regex"}
+_DRAFT_3_FORMATS = {"utc-millisec", "color", "style", "phone", "host-name", "ip-address"}
+
+
+def _unknown_format(node: dict[str, Any], context: _Context) -> dict[str, Any]:
+    value = node.get("format")
+    if not isinstance(value, str) or value in _FORMATS:
+        return node
+    declared = context.root.get("$schema") if isinstance(context.root, dict) else None
+    if value in _DRAFT_3_FORMATS and (not isinstance(declared, str) or "draft-03" in declared):
+        return node
+    context.applied.append("unknown format")
+    return {k: v for k, v in node.items() if k != "format"}
+
+
+# keywords beside a "$ref" that hold or locate schemas: kept where they are
+_STRUCTURAL = {"definitions", "$defs", "$id", "id", "$schema", "$anchor", "$dynamicAnchor", "$recursiveAnchor",
+               "$vocabulary"}
+
+
+def _ref_siblings(node: dict[str, Any], context: _Context) -> dict[str, Any]:
+    """Beside a ``$ref``: keywords no draft defines (annotations) go; validation keywords, in a
+    draft from 2019-09 on (where they apply with the reference), become ``allOf: [{$ref}, rest]``."""
+    if "$ref" not in node:
+        return node
+    unknown = [k for k in node if k not in VALIDATION and k not in _STRUCTURAL]
+    if unknown:
+        node = {k: v for k, v in node.items() if k not in unknown}
+        context.applied.append("annotations beside $ref")
+    target = context.resolve(node["$ref"]) if isinstance(node["$ref"], str) else None
+    repeated = [k for k in node if k != "$ref" and isinstance(target, dict) and k in target and target[k] == node[k]]
+    if repeated and any(k in VALIDATION for k in repeated):  # the target says it already: in every draft
+        node = {k: v for k, v in node.items() if k not in repeated}
+        context.applied.append("keywords beside $ref its target repeats")
+    beside = [k for k in node if k in VALIDATION and k != "$ref"]
+    if not beside or context.legacy_refs or ("allOf" in node and not isinstance(node["allOf"], list)):
+        return node
+    context.applied.append("keywords beside $ref")
+    out = {k: v for k, v in node.items() if k != "$ref"}
+    out["allOf"] = [*out.get("allOf", []), {"$ref": node["$ref"]}]
+    return out
+
+
 def _finite_values(node: dict[str, Any], applied: list[str]) -> dict[str, Any]:
     values = _values_of(node)
     if values is None or _contains(node, _REFS | _SENSITIVE):
@@ -178,3 +420,70 @@ def _contains(node: Any, keywords: set[str]) -> bool:
     if isinstance(node, list):
         return any(_contains(v, keywords) for v in node)
     return False
+
+
+# keywords that must be read together (properties with additionalProperties, ...): merged into a
+# node only where the node has none of the same group
+_GROUPS = ({"properties", "patternProperties", "additionalProperties", "unevaluatedProperties"},
+           {"items", "prefixItems", "additionalItems", "unevaluatedItems"},
+           {"contains", "minContains", "maxContains"}, {"if", "then", "else"})
+
+
+def _conjoin(node: dict[str, Any], extra: Any) -> Any:
+    """A schema meaning ``node and extra``: extra's keywords merged in where none clashes (the
+    names of ``required`` are joined), else extra as one more ``allOf`` branch."""
+    if extra is True or extra == {}:
+        return node
+    if extra is False:
+        return False
+    if isinstance(extra, dict) and set(extra) == {"anyOf"} and isinstance(extra["anyOf"], list):
+        extra = any_of(_possible(extra["anyOf"], node.get("type")))  # (branches of another type go)
+        if extra is True or extra is False:
+            return node if extra is True else False
+    if isinstance(extra, dict) and "$ref" not in node and "$ref" not in extra and not _clash(node, extra):
+        out = dict(node)
+        for key, value in extra.items():
+            out[key] = list(dict.fromkeys([*out[key], *value])) if key == "required" and key in out else value
+        return out
+    if "$ref" in node or ("allOf" in node and not isinstance(node["allOf"], list)):
+        return {"allOf": [node, extra]}
+    return {**node, "allOf": [*node.get("allOf", []), extra]}
+
+
+def _conjoin_all(schemas: list[Any]) -> Any:
+    out: Any = True
+    for schema in schemas:
+        out = schema if out is True else _conjoin(out, schema) if isinstance(out, dict) else out
+    return out
+
+
+def _possible(branches: list[Any], own: Any) -> list[Any]:
+    """The branches whose ``type`` allows a value of type ``own`` (a node's type keyword)."""
+    ours = _type_set(own)
+    return [b for b in branches if ours is None or not isinstance(b, dict) or _type_set(b.get("type")) is None
+            or ours & _type_set(b.get("type"))]  # type: ignore[operator]
+
+
+def _type_set(value: Any) -> set[str] | None:
+    """The types a "type" keyword names, "integer" as well where it names "number"."""
+    named = value if isinstance(value, list) else [value] if isinstance(value, str) else None
+    if named is None or not all(isinstance(t, str) for t in named):
+        return None
+    return set(named) | ({"integer"} if "number" in named else set())
+
+
+def _clash(node: dict[str, Any], extra: dict[str, Any]) -> bool:
+    if any(k in node and node[k] != v and not (k == "required" and isinstance(node[k], list) and isinstance(v, list))
+           for k, v in extra.items()):
+        return True
+    return any(group & set(node) and group & set(extra) for group in _GROUPS)
+
+
+def _nested_ids(node: Any, top: bool) -> bool:
+    if isinstance(node, list):
+        return any(_nested_ids(v, False) for v in node)
+    if not isinstance(node, dict):
+        return False
+    if not top and any(isinstance(node.get(k), str) and not str(node[k]).startswith("#") for k in ("$id", "id")):
+        return True
+    return any(_nested_ids(v, False) for k, v in node.items() if k not in _ANNOTATIONS and k not in ("enum", "const"))

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from guidespec.grammar_backends.rewrites import rewrite_schema
 
+DRAFT_4 = "http://json-schema.org/draft-04/schema#"
 SCHEMAS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "jsonschemabench" / "schemas"
 
 HAND = {  # (schema, what it becomes, the rewrites applied)
@@ -40,6 +41,63 @@ HAND = {  # (schema, what it becomes, the rewrites applied)
                           ["dependencies"]),
     "not of number removes integer": ({"not": {"type": "number"}},
                                       {"type": ["null", "boolean", "object", "array", "string"]}, ["not of a type"]),
+    "not of required": ({"type": "object", "not": {"required": ["a", "b"]}},
+                        {"type": "object", "anyOf": [{"type": "object", "properties": {"a": False}},
+                                                     {"type": "object", "properties": {"b": False}}]}, ["not"]),
+    "not of string values": ({"type": "string", "not": {"enum": ["ab", "b"]}},
+                             {"type": "string", "pattern": r"^(|[^ab][\s\S]*|a((|[^b][\s\S]*|b(([\s\S]+))))|b(([\s\S]+)))$"},
+                             ["not"]),
+    "not of a range": ({"type": "number", "not": {"minimum": 1, "maximum": 5}},
+                       {"type": "number", "anyOf": [{"type": "number", "exclusiveMaximum": 1},
+                                                    {"type": "number", "exclusiveMinimum": 5}]}, ["not"]),
+    "not of anyOf": ({"not": {"anyOf": [{"type": "string"}, {"minimum": 3}]}},
+                     {"allOf": [{"type": ["null", "boolean", "object", "array", "number"]},
+                                {"type": "number", "exclusiveMaximum": 3}]}, ["not"]),
+    "not of a character class": ({"type": "string", "not": {"pattern": r"^[\s.]+$"}},
+                                 {"type": "string", "anyOf": [{"type": "string", "pattern": r"[^\s.]"},
+                                                              {"type": "string", "maxLength": 0}]}, ["not"]),
+    "not of a property": ({"type": "object", "not": {"properties": {"a": {"type": "string"}}, "required": ["a"]}},
+                          {"type": "object", "anyOf": [
+                              {"type": "object", "required": ["a"],
+                               "properties": {"a": {"type": ["null", "boolean", "object", "array", "number"]}}},
+                              {"type": "object", "properties": {"a": False}}]}, ["not"]),
+    "not of nothing": ({"type": "object", "properties": {"a": {"not": {}}}},
+                       {"type": "object", "properties": {"a": False}}, ["not"]),
+    "if/then/else": ({"if": {"properties": {"a": {"const": 1}}, "required": ["a"]}, "then": {"required": ["b"]},
+                      "else": {"required": ["c"]}},
+                     {"anyOf": [{"properties": {"a": {"const": 1}}, "required": ["a", "b"]},
+                                {"anyOf": [{"type": "object", "required": ["a"], "properties": {"a": {"anyOf": [
+                                    {"type": ["null", "boolean", "object", "array", "string"]},
+                                    {"type": "number", "exclusiveMaximum": 1}, {"type": "number", "exclusiveMinimum": 1}]}}},
+                                    {"type": "object", "properties": {"a": False}}], "required": ["c"]}]},
+                     ["if/then/else"]),
+    "oneOf of one branch": ({"type": "object", "oneOf": [{"required": ["a"]}]}, {"type": "object", "required": ["a"]},
+                            ["oneOf of one branch"]),
+    "oneOf of disjoint branches": ({"type": "object", "required": ["kind"], "oneOf": [
+                                       {"properties": {"kind": {"const": "a"}}}, {"properties": {"kind": {"const": "b"}}}]},
+                                   {"type": "object", "required": ["kind"], "anyOf": [
+                                       {"properties": {"kind": {"const": "a"}}}, {"properties": {"kind": {"const": "b"}}}]},
+                                   ["oneOf of disjoint branches"]),
+    "oneOf of finite branches": ({"oneOf": [{"enum": [1, 2]}, {"$ref": "#/definitions/x"}],
+                                  "definitions": {"x": {"enum": [2, 3]}}},
+                                 {"definitions": {"x": {"enum": [2, 3]}}, "enum": [1, 3]}, ["oneOf of finite branches"]),
+    "oneOf by negation": ({"type": "object", "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
+                          {"type": "object", "anyOf": [{"required": ["a"], "type": "object", "properties": {"b": False}},
+                                                       {"required": ["b"], "type": "object", "properties": {"a": False}}]},
+                          ["oneOf by negation"]),
+    "unknown format": ({"type": "string", "format": "counter"}, {"type": "string"}, ["unknown format"]),
+    "annotations beside $ref": ({"$ref": "#/definitions/x", "alias": "y", "definitions": {"x": {"type": "string"}}},
+                                {"$ref": "#/definitions/x", "definitions": {"x": {"type": "string"}}},
+                                ["annotations beside $ref"]),
+    "keywords beside $ref": ({"$ref": "#/definitions/x", "maxLength": 3, "definitions": {"x": {"type": "string"}}},
+                             {"maxLength": 3, "definitions": {"x": {"type": "string"}},
+                              "allOf": [{"$ref": "#/definitions/x"}]}, ["keywords beside $ref"]),
+    "keywords beside $ref its target repeats": (
+        {"$schema": DRAFT_4, "$ref": "#/definitions/x", "type": "string", "definitions": {"x": {"type": "string"}}},
+        {"$schema": DRAFT_4, "$ref": "#/definitions/x", "definitions": {"x": {"type": "string"}}},
+        ["keywords beside $ref its target repeats"]),
+    "bounded integers": ({"type": "integer", "minimum": 1, "exclusiveMaximum": 11, "not": {"multipleOf": 3}},
+                         {"enum": [1, 2, 4, 5, 7, 8, 10]}, ["bounded integers"]),
 }
 LEFT_ALONE = {  # no exact rewrite: left for the backend to refuse
     "not integer": {"not": {"type": "integer"}},
@@ -48,6 +106,18 @@ LEFT_ALONE = {  # no exact rewrite: left for the backend to refuse
     "an enum with a $ref": {"enum": ["a"], "allOf": [{"$ref": "#/definitions/x"}], "definitions": {"x": {}}},
     "an enum with a format": {"enum": ["a"], "format": "email", "minLength": 1},
     "no value left": {"enum": ["a"], "minLength": 2},
+    "keywords beside $ref in draft 7": {"$schema": "http://json-schema.org/draft-07/schema#", "$ref": "#/definitions/x",
+                                        "maxLength": 3, "definitions": {"x": {"type": "string"}}},
+    "oneOf of overlapping strings": {"oneOf": [{"type": "string", "pattern": "^a"}, {"type": "string"}]},
+    "a draft-3 format in a draft-3 schema": {"$schema": "http://json-schema.org/draft-03/schema#", "type": "string",
+                                             "format": "host-name"},
+    "bounded integers in draft 4": {"$schema": DRAFT_4, "type": "integer", "minimum": 1, "maximum": 3,
+                                    "not": {"multipleOf": 2}},
+    "not of an object value": {"not": {"const": {"a": 1}}},
+    "not of a multipleOf": {"type": "number", "not": {"multipleOf": 2}},
+    "if of a pattern": {"if": {"pattern": "^a"}, "then": {"maxLength": 2}},
+    "not of a recursive reference": {"not": {"$ref": "#/definitions/t"}, "definitions": {"t": {
+        "properties": {"a": {"$ref": "#/definitions/t"}}, "required": ["a"]}}},
 }
 
 
@@ -91,7 +161,10 @@ def test_what_cannot_be_rewritten_exactly_is_left_alone(name: str) -> None:
 def test_the_dataset_has_schemas_to_rewrite() -> None:
     applied = [set(rewrite_schema(schema)[1]) for _, schema, _ in DATASET]
     assert len(DATASET) >= 20 and all(any(name in a for a in applied) for name in
-                                      ("double negation", "finite values", "not of a type", "dependencies"))
+                                      ("double negation", "finite values", "not of a type", "dependencies", "not",
+                                       "if/then/else", "oneOf of one branch", "oneOf of disjoint branches",
+                                       "oneOf of finite branches", "oneOf by negation", "unknown format",
+                                       "annotations beside $ref", "keywords beside $ref its target repeats"))
 
 
 @pytest.mark.parametrize("name, schema, instances", DATASET, ids=[d[0][:60] for d in DATASET])
