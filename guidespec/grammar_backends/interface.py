@@ -69,13 +69,15 @@ def find_counted_open_object(schema: Any) -> bool:
     """Whether a JSON schema bounds ``minProperties`` of an object open to names it does not list
     (``patternProperties``, or ``additionalProperties`` other than false). Neither backend keeps a
     name from repeating in such an object (``{"a": 1, "a": 2}``), and a repeated name counts
-    twice for them, once for the schema: both refuse such schemas (sweep, Handwritten dep6)."""
+    twice for them, once for the schema: both refuse such schemas (sweep, Handwritten dep6).
+    ``minProperties: 1`` is safe: an object with a name, repeated or not, has at least one."""
     if isinstance(schema, list):
         return any(find_counted_open_object(item) for item in schema)
     if not isinstance(schema, dict):
         return False
-    if "minProperties" in schema and ("patternProperties" in schema
-                                      or schema.get("additionalProperties") not in (None, False)):
+    counted = schema.get("minProperties", 0)
+    if (not isinstance(counted, (int, float)) or counted > 1) and (
+            "patternProperties" in schema or schema.get("additionalProperties") not in (None, False)):
         return True
     return any(find_counted_open_object(v) for k, v in schema.items() if k not in DATA_KEYWORDS)
 

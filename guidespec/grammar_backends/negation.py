@@ -126,8 +126,8 @@ def _negate_composition(key: str, value: Any, schema: dict[str, Any], resolve: R
         target = resolve(value)
         negated = None if target is None else negate(target, resolve, depth + 1)
         return None if negated is None else [negated]
-    if key in ("then", "else") and "if" in schema:
-        return None
+    if key == "if" and "then" not in schema and "else" not in schema:
+        return []  # an "if" alone constrains nothing
     if key == "additionalProperties" and value in (True, {}):
         return []
     if key == "patternProperties" and isinstance(value, dict) and all(v in (True, {}) for v in value.values()):

@@ -131,7 +131,8 @@ def _walk(node: Any, context: _Context, skip: tuple[str, ...] = ()) -> Any:
     applied = context.applied
     node = _not_type(node, applied)
     node = _dependencies(node, applied)
-    for rewrite in (_not, _if_then_else, _one_of, _unknown_format, _ref_siblings, _bounded_integers):
+    for rewrite in (_not, _if_then_else, _one_of, _unknown_format, _ref_siblings, _bounded_integers,
+                    _counted_properties):
         if isinstance(node, dict):
             node = rewrite(node, context)
     return _finite_values(node, applied) if isinstance(node, dict) else node
@@ -322,6 +323,42 @@ def _integer_bounds(node: dict[str, Any]) -> tuple[int | None, int | None]:
             bound = math.ceil(value) - 1 if key == "exclusiveMaximum" else math.floor(value)
             high = bound if high is None else min(high, bound)
     return low, high
+
+
+_MAX_SUBSETS = 64
+
+
+def _counted_properties(node: dict[str, Any], context: _Context) -> Any:
+    """``minProperties`` / ``maxProperties`` of an object closed to the names ``properties``
+    lists (``additionalProperties: false``, no patterns): with R required names, "at least m"
+    is "at least m - R of the optional names present", an ``anyOf`` of ``required`` subsets;
+    "at most M" is "at least (optional - (M - R)) of them absent", an ``anyOf`` of
+    ``properties: {name: false}`` subsets (where there are few subsets)."""
+    counts = {k: node[k] for k in ("minProperties", "maxProperties") if k in node}
+    properties, required = node.get("properties"), node.get("required", [])
+    if (not counts or node.get("additionalProperties") is not False or "patternProperties" in node
+            or "unevaluatedProperties" in node or not isinstance(properties, dict) or not isinstance(required, list)
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in counts.values())
+            or not set(required) <= set(properties)):
+        return node
+    optional = [n for n, sub in properties.items() if n not in required and sub is not False]
+    need = counts.get("minProperties", 0) - len(set(required))
+    spare = counts.get("maxProperties", len(properties)) - len(set(required))
+    if need > len(optional) or spare < 0:
+        return node  # no object can have that many properties: let the backend say so
+    branches = []
+    if need > 0:
+        branches.append([{"required": list(names)} for names in combinations(optional, need)])
+    if spare < len(optional):
+        absent = len(optional) - spare
+        branches.append([{"properties": {n: False for n in names}} for names in combinations(optional, absent)])
+    if any(len(b) > _MAX_SUBSETS for b in branches):
+        return node
+    context.applied.append("min/maxProperties of a closed object")
+    out: Any = {k: v for k, v in node.items() if k not in counts}
+    for subsets in branches:
+        out = _conjoin(out, any_of(subsets)) if isinstance(out, dict) else out
+    return out
 
 
 # the formats the JSON Schema drafts define (draft 3's own only in a draft-3 schema); any other

@@ -98,6 +98,13 @@ HAND = {  # (schema, what it becomes, the rewrites applied)
         ["keywords beside $ref its target repeats"]),
     "bounded integers": ({"type": "integer", "minimum": 1, "exclusiveMaximum": 11, "not": {"multipleOf": 3}},
                          {"enum": [1, 2, 4, 5, 7, 8, 10]}, ["bounded integers"]),
+    "min/maxProperties of a closed object": (
+        {"type": "object", "properties": {"a": {}, "b": {}, "c": {}}, "required": ["a"], "additionalProperties": False,
+         "minProperties": 2, "maxProperties": 2},
+        {"type": "object", "properties": {"a": {}, "b": {}, "c": {}}, "required": ["a"], "additionalProperties": False,
+         "anyOf": [{"required": ["b"]}, {"required": ["c"]}],
+         "allOf": [{"anyOf": [{"properties": {"b": False}}, {"properties": {"c": False}}]}]},
+        ["min/maxProperties of a closed object"]),
 }
 LEFT_ALONE = {  # no exact rewrite: left for the backend to refuse
     "not integer": {"not": {"type": "integer"}},
@@ -116,6 +123,7 @@ LEFT_ALONE = {  # no exact rewrite: left for the backend to refuse
     "not of an object value": {"not": {"const": {"a": 1}}},
     "not of a multipleOf": {"type": "number", "not": {"multipleOf": 2}},
     "if of a pattern": {"if": {"pattern": "^a"}, "then": {"maxLength": 2}},
+    "minProperties of an open object": {"type": "object", "properties": {"a": {}}, "minProperties": 1},
     "not of a recursive reference": {"not": {"$ref": "#/definitions/t"}, "definitions": {"t": {
         "properties": {"a": {"$ref": "#/definitions/t"}}, "required": ["a"]}}},
 }
