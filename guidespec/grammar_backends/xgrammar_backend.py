@@ -72,7 +72,8 @@ class XGrammarBackend:
                 _refuse_ignored_keywords(original)
                 if find_counted_open_object(original):
                     raise GrammarError(f"xgrammar {COUNTED_OPEN_OBJECT}")
-                schema = _rewrite_patterns(_declare_required(_distribute_siblings(original, original)))
+                schema = _rewrite_patterns(_drop_false_properties(_declare_required(_distribute_siblings(original,
+                                                                                                        original))))
                 with _CapturedStderr() as log:  # xgrammar reports approximations only as a C++ log line
                     compiled = self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
                                                                  separators=(", ", ": "))
@@ -232,7 +233,8 @@ def _distribute_siblings(schema: Any, root: Any) -> Any:
             siblings = merged
         compositions.remove("allOf")
     if not compositions:
-        return {**kept, **siblings}
+        merged = {**kept, **siblings}  # an allOf branch's anyOf/oneOf is now beside the rest: distribute it
+        return _distribute_siblings(merged, root) if "anyOf" in merged or "oneOf" in merged else merged
     if len(compositions) == 2:  # anyOf and oneOf side by side: the second becomes a sibling of the first
         siblings = {**siblings, "oneOf": out["oneOf"]} if not siblings.get("oneOf") else siblings
         compositions = ["anyOf"]
@@ -276,9 +278,11 @@ def _merge(a: dict[str, Any], b: Any) -> dict[str, Any] | None:
         elif key == "properties":
             merged = dict(out[key])
             for name, sub in value.items():
-                if name in merged and merged[name] != sub:
+                if name in merged and merged[name] != sub and not {_truth(merged[name]), _truth(sub)} - {None}:
                     raise GrammarError(f"xgrammar cannot combine two schemas of property {name!r} in a composition")
-                merged[name] = sub
+                # S and true is S; S and false is false
+                merged[name] = merged[name] if name in merged and (sub is True or sub == {}) else (
+                    False if merged.get(name) is False else sub)
             out[key] = merged
         elif key == "type":
             ours = {out[key]} if isinstance(out[key], str) else set(out[key])
@@ -294,6 +298,51 @@ def _merge(a: dict[str, Any], b: Any) -> dict[str, Any] | None:
         elif out[key] != value:
             raise GrammarError(f"xgrammar cannot combine {key!r} of a composition with the {key!r} beside it")
     return None if _requires_forbidden(out) else out
+
+
+def _truth(schema: Any) -> bool | None:
+    """True for a schema every value matches (``true``, ``{}``), False for ``false``, else None."""
+    return True if schema is True or schema == {} else False if schema is False else None
+
+
+def _drop_false_properties(schema: Any) -> Any:
+    """The schema without its ``properties: {name: false}``: xgrammar cannot compile ``false``
+    ("cannot accept any value"), and its objects hold only the names they declare, so an
+    undeclared name is absent, as ``false`` says. Refused where the name could still come from
+    ``additionalProperties`` or a ``patternProperties`` pattern; left where it is required
+    (then no object matches, and xgrammar says so)."""
+    if isinstance(schema, list):
+        return [_drop_false_properties(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in DATA_KEYWORDS:
+            out[key] = value
+        elif key in ("properties", "patternProperties", "definitions", "$defs") and isinstance(value, dict):
+            out[key] = {name: _drop_false_properties(sub) for name, sub in value.items()}  # names are data
+        else:
+            out[key] = _drop_false_properties(value)
+    properties = out.get("properties")
+    if not isinstance(properties, dict):
+        return out
+    required = out.get("required") if isinstance(out.get("required"), list) else []
+    absent = [n for n, sub in properties.items() if sub is False and n not in required]
+    if not absent:
+        return out
+    patterns = out.get("patternProperties") if isinstance(out.get("patternProperties"), dict) else {}
+    if out.get("additionalProperties", False) is not False or any(_may_match(p, n) for p in patterns for n in absent):
+        raise GrammarError("xgrammar cannot forbid a property of an object open to more names in this json_schema "
+                           "('properties' false beside 'additionalProperties')")
+    out["properties"] = {n: sub for n, sub in properties.items() if n not in absent}
+    return out
+
+
+def _may_match(pattern: str, name: str) -> bool:
+    try:
+        return re.search(pattern, name) is not None
+    except re.error:
+        return True  # a pattern Python cannot read: assume it matches
 
 
 def _undeclared_required(schema: dict[str, Any]) -> dict[str, Any]:
