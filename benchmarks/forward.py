@@ -2,10 +2,12 @@
 what a decode step (1 new token per row) and a verification step (1 + draft length tokens per
 row) cost, at batch 1 and 16, each row with a context of --context tokens.
 
-    python benchmarks/forward.py [--context 700] [--repeats 10]
+    python benchmarks/forward.py [--context 700] [--repeats 10] [--quantized]
 
 "kernels off" is ``GUIDESPEC_CPU_KERNELS=0``: torch's linear layers and attention. The time
 spent in the linear layers and in attention is shown apart (wall time of those calls).
+``--quantized`` compares the GGUF file's own blocks (``LlamaModel(quantized=True)``, the
+columns "on") with its fp32 weights (the columns "off"), kernels on in both.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from benchmarks.common import machine  # noqa: E402
 SHAPES = [(1, 1), (1, 4), (1, 8), (16, 1), (16, 4)]  # (rows, new tokens per row)
 
 
-def measure(context: int, repeats: int) -> dict[tuple[int, int], dict[str, float]]:
+def measure(context: int, repeats: int, quantized: bool = False) -> dict[tuple[int, int], dict[str, float]]:
     import guidespec.worker.model as model_mod
     from guidespec.config import ModelConfig
     from guidespec.worker import kernels
@@ -52,7 +54,8 @@ def measure(context: int, repeats: int) -> dict[tuple[int, int], dict[str, float
     try:
         model_dir = resolve_model_dir(None, show_progress=False)
         hf = load_hf_config(model_dir)
-        model = model_mod.LlamaModel(ModelConfig.from_hf(hf), TPInfo(), torch.float32, context + 64)
+        model = model_mod.LlamaModel(ModelConfig.from_hf(hf), TPInfo(), torch.float32, context + 64,
+                                       quantized=quantized)
         model.load(model_dir, hf, show_progress=False)
         kv = model.create_kv_cache(16)
         for slot in range(16):
@@ -78,12 +81,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=700)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--quantized", action="store_true", help="on: the GGUF's blocks, off: fp32 weights")
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    on = measure(args.context, args.repeats)
-    os.environ["GUIDESPEC_CPU_KERNELS"] = "0"
+    on = measure(args.context, args.repeats, quantized=args.quantized)
+    if not args.quantized:
+        os.environ["GUIDESPEC_CPU_KERNELS"] = "0"
     off = measure(args.context, args.repeats)
-    print(f"{machine()}; context {args.context} tokens per row; ms per forward + LM head (linear / attention)\n")
+    print(f"{machine()}; context {args.context} tokens per row; ms per forward + LM head (linear / attention)")
+    print("on: GGUF blocks, off: fp32 weights (kernels on)\n" if args.quantized else "")
     print("| rows × new tokens | kernels on | kernels off | off ÷ on | ÷ 1 × 1 token, on | ÷ 1 × 1 token, off |")
     print("|---|---:|---:|---:|---:|---:|")
     for key in SHAPES:

@@ -3,7 +3,9 @@
 A GGUF file is converted once (dequantized through transformers' own GGUF reader) into a
 Hugging Face folder under the cache directory; later loads read that folder's safetensors,
 which is several times faster than converting again. Workers read only their own shards of
-each tensor (``safe_open`` slices). This module does not build the model (see ``model.py``).
+each tensor (``safe_open`` slices). The folder remembers its GGUF file (``gguf_source``), whose
+linear weights :class:`GGUFTensors` reads in their own quantized blocks. This module does not
+build the model (see ``model.py``).
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from guidespec import envs
 from guidespec.config import SUPPORTED_MODEL_TYPES
+from guidespec.worker.kernels.gguf_weights import GGUFWeight, from_gguf
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -192,3 +196,60 @@ class ShardReader:
 
     def names(self) -> Iterator[str]:
         return iter(self._where)
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a converted folder was made from; None for a plain Hugging Face folder or
+    where the file is gone."""
+    try:
+        source = Path(json.loads((model_dir / "DONE").read_text())["source"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return source if source.is_file() else None
+
+
+class GGUFTensors:
+    """A GGUF file's 2-D weights in their own quantized blocks (``kernels.gguf_weights``), by
+    Hugging Face name, as ``ShardReader`` reads the dequantized ones. The rows of Llama's q and k
+    projections are put back in Hugging Face's order as transformers' GGUF loader does (its
+    ``LlamaTensorProcessor``): whole rows move, so the blocks are untouched."""
+
+    def __init__(self, path: Path, num_heads: int, num_kv_heads: int) -> None:
+        import gguf
+
+        self._reader = gguf.GGUFReader(path)
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        arch = str(self._reader.fields["general.architecture"].contents())
+        arch_id = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+        num_blocks = 1 + max((int(n.split(".")[1]) for n in self._tensors if n.startswith("blk.")), default=-1)
+        self._names = gguf.get_tensor_name_map(arch_id, num_blocks)
+        self._heads = {"attn_q": num_heads, "attn_k": num_kv_heads} if arch == "llama" else {}
+
+    def get(self, name: str, rows: tuple[int, int] | None = None,
+            cols: tuple[int, int] | None = None) -> GGUFWeight | None:
+        """Tensor ``name`` (rows, columns [start, end) as ShardReader.get) as blocks; None where
+        the file lacks it, keeps it in a type the kernel does not take, or the columns do not
+        fall on blocks."""
+        gguf_name = self._names.get_name(name.removesuffix(".weight"))
+        tensor = None if gguf_name is None else self._tensors.get(gguf_name + ".weight")
+        if tensor is None or len(tensor.shape) != 2:
+            return None
+        n, k = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists the inner dimension first
+        data = np.asarray(tensor.data).reshape(n, -1)
+        heads = self._heads.get(gguf_name.rsplit(".", 1)[-1])
+        if heads is not None:
+            data = data[_unpermuted_rows(n, heads)]
+        elif rows is not None:  # read only this rank's rows of the mapped file
+            data, rows = data[rows[0] : rows[1]], None
+        weight = from_gguf(data, tensor.tensor_type.name, k)
+        if weight is not None and rows is not None:
+            weight = weight.select_rows(slice(*rows))
+        if weight is not None and cols is not None:
+            weight = weight.columns(*cols)
+        return weight
+
+
+def _unpermuted_rows(n: int, num_heads: int) -> np.ndarray:
+    """Row order undoing llama.cpp's rotary permutation: Hugging Face row i is GGUF row
+    order[i] (transformers' ``_reverse_permute_weights`` applied to row indices)."""
+    return np.arange(n).reshape(num_heads, n // num_heads // 2, 2).swapaxes(2, 1).reshape(-1)

@@ -5,6 +5,11 @@ draft positions to verify) over a KV cache indexed by slot. Rotary tables come f
 transformers' own rotary module, so every RoPE variant it knows is computed as it computes
 it. Weights are stored fused per layer (q|k|v, gate|up): fewer, larger matmuls.
 
+On the CPU, a model converted from a GGUF file can keep the file's own quantized blocks for
+its linear weights, embedding and LM head (``quantized=True``: ``kernels/gguf_weights.py``
+lists the formats); a weight the kernel cannot take, or a tensor-parallel cut that does not
+fall on a block, is dequantized as before.
+
 Not here: sampling (``sampler.py``), the process loop (``worker.py``), file handling
 (``checkpoint.py``).
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -24,8 +30,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from guidespec.config import ModelConfig
-from guidespec.worker.checkpoint import ShardReader
-from guidespec.worker.kernels import Weight, cache_attention, embedding, linear, pack, quantize
+from guidespec.worker.checkpoint import GGUFTensors, ShardReader, gguf_source
+from guidespec.worker.kernels import Weight, available, cache_attention, embedding, linear, pack, quantize
+from guidespec.worker.kernels.gguf_weights import concat_rows
 from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.tp import TPInfo, all_reduce, gather_vocab
 
@@ -109,17 +116,21 @@ class ForwardBatch:
         )
 
 
+logger = logging.getLogger(__name__)
 LINEAR_WEIGHTS = ("qkv", "o", "gate_up", "down")  # a layer's weights that kernels.pack packs
+TensorPart = tuple[str, tuple[int, int] | None, tuple[int, int] | None]  # name, this rank's rows, columns
 _SMALL_ATTENTION = 1 << 16  # query rows x keys below which attention is done with plain matmuls
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype: torch.dtype, max_model_len: int, device: str = "cpu") -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype: torch.dtype, max_model_len: int, device: str = "cpu",
+                 quantized: bool = False) -> None:
         if cfg.num_kv_heads < tp.size:
             raise ValueError(
                 f"tensor_parallel_size {tp.size} exceeds the model's {cfg.num_kv_heads} key/value heads"
             )
         self.cfg, self.tp, self.dtype, self.device = cfg, tp, dtype, device
+        self.quantized = quantized  # keep a GGUF file's own blocks where it can (fp32 on the CPU)
         kv0, kv1 = tp.split(cfg.num_kv_heads)
         self.kv_heads = (kv0, kv1)
         self.num_local_kv_heads = kv1 - kv0
@@ -145,24 +156,43 @@ class LlamaModel:
 
     def _load(self, model_dir: Path, hf_config: object, show_progress: bool) -> None:
         reader = ShardReader(model_dir)
+        blocks = self._gguf_blocks(model_dir)
+        self.dequantized: list[str] = []  # linear weights not kept as blocks though blocks were asked for
         cfg = self.cfg
-        v0, v1, shard = self.vocab
-        embed = torch.zeros(shard, cfg.hidden_size, dtype=self.dtype)
-        embed[: v1 - v0] = reader.get("model.embed_tokens.weight", rows=(v0, v1))
-        # packed for the CPU kernel where it applies (kernels.pack); a tied embedding is packed once
-        self.embed: Weight = pack(embed.to(self.device))
+        # a tied embedding is loaded once: its rows are looked up and it is the LM head
+        self.embed: Weight = self._load_vocab_rows(reader, blocks, "model.embed_tokens.weight")
         if cfg.tie_word_embeddings or not reader.has("lm_head.weight"):
             self.lm_head = self.embed
         else:
-            head = torch.zeros(shard, cfg.hidden_size, dtype=self.dtype)
-            head[: v1 - v0] = reader.get("lm_head.weight", rows=(v0, v1))
-            self.lm_head = pack(head.to(self.device))
+            self.lm_head = self._load_vocab_rows(reader, blocks, "lm_head.weight")
         self.final_norm = self._t(reader.get("model.norm.weight"))
         layer_ids = range(cfg.num_layers)
         if show_progress:
             layer_ids = tqdm(layer_ids, desc="guidespec: loading layers", unit="layer", leave=False)
-        self.layers = [self._load_layer(reader, i) for i in layer_ids]
+        self.layers = [self._load_layer(reader, blocks, i) for i in layer_ids]
+        if self.dequantized:
+            logger.info("rank %d: %d weights run in fp32 (a type the kernel does not take, a cut off 32-input "
+                        "blocks, or parts in different formats), e.g. %s", self.tp.rank, len(self.dequantized),
+                        self.dequantized[0])
         self._init_rotary(hf_config)
+
+    def _gguf_blocks(self, model_dir: Path) -> GGUFTensors | None:
+        """The GGUF file's own blocks where this model keeps them: asked to, fp32 on the CPU with
+        the kernels built, and a folder converted from a GGUF file."""
+        source = gguf_source(model_dir) if self.quantized else None
+        if source is None or self.device != "cpu" or self.dtype != torch.float32 or not available():
+            return None
+        return GGUFTensors(source, self.cfg.num_heads, self.cfg.num_kv_heads)
+
+    def _load_vocab_rows(self, reader: ShardReader, blocks: GGUFTensors | None, name: str) -> Weight:
+        """This rank's vocabulary rows of ``name``, zero rows up to the shard size."""
+        v0, v1, shard = self.vocab
+        kept = None if blocks is None else blocks.get(name, rows=(v0, v1))
+        if kept is not None:
+            return kept.padded_rows(shard)
+        rows = torch.zeros(shard, self.cfg.hidden_size, dtype=self.dtype)
+        rows[: v1 - v0] = reader.get(name, rows=(v0, v1))
+        return pack(rows.to(self.device))  # packed for the CPU kernel where it applies
 
     def first_layers(self, n: int) -> LlamaModel:
         """This model cut after its first ``n`` layers, final norm and LM head kept: a draft model
@@ -181,31 +211,46 @@ class LlamaModel:
         copy.layers = [{k: quantize(v) if k in LINEAR_WEIGHTS else v for k, v in layer.items()} for layer in self.layers]
         return copy
 
-    def _load_layer(self, reader: ShardReader, i: int) -> dict[str, Any]:
+    def _load_layer(self, reader: ShardReader, blocks: GGUFTensors | None, i: int) -> dict[str, Any]:
+        p = f"model.layers.{i}."
+        parts = self._linear_parts(i)
+        layer: dict[str, Any] = {
+            "input_norm": self._t(reader.get(p + "input_layernorm.weight")),
+            "post_norm": self._t(reader.get(p + "post_attention_layernorm.weight")),
+        }
+        layer.update({key: self._load_linear(reader, blocks, key_parts) for key, key_parts in parts.items()})
+        if self.cfg.qkv_bias:
+            layer["qkv_bias"] = self._t(torch.cat(
+                [reader.get(name.removesuffix("weight") + "bias", rows=rows) for name, rows, _ in parts["qkv"]]))
+        if self.cfg.o_bias and self.tp.is_driver:  # added once, before the all-reduce sums the ranks
+            layer["o_bias"] = self._t(reader.get(p + "self_attn.o_proj.bias"))
+        return layer
+
+    def _linear_parts(self, i: int) -> dict[str, list[TensorPart]]:
+        """Layer ``i``'s fused linear weights as the tensors they are made of, cut for this rank:
+        column-parallel weights (qkv, gate_up) by rows, row-parallel ones (o, down) by columns."""
         cfg, d = self.cfg, self.cfg.head_dim
         p = f"model.layers.{i}."
         q_rows = (self.kv_heads[0] * cfg.num_query_groups * d, self.kv_heads[1] * cfg.num_query_groups * d)
         kv_rows = (self.kv_heads[0] * d, self.kv_heads[1] * d)
-        i0, i1 = self.intermediate
-        names = ("q_proj", "k_proj", "v_proj")
-        qkv = [reader.get(p + f"self_attn.{n}.weight", rows=r) for n, r in zip(names, (q_rows, kv_rows, kv_rows))]
-        layer = {
-            "input_norm": reader.get(p + "input_layernorm.weight"),
-            "post_norm": reader.get(p + "post_attention_layernorm.weight"),
-            "qkv": torch.cat(qkv),
-            "o": reader.get(p + "self_attn.o_proj.weight", cols=q_rows),
-            "gate_up": torch.cat(
-                [reader.get(p + "mlp.gate_proj.weight", rows=(i0, i1)), reader.get(p + "mlp.up_proj.weight", rows=(i0, i1))]
-            ),
-            "down": reader.get(p + "mlp.down_proj.weight", cols=(i0, i1)),
+        return {
+            "qkv": [(p + f"self_attn.{n}.weight", r, None) for n, r in zip(("q_proj", "k_proj", "v_proj"),
+                                                                          (q_rows, kv_rows, kv_rows))],
+            "o": [(p + "self_attn.o_proj.weight", None, q_rows)],
+            "gate_up": [(p + f"mlp.{n}.weight", self.intermediate, None) for n in ("gate_proj", "up_proj")],
+            "down": [(p + "mlp.down_proj.weight", None, self.intermediate)],
         }
-        if cfg.qkv_bias:
-            layer["qkv_bias"] = torch.cat(
-                [reader.get(p + f"self_attn.{n}.bias", rows=r) for n, r in zip(names, (q_rows, kv_rows, kv_rows))]
-            )
-        if cfg.o_bias and self.tp.is_driver:  # added once, before the all-reduce sums the ranks
-            layer["o_bias"] = reader.get(p + "self_attn.o_proj.bias")
-        return {k: pack(self._t(v)) if k in LINEAR_WEIGHTS else self._t(v) for k, v in layer.items()}
+
+    def _load_linear(self, reader: ShardReader, blocks: GGUFTensors | None, parts: list[TensorPart]) -> Weight:
+        """One fused weight: the file's blocks where every part has them in one format, else fp32
+        (packed for the CPU kernel where it applies)."""
+        if blocks is not None:
+            kept = [blocks.get(name, rows, cols) for name, rows, cols in parts]
+            fused = concat_rows([w for w in kept if w is not None]) if all(w is not None for w in kept) else None
+            if fused is not None:
+                return fused
+            self.dequantized.append(parts[0][0])
+        return pack(self._t(torch.cat([reader.get(name, rows, cols) for name, rows, cols in parts])))
 
     def _init_rotary(self, hf_config: object) -> None:
         self.cos, self.sin = (t.to(self.dtype).to(self.device) for t in rotary_tables(hf_config, self.max_model_len))

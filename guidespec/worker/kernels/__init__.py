@@ -133,7 +133,9 @@ def pack(weight: torch.Tensor) -> Weight:
 def quantize(weight: Weight) -> Weight:
     """The weight rounded to int8 with a scale per output row: a :class:`QuantizedWeight` for
     :func:`linear` where the kernel is built, else the rounded values as fp32 (the same numbers,
-    without the saving)."""
+    without the saving). A GGUF weight is already smaller: it stays as it is."""
+    if isinstance(weight, GGUFWeight):
+        return weight
     quantized = QuantizedWeight(dense(weight))
     return quantized if _library() is not None else quantized.dequantize()
 

@@ -85,7 +85,7 @@ def from_gguf(data: np.ndarray, type_name: str, k: int) -> GGUFWeight | None:
     if type_name not in SUPPORTED_TYPES or k % QK:
         return None
     n = data.shape[0]
-    rows = np.ascontiguousarray(data, dtype=np.uint8)
+    rows = np.array(data, dtype=np.uint8)  # a copy: data may be the file's read-only mapping
     if type_name in ("Q4_1", "Q8_0"):
         fmt, blocks = (Q4_1 if type_name == "Q4_1" else Q8_0), rows
     elif type_name == "Q4_0":
