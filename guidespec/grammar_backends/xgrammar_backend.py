@@ -184,23 +184,33 @@ def optional_groups_as_alternations(pattern: str) -> str:
 def _rewrite_patterns(schema: Any) -> Any:
     """The schema with every ``pattern`` and ``patternProperties`` key passed through
     ``optional_groups_as_alternations``."""
+    def rewrite(node: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(node.get("pattern"), str):
+            node["pattern"] = optional_groups_as_alternations(node["pattern"])
+        if isinstance(node.get("patternProperties"), dict):
+            node["patternProperties"] = {optional_groups_as_alternations(k): v
+                                         for k, v in node["patternProperties"].items()}
+        return node
+
+    return _bottom_up(schema, rewrite)
+
+
+def _bottom_up(schema: Any, rewrite: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
+    """A copy of the schema with ``rewrite`` applied to every schema object in it, innermost
+    first (values of ``const``/``enum``/... are data; so are the names of ``properties`` and the like)."""
     if isinstance(schema, list):
-        return [_rewrite_patterns(item) for item in schema]
+        return [_bottom_up(item, rewrite) for item in schema]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in DATA_KEYWORDS:
             out[key] = value
-        elif key == "pattern" and isinstance(value, str):
-            out[key] = optional_groups_as_alternations(value)
-        elif key == "patternProperties" and isinstance(value, dict):
-            out[key] = {optional_groups_as_alternations(k): _rewrite_patterns(v) for k, v in value.items()}
-        elif key == "properties" and isinstance(value, dict):  # names are data; their values schemas
-            out[key] = {name: _rewrite_patterns(v) for name, v in value.items()}
+        elif key in ("properties", "patternProperties", "definitions", "$defs") and isinstance(value, dict):
+            out[key] = {name: _bottom_up(sub, rewrite) for name, sub in value.items()}
         else:
-            out[key] = _rewrite_patterns(value)
-    return out
+            out[key] = _bottom_up(value, rewrite)
+    return rewrite(out)
 
 
 _ANNOTATIONS = {"title", "description", "$schema", "$id", "id", "default", "examples", "$comment", "definitions",
@@ -311,18 +321,10 @@ def _drop_false_properties(schema: Any) -> Any:
     undeclared name is absent, as ``false`` says. Refused where the name could still come from
     ``additionalProperties`` or a ``patternProperties`` pattern; left where it is required
     (then no object matches, and xgrammar says so)."""
-    if isinstance(schema, list):
-        return [_drop_false_properties(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key in DATA_KEYWORDS:
-            out[key] = value
-        elif key in ("properties", "patternProperties", "definitions", "$defs") and isinstance(value, dict):
-            out[key] = {name: _drop_false_properties(sub) for name, sub in value.items()}  # names are data
-        else:
-            out[key] = _drop_false_properties(value)
+    return _bottom_up(schema, _undeclare_false_properties)
+
+
+def _undeclare_false_properties(out: dict[str, Any]) -> dict[str, Any]:
     properties = out.get("properties")
     if not isinstance(properties, dict):
         return out
