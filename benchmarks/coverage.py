@@ -1,12 +1,14 @@
 """Which schemas each grammar backend compiles (enforces exactly), and backend ``auto``.
 
     python -m benchmarks.coverage [--schemas ../shared/data/jsonschemabench/schemas] [--timeout 30] [--list]
+                                  [--by-rewrite]
 
 Every schema goes through the engine's own grammar manager (the compile process, its deadline,
 the fallback of ``auto``), once per backend: xgrammar, llguidance, auto (xgrammar, then
 llguidance where xgrammar refuses). Prints a table per JSONSchemaBench category: schemas, and how
 many each compiles; then the refusals of ``auto`` by keyword (``--list``: every schema ``auto``
-refuses, with the error). Compiling is not generating:
+refuses, with the error; ``--by-rewrite``: per exact rewrite, the schemas ``auto`` compiles that
+it refuses with that one rewrite off, compiled in this process through both backends). Compiling is not generating:
 ``guidespec sweep`` checks that the outputs of the compiled ones are valid.
 """
 
@@ -68,6 +70,7 @@ def main() -> None:
     parser.add_argument("--schemas", default=str(DEFAULT_SCHEMAS))
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--list", action="store_true", help="print every schema auto refuses, with the error")
+    parser.add_argument("--by-rewrite", action="store_true", help="the schemas each exact rewrite unlocks")
     args = parser.parse_args()
     schemas = {p.stem: json.dumps(json.loads(p.read_text())["schema"]) for p in sorted(Path(args.schemas).glob("*.json"))}
     runs = {backend: compile_all(schemas, backend, args.timeout) for backend in BACKENDS}
@@ -87,6 +90,43 @@ def main() -> None:
         for name, error in sorted(runs["auto"].items()):
             if error:
                 print(f"{name}\t{error}")
+    if args.by_rewrite:
+        compiled = {name: schemas[name] for name, error in runs["auto"].items() if error is None}
+        for rewrite, names in unlocked_by_rewrite(compiled).items():
+            print(f"{rewrite}: {len(names)} {' '.join(sorted(names))}")
+
+
+def unlocked_by_rewrite(schemas: dict[str, str]) -> dict[str, list[str]]:
+    """Per rewrite, the schemas (which both backends compile in this process with every rewrite)
+    that neither compiles with that rewrite off; "all rewrites" for all of them off."""
+    from guidespec.grammar_backends import create_backend
+    from guidespec.grammar_backends.rewrites import REWRITES, rewrite_schema
+
+    model_dir = resolve_model_dir(None, show_progress=False)
+    tokenizer, hf = load_tokenizer(model_dir), load_hf_config(model_dir)
+    stops = eos_token_ids(model_dir, hf, tokenizer)
+    backends = [create_backend(name, tokenizer, hf.vocab_size, stops) for name in ("xgrammar", "llguidance")]
+
+    def compiles(schema: object) -> bool:
+        for backend in backends:
+            try:
+                backend.compile(GuidedDecoding(json_schema=json.dumps(schema)))
+                return True
+            except GrammarError:
+                continue
+        return False
+
+    out: dict[str, list[str]] = {name: [] for name in ("all rewrites", *REWRITES)}
+    for name, text in schemas.items():
+        schema = json.loads(text)
+        applied = set(rewrite_schema(schema)[1])
+        if not applied or not compiles(rewrite_schema(schema)[0]):
+            continue
+        for rewrite in ("all rewrites", *sorted(applied)):
+            off = frozenset(REWRITES) if rewrite == "all rewrites" else frozenset({rewrite})
+            if not compiles(rewrite_schema(schema, off)[0]):
+                out[rewrite].append(name)
+    return out
 
 
 if __name__ == "__main__":

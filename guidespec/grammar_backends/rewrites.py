@@ -48,8 +48,16 @@ _SUBSCHEMAS = ("not", "items", "additionalProperties", "contains", "propertyName
                "additionalItems", "unevaluatedItems", "unevaluatedProperties")
 
 
-def rewrite_schema(schema: Any) -> tuple[Any, list[str]]:
-    context = _Context(copy.deepcopy(schema), [])
+REWRITES = ("double negation", "not of a type", "dependencies", "not", "if/then/else", "oneOf of one branch",
+            "oneOf of finite branches", "oneOf of disjoint branches", "oneOf by negation", "unknown format",
+            "annotations beside $ref", "keywords beside $ref its target repeats", "keywords beside $ref",
+            "bounded integers", "min/maxProperties of a closed object", "finite values")
+
+
+def rewrite_schema(schema: Any, disabled: frozenset[str] = frozenset()) -> tuple[Any, list[str]]:
+    """The schema rewritten, and the names of the rewrites applied (those named in ``disabled``
+    are not: to measure what each one unlocks)."""
+    context = _Context(copy.deepcopy(schema), [], disabled)
     root = context.root
     if not isinstance(root, dict):
         return root, []
@@ -65,6 +73,14 @@ class _Context:
 
     root: Any
     applied: list[str]
+    disabled: frozenset[str] = frozenset()
+
+    def use(self, rewrite: str) -> bool:
+        """Whether to apply ``rewrite`` (not disabled); if so, it is recorded as applied."""
+        if rewrite in self.disabled:
+            return False
+        self.applied.append(rewrite)
+        return True
 
     @functools.cached_property
     def legacy_refs(self) -> bool:
@@ -112,7 +128,7 @@ class _Context:
 def _walk(node: Any, context: _Context, skip: tuple[str, ...] = ()) -> Any:
     if not isinstance(node, dict):
         return node
-    node = _double_negation(node, context.applied)  # before the inner "not" is rewritten on its own
+    node = _double_negation(node, context)  # before the inner "not" is rewritten on its own
     if not isinstance(node, dict):
         return node
     for key in _SUBSCHEMA_LISTS:
@@ -128,30 +144,30 @@ def _walk(node: Any, context: _Context, skip: tuple[str, ...] = ()) -> Any:
         node["items"] = [_walk(s, context) for s in node["items"]]
     if isinstance(node.get("dependencies"), dict):  # its values: schemas, or lists of names
         node["dependencies"] = {name: _walk(s, context) for name, s in node["dependencies"].items()}
-    applied = context.applied
-    node = _not_type(node, applied)
-    node = _dependencies(node, applied)
+    node = _not_type(node, context)
+    node = _dependencies(node, context)
     for rewrite in (_not, _if_then_else, _one_of, _unknown_format, _ref_siblings, _bounded_integers,
                     _counted_properties):
         if isinstance(node, dict):
             node = rewrite(node, context)
-    return _finite_values(node, applied) if isinstance(node, dict) else node
+    return _finite_values(node, context) if isinstance(node, dict) else node
 
 
-def _double_negation(node: dict[str, Any], applied: list[str]) -> dict[str, Any]:
+def _double_negation(node: dict[str, Any], context: _Context) -> dict[str, Any]:
     inner = node.get("not")
     if not (isinstance(inner, dict) and set(inner) == {"not"}):
         return node
     kept = inner["not"]
     rest = {k: v for k, v in node.items() if k != "not"}
-    applied.append("double negation")
+    if not context.use("double negation"):
+        return node
     if not rest:
         return kept if isinstance(kept, dict) else {"allOf": [kept]}
     rest["allOf"] = [*rest.get("allOf", []), kept] if isinstance(rest.get("allOf", []), list) else [kept]
     return rest
 
 
-def _not_type(node: dict[str, Any], applied: list[str]) -> dict[str, Any]:
+def _not_type(node: dict[str, Any], context: _Context) -> dict[str, Any]:
     inner = node.get("not")
     if not (isinstance(inner, dict) and set(inner) == {"type"}):
         return node
@@ -169,11 +185,12 @@ def _not_type(node: dict[str, Any], applied: list[str]) -> dict[str, Any]:
         return node  # nothing is left: let the backend say the schema cannot be met
     out = {k: v for k, v in node.items() if k != "not"}
     out["type"] = kept[0] if len(kept) == 1 else kept
-    applied.append("not of a type")
+    if not context.use("not of a type"):
+        return node
     return out
 
 
-def _dependencies(node: dict[str, Any], applied: list[str]) -> dict[str, Any]:
+def _dependencies(node: dict[str, Any], context: _Context) -> dict[str, Any]:
     """``dependencies`` / ``dependentRequired`` / ``dependentSchemas``: for each name, an ``anyOf``
     of "the name is absent" (``properties: {name: false}``) and "present, with its dependants"
     (``required`` of the name and the names it needs, or the name and the schema it needs)."""
@@ -199,7 +216,8 @@ def _dependencies(node: dict[str, Any], applied: list[str]) -> dict[str, Any]:
         return node
     out = {k: v for k, v in node.items() if k not in ("dependencies", "dependentRequired", "dependentSchemas")}
     out["allOf"] = [*out.get("allOf", []), *branches]
-    applied.append("dependencies")
+    if not context.use("dependencies"):
+        return node
     return out
 
 
@@ -210,7 +228,8 @@ def _not(node: dict[str, Any], context: _Context) -> Any:
     negated = negate(node["not"], context.resolve)
     if negated is None:
         return node
-    context.applied.append("not")
+    if not context.use("not"):
+        return node
     return _conjoin({k: v for k, v in node.items() if k != "not"}, negated)
 
 
@@ -222,7 +241,8 @@ def _if_then_else(node: dict[str, Any], context: _Context) -> Any:
     if negated is None:
         return node
     chosen = any_of([_conjoin_all([node["if"], node.get("then", True)]), _conjoin_all([negated, node.get("else", True)])])
-    context.applied.append("if/then/else")
+    if not context.use("if/then/else"):
+        return node
     return _conjoin({k: v for k, v in node.items() if k not in ("if", "then", "else")}, chosen)
 
 
@@ -237,29 +257,26 @@ def _one_of(node: dict[str, Any], context: _Context) -> Any:
         return node
     rest = {k: v for k, v in node.items() if k != "oneOf"}
     if len(branches) == 1:
-        context.applied.append("oneOf of one branch")
-        return _conjoin(rest, branches[0])
+        return _conjoin(rest, branches[0]) if context.use("oneOf of one branch") else node
     values = _finite_branches(branches, context)
     if values:
         exactly_one = [v for v in values if sum(context.is_valid(b, v) for b in branches) == 1]
-        if exactly_one:
-            context.applied.append("oneOf of finite branches")
+        if exactly_one and context.use("oneOf of finite branches"):
             return _conjoin(rest, {"enum": exactly_one})
     types = node.get("type")
     types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else None
     required = frozenset(n for n in node.get("required", []) if isinstance(n, str)) if isinstance(
         node.get("required"), list) else frozenset()
-    if all(disjoint(a, b, types, context.resolve, context.is_valid, required) for a, b in combinations(branches, 2)):
-        context.applied.append("oneOf of disjoint branches")
+    if (all(disjoint(a, b, types, context.resolve, context.is_valid, required) for a, b in combinations(branches, 2))
+            and context.use("oneOf of disjoint branches")):
         return _conjoin(rest, {"anyOf": branches})
     negated = [negate(b, context.resolve) for b in branches]
     if any(n is None for n in negated):
         return node
     exactly_one = any_of([_conjoin_all([b, *[n for j, n in enumerate(negated) if j != i]])
                           for i, b in enumerate(branches)])
-    if len(json.dumps(exactly_one)) > _MAX_ONE_OF_CHARS:
+    if len(json.dumps(exactly_one)) > _MAX_ONE_OF_CHARS or not context.use("oneOf by negation"):
         return node
-    context.applied.append("oneOf by negation")
     return _conjoin(rest, exactly_one)
 
 
@@ -303,7 +320,8 @@ def _bounded_integers(node: dict[str, Any], context: _Context) -> dict[str, Any]
         return node
     if not kept:
         return node
-    context.applied.append("bounded integers")
+    if not context.use("bounded integers"):
+        return node
     return {**{k: v for k, v in node.items() if k in _ANNOTATIONS or k in ("definitions", "$defs")}, "enum": kept}
 
 
@@ -354,7 +372,8 @@ def _counted_properties(node: dict[str, Any], context: _Context) -> Any:
         branches.append([{"properties": {n: False for n in names}} for names in combinations(optional, absent)])
     if any(len(b) > _MAX_SUBSETS for b in branches):
         return node
-    context.applied.append("min/maxProperties of a closed object")
+    if not context.use("min/maxProperties of a closed object"):
+        return node
     out: Any = {k: v for k, v in node.items() if k not in counts}
     for subsets in branches:
         out = _conjoin(out, any_of(subsets)) if isinstance(out, dict) else out
@@ -376,7 +395,8 @@ def _unknown_format(node: dict[str, Any], context: _Context) -> dict[str, Any]:
     declared = context.root.get("$schema") if isinstance(context.root, dict) else None
     if value in _DRAFT_3_FORMATS and (not isinstance(declared, str) or "draft-03" in declared):
         return node
-    context.applied.append("unknown format")
+    if not context.use("unknown format"):
+        return node
     return {k: v for k, v in node.items() if k != "format"}
 
 
@@ -391,24 +411,23 @@ def _ref_siblings(node: dict[str, Any], context: _Context) -> dict[str, Any]:
     if "$ref" not in node:
         return node
     unknown = [k for k in node if k not in VALIDATION and k not in _STRUCTURAL]
-    if unknown:
+    if unknown and context.use("annotations beside $ref"):
         node = {k: v for k, v in node.items() if k not in unknown}
-        context.applied.append("annotations beside $ref")
     target = context.resolve(node["$ref"]) if isinstance(node["$ref"], str) else None
     repeated = [k for k in node if k != "$ref" and isinstance(target, dict) and k in target and target[k] == node[k]]
-    if repeated and any(k in VALIDATION for k in repeated):  # the target says it already: in every draft
-        node = {k: v for k, v in node.items() if k not in repeated}
-        context.applied.append("keywords beside $ref its target repeats")
+    if any(k in VALIDATION for k in repeated) and context.use("keywords beside $ref its target repeats"):
+        node = {k: v for k, v in node.items() if k not in repeated}  # the target says it already: in every draft
     beside = [k for k in node if k in VALIDATION and k != "$ref"]
     if not beside or context.legacy_refs or ("allOf" in node and not isinstance(node["allOf"], list)):
         return node
-    context.applied.append("keywords beside $ref")
+    if not context.use("keywords beside $ref"):
+        return node
     out = {k: v for k, v in node.items() if k != "$ref"}
     out["allOf"] = [*out.get("allOf", []), {"$ref": node["$ref"]}]
     return out
 
 
-def _finite_values(node: dict[str, Any], applied: list[str]) -> dict[str, Any]:
+def _finite_values(node: dict[str, Any], context: _Context) -> dict[str, Any]:
     values = _values_of(node)
     if values is None or _contains(node, _REFS | _SENSITIVE):
         return node
@@ -423,7 +442,8 @@ def _finite_values(node: dict[str, Any], applied: list[str]) -> dict[str, Any]:
         return node
     out = {k: v for k, v in node.items() if k in _ANNOTATIONS}
     out["enum"] = kept
-    applied.append("finite values")
+    if not context.use("finite values"):
+        return node
     return out
 
 

@@ -238,3 +238,15 @@ def test_generated_instances_are_judged_alike(data: st.DataObject) -> None:
     if known and data.draw(st.booleans()):  # a near miss: a known value inside a list or an object
         value = data.draw(st.sampled_from([[value], {"foo": value}, {"bar": value, "foo": 1}]))
     _same(schema, value)
+
+
+@pytest.mark.parametrize("name", list(HAND))
+def test_a_disabled_rewrite_is_not_applied(name: str) -> None:
+    """``rewrite_schema(schema, disabled)``, which ``benchmarks/coverage.py --by-rewrite`` uses to
+    count what each rewrite unlocks, applies none of the disabled ones."""
+    from guidespec.grammar_backends.rewrites import REWRITES
+
+    schema, _, applied = HAND[name]
+    assert set(applied) <= set(REWRITES)
+    assert rewrite_schema(schema, frozenset(REWRITES)) == (schema, [])
+    assert not set(applied) & set(rewrite_schema(schema, frozenset(applied))[1])
