@@ -23,9 +23,10 @@ _MAX_DEPTH = 8
 
 
 def disjoint(a: Any, b: Any, types: set[str] | None, resolve: Resolve, is_valid: IsValid,
-             required: frozenset[str] = frozenset(), depth: int = 0) -> bool:
+             required: frozenset[str] = frozenset(), depth: int = 0, draft_4: bool = False) -> bool:
     """True if no value of a type in ``types`` (all where None) with the ``required`` property
-    names (of the schema beside the two) can match both schemas."""
+    names (of the schema beside the two) can match both schemas. ``draft_4``: read in draft 3
+    or 4, where a number as ``exclusiveMinimum`` is no bound."""
     if depth > _MAX_DEPTH:
         return False
     first, second = _conjuncts(a, resolve), _conjuncts(b, resolve)
@@ -41,15 +42,15 @@ def disjoint(a: Any, b: Any, types: set[str] | None, resolve: Resolve, is_valid:
     if _values_fail(first, b, is_valid) or _values_fail(second, a, is_valid):
         return True
     return all(_disjoint_as(t, first + [{"required": sorted(required)}], second + [{"required": sorted(required)}],
-                            resolve, is_valid, depth) for t in shared)
+                            resolve, is_valid, depth, draft_4) for t in shared)
 
 
 def _disjoint_as(kind: str, first: list[Any], second: list[Any], resolve: Resolve, is_valid: IsValid,
-                 depth: int) -> bool:
+                 depth: int, draft_4: bool) -> bool:
     if kind == "object":
-        return _objects_disjoint(first, second, resolve, is_valid, depth)
+        return _objects_disjoint(first, second, resolve, is_valid, depth, draft_4)
     if kind in ("number", "integer"):
-        return _ranges_disjoint(_range(first), _range(second))
+        return _ranges_disjoint(_range(first, draft_4), _range(second, draft_4))
     return False
 
 
@@ -103,13 +104,15 @@ def _values_fail(conjuncts: list[Any], other: Any, is_valid: IsValid) -> bool:
     return False
 
 
-def _objects_disjoint(first: list[Any], second: list[Any], resolve: Resolve, is_valid: IsValid, depth: int) -> bool:
+def _objects_disjoint(first: list[Any], second: list[Any], resolve: Resolve, is_valid: IsValid, depth: int,
+                      draft_4: bool) -> bool:
     required_first, required_second = _required(first), _required(second)
     if any(_forbids(second, n) for n in required_first) or any(_forbids(first, n) for n in required_second):
         return True
     for name in required_first & required_second:
         for a in _property_schemas(first, name):
-            if any(disjoint(a, b, None, resolve, is_valid, depth=depth + 1) for b in _property_schemas(second, name)):
+            if any(disjoint(a, b, None, resolve, is_valid, depth=depth + 1, draft_4=draft_4)
+                   for b in _property_schemas(second, name)):
                 return True
     return False
 
@@ -149,16 +152,16 @@ def _may_match(pattern: str, name: str) -> bool:
 _Range = tuple[float, bool, float, bool]  # low, low exclusive, high, high exclusive
 
 
-def _range(conjuncts: list[Any]) -> _Range:
+def _range(conjuncts: list[Any], draft_4: bool) -> _Range:
     low, low_open, high, high_open = -float("inf"), False, float("inf"), False
     for schema in conjuncts:
         if not isinstance(schema, dict):
             continue
-        for key, exclusive in (("minimum", False), ("exclusiveMinimum", True)):
+        for key, exclusive in (("minimum", False), ("exclusiveMinimum", True))[:1 if draft_4 else 2]:
             value = schema.get(key)
             if _is_number(value) and (value > low or value == low and exclusive):
                 low, low_open = value, exclusive
-        for key, exclusive in (("maximum", False), ("exclusiveMaximum", True)):
+        for key, exclusive in (("maximum", False), ("exclusiveMaximum", True))[:1 if draft_4 else 2]:
             value = schema.get(key)
             if _is_number(value) and (value < high or value == high and exclusive):
                 high, high_open = value, exclusive

@@ -41,8 +41,9 @@ _LENGTHS = {"minLength": ("string", "maxLength"), "maxLength": ("string", "minLe
 _LINE_ENDS = "\n\r\u2028\u2029"
 
 
-def negate(schema: Any, resolve: Resolve, depth: int = 0) -> Any:
-    """A schema accepting exactly the JSON values ``schema`` rejects, or None."""
+def negate(schema: Any, resolve: Resolve, depth: int = 0, draft_4: bool = False) -> Any:
+    """A schema accepting exactly the JSON values ``schema`` rejects, or None. ``draft_4``: the
+    schema is read in draft 3 or 4, where ``exclusiveMinimum`` is a flag: no bound is negated."""
     if isinstance(schema, bool):
         return not schema
     if not isinstance(schema, dict) or depth > _MAX_DEPTH:
@@ -55,7 +56,7 @@ def negate(schema: Any, resolve: Resolve, depth: int = 0) -> Any:
     for key, value in schema.items():
         if key not in VALIDATION:
             continue
-        negated = _negate_keyword(key, value, schema, resolve, depth)
+        negated = _negate_keyword(key, value, schema, resolve, depth, draft_4)
         if negated is None:
             return None
         branches += negated
@@ -82,20 +83,21 @@ def all_of(branches: list[Any]) -> Any:
     return kept[0] if len(kept) == 1 else {"allOf": kept}
 
 
-def _negate_keyword(key: str, value: Any, schema: dict[str, Any], resolve: Resolve, depth: int) -> list[Any] | None:
+def _negate_keyword(key: str, value: Any, schema: dict[str, Any], resolve: Resolve, depth: int,
+                    draft_4: bool) -> list[Any] | None:
     """The values that break keyword ``key`` alone, as a list of branches (of an anyOf)."""
     if key == "type":
         return _not_types(value)
     if key in ("enum", "const"):
-        return _not_values(value if key == "enum" else [value])
+        return _not_values(value if key == "enum" else [value], draft_4)
     if key == "required":
         if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
             return None
         return [{"type": "object", "properties": {name: False}} for name in value]
     if key == "properties":
-        return _not_properties(value, resolve, depth)
+        return _not_properties(value, resolve, depth, draft_4)
     if key in _BOUNDS:
-        if not _is_number(value):
+        if not _is_number(value) or draft_4:
             return None  # a draft-4 boolean exclusiveMinimum: not handled
         return [{"type": "number", _BOUNDS[key]: value}]
     if key in _LENGTHS:
@@ -108,23 +110,23 @@ def _negate_keyword(key: str, value: Any, schema: dict[str, Any], resolve: Resol
     if key == "pattern":
         return _not_pattern(value)
     if key == "contains" and not ({"minContains", "maxContains"} & set(schema)):
-        inner = negate(value, resolve, depth)  # no item matches: every item breaks it
+        inner = negate(value, resolve, depth, draft_4)  # no item matches: every item breaks it
         return None if inner is None else [{"type": "array", "items": inner}]
-    return _negate_composition(key, value, schema, resolve, depth)
+    return _negate_composition(key, value, schema, resolve, depth, draft_4)
 
 
-def _negate_composition(key: str, value: Any, schema: dict[str, Any], resolve: Resolve,
-                        depth: int) -> list[Any] | None:
+def _negate_composition(key: str, value: Any, schema: dict[str, Any], resolve: Resolve, depth: int,
+                        draft_4: bool) -> list[Any] | None:
     if key == "not":
         return [value]
     if key in ("anyOf", "allOf") and isinstance(value, list):
-        negated = [negate(branch, resolve, depth) for branch in value]
+        negated = [negate(branch, resolve, depth, draft_4) for branch in value]
         if any(n is None for n in negated):
             return None
         return [all_of(negated)] if key == "anyOf" else negated
     if key == "$ref" and isinstance(value, str):
         target = resolve(value)
-        negated = None if target is None else negate(target, resolve, depth + 1)
+        negated = None if target is None else negate(target, resolve, depth + 1, draft_4)
         return None if negated is None else [negated]
     if key == "if" and "then" not in schema and "else" not in schema:
         return []  # an "if" alone constrains nothing
@@ -145,13 +147,13 @@ def _not_types(value: Any) -> list[Any] | None:
     return [{"type": others[0] if len(others) == 1 else others}] if others else []
 
 
-def _not_properties(value: Any, resolve: Resolve, depth: int) -> list[Any] | None:
+def _not_properties(value: Any, resolve: Resolve, depth: int, draft_4: bool) -> list[Any] | None:
     """Some named property is present and breaks its schema."""
     if not isinstance(value, dict):
         return None
     branches = []
     for name, sub in value.items():
-        negated = negate(sub, resolve, depth)
+        negated = negate(sub, resolve, depth, draft_4)
         if negated is None:
             return None
         if negated is True:
@@ -161,7 +163,7 @@ def _not_properties(value: Any, resolve: Resolve, depth: int) -> list[Any] | Non
     return branches
 
 
-def _not_values(values: Any) -> list[Any] | None:
+def _not_values(values: Any, draft_4: bool) -> list[Any] | None:
     """Every value but the listed ones: the other types whole, and per listed type its complement
     (the other boolean; numbers outside the listed points; strings a regex excludes)."""
     if not isinstance(values, list):
@@ -176,7 +178,7 @@ def _not_values(values: Any) -> list[Any] | None:
         branches.append({"const": not next(iter(booleans))})
     numbers = sorted({v for v in values if _is_number(v)})
     if numbers:
-        if not all(math.isfinite(n) for n in numbers):
+        if not all(math.isfinite(n) for n in numbers) or draft_4:
             return None
         branches.append({"type": "number", "exclusiveMaximum": numbers[0]})
         branches += [{"type": "number", "exclusiveMinimum": a, "exclusiveMaximum": b} for a, b in zip(numbers, numbers[1:])]

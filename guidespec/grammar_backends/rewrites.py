@@ -94,7 +94,7 @@ class _Context:
 
     @functools.cached_property
     def draft_4_integers(self) -> bool:
-        """Whether "integer" excludes 5.0 (drafts 3 and 4)."""
+        """Whether "integer" excludes 5.0 and ``exclusiveMinimum`` is a flag (drafts 3 and 4)."""
         declared = self.root.get("$schema") if isinstance(self.root, dict) else None
         return isinstance(declared, str) and ("draft-03" in declared or "draft-04" in declared)
 
@@ -225,7 +225,7 @@ def _not(node: dict[str, Any], context: _Context) -> Any:
     """``not: S`` becomes S's negation in positive keywords (``negation.py``)."""
     if "not" not in node:
         return node
-    negated = negate(node["not"], context.resolve)
+    negated = negate(node["not"], context.resolve, draft_4=context.draft_4_integers)
     if negated is None:
         return node
     if not context.use("not"):
@@ -237,7 +237,7 @@ def _if_then_else(node: dict[str, Any], context: _Context) -> Any:
     """``if: I, then: T, else: E`` is ``anyOf: [I and T, (not I) and E]``."""
     if "if" not in node:
         return node
-    negated = negate(node["if"], context.resolve)
+    negated = negate(node["if"], context.resolve, draft_4=context.draft_4_integers)
     if negated is None:
         return node
     chosen = any_of([_conjoin_all([node["if"], node.get("then", True)]), _conjoin_all([negated, node.get("else", True)])])
@@ -267,10 +267,10 @@ def _one_of(node: dict[str, Any], context: _Context) -> Any:
     types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else None
     required = frozenset(n for n in node.get("required", []) if isinstance(n, str)) if isinstance(
         node.get("required"), list) else frozenset()
-    if (all(disjoint(a, b, types, context.resolve, context.is_valid, required) for a, b in combinations(branches, 2))
-            and context.use("oneOf of disjoint branches")):
+    if (all(disjoint(a, b, types, context.resolve, context.is_valid, required, draft_4=context.draft_4_integers)
+            for a, b in combinations(branches, 2)) and context.use("oneOf of disjoint branches")):
         return _conjoin(rest, {"anyOf": branches})
-    negated = [negate(b, context.resolve) for b in branches]
+    negated = [negate(b, context.resolve, draft_4=context.draft_4_integers) for b in branches]
     if any(n is None for n in negated):
         return node
     exactly_one = any_of([_conjoin_all([b, *[n for j, n in enumerate(negated) if j != i]])

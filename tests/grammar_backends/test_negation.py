@@ -59,6 +59,13 @@ def test_a_negation_accepts_exactly_what_its_schema_rejects(schema: Any, value: 
     assert _valid(negated, value) == (not _valid(schema, value)), (schema, negated, value)
 
 
+def test_in_draft_4_no_bound_is_negated() -> None:
+    """There ``exclusiveMinimum`` is a flag beside ``minimum``: a number there means nothing."""
+    assert negate({"minimum": 1}, _resolve, draft_4=True) is None
+    assert negate({"enum": ["a", 1]}, _resolve, draft_4=True) is None
+    assert negate({"enum": ["a"]}, _resolve, draft_4=True) is not None
+
+
 @pytest.mark.parametrize("schema", NOT_NEGATABLE, ids=[str(s)[:50] for s in NOT_NEGATABLE])
 def test_what_has_no_exact_negation_is_not_negated(schema: Any) -> None:
     assert negate(schema, _resolve) is None
@@ -96,6 +103,8 @@ PAIRS = [  # (a, b, the types beside them, required names beside them, proven di
 def test_disjoint_proves_only_what_holds(a: Any, b: Any, types: set[str] | None, required: list[str],
                                         proven: bool) -> None:
     assert disjoint(a, b, types, _resolve, _valid, frozenset(required)) == proven
+    assert not disjoint({"type": "number", "maximum": 1}, {"type": "number", "exclusiveMinimum": 1}, None, _resolve,
+                        _valid, draft_4=True)
     if proven:  # no value of the types beside them, with the names beside them, matches both
         beside = {"type": sorted(types)} if types else {}
         beside = {**beside, "required": required} if required else beside
