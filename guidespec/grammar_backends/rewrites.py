@@ -309,7 +309,8 @@ def _bounded_integers(node: dict[str, Any], context: _Context) -> dict[str, Any]
     """An integer node between two bounds, with a keyword left that a backend cannot enforce
     (``not``, ``oneOf``, ``if``...), becomes the ``enum`` of its valid integers (each checked by
     ``jsonschema``). Not in drafts 3 and 4, where 5.0 is no integer but equals the value 5."""
-    if node.get("type") != "integer" or not _UNENFORCEABLE & set(node) or context.draft_4_integers:
+    if (node.get("type") != "integer" or not _UNENFORCEABLE & set(node) or context.draft_4_integers
+            or "$ref" in node and context.legacy_refs):  # (there the bounds beside the $ref do not count)
         return node
     low, high = _integer_bounds(node)
     if low is None or high is None or high - low + 1 > _MAX_INTEGERS or _contains(node, _SENSITIVE):
@@ -488,21 +489,25 @@ _GROUPS = ({"properties", "patternProperties", "additionalProperties", "unevalua
 
 def _conjoin(node: dict[str, Any], extra: Any) -> Any:
     """A schema meaning ``node and extra``: extra's keywords merged in where none clashes (the
-    names of ``required`` are joined), else extra as one more ``allOf`` branch."""
+    names of ``required`` are joined), else extra as one more ``allOf`` branch. Beside a ``$ref``
+    extra stays beside it, as the keyword it replaces was: drafts up to 7 ignore both alike."""
     if extra is True or extra == {}:
         return node
+    if "$ref" in node:
+        earlier = node.get("allOf", [])
+        return {**node, "allOf": [*(earlier if isinstance(earlier, list) else [earlier]), extra]}
     if extra is False:
         return False
     if isinstance(extra, dict) and set(extra) == {"anyOf"} and isinstance(extra["anyOf"], list):
         extra = any_of(_possible(extra["anyOf"], node.get("type")))  # (branches of another type go)
         if extra is True or extra is False:
             return node if extra is True else False
-    if isinstance(extra, dict) and "$ref" not in node and "$ref" not in extra and not _clash(node, extra):
+    if isinstance(extra, dict) and "$ref" not in extra and not _clash(node, extra):
         out = dict(node)
         for key, value in extra.items():
             out[key] = list(dict.fromkeys([*out[key], *value])) if key == "required" and key in out else value
         return out
-    if "$ref" in node or ("allOf" in node and not isinstance(node["allOf"], list)):
+    if "allOf" in node and not isinstance(node["allOf"], list):
         return {"allOf": [node, extra]}
     return {**node, "allOf": [*node.get("allOf", []), extra]}
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from guidespec.grammar_backends.rewrites import rewrite_schema
 
 DRAFT_4 = "http://json-schema.org/draft-04/schema#"
+DRAFT_7 = "http://json-schema.org/draft-07/schema#"
 SCHEMAS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "jsonschemabench" / "schemas"
 
 HAND = {  # (schema, what it becomes, the rewrites applied)
@@ -105,6 +106,10 @@ HAND = {  # (schema, what it becomes, the rewrites applied)
          "anyOf": [{"required": ["b"]}, {"required": ["c"]}],
          "allOf": [{"anyOf": [{"properties": {"b": False}}, {"properties": {"c": False}}]}]},
         ["min/maxProperties of a closed object"]),
+    "not beside a $ref, draft 7": ({"$schema": DRAFT_7, "$ref": "#/definitions/x", "not": {"required": ["a"]},
+                                   "definitions": {"x": {"type": "object"}}},
+                                  {"$schema": DRAFT_7, "$ref": "#/definitions/x", "definitions": {"x": {"type": "object"}},
+                                   "allOf": [{"type": "object", "properties": {"a": False}}]}, ["not"]),
 }
 LEFT_ALONE = {  # no exact rewrite: left for the backend to refuse
     "not integer": {"not": {"type": "integer"}},
@@ -123,6 +128,9 @@ LEFT_ALONE = {  # no exact rewrite: left for the backend to refuse
     "not of an object value": {"not": {"const": {"a": 1}}},
     "not of a multipleOf": {"type": "number", "not": {"multipleOf": 2}},
     "if of a pattern": {"if": {"pattern": "^a"}, "then": {"maxLength": 2}},
+    "bounded integers beside a $ref, draft 7": {"$schema": DRAFT_7, "$ref": "#/definitions/x", "type": "integer",
+                                                "minimum": 1, "maximum": 3, "not": {"multipleOf": 2},
+                                                "definitions": {"x": {}}},
     "minProperties of an open object": {"type": "object", "properties": {"a": {}}, "minProperties": 1},
     "not of a recursive reference": {"not": {"$ref": "#/definitions/t"}, "definitions": {"t": {
         "properties": {"a": {"$ref": "#/definitions/t"}}, "required": ["a"]}}},
