@@ -7,8 +7,8 @@ one JSON type (``minLength`` says nothing about a number), so ``not S`` is the u
 keywords, of "a value of that keyword's type which breaks it": ``not {"minLength": 2}`` is
 ``{"type": "string", "maxLength": 1}``, ``not {"required": ["a"]}`` is ``{"type": "object",
 "properties": {"a": false}}``. Compositions follow De Morgan's laws; a local ``$ref`` is
-negated through its target. What this module cannot negate exactly (``pattern`` but for one
-form, ``multipleOf``, ``format``, ``uniqueItems``, ``additionalProperties``, an object or array
+negated through its target. What this module cannot negate exactly (``pattern`` and
+``propertyNames`` but for a form each, ``multipleOf``, ``format``, ``uniqueItems``, ``additionalProperties``, an object or array
 among forbidden values, ...) makes ``negate`` return None, and the caller leaves the schema for
 the backends to refuse. It does not simplify what it builds beyond dropping branches that are
 ``false``.
@@ -109,6 +109,8 @@ def _negate_keyword(key: str, value: Any, schema: dict[str, Any], resolve: Resol
         return [{"type": kind, opposite: value + 1}]
     if key == "pattern":
         return _not_pattern(value)
+    if key == "propertyNames":
+        return _not_property_names(value)
     if key == "contains" and not ({"minContains", "maxContains"} & set(schema)):
         inner = negate(value, resolve, depth, draft_4)  # no item matches: every item breaks it
         return None if inner is None else [{"type": "array", "items": inner}]
@@ -161,6 +163,22 @@ def _not_properties(value: Any, resolve: Resolve, depth: int, draft_4: bool) -> 
         elif negated is not False:
             branches.append({"type": "object", "required": [name], "properties": {name: negated}})
     return branches
+
+
+def _not_property_names(value: Any) -> list[Any] | None:
+    """Some name breaks ``propertyNames``: where it allows no name, any name (an object with a
+    property); where it allows every name but a listed few (``not`` of ``enum``/``const``), one
+    of those is present."""
+    if value is True or value == {}:
+        return []
+    if value is False:
+        return [{"type": "object", "minProperties": 1}]
+    inner = value.get("not") if isinstance(value, dict) and set(value) == {"not"} else None
+    if isinstance(inner, dict) and set(inner) in ({"enum"}, {"const"}):
+        names = inner["enum"] if "enum" in inner else [inner["const"]]
+        if isinstance(names, list):
+            return [{"type": "object", "required": [n]} for n in names if isinstance(n, str)]
+    return None
 
 
 def _not_values(values: Any, draft_4: bool) -> list[Any] | None:

@@ -131,6 +131,7 @@ def _walk(node: Any, context: _Context, skip: tuple[str, ...] = ()) -> Any:
     node = _double_negation(node, context)  # before the inner "not" is rewritten on its own
     if not isinstance(node, dict):
         return node
+    as_written = {k: copy.deepcopy(node[k]) for k in ("not", "if") if k in node}  # (a negation may need either)
     for key in _SUBSCHEMA_LISTS:
         if isinstance(node.get(key), list):
             node[key] = [_walk(s, context) for s in node[key]]
@@ -144,10 +145,10 @@ def _walk(node: Any, context: _Context, skip: tuple[str, ...] = ()) -> Any:
         node["items"] = [_walk(s, context) for s in node["items"]]
     if isinstance(node.get("dependencies"), dict):  # its values: schemas, or lists of names
         node["dependencies"] = {name: _walk(s, context) for name, s in node["dependencies"].items()}
-    node = _not_type(node, context)
-    node = _dependencies(node, context)
-    for rewrite in (_not, _if_then_else, _one_of, _unknown_format, _ref_siblings, _bounded_integers,
-                    _counted_properties):
+    node = _not(_dependencies(_not_type(node, context), context), context, as_written.get("not"))
+    if isinstance(node, dict):
+        node = _if_then_else(node, context, as_written.get("if"))
+    for rewrite in (_one_of, _unknown_format, _ref_siblings, _bounded_integers, _counted_properties):
         if isinstance(node, dict):
             node = rewrite(node, context)
     return _finite_values(node, context) if isinstance(node, dict) else node
@@ -221,11 +222,13 @@ def _dependencies(node: dict[str, Any], context: _Context) -> dict[str, Any]:
     return out
 
 
-def _not(node: dict[str, Any], context: _Context) -> Any:
-    """``not: S`` becomes S's negation in positive keywords (``negation.py``)."""
+def _not(node: dict[str, Any], context: _Context, as_written: Any) -> Any:
+    """``not: S`` becomes S's negation in positive keywords (``negation.py``): of S rewritten, or
+    else of S as written (``not: {propertyNames: {not: {enum}}}``, whose inner ``not`` the
+    rewrite of S has turned into a pattern)."""
     if "not" not in node:
         return node
-    negated = negate(node["not"], context.resolve, draft_4=context.draft_4_integers)
+    negated = _negation(node["not"], as_written, context)
     if negated is None:
         return node
     if not context.use("not"):
@@ -233,11 +236,19 @@ def _not(node: dict[str, Any], context: _Context) -> Any:
     return _conjoin({k: v for k, v in node.items() if k != "not"}, negated)
 
 
-def _if_then_else(node: dict[str, Any], context: _Context) -> Any:
+def _negation(schema: Any, as_written: Any, context: _Context) -> Any:
+    for candidate in (schema, as_written):
+        negated = negate(candidate, context.resolve, draft_4=context.draft_4_integers)
+        if negated is not None:
+            return negated
+    return None
+
+
+def _if_then_else(node: dict[str, Any], context: _Context, as_written: Any) -> Any:
     """``if: I, then: T, else: E`` is ``anyOf: [I and T, (not I) and E]``."""
     if "if" not in node:
         return node
-    negated = negate(node["if"], context.resolve, draft_4=context.draft_4_integers)
+    negated = _negation(node["if"], as_written, context)
     if negated is None:
         return node
     chosen = any_of([_conjoin_all([node["if"], node.get("then", True)]), _conjoin_all([negated, node.get("else", True)])])

@@ -29,10 +29,11 @@ NEGATABLE = [  # a schema for each keyword negate handles, and some of their com
     {"anyOf": [{"type": "string"}, {"minimum": 3}]}, {"allOf": [{"required": ["a"]}, {"maxProperties": 2}]},
     {"$ref": "#/definitions/o"}, {"type": "object", "required": ["a"], "properties": {"a": {"enum": ["x", 2]}},
                                   "additionalProperties": True}, {"if": True, "title": "no then"},
+    {"propertyNames": False}, {"propertyNames": {"not": {"enum": ["a", "b", 1]}}}, {"propertyNames": True},
 ]
 NOT_NEGATABLE = [{"pattern": "^a"}, {"multipleOf": 2}, {"format": "email"}, {"uniqueItems": True},
                  {"additionalProperties": False}, {"const": [1]}, {"type": "integer"}, {"exclusiveMinimum": True},
-                 {"pattern": r"^[ab]+$"}, {"$ref": "#/definitions/s", "maxLength": 3}, {"oneOf": [{}, {}]},
+                 {"pattern": r"^[ab]+$"}, {"propertyNames": {"enum": ["a"]}}, {"$ref": "#/definitions/s", "maxLength": 3}, {"oneOf": [{}, {}]},
                  {"if": {"minimum": 1}, "then": {"maximum": 2}}, {"items": {"type": "string"}}]
 
 

@@ -110,6 +110,10 @@ HAND = {  # (schema, what it becomes, the rewrites applied)
                                    "definitions": {"x": {"type": "object"}}},
                                   {"$schema": DRAFT_7, "$ref": "#/definitions/x", "definitions": {"x": {"type": "object"}},
                                    "allOf": [{"type": "object", "properties": {"a": False}}]}, ["not"]),
+    "not of propertyNames, as written": (
+        {"type": "object", "not": {"propertyNames": {"not": {"enum": ["a", "b"]}}}},
+        {"type": "object", "anyOf": [{"type": "object", "required": ["a"]}, {"type": "object", "required": ["b"]}]},
+        ["not"]),
 }
 LEFT_ALONE = {  # no exact rewrite: left for the backend to refuse
     "not integer": {"not": {"type": "integer"}},
