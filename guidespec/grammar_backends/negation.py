@@ -12,6 +12,9 @@ negated through its target. What this module cannot negate exactly (``pattern`` 
 among forbidden values, ...) makes ``negate`` return None, and the caller leaves the schema for
 the backends to refuse. It does not simplify what it builds beyond dropping branches that are
 ``false``.
+
+It also writes a conjunction (``conjoin``) the way the backends read best: keywords merged into
+one schema where none clashes, else one more ``allOf`` branch.
 """
 
 from __future__ import annotations
@@ -81,6 +84,67 @@ def all_of(branches: list[Any]) -> Any:
     if not kept:
         return True
     return kept[0] if len(kept) == 1 else {"allOf": kept}
+
+
+# keywords that must be read together (properties with additionalProperties, ...): merged into a
+# node only where the node has none of the same group
+_GROUPS = ({"properties", "patternProperties", "additionalProperties", "unevaluatedProperties"},
+           {"items", "prefixItems", "additionalItems", "unevaluatedItems"},
+           {"contains", "minContains", "maxContains"}, {"if", "then", "else"})
+
+
+def conjoin(node: dict[str, Any], extra: Any) -> Any:
+    """A schema meaning ``node and extra``: extra's keywords merged in where none clashes (the
+    names of ``required`` are joined), else extra as one more ``allOf`` branch. Beside a ``$ref``
+    extra stays beside it, as the keyword it replaces was: drafts up to 7 ignore both alike."""
+    if extra is True or extra == {}:
+        return node
+    if "$ref" in node:
+        earlier = node.get("allOf", [])
+        return {**node, "allOf": [*(earlier if isinstance(earlier, list) else [earlier]), extra]}
+    if extra is False:
+        return False
+    if isinstance(extra, dict) and set(extra) == {"anyOf"} and isinstance(extra["anyOf"], list):
+        extra = any_of(_possible(extra["anyOf"], node.get("type")))  # (branches of another type go)
+        if extra is True or extra is False:
+            return node if extra is True else False
+    if isinstance(extra, dict) and "$ref" not in extra and not _clash(node, extra):
+        out = dict(node)
+        for key, value in extra.items():
+            out[key] = list(dict.fromkeys([*out[key], *value])) if key == "required" and key in out else value
+        return out
+    if "allOf" in node and not isinstance(node["allOf"], list):
+        return {"allOf": [node, extra]}
+    return {**node, "allOf": [*node.get("allOf", []), extra]}
+
+
+def conjoin_all(schemas: list[Any]) -> Any:
+    out: Any = True
+    for schema in schemas:
+        out = schema if out is True else conjoin(out, schema) if isinstance(out, dict) else out
+    return out
+
+
+def _possible(branches: list[Any], own: Any) -> list[Any]:
+    """The branches whose ``type`` allows a value of type ``own`` (a node's type keyword)."""
+    ours = _type_set(own)
+    return [b for b in branches if ours is None or not isinstance(b, dict) or _type_set(b.get("type")) is None
+            or ours & _type_set(b.get("type"))]  # type: ignore[operator]
+
+
+def _type_set(value: Any) -> set[str] | None:
+    """The types a "type" keyword names, "integer" as well where it names "number"."""
+    named = value if isinstance(value, list) else [value] if isinstance(value, str) else None
+    if named is None or not all(isinstance(t, str) for t in named):
+        return None
+    return set(named) | ({"integer"} if "number" in named else set())
+
+
+def _clash(node: dict[str, Any], extra: dict[str, Any]) -> bool:
+    if any(k in node and node[k] != v and not (k == "required" and isinstance(node[k], list) and isinstance(v, list))
+           for k, v in extra.items()):
+        return True
+    return any(group & set(node) and group & set(extra) for group in _GROUPS)
 
 
 def _negate_keyword(key: str, value: Any, schema: dict[str, Any], resolve: Resolve, depth: int,

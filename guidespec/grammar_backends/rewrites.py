@@ -13,6 +13,22 @@ exact it does nothing, and the backend refuses as before.
   (xgrammar still refuses the result; llguidance enforces it, so backend ``auto`` serves it).
 - **``not`` of a type**: ``{"not": {"type": T}}`` is ``type`` of the other JSON types (not where
   T names ``integer`` without ``number``: "a number that is not an integer" has no type).
+- **``not``**: ``not: S`` is S's negation written with positive keywords (``negation.py``):
+  ``not: {required: [a]}`` is ``properties: {a: false}``, the negation of listed strings a
+  regex, of a range the ranges beside it, De Morgan for ``anyOf``/``allOf``.
+- **``if``/``then``/``else``**: ``anyOf: [if and then, (not if) and else]``, where ``if`` negates.
+- **``oneOf``**: as ``anyOf`` where that is exact: one branch; branches that list their values
+  (the values exactly one branch accepts, as an ``enum``); branches proven pairwise disjoint
+  (``disjoint.py``); else "branch i and no other", where every branch negates.
+- **Unknown formats**: a ``format`` no draft defines is an annotation (dropped).
+- **Beside a ``$ref``**: keywords no draft defines go; keywords the target repeats go; in a
+  schema read in draft 2019-09 or later (``$schema``, or none) the rest become ``allOf`` with
+  the reference. Drafts up to 7 ignore what is beside a ``$ref``: those schemas keep it, and what
+  a rewrite adds to such a node stays beside the ``$ref`` as the keyword it replaces was.
+- **Bounded integers**: an integer node between two bounds with a keyword a backend cannot
+  enforce is the ``enum`` of its valid integers (at most 2000; not in drafts 3 and 4).
+- **``minProperties``/``maxProperties`` of a closed object**: which optional names are present,
+  as an ``anyOf`` of ``required`` (or absent) subsets, where there are at most 64.
 
 ``rewrite_schema`` returns the schema and the names of the rewrites applied (for the note and
 the tests, which check each one's equivalence on the dataset's instances).
@@ -32,7 +48,7 @@ from typing import Any
 import jsonschema
 
 from guidespec.grammar_backends.disjoint import disjoint
-from guidespec.grammar_backends.negation import VALIDATION, any_of, negate
+from guidespec.grammar_backends.negation import VALIDATION, any_of, conjoin, conjoin_all, negate
 
 _TYPES = ("null", "boolean", "object", "array", "string", "number")
 _ANNOTATIONS = {"title", "description", "$comment", "examples", "default", "$id", "$schema", "$anchor", "deprecated",
@@ -233,7 +249,7 @@ def _not(node: dict[str, Any], context: _Context, as_written: Any) -> Any:
         return node
     if not context.use("not"):
         return node
-    return _conjoin({k: v for k, v in node.items() if k != "not"}, negated)
+    return conjoin({k: v for k, v in node.items() if k != "not"}, negated)
 
 
 def _negation(schema: Any, as_written: Any, context: _Context) -> Any:
@@ -251,10 +267,10 @@ def _if_then_else(node: dict[str, Any], context: _Context, as_written: Any) -> A
     negated = _negation(node["if"], as_written, context)
     if negated is None:
         return node
-    chosen = any_of([_conjoin_all([node["if"], node.get("then", True)]), _conjoin_all([negated, node.get("else", True)])])
+    chosen = any_of([conjoin_all([node["if"], node.get("then", True)]), conjoin_all([negated, node.get("else", True)])])
     if not context.use("if/then/else"):
         return node
-    return _conjoin({k: v for k, v in node.items() if k not in ("if", "then", "else")}, chosen)
+    return conjoin({k: v for k, v in node.items() if k not in ("if", "then", "else")}, chosen)
 
 
 _MAX_ONE_OF_CHARS = 200_000  # a oneOf by negation repeats every branch n times: not past this
@@ -268,27 +284,27 @@ def _one_of(node: dict[str, Any], context: _Context) -> Any:
         return node
     rest = {k: v for k, v in node.items() if k != "oneOf"}
     if len(branches) == 1:
-        return _conjoin(rest, branches[0]) if context.use("oneOf of one branch") else node
+        return conjoin(rest, branches[0]) if context.use("oneOf of one branch") else node
     values = _finite_branches(branches, context)
     if values:
         exactly_one = [v for v in values if sum(context.is_valid(b, v) for b in branches) == 1]
         if exactly_one and context.use("oneOf of finite branches"):
-            return _conjoin(rest, {"enum": exactly_one})
+            return conjoin(rest, {"enum": exactly_one})
     types = node.get("type")
     types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else None
     required = frozenset(n for n in node.get("required", []) if isinstance(n, str)) if isinstance(
         node.get("required"), list) else frozenset()
     if (all(disjoint(a, b, types, context.resolve, context.is_valid, required, draft_4=context.draft_4_integers)
             for a, b in combinations(branches, 2)) and context.use("oneOf of disjoint branches")):
-        return _conjoin(rest, {"anyOf": branches})
+        return conjoin(rest, {"anyOf": branches})
     negated = [negate(b, context.resolve, draft_4=context.draft_4_integers) for b in branches]
     if any(n is None for n in negated):
         return node
-    exactly_one = any_of([_conjoin_all([b, *[n for j, n in enumerate(negated) if j != i]])
+    exactly_one = any_of([conjoin_all([b, *[n for j, n in enumerate(negated) if j != i]])
                           for i, b in enumerate(branches)])
     if len(json.dumps(exactly_one)) > _MAX_ONE_OF_CHARS or not context.use("oneOf by negation"):
         return node
-    return _conjoin(rest, exactly_one)
+    return conjoin(rest, exactly_one)
 
 
 def _finite_branches(branches: list[Any], context: _Context) -> list[Any] | None:
@@ -388,7 +404,7 @@ def _counted_properties(node: dict[str, Any], context: _Context) -> Any:
         return node
     out: Any = {k: v for k, v in node.items() if k not in counts}
     for subsets in branches:
-        out = _conjoin(out, any_of(subsets)) if isinstance(out, dict) else out
+        out = conjoin(out, any_of(subsets)) if isinstance(out, dict) else out
     return out
 
 
@@ -489,67 +505,6 @@ def _contains(node: Any, keywords: set[str]) -> bool:
     if isinstance(node, list):
         return any(_contains(v, keywords) for v in node)
     return False
-
-
-# keywords that must be read together (properties with additionalProperties, ...): merged into a
-# node only where the node has none of the same group
-_GROUPS = ({"properties", "patternProperties", "additionalProperties", "unevaluatedProperties"},
-           {"items", "prefixItems", "additionalItems", "unevaluatedItems"},
-           {"contains", "minContains", "maxContains"}, {"if", "then", "else"})
-
-
-def _conjoin(node: dict[str, Any], extra: Any) -> Any:
-    """A schema meaning ``node and extra``: extra's keywords merged in where none clashes (the
-    names of ``required`` are joined), else extra as one more ``allOf`` branch. Beside a ``$ref``
-    extra stays beside it, as the keyword it replaces was: drafts up to 7 ignore both alike."""
-    if extra is True or extra == {}:
-        return node
-    if "$ref" in node:
-        earlier = node.get("allOf", [])
-        return {**node, "allOf": [*(earlier if isinstance(earlier, list) else [earlier]), extra]}
-    if extra is False:
-        return False
-    if isinstance(extra, dict) and set(extra) == {"anyOf"} and isinstance(extra["anyOf"], list):
-        extra = any_of(_possible(extra["anyOf"], node.get("type")))  # (branches of another type go)
-        if extra is True or extra is False:
-            return node if extra is True else False
-    if isinstance(extra, dict) and "$ref" not in extra and not _clash(node, extra):
-        out = dict(node)
-        for key, value in extra.items():
-            out[key] = list(dict.fromkeys([*out[key], *value])) if key == "required" and key in out else value
-        return out
-    if "allOf" in node and not isinstance(node["allOf"], list):
-        return {"allOf": [node, extra]}
-    return {**node, "allOf": [*node.get("allOf", []), extra]}
-
-
-def _conjoin_all(schemas: list[Any]) -> Any:
-    out: Any = True
-    for schema in schemas:
-        out = schema if out is True else _conjoin(out, schema) if isinstance(out, dict) else out
-    return out
-
-
-def _possible(branches: list[Any], own: Any) -> list[Any]:
-    """The branches whose ``type`` allows a value of type ``own`` (a node's type keyword)."""
-    ours = _type_set(own)
-    return [b for b in branches if ours is None or not isinstance(b, dict) or _type_set(b.get("type")) is None
-            or ours & _type_set(b.get("type"))]  # type: ignore[operator]
-
-
-def _type_set(value: Any) -> set[str] | None:
-    """The types a "type" keyword names, "integer" as well where it names "number"."""
-    named = value if isinstance(value, list) else [value] if isinstance(value, str) else None
-    if named is None or not all(isinstance(t, str) for t in named):
-        return None
-    return set(named) | ({"integer"} if "number" in named else set())
-
-
-def _clash(node: dict[str, Any], extra: dict[str, Any]) -> bool:
-    if any(k in node and node[k] != v and not (k == "required" and isinstance(node[k], list) and isinstance(v, list))
-           for k, v in extra.items()):
-        return True
-    return any(group & set(node) and group & set(extra) for group in _GROUPS)
 
 
 def _nested_ids(node: Any, top: bool) -> bool:
