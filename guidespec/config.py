@@ -159,6 +159,8 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no graphs (worker/graphs.py)
     gpu_memory_utilization: float = 0.9  # CUDA: the share of a GPU's memory a rank may take
     ray_placement: str = "pack"  # Ray: "pack" (STRICT_PACK: one node) or "spread" (STRICT_SPREAD across nodes)
+    # dtype "auto" on the CPU: a GGUF model's linear weights run as the file's own blocks (kernels/gguf_weights.py)
+    quantized_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,7 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9
     draft_channel: ChannelSpec | None = None  # rank 0's draft/mask exchange with the scheduler (cuda_ext)
     scheduler_pid: int = 0  # the draft channel's peer: a wait ends at once when it dies
+    quantized_weights: bool = False  # EngineConfig.quantized_weights: LlamaModel(quantized=...)
 
 
 def config_to_dict(config: SchedulerConfig | WorkerConfig) -> dict[str, object]:

@@ -231,7 +231,9 @@ class GGUFTensors:
         the file lacks it, keeps it in a type the kernel does not take, or the columns do not
         fall on blocks."""
         gguf_name = self._names.get_name(name.removesuffix(".weight"))
-        tensor = None if gguf_name is None else self._tensors.get(gguf_name + ".weight")
+        if gguf_name is None:
+            return None
+        tensor = self._tensors.get(gguf_name + ".weight")
         if tensor is None or len(tensor.shape) != 2:
             return None
         n, k = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists the inner dimension first

@@ -170,7 +170,7 @@ def gguf_model(folder: Path, types: dict[str, str], config: dict[str, Any] = TIN
             writer.add_tensor(gguf_name + ".weight", tensor.numpy())
             continue
         type_name = types.get(short, types["*"])
-        raw = quantized_rows(type_name, *tensor.shape, seed=seed)
+        raw = quantized_rows(type_name, tensor.shape[0], tensor.shape[1], seed=seed)
         state[name] = dequantized(raw, type_name)
         heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(short)
         if heads is not None:  # llama.cpp's convert_hf_to_gguf permutes q and k rows for its rotary layout

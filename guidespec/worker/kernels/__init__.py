@@ -58,13 +58,12 @@ def load(path: Path) -> ctypes.CDLL:
     lib.packed_linear_f32.restype = None
     lib.packed_linear_i8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
     lib.packed_linear_i8.restype = None
-    lib.gguf_linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
+    lib.gguf_linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.gguf_linear.restype = None
     lib.gguf_dequantize_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                          ctypes.c_void_p]
     lib.gguf_dequantize_rows.restype = None
-    lib.gguf_block_bytes.argtypes = [ctypes.c_int]
-    lib.gguf_block_bytes.restype = ctypes.c_int
     lib.cache_attention_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.cache_attention_f32.restype = None
     return lib

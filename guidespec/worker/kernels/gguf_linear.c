@@ -213,9 +213,6 @@ static inline void run_tile(const format_t* f, const void* row, const act_t* a, 
 #endif
 }
 
-/* the bytes of one block of each format (for the Python side's checks) */
-int gguf_block_bytes(int format) { return (int)FORMATS[format].block_bytes; }
-
 /* w: N rows of K/32 blocks of `format`; K a multiple of 32 */
 void gguf_linear(const float* x, const void* w, int format, const float* bias, float* y, int M, int N, int K,
                  int threads) {
