@@ -132,7 +132,7 @@ def _forbids(conjuncts: list[Any], name: str) -> bool:
     for schema in conjuncts:
         if not isinstance(schema, dict):
             continue
-        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        properties: dict[str, Any] = schema["properties"] if isinstance(schema.get("properties"), dict) else {}
         if properties.get(name) is False:
             return True
         if schema.get("additionalProperties") is False and name not in properties:
@@ -153,17 +153,21 @@ _Range = tuple[float, bool, float, bool]  # low, low exclusive, high, high exclu
 
 
 def _range(conjuncts: list[Any], draft_4: bool) -> _Range:
-    low, low_open, high, high_open = -float("inf"), False, float("inf"), False
+    low: float = -float("inf")
+    high: float = float("inf")
+    low_open = high_open = False
     for schema in conjuncts:
         if not isinstance(schema, dict):
             continue
         for key, exclusive in (("minimum", False), ("exclusiveMinimum", True))[:1 if draft_4 else 2]:
             value = schema.get(key)
-            if _is_number(value) and (value > low or value == low and exclusive):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and (
+                    value > low or value == low and exclusive):
                 low, low_open = value, exclusive
         for key, exclusive in (("maximum", False), ("exclusiveMaximum", True))[:1 if draft_4 else 2]:
             value = schema.get(key)
-            if _is_number(value) and (value < high or value == high and exclusive):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and (
+                    value < high or value == high and exclusive):
                 high, high_open = value, exclusive
     return low, low_open, high, high_open
 
@@ -175,8 +179,3 @@ def _ranges_disjoint(a: _Range, b: _Range) -> bool:
 def _below(high: float, high_open: bool, low: float, low_open: bool) -> bool:
     """Every number up to ``high`` is below every number from ``low``."""
     return high < low or high == low and (high_open or low_open)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-

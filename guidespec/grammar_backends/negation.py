@@ -192,8 +192,8 @@ def _negate_composition(key: str, value: Any, schema: dict[str, Any], resolve: R
         return [all_of(negated)] if key == "anyOf" else negated
     if key == "$ref" and isinstance(value, str):
         target = resolve(value)
-        negated = None if target is None else negate(target, resolve, depth + 1, draft_4)
-        return None if negated is None else [negated]
+        through = None if target is None else negate(target, resolve, depth + 1, draft_4)
+        return None if through is None else [through]
     if key == "if" and "then" not in schema and "else" not in schema:
         return []  # an "if" alone constrains nothing
     if key == "additionalProperties" and value in (True, {}):
@@ -217,7 +217,7 @@ def _not_properties(value: Any, resolve: Resolve, depth: int, draft_4: bool) -> 
     """Some named property is present and breaks its schema."""
     if not isinstance(value, dict):
         return None
-    branches = []
+    branches: list[Any] = []
     for name, sub in value.items():
         negated = negate(sub, resolve, depth, draft_4)
         if negated is None:

@@ -392,7 +392,7 @@ def _counted_properties(node: dict[str, Any], context: _Context) -> Any:
     spare = counts.get("maxProperties", len(properties)) - len(set(required))
     if need > len(optional) or spare < 0:
         return node  # no object can have that many properties: let the backend say so
-    branches = []
+    branches: list[list[Any]] = []
     if need > 0:
         branches.append([{"required": list(names)} for names in combinations(optional, need)])
     if spare < len(optional):

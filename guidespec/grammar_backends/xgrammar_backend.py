@@ -328,11 +328,11 @@ def _undeclare_false_properties(out: dict[str, Any]) -> dict[str, Any]:
     properties = out.get("properties")
     if not isinstance(properties, dict):
         return out
-    required = out.get("required") if isinstance(out.get("required"), list) else []
+    required: list[Any] = out["required"] if isinstance(out.get("required"), list) else []
     absent = [n for n, sub in properties.items() if sub is False and n not in required]
     if not absent:
         return out
-    patterns = out.get("patternProperties") if isinstance(out.get("patternProperties"), dict) else {}
+    patterns: dict[str, Any] = out["patternProperties"] if isinstance(out.get("patternProperties"), dict) else {}
     if out.get("additionalProperties", False) is not False or any(_may_match(p, n) for p in patterns for n in absent):
         raise GrammarError("xgrammar cannot forbid a property of an object open to more names in this json_schema "
                            "('properties' false beside 'additionalProperties')")

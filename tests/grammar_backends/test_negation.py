@@ -109,5 +109,7 @@ def test_disjoint_proves_only_what_holds(a: Any, b: Any, types: set[str] | None,
     if proven:  # no value of the types beside them, with the names beside them, matches both
         beside = {"type": sorted(types)} if types else {}
         beside = {**beside, "required": required} if required else beside
-        for value in [None, True, 0, 1, 2, 3, 1.5, "", "ab", [], {"a": 1}, {"k": "x"}, {"k": "y", "a": 2}, {"b": 1}]:
+        values: list[Any] = [None, True, 0, 1, 2, 3, 1.5, "", "ab", [], {"a": 1}, {"k": "x"}, {"k": "y", "a": 2},
+                             {"b": 1}]
+        for value in values:
             assert not (_valid(beside, value) and _valid(a, value) and _valid(b, value)), value

@@ -4,6 +4,7 @@ objects (``interface.find_counted_open_object``) starts at ``minProperties: 2``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ def test_an_open_object_with_min_properties_1_is_never_empty(real_model_dir: Pat
 
     tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
     backend = create_backend(backend_name, tokenizer, 49152, (2,))
-    compiled = backend.compile(GuidedDecoding(json_schema=schema))
+    compiled = backend.compile(GuidedDecoding(json_schema=json.dumps(schema)))
     key = SEPARATORS[backend_name][1]
     assert not matcher_accepts(backend, compiled, tokenizer, "{}", 2)
     assert matcher_accepts(backend, compiled, tokenizer, '{"a"' + key + "1}", 2)
