@@ -53,47 +53,47 @@ def _run(llm: LLM, requests: list[tuple[Any, SamplingParams]]) -> list[Generatio
     return asyncio.run(run())
 
 
-@pytest.fixture(scope="module")
-def reference() -> list[list[int]]:
-    """Plain greedy decoding: no drafts, and no jump-forward (what every way of drafting,
-    jump-forward's forced tokens included, must give)."""
-    with LLM(max_batch_size=8, show_progress=False, jump_forward=False) as llm:
-        return [out.token_ids for out in _run(llm, _requests())]
+BACKENDS = ("xgrammar", "llguidance")
 
 
 @pytest.fixture(scope="module")
-def reference_llguidance() -> list[list[int]]:
+def references() -> dict[str, list[list[int]]]:
+    """Plain greedy decoding, per grammar backend: no drafts, and no jump-forward (what every
+    way of drafting, jump-forward's forced tokens included, must give). One engine serves both
+    backends, as requests choose theirs."""
     with LLM(max_batch_size=8, show_progress=False, jump_forward=False) as llm:
-        return [out.token_ids for out in _run(llm, _requests("llguidance"))]
+        return {backend: [out.token_ids for out in _run(llm, _requests(backend))] for backend in BACKENDS}
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
-def test_jump_forward_changes_nothing_the_model_says(reference: list[list[int]], reference_llguidance: list[list[int]],
-                                                      backend: str) -> None:
+@pytest.fixture(scope="module")
+def reference(references: dict[str, list[list[int]]]) -> list[list[int]]:
+    return references["xgrammar"]
+
+
+def test_jump_forward_changes_nothing_the_model_says(references: dict[str, list[list[int]]]) -> None:
     """Jump-forward as it is by default (no drafter): the grammar's forced tokens are drafts the
-    model verifies in the same forward, so greedy output equals greedy output without it."""
+    model verifies in the same forward, so greedy output equals greedy output without it, on
+    both backends."""
     with LLM(max_batch_size=8, show_progress=False) as llm:
         assert llm.config.jump_forward == "verified"
-        outs = _run(llm, _requests(backend))
-    assert [o.token_ids for o in outs] == (reference if backend == "xgrammar" else reference_llguidance)
-    guided = outs[:3]
-    assert sum(o.stats.num_accepted_tokens for o in guided) > 0  # forced tokens went through as verified drafts
-    assert sum(o.stats.num_steps for o in guided) < sum(len(o.token_ids) for o in guided)
-
-
-@pytest.mark.parametrize("drafter", ["ngram", "draft-model-int8"])
-def test_greedy_speculative_equals_greedy_plain_on_llguidance(reference_llguidance: list[list[int]],
-                                                              drafter: str) -> None:
-    with LLM(max_batch_size=8, show_progress=False, speculative=DRAFTERS[drafter]) as llm:
-        outs = _run(llm, _requests("llguidance"))
-    assert [o.token_ids for o in outs] == reference_llguidance
+        outs = {backend: _run(llm, _requests(backend)) for backend in BACKENDS}
+    for backend in BACKENDS:
+        assert [o.token_ids for o in outs[backend]] == references[backend], backend
+        guided = outs[backend][:3]
+        assert sum(o.stats.num_accepted_tokens for o in guided) > 0  # forced tokens went through as verified drafts
+        assert sum(o.stats.num_steps for o in guided) < sum(len(o.token_ids) for o in guided)
 
 
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
-def test_greedy_speculative_equals_greedy_plain(reference: list[list[int]], drafter: str) -> None:
+def test_greedy_speculative_equals_greedy_plain(references: dict[str, list[list[int]]], drafter: str) -> None:
+    """Every drafter on xgrammar's requests; n-gram and the int8 draft model on llguidance's too
+    (the same engine: a request picks its backend)."""
+    backends = BACKENDS if drafter in ("ngram", "draft-model-int8") else BACKENDS[:1]
     with LLM(max_batch_size=8, show_progress=False, speculative=DRAFTERS[drafter]) as llm:
-        outs = _run(llm, _requests())
-    assert [o.token_ids for o in outs] == reference
+        runs = {backend: _run(llm, _requests(backend)) for backend in backends}
+    for backend, outs in runs.items():
+        assert [o.token_ids for o in outs] == references[backend], backend
+    outs = runs["xgrammar"]
     assert sum(o.stats.num_spec_steps for o in outs) > 0
     accepted, drafted = (sum(getattr(o.stats, f) for o in outs) for f in ("num_accepted_tokens", "num_draft_tokens"))
     if drafter == "draft-model-self":  # the target drafting for itself: greedy drafts are always accepted
