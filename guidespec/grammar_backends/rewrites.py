@@ -318,6 +318,8 @@ def _finite_branches(branches: list[Any], context: _Context) -> list[Any] | None
             branch = context.resolve(branch["$ref"]) if isinstance(branch["$ref"], str) else None
         if not isinstance(branch, dict) or set(branch) & VALIDATION - {"type"} not in ({"enum"}, {"const"}):
             return None
+        if context.draft_4_integers and "integer" in json.dumps(branch.get("type")):
+            return None  # there {"type": "integer", "enum": [1]} rejects 1.0, which an enum of 1 accepts
         listed = branch["enum"] if "enum" in branch else [branch["const"]]
         if not isinstance(listed, list):
             return None

@@ -135,6 +135,8 @@ LEFT_ALONE = {  # no exact rewrite: left for the backend to refuse
     "bounded integers beside a $ref, draft 7": {"$schema": DRAFT_7, "$ref": "#/definitions/x", "type": "integer",
                                                 "minimum": 1, "maximum": 3, "not": {"multipleOf": 2},
                                                 "definitions": {"x": {}}},
+    "oneOf of typed values in draft 4": {"$schema": DRAFT_4, "oneOf": [{"type": "integer", "enum": [1, 2]},
+                                                                   {"enum": [2, 3]}]},
     "minProperties of an open object": {"type": "object", "properties": {"a": {}}, "minProperties": 1},
     "not of a recursive reference": {"not": {"$ref": "#/definitions/t"}, "definitions": {"t": {
         "properties": {"a": {"$ref": "#/definitions/t"}}, "required": ["a"]}}},
