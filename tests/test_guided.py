@@ -81,18 +81,19 @@ def test_guided_and_unguided_share_a_batch(llm: LLM) -> None:
     assert validate_output(guided.text, schema) is None
 
 
-def test_jump_forward_does_not_change_greedy_text(llm: LLM) -> None:
+def test_unverified_jump_forward_writes_the_same_document(llm: LLM) -> None:
+    """The opt-in ``jump_forward="unverified"`` appends the grammar's forced text as its own
+    tokenization; the default (forced tokens verified by the model) equals no jump-forward at all
+    token for token (``tests/test_speculative.py``)."""
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"]}
     prompt = [{"role": "user", "content": "Give a person named Ann aged 31 as JSON."}]
     params = SamplingParams(max_tokens=60, temperature=0.0, guided=GuidedDecoding(json_schema=schema))
-    with LLM(max_batch_size=2, jump_forward=False, show_progress=False) as no_jump:
-        expected = no_jump.generate(prompt, params)[0]
-    out = llm.generate(prompt, params)[0]  # the default: forced tokens verified by the model
-    assert out.token_ids == expected.token_ids
+    verified = llm.generate(prompt, params)[0]
     with LLM(max_batch_size=2, jump_forward="unverified", show_progress=False) as unverified:
+        assert unverified.config.jump_forward == "unverified"
         appended = unverified.generate(prompt, params)[0]  # the forced text's own tokenization: same text here
-    assert json.loads(appended.text) == json.loads(expected.text)
+    assert json.loads(appended.text) == json.loads(verified.text)
 
 
 @pytest.mark.parametrize("bad, message", [
