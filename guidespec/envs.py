@@ -80,5 +80,7 @@ def schema_rewrites_enabled() -> bool:
 def crash_loop() -> tuple[int, float]:
     """A restarting LLM gives up after this many engine deaths within this many seconds
     (``GUIDESPEC_CRASH_LOOP_DEATHS``, default 3; ``GUIDESPEC_CRASH_LOOP_WINDOW_S``, default 60)."""
-    return (int(os.environ.get("GUIDESPEC_CRASH_LOOP_DEATHS", "3")),
-            float(os.environ.get("GUIDESPEC_CRASH_LOOP_WINDOW_S", "60")))
+    return (
+        int(os.environ.get("GUIDESPEC_CRASH_LOOP_DEATHS", "3")),
+        float(os.environ.get("GUIDESPEC_CRASH_LOOP_WINDOW_S", "60")),
+    )

@@ -38,9 +38,23 @@ from guidespec import envs
 from guidespec.config import DTYPES, JUMP_FORWARD_MODES, MODEL_DRAFTERS, EngineConfig, ModelConfig, SpeculativeConfig
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.launcher import EngineProcesses
-from guidespec.protocol import (BACKEND_CHOICES, ENGINE_UNAVAILABLE, INTERNAL_ERROR, AbortRequest, DecodeStats,
-                                EngineDead, EngineReady, GenerateRequest, InvalidRequest, RequestOutput, SamplingParams,
-                                SchedulerStats, Shutdown, validate_prompt, validate_request)
+from guidespec.protocol import (
+    BACKEND_CHOICES,
+    ENGINE_UNAVAILABLE,
+    INTERNAL_ERROR,
+    AbortRequest,
+    DecodeStats,
+    EngineDead,
+    EngineReady,
+    GenerateRequest,
+    InvalidRequest,
+    RequestOutput,
+    SamplingParams,
+    SchedulerStats,
+    Shutdown,
+    validate_prompt,
+    validate_request,
+)
 from guidespec.worker import checkpoint
 
 logger = logging.getLogger(__name__)
@@ -121,7 +135,9 @@ class _RequestStream:
     def __init__(self, output: GenerationOutput, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.output = output
         self.loop = loop
-        self.queue: queue.Queue[RequestOutput] | asyncio.Queue[RequestOutput] = asyncio.Queue() if loop else queue.Queue()
+        self.queue: queue.Queue[RequestOutput] | asyncio.Queue[RequestOutput] = (
+            asyncio.Queue() if loop else queue.Queue()
+        )
 
     def put(self, delta: RequestOutput) -> None:
         if self.loop is not None:
@@ -147,20 +163,38 @@ class _RequestStream:
             out.stats = delta.stats
         if delta.finished:
             out.finished, out.finish_reason, out.finish_time = True, delta.finish_reason, time.time()
-        return StreamDelta(out.request_id, delta.new_text, list(delta.new_token_ids), delta.finished, delta.finish_reason)
+        return StreamDelta(
+            out.request_id, delta.new_text, list(delta.new_token_ids), delta.finished, delta.finish_reason
+        )
 
 
 class LLM:
     """An engine on this machine. ``LLM()`` serves the embedded SmolLM2-135M-Instruct."""
 
-    def __init__(self, model: str | None = None, *, tensor_parallel_size: int = 1, dtype: str = "auto",
-                 max_batch_size: int = 16, max_model_len: int | None = None, max_num_batched_tokens: int = 512,
-                 show_progress: bool = True, remote_ranks: Sequence[int] = (), grammar_backend: str = "auto",
-                 grammar_compile_timeout_s: float = 30.0, jump_forward: bool | str = True,
-                 speculative: SpeculativeConfig | dict[str, Any] | str | None = None,
-                 distributed_executor: str = "mp", ray_address: str | None = None,
-                 enable_prefix_caching: bool = True, restart_on_failure: bool = False, device: str = "auto",
-                 enforce_eager: bool = False, gpu_memory_utilization: float = 0.9, ray_placement: str = "pack") -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tensor_parallel_size: int = 1,
+        dtype: str = "auto",
+        max_batch_size: int = 16,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 512,
+        show_progress: bool = True,
+        remote_ranks: Sequence[int] = (),
+        grammar_backend: str = "auto",
+        grammar_compile_timeout_s: float = 30.0,
+        jump_forward: bool | str = True,
+        speculative: SpeculativeConfig | dict[str, Any] | str | None = None,
+        distributed_executor: str = "mp",
+        ray_address: str | None = None,
+        enable_prefix_caching: bool = True,
+        restart_on_failure: bool = False,
+        device: str = "auto",
+        enforce_eager: bool = False,
+        gpu_memory_utilization: float = 0.9,
+        ray_placement: str = "pack",
+    ) -> None:
         if grammar_backend not in BACKEND_CHOICES:
             raise ValueError(f"grammar_backend must be one of {', '.join(BACKEND_CHOICES)}, got {grammar_backend!r}")
         if grammar_compile_timeout_s <= 0:
@@ -178,24 +212,37 @@ class LLM:
         # Ray places its ranks itself: only a local launch needs the GPUs here
         local = 0 if distributed_executor == "ray" else tensor_parallel_size
         resolved_device = resolve_device(device, local)
-        config, self.tokenizer = _create_engine_config(model, tensor_parallel_size,
-                                                       resolve_dtype(dtype, resolved_device), max_batch_size,
-                                                       max_model_len, max_num_batched_tokens, show_progress,
-                                                       tuple(remote_ranks))
+        config, self.tokenizer = _create_engine_config(
+            model,
+            tensor_parallel_size,
+            resolve_dtype(dtype, resolved_device),
+            max_batch_size,
+            max_model_len,
+            max_num_batched_tokens,
+            show_progress,
+            tuple(remote_ranks),
+        )
         spec_config = _speculative_config(speculative)
         if resolved_device == "cuda" and spec_config is not None and spec_config.method in MODEL_DRAFTERS:
-            raise ValueError(f"speculative method {spec_config.method!r} runs on CPU workers only so far (its GPU "
-                             "path, a fused draft/verify graph, is not built yet): use --device cpu, or a drafter "
-                             "of the scheduler (ngram, forced, user)")
-        self.config = dataclasses.replace(config, grammar_backend=grammar_backend,
-                                          jump_forward=_jump_forward_mode(jump_forward),
-                                          grammar_compile_timeout_s=grammar_compile_timeout_s,
-                                          speculative=spec_config,
-                                          distributed_executor=distributed_executor, ray_address=ray_address,
-                                          enable_prefix_caching=enable_prefix_caching, device=resolved_device,
-                                          enforce_eager=bool(enforce_eager),
-                                          gpu_memory_utilization=float(gpu_memory_utilization),
-                                          ray_placement=ray_placement)
+            raise ValueError(
+                f"speculative method {spec_config.method!r} runs on CPU workers only so far (its GPU "
+                "path, a fused draft/verify graph, is not built yet): use --device cpu, or a drafter "
+                "of the scheduler (ngram, forced, user)"
+            )
+        self.config = dataclasses.replace(
+            config,
+            grammar_backend=grammar_backend,
+            jump_forward=_jump_forward_mode(jump_forward),
+            grammar_compile_timeout_s=grammar_compile_timeout_s,
+            speculative=spec_config,
+            distributed_executor=distributed_executor,
+            ray_address=ray_address,
+            enable_prefix_caching=enable_prefix_caching,
+            device=resolved_device,
+            enforce_eager=bool(enforce_eager),
+            gpu_memory_utilization=float(gpu_memory_utilization),
+            ray_placement=ray_placement,
+        )
         self.restart_on_failure = restart_on_failure
         self.num_restarts = 0  # fresh engines started after a death
         self.on_gave_up: Callable[[str], None] | None = None  # called (once) when the engine died for good
@@ -223,8 +270,9 @@ class LLM:
 
     # ------------------------------------------------------------------ public API
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None,
-                 use_tqdm: bool = False) -> list[GenerationOutput]:
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None, use_tqdm: bool = False
+    ) -> list[GenerationOutput]:
         """Generate for one or several prompts (strings, chat message lists, or {"prompt_token_ids": [...]})."""
         params = sampling_params or SamplingParams()
         streams = [self._submit(p, params) for p in _as_prompt_list(prompts)]
@@ -260,7 +308,9 @@ class LLM:
             pass
         return stream.output
 
-    async def astream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> AsyncIterator[StreamDelta]:
+    async def astream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> AsyncIterator[StreamDelta]:
         stream = self._submit(prompt, sampling_params or SamplingParams(), loop=asyncio.get_running_loop())
         async for delta in self._follow(stream):
             yield delta
@@ -322,8 +372,9 @@ class LLM:
 
     # ------------------------------------------------------------------ internals
 
-    def _submit(self, prompt: Prompt, params: SamplingParams,
-                loop: asyncio.AbstractEventLoop | None = None) -> _RequestStream:
+    def _submit(
+        self, prompt: Prompt, params: SamplingParams, loop: asyncio.AbstractEventLoop | None = None
+    ) -> _RequestStream:
         """Validate (``validate_request``: the one check of the API and the server), then send."""
         self._check_alive()
         if not isinstance(params, SamplingParams):
@@ -403,11 +454,13 @@ class LLM:
                 if self._restarter is None:
                     self._restarter = threading.Thread(target=self._restart_loop, daemon=True, name="guidespec-restart")
                     self._restarter.start()
-        message = (f"the engine died ({reason}); " +
-                   ("it is restarting: retry shortly" if not gave_up else "it will not be restarted"))
+        message = f"the engine died ({reason}); " + (
+            "it is restarting: retry shortly" if not gave_up else "it will not be restarted"
+        )
         for stream in streams:
-            stream.put(RequestOutput(stream.output.request_id, [], "", True, "error", message,
-                                     error_status=ENGINE_UNAVAILABLE))
+            stream.put(
+                RequestOutput(stream.output.request_id, [], "", True, "error", message, error_status=ENGINE_UNAVAILABLE)
+            )
         if gave_up:
             engine.close(_RESTART_GRACE_S)
             if self.on_gave_up is not None:
@@ -426,8 +479,9 @@ class LLM:
         if not self.restart_on_failure:
             self._dead_reason = reason
         elif len(self._deaths) >= max_deaths:
-            self._dead_reason = (f"{reason} (a crash loop: {len(self._deaths)} engine deaths within "
-                                 f"{window_s:g} s; not restarting)")
+            self._dead_reason = (
+                f"{reason} (a crash loop: {len(self._deaths)} engine deaths within {window_s:g} s; not restarting)"
+            )
         return self._dead_reason is not None
 
     def _restart_loop(self) -> None:
@@ -456,8 +510,11 @@ class LLM:
                 if not self._closed:
                     self._engine, self._restarting = engine, None
                     self.num_restarts += 1
-                    logger.warning("a fresh engine is serving (restart %d took %.1f s)", self.num_restarts,
-                                   time.monotonic() - start)
+                    logger.warning(
+                        "a fresh engine is serving (restart %d took %.1f s)",
+                        self.num_restarts,
+                        time.monotonic() - start,
+                    )
                     return
             engine.close()  # closed while starting
             return
@@ -480,8 +537,13 @@ class _Engine:
     """One life of the engine: its processes and the client's two sockets to its scheduler, with
     the thread that receives from it. ``LLM`` replaces it with a fresh one after a death."""
 
-    def __init__(self, config: EngineConfig, ctx: zmq.Context, on_death: Callable[[_Engine, str], None],
-                 route: Callable[[object], None]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        ctx: zmq.Context,
+        on_death: Callable[[_Engine, str], None],
+        route: Callable[[object], None],
+    ) -> None:
         self.on_death = on_death
         self.route = route
         self.processes = EngineProcesses(config, on_death=lambda reason: on_death(self, reason))
@@ -543,9 +605,16 @@ class _Engine:
         raise EngineDeadError(f"the engine did not start within {envs.worker_start_timeout_s():.0f} s")
 
 
-def _create_engine_config(model: str | None, tensor_parallel_size: int, dtype: str, max_batch_size: int,
-                          max_model_len: int | None, max_num_batched_tokens: int,
-                          show_progress: bool, remote_ranks: tuple[int, ...]) -> tuple[EngineConfig, Any]:
+def _create_engine_config(
+    model: str | None,
+    tensor_parallel_size: int,
+    dtype: str,
+    max_batch_size: int,
+    max_model_len: int | None,
+    max_num_batched_tokens: int,
+    show_progress: bool,
+    remote_ranks: tuple[int, ...],
+) -> tuple[EngineConfig, Any]:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if tensor_parallel_size < 1 or max_batch_size < 1 or max_num_batched_tokens < 1:
@@ -557,8 +626,9 @@ def _create_engine_config(model: str | None, tensor_parallel_size: int, dtype: s
     if any(not 0 < r < tensor_parallel_size for r in remote_ranks):
         raise ValueError(f"remote_ranks must be among ranks 1..{tensor_parallel_size - 1}")
     if model_cfg.num_kv_heads < tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} exceeds the model's "
-                         f"{model_cfg.num_kv_heads} key/value heads")
+        raise ValueError(
+            f"tensor_parallel_size {tensor_parallel_size} exceeds the model's {model_cfg.num_kv_heads} key/value heads"
+        )
     limit = model_cfg.max_position_embeddings
     if model_cfg.sliding_window:
         limit = min(limit, model_cfg.sliding_window)
@@ -567,9 +637,19 @@ def _create_engine_config(model: str | None, tensor_parallel_size: int, dtype: s
         raise ValueError(f"max_model_len must be in (1, {limit}] for this model, got {length}")
     tokenizer = checkpoint.load_tokenizer(model_dir)
     eos = checkpoint.eos_token_ids(model_dir, hf_config, tokenizer)
-    return EngineConfig(model_dir, tensor_parallel_size, dtype, max_batch_size, length,
-                        max(max_num_batched_tokens, max_batch_size), eos, show_progress, remote_ranks,
-                        model_cfg.vocab_size, hf_config=hf_data), tokenizer
+    return EngineConfig(
+        model_dir,
+        tensor_parallel_size,
+        dtype,
+        max_batch_size,
+        length,
+        max(max_num_batched_tokens, max_batch_size),
+        eos,
+        show_progress,
+        remote_ranks,
+        model_cfg.vocab_size,
+        hf_config=hf_data,
+    ), tokenizer
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

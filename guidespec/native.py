@@ -34,14 +34,16 @@ def build_shared(name: str, sources: list[Path], headers: list[Path], flags: lis
         return None
     all_flags = [*flags, "-shared", "-fPIC"]
     text = b"".join(path.read_bytes() for path in sources + headers)
-    key = hashlib.sha256(b"\0".join([text, cc.encode(), " ".join(all_flags + libs).encode(),
-                                      os.uname().machine.encode(), cpu_flags()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join([text, cc.encode(), " ".join(all_flags + libs).encode(), os.uname().machine.encode(), cpu_flags()])
+    ).hexdigest()[:16]
     target = envs.cache_dir() / "native" / f"{name}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(f".tmp{os.getpid()}.so")
-        result = subprocess.run([cc, *all_flags, *map(str, sources), "-o", str(tmp), *libs], capture_output=True,
-                                text=True)
+        result = subprocess.run(
+            [cc, *all_flags, *map(str, sources), "-o", str(tmp), *libs], capture_output=True, text=True
+        )
         if result.returncode != 0:
             logger.warning("building %s failed: %s", name, result.stderr[-2000:])
             return None

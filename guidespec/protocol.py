@@ -63,13 +63,16 @@ def validate_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len:
     if not isinstance(ids, list) or not ids:
         raise InvalidRequest("the prompt is empty", "prompt")
     if len(ids) >= max_model_len:
-        raise InvalidRequest(f"the prompt has {len(ids)} tokens, the model length is {max_model_len}: "
-                             f"shorten it or raise max_model_len", "prompt")
+        raise InvalidRequest(
+            f"the prompt has {len(ids)} tokens, the model length is {max_model_len}: shorten it or raise max_model_len",
+            "prompt",
+        )
     bad = next((t for t in ids if not _is_int(t) or not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab_size}) (the model's vocabulary), "
-                             f"got {_short(bad)}", "prompt")
-
+        raise InvalidRequest(
+            f"prompt token ids must be integers in [0, {vocab_size}) (the model's vocabulary), got {_short(bad)}",
+            "prompt",
+        )
 
 
 @register_message(2)
@@ -102,7 +105,9 @@ class GuidedDecoding:
     def kind(self) -> str:
         set_kinds = [k for k in GRAMMAR_KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
-            raise ValueError(f"guided decoding needs exactly one of {', '.join(GRAMMAR_KINDS)}; got {set_kinds or 'none'}")
+            raise ValueError(
+                f"guided decoding needs exactly one of {', '.join(GRAMMAR_KINDS)}; got {set_kinds or 'none'}"
+            )
         return set_kinds[0]
 
     def validate(self) -> None:
@@ -125,8 +130,9 @@ class GuidedDecoding:
         if kind == "choice":
             _check_choices(value)
         if self.backend is not None and self.backend not in BACKEND_CHOICES:
-            raise InvalidRequest(f"unknown grammar backend {self.backend!r}; choose one of "
-                                 f"{', '.join(BACKEND_CHOICES)}", "backend")
+            raise InvalidRequest(
+                f"unknown grammar backend {self.backend!r}; choose one of {', '.join(BACKEND_CHOICES)}", "backend"
+            )
         if not isinstance(self.close_early, bool):
             raise InvalidRequest("close_early must be a boolean", "close_early")
 
@@ -176,10 +182,15 @@ class SamplingParams:
         _check_int("top_k", self.top_k, 0, INT32_MAX, "(0 disables it)")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, 2**63 - 1)
-        if not isinstance(self.stop, tuple) or len(self.stop) > MAX_STOP_STRINGS or any(
-                not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS for s in self.stop):
-            raise InvalidRequest(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at most "
-                                 f"{MAX_STOP_CHARS} characters", "stop")
+        if (
+            not isinstance(self.stop, tuple)
+            or len(self.stop) > MAX_STOP_STRINGS
+            or any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS for s in self.stop)
+        ):
+            raise InvalidRequest(
+                f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters",
+                "stop",
+            )
         if not isinstance(self.stop_token_ids, tuple) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequest(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids", "stop_token_ids")
         for token in self.stop_token_ids:
@@ -436,14 +447,16 @@ def _short(value: object) -> str:
 
 def _check_int(name: str, value: object, low: int, high: int, note: str = "") -> None:
     if not (_is_int(value) and low <= value <= high):  # type: ignore[operator]
-        raise InvalidRequest(f"{name} must be an integer in [{low}, {high}]{' ' + note if note else ''}, "
-                             f"got {_short(value)}", name)
+        raise InvalidRequest(
+            f"{name} must be an integer in [{low}, {high}]{' ' + note if note else ''}, got {_short(value)}", name
+        )
 
 
 def _check_float(name: str, value: object, low: float, high: float, note: str = "") -> None:
     if not (_is_number(value) and low <= value <= high):  # type: ignore[operator]
-        raise InvalidRequest(f"{name} must be a number in [{low:g}, {high:g}]{' ' + note if note else ''}, "
-                             f"got {_short(value)}", name)
+        raise InvalidRequest(
+            f"{name} must be a number in [{low:g}, {high:g}]{' ' + note if note else ''}, got {_short(value)}", name
+        )
 
 
 def _check_schema(text: str) -> None:

@@ -8,15 +8,43 @@ import pytest
 import torch
 
 TINY_CONFIGS = {
-    "llama": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False),
+    "llama": dict(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    ),
     # SmolLM2's shape problem in miniature: 3 key/value heads over 2 ranks, tied embeddings
-    "llama_odd_heads": dict(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
-                            num_key_value_heads=3, max_position_embeddings=256, tie_word_embeddings=True),
-    "qwen2": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False),
-    "mistral": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=256, sliding_window=None),
+    "llama_odd_heads": dict(
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    ),
+    "qwen2": dict(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    ),
+    "mistral": dict(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=None,
+    ),
 }
 
 
@@ -24,8 +52,9 @@ def make_tiny_model(folder: Path, kind: str, vocab_size: int = 300, seed: int = 
     """A random model of family ``kind`` saved as a Hugging Face folder (safetensors)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-    config_cls = {"llama": LlamaConfig, "llama_odd_heads": LlamaConfig, "qwen2": Qwen2Config,
-                  "mistral": MistralConfig}[kind]
+    config_cls = {"llama": LlamaConfig, "llama_odd_heads": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[
+        kind
+    ]
     config = config_cls(vocab_size=vocab_size, rms_norm_eps=1e-5, **TINY_CONFIGS[kind])
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

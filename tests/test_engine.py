@@ -26,7 +26,10 @@ CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a haiku about autumn leaves."}],
     [{"role": "user", "content": "List three prime numbers."}],
-    [{"role": "system", "content": "You answer in JSON."}, {"role": "user", "content": "Give a person with a name and an age."}],
+    [
+        {"role": "system", "content": "You answer in JSON."},
+        {"role": "user", "content": "Give a person with a name and an age."},
+    ],
     [{"role": "user", "content": "Explain in one sentence what a compiler does, and why it matters to programmers."}],
 ]
 
@@ -44,7 +47,7 @@ def test_greedy_equals_hugging_face_generate(llm: LLM, real_model_dir: Path) -> 
     ours = llm.generate(CHATS, GREEDY)
     for chat, out in zip(CHATS, ours):
         ids = torch.tensor([llm.encode_prompt(chat)])
-        ref = hf.generate(ids, max_new_tokens=GREEDY.max_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
+        ref = hf.generate(ids, max_new_tokens=GREEDY.max_tokens, do_sample=False)[0, ids.shape[1] :].tolist()
         assert out.token_ids == ref[: len(out.token_ids)]
         assert len(out.token_ids) == len(ref) or out.finish_reason == "stop"
 
@@ -83,10 +86,16 @@ def test_stop_string_and_seeded_sampling(llm: LLM) -> None:
     assert other != first
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.5), "temperature"),
-    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+    ],
+)
 def test_bad_sampling_parameters_raise_in_the_client(llm: LLM, bad: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         llm.generate("hello", SamplingParams(**bad))
@@ -125,8 +134,10 @@ def test_prefix_caching_starts_after_a_free_slots_tokens_and_changes_no_output(l
     computes only the rest (the second request takes the first's slot); outputs equal an engine's
     that computes every prompt whole."""
     system = {"role": "system", "content": "You are a careful assistant. Answer briefly and precisely, in plain words."}
-    chats = [[system, {"role": "user", "content": q}] for q in
-             ("Name a planet.", "Name a river in Europe.", "Name a river in Europe.")]
+    chats = [
+        [system, {"role": "user", "content": q}]
+        for q in ("Name a planet.", "Name a river in Europe.", "Name a river in Europe.")
+    ]
     penalized = SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3)
     cached = [llm.generate(chat, GREEDY)[0] for chat in chats] + [llm.generate(chats[1], penalized)[0]]
     with LLM(max_batch_size=2, show_progress=False, enable_prefix_caching=False) as whole:
@@ -173,7 +184,9 @@ def test_abort_frees_the_slot() -> None:
 
 def _leftovers(names: list[str], pids: list[int]) -> tuple[list[str], list[int]]:
     files = [n for n in names if os.path.exists(n)]
-    alive = [p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split(")")[1][:3]]
+    alive = [
+        p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split(")")[1][:3]
+    ]
     return files, alive
 
 
@@ -183,7 +196,8 @@ def test_shutdown_leaves_no_process_and_no_shared_memory() -> None:
     pids = [p.pid for p in engine._processes.processes.values()]
     p = engine._processes
     names = [f"/dev/shm/{p.ring.spec.name}", f"/dev/shm/{p.arena.spec.name}"] + [
-        e.removeprefix("ipc://") for e in vars(engine._processes.endpoints).values()]
+        e.removeprefix("ipc://") for e in vars(engine._processes.endpoints).values()
+    ]
     assert _leftovers(names, pids) != ([], [])
     engine.close()
     assert _leftovers(names, pids) == ([], [])
@@ -197,8 +211,10 @@ def _signal_state(pid: int) -> str:
             fields = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
         except OSError:
             continue
-        lines.append(f"{task.name} {fields.get('Name', '?')}: " + " ".join(
-            f"{k}={fields.get(k, '?')}" for k in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")))
+        lines.append(
+            f"{task.name} {fields.get('Name', '?')}: "
+            + " ".join(f"{k}={fields.get(k, '?')}" for k in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
+        )
     return "\n".join(lines)
 
 
@@ -214,7 +230,8 @@ def test_ctrl_c_leaves_no_process_and_no_shared_memory(tmp_path: Path) -> None:
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks where it hangs, if it does
         with LLM(max_batch_size=2, show_progress=False) as llm:
             p = llm._processes
-            names = [f"/dev/shm/{p.ring.spec.name}", f"/dev/shm/{p.arena.spec.name}"] + [e.removeprefix("ipc://") for e in vars(p.endpoints).values()]
+            names = [f"/dev/shm/{p.ring.spec.name}", f"/dev/shm/{p.arena.spec.name}"]
+            names += [e.removeprefix("ipc://") for e in vars(p.endpoints).values()]
             print(json.dumps({"pids": [x.pid for x in p.processes.values()], "names": names}), flush=True)
             llm.generate("Tell me a long story.", SamplingParams(max_tokens=5000, ignore_eos=True))
     """)
@@ -230,7 +247,9 @@ def test_ctrl_c_leaves_no_process_and_no_shared_memory(tmp_path: Path) -> None:
         time.sleep(1.0)
         proc.kill()
         _, err = proc.communicate()
-        pytest.fail(f"the client did not exit within 60 s of SIGINT; its signal masks:\n{masks}\nits threads:\n{err[-6000:]}")
+        pytest.fail(
+            f"the client did not exit within 60 s of SIGINT; its signal masks:\n{masks}\nits threads:\n{err[-6000:]}"
+        )
     assert "KeyboardInterrupt" in err
     time.sleep(0.5)
     assert _leftovers(info["names"], info["pids"]) == ([], [])
@@ -261,7 +280,9 @@ def test_a_restarting_llm_serves_again_after_its_scheduler_dies() -> None:
         expected = engine.generate("Hi", GREEDY)[0].token_ids
         old = engine._processes
         pids = [p.pid for p in old.processes.values()]
-        names = [f"/dev/shm/{old.ring.spec.name}", f"/dev/shm/{old.arena.spec.name}"] + [e.removeprefix("ipc://") for e in vars(old.endpoints).values()]
+        names = [f"/dev/shm/{old.ring.spec.name}", f"/dev/shm/{old.arena.spec.name}"] + [
+            e.removeprefix("ipc://") for e in vars(old.endpoints).values()
+        ]
         stream = engine.stream("Tell me a long story.", SamplingParams(max_tokens=5000, ignore_eos=True))
         next(stream)
         os.kill(old.processes["scheduler"].pid, signal.SIGKILL)
@@ -290,20 +311,31 @@ def test_the_scheduler_refuses_what_a_client_did_not_check(llm: LLM) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.connect(llm._processes.endpoints.client_in)
-    for ids, params in (([60000, 1, 2], GREEDY), ([1, 2], SamplingParams(max_tokens=4, top_k=2**40)),
-                        ([1], SamplingParams(max_tokens=4, temperature=float("inf")))):
-        sock.send(codec.encode(GenerateRequest(f"raw-{len(ids)}-{params.top_k}", np.array(ids, dtype=np.int64),
-                                               params, time.time())))
+    for ids, params in (
+        ([60000, 1, 2], GREEDY),
+        ([1, 2], SamplingParams(max_tokens=4, top_k=2**40)),
+        ([1], SamplingParams(max_tokens=4, temperature=float("inf"))),
+    ):
+        sock.send(
+            codec.encode(
+                GenerateRequest(f"raw-{len(ids)}-{params.top_k}", np.array(ids, dtype=np.int64), params, time.time())
+            )
+        )
     sock.close(linger=1000)
     ctx.term()
     assert llm.is_healthy and llm.generate("Hi", SamplingParams(max_tokens=3, temperature=0.0))[0].finished
 
 
-@pytest.mark.parametrize("prompt, message", [
-    ({"prompt_token_ids": [60000, 1, 2]}, "vocabulary"), ({"prompt_token_ids": [27070147699068784]}, "vocabulary"),
-    ({"prompt_token_ids": [-1]}, "vocabulary"), ({"prompt_token_ids": [True, 2]}, "integers"),
-    ({"prompt_token_ids": "12"}, "list of token ids"),
-])
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ({"prompt_token_ids": [60000, 1, 2]}, "vocabulary"),
+        ({"prompt_token_ids": [27070147699068784]}, "vocabulary"),
+        ({"prompt_token_ids": [-1]}, "vocabulary"),
+        ({"prompt_token_ids": [True, 2]}, "integers"),
+        ({"prompt_token_ids": "12"}, "list of token ids"),
+    ],
+)
 def test_token_ids_outside_the_vocabulary_raise_in_the_client(llm: LLM, prompt: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         llm.generate(prompt, GREEDY)

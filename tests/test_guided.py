@@ -37,13 +37,26 @@ def test_json_schema_outputs_validate(llm: LLM, backend: str, temperature: float
     cases = _jme_cases(6)
 
     async def run() -> list:
-        return await asyncio.gather(*(
-            llm.agenerate(c["messages"], SamplingParams(max_tokens=400, temperature=temperature, seed=i,
-                                                        guided=GuidedDecoding(json_schema=c["schema"], backend=backend)))
-            for i, c in enumerate(cases)), return_exceptions=True)
+        return await asyncio.gather(
+            *(
+                llm.agenerate(
+                    c["messages"],
+                    SamplingParams(
+                        max_tokens=400,
+                        temperature=temperature,
+                        seed=i,
+                        guided=GuidedDecoding(json_schema=c["schema"], backend=backend),
+                    ),
+                )
+                for i, c in enumerate(cases)
+            ),
+            return_exceptions=True,
+        )
 
     outputs = asyncio.run(run())
-    compiled = [(c, o) for c, o in zip(cases, outputs) if not (isinstance(o, RequestError) and is_grammar_refusal(str(o)))]
+    compiled = [
+        (c, o) for c, o in zip(cases, outputs) if not (isinstance(o, RequestError) and is_grammar_refusal(str(o)))
+    ]
     assert len(compiled) >= 4
     for case, out in compiled:
         assert not isinstance(out, BaseException), out
@@ -61,7 +74,7 @@ def test_regex_choice_object_and_grammar(llm: LLM, backend: str) -> None:
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", run(GuidedDecoding(regex=r"[0-9]{3}-[0-9]{4}", backend=backend)))
     assert run(GuidedDecoding(choice=("red", "green", "blue"), backend=backend)) in ("red", "green", "blue")
     assert isinstance(json.loads(run(GuidedDecoding(json_object=True, backend=backend), "A JSON object:")), dict)
-    grammar = ('root ::= "yes" | "no"' if backend == "xgrammar" else 'start: "yes" | "no"')
+    grammar = 'root ::= "yes" | "no"' if backend == "xgrammar" else 'start: "yes" | "no"'
     assert run(GuidedDecoding(grammar=grammar, backend=backend), "Is water wet?") in ("yes", "no")
 
 
@@ -73,8 +86,11 @@ def test_guided_and_unguided_share_a_batch(llm: LLM) -> None:
     async def run() -> list:
         return await asyncio.gather(
             llm.agenerate("The weather today", plain),
-            llm.agenerate([{"role": "user", "content": "Name a city as JSON."}],
-                          SamplingParams(max_tokens=60, temperature=0.0, guided=GuidedDecoding(json_schema=schema))))
+            llm.agenerate(
+                [{"role": "user", "content": "Name a city as JSON."}],
+                SamplingParams(max_tokens=60, temperature=0.0, guided=GuidedDecoding(json_schema=schema)),
+            ),
+        )
 
     unguided, guided = asyncio.run(run())
     assert unguided.token_ids == alone
@@ -85,8 +101,11 @@ def test_unverified_jump_forward_writes_the_same_document(llm: LLM) -> None:
     """The opt-in ``jump_forward="unverified"`` appends the grammar's forced text as its own
     tokenization; the default (forced tokens verified by the model) equals no jump-forward at all
     token for token (``tests/test_speculative.py``)."""
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-              "required": ["name", "age"]}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
     prompt = [{"role": "user", "content": "Give a person named Ann aged 31 as JSON."}]
     params = SamplingParams(max_tokens=60, temperature=0.0, guided=GuidedDecoding(json_schema=schema))
     verified = llm.generate(prompt, params)[0]
@@ -96,32 +115,42 @@ def test_unverified_jump_forward_writes_the_same_document(llm: LLM) -> None:
     assert json.loads(appended.text) == json.loads(verified.text)
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(json_schema="{not json"), "not valid JSON"),
-    (dict(json_schema="[1, 2]"), "JSON object"),
-    (dict(choice=()), "non-empty"),
-    (dict(regex="a", choice=("b",)), "exactly one"),
-    (dict(regex="a", backend="outlines"), "unknown grammar backend"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(json_schema="{not json"), "not valid JSON"),
+        (dict(json_schema="[1, 2]"), "JSON object"),
+        (dict(choice=()), "non-empty"),
+        (dict(regex="a", choice=("b",)), "exactly one"),
+        (dict(regex="a", backend="outlines"), "unknown grammar backend"),
+    ],
+)
 def test_malformed_constraints_raise_in_the_client(llm: LLM, bad: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         llm.generate("x", SamplingParams(guided=GuidedDecoding(**bad)))
 
 
-@pytest.mark.parametrize("guided, message", [
-    (GuidedDecoding(regex="(ab", backend="xgrammar"), "xgrammar cannot compile this regex"),
-    (GuidedDecoding(regex="(ab", backend="llguidance"), "llguidance cannot compile this regex"),
-    (GuidedDecoding(json_schema={"type": "string", "not": {"pattern": "^a"}}, backend="llguidance"),
-     'Unimplemented keys: ["not"]'),
-    (GuidedDecoding(grammar="root ::= ", backend="xgrammar"), "xgrammar cannot compile this grammar"),
-])
+@pytest.mark.parametrize(
+    "guided, message",
+    [
+        (GuidedDecoding(regex="(ab", backend="xgrammar"), "xgrammar cannot compile this regex"),
+        (GuidedDecoding(regex="(ab", backend="llguidance"), "llguidance cannot compile this regex"),
+        (
+            GuidedDecoding(json_schema={"type": "string", "not": {"pattern": "^a"}}, backend="llguidance"),
+            'Unimplemented keys: ["not"]',
+        ),
+        (GuidedDecoding(grammar="root ::= ", backend="xgrammar"), "xgrammar cannot compile this grammar"),
+    ],
+)
 def test_grammar_the_backend_rejects_fails_that_request_alone(llm: LLM, guided: GuidedDecoding, message: str) -> None:
     plain = SamplingParams(max_tokens=6, temperature=0.0)
 
     async def run() -> tuple:
-        return await asyncio.gather(llm.agenerate("Hello", plain),
-                                    llm.agenerate("Hello", SamplingParams(max_tokens=6, guided=guided)),
-                                    return_exceptions=True)
+        return await asyncio.gather(
+            llm.agenerate("Hello", plain),
+            llm.agenerate("Hello", SamplingParams(max_tokens=6, guided=guided)),
+            return_exceptions=True,
+        )
 
     ok, failed = asyncio.run(run())
     assert ok.finished and isinstance(failed, RequestError) and message in str(failed)
@@ -136,19 +165,28 @@ def test_backend_auto_serves_what_one_backend_refuses(llm: LLM) -> None:
     import jsonschema
 
     assert llm.config.grammar_backend == "auto"
-    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-z]+$", "minLength": 3}},
-              "required": ["code"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^[a-z]+$", "minLength": 3}},
+        "required": ["code"],
+        "additionalProperties": False,
+    }
     prompt = [{"role": "user", "content": "Give a JSON object whose code is a lowercase word."}]
-    out = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0,
-                                              guided=GuidedDecoding(json_schema=schema)))[0]
+    out = llm.generate(
+        prompt, SamplingParams(max_tokens=40, temperature=0.0, guided=GuidedDecoding(json_schema=schema))
+    )[0]
     assert out.grammar_backend == "llguidance" and "xgrammar cannot enforce 'minLength'" in out.grammar_refusal
     assert out.finish_reason == "stop"
     jsonschema.validate(json.loads(out.text), schema)
     plain = llm.generate(prompt, SamplingParams(max_tokens=8, guided=GuidedDecoding(choice=("yes", "no"))))[0]
     assert (plain.grammar_backend, plain.grammar_refusal) == ("xgrammar", "")
     with pytest.raises(RequestError) as failure:
-        llm.generate(prompt, SamplingParams(max_tokens=8, guided=GuidedDecoding(
-            json_schema={"type": "string", "not": {"pattern": "^a"}})))
+        llm.generate(
+            prompt,
+            SamplingParams(
+                max_tokens=8, guided=GuidedDecoding(json_schema={"type": "string", "not": {"pattern": "^a"}})
+            ),
+        )
     assert failure.value.status == 400
     assert "xgrammar cannot enforce 'not'" in str(failure.value) and "llguidance cannot" in str(failure.value)
 
@@ -164,8 +202,11 @@ def test_unguided_request_completes_while_a_grammar_compiles(llm: LLM) -> None:
     plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
     async def run() -> tuple:
-        guided = asyncio.ensure_future(llm.agenerate("Pick one:", SamplingParams(
-            max_tokens=30, temperature=0.0, guided=GuidedDecoding(json_schema=schema))))
+        guided = asyncio.ensure_future(
+            llm.agenerate(
+                "Pick one:", SamplingParams(max_tokens=30, temperature=0.0, guided=GuidedDecoding(json_schema=schema))
+            )
+        )
         await asyncio.sleep(0.2)
         unguided = await llm.agenerate("Count: 1, 2, 3,", plain)
         return unguided, time.time(), await guided
@@ -179,7 +220,9 @@ def test_unguided_request_completes_while_a_grammar_compiles(llm: LLM) -> None:
 def test_compile_timeout_fails_the_request_with_a_clear_message() -> None:
     with LLM(max_batch_size=2, grammar_compile_timeout_s=0.5, show_progress=False) as engine:
         with pytest.raises(RequestError, match="grammar compilation took longer than 0.5 s"):
-            engine.generate("x", SamplingParams(max_tokens=4, guided=GuidedDecoding(json_schema=_slow_schema("timeout"))))
+            engine.generate(
+                "x", SamplingParams(max_tokens=4, guided=GuidedDecoding(json_schema=_slow_schema("timeout")))
+            )
         assert engine.generate("Hi", SamplingParams(max_tokens=3))[0].finished
         # the compile process was killed and restarted: guided requests work again
         out = engine.generate("Pick:", SamplingParams(max_tokens=5, guided=GuidedDecoding(choice=("a", "b"))))[0]
@@ -192,7 +235,9 @@ def test_json_output_closes_before_the_model_length_ends(llm: LLM) -> None:
     case = next(c for c in _jme_cases(50) if c["id"] == "JME_30")
     prompt_len = len(llm.encode_prompt(case["messages"]))
     with LLM(max_batch_size=1, max_model_len=prompt_len + 40, show_progress=False) as engine:
-        out = engine.generate(case["messages"], SamplingParams(max_tokens=1024, temperature=0.0,
-                                                               guided=GuidedDecoding(json_schema=case["schema"])))[0]
+        out = engine.generate(
+            case["messages"],
+            SamplingParams(max_tokens=1024, temperature=0.0, guided=GuidedDecoding(json_schema=case["schema"])),
+        )[0]
     assert out.finish_reason == "stop", out.text
     assert validate_output(out.text, case["schema"]) is None, out.text

@@ -39,9 +39,18 @@ def _jme_cases(n: int) -> list[dict[str, Any]]:
 
 
 def _requests(backend: str = "xgrammar", temperature: float = 0.0) -> list[tuple[Any, SamplingParams]]:
-    guided = [(c["messages"], SamplingParams(max_tokens=160, temperature=temperature, seed=i,
-                                             guided=GuidedDecoding(json_schema=c["schema"], backend=backend)))
-              for i, c in enumerate(_jme_cases(3))]
+    guided = [
+        (
+            c["messages"],
+            SamplingParams(
+                max_tokens=160,
+                temperature=temperature,
+                seed=i,
+                guided=GuidedDecoding(json_schema=c["schema"], backend=backend),
+            ),
+        )
+        for i, c in enumerate(_jme_cases(3))
+    ]
     plain = [(p, SamplingParams(max_tokens=48, temperature=temperature, ignore_eos=True)) for p in UNGUIDED]
     return guided + plain
 
@@ -105,10 +114,17 @@ def test_greedy_speculative_equals_greedy_plain(references: dict[str, list[list[
 
 
 # TP=2: the draft model (on rank 0 alone) keeps its own cache and follows the target
-@pytest.mark.parametrize("speculative", ["ngram", {"method": "draft_model", "draft_model": "int8"}], ids=["ngram", "draft"])
+@pytest.mark.parametrize(
+    "speculative", ["ngram", {"method": "draft_model", "draft_model": "int8"}], ids=["ngram", "draft"]
+)
 def test_tensor_parallel_speculative_equals_plain_and_llguidance(reference: list[list[int]], speculative: Any) -> None:
-    with LLM(max_batch_size=8, show_progress=False, tensor_parallel_size=2, grammar_backend="llguidance",
-             speculative=speculative) as llm:
+    with LLM(
+        max_batch_size=8,
+        show_progress=False,
+        tensor_parallel_size=2,
+        grammar_backend="llguidance",
+        speculative=speculative,
+    ) as llm:
         outs = _run(llm, _requests(backend="llguidance"))
     # a backend's grammar does not change greedy text where both accept the model's choice
     assert [o.token_ids for o in outs[3:]] == reference[3:]
@@ -126,9 +142,21 @@ def eagle_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     results = sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob("sweep-*.jsonl"))
     folder = tmp_path_factory.mktemp("eagle") / "head"
-    info = train(TrainConfig(folder, from_results=results, max_sequences=8, draft_vocab_size=2048, max_minutes=0.15,
-                             max_feature_minutes=0.0, num_heads=3, num_kv_heads=1, intermediate_size=256, threads=1),
-                 log=lambda *_: None)
+    info = train(
+        TrainConfig(
+            folder,
+            from_results=results,
+            max_sequences=8,
+            draft_vocab_size=2048,
+            max_minutes=0.15,
+            max_feature_minutes=0.0,
+            num_heads=3,
+            num_kv_heads=1,
+            intermediate_size=256,
+            threads=1,
+        ),
+        log=lambda *_: None,
+    )
     assert info["updates"] > 0 and info["draft_vocab_size"] == 2048
     assert (info["sequences"], info["held_out"]) == (1, 1)
     return folder
@@ -151,8 +179,9 @@ def test_greedy_eagle_equals_greedy_plain(reference: list[list[int]], eagle_head
 
 
 @pytest.mark.parametrize("exchange", ["stream", "python"])
-def test_every_draft_exchange_gives_the_same_greedy_eagle_output(reference: list[list[int]], eagle_head: Path,
-                                                                 exchange: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_draft_exchange_gives_the_same_greedy_eagle_output(
+    reference: list[list[int]], eagle_head: Path, exchange: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rank 0's draft steps through the C host stream (the trampolines a CUDA graph calls back) or
     as messages over ZeroMQ and the ring give what the default (the C channel, called directly)
     gives: plain greedy output."""
@@ -170,8 +199,11 @@ def test_sampled_drafts_of_the_target_itself_are_all_accepted_with_their_q() -> 
     """The target as its own draft model, sampling: each draft is drawn from q' = p' (same model,
     same grammar mask), so rejection sampling accepts practically every one — only if rank 0 keeps
     the right q' for the right drafts; with one-hot q' acceptance would be p'(draft), far lower."""
-    with LLM(max_batch_size=8, show_progress=False,
-             speculative=dict(method="draft_model", draft_model="self", adaptive=False)) as llm:
+    with LLM(
+        max_batch_size=8,
+        show_progress=False,
+        speculative=dict(method="draft_model", draft_model="self", adaptive=False),
+    ) as llm:
         outs = _run(llm, _requests(temperature=1.0))
     for case, out in zip(_jme_cases(3), outs):
         assert out.finish_reason == "stop" and validate_output(out.text, case["schema"]) is None, out.text
@@ -186,11 +218,13 @@ def test_sampled_guided_outputs_stay_valid_and_switches_work() -> None:
             assert out.finish_reason == "stop", out.text
             assert validate_output(out.text, case["schema"]) is None, out.text
         assert sum(o.stats.num_accepted_tokens for o in outs) > 0
-        off = llm.generate(UNGUIDED[0], SamplingParams(max_tokens=24, temperature=0.0, speculative=False,
-                                                       ignore_eos=True))[0]
+        off = llm.generate(
+            UNGUIDED[0], SamplingParams(max_tokens=24, temperature=0.0, speculative=False, ignore_eos=True)
+        )[0]
         assert off.stats.num_spec_steps == 0 and off.stats.mean_accepted_tokens_per_step == 1.0
-        one = llm.generate(UNGUIDED[0], SamplingParams(max_tokens=48, temperature=0.0, max_draft_len=1,
-                                                       ignore_eos=True))[0]
+        one = llm.generate(
+            UNGUIDED[0], SamplingParams(max_tokens=48, temperature=0.0, max_draft_len=1, ignore_eos=True)
+        )[0]
         assert one.stats.num_spec_steps > 0 and len(one.stats.accepted_histogram) <= 2
         assert one.token_ids[:24] == off.token_ids
 
@@ -231,11 +265,19 @@ def test_a_drafter_that_fails_fails_its_request_alone() -> None:
     """A drafter that raises, or proposes a token id past the vocabulary, for one request: that
     request fails with a 500-class RequestError (no traceback in it); the others finish."""
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    with LLM(max_batch_size=4, show_progress=False,
-             speculative=dict(method="user", user_drafter="tests.spec.test_drafters:_Faulty", adaptive=False)) as llm:
+    with LLM(
+        max_batch_size=4,
+        show_progress=False,
+        speculative=dict(method="user", user_drafter="tests.spec.test_drafters:_Faulty", adaptive=False),
+    ) as llm:
+
         async def run() -> list[GenerationOutput | BaseException]:
-            prompts = [{"prompt_token_ids": [1, 2, 7777]}, {"prompt_token_ids": [1, 2, 3]},
-                       {"prompt_token_ids": [1, 2, 8888]}, {"prompt_token_ids": [4, 5, 6]}]
+            prompts = [
+                {"prompt_token_ids": [1, 2, 7777]},
+                {"prompt_token_ids": [1, 2, 3]},
+                {"prompt_token_ids": [1, 2, 8888]},
+                {"prompt_token_ids": [4, 5, 6]},
+            ]
             return list(await asyncio.gather(*(llm.agenerate(p, params) for p in prompts), return_exceptions=True))
 
         raised, ok, past_vocabulary, ok_too = asyncio.run(run())

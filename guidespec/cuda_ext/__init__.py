@@ -32,8 +32,9 @@ _i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The host library, built at first use (None where there is no C compiler)."""
-    path = native.build_shared("guidespec-cuda-ext-host", HOST_SOURCES, HEADERS, ["-O2", "-std=c11", "-pthread"],
-                               ["-pthread"])
+    path = native.build_shared(
+        "guidespec-cuda-ext-host", HOST_SOURCES, HEADERS, ["-O2", "-std=c11", "-pthread"], ["-pthread"]
+    )
     return None if path is None else _typed(ctypes.CDLL(str(path)))
 
 
@@ -69,6 +70,17 @@ def nvcc() -> str | None:
 def compile_cuda(output: Path, arch: str = "sm_90") -> subprocess.CompletedProcess[str]:
     """``host_callbacks.cu`` compiled by nvcc into an object file (what CI checks on a machine
     without a GPU; nothing loads it yet: the fused GPU graph that would is issue 23's next part)."""
-    cmd = [nvcc() or "nvcc", "-O2", f"-arch={arch}", "-Xcompiler", "-fPIC", "-I", str(HERE),
-           "-c", str(CUDA_SOURCES[0]), "-o", str(output)]
+    cmd = [
+        nvcc() or "nvcc",
+        "-O2",
+        f"-arch={arch}",
+        "-Xcompiler",
+        "-fPIC",
+        "-I",
+        str(HERE),
+        "-c",
+        str(CUDA_SOURCES[0]),
+        "-o",
+        str(output),
+    ]
     return subprocess.run(cmd, capture_output=True, text=True)

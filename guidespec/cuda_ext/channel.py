@@ -19,9 +19,13 @@ from guidespec.cuda_ext import library
 
 OK, TIMEOUT, STALE, PEER_GONE, TOO_LARGE, BAD_CHANNEL = range(6)
 DONE = -1
-_WHAT = {TIMEOUT: "no answer before the deadline", STALE: "an answer for another step or draft",
-         PEER_GONE: "the other process died", TOO_LARGE: "more rows or tokens than the channel holds",
-         BAD_CHANNEL: "not a draft channel of this layout"}
+_WHAT = {
+    TIMEOUT: "no answer before the deadline",
+    STALE: "an answer for another step or draft",
+    PEER_GONE: "the other process died",
+    TOO_LARGE: "more rows or tokens than the channel holds",
+    BAD_CHANNEL: "not a draft channel of this layout",
+}
 
 
 class DraftChannelError(RuntimeError):
@@ -81,20 +85,23 @@ class DraftChannel:
 
     # ------------------------------------------------------------------ rank 0
 
-    def exchange(self, step: int, draft_index: int, rows: np.ndarray, sequences: list[list[int]], timeout_s: float,
-                 peer_pid: int) -> np.ndarray:
+    def exchange(
+        self, step: int, draft_index: int, rows: np.ndarray, sequences: list[list[int]], timeout_s: float, peer_pid: int
+    ) -> np.ndarray:
         """Publish the rows' sequences, wait for their mask rows [len(rows), words] (a copy).
         DraftChannelError where no right mask came: the returned rows would be all zero."""
         rows = np.ascontiguousarray(rows, dtype=np.int32)
         lens = np.array([len(s) for s in sequences], dtype=np.int32)
         flat = np.array([t for s in sequences for t in s], dtype=np.int32)
-        code = self.lib.gs_publish_drafts(self.base, step, draft_index, rows.ctypes.data, len(rows), lens.ctypes.data,
-                                          flat.ctypes.data, len(flat))
+        code = self.lib.gs_publish_drafts(
+            self.base, step, draft_index, rows.ctypes.data, len(rows), lens.ctypes.data, flat.ctypes.data, len(flat)
+        )
         if code != OK:
             raise DraftChannelError(code, step, draft_index, "publishing drafts")
         n = len(rows)
-        code = self.lib.gs_wait_mask(self.base, step, draft_index, int(timeout_s * 1e6), peer_pid,
-                                     self._out.ctypes.data, n)
+        code = self.lib.gs_wait_mask(
+            self.base, step, draft_index, int(timeout_s * 1e6), peer_pid, self._out.ctypes.data, n
+        )
         if code != OK:
             raise DraftChannelError(code, step, draft_index, "waiting for the scheduler's mask")
         return self._out[:n].copy()
@@ -105,14 +112,23 @@ class DraftChannel:
 
     # ------------------------------------------------------------------ the scheduler
 
-    def next_drafts(self, step: int, last_index: int, timeout_s: float,
-                    peer_pid: int) -> tuple[int, np.ndarray, list[list[int]]] | None:
+    def next_drafts(
+        self, step: int, last_index: int, timeout_s: float, peer_pid: int
+    ) -> tuple[int, np.ndarray, list[list[int]]] | None:
         """The next draft step of ``step`` after ``last_index`` (-1: none yet): (draft index, rows,
         sequences), with index DONE when rank 0 is done; None on timeout. DraftChannelError for a
         dead rank 0 or a draft of a later step."""
         index, num_rows, num_tokens = self._i
-        code = self.lib.gs_wait_drafts(self.base, step, last_index, int(timeout_s * 1e6), peer_pid,
-                                       ctypes.byref(index), ctypes.byref(num_rows), ctypes.byref(num_tokens))
+        code = self.lib.gs_wait_drafts(
+            self.base,
+            step,
+            last_index,
+            int(timeout_s * 1e6),
+            peer_pid,
+            ctypes.byref(index),
+            ctypes.byref(num_rows),
+            ctypes.byref(num_tokens),
+        )
         if code == TIMEOUT:
             return None
         if code != OK:
@@ -150,15 +166,30 @@ class DraftChannel:
 
 
 class _PublishArgs(ctypes.Structure):
-    _fields_ = [("channel", ctypes.c_void_p), ("step", ctypes.c_void_p), ("draft_index", ctypes.c_int32),
-                ("rows", ctypes.c_void_p), ("lens", ctypes.c_void_p), ("tokens", ctypes.c_void_p),
-                ("num_rows", ctypes.c_void_p), ("num_tokens", ctypes.c_void_p), ("status", ctypes.c_void_p)]
+    _fields_ = [
+        ("channel", ctypes.c_void_p),
+        ("step", ctypes.c_void_p),
+        ("draft_index", ctypes.c_int32),
+        ("rows", ctypes.c_void_p),
+        ("lens", ctypes.c_void_p),
+        ("tokens", ctypes.c_void_p),
+        ("num_rows", ctypes.c_void_p),
+        ("num_tokens", ctypes.c_void_p),
+        ("status", ctypes.c_void_p),
+    ]
 
 
 class _WaitArgs(ctypes.Structure):
-    _fields_ = [("channel", ctypes.c_void_p), ("step", ctypes.c_void_p), ("draft_index", ctypes.c_int32),
-                ("timeout_us", ctypes.c_int64), ("peer_pid", ctypes.c_int32), ("out", ctypes.c_void_p),
-                ("num_rows", ctypes.c_void_p), ("status", ctypes.c_void_p)]
+    _fields_ = [
+        ("channel", ctypes.c_void_p),
+        ("step", ctypes.c_void_p),
+        ("draft_index", ctypes.c_int32),
+        ("timeout_us", ctypes.c_int64),
+        ("peer_pid", ctypes.c_int32),
+        ("out", ctypes.c_void_p),
+        ("num_rows", ctypes.c_void_p),
+        ("status", ctypes.c_void_p),
+    ]
 
 
 class StreamExchange:
@@ -182,10 +213,33 @@ class StreamExchange:
         self.tokens = np.zeros(spec.max_tokens, np.int32)
         self.out = np.zeros((spec.max_rows, spec.num_words), np.int32)
         c = lambda a, offset=0: ctypes.c_void_p(a.ctypes.data + offset)  # noqa: E731
-        self.publish = [_PublishArgs(channel.base, c(self.step), j, c(self.rows), c(self.lens), c(self.tokens),
-                                     c(self.counts), c(self.counts, 4), c(self.status)) for j in range(max_draft_steps)]
-        self.wait = [_WaitArgs(channel.base, c(self.step), j, int(timeout_s * 1e6), peer_pid, c(self.out),
-                               c(self.counts), c(self.status, 4)) for j in range(max_draft_steps)]
+        self.publish = [
+            _PublishArgs(
+                channel.base,
+                c(self.step),
+                j,
+                c(self.rows),
+                c(self.lens),
+                c(self.tokens),
+                c(self.counts),
+                c(self.counts, 4),
+                c(self.status),
+            )
+            for j in range(max_draft_steps)
+        ]
+        self.wait = [
+            _WaitArgs(
+                channel.base,
+                c(self.step),
+                j,
+                int(timeout_s * 1e6),
+                peer_pid,
+                c(self.out),
+                c(self.counts),
+                c(self.status, 4),
+            )
+            for j in range(max_draft_steps)
+        ]
         self._publish_fn = ctypes.cast(lib.gs_cb_publish_drafts, ctypes.c_void_p)
         self._wait_fn = ctypes.cast(lib.gs_cb_wait_mask, ctypes.c_void_p)
 

@@ -168,8 +168,9 @@ def _field_names(cls: type) -> tuple[str, ...]:
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
-def _encode_array(array: np.ndarray, arrays: list[np.ndarray], offset: list[int],
-                  pack: Callable[[Any], bytes]) -> msgpack.ExtType:
+def _encode_array(
+    array: np.ndarray, arrays: list[np.ndarray], offset: list[int], pack: Callable[[Any], bytes]
+) -> msgpack.ExtType:
     dtype_name = _DTYPE_NAMES.get(array.dtype)
     if dtype_name is None:
         raise TypeError(f"arrays of dtype {array.dtype} cannot be sent")
@@ -237,8 +238,9 @@ def _type_check(hint: Any) -> Callable[[Any], bool]:
         return lambda value: any(check(value) for check in checks)
     if origin is tuple and args and args[-1] is not Ellipsis:
         checks = [_type_check(h) for h in args]
-        return lambda value: (isinstance(value, list) and len(value) == len(checks)
-                              and all(check(v) for check, v in zip(checks, value)))
+        return lambda value: (
+            isinstance(value, list) and len(value) == len(checks) and all(check(v) for check, v in zip(checks, value))
+        )
     if origin is list or origin is tuple:
         item = _type_check(args[0]) if args else lambda value: True
         return lambda value: isinstance(value, list) and all(item(v) for v in value)

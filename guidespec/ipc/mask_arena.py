@@ -73,8 +73,10 @@ class MaskArena:
     def put(self, bitmask: np.ndarray) -> int:
         """Copy ``bitmask`` [rows, words] into the next buffer; returns the buffer's index."""
         if not self.fits(bitmask):
-            raise ValueError(f"a bitmask of shape {bitmask.shape} does not fit the arena "
-                             f"({self.spec.num_rows} rows of {self.spec.num_words} words)")
+            raise ValueError(
+                f"a bitmask of shape {bitmask.shape} does not fit the arena "
+                f"({self.spec.num_rows} rows of {self.spec.num_words} words)"
+            )
         index, buffer = self.reserve()
         buffer[: bitmask.shape[0]] = bitmask
         return index

@@ -81,8 +81,11 @@ class RemoteReader:
             if not self.socket.poll(wait_ms):
                 raise RingTimeout(f"no message from the remote writer in {timeout} s")
             parts = self.socket.recv_multipart()
-            if len(parts) == 3 and len(parts[1]) == _MAC_LEN and hmac.compare_digest(
-                    parts[1], hmac.new(self.key, parts[2], hashlib.sha256).digest()):
+            if (
+                len(parts) == 3
+                and len(parts[1]) == _MAC_LEN
+                and hmac.compare_digest(parts[1], hmac.new(self.key, parts[2], hashlib.sha256).digest())
+            ):
                 return parts[2]
             self.rejected += 1
 

@@ -133,8 +133,9 @@ class RingWriter:
         view = memoryview(payload).cast("B")
         size, slot_size = view.nbytes, ring.spec.slot_size
         if size > MAX_MESSAGE_SIZE:
-            raise ValueError(f"ring {ring.spec.name}: a message of {size} bytes is over the limit "
-                             f"of {MAX_MESSAGE_SIZE}")
+            raise ValueError(
+                f"ring {ring.spec.name}: a message of {size} bytes is over the limit of {MAX_MESSAGE_SIZE}"
+            )
         timer = AwakeTimer(timeout)
         sent = 0
         while sent < size or sent == 0:
@@ -157,16 +158,13 @@ class RingWriter:
         backoff = _Backoff(timer)
         while True:
             lagging = [
-                r
-                for r in range(ring.spec.num_readers)
-                if not ring.reader_dead[r] and ring.cursors[r] <= oldest_allowed
+                r for r in range(ring.spec.num_readers) if not ring.reader_dead[r] and ring.cursors[r] <= oldest_allowed
             ]
             if not lagging:
                 return
             if not backoff.wait():
                 raise RingTimeout(
-                    f"ring {ring.spec.name}: reader(s) {lagging} did not free a slot in time "
-                    f"(a dead or stuck reader?)"
+                    f"ring {ring.spec.name}: reader(s) {lagging} did not free a slot in time (a dead or stuck reader?)"
                 )
 
 

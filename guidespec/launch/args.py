@@ -16,62 +16,125 @@ def jump_forward_from_args(args: argparse.Namespace) -> bool | str:
 
 def device_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's placement options (``LLM``'s keyword arguments) from the command line."""
-    return {"device": args.device, "enforce_eager": args.enforce_eager,
-            "gpu_memory_utilization": args.gpu_memory_utilization, "ray_placement": args.ray_placement}
+    return {
+        "device": args.device,
+        "enforce_eager": args.enforce_eager,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "ray_placement": args.ray_placement,
+    }
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--distributed-executor", default="mp", choices=["mp", "ray"],
-                   help="mp: worker ranks as local processes; ray: as Ray actors in a placement group")
-    p.add_argument("--ray-address", default=None, help="the Ray cluster to join (default: the current or a new local one)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bfloat16 on CUDA, float32 on the CPU")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
-                   help="auto: CUDA where torch sees a GPU (rank i on cuda:i), else the CPU")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="CUDA: the share of each GPU's memory a rank may take (weights, KV cache, activations)")
+    p.add_argument(
+        "--distributed-executor",
+        default="mp",
+        choices=["mp", "ray"],
+        help="mp: worker ranks as local processes; ray: as Ray actors in a placement group",
+    )
+    p.add_argument(
+        "--ray-address", default=None, help="the Ray cluster to join (default: the current or a new local one)"
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on CUDA, float32 on the CPU",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cuda", "cpu"],
+        help="auto: CUDA where torch sees a GPU (rank i on cuda:i), else the CPU",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="CUDA: the share of each GPU's memory a rank may take (weights, KV cache, activations)",
+    )
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run every step eagerly, without CUDA graphs")
-    p.add_argument("--ray-placement", default="pack", choices=["pack", "spread"],
-                   help="Ray GPU ranks: pack (STRICT_PACK, one node) or spread (STRICT_SPREAD, one rank per node)")
+    p.add_argument(
+        "--ray-placement",
+        default="pack",
+        choices=["pack", "spread"],
+        help="Ray GPU ranks: pack (STRICT_PACK, one node) or spread (STRICT_SPREAD, one rank per node)",
+    )
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--grammar-backend", "--backend", dest="backend", default="auto",
-                   choices=["auto", "xgrammar", "llguidance"],
-                   help="auto: xgrammar, or llguidance where xgrammar cannot enforce a grammar exactly")
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="compute every prompt whole, even where a free slot still holds the KV of its first tokens")
+    p.add_argument(
+        "--grammar-backend",
+        "--backend",
+        dest="backend",
+        default="auto",
+        choices=["auto", "xgrammar", "llguidance"],
+        help="auto: xgrammar, or llguidance where xgrammar cannot enforce a grammar exactly",
+    )
+    p.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="compute every prompt whole, even where a free slot still holds the KV of its first tokens",
+    )
     spec = p.add_argument_group("speculative decoding")
-    spec.add_argument("--speculative", default=None, choices=["ngram", "forced", "user", "draft_model", "eagle"],
-                      help="drafter: n-gram prompt lookup, grammar-forced tokens only, --user-drafter, --draft-model, "
-                           "or an EAGLE head (--draft-model HEAD_DIR)")
-    spec.add_argument("--draft-model", default=None, metavar="int8|self|layers:N|PATH",
-                      help="the draft model: the target rounded to int8, the target itself, its first N layers, or a folder / .gguf; "
-                           "with --speculative eagle, the EAGLE head folder")
+    spec.add_argument(
+        "--speculative",
+        default=None,
+        choices=["ngram", "forced", "user", "draft_model", "eagle"],
+        help="drafter: n-gram prompt lookup, grammar-forced tokens only, --user-drafter, --draft-model, "
+        "or an EAGLE head (--draft-model HEAD_DIR)",
+    )
+    spec.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="int8|self|layers:N|PATH",
+        help="the draft model: the target rounded to int8, the target itself, its first N layers, or a folder / .gguf; "
+        "with --speculative eagle, the EAGLE head folder",
+    )
     spec.add_argument("--max-draft-len", type=int, default=3)
     spec.add_argument("--max-matching-ngram-size", type=int, default=4)
     spec.add_argument("--no-adaptive-draft", action="store_true", help="always draft --max-draft-len tokens")
     spec.add_argument("--no-forced-drafts", action="store_true", help="do not draft the grammar's forced tokens")
-    spec.add_argument("--no-constrain-drafts", action="store_true",
-                      help="do not cut drafts where the grammar rejects them (to measure what it gains)")
+    spec.add_argument(
+        "--no-constrain-drafts",
+        action="store_true",
+        help="do not cut drafts where the grammar rejects them (to measure what it gains)",
+    )
     spec.add_argument("--user-drafter", default=None, metavar="MODULE:CLASS")
-    spec.add_argument("--combine-ngram", action="store_true",
-                      help="with a draft model or EAGLE head: also prompt lookup; the longer valid draft wins")
-    spec.add_argument("--no-ngram-fallback", action="store_true",
-                      help="with a draft model or EAGLE head and the adaptive length: where the draft model would "
-                           "not pay, draft nothing (default: prompt lookup drafts instead)")
-    spec.add_argument("--no-anchored-lookup", action="store_true",
-                      help="n-gram: where no suffix matches, draft nothing (default: look the last word up in the "
-                           "prompt and let the grammar pick what follows it)")
+    spec.add_argument(
+        "--combine-ngram",
+        action="store_true",
+        help="with a draft model or EAGLE head: also prompt lookup; the longer valid draft wins",
+    )
+    spec.add_argument(
+        "--no-ngram-fallback",
+        action="store_true",
+        help="with a draft model or EAGLE head and the adaptive length: where the draft model would "
+        "not pay, draft nothing (default: prompt lookup drafts instead)",
+    )
+    spec.add_argument(
+        "--no-anchored-lookup",
+        action="store_true",
+        help="n-gram: where no suffix matches, draft nothing (default: look the last word up in the "
+        "prompt and let the grammar pick what follows it)",
+    )
 
 
 def speculative_from_args(args: argparse.Namespace) -> dict[str, object] | None:
     """The LLM's ``speculative`` argument from the command line (None: off)."""
     if args.speculative is None:
         return None
-    return dict(method=args.speculative, max_draft_len=args.max_draft_len,
-                max_matching_ngram_size=args.max_matching_ngram_size, adaptive=not args.no_adaptive_draft,
-                use_forced_tokens=not args.no_forced_drafts, constrain_drafts=not args.no_constrain_drafts,
-                user_drafter=args.user_drafter, draft_model=args.draft_model, combine_ngram=args.combine_ngram,
-                ngram_fallback=not args.no_ngram_fallback, anchored_lookup=not args.no_anchored_lookup)
+    return dict(
+        method=args.speculative,
+        max_draft_len=args.max_draft_len,
+        max_matching_ngram_size=args.max_matching_ngram_size,
+        adaptive=not args.no_adaptive_draft,
+        use_forced_tokens=not args.no_forced_drafts,
+        constrain_drafts=not args.no_constrain_drafts,
+        user_drafter=args.user_drafter,
+        draft_model=args.draft_model,
+        combine_ngram=args.combine_ngram,
+        ngram_fallback=not args.no_ngram_fallback,
+        anchored_lookup=not args.no_anchored_lookup,
+    )

@@ -80,8 +80,19 @@ def load_cases(workload: Path | None, num: int, synthetic: bool, input_len: int,
     rng = random.Random(seed)
     if synthetic:
         words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-        return [Case([{"role": "user", "content": " ".join(rng.choice(words) for _ in range(input_len))
-                       + "\nDescribe these words as a JSON object."}], {"type": "object"}) for _ in range(num)]
+        return [
+            Case(
+                [
+                    {
+                        "role": "user",
+                        "content": " ".join(rng.choice(words) for _ in range(input_len))
+                        + "\nDescribe these words as a JSON object.",
+                    }
+                ],
+                {"type": "object"},
+            )
+            for _ in range(num)
+        ]
     from guidespec.launch.sweep import default_workload, load_workload
 
     cases = load_workload(workload or default_workload())
@@ -93,8 +104,9 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q, method="nearest")) if values else 0.0
 
 
-async def run_level(submit: Submit, cases: list[Case], config: str, concurrency: int, max_tokens: int,
-                    progress: Any = None) -> Level:
+async def run_level(
+    submit: Submit, cases: list[Case], config: str, concurrency: int, max_tokens: int, progress: Any = None
+) -> Level:
     gate = asyncio.Semaphore(concurrency)
 
     async def one(case: Case) -> Result:
@@ -113,14 +125,23 @@ async def run_level(submit: Submit, cases: list[Case], config: str, concurrency:
     ok = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in ok)
     checked = [r.valid for r in ok if r.valid is not None]
-    return Level(config, concurrency, len(results), len(results) - len(ok), wall, tokens, tokens / wall if wall else 0.0,
-                 statistics.fmean(r.output_tokens / r.latency_s for r in ok if r.latency_s > 0) if ok else 0.0,
-                 percentile([r.ttft_s for r in ok], 50), percentile([r.ttft_s for r in ok], 99),
-                 percentile([r.tpot_s for r in ok if r.output_tokens > 1], 50),
-                 percentile([r.tpot_s for r in ok if r.output_tokens > 1], 99),
-                 statistics.fmean(r.accepted_per_step for r in ok) if ok else 0.0,
-                 sum(checked) / len(checked) if checked else None,
-                 [r.error for r in results if not r.ok][:3])
+    return Level(
+        config,
+        concurrency,
+        len(results),
+        len(results) - len(ok),
+        wall,
+        tokens,
+        tokens / wall if wall else 0.0,
+        statistics.fmean(r.output_tokens / r.latency_s for r in ok if r.latency_s > 0) if ok else 0.0,
+        percentile([r.ttft_s for r in ok], 50),
+        percentile([r.ttft_s for r in ok], 99),
+        percentile([r.tpot_s for r in ok if r.output_tokens > 1], 50),
+        percentile([r.tpot_s for r in ok if r.output_tokens > 1], 99),
+        statistics.fmean(r.accepted_per_step for r in ok) if ok else 0.0,
+        sum(checked) / len(checked) if checked else None,
+        [r.error for r in results if not r.ok][:3],
+    )
 
 
 def _validate(text: str, schema: Any) -> bool:
@@ -135,15 +156,21 @@ def in_process_submit(llm: Any) -> Submit:
 
     async def submit(case: Case, config: str, max_tokens: int) -> Result:
         guided = GuidedDecoding(json_schema=case.schema) if config != "unguided" and case.schema is not None else None
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, guided=guided,
-                                speculative=config == "guided+spec")
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, guided=guided, speculative=config == "guided+spec"
+        )
         handle = llm.open_stream(case.messages, params)
         async for _ in handle.deltas():
             pass
         out = handle.output
-        return Result(True, out.time_to_first_token_s, out.latency_s, len(out.token_ids),
-                      out.stats.mean_accepted_tokens_per_step,
-                      _validate(out.text, case.schema) if guided is not None else None)
+        return Result(
+            True,
+            out.time_to_first_token_s,
+            out.latency_s,
+            len(out.token_ids),
+            out.stats.mean_accepted_tokens_per_step,
+            _validate(out.text, case.schema) if guided is not None else None,
+        )
 
     return submit
 
@@ -154,8 +181,14 @@ def url_submit(url: str, model: str | None, api_key: str | None) -> Submit:
     client = httpx.AsyncClient(timeout=600, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
 
     async def submit(case: Case, config: str, max_tokens: int) -> Result:
-        body: dict[str, Any] = {"messages": case.messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                                "stream_options": {"include_usage": True}, "speculative": config == "guided+spec"}
+        body: dict[str, Any] = {
+            "messages": case.messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "speculative": config == "guided+spec",
+        }
         if model:
             body["model"] = model
         guided = config != "unguided" and case.schema is not None
@@ -182,21 +215,31 @@ def url_submit(url: str, model: str | None, api_key: str | None) -> Submit:
                         first = time.perf_counter() - start
                     text += piece
         latency = time.perf_counter() - start
-        return Result(True, first, latency, int(usage.get("completion_tokens", 0)),
-                      float(usage.get("accepted_tokens_per_step", 1.0)), _validate(text, case.schema) if guided else None)
+        return Result(
+            True,
+            first,
+            latency,
+            int(usage.get("completion_tokens", 0)),
+            float(usage.get("accepted_tokens_per_step", 1.0)),
+            _validate(text, case.schema) if guided else None,
+        )
 
     return submit
 
 
 def markdown(levels: list[Level]) -> str:
-    lines = ["| configuration | concurrency | requests | errors | output tok/s | per-user tok/s | TTFT p50 / p99 (s) "
-             "| TPOT p50 / p99 (ms) | accepted/spec step | valid |",
-             "|---|---:|---:|---:|---:|---:|---|---|---:|---:|"]
+    lines = [
+        "| configuration | concurrency | requests | errors | output tok/s | per-user tok/s | TTFT p50 / p99 (s) "
+        "| TPOT p50 / p99 (ms) | accepted/spec step | valid |",
+        "|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
+    ]
     for lv in levels:
         valid = "—" if lv.valid_fraction is None else f"{lv.valid_fraction:.0%}"
-        lines.append(f"| {lv.config} | {lv.concurrency} | {lv.requests} | {lv.errors} | {lv.total_tok_s:.1f} | "
-                     f"{lv.per_user_tok_s:.1f} | {lv.ttft_p50_s:.2f} / {lv.ttft_p99_s:.2f} | "
-                     f"{lv.tpot_p50_s * 1000:.0f} / {lv.tpot_p99_s * 1000:.0f} | {lv.accepted_per_step:.2f} | {valid} |")
+        lines.append(
+            f"| {lv.config} | {lv.concurrency} | {lv.requests} | {lv.errors} | {lv.total_tok_s:.1f} | "
+            f"{lv.per_user_tok_s:.1f} | {lv.ttft_p50_s:.2f} / {lv.ttft_p99_s:.2f} | "
+            f"{lv.tpot_p50_s * 1000:.0f} / {lv.tpot_p99_s * 1000:.0f} | {lv.accepted_per_step:.2f} | {valid} |"
+        )
     return "\n".join(lines)
 
 
@@ -211,8 +254,13 @@ def plot(levels: list[Level], path: Path, title: str) -> None:
         points = sorted((lv for lv in levels if lv.config == config), key=lambda lv: lv.concurrency)
         ax.plot([p.per_user_tok_s for p in points], [p.total_tok_s for p in points], marker="o", label=config)
         for p in points:
-            ax.annotate(str(p.concurrency), (p.per_user_tok_s, p.total_tok_s), textcoords="offset points",
-                        xytext=(4, 4), fontsize=8)
+            ax.annotate(
+                str(p.concurrency),
+                (p.per_user_tok_s, p.total_tok_s),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=8,
+            )
     ax.set_xlabel("per-user output tokens/s")
     ax.set_ylabel("total output tokens/s")
     import textwrap
@@ -234,8 +282,9 @@ def run_bench(args: Any) -> int:
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown configuration(s) {unknown}; choose among {', '.join(CONFIGS)}")
-    cases = load_cases(Path(args.workload) if args.workload else None, args.num_prompts, args.synthetic,
-                       args.input_len, args.seed)
+    cases = load_cases(
+        Path(args.workload) if args.workload else None, args.num_prompts, args.synthetic, args.input_len, args.seed
+    )
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     total = len(configs) * len(args.concurrency) * len(cases)
@@ -255,22 +304,36 @@ def run_bench(args: Any) -> int:
         from guidespec import LLM
 
         speculative = speculative_from_args(args) or {"method": "ngram"}
-        with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
-                 max_batch_size=max(args.max_batch_size, max(args.concurrency)), max_model_len=args.max_model_len,
-                 grammar_backend=args.backend, speculative=speculative, show_progress=False,
-                 distributed_executor=args.distributed_executor, ray_address=args.ray_address,
-                 enable_prefix_caching=args.enable_prefix_caching, **device_from_args(args)) as llm:
-            fitting = [c for c in cases
-                       if len(llm.encode_prompt(c.messages)) + args.max_tokens <= llm.config.max_model_len]
+        with LLM(
+            args.model,
+            tensor_parallel_size=args.tensor_parallel_size,
+            dtype=args.dtype,
+            max_batch_size=max(args.max_batch_size, max(args.concurrency)),
+            max_model_len=args.max_model_len,
+            grammar_backend=args.backend,
+            speculative=speculative,
+            show_progress=False,
+            distributed_executor=args.distributed_executor,
+            ray_address=args.ray_address,
+            enable_prefix_caching=args.enable_prefix_caching,
+            **device_from_args(args),
+        ) as llm:
+            fitting = [
+                c for c in cases if len(llm.encode_prompt(c.messages)) + args.max_tokens <= llm.config.max_model_len
+            ]
             if len(fitting) < len(cases):
-                print(f"guidespec bench: {len(cases) - len(fitting)} of {len(cases)} prompts leave no room for "
-                      f"{args.max_tokens} tokens in the model length {llm.config.max_model_len}: left out")
+                print(
+                    f"guidespec bench: {len(cases) - len(fitting)} of {len(cases)} prompts leave no room for "
+                    f"{args.max_tokens} tokens in the model length {llm.config.max_model_len}: left out"
+                )
                 cases[:] = fitting
                 total = len(configs) * len(args.concurrency) * len(cases)
             asyncio.run(sweep(in_process_submit(llm)))
         where = f"in-process, speculative {speculative['method']}"
-    title = (f"guidespec bench: {len(cases)} {'synthetic' if args.synthetic else 'workload'} prompts, "
-             f"max_tokens {args.max_tokens}, greedy ({where})")
+    title = (
+        f"guidespec bench: {len(cases)} {'synthetic' if args.synthetic else 'workload'} prompts, "
+        f"max_tokens {args.max_tokens}, greedy ({where})"
+    )
     table = markdown(levels)
     (out_dir / "bench.json").write_text(json.dumps({"title": title, "levels": [asdict(lv) for lv in levels]}, indent=2))
     (out_dir / "bench.md").write_text(f"{title}\n\n{table}\n")

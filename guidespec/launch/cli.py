@@ -37,9 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     constraint.add_argument("--grammar", metavar="FILE", help="EBNF (xgrammar) or Lark (llguidance) grammar file")
     constraint.add_argument("--choice", nargs="+", metavar="S", help="the output is one of these strings")
     gen.add_argument("--no-jump-forward", action="store_true", help="sample every token, even forced ones")
-    gen.add_argument("--unverified-jump-forward", action="store_true",
-                      help="append the grammar's forced text as its own tokenization without asking the model "
-                           "(faster where forced text is long; the tokens may differ from the model's)")
+    gen.add_argument(
+        "--unverified-jump-forward",
+        action="store_true",
+        help="append the grammar's forced text as its own tokenization without asking the model "
+        "(faster where forced text is long; the tokens may differ from the model's)",
+    )
 
     sweep = commands.add_parser("sweep", help="validity sweep of the JSON-schema workload")
     add_engine_args(sweep)
@@ -51,8 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--concurrency", type=int, default=16)
     sweep.add_argument("--compile-timeout", type=float, default=30.0)
     sweep.add_argument("--repetition-penalty", type=float, default=1.0)
-    sweep.add_argument("--results", default=None, metavar="FILE.jsonl",
-                       help="append each case's result here; cases already there are not run again (resume)")
+    sweep.add_argument(
+        "--results",
+        default=None,
+        metavar="FILE.jsonl",
+        help="append each case's result here; cases already there are not run again (resume)",
+    )
     sweep.add_argument("--summarize", default=None, metavar="FILE.jsonl", help="print the tables of a --results file")
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
     add_engine_args(serve)
@@ -61,22 +68,37 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: the folder's)")
     serve.add_argument("--no-jump-forward", action="store_true", help="sample every token, even forced ones")
-    serve.add_argument("--unverified-jump-forward", action="store_true",
-                      help="append the grammar's forced text as its own tokenization without asking the model "
-                           "(faster where forced text is long; the tokens may differ from the model's)")
+    serve.add_argument(
+        "--unverified-jump-forward",
+        action="store_true",
+        help="append the grammar's forced text as its own tokenization without asking the model "
+        "(faster where forced text is long; the tokens may differ from the model's)",
+    )
     serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
-    serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
-                       help="on SIGTERM, how long requests in flight may take to finish before the engine stops")
-    serve.add_argument("--no-restart", action="store_true",
-                       help="exit non-zero when the engine dies (default: restart it; a crash loop exits non-zero)")
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM, how long requests in flight may take to finish before the engine stops",
+    )
+    serve.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="exit non-zero when the engine dies (default: restart it; a crash loop exits non-zero)",
+    )
 
     bench = commands.add_parser("bench", help="load generator: a concurrency sweep with a table and plots")
     add_engine_args(bench)
     bench.add_argument("--url", default=None, help="a running server (guidespec serve) instead of an in-process engine")
     bench.add_argument("--api-key", default=None)
     bench.add_argument("--served-model-name", default=None)
-    bench.add_argument("--configs", nargs="+", default=["unguided", "guided", "guided+spec"],
-                       help="unguided, guided (the case's schema), guided+spec (schema and the engine's drafter)")
+    bench.add_argument(
+        "--configs",
+        nargs="+",
+        default=["unguided", "guided", "guided+spec"],
+        help="unguided, guided (the case's schema), guided+spec (schema and the engine's drafter)",
+    )
     bench.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     bench.add_argument("--num-prompts", type=int, default=32, help="requests per configuration and level")
     bench.add_argument("--max-tokens", type=int, default=256)
@@ -86,38 +108,74 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--output-dir", default="out/bench", help="bench.json, bench.md and bench.png go here")
 
-    train = commands.add_parser("train-eagle", help="train an EAGLE-3 draft head for a model on CPU, from its own generations")
+    train = commands.add_parser(
+        "train-eagle", help="train an EAGLE-3 draft head for a model on CPU, from its own generations"
+    )
     train.add_argument("--model", default=None, help="the target (default: SmolLM2-135M-Instruct)")
     train.add_argument("--output", required=True, metavar="DIR", help="the head folder to write")
-    train.add_argument("--from-results", nargs="*", default=[], metavar="FILE.jsonl",
-                       help="the target's generations: validity-sweep result files (valid cases' text)")
-    train.add_argument("--generate", type=int, default=0, metavar="N",
-                       help="also generate up to N outputs now (greedy, guided by the workload's schemas)")
-    train.add_argument("--exclude-prefix", default="JME_", help="leave out cases whose id starts with this ('' for none)")
+    train.add_argument(
+        "--from-results",
+        nargs="*",
+        default=[],
+        metavar="FILE.jsonl",
+        help="the target's generations: validity-sweep result files (valid cases' text)",
+    )
+    train.add_argument(
+        "--generate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also generate up to N outputs now (greedy, guided by the workload's schemas)",
+    )
+    train.add_argument(
+        "--exclude-prefix", default="JME_", help="leave out cases whose id starts with this ('' for none)"
+    )
     train.add_argument("--max-sequences", type=int, default=400)
     train.add_argument("--draft-vocab-size", type=int, default=8192)
     train.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training")
     train.add_argument("--max-minutes", type=float, default=9.0, help="training time (the data comes before it)")
-    train.add_argument("--max-feature-minutes", type=float, default=5.0,
-                       help="the target's features of as many generations as this time allows (before training)")
+    train.add_argument(
+        "--max-feature-minutes",
+        type=float,
+        default=5.0,
+        help="the target's features of as many generations as this time allows (before training)",
+    )
     train.add_argument("--lr", type=float, default=2e-3)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     train.add_argument("--max-updates", type=int, default=None, help="stop after this many updates")
     train.add_argument("--prompt-window", type=int, default=96, help="prompt tokens before the output trained over")
-    train.add_argument("--prompt-loss-weight", type=float, default=0.0,
-                       help="weight of those prompt tokens in the loss (the output's: 1)")
+    train.add_argument(
+        "--prompt-loss-weight",
+        type=float,
+        default=0.0,
+        help="weight of those prompt tokens in the loss (the output's: 1)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "train-eagle":
             from guidespec.spec.train_eagle import TrainConfig, train as train_head
 
-            train_head(TrainConfig(Path(args.output), args.model, [Path(f) for f in args.from_results], args.generate,
-                                   args.exclude_prefix or None, args.max_sequences, args.draft_vocab_size,
-                                   args.ttt_steps, max_minutes=args.max_minutes,
-                                   max_feature_minutes=args.max_feature_minutes, lr=args.lr, seed=args.seed,
-                                   threads=args.threads, max_updates=args.max_updates,
-                                   prompt_window=args.prompt_window, prompt_loss_weight=args.prompt_loss_weight))
+            train_head(
+                TrainConfig(
+                    Path(args.output),
+                    args.model,
+                    [Path(f) for f in args.from_results],
+                    args.generate,
+                    args.exclude_prefix or None,
+                    args.max_sequences,
+                    args.draft_vocab_size,
+                    args.ttt_steps,
+                    max_minutes=args.max_minutes,
+                    max_feature_minutes=args.max_feature_minutes,
+                    lr=args.lr,
+                    seed=args.seed,
+                    threads=args.threads,
+                    max_updates=args.max_updates,
+                    prompt_window=args.prompt_window,
+                    prompt_loss_weight=args.prompt_loss_weight,
+                )
+            )
             return 0
         if args.command == "bench":
             from guidespec.launch.bench import run_bench
@@ -142,12 +200,21 @@ def _serve(args: argparse.Namespace) -> int:
     from guidespec import LLM
     from guidespec.launch.server import run_server
 
-    with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
-             max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, grammar_backend=args.backend,
-             jump_forward=jump_forward_from_args(args), speculative=speculative_from_args(args),
-             distributed_executor=args.distributed_executor, ray_address=args.ray_address,
-             enable_prefix_caching=args.enable_prefix_caching, restart_on_failure=not args.no_restart,
-             **device_from_args(args)) as llm:
+    with LLM(
+        args.model,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        max_model_len=args.max_model_len,
+        grammar_backend=args.backend,
+        jump_forward=jump_forward_from_args(args),
+        speculative=speculative_from_args(args),
+        distributed_executor=args.distributed_executor,
+        ray_address=args.ray_address,
+        enable_prefix_caching=args.enable_prefix_caching,
+        restart_on_failure=not args.no_restart,
+        **device_from_args(args),
+    ) as llm:
         name = args.served_model_name or (args.model and Path(args.model).name) or "SmolLM2-135M-Instruct"
         print(f"guidespec: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         code = run_server(llm, name, args.host, args.port, args.api_key, args.log_level, args.shutdown_timeout)
@@ -159,20 +226,39 @@ def _serve(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from guidespec import LLM, SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), guided=_guided(args),
-                            repetition_penalty=args.repetition_penalty)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        guided=_guided(args),
+        repetition_penalty=args.repetition_penalty,
+    )
     params.validate()
     texts = args.prompt or [_DEFAULT_JSON_PROMPT if (args.json_schema or args.json_object) else _DEFAULT_PROMPT]
     prompts = texts if args.raw else [[{"role": "user", "content": t}] for t in texts]
     start = time.perf_counter()
-    with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
-             max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, grammar_backend=args.backend,
-             jump_forward=jump_forward_from_args(args), speculative=speculative_from_args(args),
-             distributed_executor=args.distributed_executor, ray_address=args.ray_address,
-             enable_prefix_caching=args.enable_prefix_caching, **device_from_args(args)) as llm:
-        print(f"engine ready in {time.perf_counter() - start:.1f} s (tensor_parallel_size={args.tensor_parallel_size}, "
-              f"device={llm.config.device}, dtype={llm.config.dtype})", file=sys.stderr)
+    with LLM(
+        args.model,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        max_model_len=args.max_model_len,
+        grammar_backend=args.backend,
+        jump_forward=jump_forward_from_args(args),
+        speculative=speculative_from_args(args),
+        distributed_executor=args.distributed_executor,
+        ray_address=args.ray_address,
+        enable_prefix_caching=args.enable_prefix_caching,
+        **device_from_args(args),
+    ) as llm:
+        print(
+            f"engine ready in {time.perf_counter() - start:.1f} s (tensor_parallel_size={args.tensor_parallel_size}, "
+            f"device={llm.config.device}, dtype={llm.config.dtype})",
+            file=sys.stderr,
+        )
         if args.stream:
             for delta in llm.stream(prompts[0], params):
                 print(delta.text, end="", flush=True)
@@ -185,25 +271,31 @@ def _generate(args: argparse.Namespace) -> int:
     for text, out in zip(texts, outputs):
         total += len(out.token_ids)
         print(f"### prompt: {text}\n{out.text}\n")
-        print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} output tokens, "
-              f"finish={out.finish_reason}, ttft={out.time_to_first_token_s * 1000:.0f} ms, "
-              f"decode={out.decode_tokens_per_s:.1f} tok/s{_spec_figures(out)}]\n")
+        print(
+            f"[{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} output tokens, "
+            f"finish={out.finish_reason}, ttft={out.time_to_first_token_s * 1000:.0f} ms, "
+            f"decode={out.decode_tokens_per_s:.1f} tok/s{_spec_figures(out)}]\n"
+        )
     print(f"total: {total} output tokens in {wall:.2f} s = {total / wall:.1f} tok/s")
     return 0
 
 
 _DEFAULT_PROMPT = "Give three short tips for writing clear Python code."
-_DEFAULT_JSON_PROMPT = ("Ada Lovelace was born in 1815 in London. She was a mathematician and writer, known for her notes "
-                        "on the Analytical Engine and for the first published computer program. Give her record as JSON.")
+_DEFAULT_JSON_PROMPT = (
+    "Ada Lovelace was born in 1815 in London. She was a mathematician and writer, known for her notes "
+    "on the Analytical Engine and for the first published computer program. Give her record as JSON."
+)
 
 
 def _spec_figures(out: GenerationOutput) -> str:
     s = out.stats
     if not s.num_spec_steps:
         return ""
-    return (f", speculative steps={s.num_spec_steps}/{s.num_steps}, accepted tokens/step="
-            f"{s.mean_accepted_tokens_per_step:.2f}, mean draft length {s.mean_draft_length:.2f}, "
-            f"steps by drafts accepted {s.accepted_histogram}")
+    return (
+        f", speculative steps={s.num_spec_steps}/{s.num_steps}, accepted tokens/step="
+        f"{s.mean_accepted_tokens_per_step:.2f}, mean draft length {s.mean_draft_length:.2f}, "
+        f"steps by drafts accepted {s.accepted_histogram}"
+    )
 
 
 def _guided(args: argparse.Namespace) -> GuidedDecoding | None:

@@ -62,21 +62,34 @@ class EngineProcesses:
         if cfg.distributed_executor == "ray":  # every rank an actor: the broadcast and results go over TCP
             from guidespec.launch.ray_executor import RayRanks
 
-            self.ray = RayRanks(cfg.tensor_parallel_size, self.threads, cfg.ray_address, envs.ray_placement_timeout_s(),
-                                num_gpus=1 if cfg.device == "cuda" else 0, placement=cfg.ray_placement)
+            self.ray = RayRanks(
+                cfg.tensor_parallel_size,
+                self.threads,
+                cfg.ray_address,
+                envs.ray_placement_timeout_s(),
+                num_gpus=1 if cfg.device == "cuda" else 0,
+                placement=cfg.ray_placement,
+            )
             host = self.ray.driver_address()
             self.endpoints = dataclasses.replace(self.endpoints, worker_results=f"tcp://{host}:{_free_port(host)}")
             self.local_ranks: list[int] = []
         else:
             self.local_ranks = [r for r in range(cfg.tensor_parallel_size) if r not in cfg.remote_ranks]
         num_remote = cfg.tensor_parallel_size - len(self.local_ranks)
-        self.ring = ShmRing.create(f"guidespec-{uuid.uuid4().hex[:12]}", len(self.local_ranks),
-                                   _RING_SLOTS, _RING_SLOT_SIZE) if self.local_ranks else None
+        self.ring = (
+            ShmRing.create(f"guidespec-{uuid.uuid4().hex[:12]}", len(self.local_ranks), _RING_SLOTS, _RING_SLOT_SIZE)
+            if self.local_ranks
+            else None
+        )
         remote = f"tcp://{host}:{_free_port(host)}" if num_remote else None
         self.arena = MaskArena.create(_arena_spec(cfg)) if self.local_ranks and cfg.vocab_size else None
-        self.broadcast = BroadcastSpec(self.ring.spec if self.ring is not None else None, remote,
-                                       secrets.token_hex(32), num_remote,
-                                       self.arena.spec if self.arena is not None else None)
+        self.broadcast = BroadcastSpec(
+            self.ring.spec if self.ring is not None else None,
+            remote,
+            secrets.token_hex(32),
+            num_remote,
+            self.arena.spec if self.arena is not None else None,
+        )
         # model drafts and their masks between rank 0 and the scheduler (cuda_ext), where rank 0 is local
         self.drafts = DraftChannel.create(_channel_spec(cfg)) if _uses_channel(cfg, self.local_ranks) else None
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
@@ -85,26 +98,53 @@ class EngineProcesses:
 
     def start(self) -> None:
         cfg, ep = self.cfg, self.endpoints
-        scheduler_cfg = SchedulerConfig(cfg.model_dir, cfg.max_batch_size, cfg.max_model_len, cfg.max_num_batched_tokens,
-                                        cfg.eos_token_ids, cfg.tensor_parallel_size, self.broadcast,
-                                        ep.client_in, ep.client_out, ep.worker_results, cfg.vocab_size,
-                                        cfg.grammar_backend, cfg.grammar_compile_timeout_s, cfg.jump_forward,
-                                        cfg.speculative, cfg.enable_prefix_caching,
-                                        draft_channel=self.drafts.spec if self.drafts is not None else None)
+        scheduler_cfg = SchedulerConfig(
+            cfg.model_dir,
+            cfg.max_batch_size,
+            cfg.max_model_len,
+            cfg.max_num_batched_tokens,
+            cfg.eos_token_ids,
+            cfg.tensor_parallel_size,
+            self.broadcast,
+            ep.client_in,
+            ep.client_out,
+            ep.worker_results,
+            cfg.vocab_size,
+            cfg.grammar_backend,
+            cfg.grammar_compile_timeout_s,
+            cfg.jump_forward,
+            cfg.speculative,
+            cfg.enable_prefix_caching,
+            draft_channel=self.drafts.spec if self.drafts is not None else None,
+        )
         self._spawn("scheduler", "scheduler", scheduler_cfg)
         init_method = self.ray.rank0_rendezvous() if self.ray is not None else f"tcp://127.0.0.1:{_free_port()}"
-        worker_cfgs = [WorkerConfig(cfg.model_dir, cfg.dtype, rank, cfg.tensor_parallel_size, cfg.max_batch_size,
-                                    cfg.max_model_len, self.broadcast, self._ring_index(rank), ep.worker_results,
-                                    init_method, self.threads, cfg.show_progress,
-                                    draft_model=_draft_model(cfg) if rank == 0 else None,
-                                    draft_method=cfg.speculative.method if cfg.speculative else "draft_model",
-                                    hf_config=cfg.hf_config, enforce_eager=cfg.enforce_eager,
-                                    gpu_memory_utilization=cfg.gpu_memory_utilization,
-                                    # rank i on cuda:i locally; a Ray rank on the one GPU Ray gave it
-                                    device=rank_device(cfg.device, None if self.ray is not None else rank),
-                                    draft_channel=self.drafts.spec if self.drafts is not None and rank == 0 else None,
-                                    scheduler_pid=self.processes["scheduler"].pid)
-                       for rank in range(cfg.tensor_parallel_size)]
+        worker_cfgs = [
+            WorkerConfig(
+                cfg.model_dir,
+                cfg.dtype,
+                rank,
+                cfg.tensor_parallel_size,
+                cfg.max_batch_size,
+                cfg.max_model_len,
+                self.broadcast,
+                self._ring_index(rank),
+                ep.worker_results,
+                init_method,
+                self.threads,
+                cfg.show_progress,
+                draft_model=_draft_model(cfg) if rank == 0 else None,
+                draft_method=cfg.speculative.method if cfg.speculative else "draft_model",
+                hf_config=cfg.hf_config,
+                enforce_eager=cfg.enforce_eager,
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                # rank i on cuda:i locally; a Ray rank on the one GPU Ray gave it
+                device=rank_device(cfg.device, None if self.ray is not None else rank),
+                draft_channel=self.drafts.spec if self.drafts is not None and rank == 0 else None,
+                scheduler_pid=self.processes["scheduler"].pid,
+            )
+            for rank in range(cfg.tensor_parallel_size)
+        ]
         if self.ray is not None:
             self.ray.start(worker_cfgs)
         else:
@@ -150,8 +190,9 @@ class EngineProcesses:
 
     def _spawn(self, name: str, role: str, config: SchedulerConfig | WorkerConfig) -> None:
         spec = json.dumps({"role": role, "parent_pid": os.getpid(), "config": config_to_dict(config)})
-        process = subprocess.Popen([sys.executable, "-m", "guidespec.launch.child"], stdin=subprocess.PIPE,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "guidespec.launch.child"], stdin=subprocess.PIPE, start_new_session=True
+        )
         self.processes[name] = process
         assert process.stdin is not None
         process.stdin.write(spec.encode())
@@ -169,20 +210,31 @@ def _arena_spec(cfg: EngineConfig) -> ArenaSpec:
     """Room for every row of a full batch verifying the engine's draft length (a step with more
     rows, e.g. long forced drafts, sends its mask through the ring instead)."""
     rows_per_request = 1 + (cfg.speculative.max_draft_len if cfg.speculative is not None else 0)
-    return ArenaSpec(f"guidespec-{uuid.uuid4().hex[:12]}-masks", cfg.max_batch_size * rows_per_request,
-                     -(-cfg.vocab_size // 32))
+    return ArenaSpec(
+        f"guidespec-{uuid.uuid4().hex[:12]}-masks", cfg.max_batch_size * rows_per_request, -(-cfg.vocab_size // 32)
+    )
 
 
 def _uses_channel(cfg: EngineConfig, local_ranks: list[int]) -> bool:
     """A model drafter on a local rank 0, the C library built, and the channel not switched off."""
     spec = cfg.speculative
-    return (spec is not None and spec.method in MODEL_DRAFTERS and 0 in local_ranks and bool(cfg.vocab_size)
-            and envs.draft_channel() != "python" and channel_available())
+    return (
+        spec is not None
+        and spec.method in MODEL_DRAFTERS
+        and 0 in local_ranks
+        and bool(cfg.vocab_size)
+        and envs.draft_channel() != "python"
+        and channel_available()
+    )
 
 
 def _channel_spec(cfg: EngineConfig) -> ChannelSpec:
-    return ChannelSpec(f"guidespec-{uuid.uuid4().hex[:12]}-drafts", cfg.max_batch_size, cfg.max_batch_size * 128,
-                       -(-cfg.vocab_size // 32))
+    return ChannelSpec(
+        f"guidespec-{uuid.uuid4().hex[:12]}-drafts",
+        cfg.max_batch_size,
+        cfg.max_batch_size * 128,
+        -(-cfg.vocab_size // 32),
+    )
 
 
 def _kill_group(pid: int) -> None:

@@ -54,10 +54,15 @@ def placement_problem(num_ranks: int, bundle: dict[str, float], cluster: dict[st
     for resource, amount in bundle.items():
         have, need = cluster.get(resource, 0.0), num_ranks * amount
         if have < need:
-            hint = ("add GPU nodes, or lower tensor_parallel_size" if resource == "GPU" else
-                    "add nodes, lower tensor_parallel_size, or GUIDESPEC_WORKER_THREADS for fewer CPUs per rank")
-            return (f"the Ray cluster cannot hold the placement: {num_ranks} ranks x {amount:g} {resource} need "
-                    f"{need:g} {resource}s, the cluster has {have:g} ({hint})")
+            hint = (
+                "add GPU nodes, or lower tensor_parallel_size"
+                if resource == "GPU"
+                else "add nodes, lower tensor_parallel_size, or GUIDESPEC_WORKER_THREADS for fewer CPUs per rank"
+            )
+            return (
+                f"the Ray cluster cannot hold the placement: {num_ranks} ranks x {amount:g} {resource} need "
+                f"{need:g} {resource}s, the cluster has {have:g} ({hint})"
+            )
     return None
 
 
@@ -88,8 +93,15 @@ class RayRank:
 class RayRanks:
     """The placement group and the rank actors of one engine."""
 
-    def __init__(self, num_ranks: int, num_cpus: int, address: str | None, placement_timeout_s: float,
-                 num_gpus: int = 0, placement: str = "pack") -> None:
+    def __init__(
+        self,
+        num_ranks: int,
+        num_cpus: int,
+        address: str | None,
+        placement_timeout_s: float,
+        num_gpus: int = 0,
+        placement: str = "pack",
+    ) -> None:
         if placement not in PLACEMENTS:
             raise ValueError(f"ray placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
         try:
@@ -105,8 +117,12 @@ class RayRanks:
         if self.started_ray:
             self._undo_auth = _adopt_cluster_auth(address)
             try:
-                ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False,
-                         runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("GUIDESPEC_")}})
+                ray.init(
+                    address=address,
+                    logging_level=logging.WARNING,
+                    log_to_driver=False,
+                    runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("GUIDESPEC_")}},
+                )
             except BaseException:
                 self._undo_auth()
                 raise
@@ -124,14 +140,24 @@ class RayRanks:
         except Exception:
             free = {k: ray.available_resources().get(k, 0.0) for k in bundle}
             self.close()
-            where = " on one node" if strategy == "STRICT_PACK" else (" on distinct nodes" if "SPREAD" in strategy else "")
-            raise RuntimeError(f"the Ray cluster could not place {num_ranks} ranks x {_describe(bundle)}{where} within "
-                               f"{placement_timeout_s:g} s ({_describe(free)} free now)") from None
+            where = (
+                " on one node" if strategy == "STRICT_PACK" else (" on distinct nodes" if "SPREAD" in strategy else "")
+            )
+            raise RuntimeError(
+                f"the Ray cluster could not place {num_ranks} ranks x {_describe(bundle)}{where} within "
+                f"{placement_timeout_s:g} s ({_describe(free)} free now)"
+            ) from None
         actor_cls = ray.remote(RayRank)
-        self.actors = [actor_cls.options(num_cpus=num_cpus, num_gpus=num_gpus,
-                                         scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                             placement_group=self.pg, placement_group_bundle_index=rank)).remote()
-                       for rank in range(num_ranks)]
+        self.actors = [
+            actor_cls.options(
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=rank
+                ),
+            ).remote()
+            for rank in range(num_ranks)
+        ]
 
     def driver_address(self) -> str:
         return str(self._ray.util.get_node_ip_address())
@@ -181,8 +207,10 @@ class RayRanks:
         self._undo_auth = _keep_auth
 
 
-_TOKEN_HELP = ("set RAY_AUTH_TOKEN to the cluster's token (or RAY_AUTH_TOKEN_PATH to a file holding it, or put it "
-               "in ~/.ray/auth_token); `ray get-auth-token` on the head node prints it")
+_TOKEN_HELP = (
+    "set RAY_AUTH_TOKEN to the cluster's token (or RAY_AUTH_TOKEN_PATH to a file holding it, or put it "
+    "in ~/.ray/auth_token); `ray get-auth-token` on the head node prints it"
+)
 
 
 def _adopt_cluster_auth(address: str | None) -> Callable[[], None]:
@@ -203,8 +231,10 @@ def _adopt_cluster_auth(address: str | None) -> Callable[[], None]:
         if _gcs_answer(address) != "rejected":
             return _keep_auth  # open, or unreachable (ray.init says so as before)
         if mode is not None:
-            raise RuntimeError(f"the Ray cluster at {address} requires token authentication, but RAY_AUTH_MODE={mode} "
-                               f"here turns it off: unset RAY_AUTH_MODE (or set it to token) and {_TOKEN_HELP}")
+            raise RuntimeError(
+                f"the Ray cluster at {address} requires token authentication, but RAY_AUTH_MODE={mode} "
+                f"here turns it off: unset RAY_AUTH_MODE (or set it to token) and {_TOKEN_HELP}"
+            )
         undo = _restore_auth_mode
     if not AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
         why = "requires token authentication" if mode is None else f"is joined with RAY_AUTH_MODE={mode}"
@@ -212,8 +242,9 @@ def _adopt_cluster_auth(address: str | None) -> Callable[[], None]:
     _set_auth_mode("token")  # Ray's core worker asserts a token exists in token mode: checked above
     if _gcs_answer(address) == "rejected":
         undo()
-        raise RuntimeError(f"the Ray cluster at {address} rejected the authentication token from {_token_source()}: "
-                           f"{_TOKEN_HELP}")
+        raise RuntimeError(
+            f"the Ray cluster at {address} rejected the authentication token from {_token_source()}: {_TOKEN_HELP}"
+        )
     return undo
 
 

@@ -41,17 +41,39 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from guidespec.grammar_backends.interface import refusals_in
-from guidespec.llm import (LLM, EngineDeadError, GenerationOutput, RequestError, RequestHandle,
-                           StreamDelta)
-from guidespec.protocol import (INT32_MAX, MAX_CHOICES, MAX_REPETITION_PENALTY, MAX_STOP_CHARS, MAX_STOP_STRINGS,
-                                MAX_TEMPERATURE, MIN_REPETITION_PENALTY, GuidedDecoding, InvalidRequest, SamplingParams)
+from guidespec.llm import LLM, EngineDeadError, GenerationOutput, RequestError, RequestHandle, StreamDelta
+from guidespec.protocol import (
+    INT32_MAX,
+    MAX_CHOICES,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
+    GuidedDecoding,
+    InvalidRequest,
+    SamplingParams,
+)
 
 logger = logging.getLogger("guidespec.server")
 MAX_BODY_BYTES = 16 << 20  # a request body past this is refused with 413 before it is read whole
 RETRY_AFTER_S = 5  # what a 503 tells clients to wait (an engine restart takes a few seconds)
 
-_UNSUPPORTED = ("logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "functions", "function_call",
-                "suffix", "best_of", "echo", "audio", "modalities", "prediction")
+_UNSUPPORTED = (
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "suffix",
+    "best_of",
+    "echo",
+    "audio",
+    "modalities",
+    "prediction",
+)
 _IGNORED = ("user", "store", "metadata", "parallel_tool_calls", "service_tier")  # accepted, without effect
 
 
@@ -99,14 +121,26 @@ class CompletionResponse(BaseModel):
 # one server-sent event (as OpenAPI 3.2 readers such as schemathesis parse a stream): its data is
 # a chunk as JSON, an error object as JSON, or "[DONE]"
 _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
-_ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": ErrorResponse, "description": what} for status, what in (
-    (400, "the request is invalid or refused by the engine"), (401, "wrong or missing API key"),
-    (404, "unknown model"), (413, "request body too large"), (422, "request body of the wrong shape"),
-    (500, "a bug of the server (the traceback is in its log)"),
-    (503, "the engine is restarting or the server is shutting down: retry after Retry-After seconds"))}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": what}
+    for status, what in (
+        (400, "the request is invalid or refused by the engine"),
+        (401, "wrong or missing API key"),
+        (404, "unknown model"),
+        (413, "request body too large"),
+        (422, "request body of the wrong shape"),
+        (500, "a bug of the server (the traceback is in its log)"),
+        (503, "the engine is restarting or the server is shutting down: retry after Retry-After seconds"),
+    )
+}
 _GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"model": CompletionResponse, "content": {"text/event-stream": {"schema": _SSE_EVENT}},
-          "description": "the completion (JSON), or with stream: server-sent events"}, **_ERRORS}
+    200: {
+        "model": CompletionResponse,
+        "content": {"text/event-stream": {"schema": _SSE_EVENT}},
+        "description": "the completion (JSON), or with stream: server-sent events",
+    },
+    **_ERRORS,
+}
 
 
 class _Request(BaseModel):
@@ -142,12 +176,30 @@ class CompletionRequest(_Request):
 
 
 class ChatRequest(_Request):
-    messages: list[dict[str, Any]] = _documented(..., minItems=1, items={
-        "type": "object", "required": ["role", "content"],
-        "properties": {"role": {"enum": list(_ROLES)},
-                       "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {
-                           "type": "object", "required": ["type", "text"],
-                           "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}}})
+    messages: list[dict[str, Any]] = _documented(
+        ...,
+        minItems=1,
+        items={
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {
+                "role": {"enum": list(_ROLES)},
+                "content": {
+                    "anyOf": [
+                        {"type": "string"},
+                        {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["type", "text"],
+                                "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                            },
+                        },
+                    ]
+                },
+            },
+        },
+    )
     max_completion_tokens: int | None = _documented(minimum=1)
 
 
@@ -157,28 +209,46 @@ class _Metrics:
         r = self.registry
         r.register(_RestartCollector(llm))
         latency_buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-        self.ttft = Histogram("guidespec_time_to_first_token_seconds", "Time to first token", registry=r,
-                              buckets=latency_buckets)
-        self.itl = Histogram("guidespec_inter_token_latency_seconds", "Time per output token after the first",
-                             registry=r, buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28))
-        self.e2e = Histogram("guidespec_e2e_request_latency_seconds", "End-to-end request latency", registry=r,
-                             buckets=latency_buckets)
-        self.accepted = Histogram("guidespec_accepted_tokens_per_step", "Tokens per step of speculating requests "
-                                  "(the target's own token included)", registry=r,
-                                  buckets=(1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8))
-        self.finished = Counter("guidespec_request_success", "Requests finished, by reason", ["finished_reason"],
-                                registry=r)
-        self.failed = Counter("guidespec_request_failure", "Requests refused or failed, by HTTP status",
-                              ["status"], registry=r)
-        self.refusals = Counter("guidespec_grammar_refusals", "Grammars a backend refused (it cannot enforce them "
-                                "exactly), by backend and the keyword it named; with backend auto the other one "
-                                "may have served the request", ["backend", "keyword"], registry=r)
+        self.ttft = Histogram(
+            "guidespec_time_to_first_token_seconds", "Time to first token", registry=r, buckets=latency_buckets
+        )
+        self.itl = Histogram(
+            "guidespec_inter_token_latency_seconds",
+            "Time per output token after the first",
+            registry=r,
+            buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28),
+        )
+        self.e2e = Histogram(
+            "guidespec_e2e_request_latency_seconds", "End-to-end request latency", registry=r, buckets=latency_buckets
+        )
+        self.accepted = Histogram(
+            "guidespec_accepted_tokens_per_step",
+            "Tokens per step of speculating requests (the target's own token included)",
+            registry=r,
+            buckets=(1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8),
+        )
+        self.finished = Counter(
+            "guidespec_request_success", "Requests finished, by reason", ["finished_reason"], registry=r
+        )
+        self.failed = Counter(
+            "guidespec_request_failure", "Requests refused or failed, by HTTP status", ["status"], registry=r
+        )
+        self.refusals = Counter(
+            "guidespec_grammar_refusals",
+            "Grammars a backend refused (it cannot enforce them "
+            "exactly), by backend and the keyword it named; with backend auto the other one "
+            "may have served the request",
+            ["backend", "keyword"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("guidespec_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("guidespec_generation_tokens", "Generated tokens", registry=r)
         self.in_server = Gauge("guidespec_num_requests_in_server", "HTTP requests being served", registry=r)
-        for field, doc in (("running", "Requests holding a KV slot"),
-                           ("waiting", "Requests queued for a slot (queue depth)"),
-                           ("waiting_for_grammar", "Requests waiting for their grammar to compile")):
+        for field, doc in (
+            ("running", "Requests holding a KV slot"),
+            ("waiting", "Requests queued for a slot (queue depth)"),
+            ("waiting_for_grammar", "Requests waiting for their grammar to compile"),
+        ):
             gauge = Gauge(f"guidespec_num_requests_{field}", doc, registry=r)
             gauge.set_function(_stat_reader(llm, field))
 
@@ -211,8 +281,9 @@ class _RestartCollector:
         self.llm = llm
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        yield CounterMetricFamily("guidespec_engine_restarts", "Engine restarts after a process died",
-                                  value=self.llm.num_restarts)
+        yield CounterMetricFamily(
+            "guidespec_engine_restarts", "Engine restarts after a process died", value=self.llm.num_restarts
+        )
 
 
 def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
@@ -272,24 +343,42 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
             return _error(503, "the server is shutting down")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", response_class=PlainTextResponse,
-             responses={200: {"description": "Prometheus' text format", "content": {"text/plain": {}}}})
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus' text format", "content": {"text/plain": {}}}},
+    )
     async def prometheus() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": created, "owned_by": "guidespec",
-             "max_model_len": max_model_len}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model_name,
+                        "object": "model",
+                        "created": created,
+                        "owned_by": "guidespec",
+                        "max_model_len": max_model_len,
+                    }
+                ],
+            }
+        )
 
     @app.post("/v1/completions", responses=_GENERATE_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Any:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise APIError(400, "one prompt per request is supported (got a batch of "
-                                    f"{len(prompt)}); send them as separate requests", "prompt")
+                raise APIError(
+                    400,
+                    "one prompt per request is supported (got a batch of "
+                    f"{len(prompt)}); send them as separate requests",
+                    "prompt",
+                )
             prompt = prompt[0]
         engine_prompt: Any = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
         return await _serve(body, engine_prompt, request, chat=False, default_max_tokens=16)
@@ -308,8 +397,9 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
         unsupported = [k for k in extra if k in _UNSUPPORTED and (body.model_extra or {}).get(k) not in (None, False)]
         unknown = [k for k in extra if k not in _UNSUPPORTED]
         if unsupported or unknown:
-            what = ([f"unsupported parameter(s): {', '.join(unsupported)}"] if unsupported else []) + \
-                   ([f"unknown parameter(s): {', '.join(unknown)}"] if unknown else [])
+            what = ([f"unsupported parameter(s): {', '.join(unsupported)}"] if unsupported else []) + (
+                [f"unknown parameter(s): {', '.join(unknown)}"] if unknown else []
+            )
             raise APIError(400, "; ".join(what), (unsupported or unknown)[0])
         if body.n != 1:
             raise APIError(400, f"n must be 1 (got {body.n}): send several requests instead", "n")
@@ -320,9 +410,13 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
         room = max_model_len - len(prompt_ids)
         if room <= 0 or (body.max_tokens is not None and body.max_tokens > room):
             asked = body.max_tokens if body.max_tokens is not None else 0
-            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                                f"requested {len(prompt_ids) + asked} tokens ({len(prompt_ids)} in the prompt, "
-                                f"{asked} for the completion). Shorten the prompt or lower max_tokens.", "max_tokens")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"requested {len(prompt_ids) + asked} tokens ({len(prompt_ids)} in the prompt, "
+                f"{asked} for the completion). Shorten the prompt or lower max_tokens.",
+                "max_tokens",
+            )
         max_tokens = body.max_tokens if body.max_tokens is not None else min(default_max_tokens or room, room)
         params = _sampling_params(body, max_tokens, llm.config.grammar_backend)
         try:
@@ -339,8 +433,11 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
             if body.stream:
                 first = await _first_delta(handle)  # a grammar the engine refuses answers 400 before any byte
                 include_usage = bool((body.stream_options or {}).get("include_usage"))
-                return StreamingResponse(_sse(handle, first, request_id, chat, include_usage, metrics),
-                                         media_type="text/event-stream", headers=_served_by(handle.output))
+                return StreamingResponse(
+                    _sse(handle, first, request_id, chat, include_usage, metrics),
+                    media_type="text/event-stream",
+                    headers=_served_by(handle.output),
+                )
             output = await _collect(handle, request)
         finally:
             if not body.stream:
@@ -350,8 +447,9 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
         metrics.observe(output)
         return JSONResponse(_response(output, request_id, chat), headers=_served_by(output))
 
-    async def _sse(handle: RequestHandle, first: StreamDelta, request_id: str, chat: bool, include_usage: bool,
-                   metrics: _Metrics) -> AsyncIterator[str]:
+    async def _sse(
+        handle: RequestHandle, first: StreamDelta, request_id: str, chat: bool, include_usage: bool, metrics: _Metrics
+    ) -> AsyncIterator[str]:
         """Server-sent events; if the client disconnects, the generator is closed and ``deltas()``
         (closed with it) aborts the request."""
         deltas = handle.deltas()
@@ -375,8 +473,16 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
             out = handle.output
             metrics.observe(out)
             if include_usage:
-                yield _event({"id": request_id, "object": _object(chat, stream=True), "created": int(time.time()),
-                              "model": model_name, "choices": [], "usage": _usage(out)})
+                yield _event(
+                    {
+                        "id": request_id,
+                        "object": _object(chat, stream=True),
+                        "created": int(time.time()),
+                        "model": model_name,
+                        "choices": [],
+                        "usage": _usage(out),
+                    }
+                )
             yield "data: [DONE]\n\n"
         finally:
             await deltas.aclose()  # type: ignore[attr-defined]
@@ -393,6 +499,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
 
     async def _collect(handle: RequestHandle, request: Request) -> GenerationOutput | None:
         """The whole output; None if the client disconnected first (the request is then aborted)."""
+
         async def drain() -> None:
             async for _ in handle.deltas():
                 pass
@@ -417,18 +524,33 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
         else:
             choice["text"] = content
             choice["logprobs"] = None
-        return {"id": request_id, "object": _object(chat, stream=True), "created": int(time.time()),
-                "model": model_name, "choices": [choice]}
+        return {
+            "id": request_id,
+            "object": _object(chat, stream=True),
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": [choice],
+        }
 
     def _response(out: GenerationOutput, request_id: str, chat: bool) -> dict[str, Any]:
         reason = _finish_reason(out.finish_reason)
         if chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                                      "finish_reason": reason, "logprobs": None}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": out.text},
+                "finish_reason": reason,
+                "logprobs": None,
+            }
         else:
             choice = {"index": 0, "text": out.text, "finish_reason": reason, "logprobs": None}
-        return {"id": request_id, "object": _object(chat, stream=False), "created": int(time.time()),
-                "model": model_name, "choices": [choice], "usage": _usage(out)}
+        return {
+            "id": request_id,
+            "object": _object(chat, stream=False),
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": [choice],
+            "usage": _usage(out),
+        }
 
     return app
 
@@ -437,12 +559,20 @@ def _sampling_params(body: _Request, max_tokens: int, default_backend: str) -> S
     guided = _guided(body)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                                top_p=1.0 if body.top_p is None else body.top_p,
-                                top_k=0 if body.top_k in (None, -1) else body.top_k,  # vLLM's -1: off
-                                seed=body.seed, stop=tuple(stop), ignore_eos=body.ignore_eos, guided=guided,
-                                repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
-                                presence_penalty=body.presence_penalty, speculative=body.speculative)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k in (None, -1) else body.top_k,  # vLLM's -1: off
+            seed=body.seed,
+            stop=tuple(stop),
+            ignore_eos=body.ignore_eos,
+            guided=guided,
+            repetition_penalty=body.repetition_penalty,
+            frequency_penalty=body.frequency_penalty,
+            presence_penalty=body.presence_penalty,
+            speculative=body.speculative,
+        )
         params.validate()
     except ValueError as e:
         raise APIError(400, str(e)) from None
@@ -462,13 +592,18 @@ def _guided(body: _Request) -> GuidedDecoding | None:
             schema = spec.get("schema", spec.get("json_schema"))
             if schema is None:
                 raise APIError(400, "response_format json_schema needs json_schema.schema", "response_format")
-            found.append(("response_format", GuidedDecoding(json_schema=schema if isinstance(schema, str)
-                                                            else json.dumps(schema))))
+            found.append(
+                (
+                    "response_format",
+                    GuidedDecoding(json_schema=schema if isinstance(schema, str) else json.dumps(schema)),
+                )
+            )
         elif kind == "json_object":
             found.append(("response_format", GuidedDecoding(json_object=True)))
         elif kind not in ("text", None):
-            raise APIError(400, f"response_format type must be text, json_object or json_schema, got {kind!r}",
-                           "response_format")
+            raise APIError(
+                400, f"response_format type must be text, json_object or json_schema, got {kind!r}", "response_format"
+            )
     if body.guided_json is not None:
         schema = body.guided_json if isinstance(body.guided_json, str) else json.dumps(body.guided_json)
         found.append(("guided_json", GuidedDecoding(json_schema=schema)))
@@ -479,8 +614,9 @@ def _guided(body: _Request) -> GuidedDecoding | None:
     if body.guided_choice is not None:
         found.append(("guided_choice", GuidedDecoding(choice=tuple(body.guided_choice))))
     if len(found) > 1:
-        raise APIError(400, f"at most one constraint per request, got {', '.join(name for name, _ in found)}",
-                       found[1][0])
+        raise APIError(
+            400, f"at most one constraint per request, got {', '.join(name for name, _ in found)}", found[1][0]
+        )
     if not found:
         return None
     name, guided = found[0]
@@ -524,8 +660,9 @@ def _error_event(e: Exception) -> str:
     else:
         message = _engine_message(e)
     status = _status(e)
-    return _event({"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "param": None,
-                             "code": status}})
+    return _event(
+        {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "param": None, "code": status}}
+    )
 
 
 def _engine_message(e: Exception) -> str:
@@ -555,28 +692,50 @@ def _usage(out: GenerationOutput) -> dict[str, Any]:
     (tokens per speculative step, the target's own token included; 1.0 without speculation)."""
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
     stats = out.stats
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "steps": stats.num_steps, "spec_steps": stats.num_spec_steps,
-            "accepted_tokens_per_step": round(stats.mean_accepted_tokens_per_step, 4),
-            **({"grammar_backend": out.grammar_backend} if out.grammar_backend else {})}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "steps": stats.num_steps,
+        "spec_steps": stats.num_spec_steps,
+        "accepted_tokens_per_step": round(stats.mean_accepted_tokens_per_step, 4),
+        **({"grammar_backend": out.grammar_backend} if out.grammar_backend else {}),
+    }
 
 
 def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
-                422: "UnprocessableEntityError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "RequestTooLargeError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-    return JSONResponse({"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "param": param,
-                                   "code": status}}, status_code=status, headers=headers)
+    return JSONResponse(
+        {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "param": param, "code": status}},
+        status_code=status,
+        headers=headers,
+    )
 
 
-def run_server(llm: LLM, model_name: str, host: str, port: int, api_key: str | None, log_level: str = "warning",
-               shutdown_timeout_s: float = 30.0) -> int:
+def run_server(
+    llm: LLM,
+    model_name: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    log_level: str = "warning",
+    shutdown_timeout_s: float = 30.0,
+) -> int:
     """Serve until SIGTERM / Ctrl-C (0) or until the engine gives up after a crash loop (1)."""
     import uvicorn
 
@@ -590,8 +749,11 @@ def run_server(llm: LLM, model_name: str, host: str, port: int, api_key: str | N
             # would end this process before the engine is stopped and its shared memory removed
             self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                    timeout_graceful_shutdown=max(1, round(shutdown_timeout_s))))
+    server = _Server(
+        uvicorn.Config(
+            app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=max(1, round(shutdown_timeout_s))
+        )
+    )
 
     def give_up(reason: str) -> None:
         logger.error("the engine died in a crash loop (%s); the server exits", reason)

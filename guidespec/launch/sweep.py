@@ -65,8 +65,9 @@ def validate_output(text: str, schema: Any) -> str | None:
     except json.JSONDecodeError as e:
         return f"not JSON: {e}"
     try:
-        validator_cls = jsonschema.validators.extend(jsonschema.validators.validator_for(schema),
-                                                     {"multipleOf": _decimal_multiple_of})
+        validator_cls = jsonschema.validators.extend(
+            jsonschema.validators.validator_for(schema), {"multipleOf": _decimal_multiple_of}
+        )
         errors = sorted(validator_cls(schema).iter_errors(instance), key=str)
     except Exception as e:  # unresolvable $ref and the like: the schema, not the output
         return f"cannot validate: {type(e).__name__}: {e}"
@@ -87,9 +88,18 @@ def _decimal_multiple_of(validator: Any, divisor: Any, instance: Any, schema: An
         yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor!r}")
 
 
-async def run_cases(llm: Any, cases: list[dict[str, Any]], backend: str, temperature: float, max_tokens: int,
-                    concurrency: int, seed: int = 0, progress: Any = None,
-                    repetition_penalty: float = 1.0, on_result: Any = None) -> list[CaseResult]:
+async def run_cases(
+    llm: Any,
+    cases: list[dict[str, Any]],
+    backend: str,
+    temperature: float,
+    max_tokens: int,
+    concurrency: int,
+    seed: int = 0,
+    progress: Any = None,
+    repetition_penalty: float = 1.0,
+    on_result: Any = None,
+) -> list[CaseResult]:
     """Every case through ``llm``, ``concurrency`` at a time; ``on_result`` sees each result as it comes."""
     from guidespec.llm import RequestError
 
@@ -97,9 +107,13 @@ async def run_cases(llm: Any, cases: list[dict[str, Any]], backend: str, tempera
 
     async def one(index: int, case: dict[str, Any]) -> CaseResult:
         guided = GuidedDecoding(json_schema=json.dumps(case["schema"]), backend=backend)
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, guided=guided,
-                                seed=None if temperature == 0 else seed + index,
-                                repetition_penalty=repetition_penalty)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            guided=guided,
+            seed=None if temperature == 0 else seed + index,
+            repetition_penalty=repetition_penalty,
+        )
         async with gate:
             start = time.perf_counter()
             try:
@@ -111,10 +125,19 @@ async def run_cases(llm: Any, cases: list[dict[str, Any]], backend: str, tempera
                 result = CaseResult(case["id"], category(case["id"]), status, str(e)[:300], 0, 0.0)
             else:
                 latency = time.perf_counter() - start
-                problem = "cut at max_tokens" if out.finish_reason == "length" else validate_output(out.text, case["schema"])
-                result = CaseResult(case["id"], category(case["id"]), "valid" if problem is None else "invalid",
-                                    problem or "", len(out.token_ids), latency, out.text[:4000],
-                                    out.stats.mean_accepted_tokens_per_step)
+                problem = (
+                    "cut at max_tokens" if out.finish_reason == "length" else validate_output(out.text, case["schema"])
+                )
+                result = CaseResult(
+                    case["id"],
+                    category(case["id"]),
+                    "valid" if problem is None else "invalid",
+                    problem or "",
+                    len(out.token_ids),
+                    latency,
+                    out.text[:4000],
+                    out.stats.mean_accepted_tokens_per_step,
+                )
         if progress is not None:
             progress.update(1)
         if on_result is not None:
@@ -127,8 +150,18 @@ async def run_cases(llm: Any, cases: list[dict[str, Any]], backend: str, tempera
 def is_grammar_refusal(message: str) -> bool:
     """Whether a request's error is its grammar failing to compile (a backend's refusal, or the
     compile timeout), not a failure of the engine."""
-    return any(s in message for s in ("xgrammar cannot", "llguidance cannot", "cannot compile", "cannot enforce",
-                                      "grammar compilation", "no value can match", "additionalProperties: false forbids"))
+    return any(
+        s in message
+        for s in (
+            "xgrammar cannot",
+            "llguidance cannot",
+            "cannot compile",
+            "cannot enforce",
+            "grammar compilation",
+            "no value can match",
+            "additionalProperties: false forbids",
+        )
+    )
 
 
 def summarize(results: list[CaseResult], wall_s: float, timed: list[CaseResult] | None = None) -> str:
@@ -140,8 +173,11 @@ def summarize(results: list[CaseResult], wall_s: float, timed: list[CaseResult] 
         row[r.status] += 1
         row["tokens"] += r.num_tokens
         row["latency"] += r.latency_s
-    lines = ["| category | cases | compiled | compile errors | valid | invalid | other errors | prompt too long "
-             "| tok/s per request |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| category | cases | compiled | compile errors | valid | invalid | other errors | prompt too long "
+        "| tok/s per request |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     total: dict[str, float] = defaultdict(float)
     for name in sorted(rows):
         row = rows[name]
@@ -152,8 +188,11 @@ def summarize(results: list[CaseResult], wall_s: float, timed: list[CaseResult] 
     compiled = total["valid"] + total["invalid"]
     valid_pct = 100.0 * total["valid"] / compiled if compiled else 0.0
     lines.append("")
-    throughput = (f"; throughput {_tokens(timed if timed is not None else results) / wall_s:.1f} output tok/s "
-                  f"over {wall_s:.0f} s" if wall_s > 0 else "")
+    throughput = (
+        f"; throughput {_tokens(timed if timed is not None else results) / wall_s:.1f} output tok/s over {wall_s:.0f} s"
+        if wall_s > 0
+        else ""
+    )
     lines.append(f"valid among compiled: {int(total['valid'])}/{int(compiled)} = {valid_pct:.1f}%{throughput}")
     speculated = [r for r in results if r.status in ("valid", "invalid")]
     if any(r.accepted_tokens_per_step > 1 for r in speculated):
@@ -169,8 +208,10 @@ def _tokens(results: list[CaseResult]) -> int:
 def _line(name: str, row: dict[str, float]) -> str:
     compiled = row["valid"] + row["invalid"]
     rate = row["tokens"] / row["latency"] if row["latency"] else 0.0
-    return (f"| {name} | {int(row['cases'])} | {int(compiled)} | {int(row['compile_error'])} | {int(row['valid'])} | "
-            f"{int(row['invalid'])} | {int(row['error'])} | {int(row['skipped'])} | {rate:.1f} |")
+    return (
+        f"| {name} | {int(row['cases'])} | {int(compiled)} | {int(row['compile_error'])} | {int(row['valid'])} | "
+        f"{int(row['invalid'])} | {int(row['error'])} | {int(row['skipped'])} | {rate:.1f} |"
+    )
 
 
 def run_sweep(args: Any) -> int:
@@ -185,26 +226,51 @@ def run_sweep(args: Any) -> int:
     cases = load_workload(Path(args.workload) if args.workload else default_workload(), args.prefix, args.limit)
     speculative = speculative_from_args(args)
     results_path = Path(args.results) if args.results else None
-    with LLM(args.model, max_batch_size=args.concurrency, grammar_backend=args.backend, speculative=speculative,
-             grammar_compile_timeout_s=args.compile_timeout, max_model_len=args.max_model_len or _model_limit(args.model),
-             dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-             enable_prefix_caching=args.enable_prefix_caching, **device_from_args(args)) as llm:
+    with LLM(
+        args.model,
+        max_batch_size=args.concurrency,
+        grammar_backend=args.backend,
+        speculative=speculative,
+        grammar_compile_timeout_s=args.compile_timeout,
+        max_model_len=args.max_model_len or _model_limit(args.model),
+        dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        **device_from_args(args),
+    ) as llm:
         for temperature in args.temperature:
-            config = {"backend": args.backend, "temperature": temperature, "max_tokens": args.max_tokens,
-                      "repetition_penalty": args.repetition_penalty, "speculative": speculative}
+            config = {
+                "backend": args.backend,
+                "temperature": temperature,
+                "max_tokens": args.max_tokens,
+                "repetition_penalty": args.repetition_penalty,
+                "speculative": speculative,
+            }
             done = _load_results(results_path, config)
             todo = [c for c in cases if c["id"] not in done]
             bar = tqdm(total=len(todo), desc=f"{args.backend} T={temperature:g}", unit="case")
             start = time.perf_counter()
-            results = asyncio.run(run_cases(llm, todo, args.backend, temperature, args.max_tokens,
-                                            args.concurrency, progress=bar, repetition_penalty=args.repetition_penalty,
-                                            on_result=lambda r: _append_result(results_path, config, r)))
+            results = asyncio.run(
+                run_cases(
+                    llm,
+                    todo,
+                    args.backend,
+                    temperature,
+                    args.max_tokens,
+                    args.concurrency,
+                    progress=bar,
+                    repetition_penalty=args.repetition_penalty,
+                    on_result=lambda r: _append_result(results_path, config, r),
+                )
+            )
             wall = time.perf_counter() - start
             bar.close()
             ids = {c["id"] for c in cases}
             everything = [r for r in done.values() if r.case_id in ids] + results
-            print(f"\n### backend {args.backend}, temperature {temperature:g}, max_tokens {args.max_tokens}, "
-                  f"repetition_penalty {args.repetition_penalty:g}, speculative {speculative}\n")
+            print(
+                f"\n### backend {args.backend}, temperature {temperature:g}, max_tokens {args.max_tokens}, "
+                f"repetition_penalty {args.repetition_penalty:g}, speculative {speculative}\n"
+            )
             print(summarize(everything, wall, results))
             for r in [r for r in everything if r.status in ("invalid", "error")][:40]:
                 print(f"  {r.status}: {r.case_id}: {r.detail}")

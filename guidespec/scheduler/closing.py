@@ -61,10 +61,19 @@ _SPACES = ("Ġ", "▁", " ")  # how byte-level and sentencepiece vocabularies sp
 _BRACKETS = frozenset("]}")
 _ENDING = frozenset(",]}")
 
-FORMAT_EXAMPLES = {"date-time": "2020-01-01T00:00:00Z", "date": "2020-01-01", "time": "00:00:00Z",
-                   "email": "a@example.com", "hostname": "example.com", "ipv4": "127.0.0.1", "ipv6": "::1",
-                   "uuid": "00000000-0000-4000-8000-000000000000", "uri": "http://example.com",
-                   "uri-reference": "/", "duration": "P1D"}
+FORMAT_EXAMPLES = {
+    "date-time": "2020-01-01T00:00:00Z",
+    "date": "2020-01-01",
+    "time": "00:00:00Z",
+    "email": "a@example.com",
+    "hostname": "example.com",
+    "ipv4": "127.0.0.1",
+    "ipv6": "::1",
+    "uuid": "00000000-0000-4000-8000-000000000000",
+    "uri": "http://example.com",
+    "uri-reference": "/",
+    "duration": "P1D",
+}
 MAX_EXAMPLES = 32
 EXAMPLES_PER_PATTERN = 3
 MAX_EXAMPLE_LEN = 256
@@ -166,9 +175,14 @@ class ClosingTokens:
                 characters.append(i)
         rank = np.full(vocab_size, len(punctuation) + len(characters), dtype=np.int64)
         rank[punctuation + characters] = np.arange(len(punctuation) + len(characters))
-        return cls(bitmask_row(in_string, vocab_size), bitmask_row(outside, vocab_size),
-                   bitmask_row(ending, vocab_size), bitmask_row(punctuation + characters, vocab_size), rank,
-                   piece_length)
+        return cls(
+            bitmask_row(in_string, vocab_size),
+            bitmask_row(outside, vocab_size),
+            bitmask_row(ending, vocab_size),
+            bitmask_row(punctuation + characters, vocab_size),
+            rank,
+            piece_length,
+        )
 
 
 def budget_reserve(max_tokens: int, required_names: int = 0) -> int:
@@ -219,7 +233,7 @@ class RepeatDetector:
         periods = np.flatnonzero(self.runs >= self.thresholds)
         if not len(periods):
             return []
-        return self.history[-(int(periods[0]) + 1):].tolist()
+        return self.history[-(int(periods[0]) + 1) :].tolist()
 
 
 class EarlyCloser:
@@ -254,12 +268,34 @@ class EarlyCloser:
 
     def snapshot(self) -> tuple[Any, ...]:
         d = self.detector
-        return (d.history.copy(), d.runs.copy(), len(self.tokens), self.closing, self.reason, self.banned,
-                list(self.plan), list(self.script), self._scanned, self._in_string, self._escaped)
+        return (
+            d.history.copy(),
+            d.runs.copy(),
+            len(self.tokens),
+            self.closing,
+            self.reason,
+            self.banned,
+            list(self.plan),
+            list(self.script),
+            self._scanned,
+            self._in_string,
+            self._escaped,
+        )
 
     def restore(self, state: tuple[Any, ...]) -> None:
-        (history, runs, num_tokens, self.closing, self.reason, self.banned, self.plan, self.script, self._scanned,
-         self._in_string, self._escaped) = state
+        (
+            history,
+            runs,
+            num_tokens,
+            self.closing,
+            self.reason,
+            self.banned,
+            self.plan,
+            self.script,
+            self._scanned,
+            self._in_string,
+            self._escaped,
+        ) = state
         self.detector.history, self.detector.runs = history, runs
         del self.tokens[num_tokens:]
 
@@ -305,7 +341,9 @@ class EarlyCloser:
             self._scanned = len(self.tokens)
         return self._in_string
 
-    def restrict(self, row: np.ndarray, closing: ClosingTokens, tokenizer: Any, grammar: GrammarView | None = None) -> bool:
+    def restrict(
+        self, row: np.ndarray, closing: ClosingTokens, tokenizer: Any, grammar: GrammarView | None = None
+    ) -> bool:
         """Narrow a bitmask row, in place, to the first class of the module's list that it allows;
         False (the row untouched) if none."""
         inside = self.in_string(tokenizer)

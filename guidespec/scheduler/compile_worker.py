@@ -36,8 +36,9 @@ def main() -> None:
 
     def backend(name: str) -> Any:
         if name not in backends:
-            backends[name] = create_backend(name, tokenizer, settings["vocab_size"], tuple(settings["stop_token_ids"]),
-                                            settings["num_threads"])
+            backends[name] = create_backend(
+                name, tokenizer, settings["vocab_size"], tuple(settings["stop_token_ids"]), settings["num_threads"]
+            )
         return backends[name]
 
     # a backend's setup (xgrammar's tokenizer info: a second or more) is not part of any request's

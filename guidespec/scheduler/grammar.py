@@ -59,8 +59,14 @@ class GrammarSettings:
 
 
 def grammar_settings(cfg: SchedulerConfig) -> GrammarSettings:
-    return GrammarSettings(cfg.model_dir, cfg.grammar_backend, cfg.vocab_size, cfg.eos_token_ids,
-                           cfg.grammar_compile_timeout_s, cfg.max_batch_size)
+    return GrammarSettings(
+        cfg.model_dir,
+        cfg.grammar_backend,
+        cfg.vocab_size,
+        cfg.eos_token_ids,
+        cfg.grammar_compile_timeout_s,
+        cfg.max_batch_size,
+    )
 
 
 @dataclass(frozen=True)
@@ -88,8 +94,9 @@ class GrammarManager:
     scheduler's process starts it first thing, so that its imports run beside the scheduler's);
     None starts one here."""
 
-    def __init__(self, settings: GrammarSettings, tokenizer: Any,
-                 compile_process: subprocess.Popen[str] | None = None) -> None:
+    def __init__(
+        self, settings: GrammarSettings, tokenizer: Any, compile_process: subprocess.Popen[str] | None = None
+    ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
         self.backends: dict[str, GrammarBackend] = {}
@@ -101,7 +108,9 @@ class GrammarManager:
         self.job_of_key: dict[str, int] = {}
         self.pending: dict[str, int] = {}  # request id -> job id
         self.matchers: dict[str, tuple[str, GrammarMatcher]] = {}
-        self.fallbacks: dict[str, tuple[GuidedDecoding, list[str], list[str]]] = {}  # request -> (spec, backends left, refusals)
+        self.fallbacks: dict[
+            str, tuple[GuidedDecoding, list[str], list[str]]
+        ] = {}  # request -> (spec, backends left, refusals)
         self.refusals: dict[str, str] = {}  # request -> why a backend before the one serving it refused
         self.closers: dict[str, EarlyCloser] = {}
         self._closing_tokens: ClosingTokens | None = None  # built at first use
@@ -539,8 +548,9 @@ class GrammarManager:
 
     def _closing(self) -> ClosingTokens:
         if self._closing_tokens is None:
-            self._closing_tokens = ClosingTokens.from_tokenizer(self.tokenizer, self.settings.vocab_size,
-                                                               self.settings.stop_token_ids)
+            self._closing_tokens = ClosingTokens.from_tokenizer(
+                self.tokenizer, self.settings.vocab_size, self.settings.stop_token_ids
+            )
         return self._closing_tokens
 
     def _remember(self, cache: OrderedDict[str, Any], key: str, value: Any) -> None:
@@ -592,8 +602,9 @@ class _CompileProcess:
 
     def _start(self, proc: subprocess.Popen[str] | None = None) -> None:
         self.proc = proc or start_compile_process(self.settings)
-        threading.Thread(target=self._read, args=(self.proc, self.generation), daemon=True,
-                         name="guidespec-compile-reader").start()
+        threading.Thread(
+            target=self._read, args=(self.proc, self.generation), daemon=True, name="guidespec-compile-reader"
+        ).start()
 
     def _read(self, proc: subprocess.Popen[str], generation: int) -> None:
         assert proc.stdout is not None
@@ -609,12 +620,26 @@ class _CompileProcess:
 
 def start_compile_process(settings: GrammarSettings) -> subprocess.Popen[str]:
     """The compile process (``compile_worker.py``), its settings line written."""
-    proc = subprocess.Popen([sys.executable, "-m", "guidespec.scheduler.compile_worker"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, bufsize=1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "guidespec.scheduler.compile_worker"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+    )
     assert proc.stdin is not None
-    proc.stdin.write(json.dumps({"model_dir": str(settings.model_dir), "default_backend": settings.default_backend,
-                                 "vocab_size": settings.vocab_size, "stop_token_ids": list(settings.stop_token_ids),
-                                 "num_threads": settings.num_threads}) + "\n")
+    proc.stdin.write(
+        json.dumps(
+            {
+                "model_dir": str(settings.model_dir),
+                "default_backend": settings.default_backend,
+                "vocab_size": settings.vocab_size,
+                "stop_token_ids": list(settings.stop_token_ids),
+                "num_threads": settings.num_threads,
+            }
+        )
+        + "\n"
+    )
     proc.stdin.flush()
     return proc
 

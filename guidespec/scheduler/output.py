@@ -13,8 +13,9 @@ from guidespec.protocol import RequestOutput
 from guidespec.scheduler.request import Request
 
 
-def append_token(request: Request, token: int, eos_token_ids: tuple[int, ...], max_model_len: int,
-                 grammar_done: bool = False) -> str | None:
+def append_token(
+    request: Request, token: int, eos_token_ids: tuple[int, ...], max_model_len: int, grammar_done: bool = False
+) -> str | None:
     """Add one output token; return the finish reason it causes, if any."""
     params = request.params
     request.output_token_ids.append(token)
@@ -28,7 +29,9 @@ def append_token(request: Request, token: int, eos_token_ids: tuple[int, ...], m
     return None
 
 
-def process_new_token(request: Request, token: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> RequestOutput:
+def process_new_token(
+    request: Request, token: int, eos_token_ids: tuple[int, ...], max_model_len: int
+) -> RequestOutput:
     return make_delta(request, append_token(request, token, eos_token_ids, max_model_len))
 
 

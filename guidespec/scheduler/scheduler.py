@@ -35,10 +35,28 @@ from guidespec.ipc.waiting import AwakeTimer
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.process_utils import parent_alive, setup_child_process
 from guidespec.grammar_backends import GrammarError
-from guidespec.protocol import (BAD_REQUEST, ENGINE_UNAVAILABLE, INTERNAL_ERROR, NO_TOKEN, AbortRequest, DraftMask, DraftTokens,
-                                EngineDead, EngineReady, GenerateRequest, InvalidRequest, RequestOutput, SchedulerStats,
-                                Shutdown, StepBitmask, StepInputs, StepOutputs, WorkerError, WorkerReady,
-                                validate_request)
+from guidespec.protocol import (
+    BAD_REQUEST,
+    ENGINE_UNAVAILABLE,
+    INTERNAL_ERROR,
+    NO_TOKEN,
+    AbortRequest,
+    DraftMask,
+    DraftTokens,
+    EngineDead,
+    EngineReady,
+    GenerateRequest,
+    InvalidRequest,
+    RequestOutput,
+    SchedulerStats,
+    Shutdown,
+    StepBitmask,
+    StepInputs,
+    StepOutputs,
+    WorkerError,
+    WorkerReady,
+    validate_request,
+)
 from guidespec.cuda_ext.channel import DONE as DRAFTS_DONE
 from guidespec.cuda_ext.channel import DraftChannel, DraftChannelError
 from guidespec.scheduler.batching import Batcher, ScheduledRow
@@ -74,7 +92,9 @@ def run_scheduler(cfg: SchedulerConfig, parent_pid: int, compile_process: subpro
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, parent_pid: int, compile_process: subprocess.Popen[str] | None = None) -> None:
+    def __init__(
+        self, cfg: SchedulerConfig, parent_pid: int, compile_process: subprocess.Popen[str] | None = None
+    ) -> None:
         self.cfg = cfg
         self.parent_pid = parent_pid
         self.tokenizer = load_tokenizer(cfg.model_dir)
@@ -89,8 +109,9 @@ class Scheduler:
         # prefix caching needs every cache a step writes to follow the target's: not with a draft
         # model or an EAGLE head (their caches follow lazily)
         model_drafter = cfg.speculative is not None and cfg.speculative.method in MODEL_DRAFTERS
-        self.batcher = Batcher(cfg.max_batch_size, cfg.max_num_batched_tokens,
-                               cfg.enable_prefix_caching and not model_drafter)
+        self.batcher = Batcher(
+            cfg.max_batch_size, cfg.max_num_batched_tokens, cfg.enable_prefix_caching and not model_drafter
+        )
         self.grammar = GrammarManager(grammar_settings(cfg), self.tokenizer, compile_process)
         self.requests: dict[str, Request] = {}
         self.worker_pids: dict[int, int] = {}
@@ -102,8 +123,11 @@ class Scheduler:
         speculative = cfg.speculative
         if speculative is None and cfg.jump_forward == "verified":
             speculative = SpeculativeConfig(method="forced", adaptive=False)
-        self.speculator = Speculator(speculative, self.grammar, cfg.max_model_len, self.tokenizer,
-                                     cfg.vocab_size) if speculative else None
+        self.speculator = (
+            Speculator(speculative, self.grammar, cfg.max_model_len, self.tokenizer, cfg.vocab_size)
+            if speculative
+            else None
+        )
         self._stats: SchedulerStats | None = None
         self._stats_sent_at = 0.0
 
@@ -148,8 +172,15 @@ class Scheduler:
             self.emit(rows, outputs)
             self.times["end"] = time.time()
             if outputs.timings is not None:
-                self.trace.record(self.step_id, self.times, outputs.timings, len(rows), guided_rows, outputs.draft_s,
-                                  sum(row.num_new_tokens for row in rows))
+                self.trace.record(
+                    self.step_id,
+                    self.times,
+                    outputs.timings,
+                    len(rows),
+                    guided_rows,
+                    outputs.draft_s,
+                    sum(row.num_new_tokens for row in rows),
+                )
 
     def send_stats(self) -> None:
         """The queue's figures to the client when they change (at most every 0.1 s)."""
@@ -157,8 +188,9 @@ class Scheduler:
         if now - self._stats_sent_at < _STATS_INTERVAL_S:
             return
         compiling = sum(1 for r in self.batcher.waiting if not r.grammar_ready)
-        stats = SchedulerStats(len(self.batcher.running), len(self.batcher.waiting) - compiling, compiling,
-                               len(self.batcher.free_slots))
+        stats = SchedulerStats(
+            len(self.batcher.running), len(self.batcher.waiting) - compiling, compiling, len(self.batcher.free_slots)
+        )
         if stats != self._stats:
             self.client_out.send(stats)
             self._stats, self._stats_sent_at = stats, now
@@ -212,11 +244,24 @@ class Scheduler:
         self.times["inputs"] = self.times["mask_start"] = self.times["mask"] = time.time()
         if guided:
             self.times["mask_start"] = time.time()
-            bitmask = self._fill([FillRow(row.request.request_id, row.request.draft_tokens,
-                                          len(row.request.output_token_ids), self._output_budget(row.request))
-                                  for _, row in guided], self.broadcaster.reserve_bitmask())
-            rows_array = np.concatenate([np.arange(first, first + row.num_logits) for first, row in guided]).astype(np.int32)
-            self.broadcaster.write_bitmask(StepBitmask(self.step_id, rows_array, bitmask), timeout=envs.step_timeout_s())
+            bitmask = self._fill(
+                [
+                    FillRow(
+                        row.request.request_id,
+                        row.request.draft_tokens,
+                        len(row.request.output_token_ids),
+                        self._output_budget(row.request),
+                    )
+                    for _, row in guided
+                ],
+                self.broadcaster.reserve_bitmask(),
+            )
+            rows_array = np.concatenate([np.arange(first, first + row.num_logits) for first, row in guided]).astype(
+                np.int32
+            )
+            self.broadcaster.write_bitmask(
+                StepBitmask(self.step_id, rows_array, bitmask), timeout=envs.step_timeout_s()
+            )
             self.times["mask"] = time.time()
         return len(guided)
 
@@ -244,16 +289,23 @@ class Scheduler:
         proposals = _split(outputs.draft_tokens, outputs.num_draft_tokens)
         now = time.time()
         if self.speculator is not None:
-            self.speculator.observe_step(sum(row.num_new_tokens for row in rows), outputs.forward_s,
-                                         outputs.num_draft_tokens.tolist() if outputs.num_draft_tokens is not None
-                                         else None, outputs.draft_s)
+            self.speculator.observe_step(
+                sum(row.num_new_tokens for row in rows),
+                outputs.forward_s,
+                outputs.num_draft_tokens.tolist() if outputs.num_draft_tokens is not None else None,
+                outputs.draft_s,
+            )
         for i, row in enumerate(rows):
             if row.request.request_id not in self.requests:  # failed during this step
                 continue
             new_tokens = outputs.token_ids[offsets[i] : offsets[i + 1]].tolist()
             if NO_TOKEN in new_tokens:
-                self._fail(row.request, "the grammar allows no token of the model's vocabulary here (it asks for "
-                                        "text the tokenizer cannot produce)", BAD_REQUEST)
+                self._fail(
+                    row.request,
+                    "the grammar allows no token of the model's vocabulary here (it asks for "
+                    "text the tokenizer cannot produce)",
+                    BAD_REQUEST,
+                )
                 continue
             try:
                 self._emit_row(row, new_tokens, proposals[i] if proposals is not None else None, now)
@@ -279,7 +331,12 @@ class Scheduler:
         request.advance_computed(min(accepted, appended))
         if proposal is not None and self.speculator is not None and appended == len(new_tokens):
             self.speculator.store_proposals(request, proposal)
-        if reason is None and request.guided and self.cfg.jump_forward == "unverified" and not self._speculates(request):
+        if (
+            reason is None
+            and request.guided
+            and self.cfg.jump_forward == "unverified"
+            and not self._speculates(request)
+        ):
             reason = self._jump_forward(request)
         if reason is None and request.guided and self.cfg.jump_forward != "off":
             end = self.grammar.end_token(request.request_id)  # a complete output ends here, not in a step
@@ -316,8 +373,9 @@ class Scheduler:
             self.drafts.answer(self.step_id, index, self._draft_mask_rows(batch_rows, sequences, rows))
             last = index
 
-    def _draft_mask_rows(self, batch_rows: np.ndarray, sequences: list[list[int]],
-                         rows: list[ScheduledRow]) -> np.ndarray:
+    def _draft_mask_rows(
+        self, batch_rows: np.ndarray, sequences: list[list[int]], rows: list[ScheduledRow]
+    ) -> np.ndarray:
         """The mask rows of a draft step: each drafting row's grammar after its sequence."""
         return self.grammar.fill_after([rows[b].request.request_id for b in batch_rows.tolist()], sequences)
 
@@ -326,8 +384,9 @@ class Scheduler:
         sequences = _split(message.token_ids, message.num_tokens)
         assert sequences is not None
         bitmask = self._draft_mask_rows(message.rows, sequences, rows)
-        self.broadcaster.write(codec.encode(DraftMask(message.step, message.draft_index, bitmask)),
-                               timeout=envs.step_timeout_s())
+        self.broadcaster.write(
+            codec.encode(DraftMask(message.step, message.draft_index, bitmask)), timeout=envs.step_timeout_s()
+        )
 
     def _speculates(self, request: Request) -> bool:
         return self.speculator is not None and self.speculator.speculates(request)
@@ -349,7 +408,9 @@ class Scheduler:
                 self._fail(request, f"internal error: {reason}")
                 return "error"
             grammar_done = self.grammar.is_terminated(request.request_id)
-            self.grammar.near_budget(request.request_id, self._output_budget(request), len(request.output_token_ids) + 1)
+            self.grammar.near_budget(
+                request.request_id, self._output_budget(request), len(request.output_token_ids) + 1
+            )
         return append_token(request, token, self.cfg.eos_token_ids, self.cfg.max_model_len, grammar_done)
 
     def _output_budget(self, request: Request) -> int:
@@ -388,8 +449,9 @@ class Scheduler:
             seeds=np.array([-1 if p.seed is None else p.seed for p in params], dtype=np.int64),
             sample_index=np.array([len(row.request.output_token_ids) for row in rows], dtype=np.int32),
             num_prompt_tokens=np.array([row.request.num_prompt_tokens for row in rows], dtype=np.int32),
-            penalties=np.array([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
-                               dtype=np.float32).reshape(-1, 3),
+            penalties=np.array(
+                [(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params], dtype=np.float32
+            ).reshape(-1, 3),
             has_bitmask=has_bitmask,
             draft_lens=proposals[0] if proposals is not None else None,
             draft_masked=proposals[1] if proposals is not None else None,
@@ -402,8 +464,17 @@ class Scheduler:
             except Exception:
                 logger.exception("request %s could not be added", message.request_id)
                 self._forget_id(message.request_id)
-                self.client_out.send(RequestOutput(message.request_id, [], "", True, "error",
-                                                   "internal error while adding the request", error_status=INTERNAL_ERROR))
+                self.client_out.send(
+                    RequestOutput(
+                        message.request_id,
+                        [],
+                        "",
+                        True,
+                        "error",
+                        "internal error while adding the request",
+                        error_status=INTERNAL_ERROR,
+                    )
+                )
         elif isinstance(message, AbortRequest):
             request = self.requests.get(message.request_id)
             if request is not None:
@@ -422,18 +493,26 @@ class Scheduler:
         prompt = message.prompt_token_ids.tolist() if isinstance(message.prompt_token_ids, np.ndarray) else []
         error = self._validate(message, prompt)
         if error is not None:
-            self.client_out.send(RequestOutput(message.request_id, [], "", True, "error", error, error_status=BAD_REQUEST))
+            self.client_out.send(
+                RequestOutput(message.request_id, [], "", True, "error", error, error_status=BAD_REQUEST)
+            )
             return
-        request = Request(message.request_id, prompt, message.params, message.arrival_time,
-                          IncrementalDetokenizer(self.tokenizer, prompt))
+        request = Request(
+            message.request_id,
+            prompt,
+            message.params,
+            message.arrival_time,
+            IncrementalDetokenizer(self.tokenizer, prompt),
+        )
         if message.params.guided is not None:
             try:
                 request.grammar_ready = self.grammar.submit(request.request_id, message.params.guided)
                 if request.grammar_ready:
                     request.grammar_backend, request.grammar_refusal = self.grammar.served(request.request_id)
             except GrammarError as e:
-                self.client_out.send(RequestOutput(message.request_id, [], "", True, "error", str(e),
-                                                   error_status=BAD_REQUEST))
+                self.client_out.send(
+                    RequestOutput(message.request_id, [], "", True, "error", str(e), error_status=BAD_REQUEST)
+                )
                 return
         self.requests[request.request_id] = request
         self.batcher.add(request)
@@ -518,7 +597,9 @@ class Scheduler:
             try:
                 output = _error_output(request, reason, ENGINE_UNAVAILABLE)
             except Exception:
-                output = RequestOutput(request.request_id, [], "", True, "error", reason, error_status=ENGINE_UNAVAILABLE)
+                output = RequestOutput(
+                    request.request_id, [], "", True, "error", reason, error_status=ENGINE_UNAVAILABLE
+                )
             self.client_out.send(output)
         self.requests.clear()
         self.client_out.send(EngineDead(reason))
@@ -528,8 +609,16 @@ class Scheduler:
 def _error_output(request: Request, error: str, status: int) -> RequestOutput:
     """The request's last delta, ending it with ``error``."""
     output = finish_output(request, "error")
-    return RequestOutput(output.request_id, output.new_token_ids, output.new_text, True, "error", error,
-                         output.num_prompt_tokens, error_status=status)
+    return RequestOutput(
+        output.request_id,
+        output.new_token_ids,
+        output.new_text,
+        True,
+        "error",
+        error,
+        output.num_prompt_tokens,
+        error_status=status,
+    )
 
 
 def _worker_failure(message: WorkerError) -> str:

@@ -26,8 +26,16 @@ class StepTrace:
     steps: int = 0
     guided_steps: int = 0
 
-    def record(self, step: int, t: dict[str, float], worker: np.ndarray, batch: int, guided_rows: int,
-               draft_s: float = 0.0, tokens: int = 0) -> None:
+    def record(
+        self,
+        step: int,
+        t: dict[str, float],
+        worker: np.ndarray,
+        batch: int,
+        guided_rows: int,
+        draft_s: float = 0.0,
+        tokens: int = 0,
+    ) -> None:
         """``t``: scheduler wall times (start, inputs, mask_start, mask, outputs, end); ``worker``:
         rank 0's (forward_start, forward_end, mask_ready, done); ``draft_s``: rank 0's drafter
         proposing the next step's drafts, at the end of its step."""
@@ -54,18 +62,32 @@ class StepTrace:
             self._span("propose drafts", done - draft_s, done, 2, args)
 
     def summary(self) -> dict[str, float]:  # noqa: D401
-        return {"steps": self.steps, "guided_steps": self.guided_steps,
-                "mean_step_ms": 1000 * self.step_s / max(1, self.steps),
-                "outside_forward_fraction": self.outside_forward_s / self.step_s if self.step_s else 0.0,
-                "mean_fill_ms": 1000 * self.fill_s / max(1, self.guided_steps),
-                "mean_forward_ms": 1000 * self.forward_s / max(1, self.steps),
-                "draft_fraction": self.draft_s / self.step_s if self.step_s else 0.0}
+        return {
+            "steps": self.steps,
+            "guided_steps": self.guided_steps,
+            "mean_step_ms": 1000 * self.step_s / max(1, self.steps),
+            "outside_forward_fraction": self.outside_forward_s / self.step_s if self.step_s else 0.0,
+            "mean_fill_ms": 1000 * self.fill_s / max(1, self.guided_steps),
+            "mean_forward_ms": 1000 * self.forward_s / max(1, self.steps),
+            "draft_fraction": self.draft_s / self.step_s if self.step_s else 0.0,
+        }
 
     def write(self, path: Path) -> None:
-        names = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "scheduler"}},
-                 {"name": "process_name", "ph": "M", "pid": 2, "args": {"name": "worker rank 0"}}]
+        names = [
+            {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "scheduler"}},
+            {"name": "process_name", "ph": "M", "pid": 2, "args": {"name": "worker rank 0"}},
+        ]
         path.write_text(json.dumps({"traceEvents": names + self.events, "summary": self.summary()}))
 
     def _span(self, name: str, start: float, end: float, pid: int, args: dict[str, object]) -> None:
-        self.events.append({"name": name, "ph": "X", "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6,
-                            "pid": pid, "tid": 0, "args": args})
+        self.events.append(
+            {
+                "name": name,
+                "ph": "X",
+                "ts": start * 1e6,
+                "dur": max(0.0, end - start) * 1e6,
+                "pid": pid,
+                "tid": 0,
+                "args": args,
+            }
+        )

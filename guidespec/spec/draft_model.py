@@ -75,8 +75,15 @@ class DraftSampling:
     def start(self) -> None:
         self.kept = {}
 
-    def choose(self, logits: torch.Tensor, rows: np.ndarray, inputs: StepInputs, counts: np.ndarray, step: int,
-               to_target: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    def choose(
+        self,
+        logits: torch.Tensor,
+        rows: np.ndarray,
+        inputs: StepInputs,
+        counts: np.ndarray,
+        step: int,
+        to_target: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Draft number ``step`` of batch rows ``rows`` from their logits [R, draft vocab]: target ids."""
         chosen = logits.argmax(dim=-1)
         temperature = inputs.temperature[rows]
@@ -84,9 +91,12 @@ class DraftSampling:
         q_rows: dict[int, torch.Tensor] = {}
         if len(sampled):
             ids = to_target(torch.arange(logits.shape[1])).clamp(max=self.vocab_size - 1) if to_target else None
-            probs = filtered_probs(logits[torch.from_numpy(sampled)], torch.from_numpy(temperature[sampled].astype(np.float32)),
-                                   torch.from_numpy(inputs.top_k[rows[sampled]].astype(np.int64)),
-                                   torch.from_numpy(inputs.top_p[rows[sampled]].astype(np.float32)))
+            probs = filtered_probs(
+                logits[torch.from_numpy(sampled)],
+                torch.from_numpy(temperature[sampled].astype(np.float32)),
+                torch.from_numpy(inputs.top_k[rows[sampled]].astype(np.int64)),
+                torch.from_numpy(inputs.top_p[rows[sampled]].astype(np.float32)),
+            )
             for i, local in enumerate(sampled.tolist()):
                 b = int(rows[local])
                 q = probs[i]
@@ -135,13 +145,23 @@ def _one_hot(token: int, size: int) -> torch.Tensor:
 
 
 class DraftRunner:
-    def __init__(self, spec: str, target_dir: Path, dtype: torch.dtype, max_batch_size: int, max_model_len: int,
-                 target_vocab_size: int, target: tuple[LlamaModel, KVCache] | None = None) -> None:
+    def __init__(
+        self,
+        spec: str,
+        target_dir: Path,
+        dtype: torch.dtype,
+        max_batch_size: int,
+        max_model_len: int,
+        target_vocab_size: int,
+        target: tuple[LlamaModel, KVCache] | None = None,
+    ) -> None:
         model_dir, num_layers, int8 = _resolve(spec, target_dir)
         hf_config = load_hf_config(model_dir)
         cfg = ModelConfig.from_hf(hf_config)
         if cfg.vocab_size != target_vocab_size:
-            raise ValueError(f"draft model {spec!r} has a vocabulary of {cfg.vocab_size}, the target {target_vocab_size}")
+            raise ValueError(
+                f"draft model {spec!r} has a vocabulary of {cfg.vocab_size}, the target {target_vocab_size}"
+            )
         if num_layers is not None:
             if not 1 <= num_layers <= cfg.num_layers:
                 raise ValueError(f"draft model {spec!r}: the target has {cfg.num_layers} layers")
@@ -149,8 +169,9 @@ class DraftRunner:
         self.max_model_len = max_model_len
         # the target's own first layers, where the target is whole on this rank (TP=1): their
         # weights and their cache are the target's, which already holds every final token
-        self.shared = (target is not None and model_dir == target_dir and target[0].tp.size == 1
-                       and target[0].dtype == dtype)
+        self.shared = (
+            target is not None and model_dir == target_dir and target[0].tp.size == 1 and target[0].dtype == dtype
+        )
         if self.shared and target is not None:  # (the second test only narrows the type)
             self.model = target[0].first_layers(cfg.num_layers)
             self.kv = target[1].first_layers(cfg.num_layers)
@@ -177,8 +198,10 @@ class DraftRunner:
                 self._hold(slot, start, ids)
         offsets = np.concatenate([[0], np.cumsum(batch.num_new_tokens)])
         ids = batch.token_ids.tolist()
-        self._unproposed = [(slot, start, ids[offsets[i] : offsets[i + 1]])
-                            for i, (slot, start) in enumerate(zip(batch.slots, batch.start_positions))]
+        self._unproposed = [
+            (slot, start, ids[offsets[i] : offsets[i + 1]])
+            for i, (slot, start) in enumerate(zip(batch.slots, batch.start_positions))
+        ]
 
     def _hold(self, slot: int, start: int, ids: list[int]) -> None:
         """Keep final tokens at ``start..`` of ``slot`` for a later run."""
@@ -189,8 +212,9 @@ class DraftRunner:
             held[1].extend(ids)
 
     @torch.inference_mode()
-    def propose(self, inputs: StepInputs, tokens: np.ndarray, counts: np.ndarray,
-                masks: MaskSource | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def propose(
+        self, inputs: StepInputs, tokens: np.ndarray, counts: np.ndarray, masks: MaskSource | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Drafts after each row's last produced token: (flat tokens, per-row counts).
 
         Row b's first logits row sits at position ``start + num_new - num_logits``; it produced
@@ -209,7 +233,9 @@ class DraftRunner:
         for b in range(inputs.batch_size):
             slot, start = int(inputs.slots[b]), int(inputs.start_positions[b])
             m = int(inputs.num_new_tokens[b]) - max(int(inputs.num_logits[b]), 1) + 1  # the row's non-draft tokens
-            final = inputs.token_ids[offsets[b] : offsets[b] + m].tolist() + tokens[ends[b] - counts[b] : ends[b]].tolist()
+            final = (
+                inputs.token_ids[offsets[b] : offsets[b] + m].tolist() + tokens[ends[b] - counts[b] : ends[b]].tolist()
+            )
             if wanted[b] <= 0:
                 if not self.shared:
                     self._hold(slot, start, final[:-1] if counts[b] else final)  # the newest token starts the next step
@@ -236,8 +262,13 @@ class DraftRunner:
             if step > 0:
                 live = wanted[rows] > step
                 rows, current = rows[live], current[live]
-                batch = ForwardBatch.create(current, inputs.slots[rows], positions[rows] + step,
-                                            np.ones(len(rows), dtype=np.int32), np.ones(len(rows), dtype=np.int32))
+                batch = ForwardBatch.create(
+                    current,
+                    inputs.slots[rows],
+                    positions[rows] + step,
+                    np.ones(len(rows), dtype=np.int32),
+                    np.ones(len(rows), dtype=np.int32),
+                )
             logits = self.model.compute_logits(self.model.forward(batch, self.kv))
             assert logits is not None
             if masks is not None and inputs.draft_masked is not None:
@@ -251,12 +282,21 @@ class DraftRunner:
 
 def flat_drafts(drafts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Per-row drafts as (flat tokens, per-row counts), as they travel in StepOutputs."""
-    return (np.array([t for row in drafts for t in row], dtype=np.int32),
-            np.array([len(row) for row in drafts], dtype=np.int32))
+    return (
+        np.array([t for row in drafts for t in row], dtype=np.int32),
+        np.array([len(row) for row in drafts], dtype=np.int32),
+    )
 
 
-def constrain(logits: torch.Tensor, rows: np.ndarray, draft_masked: np.ndarray, sequences: list[list[int]],
-              draft_index: int, masks: MaskSource, apply: MaskApply = apply_bitmask) -> None:
+def constrain(
+    logits: torch.Tensor,
+    rows: np.ndarray,
+    draft_masked: np.ndarray,
+    sequences: list[list[int]],
+    draft_index: int,
+    masks: MaskSource,
+    apply: MaskApply = apply_bitmask,
+) -> None:
     """Mask the draft logits of the guided rows (``logits[i]`` is batch row ``rows[i]``) with the
     scheduler's masks for their grammar after ``sequences[b]`` (the row's tokens past its final ones).
     ``apply`` puts target-vocabulary bitmask rows on logits rows (an EAGLE head with a pruned

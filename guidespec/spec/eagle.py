@@ -88,8 +88,16 @@ def save_head(head_dir: Path, state: dict[str, torch.Tensor], config: dict[str, 
 class EagleHead:
     """The head's weights and one forward step; ``capture`` names the target features it needs."""
 
-    def __init__(self, head_dir: Path, target_cfg: ModelConfig, target_hf_config: Any, embed: Weight,
-                 target_lm_head: Weight, dtype: torch.dtype, max_model_len: int) -> None:
+    def __init__(
+        self,
+        head_dir: Path,
+        target_cfg: ModelConfig,
+        target_hf_config: Any,
+        embed: Weight,
+        target_lm_head: Weight,
+        dtype: torch.dtype,
+        max_model_len: int,
+    ) -> None:
         state, config = load_head_state(head_dir)
         state = {k.removeprefix("model."): v for k, v in state.items()}
         if "midlayer.self_attn.q_proj.weight" in state:
@@ -104,8 +112,10 @@ class EagleHead:
         q_in = state[prefix + "self_attn.q_proj.weight"].shape[1]
         expected_in = 2 * hidden if self.version == 3 else hidden
         if q_in != expected_in:
-            raise ValueError(f"{head_dir}: the head's attention reads {q_in} features, the target's hidden size "
-                             f"{hidden} needs {expected_in}")
+            raise ValueError(
+                f"{head_dir}: the head's attention reads {q_in} features, the target's hidden size "
+                f"{hidden} needs {expected_in}"
+            )
         head_cfg = _head_model_config(config, target_cfg)
         self.cfg = head_cfg
         self.dtype = dtype
@@ -114,7 +124,9 @@ class EagleHead:
         self.layer: dict[str, Any] = {
             "qkv": pack(t(torch.cat([state[prefix + f"self_attn.{n}_proj.weight"] for n in "qkv"]))),
             "o": pack(t(state[prefix + "self_attn.o_proj.weight"])),
-            "gate_up": pack(t(torch.cat([state[prefix + "mlp.gate_proj.weight"], state[prefix + "mlp.up_proj.weight"]]))),
+            "gate_up": pack(
+                t(torch.cat([state[prefix + "mlp.gate_proj.weight"], state[prefix + "mlp.up_proj.weight"]]))
+            ),
             "down": pack(t(state[prefix + "mlp.down_proj.weight"])),
             "post_norm": t(state[prefix + "post_attention_layernorm.weight"]),
         }
@@ -128,13 +140,19 @@ class EagleHead:
             self.lm_head = pack(t(state["lm_head.weight"])) if "lm_head.weight" in state else target_lm_head
             aux = config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids") or config.get("aux_layers")
             self.aux_layers = tuple(int(i) for i in aux) if aux else default_aux_layers(target_cfg.num_layers)
-            if list(self.aux_layers) != sorted(self.aux_layers) or not 0 <= min(self.aux_layers) <= max(
-                    self.aux_layers) < target_cfg.num_layers:
-                raise ValueError(f"{head_dir}: aux layers {self.aux_layers} must ascend within the target's "
-                                 f"{target_cfg.num_layers} layers")
+            if (
+                list(self.aux_layers) != sorted(self.aux_layers)
+                or not 0 <= min(self.aux_layers) <= max(self.aux_layers) < target_cfg.num_layers
+            ):
+                raise ValueError(
+                    f"{head_dir}: aux layers {self.aux_layers} must ascend within the target's "
+                    f"{target_cfg.num_layers} layers"
+                )
             if self.fc.shape[1] != len(self.aux_layers) * hidden:
-                raise ValueError(f"{head_dir}: fc reads {self.fc.shape[1]} features, {len(self.aux_layers)} target "
-                                 f"layers of {hidden} give {len(self.aux_layers) * hidden}")
+                raise ValueError(
+                    f"{head_dir}: fc reads {self.fc.shape[1]} features, {len(self.aux_layers)} target "
+                    f"layers of {hidden} give {len(self.aux_layers) * hidden}"
+                )
         else:
             self.norm = None
             self.lm_head = target_lm_head
@@ -159,16 +177,19 @@ class EagleHead:
         return KVCache(1, num_slots, c.num_kv_heads, max_model_len, c.head_dim, self.dtype)
 
     @torch.inference_mode()
-    def forward(self, features: torch.Tensor, token_ids: torch.Tensor, batch: ForwardBatch,
-                kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, features: torch.Tensor, token_ids: torch.Tensor, batch: ForwardBatch, kv: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Features [T, F] (target features, or the head's own outputs [T, hidden]) and the tokens
         that followed; returns (output hidden [R, hidden], draft logits [R, draft vocab]) at
         ``batch.logits_indices``."""
         emb = embedding(token_ids, self.embed)
         if self.version == 3:
             h = linear(features, self.fc) if features.shape[-1] != self.fc.shape[0] else features
-            x = torch.cat([_rms_norm(emb, self.layer["input_norm"], self.eps),
-                           _rms_norm(h, self.layer["hidden_norm"], self.eps)], dim=-1)
+            x = torch.cat(
+                [_rms_norm(emb, self.layer["input_norm"], self.eps), _rms_norm(h, self.layer["hidden_norm"], self.eps)],
+                dim=-1,
+            )
         else:
             h = x = linear(torch.cat([emb, features], dim=-1), self.fc, self.fc_bias)
         cos, sin = self.attn.cos[batch.positions], self.attn.sin[batch.positions]
@@ -185,8 +206,15 @@ class EagleHead:
 class EagleRunner:
     """Follows the target with an EAGLE head and proposes each row's next drafts (rank 0)."""
 
-    def __init__(self, head_dir: Path, target: LlamaModel, target_dir: Path, target_hf_config: Any,
-                 max_batch_size: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        head_dir: Path,
+        target: LlamaModel,
+        target_dir: Path,
+        target_hf_config: Any,
+        max_batch_size: int,
+        max_model_len: int,
+    ) -> None:
         if target.tp.size != 1:
             embed, lm_head = _whole_embedding(target, target_dir)
         else:
@@ -222,14 +250,16 @@ class EagleRunner:
             offsets = np.concatenate([[0], np.cumsum(last.num_new_tokens)])
             ids = last.token_ids.tolist()
             for b, (slot, start) in enumerate(zip(last.slots, last.start_positions)):
-                chunk = self._final_positions(slot, start, ids[offsets[b] : offsets[b + 1]],
-                                              last_features[offsets[b] : offsets[b + 1]], 0)
+                chunk = self._final_positions(
+                    slot, start, ids[offsets[b] : offsets[b + 1]], last_features[offsets[b] : offsets[b + 1]], 0
+                )
                 if chunk is not None:
                     self._hold(slot, *chunk)
         self._step = batch, features
 
-    def _final_positions(self, slot: int, start: int, true: list[int], features: torch.Tensor,
-                         produced: int) -> tuple[int, torch.Tensor, list[int]] | None:
+    def _final_positions(
+        self, slot: int, start: int, true: list[int], features: torch.Tensor, produced: int
+    ) -> tuple[int, torch.Tensor, list[int]] | None:
         """A row's positions whose features are final, each with the token that followed it:
         (first position, features, tokens), or None. ``true``: the row's final tokens from ``start``
         (its non-draft tokens, then the ``produced`` tokens it sampled or accepted); ``features``:
@@ -259,8 +289,9 @@ class EagleRunner:
             held[2].extend(ids)
 
     @torch.inference_mode()
-    def propose(self, inputs: StepInputs, tokens: np.ndarray, counts: np.ndarray,
-                masks: MaskSource | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def propose(
+        self, inputs: StepInputs, tokens: np.ndarray, counts: np.ndarray, masks: MaskSource | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Run the step's final positions through the head, then chain ``draft_lens[b]`` drafts per
         row (argmax, or drawn from q' for sampled rows): (flat draft tokens as target ids, counts)."""
         assert self._step is not None, "propose without follow"
@@ -273,8 +304,9 @@ class EagleRunner:
             n, c = int(inputs.num_new_tokens[b]), int(counts[b])
             m = n - max(int(inputs.num_logits[b]), 1) + 1  # the row's non-draft tokens
             true = inputs.token_ids[offsets[b] : offsets[b] + m].tolist() + tokens[ends[b] - c : ends[b]].tolist()
-            chunk = self._final_positions(int(inputs.slots[b]), int(inputs.start_positions[b]), true,
-                                          features[offsets[b] : offsets[b] + n], c)
+            chunk = self._final_positions(
+                int(inputs.slots[b]), int(inputs.start_positions[b]), true, features[offsets[b] : offsets[b] + n], c
+            )
             if chunk is not None:
                 chunks[b] = chunk
                 last_position[b] = chunk[0] + len(chunk[2]) - 1
@@ -312,12 +344,24 @@ class EagleRunner:
             if step > 0:
                 live = wanted[rows] > step
                 rows, out, current = rows[live], out[torch.from_numpy(live)], current[torch.from_numpy(live)]
-                batch_step = ForwardBatch.create(current.numpy(), inputs.slots[rows], last_position[rows] + step,
-                                                 np.ones(len(rows), dtype=np.int32), np.ones(len(rows), dtype=np.int32))
+                batch_step = ForwardBatch.create(
+                    current.numpy(),
+                    inputs.slots[rows],
+                    last_position[rows] + step,
+                    np.ones(len(rows), dtype=np.int32),
+                    np.ones(len(rows), dtype=np.int32),
+                )
                 out, logits = self.head.forward(out, batch_step.token_ids, batch_step, self.kv)
             if masks is not None and inputs.draft_masked is not None:
-                constrain(logits, rows, inputs.draft_masked, [p + d for p, d in zip(produced, drafts)], step, masks,
-                          self._apply_mask)
+                constrain(
+                    logits,
+                    rows,
+                    inputs.draft_masked,
+                    [p + d for p, d in zip(produced, drafts)],
+                    step,
+                    masks,
+                    self._apply_mask,
+                )
             current = self.sampling.choose(logits, rows, inputs, counts, step, self.head.to_target)
             for b, token in zip(rows.tolist(), current.tolist()):
                 drafts[b].append(int(token))
@@ -327,7 +371,9 @@ class EagleRunner:
         """Target-vocabulary bitmask rows on draft-vocabulary logits rows, read through ``d2t``.
         Where the grammar allows nothing in the draft vocabulary the row drafts anyway (argmax of
         -inf rows is 0): the scheduler's check refuses that draft."""
-        words = torch.from_numpy(np.asarray(bitmask)[:, self._mask_word.numpy()])  # a copy: the ring's rows are read-only
+        words = torch.from_numpy(
+            np.asarray(bitmask)[:, self._mask_word.numpy()]
+        )  # a copy: the ring's rows are read-only
         allowed = ((words >> self._mask_bit) & 1).bool() & self._mask_inside
         index = torch.from_numpy(local.astype(np.int64))
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

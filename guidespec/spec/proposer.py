@@ -139,8 +139,14 @@ class DraftCost:
 
 
 class Speculator:
-    def __init__(self, cfg: SpeculativeConfig, grammar: Any, max_model_len: int, tokenizer: Any = None,
-                 vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: SpeculativeConfig,
+        grammar: Any,
+        max_model_len: int,
+        tokenizer: Any = None,
+        vocab_size: int | None = None,
+    ) -> None:
         self.cfg = cfg
         self.grammar = grammar
         self.max_model_len = max_model_len
@@ -183,12 +189,16 @@ class Speculator:
             # a row that ends at its last known token drafts: a decode row, or the prompt's last
             # chunk (its drafts verified in the prefill step; not with a model drafter, whose
             # proposals come from a decode step)
-            if not (self.speculates(request) and row.num_logits == 1
-                    and row.start + row.num_new_tokens == request.num_tokens
-                    and (request.output_token_ids or not model)):
+            if not (
+                self.speculates(request)
+                and row.num_logits == 1
+                and row.start + row.num_new_tokens == request.num_tokens
+                and (request.output_token_ids or not model)
+            ):
                 continue
-            room = min(request.params.max_tokens - len(request.output_token_ids) - 1,
-                       self.max_model_len - request.num_tokens)
+            room = min(
+                request.params.max_tokens - len(request.output_token_ids) - 1, self.max_model_len - request.num_tokens
+            )
             cap = min(request.params.max_draft_len or self.cfg.max_draft_len, room)
             if cap > 0:
                 limits[i], rooms[i] = cap, room
@@ -209,7 +219,9 @@ class Speculator:
                 self.store_proposals(request, [])  # nothing of the draft model's is due for it this step
             try:
                 if request.guided and self.cfg.use_forced_tokens and k + budget > 0:
-                    forced = self.grammar.forced_tokens(request.request_id, min(rooms[i], MAX_FORCED_DRAFTS, k + budget))
+                    forced = self.grammar.forced_tokens(
+                        request.request_id, min(rooms[i], MAX_FORCED_DRAFTS, k + budget)
+                    )
                 drafts = self._propose(request, drafter, forced, min(k, rooms[i] - len(forced))) if k > 0 else forced
             except Exception as e:  # a drafter's (or its grammar's) fault fails its request alone (take_failures)
                 self._failures.append((request, f"{type(e).__name__}: {str(e)[:200]}", traceback.format_exc()))
@@ -236,8 +248,9 @@ class Speculator:
         for i, row in enumerate(rows):
             request = row.request
             if row.num_logits and self.speculates(request):
-                lengths[i] = max(0, min(self._proposal_cap(request),
-                                        request.params.max_tokens - len(request.output_token_ids) - 2))
+                lengths[i] = max(
+                    0, min(self._proposal_cap(request), request.params.max_tokens - len(request.output_token_ids) - 2)
+                )
                 masked[i] = request.guided and self.cfg.constrain_drafts
         return lengths, masked & (lengths > 0)
 
@@ -276,8 +289,9 @@ class Speculator:
             self.prior = 0.9 * self.prior + 0.1 * observed
         stats.rate = 0.7 * stats.rate + 0.3 * observed
 
-    def observe_step(self, num_tokens: int, forward_s: float, proposed: list[int] | None = None,
-                     draft_s: float = 0.0) -> None:
+    def observe_step(
+        self, num_tokens: int, forward_s: float, proposed: list[int] | None = None, draft_s: float = 0.0
+    ) -> None:
         """A step's forward time for its token count, and what rank 0's drafter spent proposing
         ``proposed[b]`` drafts for each row."""
         self.cost.observe(num_tokens, forward_s)
@@ -295,8 +309,9 @@ class Speculator:
 
     # ------------------------------------------------------------------ helpers
 
-    def _lengths(self, rows: list[ScheduledRow], limits: dict[int, int],
-                 budget: int) -> tuple[dict[int, int], set[int]]:
+    def _lengths(
+        self, rows: list[ScheduledRow], limits: dict[int, int], budget: int
+    ) -> tuple[dict[int, int], set[int]]:
         """Draft lengths per row, and the rows whose drafts prompt lookup makes (the fallback)."""
         if not self.cfg.adaptive:
             out: dict[int, int] = {}
@@ -312,16 +327,23 @@ class Speculator:
         tokens = len(decode)
         expected = float(sum(row.num_logits for row in decode))
         if not isinstance(self.drafter, ModelDrafter):
-            lengths, _ = _allocate(self._rates(rows, limits, self.acceptance, self.prior), limits, budget, expected,
-                                   tokens, (c0, c1, 0.0, 0.0))
+            lengths, _ = _allocate(
+                self._rates(rows, limits, self.acceptance, self.prior),
+                limits,
+                budget,
+                expected,
+                tokens,
+                (c0, c1, 0.0, 0.0),
+            )
             self._probe(rows, limits, lengths, budget, self.acceptance, self.prior, model=False)
             return lengths, set()
         # a model drafter's drafts also cost their proposing on rank 0: d0 per draft step, d1 per token
         d0, d1 = self.draft_cost.coefficients()
         cost = (c0, c1, d0, d1)
         bar = expected / (c0 + c1 * tokens)  # expected tokens per second without drafts
-        lengths, speed = _allocate(self._rates(rows, limits, self.acceptance, self.prior), limits, budget, expected,
-                                   tokens, cost)
+        lengths, speed = _allocate(
+            self._rates(rows, limits, self.acceptance, self.prior), limits, budget, expected, tokens, cost
+        )
         # the draft model runs only where the plan expects a clear gain: near break-even the cost
         # model's error and the drafts' own variance make it a loss as often as a gain
         if speed < (1 + _MODEL_MARGIN) * bar:
@@ -339,8 +361,14 @@ class Speculator:
             # prompt lookup drafts for the rows the draft model does not (all of them where it does
             # not pay), judged like an n-gram drafter's: its acceptance, no proposing cost
             taken = sum(lengths.values())
-            lookup, _ = _allocate(self._rates(rows, free, self.lookup_acceptance, self.lookup_prior), free, budget,
-                                  expected, tokens + taken, (c0 + c1 * taken, c1, 0.0, 0.0))
+            lookup, _ = _allocate(
+                self._rates(rows, free, self.lookup_acceptance, self.lookup_prior),
+                free,
+                budget,
+                expected,
+                tokens + taken,
+                (c0 + c1 * taken, c1, 0.0, 0.0),
+            )
             self._probe(rows, free, lookup, budget, self.lookup_acceptance, self.lookup_prior, model=False)
             for i, k in lookup.items():
                 if k > 0:
@@ -348,12 +376,21 @@ class Speculator:
                     from_lookup.add(i)
         return lengths, from_lookup
 
-    def _rates(self, rows: list[ScheduledRow], limits: dict[int, int], acceptance: dict[str, _Acceptance],
-               prior: float) -> dict[int, float]:
+    def _rates(
+        self, rows: list[ScheduledRow], limits: dict[int, int], acceptance: dict[str, _Acceptance], prior: float
+    ) -> dict[int, float]:
         return {i: acceptance.get(rows[i].request.request_id, _Acceptance(prior)).rate for i in limits}
 
-    def _probe(self, rows: list[ScheduledRow], limits: dict[int, int], lengths: dict[int, int], budget: int,
-               acceptance: dict[str, _Acceptance], prior: float, model: bool) -> int:
+    def _probe(
+        self,
+        rows: list[ScheduledRow],
+        limits: dict[int, int],
+        lengths: dict[int, int],
+        budget: int,
+        acceptance: dict[str, _Acceptance],
+        prior: float,
+        model: bool,
+    ) -> int:
         """Give a request that stopped drafting a probe now and then, to notice a change; note what
         was planned for each. Returns the budget left."""
         budget -= sum(lengths[i] for i in limits)
@@ -363,8 +400,12 @@ class Speculator:
                 stats.steps_without_drafts += 1
                 if model:
                     stats.off = stats.off or stats.probes >= _MODEL_PROBES_BEFORE_OFF
-                    due = (not stats.off and self._model_drafting_pays and self._plans % _MODEL_PROBE_EVERY == 0
-                           and stats.steps_without_drafts > 1)
+                    due = (
+                        not stats.off
+                        and self._model_drafting_pays
+                        and self._plans % _MODEL_PROBE_EVERY == 0
+                        and stats.steps_without_drafts > 1
+                    )
                 else:
                     due = stats.steps_without_drafts >= _PROBE_EVERY
                 if due and budget > 0:
@@ -398,8 +439,14 @@ class Speculator:
         return drafts
 
 
-def _allocate(rates: dict[int, float], limits: dict[int, int], budget: int, expected: float, tokens: int,
-              cost: tuple[float, float, float, float]) -> tuple[dict[int, int], float]:
+def _allocate(
+    rates: dict[int, float],
+    limits: dict[int, int],
+    budget: int,
+    expected: float,
+    tokens: int,
+    cost: tuple[float, float, float, float],
+) -> tuple[dict[int, int], float]:
     """Draft lengths per row, added one token at a time where the next draft is worth the most
     (``rate ** j``) while it raises expected tokens per second; returns them with that speed.
     ``cost``: (c0, c1, d0, d1): a step's ``c0 + c1 * tokens``, plus ``d0`` per draft step (the

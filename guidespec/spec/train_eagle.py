@@ -75,8 +75,7 @@ class Sequence:
 # ---------------------------------------------------------------------- generations
 
 
-def load_generations(cfg: TrainConfig, tokenizer: Any, model_dir: Path, eos: int,
-                     log: Any = print) -> list[Sequence]:
+def load_generations(cfg: TrainConfig, tokenizer: Any, model_dir: Path, eos: int, log: Any = print) -> list[Sequence]:
     from guidespec.launch.sweep import default_workload, load_workload
 
     workload = load_workload(cfg.workload or default_workload())
@@ -118,8 +117,10 @@ def _generate(cases: list[dict[str, Any]], model_dir: Path, log: Any) -> dict[st
     from guidespec.launch.sweep import run_cases
 
     log(f"train-eagle: generating {len(cases)} outputs with the target (greedy, guided by each case's schema)")
-    with LLM(str(model_dir), max_batch_size=16, show_progress=False) as llm, \
-            tqdm(total=len(cases), desc="train-eagle: generating", unit="case") as bar:
+    with (
+        LLM(str(model_dir), max_batch_size=16, show_progress=False) as llm,
+        tqdm(total=len(cases), desc="train-eagle: generating", unit="case") as bar,
+    ):
         results = asyncio.run(run_cases(llm, cases, "xgrammar", 0.0, 384, 16, progress=bar))
     return {r.case_id: r.text for r in results if r.status == "valid"}
 
@@ -145,8 +146,14 @@ def draft_vocabulary(sequences: list[Sequence], size: int, vocab_size: int, eos:
 
 
 @torch.inference_mode()
-def target_features(model_dir: Path, sequences: list[Sequence], aux_layers: tuple[int, ...], window: int,
-                    log: Any = print, budget_s: float | None = None) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
+def target_features(
+    model_dir: Path,
+    sequences: list[Sequence],
+    aux_layers: tuple[int, ...],
+    window: int,
+    log: Any = print,
+    budget_s: float | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
     """Per sequence: (features [N, 3H] bf16, tokens [N], first absolute position, output start in
     the window) over the window (the prompt's last ``window`` tokens and the output). With
     ``budget_s``, the sequences (in their shuffled order) whose features fit in that time: a
@@ -167,16 +174,24 @@ def target_features(model_dir: Path, sequences: list[Sequence], aux_layers: tupl
     start = time.perf_counter()
     for seq in tqdm(sequences, desc="train-eagle: target features", unit="seq"):
         if budget_s is not None and time.perf_counter() - start > budget_s and len(out) >= 2:
-            log(f"train-eagle: the features' {budget_s / 60:.1f} minutes are spent: {len(out)} of "
-                f"{len(sequences)} sequences")
+            log(
+                f"train-eagle: the features' {budget_s / 60:.1f} minutes are spent: {len(out)} of "
+                f"{len(sequences)} sequences"
+            )
             break
         n = len(seq.token_ids)
         batch = ForwardBatch.create(seq.token_ids, [0], [0], [n], [0])
         model.forward(batch, kv, capture=aux_layers)
         assert model.captured is not None
         first = max(0, seq.output_start - window)
-        out.append((model.captured[first:].to(torch.bfloat16).clone(), torch.tensor(seq.token_ids[first:]),
-                    first, seq.output_start - first))
+        out.append(
+            (
+                model.captured[first:].to(torch.bfloat16).clone(),
+                torch.tensor(seq.token_ids[first:]),
+                first,
+                seq.output_start - first,
+            )
+        )
     return out
 
 
@@ -191,8 +206,9 @@ class TrainableHead(nn.Module):
     cos: torch.Tensor
     sin: torch.Tensor
 
-    def __init__(self, cfg: ModelConfig, hf_config: Any, embed: torch.Tensor, draft_ids: torch.Tensor,
-                 num_aux: int, max_len: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, hf_config: Any, embed: torch.Tensor, draft_ids: torch.Tensor, num_aux: int, max_len: int
+    ) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.cfg = cfg
@@ -210,7 +226,15 @@ class TrainableHead(nn.Module):
         self.norm = nn.Parameter(torch.ones(h))
         self.lm_head = nn.Parameter(embed[draft_ids].clone())  # the target's rows of the draft vocabulary
         with torch.no_grad():
-            for lin in (self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj, self.down_proj):
+            for lin in (
+                self.q_proj,
+                self.k_proj,
+                self.v_proj,
+                self.o_proj,
+                self.gate_proj,
+                self.up_proj,
+                self.down_proj,
+            ):
                 lin.weight.normal_(0, 0.02)
             # start fc as the mean of the layers' features, so step 1 begins near the target's own state
             self.fc.weight.copy_(torch.cat([torch.eye(h) / num_aux] * num_aux, dim=1))
@@ -228,8 +252,9 @@ class TrainableHead(nn.Module):
         half = x.shape[-1] // 2
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
-    def unroll(self, features: torch.Tensor, tokens: torch.Tensor, first_position: int,
-               steps: int) -> list[torch.Tensor]:
+    def unroll(
+        self, features: torch.Tensor, tokens: torch.Tensor, first_position: int, steps: int
+    ) -> list[torch.Tensor]:
         """The head's hidden output at every index for draft steps 1..``steps`` ([n-1, hidden] each).
 
         Index ``t`` reads feature ``t`` and token ``t+1`` at step 1, its own step ``k-1`` output and
@@ -246,14 +271,17 @@ class TrainableHead(nn.Module):
         outputs = []
         for k in range(1, steps + 1):
             ids = tokens[(index + k).clamp(max=n - 1)]  # past the end: padding, never in the loss
-            x = torch.cat([self._rms(F.embedding(ids, self.embed), self.input_norm), self._rms(hidden, self.hidden_norm)], -1)
+            x = torch.cat(
+                [self._rms(F.embedding(ids, self.embed), self.input_norm), self._rms(hidden, self.hidden_norm)], -1
+            )
             positions = first_position + index + k - 1
             q = self._rope(self.q_proj(x).view(t, c.num_heads, d), positions)
             keys.append(self._rope(self.k_proj(x).view(t, c.num_kv_heads, d), positions).repeat_interleave(g, dim=1))
             values.append(self.v_proj(x).view(t, c.num_kv_heads, d).repeat_interleave(g, dim=1))
             if k == 1:
-                attn = F.scaled_dot_product_attention(q.transpose(0, 1), keys[0].transpose(0, 1),
-                                                      values[0].transpose(0, 1), is_causal=True).transpose(0, 1)
+                attn = F.scaled_dot_product_attention(
+                    q.transpose(0, 1), keys[0].transpose(0, 1), values[0].transpose(0, 1), is_causal=True
+                ).transpose(0, 1)
             else:
                 main = torch.einsum("thd,shd->hts", q, keys[0]) * d**-0.5
                 main = main.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
@@ -270,8 +298,16 @@ class TrainableHead(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._rms(hidden, self.norm) @ self.lm_head.T
 
-    def forward(self, features: torch.Tensor, tokens: torch.Tensor, first_position: int, output_start: int,
-                t2d: torch.Tensor, steps: int, prompt_weight: float = 0.0) -> tuple[torch.Tensor, list[float]]:
+    def forward(
+        self,
+        features: torch.Tensor,
+        tokens: torch.Tensor,
+        first_position: int,
+        output_start: int,
+        t2d: torch.Tensor,
+        steps: int,
+        prompt_weight: float = 0.0,
+    ) -> tuple[torch.Tensor, list[float]]:
         """Loss over ``steps`` unrolled draft steps (weights 0.8^(k-1)), and each step's accuracy
         on the output tokens (targets outside the draft vocabulary count as misses). With
         ``prompt_weight`` the prompt tokens in the window count too, at that weight."""
@@ -305,12 +341,18 @@ class TrainableHead(nn.Module):
         t2d = torch.zeros(vocab_size, dtype=torch.bool)
         t2d[self.draft_ids] = True
         state = {
-            "fc.weight": self.fc.weight, p + "self_attn.q_proj.weight": self.q_proj.weight,
-            p + "self_attn.k_proj.weight": self.k_proj.weight, p + "self_attn.v_proj.weight": self.v_proj.weight,
-            p + "self_attn.o_proj.weight": self.o_proj.weight, p + "mlp.gate_proj.weight": self.gate_proj.weight,
-            p + "mlp.up_proj.weight": self.up_proj.weight, p + "mlp.down_proj.weight": self.down_proj.weight,
-            p + "hidden_norm.weight": self.hidden_norm, p + "input_layernorm.weight": self.input_norm,
-            p + "post_attention_layernorm.weight": self.post_norm, "norm.weight": self.norm,
+            "fc.weight": self.fc.weight,
+            p + "self_attn.q_proj.weight": self.q_proj.weight,
+            p + "self_attn.k_proj.weight": self.k_proj.weight,
+            p + "self_attn.v_proj.weight": self.v_proj.weight,
+            p + "self_attn.o_proj.weight": self.o_proj.weight,
+            p + "mlp.gate_proj.weight": self.gate_proj.weight,
+            p + "mlp.up_proj.weight": self.up_proj.weight,
+            p + "mlp.down_proj.weight": self.down_proj.weight,
+            p + "hidden_norm.weight": self.hidden_norm,
+            p + "input_layernorm.weight": self.input_norm,
+            p + "post_attention_layernorm.weight": self.post_norm,
+            "norm.weight": self.norm,
             "lm_head.weight": self.lm_head,
         }
         out = {k: v.detach().float().clone() for k, v in state.items()}
@@ -319,14 +361,23 @@ class TrainableHead(nn.Module):
         return out
 
 
-def head_config(cfg: ModelConfig, vocab_size: int, draft_vocab_size: int, aux_layers: tuple[int, ...],
-                info: dict[str, Any]) -> dict[str, Any]:
+def head_config(
+    cfg: ModelConfig, vocab_size: int, draft_vocab_size: int, aux_layers: tuple[int, ...], info: dict[str, Any]
+) -> dict[str, Any]:
     return {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps, "vocab_size": vocab_size, "draft_vocab_size": draft_vocab_size,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}, "guidespec_training": info,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "vocab_size": vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers)},
+        "guidespec_training": info,
     }
 
 
@@ -359,17 +410,24 @@ def _train(cfg: TrainConfig, log: Any) -> dict[str, Any]:
     sequences = sequences[: len(features)]
     collected_s = time.perf_counter() - start
     held_out = max(1, len(sequences) // 10)
-    draft_ids = draft_vocabulary(sequences[held_out:], min(cfg.draft_vocab_size, model_cfg.vocab_size),
-                                 model_cfg.vocab_size, eos)
+    draft_ids = draft_vocabulary(
+        sequences[held_out:], min(cfg.draft_vocab_size, model_cfg.vocab_size), model_cfg.vocab_size, eos
+    )
     t2d = torch.full((model_cfg.vocab_size,), -1, dtype=torch.long)
     t2d[draft_ids] = torch.arange(len(draft_ids))
     embed = ShardReader(model_dir).get("model.embed_tokens.weight").float()
     max_len = max(f[2] + len(f[1]) for f in features) + cfg.ttt_steps + 1
-    head_cfg = dataclasses.replace(model_cfg, num_layers=1, num_heads=cfg.num_heads or model_cfg.num_heads,
-                                   num_kv_heads=cfg.num_kv_heads or model_cfg.num_kv_heads,
-                                   intermediate_size=cfg.intermediate_size or model_cfg.intermediate_size)
+    head_cfg = dataclasses.replace(
+        model_cfg,
+        num_layers=1,
+        num_heads=cfg.num_heads or model_cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads or model_cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size or model_cfg.intermediate_size,
+    )
     if head_cfg.num_heads % head_cfg.num_kv_heads:
-        raise ValueError(f"the head's {head_cfg.num_heads} heads do not split over {head_cfg.num_kv_heads} key/value heads")
+        raise ValueError(
+            f"the head's {head_cfg.num_heads} heads do not split over {head_cfg.num_kv_heads} key/value heads"
+        )
     head = TrainableHead(head_cfg, hf_config, embed, draft_ids, len(aux), max_len)
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -403,16 +461,27 @@ def _train(cfg: TrainConfig, log: Any) -> dict[str, Any]:
     with torch.no_grad():
         per_step = np.nanmean([head(f, t, p, o, t2d, cfg.ttt_steps)[1] for f, t, p, o in test_set], axis=0)
     info = {
-        "target": str(model_dir), "sequences": len(train_set), "held_out": len(test_set),
+        "target": str(model_dir),
+        "sequences": len(train_set),
+        "held_out": len(test_set),
         "output_tokens": int(sum(len(s.token_ids) - s.output_start for s in sequences)),
-        "draft_vocab_size": len(draft_ids), "ttt_steps": cfg.ttt_steps, "updates": step,
+        "draft_vocab_size": len(draft_ids),
+        "ttt_steps": cfg.ttt_steps,
+        "updates": step,
         "held_out_accuracy_per_step": [round(float(a), 4) for a in per_step],
-        "data_s": round(collected_s, 1), "train_s": round(time.perf_counter() - train_start, 1),
-        "excluded_prefix": cfg.exclude_prefix, "prompt_window": cfg.prompt_window,
+        "data_s": round(collected_s, 1),
+        "train_s": round(time.perf_counter() - train_start, 1),
+        "excluded_prefix": cfg.exclude_prefix,
+        "prompt_window": cfg.prompt_window,
         "prompt_loss_weight": cfg.prompt_loss_weight,
     }
-    save_head(cfg.output, head.state_for_checkpoint(model_cfg.vocab_size),
-              head_config(head_cfg, model_cfg.vocab_size, len(draft_ids), aux, info))
-    log(f"train-eagle: saved {cfg.output}; held-out accuracy per draft step (greedy target tokens): "
-        + ", ".join(f"{a:.3f}" for a in per_step))
+    save_head(
+        cfg.output,
+        head.state_for_checkpoint(model_cfg.vocab_size),
+        head_config(head_cfg, model_cfg.vocab_size, len(draft_ids), aux, info),
+    )
+    log(
+        f"train-eagle: saved {cfg.output}; held-out accuracy per draft step (greedy target tokens): "
+        + ", ".join(f"{a:.3f}" for a in per_step)
+    )
     return info

@@ -28,10 +28,18 @@ from guidespec.protocol import NO_TOKEN
 from guidespec.worker.sampler import _SEED_STRIDE, filtered_probs, sample
 
 
-def verify(logits: torch.Tensor, num_logits: np.ndarray, drafts: list[np.ndarray], temperature: np.ndarray,
-           top_k: np.ndarray, top_p: np.ndarray, seeds: np.ndarray, sample_index: np.ndarray,
-           generator: torch.Generator | None = None,
-           draft_probs: list[torch.Tensor | None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def verify(
+    logits: torch.Tensor,
+    num_logits: np.ndarray,
+    drafts: list[np.ndarray],
+    temperature: np.ndarray,
+    top_k: np.ndarray,
+    top_p: np.ndarray,
+    seeds: np.ndarray,
+    sample_index: np.ndarray,
+    generator: torch.Generator | None = None,
+    draft_probs: list[torch.Tensor | None] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Tokens each row produces, flat, and how many per row.
 
     logits [sum(num_logits), V] fp32; per-row arrays of length B; ``drafts[b]`` has
@@ -48,11 +56,15 @@ def verify(logits: torch.Tensor, num_logits: np.ndarray, drafts: list[np.ndarray
     if plain_rows:  # no drafts: the ordinary sampler, batched
         index = offsets[plain_rows]
         plain_logits = logits if len(index) == logits.shape[0] else logits[index]  # no copy without drafts
-        tokens = sample(plain_logits, torch.from_numpy(temperature[plain_rows].astype(np.float32)),
-                        torch.from_numpy(top_k[plain_rows].astype(np.int64)),
-                        torch.from_numpy(top_p[plain_rows].astype(np.float32)),
-                        torch.from_numpy(seeds[plain_rows].astype(np.int64)),
-                        torch.from_numpy(sample_index[plain_rows].astype(np.int64)), generator)
+        tokens = sample(
+            plain_logits,
+            torch.from_numpy(temperature[plain_rows].astype(np.float32)),
+            torch.from_numpy(top_k[plain_rows].astype(np.int64)),
+            torch.from_numpy(top_p[plain_rows].astype(np.float32)),
+            torch.from_numpy(seeds[plain_rows].astype(np.int64)),
+            torch.from_numpy(sample_index[plain_rows].astype(np.int64)),
+            generator,
+        )
         for b, token in zip(plain_rows, tokens.cpu().tolist()):
             out[b] = [token]
     greedy = [b for b in spec_rows if temperature[b] == 0]
@@ -64,13 +76,18 @@ def verify(logits: torch.Tensor, num_logits: np.ndarray, drafts: list[np.ndarray
     if sampled:
         index = np.concatenate([np.arange(offsets[b], offsets[b + 1]) for b in sampled])
         reps = num_logits[sampled]
-        probs = filtered_probs(logits[index], torch.from_numpy(np.repeat(temperature[sampled], reps).astype(np.float32)),
-                               torch.from_numpy(np.repeat(top_k[sampled], reps).astype(np.int64)),
-                               torch.from_numpy(np.repeat(top_p[sampled], reps).astype(np.float32)))
+        probs = filtered_probs(
+            logits[index],
+            torch.from_numpy(np.repeat(temperature[sampled], reps).astype(np.float32)),
+            torch.from_numpy(np.repeat(top_k[sampled], reps).astype(np.int64)),
+            torch.from_numpy(np.repeat(top_p[sampled], reps).astype(np.float32)),
+        )
         start = 0
         for b, n in zip(sampled, reps.tolist()):
             q = draft_probs[b] if draft_probs is not None else None
-            out[b] = _verify_sampled(probs[start : start + n], drafts[b], q, int(seeds[b]), int(sample_index[b]), generator)
+            out[b] = _verify_sampled(
+                probs[start : start + n], drafts[b], q, int(seeds[b]), int(sample_index[b]), generator
+            )
             start += n
     if bool(dead.any()):
         for b in range(batch):  # only a row's last token can come from a dead row (a draft accepted at
@@ -88,8 +105,14 @@ def _verify_greedy(best: np.ndarray, drafts: np.ndarray) -> list[int]:
     return [int(t) for t in drafts[:accepted]] + [int(best[accepted])]
 
 
-def _verify_sampled(probs: torch.Tensor, drafts: np.ndarray, q: torch.Tensor | None, seed: int, first_index: int,
-                    generator: torch.Generator | None) -> list[int]:
+def _verify_sampled(
+    probs: torch.Tensor,
+    drafts: np.ndarray,
+    q: torch.Tensor | None,
+    seed: int,
+    first_index: int,
+    generator: torch.Generator | None,
+) -> list[int]:
     tokens: list[int] = []
     for j, draft in enumerate(drafts.tolist()):
         g = _generator(seed, first_index + j, generator, probs.device)
@@ -111,8 +134,9 @@ def _verify_sampled(probs: torch.Tensor, drafts: np.ndarray, q: torch.Tensor | N
     return tokens
 
 
-def _generator(seed: int, index: int, shared: torch.Generator | None,
-               device: torch.device | None = None) -> torch.Generator | None:
+def _generator(
+    seed: int, index: int, shared: torch.Generator | None, device: torch.device | None = None
+) -> torch.Generator | None:
     if seed < 0:
         return shared
     return torch.Generator(device=device or "cpu").manual_seed((seed * _SEED_STRIDE + index) % 2**63)

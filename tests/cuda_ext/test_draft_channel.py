@@ -16,8 +16,18 @@ import numpy as np
 import pytest
 
 from guidespec import cuda_ext
-from guidespec.cuda_ext.channel import (BAD_CHANNEL, DONE, PEER_GONE, STALE, TIMEOUT, TOO_LARGE, ChannelSpec,
-                                        DraftChannel, DraftChannelError, StreamExchange)
+from guidespec.cuda_ext.channel import (
+    BAD_CHANNEL,
+    DONE,
+    PEER_GONE,
+    STALE,
+    TIMEOUT,
+    TOO_LARGE,
+    ChannelSpec,
+    DraftChannel,
+    DraftChannelError,
+    StreamExchange,
+)
 
 pytestmark = pytest.mark.skipif(cuda_ext.library() is None, reason="no C compiler: the host library is not built")
 WORDS = 5
@@ -83,9 +93,16 @@ def test_a_missing_mask_forbids_everything_and_says_so() -> None:
     channel = DraftChannel.create(_spec())
     try:
         out = np.full((2, WORDS), -1, dtype=np.int32)
-        code = channel.lib.gs_publish_drafts(channel.base, 3, 0, np.array([0, 1], np.int32).ctypes.data, 2,
-                                             np.array([1, 1], np.int32).ctypes.data,
-                                             np.array([5, 6], np.int32).ctypes.data, 2)
+        code = channel.lib.gs_publish_drafts(
+            channel.base,
+            3,
+            0,
+            np.array([0, 1], np.int32).ctypes.data,
+            2,
+            np.array([1, 1], np.int32).ctypes.data,
+            np.array([5, 6], np.int32).ctypes.data,
+            2,
+        )
         assert code == 0
         start = time.monotonic()
         code = channel.lib.gs_wait_mask(channel.base, 3, 0, 50_000, 0, out.ctypes.data, 2)

@@ -13,7 +13,9 @@ from guidespec.ipc import codec
 
 I32 = np.array([3, 1, 4], dtype=np.int32)
 EXAMPLES = [
-    protocol.SamplingParams(max_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=11, stop=("x",), stop_token_ids=(2,)),
+    protocol.SamplingParams(
+        max_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=11, stop=("x",), stop_token_ids=(2,)
+    ),
     protocol.GenerateRequest("r1", I32, protocol.SamplingParams(), 1.5),
     protocol.GuidedDecoding(json_schema='{"type": "object"}', backend="llguidance"),
     protocol.SamplingParams(guided=protocol.GuidedDecoding(choice=("yes", "no"))),
@@ -25,8 +27,22 @@ EXAMPLES = [
     protocol.RequestOutput("r2", [3], "x", stats=protocol.DecodeStats(4, 2, 6, 3, [0, 1, 1])),
     protocol.DecodeStats(1, 0, 0, 0, []),
     protocol.EngineDead("worker rank 1 died"),
-    protocol.StepInputs(3, I32, I32, I32, np.arange(10, dtype=np.int32), I32, np.ones(3, np.float32), I32,
-                        np.ones(3, np.float32), np.array([-1, 5, 6], np.int64), I32, I32, np.ones((3, 3), np.float32), True),
+    protocol.StepInputs(
+        3,
+        I32,
+        I32,
+        I32,
+        np.arange(10, dtype=np.int32),
+        I32,
+        np.ones(3, np.float32),
+        I32,
+        np.ones(3, np.float32),
+        np.array([-1, 5, 6], np.int64),
+        I32,
+        I32,
+        np.ones((3, 3), np.float32),
+        True,
+    ),
     protocol.StepBitmask(3, np.array([0, 2], np.int32), np.arange(8, dtype=np.int32).reshape(2, 4)),
     protocol.StepOutputs(3, I32, np.ones(3, np.int32), 0.25, np.arange(4, dtype=np.float64)),
     protocol.StepOutputs(4, I32, np.ones(3, np.int32), 0.1, None, I32, np.ones(3, np.int32)),
@@ -60,12 +76,18 @@ def test_arrays_decode_without_copy() -> None:
     assert np.shares_memory(decoded.bitmask, np.frombuffer(frame, dtype=np.uint8))
 
 
-@pytest.mark.parametrize("frame", [
-    b"", b"\x01", b"\xff\xff\xff\x7f" + b"x",
-    b"\x03\x00\x00\x00abc",
-    codec._HEADER_LEN.pack(1) + msgpack.packb(5)[:1],
-    codec._HEADER_LEN.pack(len(msgpack.packb({"a": 1}))) + msgpack.packb({"a": 1}),
-], ids=["empty", "short", "bad-length", "garbage", "not-a-message", "plain-map"])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        b"\x01",
+        b"\xff\xff\xff\x7f" + b"x",
+        b"\x03\x00\x00\x00abc",
+        codec._HEADER_LEN.pack(1) + msgpack.packb(5)[:1],
+        codec._HEADER_LEN.pack(len(msgpack.packb({"a": 1}))) + msgpack.packb({"a": 1}),
+    ],
+    ids=["empty", "short", "bad-length", "garbage", "not-a-message", "plain-map"],
+)
 def test_malformed_frames_raise(frame: bytes) -> None:
     with pytest.raises(codec.MalformedMessage):
         codec.decode(frame)

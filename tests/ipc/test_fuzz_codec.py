@@ -56,14 +56,19 @@ SEED = 21
 
 
 def fuzz(max_examples: int) -> settings:
-    return settings(max_examples=max_examples, deadline=None, database=None, print_blob=False,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        print_blob=False,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
 
 
 HEADER = codec._HEADER_LEN
 MESSAGE_CLASSES = sorted(codec._CLASS_TO_TAG, key=lambda cls: codec._CLASS_TO_TAG[cls])
 TAGS = sorted(codec._TAG_TO_CLASS)
-EDGE_INTS = [0, 1, 2, 7, 8, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63 - 1, 2**63, 2**64 - 1, -1, -2**63]
+EDGE_INTS = [0, 1, 2, 7, 8, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63 - 1, 2**63, 2**64 - 1, -1, -(2**63)]
 
 
 # ---------------------------------------------------------------- strategies
@@ -83,8 +88,12 @@ def field_strategy(hint: Any) -> st.SearchStrategy[Any]:
     if origin is tuple and args[-1:] == (Ellipsis,):
         return st.lists(field_strategy(args[0]), max_size=4).map(tuple)
     simple: dict[Any, st.SearchStrategy[Any]] = {
-        type(None): st.none(), bool: st.booleans(), int: st.integers(-2**63, 2**64 - 1),
-        float: st.floats(), str: st.text(max_size=12), np.ndarray: arrays(),
+        type(None): st.none(),
+        bool: st.booleans(),
+        int: st.integers(-(2**63), 2**64 - 1),
+        float: st.floats(),
+        str: st.text(max_size=12),
+        np.ndarray: arrays(),
     }
     if hint in simple:
         return simple[hint]
@@ -104,21 +113,37 @@ FRAMES = MESSAGES.map(codec.encode)
 
 def garbage_trees() -> st.SearchStrategy[Any]:
     """msgpack values with message and array extensions, made to reach past the first checks."""
-    leaves = (st.none() | st.booleans() | st.sampled_from(EDGE_INTS) | st.integers(-2**63, 2**64 - 1)
-              | st.floats() | st.text(max_size=8) | st.binary(max_size=8))
+    leaves = (
+        st.none()
+        | st.booleans()
+        | st.sampled_from(EDGE_INTS)
+        | st.integers(-(2**63), 2**64 - 1)
+        | st.floats()
+        | st.text(max_size=8)
+        | st.binary(max_size=8)
+    )
 
     def extend(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-        well_sized = st.sampled_from(TAGS).flatmap(lambda tag: st.tuples(
-            st.just(tag), st.lists(children, min_size=_num_fields(tag), max_size=_num_fields(tag))))
+        well_sized = st.sampled_from(TAGS).flatmap(
+            lambda tag: st.tuples(
+                st.just(tag), st.lists(children, min_size=_num_fields(tag), max_size=_num_fields(tag))
+            )
+        )
         any_sized = st.tuples(st.sampled_from(TAGS) | st.sampled_from(EDGE_INTS), st.lists(children, max_size=4))
         message = (well_sized | any_sized).map(lambda item: msgpack.ExtType(2, msgpack.packb(list(item))))
         dims = st.sampled_from(EDGE_INTS) | st.integers(0, 6)
-        array_header = st.tuples(st.sampled_from(sorted(codec._ALLOWED_DTYPES)) | children,
-                                 st.lists(dims, max_size=4) | children, dims, dims)
+        array_header = st.tuples(
+            st.sampled_from(sorted(codec._ALLOWED_DTYPES)) | children, st.lists(dims, max_size=4) | children, dims, dims
+        )
         array = array_header.map(lambda header: msgpack.ExtType(1, msgpack.packb(list(header))))
         other_ext = st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=8))
-        return (st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=4), children, max_size=3)
-                | message | array | other_ext)
+        return (
+            st.lists(children, max_size=4)
+            | st.dictionaries(st.text(max_size=4), children, max_size=3)
+            | message
+            | array
+            | other_ext
+        )
 
     return st.recursive(leaves, extend, max_leaves=24)
 
@@ -136,8 +161,7 @@ def frame_of(header: bytes, payload: bytes = b"") -> bytes:
 
 def equal(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray):
-        return (isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
-                and a.tobytes() == b.tobytes())
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
     if type(a) is not type(b):
         return False
     if dataclasses.is_dataclass(a):
@@ -226,8 +250,10 @@ def test_structured_garbage_decodes_or_refuses(tree: Any, payload: bytes) -> Non
 
 def _array_frame(dtype: Any, shape: Any, offset: Any, nbytes: Any) -> bytes:
     array = msgpack.ExtType(1, msgpack.packb([dtype, shape, offset, nbytes]))
-    return frame_of(msgpack.packb(msgpack.ExtType(2, msgpack.packb([22, [1, array, array, 0.0, None, None, None, 0.0]]))),
-                    b"\0" * 64)
+    return frame_of(
+        msgpack.packb(msgpack.ExtType(2, msgpack.packb([22, [1, array, array, 0.0, None, None, None, 0.0]]))),
+        b"\0" * 64,
+    )
 
 
 HOSTILE = {

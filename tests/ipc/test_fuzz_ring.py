@@ -51,8 +51,13 @@ KEY = b"k" * 32
 
 
 def fuzz(max_examples: int) -> settings:
-    return settings(max_examples=max_examples, deadline=None, database=None, print_blob=False,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        print_blob=False,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
 
 
 @contextmanager
@@ -155,18 +160,43 @@ def test_named_corruptions_raise_a_ring_error_in_time(corruption: tuple[int, str
     assert peak < 1 << 20
 
 
-EDGE_VALUES = [-2**63, -2**31, -SLOT, -2, -1, 0, 1, 2, SLOT - 1, SLOT, SLOT + 1, 2 * SLOT, 16 * SLOT,
-               2**31, 2**62, 2**63 - 1, MAX_MESSAGE_SIZE, MAX_MESSAGE_SIZE + 1]
-CORRUPTION = st.tuples(st.integers(0, 15), st.sampled_from(["seq", "nbytes", "total", "cursor"]),
-                       st.sampled_from(EDGE_VALUES) | st.integers(-2**63, 2**63 - 1))
+EDGE_VALUES = [
+    -(2**63),
+    -(2**31),
+    -SLOT,
+    -2,
+    -1,
+    0,
+    1,
+    2,
+    SLOT - 1,
+    SLOT,
+    SLOT + 1,
+    2 * SLOT,
+    16 * SLOT,
+    2**31,
+    2**62,
+    2**63 - 1,
+    MAX_MESSAGE_SIZE,
+    MAX_MESSAGE_SIZE + 1,
+]
+CORRUPTION = st.tuples(
+    st.integers(0, 15),
+    st.sampled_from(["seq", "nbytes", "total", "cursor"]),
+    st.sampled_from(EDGE_VALUES) | st.integers(-(2**63), 2**63 - 1),
+)
 
 
 @seed(SEED)
 @fuzz(250)
-@given(st.integers(0, 16), st.lists(st.integers(0, 9 * SLOT // 2), min_size=1, max_size=3),
-       st.lists(CORRUPTION, min_size=1, max_size=4))
+@given(
+    st.integers(0, 16),
+    st.lists(st.integers(0, 9 * SLOT // 2), min_size=1, max_size=3),
+    st.lists(CORRUPTION, min_size=1, max_size=4),
+)
 def test_corrupted_headers_give_a_message_or_a_ring_error(
-        num_warmup: int, sizes: list[int], corruptions: list[tuple[int, str, int]]) -> None:
+    num_warmup: int, sizes: list[int], corruptions: list[tuple[int, str, int]]
+) -> None:
     with new_ring(num_slots=16) as ring:  # 16 slots hold the 3 messages of up to 5 chunks unread
         writer, reader = ring.writer(), ring.reader(0)
         for _ in range(num_warmup):  # so the messages start anywhere in the ring
@@ -205,7 +235,8 @@ def remote_pair() -> Iterator[tuple[RemoteWriter, RemoteReader]]:
 @fuzz(40)
 @given(st.lists(st.binary(max_size=48), min_size=1, max_size=3), st.booleans())
 def test_remote_reader_drops_unsigned_frames_and_hands_on_signed_ones(
-        remote_pair: tuple[RemoteWriter, RemoteReader], parts: list[bytes], signed: bool) -> None:
+    remote_pair: tuple[RemoteWriter, RemoteReader], parts: list[bytes], signed: bool
+) -> None:
     writer, reader = remote_pair
     rejected = reader.rejected
     if signed:

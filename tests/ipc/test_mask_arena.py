@@ -27,7 +27,7 @@ def test_rows_put_by_the_owner_are_read_in_place_by_an_attached_mapping() -> Non
     owner = _arena()
     reader = MaskArena.attach(owner.spec)
     rng = np.random.default_rng(0)
-    first, second = (rng.integers(-2**31, 2**31, (n, WORDS), dtype=np.int64).astype(np.int32) for n in (5, 8))
+    first, second = (rng.integers(-(2**31), 2**31, (n, WORDS), dtype=np.int64).astype(np.int32) for n in (5, 8))
     a, b = owner.put(first), owner.put(second)
     assert (a, b) == (0, 1) and owner.put(first) == 0  # buffers alternate
     assert np.array_equal(reader.view(a, 5), first) and np.array_equal(reader.view(b, 8), second)

@@ -37,8 +37,9 @@ def test_two_remote_readers_get_every_message() -> None:
     payloads = [os.urandom(n) for n in (0, 10, 100_000, 3_000_000, 7)]
     spawn = mp.get_context("spawn")
     results: mp.Queue = spawn.Queue()
-    readers = [spawn.Process(target=_remote_reader_main, args=(writer.endpoint, KEY, len(payloads), results))
-               for _ in range(2)]
+    readers = [
+        spawn.Process(target=_remote_reader_main, args=(writer.endpoint, KEY, len(payloads), results)) for _ in range(2)
+    ]
     for p in readers:
         p.start()
     writer.wait_for_readers(2, timeout=60)

@@ -38,9 +38,14 @@ def free_port() -> int:
 def start_server(*args: str, timeout_s: float = 240) -> Server:
     """``guidespec serve --api-key KEY <args>`` on a free port, once ``/health`` answers 200."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "guidespec.launch.cli", "serve", "--port", str(port),
-                                "--api-key", KEY, *args], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process = subprocess.Popen(
+        [sys.executable, "-m", "guidespec.launch.cli", "serve", "--port", str(port), "--api-key", KEY, *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     server = Server(process, f"http://127.0.0.1:{port}")
     deadline = time.monotonic() + timeout_s
     while not healthy(server.url):
@@ -104,4 +109,5 @@ def alive(pid: int) -> bool:
 def shared_files() -> set[str]:
     """Shared-memory segments and ipc socket files of guidespec engines on this machine."""
     return {str(p) for p in Path("/dev/shm").glob("guidespec-*")} | {
-        str(p) for p in Path(tempfile.gettempdir()).glob("guidespec-*")}
+        str(p) for p in Path(tempfile.gettempdir()).glob("guidespec-*")
+    }

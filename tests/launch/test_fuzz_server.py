@@ -19,8 +19,11 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
-                                               status_code_conformance)
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from tests.launch.serving import AUTH, Server, start_server, stop_server
 
@@ -51,16 +54,23 @@ def test_no_generated_request_gets_a_server_error(fuzzed_server: Server, mode: G
             continue  # nothing in a GET of ours to make invalid
 
         @given(case=operation.as_strategy(mode))
-        @settings(max_examples=MAX_EXAMPLES, derandomize=True, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=MAX_EXAMPLES,
+            derandomize=True,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         def call(case: schemathesis.Case) -> None:
             response = case.call_and_validate(headers=AUTH, timeout=60, checks=CHECKS)
             statuses[response.status_code] += 1
 
         call()
     if mode is GenerationMode.POSITIVE:  # streams, whatever the generator drew: the events are checked too
-        for path, body in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": [
-                {"role": "user", "content": "Hi"}]})):
+        for path, body in (
+            ("/v1/completions", {"prompt": "Hi"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+        ):
             case = api[path]["POST"].Case(body={**body, "max_tokens": 5, "stream": True})
             statuses[case.call_and_validate(headers=AUTH, timeout=60, checks=CHECKS).status_code] += 1
     print(f"{mode.value}: {sum(statuses.values())} requests, by status {dict(sorted(statuses.items()))}")

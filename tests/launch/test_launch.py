@@ -13,8 +13,12 @@ pytestmark = pytest.mark.slow
 
 
 def test_cli_generate_prints_output_and_figures() -> None:
-    result = subprocess.run([sys.executable, "-m", "guidespec.launch.cli", "generate", "--prompt", "Say hello.",
-                             "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "guidespec.launch.cli", "generate", "--prompt", "Say hello.", "--max-tokens", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert "### prompt: Say hello." in result.stdout and "tok/s" in result.stdout
 
@@ -25,8 +29,21 @@ def test_main_job_guided_speculative_output_validates_and_prints_figures() -> No
     import jsonschema
 
     schema_path = Path(__file__).resolve().parents[2] / "examples" / "person.schema.json"
-    result = subprocess.run([sys.executable, "-m", "guidespec.launch.cli", "generate", "--json-schema", str(schema_path),
-                             "--speculative", "ngram"], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "guidespec.launch.cli",
+            "generate",
+            "--json-schema",
+            str(schema_path),
+            "--speculative",
+            "ngram",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     output = result.stdout.split("\n")[1]  # the line after "### prompt: ..."
     jsonschema.validate(json.loads(output), json.loads(schema_path.read_text()))
@@ -34,19 +51,25 @@ def test_main_job_guided_speculative_output_validates_and_prints_figures() -> No
 
 
 def test_cli_rejects_bad_parameters_with_a_message() -> None:
-    result = subprocess.run([sys.executable, "-m", "guidespec.launch.cli", "generate", "--top-p", "1.5"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "guidespec.launch.cli", "generate", "--top-p", "1.5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "top_p must be in (0, 1]" in result.stderr
 
 
 def test_script_without_main_guard(tmp_path: Path) -> None:
     script = tmp_path / "plain.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         from guidespec import LLM, SamplingParams
         llm = LLM(max_batch_size=1, show_progress=False)
         print("OUT", llm.generate("Hi", SamplingParams(max_tokens=3, temperature=0.0))[0].finish_reason)
         llm.close()
-    """))
+    """)
+    )
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "OUT length" in result.stdout or "OUT stop" in result.stdout
@@ -54,8 +77,24 @@ def test_script_without_main_guard(tmp_path: Path) -> None:
 
 def test_sweep_validates_outputs_and_resumes(tmp_path: Path) -> None:
     results = tmp_path / "results.jsonl"
-    command = [sys.executable, "-m", "guidespec.launch.cli", "sweep", "--prefix", "JME_", "--limit", "2",
-               "--temperature", "0", "--max-tokens", "200", "--results", str(results), "--speculative", "ngram"]
+    command = [
+        sys.executable,
+        "-m",
+        "guidespec.launch.cli",
+        "sweep",
+        "--prefix",
+        "JME_",
+        "--limit",
+        "2",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "200",
+        "--results",
+        str(results),
+        "--speculative",
+        "ngram",
+    ]
     first = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr
     assert "valid among compiled: 2/2 = 100.0%" in first.stdout
@@ -70,10 +109,12 @@ def test_sweep_counts_a_backends_refusal_as_a_compile_error() -> None:
     compile errors, not engine errors."""
     from guidespec.launch.sweep import is_grammar_refusal
 
-    for message in ("request req-56: xgrammar cannot combine 'if' of a composition with the 'if' beside it",
-                    "request r: no branch of this json_schema's anyOf fits the keywords beside it: no value can match",
-                    "request r: grammar compilation took longer than 30 s",
-                    "request r: llguidance cannot compile this json_schema: oneOf is not supported"):
+    for message in (
+        "request req-56: xgrammar cannot combine 'if' of a composition with the 'if' beside it",
+        "request r: no branch of this json_schema's anyOf fits the keywords beside it: no value can match",
+        "request r: grammar compilation took longer than 30 s",
+        "request r: llguidance cannot compile this json_schema: oneOf is not supported",
+    ):
         assert is_grammar_refusal(message), message
     assert not is_grammar_refusal("the engine is dead: worker rank 0 (pid 22242) died")
 
@@ -83,8 +124,10 @@ def test_sweep_checks_multiple_of_on_the_decimal_digits() -> None:
     output, Snowplow sp_32); the sweep checks multipleOf on the digits as written."""
     from guidespec.launch.sweep import validate_output
 
-    schema = {"type": "object", "properties": {"price": {"type": "number", "multipleOf": 0.01},
-                                               "n": {"type": "integer", "multipleOf": 3}}}
+    schema = {
+        "type": "object",
+        "properties": {"price": {"type": "number", "multipleOf": 0.01}, "n": {"type": "integer", "multipleOf": 3}},
+    }
     assert validate_output('{"price": 1283.34, "n": 9}', schema) is None
     assert validate_output('{"price": 0.3, "n": 0}', schema) is None
     assert "multiple" in (validate_output('{"price": 1283.345}', schema) or "")

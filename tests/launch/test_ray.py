@@ -52,9 +52,29 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     token = secrets.token_hex(32)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
     env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
-    subprocess.run([ray_cli, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
-                    "--num-cpus", "2", "--include-dashboard", "false", "--object-store-memory", str(100 * 2**20),
-                    "--temp-dir", str(temp), "--disable-usage-stats"], check=True, env=env, capture_output=True)
+    subprocess.run(
+        [
+            ray_cli,
+            "start",
+            "--head",
+            "--node-ip-address",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num-cpus",
+            "2",
+            "--include-dashboard",
+            "false",
+            "--object-store-memory",
+            str(100 * 2**20),
+            "--temp-dir",
+            str(temp),
+            "--disable-usage-stats",
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
     try:
         yield Cluster(f"127.0.0.1:{port}", token)
     finally:
@@ -72,9 +92,13 @@ def address(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> str:
 
 def _requests() -> list[tuple[Any, SamplingParams]]:
     case = next(json.loads(line) for line in WORKLOAD.read_text().splitlines() if line.startswith('{"id": "JME_'))
-    return [("Count from one to ten in words:", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)),
-            (case["messages"], SamplingParams(max_tokens=120, temperature=0.0,
-                                              guided=GuidedDecoding(json_schema=case["schema"])))]
+    return [
+        ("Count from one to ten in words:", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)),
+        (
+            case["messages"],
+            SamplingParams(max_tokens=120, temperature=0.0, guided=GuidedDecoding(json_schema=case["schema"])),
+        ),
+    ]
 
 
 def _generate(llm: LLM) -> list[list[int]]:
@@ -99,8 +123,9 @@ def test_a_placement_the_cluster_cannot_hold_fails_clearly(address: str, monkeyp
         LLM(tensor_parallel_size=2, show_progress=False, distributed_executor="ray", ray_address=address)
 
 
-def test_joins_with_the_token_in_the_default_file(cluster: Cluster, monkeypatch: pytest.MonkeyPatch,
-                                                   tmp_path: Path) -> None:
+def test_joins_with_the_token_in_the_default_file(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     _clear_ray_auth_settings(monkeypatch)
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / ".ray").mkdir()
@@ -113,14 +138,22 @@ def test_joins_with_the_token_in_the_default_file(cluster: Cluster, monkeypatch:
     assert not ray.is_initialized() and "RAY_AUTH_MODE" not in os.environ  # the process's own setting is back
 
 
-@pytest.mark.parametrize("settings, error", [
-    ({}, "requires token authentication and no token was found here: set RAY_AUTH_TOKEN"),
-    ({"RAY_AUTH_TOKEN": "not-the-token"}, "rejected the authentication token from RAY_AUTH_TOKEN: set RAY_AUTH_TOKEN"),
-    ({"RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": "{token}"}, "RAY_AUTH_MODE=disabled here turns it off"),
-    ({"RAY_AUTH_MODE": "token"}, "is joined with RAY_AUTH_MODE=token and no token was found here"),
-], ids=["no-token", "wrong-token", "auth-off", "token-mode-without-token"])
-def test_joining_without_the_right_token_fails_clearly(cluster: Cluster, monkeypatch: pytest.MonkeyPatch,
-                                                       tmp_path: Path, settings: dict[str, str], error: str) -> None:
+@pytest.mark.parametrize(
+    "settings, error",
+    [
+        ({}, "requires token authentication and no token was found here: set RAY_AUTH_TOKEN"),
+        (
+            {"RAY_AUTH_TOKEN": "not-the-token"},
+            "rejected the authentication token from RAY_AUTH_TOKEN: set RAY_AUTH_TOKEN",
+        ),
+        ({"RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": "{token}"}, "RAY_AUTH_MODE=disabled here turns it off"),
+        ({"RAY_AUTH_MODE": "token"}, "is joined with RAY_AUTH_MODE=token and no token was found here"),
+    ],
+    ids=["no-token", "wrong-token", "auth-off", "token-mode-without-token"],
+)
+def test_joining_without_the_right_token_fails_clearly(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, settings: dict[str, str], error: str
+) -> None:
     _clear_ray_auth_settings(monkeypatch)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token
     for name, value in settings.items():

@@ -21,14 +21,29 @@ import httpx
 import pytest
 
 from benchmarks.load import build_requests, load_cases, run_load
-from tests.launch.serving import (AUTH, KEY, Server, alive, engine_processes, healthy, shared_files, start_server,
-                                  stop_server)
+from tests.launch.serving import (
+    AUTH,
+    KEY,
+    Server,
+    alive,
+    engine_processes,
+    healthy,
+    shared_files,
+    start_server,
+    stop_server,
+)
 
 pytestmark = pytest.mark.slow
 ASK = [{"role": "user", "content": "Give me a person as JSON."}]
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +67,15 @@ def _assert_refused(response: httpx.Response, statuses: tuple[int, ...] = (400,)
 
 
 def test_an_out_of_vocabulary_prompt_is_a_400_and_the_engine_serves_on(server: Server) -> None:
-    _assert_refused(_post(server, {"prompt": [60000, 1, 2], "max_tokens": 4}, "/v1/completions"),
-                    match="[0, 49152)")
+    _assert_refused(_post(server, {"prompt": [60000, 1, 2], "max_tokens": 4}, "/v1/completions"), match="[0, 49152)")
     assert healthy(server.url)
     assert _post(server, {"prompt": [1, 2, 3], "max_tokens": 4}, "/v1/completions").status_code == 200
 
 
 def test_a_token_id_past_int32_is_a_400(server: Server) -> None:
-    _assert_refused(_post(server, {"prompt": [27070147699068784], "max_tokens": 4}, "/v1/completions"),
-                    match="vocabulary")
+    _assert_refused(
+        _post(server, {"prompt": [27070147699068784], "max_tokens": 4}, "/v1/completions"), match="vocabulary"
+    )
 
 
 HOSTILE = {
@@ -93,19 +108,40 @@ def test_hostile_fields_get_a_4xx_with_an_error_body(server: Server, name: str) 
 
 def test_a_body_past_the_limit_is_a_413_and_a_nan_a_400(server: Server) -> None:
     big = b'{"messages": [{"role": "user", "content": "' + b"x" * (17 << 20) + b'"}]}'
-    _assert_refused(httpx.post(f"{server.url}/v1/chat/completions", content=big, timeout=60,
-                               headers={**AUTH, "Content-Type": "application/json"}), (413,))
+    _assert_refused(
+        httpx.post(
+            f"{server.url}/v1/chat/completions",
+            content=big,
+            timeout=60,
+            headers={**AUTH, "Content-Type": "application/json"},
+        ),
+        (413,),
+    )
     nan = b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'
-    _assert_refused(httpx.post(f"{server.url}/v1/chat/completions", content=nan, timeout=60,
-                               headers={**AUTH, "Content-Type": "application/json"}), (400, 422))
+    _assert_refused(
+        httpx.post(
+            f"{server.url}/v1/chat/completions",
+            content=nan,
+            timeout=60,
+            headers={**AUTH, "Content-Type": "application/json"},
+        ),
+        (400, 422),
+    )
     assert healthy(server.url)
 
 
 def test_extreme_but_valid_values_are_served(server: Server) -> None:
     """Values at the edges of the ranges reach the workers and must not break their maths."""
-    for extreme in ({"temperature": 1e-30}, {"top_p": 1e-30}, {"top_k": 2**31 - 1}, {"temperature": 100},
-                    {"repetition_penalty": 1e4}, {"repetition_penalty": 1e-4}, {"seed": 2**63 - 1},
-                    {"frequency_penalty": -2, "presence_penalty": 2}):
+    for extreme in (
+        {"temperature": 1e-30},
+        {"top_p": 1e-30},
+        {"top_k": 2**31 - 1},
+        {"temperature": 100},
+        {"repetition_penalty": 1e4},
+        {"repetition_penalty": 1e-4},
+        {"seed": 2**63 - 1},
+        {"frequency_penalty": -2, "presence_penalty": 2},
+    ):
         response = _post(server, {"messages": ASK, "max_tokens": 3, **extreme})
         assert response.status_code == 200, (extreme, response.text[:300])
 
@@ -113,8 +149,16 @@ def test_extreme_but_valid_values_are_served(server: Server) -> None:
 def test_a_grammar_the_vocabulary_cannot_follow_fails_alone(server: Server) -> None:
     """Found by schemathesis: a regex of characters no token spells left a logits row with no
     allowed token, and the worker's sampler died on it."""
-    response = _post(server, {"prompt": "PW", "max_tokens": 8, "top_k": 21573013,
-                              "guided_regex": "\U00050557\u0083\u00f8\u0090\u00d1\U000b6cf3y"}, "/v1/completions")
+    response = _post(
+        server,
+        {
+            "prompt": "PW",
+            "max_tokens": 8,
+            "top_k": 21573013,
+            "guided_regex": "\U00050557\u0083\u00f8\u0090\u00d1\U000b6cf3y",
+        },
+        "/v1/completions",
+    )
     assert response.status_code in (200, 400), response.text[:300]
     assert "Traceback" not in response.text
     assert healthy(server.url)
@@ -224,8 +268,11 @@ def test_a_crash_loop_exits_non_zero_for_the_supervisor() -> None:
     killed: list[int] = []
     try:
         while crashing.process.poll() is None and len(killed) < 3:
-            workers = [pid for pid, name in engine_processes(crashing.process.pid).items()
-                       if name == "gs-worker0" and pid not in killed]
+            workers = [
+                pid
+                for pid, name in engine_processes(crashing.process.pid).items()
+                if name == "gs-worker0" and pid not in killed
+            ]
             if workers and healthy(crashing.url):  # the engine of the last kill has been replaced
                 os.kill(workers[0], signal.SIGKILL)
                 killed.append(workers[0])

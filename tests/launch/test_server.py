@@ -18,9 +18,15 @@ import pytest
 from tests.launch.serving import KEY, start_server, stop_server
 
 pytestmark = pytest.mark.slow
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 ASK = [{"role": "user", "content": "Give me a person as JSON."}]
 
 
@@ -51,8 +57,9 @@ def test_models_chat_and_completion(client: openai.OpenAI) -> None:
     chat = client.chat.completions.create(model=models[0].id, messages=ASK, max_tokens=12, temperature=0)
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
     assert chat.usage is not None and chat.usage.completion_tokens <= 12 and chat.usage.prompt_tokens > 5
-    completion = client.completions.create(model=models[0].id, prompt="The capital of France is", max_tokens=8,
-                                           temperature=0)
+    completion = client.completions.create(
+        model=models[0].id, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
     assert completion.choices[0].text and completion.choices[0].finish_reason in ("stop", "length")
 
 
@@ -63,37 +70,56 @@ def test_streaming_equals_the_whole_response(client: openai.OpenAI) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
-    streamed = client.completions.create(model="SmolLM2-135M-Instruct", prompt="1, 2, 3,", max_tokens=10,
-                                         temperature=0, stream=True)
+    streamed = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="1, 2, 3,", max_tokens=10, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed)
 
 
 def test_structured_outputs_validate(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=64, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        model="SmolLM2-135M-Instruct",
+        messages=ASK,
+        max_tokens=64,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+    )
     jsonschema.validate(json.loads(out.choices[0].message.content or ""), PERSON)
-    choice = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=8,
-                                            extra_body={"guided_choice": ["yes", "no"]})
+    choice = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=8, extra_body={"guided_choice": ["yes", "no"]}
+    )
     assert choice.choices[0].message.content in ("yes", "no")
-    regex = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Phone: ", max_tokens=12,
-                                      extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"})
+    regex = client.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt="Phone: ",
+        max_tokens=12,
+        extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"},
+    )
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", regex.choices[0].text)
-    obj = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=48, temperature=0,
-                                         response_format={"type": "json_object"})
+    obj = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=ASK,
+        max_tokens=48,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
     assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server: str, client: openai.OpenAI) -> None:
     bad_schema = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=8,
-                                       response_format={"type": "json_schema",
-                                                        "json_schema": {"name": "x", "schema": bad_schema}})
+        client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=ASK,
+            max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": bad_schema}},
+        )
     assert e.value.status_code == 400 and "no-such-type" in str(e.value)
     with pytest.raises(openai.BadRequestError, match="not valid JSON"):
-        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=8,
-                                       extra_body={"guided_json": "{not json"})
+        client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=8, extra_body={"guided_json": "{not json"}
+        )
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=100000)
     with pytest.raises(openai.BadRequestError, match="unknown parameter.*colour"):
@@ -106,8 +132,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server: str
         openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0).models.list()
     with pytest.raises(openai.UnprocessableEntityError):
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages="not a list")  # type: ignore[arg-type]
-    body = httpx.post(f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                      json={"messages": ASK, "guided_regex": "[0-9"}).json()
+    body = httpx.post(
+        f"{server}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"messages": ASK, "guided_regex": "[0-9"},
+    ).json()
     assert body["error"]["code"] == 400 and body["error"]["type"] == "BadRequestError"
     ok = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, max_tokens=4)
     assert ok.choices[0].message.content is not None
@@ -117,25 +146,41 @@ def test_the_backend_that_served_is_named_and_refusals_are_counted(server: str) 
     """Backend auto (the default): xgrammar refuses 'minLength' beside a 'pattern', llguidance
     enforces it; the response names it, the metrics count xgrammar's refusal. A schema both
     refuse is a 400 naming both."""
-    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-z]+$", "minLength": 2}},
-              "required": ["code"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^[a-z]+$", "minLength": 2}},
+        "required": ["code"],
+        "additionalProperties": False,
+    }
     headers = {"Authorization": f"Bearer {KEY}"}
     for stream in (False, True):
-        response = httpx.post(f"{server}/v1/chat/completions", headers=headers, timeout=120,
-                              json={"messages": ASK, "max_tokens": 24, "guided_json": schema, "stream": stream})
+        response = httpx.post(
+            f"{server}/v1/chat/completions",
+            headers=headers,
+            timeout=120,
+            json={"messages": ASK, "max_tokens": 24, "guided_json": schema, "stream": stream},
+        )
         assert response.status_code == 200 and response.headers["x-guidespec-grammar-backend"] == "llguidance"
         if not stream:
             assert response.json()["usage"]["grammar_backend"] == "llguidance"
     text = httpx.get(f"{server}/metrics", timeout=5).text
-    assert re.search(r'^guidespec_grammar_refusals_total\{backend="xgrammar",keyword="minLength"\} [1-9]', text,
-                     re.MULTILINE), text[-2000:]
-    both = httpx.post(f"{server}/v1/chat/completions", headers=headers, timeout=120,
-                      json={"messages": ASK, "max_tokens": 8,
-                            "guided_json": {"type": "string", "not": {"pattern": "^a"}}})
+    assert re.search(
+        r'^guidespec_grammar_refusals_total\{backend="xgrammar",keyword="minLength"\} [1-9]', text, re.MULTILINE
+    ), text[-2000:]
+    both = httpx.post(
+        f"{server}/v1/chat/completions",
+        headers=headers,
+        timeout=120,
+        json={"messages": ASK, "max_tokens": 8, "guided_json": {"type": "string", "not": {"pattern": "^a"}}},
+    )
     message = both.json()["error"]["message"]
     assert both.status_code == 400 and "xgrammar cannot enforce 'not'" in message and "llguidance" in message
-    plain = httpx.post(f"{server}/v1/chat/completions", headers=headers, timeout=120,
-                       json={"messages": ASK, "max_tokens": 8, "guided_json": PERSON})
+    plain = httpx.post(
+        f"{server}/v1/chat/completions",
+        headers=headers,
+        timeout=120,
+        json={"messages": ASK, "max_tokens": 8, "guided_json": PERSON},
+    )
     assert plain.headers["x-guidespec-grammar-backend"] == "xgrammar"
 
 
@@ -165,12 +210,32 @@ def test_a_disconnect_mid_stream_frees_the_slot(server: str) -> None:
 def test_bench_against_the_server_writes_its_table_and_plot(server: str, tmp_path: Path) -> None:
     from guidespec.launch.cli import main
 
-    code = main(["bench", "--url", server, "--api-key", KEY, "--synthetic", "--input-len", "12", "--num-prompts", "2",
-                 "--concurrency", "1", "2", "--max-tokens", "40", "--output-dir", str(tmp_path)])
+    code = main(
+        [
+            "bench",
+            "--url",
+            server,
+            "--api-key",
+            KEY,
+            "--synthetic",
+            "--input-len",
+            "12",
+            "--num-prompts",
+            "2",
+            "--concurrency",
+            "1",
+            "2",
+            "--max-tokens",
+            "40",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     levels = json.loads((tmp_path / "bench.json").read_text())["levels"]
     assert [(lv["config"], lv["concurrency"]) for lv in levels] == [
-        (c, n) for c in ("unguided", "guided", "guided+spec") for n in (1, 2)]
+        (c, n) for c in ("unguided", "guided", "guided+spec") for n in (1, 2)
+    ]
     assert all(lv["errors"] == 0 and lv["output_tokens"] > 0 and lv["ttft_p50_s"] > 0 for lv in levels)
     assert all(lv["valid_fraction"] is not None for lv in levels if lv["config"] != "unguided")
     # the per-request speculative switch: configurations without speculation never draft

@@ -10,8 +10,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from guidespec.scheduler.closing import (ClosingTokens, EarlyCloser, RepeatDetector, budget_reserve, count_required,
-                                         schema_examples)
+from guidespec.scheduler.closing import (
+    ClosingTokens,
+    EarlyCloser,
+    RepeatDetector,
+    budget_reserve,
+    count_required,
+    schema_examples,
+)
 from guidespec.worker.checkpoint import default_model_path, resolve_model_dir
 
 
@@ -105,20 +111,41 @@ def test_restriction_keeps_only_allowed_closing_tokens(tokenizer) -> None:  # ty
 
 LOOPS = [  # (schema, text the output starts with, the tokens a looping model keeps writing)
     ({"type": "integer", "minimum": 0}, "1", ["0"]),
-    ({"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
-      "required": ["x", "y"], "additionalProperties": False}, '{"x": 1', ["0"]),
-    ({"type": "object", "patternProperties": {"^[a-zA-Z]+://[^ \"]+$": {}}, "additionalProperties": False},
-     '{"description', ["Type", "Info"]),
+    (
+        {
+            "type": "object",
+            "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+            "required": ["x", "y"],
+            "additionalProperties": False,
+        },
+        '{"x": 1',
+        ["0"],
+    ),
+    (
+        {"type": "object", "patternProperties": {'^[a-zA-Z]+://[^ "]+$': {}}, "additionalProperties": False},
+        '{"description',
+        ["Type", "Info"],
+    ),
     ({"type": "string", "pattern": ".*:.*"}, '"A', [".", "T", ".", "S", ".", "R"]),
-    ({"type": "object", "properties": {"mac": {"type": "string", "pattern": "([0-9a-f][0-9a-f](:|-)){4}[0-9a-f]{2}"}},
-      "required": ["mac"]}, '{"mac": "1', ["2", "3", "4", "5", "6", "7", "8", "9", "0", "1"]),
+    (
+        {
+            "type": "object",
+            "properties": {"mac": {"type": "string", "pattern": "([0-9a-f][0-9a-f](:|-)){4}[0-9a-f]{2}"}},
+            "required": ["mac"],
+        },
+        '{"mac": "1',
+        ["2", "3", "4", "5", "6", "7", "8", "9", "0", "1"],
+    ),
     ({"type": "string", "pattern": "^allow|deny$"}, '"', ["d", "re", "am", "p", "ick"]),  # o26627, sampled
 ]
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
-@pytest.mark.parametrize("schema,start,loop", LOOPS, ids=["integer", "number-before-required", "key-pattern", "pattern", "unanchored-pattern",
-                              "alternatives"])
+@pytest.mark.parametrize(
+    "schema,start,loop",
+    LOOPS,
+    ids=["integer", "number-before-required", "key-pattern", "pattern", "unanchored-pattern", "alternatives"],
+)
 def test_a_looping_model_is_steered_to_a_valid_end(tokenizer, real_model_dir, backend, schema, start, loop) -> None:  # type: ignore[no-untyped-def]
     """A model that writes its cycle whenever the grammar allows it (and otherwise the
     highest-numbered token allowed) still ends with a valid document: closing finds the comma, the
@@ -154,10 +181,18 @@ def test_a_looping_model_is_steered_to_a_valid_end(tokenizer, real_model_dir, ba
 def _deep_required_schema() -> dict:
     """Five required objects of five required strings (Github_hard o59999's shape, smaller): its
     shortest document takes ~150 tokens, more than ``budget_reserve`` keeps at max_tokens 400."""
-    leaf = {"type": "object", "properties": {f"field{j}": {"type": "string"} for j in range(5)},
-            "required": [f"field{j}" for j in range(5)], "additionalProperties": False}
-    return {"type": "object", "properties": {f"part{i}": leaf for i in range(5)},
-            "required": [f"part{i}" for i in range(5)], "additionalProperties": False}
+    leaf = {
+        "type": "object",
+        "properties": {f"field{j}": {"type": "string"} for j in range(5)},
+        "required": [f"field{j}" for j in range(5)],
+        "additionalProperties": False,
+    }
+    return {
+        "type": "object",
+        "properties": {f"part{i}": leaf for i in range(5)},
+        "required": [f"part{i}" for i in range(5)],
+        "additionalProperties": False,
+    }
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
@@ -201,7 +236,9 @@ def test_deep_required_structure_closes_within_max_tokens(tokenizer, real_model_
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 @pytest.mark.parametrize("slack", [4, 60])
-def test_a_budget_that_barely_fits_the_shortest_document_still_ends_valid(tokenizer, real_model_dir, backend, slack) -> None:  # type: ignore[no-untyped-def]
+def test_a_budget_that_barely_fits_the_shortest_document_still_ends_valid(
+    tokenizer, real_model_dir, backend, slack
+) -> None:  # type: ignore[no-untyped-def]
     """max_tokens only ``slack`` tokens above the dry run's length from the start: the rambling
     model closes at once, and once what is left only fits the dry run, the dry run itself is
     written (the sampled sweep's Github_hard o66712 needs 926 of its 1024 tokens with xgrammar's
@@ -257,10 +294,14 @@ def _row(*tokens: int) -> np.ndarray:
 
 
 def test_schema_examples_come_from_patterns_and_formats() -> None:
-    schema = {"properties": {"a": {"type": "string", "pattern": "^[a-z]+://[^ ]+$"},
-                             "b": {"type": "string", "format": "date-time"},
-                             "c": {"enum": [{"pattern": "not a schema"}]}},
-              "patternProperties": {"^x-[0-9]{2}$": {}}}
+    schema = {
+        "properties": {
+            "a": {"type": "string", "pattern": "^[a-z]+://[^ ]+$"},
+            "b": {"type": "string", "format": "date-time"},
+            "c": {"enum": [{"pattern": "not a schema"}]},
+        },
+        "patternProperties": {"^x-[0-9]{2}$": {}},
+    }
     examples = schema_examples(schema)
     assert examples[:3] == ["a://!", 'a://"', "a://#"] and "x-00" in examples and "2020-01-01T00:00:00Z" in examples
     assert schema_examples({"pattern": "^allow|deny$"}) == ["allow", "deny"]  # Github_easy o26627, sampled

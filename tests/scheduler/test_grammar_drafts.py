@@ -14,8 +14,12 @@ import pytest
 from guidespec.protocol import GuidedDecoding
 from guidespec.scheduler.grammar import FillRow, GrammarManager, GrammarSettings
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
@@ -78,7 +82,9 @@ def test_draft_rows_equal_fresh_replays_and_the_grammar_is_rolled_back(manager: 
     grammar.release("r")
 
 
-def test_an_unchecked_invalid_draft_is_refused_and_later_rows_allow_nothing(manager: tuple[GrammarManager, Any]) -> None:
+def test_an_unchecked_invalid_draft_is_refused_and_later_rows_allow_nothing(
+    manager: tuple[GrammarManager, Any],
+) -> None:
     grammar, text = manager
     prefix = text.encode('{"name":"Ann","age":')
     digit = text.encode("4")
@@ -128,14 +134,23 @@ def test_forced_tokens_are_drafted_beyond_the_draft_length(manager: tuple[Gramma
     from guidespec.spec.proposer import Speculator
 
     grammar, text = manager
-    schema = {"type": "object", "properties": {"a_rather_long_property_name": {"type": "integer"}},
-              "required": ["a_rather_long_property_name"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"a_rather_long_property_name": {"type": "integer"}},
+        "required": ["a_rather_long_property_name"],
+        "additionalProperties": False,
+    }
     speculator = Speculator(SpeculativeConfig(method="ngram", max_draft_len=3, adaptive=False), grammar, 4096)
     for max_tokens, expected_room in ((200, None), (4, 2)):
         spec = GuidedDecoding(json_schema=schema, close_early=False)
         prompt = text.encode("Write it.")
-        request = Request("f", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, guided=spec), 0.0,
-                          IncrementalDetokenizer(text.tokenizer, prompt))
+        request = Request(
+            "f",
+            prompt,
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, guided=spec),
+            0.0,
+            IncrementalDetokenizer(text.tokenizer, prompt),
+        )
         assert grammar.submit("f", spec) or _wait(grammar, "f")
         request.output_token_ids = text.encode("{")
         assert grammar.accept("f", request.output_token_ids[0])
@@ -152,12 +167,20 @@ def test_forced_tokens_are_drafted_beyond_the_draft_length(manager: tuple[Gramma
         grammar.release("f")
 
 
-O30231 = {"type": "object", "title": "servicegroup_servicegroupmember_binding", "properties": {  # Github_medium, abridged
-    "customserverid": {"type": "string"}, "delay": {"type": "integer"},
-    "graceful": {"enum": ["YES", "NO"], "type": "string"}, "ip": {"type": "string"}, "port": {"type": "integer"},
-    "state": {"enum": ["ENABLED", "DISABLED"], "type": "string"},
-    "svrstate": {"enum": ["UP", "DOWN", "OUT OF SERVICE", "GOING OUT OF SERVICE"], "type": "string"},
-    "weight": {"type": "integer"}}}
+O30231 = {
+    "type": "object",
+    "title": "servicegroup_servicegroupmember_binding",
+    "properties": {  # Github_medium, abridged
+        "customserverid": {"type": "string"},
+        "delay": {"type": "integer"},
+        "graceful": {"enum": ["YES", "NO"], "type": "string"},
+        "ip": {"type": "string"},
+        "port": {"type": "integer"},
+        "state": {"enum": ["ENABLED", "DISABLED"], "type": "string"},
+        "svrstate": {"enum": ["UP", "DOWN", "OUT OF SERVICE", "GOING OUT OF SERVICE"], "type": "string"},
+        "weight": {"type": "integer"},
+    },
+}
 
 
 @pytest.mark.parametrize("schema", [SCHEMA, O30231], ids=["person", "o30231"])
@@ -203,8 +226,9 @@ def test_every_token_a_mask_row_allows_is_accepted(manager: tuple[GrammarManager
 
 def test_a_complete_output_offers_its_end_token_and_nothing_before(manager: tuple[GrammarManager, Any]) -> None:
     """Once the object is closed the grammar allows only the stop token: the scheduler ends the
-    request there without a step (xgrammar; llguidance's matcher stops by itself there). Before that (inside, or where more may follow) there is none,
-    and the check leaves the grammar as it was."""
+    request there without a step (xgrammar; llguidance's matcher stops by itself there). Before
+    that (inside, or where more may follow) there is none, and the check leaves the grammar as it
+    was."""
     grammar, text = manager
     tokens = text.encode('{"name":"Ann","age":41}')
     _matcher(grammar, "r", [])

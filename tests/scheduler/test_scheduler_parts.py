@@ -37,7 +37,10 @@ def test_admission_slots_and_chunked_prefill() -> None:
         row.request.advance_computed(row.num_new_tokens)
     a.output_token_ids.append(70)
     rows = batcher.schedule()  # a decodes one token first, b's prompt continues after it
-    assert [(r.request.request_id, r.start, r.num_new_tokens, r.num_logits) for r in rows] == [("a", 6, 1, 1), ("b", 4, 4, 1)]
+    assert [(r.request.request_id, r.start, r.num_new_tokens, r.num_logits) for r in rows] == [
+        ("a", 6, 1, 1),
+        ("b", 4, 4, 1),
+    ]
     freed = a.slot
     batcher.remove(a)
     assert batcher.num_free_slots == 1 and a.slot is None

@@ -10,7 +10,7 @@ from guidespec.protocol import SamplingParams
 from guidespec.scheduler.batching import ScheduledRow
 from guidespec.scheduler.detokenizer import IncrementalDetokenizer
 from guidespec.scheduler.request import Request
-from guidespec.spec.proposer import _MODEL_PROBE_EVERY, _PROBE_EVERY, CostModel, DraftCost, Speculator
+from guidespec.spec.proposer import _MODEL_PROBE_EVERY, CostModel, DraftCost, Speculator
 
 
 class _Tokenizer:
@@ -22,8 +22,13 @@ def _decoding_rows(n: int) -> list[ScheduledRow]:
     rows = []
     for i in range(n):
         prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # an n-gram drafter always finds "3 1 2" after "1 2"
-        request = Request(f"r{i}", prompt, SamplingParams(max_tokens=100, temperature=0.0), 0.0,
-                          IncrementalDetokenizer(_Tokenizer(), prompt))  # type: ignore[arg-type]
+        request = Request(
+            f"r{i}",
+            prompt,
+            SamplingParams(max_tokens=100, temperature=0.0),
+            0.0,
+            IncrementalDetokenizer(_Tokenizer(), prompt),
+        )  # type: ignore[arg-type]
         request.output_token_ids = [3]
         request.num_computed_tokens = len(prompt)
         rows.append(ScheduledRow(request, len(prompt), 1, 1))
@@ -82,14 +87,18 @@ def test_drafts_shrink_when_acceptance_drops_and_probe_later() -> None:
 def test_no_drafts_when_the_forward_is_compute_bound_at_a_large_batch() -> None:
     speculator = _speculator((5.0, 4.0))  # each token costs almost as much as a step
     assert sum(_draft_lengths(speculator, _decoding_rows(16))) <= 2
-    fixed = Speculator(SpeculativeConfig(method="ngram", max_draft_len=3, adaptive=False), grammar=None,
-                       max_model_len=1024)
+    fixed = Speculator(
+        SpeculativeConfig(method="ngram", max_draft_len=3, adaptive=False), grammar=None, max_model_len=1024
+    )
     assert _draft_lengths(fixed, _decoding_rows(16)) == [3] * 16
 
 
 def test_a_draft_model_proposes_one_more_than_the_plan_used() -> None:
-    speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=4,
-                                              ngram_fallback=False), grammar=None, max_model_len=1024)
+    speculator = Speculator(
+        SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=4, ngram_fallback=False),
+        grammar=None,
+        max_model_len=1024,
+    )
     for tokens in (1, 4, 16, 64):
         speculator.observe_step(tokens, (30.0 + 2.0 * tokens) / 1000)  # good drafts would pay here
     rows = _decoding_rows(4)
@@ -128,8 +137,11 @@ def test_a_draft_model_proposes_one_more_than_the_plan_used() -> None:
 
 def test_a_costly_drafter_is_turned_off_where_a_cheap_one_drafts() -> None:
     def planned_after_draft_steps_of(ms: float) -> list[int]:
-        speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3,
-                                                  ngram_fallback=False), grammar=None, max_model_len=1024)
+        speculator = Speculator(
+            SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3, ngram_fallback=False),
+            grammar=None,
+            max_model_len=1024,
+        )
         for tokens in (1, 4, 16, 64, 1, 4, 16, 64):
             speculator.observe_step(tokens, (30.0 + 0.1 * tokens) / 1000)
         speculator.observe_step(1, 0.0301, proposed=[3], draft_s=3 * ms / 1000)
@@ -148,8 +160,13 @@ def test_a_prefill_chunk_in_the_step_does_not_make_drafts_look_cheap() -> None:
     rows = _decoding_rows(16)
     assert _draft_lengths(speculator, rows) == [0] * 16
     prompt = list(range(10, 510))
-    newcomer = Request("prefill", prompt, SamplingParams(max_tokens=100, temperature=0.0), 0.0,
-                       IncrementalDetokenizer(_Tokenizer(), prompt))  # type: ignore[arg-type]
+    newcomer = Request(
+        "prefill",
+        prompt,
+        SamplingParams(max_tokens=100, temperature=0.0),
+        0.0,
+        IncrementalDetokenizer(_Tokenizer(), prompt),
+    )  # type: ignore[arg-type]
     planned = speculator.plan(rows + [ScheduledRow(newcomer, 0, 400, 0)], max_tokens_per_step=1024)
     assert [row.num_logits - 1 for row in planned[:16]] == [0] * 16
     assert planned[16].num_new_tokens == 400
@@ -159,8 +176,11 @@ def test_a_draft_model_stays_idle_where_even_good_drafts_would_not_pay() -> None
     """16 rows on a compute-bound forward: no draft of any acceptance would raise tokens per second,
     so the draft model never runs for them, not even to start (a first proposal runs it over the
     whole prompt) or to probe."""
-    speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3,
-                                              ngram_fallback=False), grammar=None, max_model_len=1024)
+    speculator = Speculator(
+        SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3, ngram_fallback=False),
+        grammar=None,
+        max_model_len=1024,
+    )
     for tokens in (1, 4, 16, 64):
         speculator.observe_step(tokens, (5.0 + 4.0 * tokens) / 1000)
     rows = _decoding_rows(16)
@@ -188,9 +208,13 @@ def test_a_new_request_starts_from_what_the_drafter_has_been_worth() -> None:
 def test_a_draft_model_runs_only_for_a_clear_gain() -> None:
     """Near break-even the draft model stays off: its measured cost and the drafts' acceptance are
     estimates, and a plan that expects a few percent is a loss as often as a gain."""
+
     def lengths_with_draft_cost(ms_per_draft: float) -> list[int]:
-        speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3,
-                                                  ngram_fallback=False), grammar=None, max_model_len=1024)
+        speculator = Speculator(
+            SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3, ngram_fallback=False),
+            grammar=None,
+            max_model_len=1024,
+        )
         for tokens in (1, 4, 16, 64, 1, 4, 16, 64):
             speculator.observe_step(tokens, (30.0 + 0.1 * tokens) / 1000)
         speculator.observe_step(1, 0.0301, proposed=[1], draft_s=ms_per_draft / 1000)
@@ -204,8 +228,11 @@ def test_a_draft_model_runs_only_for_a_clear_gain() -> None:
 
 def _model_speculator(draft_ms: float, fallback: bool) -> Speculator:
     """A draft-model speculator on a memory-bound forward whose draft steps cost ``draft_ms`` each."""
-    speculator = Speculator(SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3,
-                                              ngram_fallback=fallback), grammar=None, max_model_len=1024)
+    speculator = Speculator(
+        SpeculativeConfig(method="draft_model", draft_model="self", max_draft_len=3, ngram_fallback=fallback),
+        grammar=None,
+        max_model_len=1024,
+    )
     for tokens in (1, 4, 16, 64, 1, 4, 16, 64):
         speculator.observe_step(tokens, (30.0 + 0.1 * tokens) / 1000)
     speculator.observe_step(1, 0.0301, proposed=[3], draft_s=3 * draft_ms / 1000)

@@ -36,17 +36,28 @@ def _greedy(model: LlamaModel, tokens: list[int], n: int) -> list[int]:
         logits = model.compute_logits(model.forward(batch, model.create_kv_cache(1)))
         assert logits is not None
         out.append(int(logits[0].argmax()))
-    return out[len(tokens):]
+    return out[len(tokens) :]
 
 
 def _step_inputs(tokens: np.ndarray, start: int, draft_len: int) -> StepInputs:
     one = lambda dtype, value=0: np.full(1, value, dtype=dtype)  # noqa: E731
-    return StepInputs(step=0, slots=one(np.int32), start_positions=one(np.int32, start),
-                      num_new_tokens=one(np.int32, len(tokens)), token_ids=tokens, num_logits=one(np.int32, 1),
-                      temperature=one(np.float32), top_k=one(np.int32), top_p=one(np.float32, 1.0),
-                      seeds=one(np.int64, -1), sample_index=one(np.int32), num_prompt_tokens=one(np.int32, 7),
-                      penalties=np.ones((1, 3), np.float32), draft_lens=np.array([draft_len], np.int32),
-                      draft_masked=np.array([False]))
+    return StepInputs(
+        step=0,
+        slots=one(np.int32),
+        start_positions=one(np.int32, start),
+        num_new_tokens=one(np.int32, len(tokens)),
+        token_ids=tokens,
+        num_logits=one(np.int32, 1),
+        temperature=one(np.float32),
+        top_k=one(np.int32),
+        top_p=one(np.float32, 1.0),
+        seeds=one(np.int64, -1),
+        sample_index=one(np.int32),
+        num_prompt_tokens=one(np.int32, 7),
+        penalties=np.ones((1, 3), np.float32),
+        draft_lens=np.array([draft_len], np.int32),
+        draft_masked=np.array([False]),
+    )
 
 
 @torch.inference_mode()
@@ -64,8 +75,9 @@ def test_lazy_following_drafts_the_targets_greedy_continuation(target) -> None: 
             if produced is None:
                 continue  # the worker returns before proposing when a step has no logits
             wanted = 3 if mode == "eager" or i == len(steps) - 1 else 0
-            drafts, counts = runner.propose(_step_inputs(ids, start, wanted), np.array([produced], np.int32),
-                                            np.array([1], np.int32))
+            drafts, counts = runner.propose(
+                _step_inputs(ids, start, wanted), np.array([produced], np.int32), np.array([1], np.int32)
+            )
             assert counts.tolist() == [wanted]
             if mode == "lazy" and wanted == 0:
                 assert runner.backlog[0] == (0, prompt + [40, 41, 42][: i - 1])  # held back, not run
@@ -112,8 +124,10 @@ def test_a_view_of_the_target_drafts_what_its_own_copy_drafts(target, spec: str)
         rejected += len(drafts) - (len(out) - 1)
         inputs = _step_inputs(np.array(tokens, np.int32), start, wanted)
         inputs.num_logits[:] = 1 + len(drafts)
-        proposals = [runner.propose(inputs, np.array(out, np.int32), np.array([len(out)], np.int32))[0].tolist()
-                     for runner in (shared, own)]
+        proposals = [
+            runner.propose(inputs, np.array(out, np.int32), np.array([len(out)], np.int32))[0].tolist()
+            for runner in (shared, own)
+        ]
         assert proposals[0] == proposals[1] and len(proposals[0]) == wanted
         start += len(pending) - 1 + len(out)  # the newest token's position
         pending, drafts = [out[-1]], proposals[0]

@@ -92,8 +92,9 @@ def test_model_proposals_combined_with_lookup_the_longer_valid_draft_wins() -> N
     drafter.store("r", [9, 9])  # the model's two drafts
     assert drafter.propose("r", context, len(context), 3, everything) == [7, 8, 1]
     drafter.store("r", [9, 9, 9])
-    assert drafter.propose("r", context, len(context), 3, lambda tokens: min(len(tokens), 1 if tokens[0] == 7 else 3)) \
-        == [9, 9, 9]  # the grammar cuts lookup's draft after one token: the model's is longer
+    assert drafter.propose(
+        "r", context, len(context), 3, lambda tokens: min(len(tokens), 1 if tokens[0] == 7 else 3)
+    ) == [9, 9, 9]  # the grammar cuts lookup's draft after one token: the model's is longer
     assert drafter.propose("r", [1, 2, 3], 3, 3, everything) == []  # no proposals stored, no lookup match
     with pytest.raises(ValueError, match="combine_ngram"):
         SpeculativeConfig(method="ngram", combine_ngram=True).validate()
@@ -110,8 +111,10 @@ def test_anchored_lookup_copies_a_value_from_where_its_name_is_in_the_prompt(rea
 
     tokenizer = load_tokenizer(real_model_dir)
     backend = create_backend("xgrammar", tokenizer, 49152, (2,))
-    schema = '{"type": "object", "properties": {"productName": {"type": "string"}, "price": {"type": "integer"}},' \
-             ' "required": ["productName", "price"]}'
+    schema = (
+        '{"type": "object", "properties": {"productName": {"type": "string"}, "price": {"type": "integer"}},'
+        ' "required": ["productName", "price"]}'
+    )
     compiled = backend.compile(GuidedDecoding(json_schema=schema))
     prompt = tokenizer.encode('Extract the record as JSON. productName is "Glen Oak"; price is 40.')
     # after `":` no suffix of the output occurs in the prompt (nor, for price, one the grammar takes)
@@ -122,8 +125,9 @@ def test_anchored_lookup_copies_a_value_from_where_its_name_is_in_the_prompt(rea
         valid_prefix = _valid_prefix(matcher)
         drafts = {}
         for anchored in (True, False):
-            drafter = ngram_drafter(SpeculativeConfig(max_draft_len=3, is_public_pool=False, anchored_lookup=anchored),
-                                    tokenizer)
+            drafter = ngram_drafter(
+                SpeculativeConfig(max_draft_len=3, is_public_pool=False, anchored_lookup=anchored), tokenizer
+            )
             drafter.propose("r", prompt, len(prompt), 3, valid_prefix)  # the first call sees the prompt
             drafts[anchored] = drafter.propose("r", tokens, len(tokens), 3, valid_prefix)
         assert len(drafts[True]) == 3 and value.startswith(tokenizer.decode(drafts[True]))
@@ -141,16 +145,24 @@ def test_a_value_after_its_key_comes_from_the_keys_next_mention_in_the_prompt(re
 
     tokenizer = load_tokenizer(real_model_dir)
     backend = create_backend("xgrammar", tokenizer, 49152, (2,))
-    item = {"type": "object", "properties": {"name": {"type": "string"}, "price": {"type": "integer"}},
-            "required": ["name", "price"]}
+    item = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "price": {"type": "integer"}},
+        "required": ["name", "price"],
+    }
     schema = {"type": "object", "properties": {"items": {"type": "array", "items": item}}, "required": ["items"]}
     compiled = backend.compile(GuidedDecoding(json_schema=schema))
-    prompt = tokenizer.encode('Extract the order as JSON. items item 1 -> name is "Wireless Mouse"; items item 1 -> '
-                              'price is 15; items item 2 -> name is "Webcam HD"; items item 2 -> price is 45.')
+    prompt = tokenizer.encode(
+        'Extract the order as JSON. items item 1 -> name is "Wireless Mouse"; items item 1 -> '
+        'price is 15; items item 2 -> name is "Webcam HD"; items item 2 -> price is 45.'
+    )
     output = '{"items": [{"name": "Wireless Mouse", "price": 15}, {"name": "Webcam HD", "price": 45}]}'
-    values = {'{"items": [{"name":': ' "Wireless Mouse"', '{"items": [{"name": "Wireless Mouse", "price":': " 15",
-              '{"items": [{"name": "Wireless Mouse", "price": 15}, {"name":': ' "Webcam HD"',
-              '{"items": [{"name": "Wireless Mouse", "price": 15}, {"name": "Webcam HD", "price":': " 45"}
+    values = {
+        '{"items": [{"name":': ' "Wireless Mouse"',
+        '{"items": [{"name": "Wireless Mouse", "price":': " 15",
+        '{"items": [{"name": "Wireless Mouse", "price": 15}, {"name":': ' "Webcam HD"',
+        '{"items": [{"name": "Wireless Mouse", "price": 15}, {"name": "Webcam HD", "price":': " 45",
+    }
     assert all(output.startswith(prefix) for prefix in values)
     drafter = ngram_drafter(SpeculativeConfig(max_draft_len=3, is_public_pool=False), tokenizer)
     drafter.propose("r", prompt, len(prompt), 3, lambda tokens: len(tokens))  # the prefill step's call
@@ -170,6 +182,7 @@ def _draft_after(drafter: Any, matcher: Any, tokenizer: Any, prompt: list[int], 
 
 def _valid_prefix(matcher: Any) -> Callable[[Sequence[int]], int]:
     """How many of the drafts ``matcher`` accepts from where it is (left as it was)."""
+
     def valid_prefix(drafts: Sequence[int]) -> int:
         count = 0
         for t in drafts:
@@ -178,6 +191,7 @@ def _valid_prefix(matcher: Any) -> Callable[[Sequence[int]], int]:
             count += 1
         matcher.rollback(count)
         return count
+
     return valid_prefix
 
 
@@ -192,18 +206,27 @@ def test_a_lists_next_item_is_the_prompts_next_string_closed_the_outputs_way(rea
 
     tokenizer = load_tokenizer(real_model_dir)
     backend = create_backend("xgrammar", tokenizer, 49152, (2,))
-    schema = {"type": "object", "properties": {"storeID": {"type": "string"},
-                                               "daysOpen": {"type": "array", "items": {"type": "string"}}}}
+    schema = {
+        "type": "object",
+        "properties": {"storeID": {"type": "string"}, "daysOpen": {"type": "array", "items": {"type": "string"}}},
+    }
     compiled = backend.compile(GuidedDecoding(json_schema=schema))
-    prompt = tokenizer.encode('Extract the record as JSON. storeID is "CS-1123"; daysOpen item 1 is "Monday"; '
-                              'daysOpen item 2 is "Tuesday"; daysOpen item 3 is "Wednesday"; '
-                              'daysOpen item 4 is "Thursday".')
+    prompt = tokenizer.encode(
+        'Extract the record as JSON. storeID is "CS-1123"; daysOpen item 1 is "Monday"; '
+        'daysOpen item 2 is "Tuesday"; daysOpen item 3 is "Wednesday"; '
+        'daysOpen item 4 is "Thursday".'
+    )
     drafter = ngram_drafter(SpeculativeConfig(max_draft_len=3, is_public_pool=False), tokenizer)
     drafter.propose("r", prompt, len(prompt), 3, lambda tokens: len(tokens))  # the prefill step's call
-    expected = {'{"storeID": "CS-1123", "daysOpen": ["Monday", "Tuesday",': ' "Wednesday",',
-                '{"storeID": "CS-1123", "daysOpen": ["Monday", "Tuesday", "Wednesday",': ' "Thursday"]'}
+    expected = {
+        '{"storeID": "CS-1123", "daysOpen": ["Monday", "Tuesday",': ' "Wednesday",',
+        '{"storeID": "CS-1123", "daysOpen": ["Monday", "Tuesday", "Wednesday",': ' "Thursday"]',
+    }
     for before, draft in expected.items():
-        assert tokenizer.decode(_draft_after(drafter, backend.create_matcher(compiled), tokenizer, prompt, before)) == draft
+        assert (
+            tokenizer.decode(_draft_after(drafter, backend.create_matcher(compiled), tokenizer, prompt, before))
+            == draft
+        )
 
 
 def test_a_values_end_closes_it_the_jsons_way_and_the_next_key_follows(real_model_dir) -> None:  # type: ignore[no-untyped-def]
@@ -217,20 +240,30 @@ def test_a_values_end_closes_it_the_jsons_way_and_the_next_key_follows(real_mode
 
     tokenizer = load_tokenizer(real_model_dir)
     backend = create_backend("xgrammar", tokenizer, 49152, (2,))
-    schema = {"type": "object", "properties": {"deviceID": {"type": "string"}, "patientID": {"type": "string"},
-                                               "heartRate": {"type": "integer"},
-                                               "alerts": {"type": "array", "items": {"type": "string"}},
-                                               "stock": {"type": "integer"}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "deviceID": {"type": "string"},
+            "patientID": {"type": "string"},
+            "heartRate": {"type": "integer"},
+            "alerts": {"type": "array", "items": {"type": "string"}},
+            "stock": {"type": "integer"},
+        },
+    }
     compiled = backend.compile(GuidedDecoding(json_schema=schema))
-    prompt = tokenizer.encode('Extract the record as JSON. deviceID is "MON123456"; patientID is "PAT654321"; '
-                              'heartRate is 78; alerts item 1 is "Gate oxide integrity"; stock is 150.')
+    prompt = tokenizer.encode(
+        'Extract the record as JSON. deviceID is "MON123456"; patientID is "PAT654321"; '
+        'heartRate is 78; alerts item 1 is "Gate oxide integrity"; stock is 150.'
+    )
     drafter = ngram_drafter(SpeculativeConfig(max_draft_len=3, is_public_pool=False), tokenizer)
     drafter.propose("r", prompt, len(prompt), 3, lambda tokens: len(tokens))  # the prefill step's call
-    expected = {'{"deviceID": "MON123456': '", "patient',  # the string's end, then the next key
-                '{"deviceID": "MON123456", "patientID": "PAT654321", "heartRate": 78': ', "alert',  # the number's end (``;``)
-                '{"deviceID": "MON123456", "patientID": "PAT654321", "heartRate": 78, "alerts":': ' ["Gate oxide',
-                '{"deviceID": "MON123456", "patientID": "PAT654321", "heartRate": 78, "alerts": ["Gate oxide '
-                'integrity"], "stock": 150': '}'}  # the sentence's period ends the record
+    expected = {
+        '{"deviceID": "MON123456': '", "patient',  # the string's end, then the next key
+        '{"deviceID": "MON123456", "patientID": "PAT654321", "heartRate": 78': ', "alert',  # the number's end (``;``)
+        '{"deviceID": "MON123456", "patientID": "PAT654321", "heartRate": 78, "alerts":': ' ["Gate oxide',
+        '{"deviceID": "MON123456", "patientID": "PAT654321", "heartRate": 78, "alerts": ["Gate oxide '
+        'integrity"], "stock": 150': "}",
+    }  # the sentence's period ends the record
     for before, draft in expected.items():
         drafts = _draft_after(drafter, backend.create_matcher(compiled), tokenizer, prompt, before)
         assert tokenizer.decode(drafts) == draft, before

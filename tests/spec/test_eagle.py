@@ -47,7 +47,9 @@ def test_trained_and_inference_heads_agree_over_a_draft_chain(target, tmp_path: 
     draft_ids = torch.arange(0, 300, 2)  # a pruned vocabulary: d2t maps draft i to target 2i
     trained = _random_head(model, hf, draft_ids)
     aux = default_aux_layers(model.cfg.num_layers)
-    save_head(tmp_path / "head", trained.state_for_checkpoint(300), head_config(trained.cfg, 300, len(draft_ids), aux, {}))
+    save_head(
+        tmp_path / "head", trained.state_for_checkpoint(300), head_config(trained.cfg, 300, len(draft_ids), aux, {})
+    )
     head = EagleHead(tmp_path / "head", model.cfg, hf, model.embed, model.lm_head, torch.float32, 64)
     assert head.version == 3 and head.aux_layers == aux and head.d2t is not None
 
@@ -79,14 +81,25 @@ def test_eagle1_layout_loads_and_drafts_with_the_targets_lm_head(target, tmp_pat
     folder, model, hf = target
     h = model.cfg.hidden_size
     torch.manual_seed(2)
-    state = {"fc.weight": torch.randn(h, 2 * h) * 0.1, "fc.bias": torch.randn(h) * 0.1,
-             "layers.0.post_attention_layernorm.weight": torch.ones(h)}
-    for name, shape in {"q_proj": (4 * 16, h), "k_proj": (2 * 16, h), "v_proj": (2 * 16, h), "o_proj": (h, 4 * 16)}.items():
+    state = {
+        "fc.weight": torch.randn(h, 2 * h) * 0.1,
+        "fc.bias": torch.randn(h) * 0.1,
+        "layers.0.post_attention_layernorm.weight": torch.ones(h),
+    }
+    for name, shape in {
+        "q_proj": (4 * 16, h),
+        "k_proj": (2 * 16, h),
+        "v_proj": (2 * 16, h),
+        "o_proj": (h, 4 * 16),
+    }.items():
         state[f"layers.0.self_attn.{name}.weight"] = torch.randn(shape) * 0.1
     for name, shape in {"gate_proj": (160, h), "up_proj": (160, h), "down_proj": (h, 160)}.items():
         state[f"layers.0.mlp.{name}.weight"] = torch.randn(shape) * 0.1
-    save_head(tmp_path / "eagle1", state, {"hidden_size": h, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                           "intermediate_size": 160})
+    save_head(
+        tmp_path / "eagle1",
+        state,
+        {"hidden_size": h, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 160},
+    )
     runner = EagleRunner(tmp_path / "eagle1", model, folder, hf, max_batch_size=2, max_model_len=64)
     assert runner.head.version == 1 and runner.capture == "final" and runner.head.d2t is None
 
@@ -101,7 +114,9 @@ def test_eagle1_layout_loads_and_drafts_with_the_targets_lm_head(target, tmp_pat
     # the same chain by hand: features 0..4 with the next tokens, then the drafts themselves
     head_kv = runner.head.create_kv_cache(1, 64)
     ids = np.array([9, 13, 7, 3, 42])
-    out, logits = runner.head.forward(model.captured, torch.from_numpy(ids), ForwardBatch.create(ids, [0], [0], [5], [1]), head_kv)
+    out, logits = runner.head.forward(
+        model.captured, torch.from_numpy(ids), ForwardBatch.create(ids, [0], [0], [5], [1]), head_kv
+    )
     expected = [int(logits.argmax())]
     for step in range(2):
         b = ForwardBatch.create([expected[-1]], [0], [5 + step], [1], [1])
@@ -114,8 +129,11 @@ def test_d2t_reads_the_target_mask(target, tmp_path: Path) -> None:  # type: ign
     folder, model, hf = target
     draft_ids = torch.tensor([0, 7, 40, 41, 299])
     trained = _random_head(model, hf, draft_ids)
-    save_head(tmp_path / "head", trained.state_for_checkpoint(300),
-              head_config(trained.cfg, 300, 5, default_aux_layers(2), {}))
+    save_head(
+        tmp_path / "head",
+        trained.state_for_checkpoint(300),
+        head_config(trained.cfg, 300, 5, default_aux_layers(2), {}),
+    )
     runner = EagleRunner(tmp_path / "head", model, folder, hf, max_batch_size=1, max_model_len=64)
     bitmask = np.zeros((1, 10), dtype=np.int32)
     for allowed in (41, 299, 100):  # 100 is outside the draft vocabulary
@@ -139,11 +157,18 @@ def test_lazy_following_drafts_what_eager_following_drafts(target, tmp_path: Pat
     them in one batch and drafts exactly what a head that followed every step drafts."""
     folder, model, hf = target
     trained = _random_head(model, hf, torch.arange(0, 300, 2))
-    save_head(tmp_path / "head", trained.state_for_checkpoint(300),
-              head_config(trained.cfg, 300, 150, default_aux_layers(2), {}))
+    save_head(
+        tmp_path / "head",
+        trained.state_for_checkpoint(300),
+        head_config(trained.cfg, 300, 150, default_aux_layers(2), {}),
+    )
     prompt = np.array([5, 9, 13, 7, 3, 11, 2], dtype=np.int32)
-    steps = [(prompt, 0, 40), (np.array([40], np.int32), 7, 41), (np.array([41], np.int32), 8, 42),
-             (np.array([42], np.int32), 9, 43)]
+    steps = [
+        (prompt, 0, 40),
+        (np.array([40], np.int32), 7, 41),
+        (np.array([41], np.int32), 8, 42),
+        (np.array([42], np.int32), 9, 43),
+    ]
     results = {}
     for mode in ("eager", "lazy"):
         runner = EagleRunner(tmp_path / "head", model, folder, hf, max_batch_size=1, max_model_len=64)
@@ -153,8 +178,9 @@ def test_lazy_following_drafts_what_eager_following_drafts(target, tmp_path: Pat
             batch = ForwardBatch.create(tokens, [0], [start], [len(tokens)], [1])
             model.forward(batch, kv, capture=runner.capture)
             runner.follow(batch, model.captured)
-            drafts, counts = runner.propose(_step_inputs(tokens, [wanted], start),
-                                            np.array([produced], np.int32), np.array([1], np.int32))
+            drafts, counts = runner.propose(
+                _step_inputs(tokens, [wanted], start), np.array([produced], np.int32), np.array([1], np.int32)
+            )
             assert counts.tolist() == [wanted]
         assert mode == "eager" or runner.backlog == {}
         results[mode] = drafts.tolist()
@@ -167,8 +193,11 @@ def test_a_prefill_step_without_logits_still_reaches_the_head(target, tmp_path: 
     in one step."""
     folder, model, hf = target
     trained = _random_head(model, hf, torch.arange(0, 300, 2))
-    save_head(tmp_path / "head", trained.state_for_checkpoint(300),
-              head_config(trained.cfg, 300, 150, default_aux_layers(2), {}))
+    save_head(
+        tmp_path / "head",
+        trained.state_for_checkpoint(300),
+        head_config(trained.cfg, 300, 150, default_aux_layers(2), {}),
+    )
     prompt = np.array([5, 9, 13, 7, 3, 11, 2, 17, 4], dtype=np.int32)
     results = []
     for chunks in ([prompt], [prompt[:4], prompt[4:7], prompt[7:]]):
@@ -181,8 +210,9 @@ def test_a_prefill_step_without_logits_still_reaches_the_head(target, tmp_path: 
             model.forward(batch, kv, capture=runner.capture)
             runner.follow(batch, model.captured)
             start += len(tokens)
-        drafts, _ = runner.propose(_step_inputs(chunks[-1], [3], start - len(chunks[-1])),
-                                   np.array([40], np.int32), np.array([1], np.int32))
+        drafts, _ = runner.propose(
+            _step_inputs(chunks[-1], [3], start - len(chunks[-1])), np.array([40], np.int32), np.array([1], np.int32)
+        )
         assert runner.backlog == {}
         results.append(drafts.tolist())
     assert results[0] == results[1] and len(results[0]) == 3
@@ -191,9 +221,20 @@ def test_a_prefill_step_without_logits_still_reaches_the_head(target, tmp_path: 
 def _step_inputs(prompt: np.ndarray, draft_lens: list[int], start: int = 0) -> StepInputs:
     """One row: ``prompt`` in slot 0 from ``start``, greedy, one logits row, drafts wanted after it."""
     one = lambda dtype, value=0: np.full(1, value, dtype=dtype)  # noqa: E731
-    return StepInputs(step=0, slots=one(np.int32), start_positions=one(np.int32, start),
-                      num_new_tokens=one(np.int32, len(prompt)), token_ids=prompt, num_logits=one(np.int32, 1),
-                      temperature=one(np.float32), top_k=one(np.int32), top_p=one(np.float32, 1.0),
-                      seeds=one(np.int64, -1), sample_index=one(np.int32), num_prompt_tokens=one(np.int32, len(prompt)),
-                      penalties=np.ones((1, 3), np.float32), draft_lens=np.array(draft_lens, np.int32),
-                      draft_masked=np.array([False]))
+    return StepInputs(
+        step=0,
+        slots=one(np.int32),
+        start_positions=one(np.int32, start),
+        num_new_tokens=one(np.int32, len(prompt)),
+        token_ids=prompt,
+        num_logits=one(np.int32, 1),
+        temperature=one(np.float32),
+        top_k=one(np.int32),
+        top_p=one(np.float32, 1.0),
+        seeds=one(np.int64, -1),
+        sample_index=one(np.int32),
+        num_prompt_tokens=one(np.int32, len(prompt)),
+        penalties=np.ones((1, 3), np.float32),
+        draft_lens=np.array(draft_lens, np.int32),
+        draft_masked=np.array([False]),
+    )
