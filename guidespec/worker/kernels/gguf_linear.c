@@ -13,9 +13,10 @@
  * instruction (AVX2 maddubs, or AVX-512 VNNI's dpbusd where the build has it).
  *
  * Each thread owns whole groups of 16 output rows; within a group, up to 4 activation rows at
- * once pass over each weight row (its blocks unpacked once for all 4), so the group's weights
- * stay in L1 while the activations stream: 1 to 4 rows (decode, verification) cost about
- * what one costs, and prefill-sized M reads each weight from cache, not memory.
+ * once pass over two weight rows (their blocks unpacked once for all 4, each activation block
+ * loaded once for both), so the group's weights stay in L1 while the activations stream: 1 to
+ * 4 rows (decode, verification) cost about what one costs, and prefill-sized M reads each
+ * weight from cache, not memory. A row's result does not depend on the other rows.
  */
 #include <math.h>
 #include <stdint.h>
@@ -129,29 +130,44 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* NAME##MC: one weight row (nb blocks of BT) by MC activation rows; signed quants go through
-   maddubs/dpbusd as |w| times x with w's sign */
+/* NAME##MC: two weight rows (nb blocks of BT each) by MC activation rows, sharing each
+   activation block's load; signed quants go through maddubs/dpbusd as |w| times x with w's sign */
+#define QTILE_ROW(SIGNED, HAS_M, q, qa, sc, m, c, x, dx, s, acc, macc)                          \
+    {                                                                                         \
+        __m256i xs = SIGNED ? _mm256_sign_epi8(x, q) : x;                                     \
+        __m256 p = _mm256_cvtepi32_ps(dot_u8s8(qa, xs));                                      \
+        acc[c] = _mm256_fmadd_ps(p, _mm256_mul_ps(sc, dx), acc[c]);                           \
+        if (HAS_M) macc[c] += m * (s);                                                        \
+    }
 #define DEFINE_QTILE(NAME, MC, BT, QV, QS, QM, SIGNED, HAS_M)                                   \
-static void NAME##MC(const void* row, const act_t* a, int m0, int K, float* out) {             \
+static void NAME##MC(const void* row0, const void* row1, const act_t* a, int m0, int K,         \
+                     float* out0, float* out1) {                                              \
     int nb = K / QK;                                                                          \
-    const BT* w = row;                                                                        \
-    __m256 acc[MC];                                                                           \
-    float macc[MC];                                                                           \
-    for (int c = 0; c < MC; c++) { acc[c] = _mm256_setzero_ps(); macc[c] = 0.f; }            \
+    const BT *w0 = row0, *w1 = row1;                                                          \
+    __m256 acc0[MC], acc1[MC];                                                                \
+    float macc0[MC], macc1[MC];                                                               \
+    for (int c = 0; c < MC; c++) {                                                            \
+        acc0[c] = acc1[c] = _mm256_setzero_ps();                                              \
+        macc0[c] = macc1[c] = 0.f;                                                            \
+    }                                                                                         \
     for (int b = 0; b < nb; b++) {                                                            \
-        __m256i q = QV(w + b), qa = SIGNED ? _mm256_sign_epi8(q, q) : q;                      \
-        __m256 sc = QS(w + b);                                                                \
-        float m = QM(w + b);                                                                  \
+        __m256i q0 = QV(w0 + b), qa0 = SIGNED ? _mm256_sign_epi8(q0, q0) : q0;                \
+        __m256i q1 = QV(w1 + b), qa1 = SIGNED ? _mm256_sign_epi8(q1, q1) : q1;                \
+        __m256 sc0 = QS(w0 + b), sc1 = QS(w1 + b);                                            \
+        float mw0 = QM(w0 + b), mw1 = QM(w1 + b);                                             \
         for (int c = 0; c < MC; c++) {                                                        \
             size_t at = (size_t)(m0 + c) * nb + b;                                            \
             __m256i x = _mm256_loadu_si256((const __m256i*)(a->q + at * QK));                 \
-            if (SIGNED) x = _mm256_sign_epi8(x, q);                                           \
-            __m256 p = _mm256_cvtepi32_ps(dot_u8s8(qa, x));                                   \
-            acc[c] = _mm256_fmadd_ps(p, _mm256_mul_ps(sc, _mm256_set1_ps(a->d[at])), acc[c]); \
-            if (HAS_M) macc[c] += m * a->s[at];                                               \
+            __m256 dx = _mm256_set1_ps(a->d[at]);                                             \
+            float s = HAS_M ? a->s[at] : 0.f;                                                 \
+            QTILE_ROW(SIGNED, HAS_M, q0, qa0, sc0, mw0, c, x, dx, s, acc0, macc0)             \
+            QTILE_ROW(SIGNED, HAS_M, q1, qa1, sc1, mw1, c, x, dx, s, acc1, macc1)             \
         }                                                                                     \
     }                                                                                         \
-    for (int c = 0; c < MC; c++) out[c] = hsum(acc[c]) + macc[c];                             \
+    for (int c = 0; c < MC; c++) {                                                            \
+        out0[c] = hsum(acc0[c]) + macc0[c];                                                   \
+        out1[c] = hsum(acc1[c]) + macc1[c];                                                   \
+    }                                                                                         \
 }
 #define DEFINE_QTILES(NAME, BT, QV, QS, QM, SIGNED, HAS_M)                                     \
     DEFINE_QTILE(NAME, 1, BT, QV, QS, QM, SIGNED, HAS_M)                                      \
@@ -164,7 +180,7 @@ DEFINE_QTILES(q8_0_tile, block_q8_0, Q8_0_V, Q8_0_S, NO_M, 1, 0)
 DEFINE_QTILES(q8h_tile, block_q8h, Q8H_V, Q8H_S, NO_M, 1, 0)
 #endif
 
-typedef void (*tile_fn)(const void*, const act_t*, int, int, float*);
+typedef void (*tile_fn)(const void*, const void*, const act_t*, int, int, float*, float*);
 typedef void (*block_fn)(const void*, int*, float*, float*, float*);
 
 /* the portable tile: the same sums in plain C (any MC up to MAX_TILE) */
@@ -205,11 +221,14 @@ static const format_t FORMATS[] = {
 #endif
 };
 
-static inline void run_tile(const format_t* f, const void* row, const act_t* a, int m0, int mc, int K, float* out) {
+/* rows row0 and row1 (the same row where there is one) by activation rows m0 .. m0 + mc - 1 */
+static inline void run_tile(const format_t* f, const void* row0, const void* row1, const act_t* a, int m0, int mc,
+                            int K, float* out0, float* out1) {
 #if defined(__AVX2__)
-    f->tiles[mc](row, a, m0, K, out);
+    f->tiles[mc](row0, row1, a, m0, K, out0, out1);
 #else
-    scalar_tile(f->unpack, f->block_bytes, row, a, m0, mc, K, out);
+    scalar_tile(f->unpack, f->block_bytes, row0, a, m0, mc, K, out0);
+    if (row1 != row0) scalar_tile(f->unpack, f->block_bytes, row1, a, m0, mc, K, out1);
 #endif
 }
 
@@ -229,10 +248,13 @@ void gguf_linear(const float* x, const void* w, int format, const float* bias, f
         int n0 = g * ROWS_PER_GROUP, n1 = n0 + ROWS_PER_GROUP < N ? n0 + ROWS_PER_GROUP : N;
         for (int m0 = 0; m0 < M; m0 += MAX_TILE) {
             int mc = M - m0 < MAX_TILE ? M - m0 : MAX_TILE;
-            for (int n = n0; n < n1; n++) {
-                float out[MAX_TILE];
-                run_tile(f, (const char*)w + (size_t)n * row_bytes, &a, m0, mc, K, out);
-                for (int c = 0; c < mc; c++) y[(size_t)(m0 + c) * N + n] = out[c] + (bias ? bias[n] : 0.f);
+            for (int n = n0; n < n1; n += 2) {
+                float out[2][MAX_TILE];
+                const char* row0 = (const char*)w + (size_t)n * row_bytes;
+                int two = n + 1 < n1;
+                run_tile(f, row0, two ? row0 + row_bytes : row0, &a, m0, mc, K, out[0], out[1]);
+                for (int r = 0; r <= two; r++)
+                    for (int c = 0; c < mc; c++) y[(size_t)(m0 + c) * N + n + r] = out[r][c] + (bias ? bias[n + r] : 0.f);
             }
         }
     }
