@@ -29,7 +29,7 @@ A request starts closing when
 - its last tokens repeat a cycle: for some period ``p`` the last ``max(2p, min_span)`` tokens
   equal the ``p`` tokens before them (three or more copies of the cycle), or
 - fewer than ``reserve`` tokens of its ``max_tokens`` budget are left, or
-- a dry run of closing from the grammar's state (``GrammarManager.closing_run``: this
+- a dry run of closing from the grammar's state (``ClosingStep.dry_run``: this
   module's narrowing with the grammar alone choosing), and half as many tokens again, would no
   longer fit in what is left: a recursive schema's required structure can need hundreds of
   tokens (Github_hard o59999: ~760 from the start), far more than any fixed reserve.

@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,16 +34,15 @@ from guidespec.config import SchedulerConfig
 from guidespec.grammar_backends import GrammarBackend, GrammarError, GrammarMatcher, create_backend
 from guidespec.grammar_backends.interface import bitmask_row, bitmask_width, is_refusal
 from guidespec.protocol import AUTO_BACKEND_ORDER, GuidedDecoding
-from guidespec.scheduler.closing import MAX_STEPS, ClosingTokens, EarlyCloser, allowed_ids
+from guidespec.scheduler.closing import allowed_ids
+from guidespec.scheduler.closing_step import ClosingStep
 
 
-MAX_CLOSING_RUN = 2048  # the longest dry run of closing (``closing_run``)
 # Fills run on the scheduler's own thread. A fill takes tens of microseconds per row, while
 # waking a backend's thread pool on cores the workers' forward keeps busy took milliseconds per
 # call (batch 1, n-gram drafts: 14 ms of filling per step with 2 threads, 2 ms with 1), and the
 # pool's threads slowed the forward they ran beside. Compiles keep ``num_threads`` (their process).
 _FILL_THREADS = 1
-_SCRIPT_MARGIN = 8  # a dry run of closing this near the budget's end is written as it is
 
 
 @dataclass(frozen=True)
@@ -112,8 +111,7 @@ class GrammarManager:
             str, tuple[GuidedDecoding, list[str], list[str]]
         ] = {}  # request -> (spec, backends left, refusals)
         self.refusals: dict[str, str] = {}  # request -> why a backend before the one serving it refused
-        self.closers: dict[str, EarlyCloser] = {}
-        self._closing_tokens: ClosingTokens | None = None  # built at first use
+        self.closing = ClosingStep(tokenizer, settings.vocab_size, settings.stop_token_ids)
         self._job_ids = itertools.count()
         self.bitmask = np.zeros((settings.max_rows, bitmask_width(settings.vocab_size)), dtype=np.int32)
         self._stop_row = bitmask_row(settings.stop_token_ids, settings.vocab_size)
@@ -124,12 +122,11 @@ class GrammarManager:
         """Start (or join) the compile; True if the matcher is ready now. Raises GrammarError.
         With backend "auto", a backend that refuses the grammar (it cannot enforce it exactly)
         hands it to the next one; GrammarError says why each refused."""
-        if spec.close_early and spec.kind in ("json_schema", "json_object"):
-            self.closers[request_id] = EarlyCloser(_schema_reader(spec))
+        self.closing.track(request_id, spec)
         try:
             return self._try(request_id, spec, list(self._order(spec.backend)), [])
         except GrammarError:
-            self.closers.pop(request_id, None)
+            self.closing.forget(request_id)
             raise
 
     def _order(self, backend: str | None) -> tuple[str, ...]:
@@ -188,7 +185,7 @@ class GrammarManager:
         self.fallbacks.pop(request_id, None)
         self.refusals.pop(request_id, None)
         self.matchers.pop(request_id, None)
-        self.closers.pop(request_id, None)
+        self.closing.forget(request_id)
 
     # ------------------------------------------------------------------ per step
 
@@ -213,8 +210,8 @@ class GrammarManager:
         if firsts[-1] > self.bitmask.shape[0]:
             self.bitmask = np.zeros((firsts[-1], self.bitmask.shape[1]), dtype=np.int32)
         for r in rows:
-            self._check_budget(r)
-        saved = {r.request_id: c.snapshot() for r in rows if r.drafts and (c := self.closers.get(r.request_id))}
+            self.closing.check_budget(r.request_id, r.output_len, r.max_tokens, *self._grammar(r.request_id))
+        saved = self.closing.snapshot([r.request_id for r in rows if r.drafts])
         depths = [len(r.drafts) for r in rows]  # how deep each request's grammar can follow its drafts
         accepted = [0] * len(rows)
         try:
@@ -225,8 +222,13 @@ class GrammarManager:
                 self._fill_rows([rows[i].request_id for i in live], [firsts[i] + depth for i in live])
                 for i in ended:  # a draft ended the grammar: only a stop token may follow
                     self.bitmask[firsts[i] + depth] = self._stop_row
+                for i in live:  # early closing, as its own step after the backend's fill
+                    r = rows[i]
+                    out_row = self.bitmask[firsts[i] + depth]
+                    self.closing.restrict(
+                        r.request_id, r.output_len + depth, r.max_tokens, out_row, *self._grammar(r.request_id)
+                    )
                 for i in live:
-                    self._restrict_if_closing(rows[i], firsts[i] + depth, depth)
                     if depth == depths[i]:
                         continue
                     if self._accept_draft(rows[i].request_id, rows[i].drafts[depth]):
@@ -238,8 +240,7 @@ class GrammarManager:
             for i, r in enumerate(rows):
                 if accepted[i]:
                     self.matchers[r.request_id][1].rollback(accepted[i])
-            for request_id, state in saved.items():
-                self.closers[request_id].restore(state)
+            self.closing.restore(saved)
         return self.bitmask[: firsts[-1]]
 
     def stop_rows(self, count: int) -> np.ndarray:
@@ -296,32 +297,23 @@ class GrammarManager:
         return count
 
     def accept(self, request_id: str, token: int) -> bool:
-        closer = self.closers.get(request_id)
-        if closer is not None:
-            closer.add(token)
+        self.closing.add(request_id, token)
         return self.matchers[request_id][1].accept_token(token)
 
     def near_budget(self, request_id: str, budget: int, produced: int) -> None:
-        """The request has ``produced`` of its ``budget`` output tokens: a JSON output close to
-        the end starts closing."""
-        closer = self.closers.get(request_id)
-        if closer is not None and budget - produced <= closer.reserve(budget):
-            closer.near_budget()
+        self.closing.near_budget(request_id, budget, produced)
 
     def closing_reason(self, request_id: str) -> str:
-        closer = self.closers.get(request_id)
-        return closer.reason if closer is not None else ""
+        return self.closing.reason(request_id)
 
     def accept_forced(self, request_id: str, limit: int) -> list[int]:
         """Accept and return the tokens the grammar forces next (jump-forward)."""
         matcher = self.matchers[request_id][1]
         forced = matcher.forced_tokens(limit)
-        closer = self.closers.get(request_id)
         for i, token in enumerate(forced):
             if not matcher.accept_token(token):
                 return forced[:i]
-            if closer is not None:
-                closer.add(token)
+            self.closing.add(request_id, token)
         return forced
 
     def end_token(self, request_id: str) -> int | None:
@@ -429,48 +421,6 @@ class GrammarManager:
         for backend, (matchers, rows) in by_backend.items():
             self.backends[backend].fill_bitmasks(matchers, self.bitmask, rows)
 
-    def _restrict_if_closing(self, row: FillRow, out_row: int, depth: int) -> None:
-        """Steer a JSON output that loops or nears max_tokens to close (``closing.py``)."""
-        closer = self.closers.get(row.request_id)
-        if closer is None:
-            return
-        index = row.output_len + depth  # the output index this row's token will have
-        if closer.closing or (index >= 1 and row.max_tokens - index <= closer.reserve(row.max_tokens)):
-            if closer.follow_script(self.bitmask[out_row]):
-                return
-            backend, matcher = self.matchers[row.request_id]
-            if matcher.forced_tokens(1):
-                return  # the grammar writes the next tokens itself (a name): narrowing would only split them
-            view = _GrammarView(self.backends[backend], matcher, self.bitmask[out_row], self.tokenizer)
-            closer.restrict(self.bitmask[out_row], self._closing(), self.tokenizer, view)
-
-    def _check_budget(self, row: FillRow) -> None:
-        """Start closing a JSON output once a dry run of its closing (``closing_run``), and half
-        as many tokens again, and 16 for the model's own choices, no longer fits in what is left
-        of its budget; once the dry run alone just fits, write the dry run itself. Checked at the
-        first mask and again as what is left nears what is needed: more often the nearer it
-        gets, so a long output costs a few dry runs."""
-        closer = self.closers.get(row.request_id)
-        if closer is None or closer.script or row.output_len < closer.next_check:
-            return
-        remaining = row.max_tokens - row.output_len
-        run, ended = self.closing_run(row.request_id, min(remaining, MAX_CLOSING_RUN))
-        length = len(run)
-        if ended and length + _SCRIPT_MARGIN >= remaining:
-            closer.near_budget(script=run)  # no room left for the model's choices
-            return
-        if not ended and length >= remaining:  # no way to close within the budget: do what can be done
-            closer.near_budget()
-            closer.next_check = row.output_len + 32
-            return
-        need = length + length // 2 + 16
-        if need >= remaining:
-            closer.near_budget()
-        if closer.closing:
-            closer.next_check = row.output_len + max(1, (remaining - length - _SCRIPT_MARGIN) // 2)
-        else:
-            closer.next_check = row.output_len + max(8, (remaining - need) // 2)
-
     def closing_length(self, request_id: str, limit: int) -> int | None:
         """How many tokens closing would take from here to the end of the document (with the stop
         token); None if more than ``limit``."""
@@ -478,60 +428,17 @@ class GrammarManager:
         return len(run) if ended or len(run) <= limit else None
 
     def closing_run(self, request_id: str, limit: int) -> tuple[list[int], bool]:
-        """A dry run of closing from the grammar's state, the grammar alone choosing: forced
-        tokens, then in each row closing narrowed the token of the longest text, else the lowest
-        id allowed (a one-character token). Returns its tokens (ending with the stop token) and
-        whether they end the document: False if more than ``limit`` were needed (``limit + 1``
-        tokens returned) or where the dry run cannot go on (a forced token that does not replay:
-        the length is a lower bound). Everything is rolled back."""
-        backend_name, matcher = self.matchers[request_id]
-        closer = self.closers[request_id]
-        backend, closing = self.backends[backend_name], self._closing()
-        saved = closer.snapshot()
-        row = np.zeros((1, self.bitmask.shape[1]), dtype=np.int32)
-        run: list[int] = []
-        closer.closing = True
-        try:
-            while len(run) <= limit:
-                if matcher.is_terminated():
-                    return run, True
-                forced = matcher.forced_tokens(limit + 1 - len(run))
-                if forced:
-                    for token in forced:
-                        if not matcher.accept_token(token):
-                            return run, False
-                        run.append(token)
-                        closer.add(token)
-                    continue
-                backend.fill_bitmasks([matcher], row, [0])
-                stops = allowed_ids(row[0] & self._stop_row)
-                if len(stops):
-                    return run + [int(stops[0])], True
-                view = _GrammarView(backend, matcher, row[0], self.tokenizer)
-                narrowed = closer.restrict(row[0], closing, self.tokenizer, view)
-                allowed = allowed_ids(row[0])
-                if not len(allowed):
-                    return run, False
-                if narrowed:  # the longest of the narrowed tokens (the first of them on a tie)
-                    allowed = allowed[:MAX_STEPS]
-                    token = int(allowed[np.argmax(closing.piece_length[allowed])])
-                else:
-                    token = int(allowed[0])
-                if not matcher.accept_token(token):
-                    return run, False
-                run.append(token)
-                closer.add(token)
-            return run, False
-        finally:
-            matcher.rollback(len(run))
-            closer.restore(saved)
+        """A dry run of closing from the grammar's state (``ClosingStep.dry_run``)."""
+        return self.closing.dry_run(request_id, *self._grammar(request_id), limit)
+
+    def _grammar(self, request_id: str) -> tuple[GrammarBackend, GrammarMatcher]:
+        backend, matcher = self.matchers[request_id]
+        return self.backends[backend], matcher
 
     def _accept_draft(self, request_id: str, token: int) -> bool:
         if not self.matchers[request_id][1].accept_token(token):
             return False
-        closer = self.closers.get(request_id)
-        if closer is not None:
-            closer.add(token)
+        self.closing.add(request_id, token)
         return True
 
     def _backend(self, name: str) -> GrammarBackend:
@@ -545,13 +452,6 @@ class GrammarManager:
         _, _, refusals = self.fallbacks.pop(request_id, (None, [], []))
         if refusals:
             self.refusals[request_id] = "; ".join(refusals)
-
-    def _closing(self) -> ClosingTokens:
-        if self._closing_tokens is None:
-            self._closing_tokens = ClosingTokens.from_tokenizer(
-                self.tokenizer, self.settings.vocab_size, self.settings.stop_token_ids
-            )
-        return self._closing_tokens
 
     def _remember(self, cache: OrderedDict[str, Any], key: str, value: Any) -> None:
         cache[key] = value
@@ -642,57 +542,6 @@ def start_compile_process(settings: GrammarSettings) -> subprocess.Popen[str]:
     )
     proc.stdin.flush()
     return proc
-
-
-class _GrammarView:
-    """Closing's view of one request's grammar at one mask row: trial accepts, always rolled back."""
-
-    def __init__(self, backend: GrammarBackend, matcher: GrammarMatcher, current: np.ndarray, tokenizer: Any) -> None:
-        # ``current`` is the row itself: closing narrows it only after asking (no copy needed)
-        self.backend, self.matcher, self.current, self.tokenizer = backend, matcher, current, tokenizer
-        self.scratch = np.zeros((1, current.shape[0]), dtype=np.int32)
-        self._accepted = False  # whether the last trial's tokens were all accepted
-
-    def lookahead(self, candidates: Sequence[int], target: np.ndarray) -> tuple[list[int], list[int]]:
-        reaching: list[int] = []
-        moving: list[int] = []
-        for token in candidates:
-            if self._after([token], target):
-                reaching.append(token)
-            elif self._accepted and not np.array_equal(self.scratch[0], self.current):
-                moving.append(token)
-        return reaching, moving
-
-    def completion(self, texts: Sequence[str], target: np.ndarray) -> list[int]:
-        for text in texts:
-            tokens = list(self.tokenizer.encode(text, add_special_tokens=False))
-            if tokens and self._after(tokens, target):
-                return tokens
-        return []
-
-    def _after(self, tokens: list[int], target: np.ndarray) -> bool:
-        """Whether the grammar accepts ``tokens`` and then allows a token of ``target`` (its mask
-        left in ``self.scratch``); the matcher is rolled back."""
-        accepted = 0
-        try:
-            for token in tokens:
-                if self.matcher.is_terminated() or not self.matcher.accept_token(token):
-                    break
-                accepted += 1
-            self._accepted = accepted == len(tokens)
-            if not self._accepted:
-                return False
-            self.backend.fill_bitmasks([self.matcher], self.scratch, [0])
-            return bool((self.scratch[0] & target).any())
-        finally:
-            self.matcher.rollback(accepted)
-
-
-def _schema_reader(spec: GuidedDecoding) -> Callable[[], Any] | None:
-    """The request's JSON schema, parsed when closing first needs it (None for any JSON object)."""
-    if spec.kind != "json_schema":
-        return None
-    return lambda: json.loads(spec.json_schema) if isinstance(spec.json_schema, str) else spec.json_schema
 
 
 def _refused(errors: list[str]) -> str:

@@ -1,0 +1,229 @@
+"""Early closing as its own step of a fill: after a grammar backend has filled a request's mask
+row, ``ClosingStep.restrict`` narrows it where the request is closing (``closing.py`` says how a
+row is narrowed and when a request starts closing).
+
+This module holds each guided JSON request's ``EarlyCloser`` and everything that needs the
+request's grammar as well: the budget check before a step's fill (a dry run of closing from the
+grammar's state), the restriction of a filled row, and the dry run itself. It is handed the
+request's backend and matcher for each call and never changes the matcher's state: every trial
+accept is rolled back. It does not fill rows and does not own matchers (``grammar.py`` does).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from guidespec.grammar_backends import GrammarBackend, GrammarMatcher
+from guidespec.grammar_backends.interface import bitmask_row
+from guidespec.protocol import GuidedDecoding
+from guidespec.scheduler.closing import MAX_STEPS, ClosingTokens, EarlyCloser, allowed_ids
+
+MAX_CLOSING_RUN = 2048  # the longest dry run of closing (``dry_run``)
+_SCRIPT_MARGIN = 8  # a dry run of closing this near the budget's end is written as it is
+
+
+class ClosingStep:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size, self.stop_token_ids = vocab_size, stop_token_ids
+        self.closers: dict[str, EarlyCloser] = {}
+        self._stop_row = bitmask_row(stop_token_ids, vocab_size)
+        self._tokens: ClosingTokens | None = None  # built at first use
+
+    # ------------------------------------------------------------------ request state
+
+    def track(self, request_id: str, spec: GuidedDecoding) -> None:
+        """Start tracking a JSON request (unless it switched closing off)."""
+        if spec.close_early and spec.kind in ("json_schema", "json_object"):
+            self.closers[request_id] = EarlyCloser(_schema_reader(spec))
+
+    def forget(self, request_id: str) -> None:
+        self.closers.pop(request_id, None)
+
+    def add(self, request_id: str, token: int) -> None:
+        """A token the request's grammar accepted."""
+        closer = self.closers.get(request_id)
+        if closer is not None:
+            closer.add(token)
+
+    def snapshot(self, request_ids: Sequence[str]) -> dict[str, tuple[Any, ...]]:
+        return {r: closer.snapshot() for r in request_ids if (closer := self.closers.get(r))}
+
+    def restore(self, saved: dict[str, tuple[Any, ...]]) -> None:
+        for request_id, state in saved.items():
+            self.closers[request_id].restore(state)
+
+    def near_budget(self, request_id: str, budget: int, produced: int) -> None:
+        """The request has ``produced`` of its ``budget`` output tokens: a JSON output close to
+        the end starts closing."""
+        closer = self.closers.get(request_id)
+        if closer is not None and budget - produced <= closer.reserve(budget):
+            closer.near_budget()
+
+    def reason(self, request_id: str) -> str:
+        closer = self.closers.get(request_id)
+        return closer.reason if closer is not None else ""
+
+    # ------------------------------------------------------------------ per fill
+
+    def check_budget(
+        self, request_id: str, output_len: int, max_tokens: int, backend: GrammarBackend, matcher: GrammarMatcher
+    ) -> None:
+        """Start closing a JSON output once a dry run of its closing (``dry_run``), and half as
+        many tokens again, and 16 for the model's own choices, no longer fits in what is left of
+        its budget; once the dry run alone just fits, write the dry run itself. Checked at the
+        first mask and again as what is left nears what is needed: more often the nearer it gets,
+        so a long output costs a few dry runs."""
+        closer = self.closers.get(request_id)
+        if closer is None or closer.script or output_len < closer.next_check:
+            return
+        remaining = max_tokens - output_len
+        run, ended = self.dry_run(request_id, backend, matcher, min(remaining, MAX_CLOSING_RUN))
+        length = len(run)
+        if ended and length + _SCRIPT_MARGIN >= remaining:
+            closer.near_budget(script=run)  # no room left for the model's choices
+            return
+        if not ended and length >= remaining:  # no way to close within the budget: do what can be done
+            closer.near_budget()
+            closer.next_check = output_len + 32
+            return
+        need = length + length // 2 + 16
+        if need >= remaining:
+            closer.near_budget()
+        if closer.closing:
+            closer.next_check = output_len + max(1, (remaining - length - _SCRIPT_MARGIN) // 2)
+        else:
+            closer.next_check = output_len + max(8, (remaining - need) // 2)
+
+    def restrict(
+        self,
+        request_id: str,
+        index: int,
+        max_tokens: int,
+        row: np.ndarray,
+        backend: GrammarBackend,
+        matcher: GrammarMatcher,
+    ) -> None:
+        """Narrow the filled ``row`` (the mask for output index ``index``) where the request is
+        closing, or this near its budget's end: steer a JSON output that loops or nears
+        ``max_tokens`` to close."""
+        closer = self.closers.get(request_id)
+        if closer is None:
+            return
+        if closer.closing or (index >= 1 and max_tokens - index <= closer.reserve(max_tokens)):
+            if closer.follow_script(row):
+                return
+            if matcher.forced_tokens(1):
+                return  # the grammar writes the next tokens itself (a name): narrowing would only split them
+            closer.restrict(
+                row, self._closing_tokens(), self.tokenizer, _GrammarView(backend, matcher, row, self.tokenizer)
+            )
+
+    def dry_run(
+        self, request_id: str, backend: GrammarBackend, matcher: GrammarMatcher, limit: int
+    ) -> tuple[list[int], bool]:
+        """A dry run of closing from the grammar's state, the grammar alone choosing: forced
+        tokens, then in each row closing narrowed the token of the longest text, else the lowest
+        id allowed (a one-character token). Returns its tokens (ending with the stop token) and
+        whether they end the document: False if more than ``limit`` were needed (``limit + 1``
+        tokens returned) or where the dry run cannot go on (a forced token that does not replay:
+        the length is a lower bound). Everything is rolled back."""
+        closer = self.closers[request_id]
+        closing = self._closing_tokens()
+        saved = closer.snapshot()
+        row = np.zeros((1, self._stop_row.shape[0]), dtype=np.int32)
+        run: list[int] = []
+        closer.closing = True
+        try:
+            while len(run) <= limit:
+                if matcher.is_terminated():
+                    return run, True
+                forced = matcher.forced_tokens(limit + 1 - len(run))
+                if forced:
+                    for token in forced:
+                        if not matcher.accept_token(token):
+                            return run, False
+                        run.append(token)
+                        closer.add(token)
+                    continue
+                backend.fill_bitmasks([matcher], row, [0])
+                stops = allowed_ids(row[0] & self._stop_row)
+                if len(stops):
+                    return run + [int(stops[0])], True
+                view = _GrammarView(backend, matcher, row[0], self.tokenizer)
+                narrowed = closer.restrict(row[0], closing, self.tokenizer, view)
+                allowed = allowed_ids(row[0])
+                if not len(allowed):
+                    return run, False
+                if narrowed:  # the longest of the narrowed tokens (the first of them on a tie)
+                    allowed = allowed[:MAX_STEPS]
+                    token = int(allowed[np.argmax(closing.piece_length[allowed])])
+                else:
+                    token = int(allowed[0])
+                if not matcher.accept_token(token):
+                    return run, False
+                run.append(token)
+                closer.add(token)
+            return run, False
+        finally:
+            matcher.rollback(len(run))
+            closer.restore(saved)
+
+    def _closing_tokens(self) -> ClosingTokens:
+        if self._tokens is None:
+            self._tokens = ClosingTokens.from_tokenizer(self.tokenizer, self.vocab_size, self.stop_token_ids)
+        return self._tokens
+
+
+class _GrammarView:
+    """Closing's view of one request's grammar at one mask row: trial accepts, always rolled back."""
+
+    def __init__(self, backend: GrammarBackend, matcher: GrammarMatcher, current: np.ndarray, tokenizer: Any) -> None:
+        # ``current`` is the row itself: closing narrows it only after asking (no copy needed)
+        self.backend, self.matcher, self.current, self.tokenizer = backend, matcher, current, tokenizer
+        self.scratch = np.zeros((1, current.shape[0]), dtype=np.int32)
+        self._accepted = False  # whether the last trial's tokens were all accepted
+
+    def lookahead(self, candidates: Sequence[int], target: np.ndarray) -> tuple[list[int], list[int]]:
+        reaching: list[int] = []
+        moving: list[int] = []
+        for token in candidates:
+            if self._after([token], target):
+                reaching.append(token)
+            elif self._accepted and not np.array_equal(self.scratch[0], self.current):
+                moving.append(token)
+        return reaching, moving
+
+    def completion(self, texts: Sequence[str], target: np.ndarray) -> list[int]:
+        for text in texts:
+            tokens = list(self.tokenizer.encode(text, add_special_tokens=False))
+            if tokens and self._after(tokens, target):
+                return tokens
+        return []
+
+    def _after(self, tokens: list[int], target: np.ndarray) -> bool:
+        """Whether the grammar accepts ``tokens`` and then allows a token of ``target`` (its mask
+        left in ``self.scratch``); the matcher is rolled back."""
+        accepted = 0
+        try:
+            for token in tokens:
+                if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                    break
+                accepted += 1
+            self._accepted = accepted == len(tokens)
+            if not self._accepted:
+                return False
+            self.backend.fill_bitmasks([self.matcher], self.scratch, [0])
+            return bool((self.scratch[0] & target).any())
+        finally:
+            self.matcher.rollback(accepted)
+
+
+def _schema_reader(spec: GuidedDecoding) -> Callable[[], Any] | None:
+    """The request's JSON schema, parsed when closing first needs it (None for any JSON object)."""
+    if spec.kind != "json_schema":
+        return None
+    return lambda: json.loads(spec.json_schema) if isinstance(spec.json_schema, str) else spec.json_schema
