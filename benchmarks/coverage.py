@@ -26,7 +26,7 @@ from guidespec.grammar_backends import GrammarError  # noqa: E402
 from guidespec.grammar_backends.interface import refusals_in  # noqa: E402
 from guidespec.protocol import GuidedDecoding  # noqa: E402
 from guidespec.scheduler.grammar import GrammarManager, GrammarSettings  # noqa: E402
-from guidespec.worker.checkpoint import eos_token_ids, load_hf_config, load_tokenizer, resolve_model_dir  # noqa: E402
+from guidespec.model_files import eos_token_ids, load_hf_config, load_tokenizer, resolve_model_dir  # noqa: E402
 
 DEFAULT_SCHEMAS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "jsonschemabench" / "schemas"
 BACKENDS = ("xgrammar", "llguidance", "auto")

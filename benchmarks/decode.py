@@ -42,7 +42,7 @@ def run_guidespec(chats: list, batch_sizes: list[int], max_tokens: int, dtype: s
 def run_hf(chats: list, batch_sizes: list[int], max_tokens: int, dtype: str) -> dict[int, float]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from guidespec.worker.checkpoint import resolve_model_dir
+    from guidespec.model_files import resolve_model_dir
 
     model_dir = resolve_model_dir(None, show_progress=False)
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
@@ -65,7 +65,7 @@ def weight_bytes(dtype: str) -> int:
     """Bytes of weights read per forward step (the tied embedding is read once, as the head)."""
     from transformers import AutoConfig
 
-    from guidespec.worker.checkpoint import resolve_model_dir
+    from guidespec.model_files import resolve_model_dir
 
     cfg = AutoConfig.from_pretrained(resolve_model_dir(None, show_progress=False))
     h, i, layers, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size

@@ -33,7 +33,7 @@ def measure(context: int, repeats: int, quantized: bool = False) -> dict[tuple[i
     import guidespec.worker.model as model_mod
     from guidespec.config import ModelConfig
     from guidespec.worker import kernels
-    from guidespec.worker.checkpoint import load_hf_config, resolve_model_dir
+    from guidespec.model_files import load_hf_config, resolve_model_dir
     from guidespec.worker.tp import TPInfo
 
     kernels._library.cache_clear()

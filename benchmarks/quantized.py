@@ -31,7 +31,7 @@ Clock = Callable[[], float]  # time.perf_counter, or time.process_time (--cpu-ti
 
 def load(quantized: bool, max_len: int) -> Any:
     from guidespec.config import ModelConfig
-    from guidespec.worker.checkpoint import load_hf_config, resolve_model_dir
+    from guidespec.model_files import load_hf_config, resolve_model_dir
     from guidespec.worker.model import LlamaModel
     from guidespec.worker.tp import TPInfo
 
@@ -84,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     clock = time.process_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
-    from guidespec.worker.checkpoint import load_tokenizer, resolve_model_dir
+    from guidespec.model_files import load_tokenizer, resolve_model_dir
 
     tokenizer = load_tokenizer(resolve_model_dir(None, show_progress=False))
     encoded = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)

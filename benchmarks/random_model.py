@@ -86,7 +86,7 @@ def tokenizer_source(tokenizer_from: Path | None) -> Path:
         if not (tokenizer_from / "tokenizer.json").exists() and not (tokenizer_from / "tokenizer.model").exists():
             raise FileNotFoundError(f"{tokenizer_from} has no tokenizer.json / tokenizer.model")
         return tokenizer_from
-    from guidespec.worker.checkpoint import resolve_model_dir
+    from guidespec.model_files import resolve_model_dir
 
     try:
         return resolve_model_dir(None, show_progress=False)

@@ -114,7 +114,7 @@ def main() -> None:
     from guidespec.grammar_backends import create_backend
     from guidespec.protocol import GuidedDecoding
     from guidespec.spec.drafters import ngram_drafter
-    from guidespec.worker.checkpoint import load_tokenizer, resolve_model_dir
+    from guidespec.model_files import load_tokenizer, resolve_model_dir
 
     path = args.outputs or envs.cache_dir() / "bench" / f"jme-greedy-{args.cases}-{args.max_tokens}.json"
     outputs = greedy_outputs(path, args.cases, args.max_tokens)

@@ -154,12 +154,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     distributed_executor: str = "mp"  # "mp": local processes; "ray": every rank a Ray actor (launch/ray_executor.py)
     ray_address: str | None = None  # the Ray cluster to join (None: the one this process is in, or a new local one)
-    hf_config: dict[str, Any] | None = None  # the model's config as data (checkpoint.config_data)
+    hf_config: dict[str, Any] | None = None  # the model's config as data (model_files.config_data)
     device: str = "cpu"  # "cpu" or "cuda" (resolved from "auto": worker/device.py)
     enforce_eager: bool = False  # CUDA: no graphs (worker/graphs.py)
     gpu_memory_utilization: float = 0.9  # CUDA: the share of a GPU's memory a rank may take
     ray_placement: str = "pack"  # Ray: "pack" (STRICT_PACK: one node) or "spread" (STRICT_SPREAD across nodes)
-    # dtype "auto" on the CPU: a GGUF model's linear weights run as the file's own blocks (kernels/gguf_weights.py)
+    # dtype "gguf" (CPU): a GGUF model's linear weights run as the file's own blocks (kernels/gguf_weights.py)
     quantized_weights: bool = False
 
 
@@ -201,7 +201,7 @@ class WorkerConfig:
     device: str = "cpu"  # "cpu" or "cuda:<i>" (worker/device.py: rank_device)
     draft_model: str | None = None  # rank 0 runs this draft model after each step (SpeculativeConfig.draft_model)
     draft_method: str = "draft_model"  # or "eagle": draft_model is then an EAGLE head folder
-    hf_config: dict[str, Any] | None = None  # the model's config as the main process read it (checkpoint.config_data)
+    hf_config: dict[str, Any] | None = None  # the model's config as the main process read it (model_files.config_data)
     enforce_eager: bool = False  # CUDA: no graphs
     gpu_memory_utilization: float = 0.9
     draft_channel: ChannelSpec | None = None  # rank 0's draft/mask exchange with the scheduler (cuda_ext)

@@ -68,6 +68,6 @@ def make_tiny_model(folder: Path, kind: str, vocab_size: int = 300, seed: int = 
 
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
-    from guidespec.worker.checkpoint import resolve_model_dir
+    from guidespec.model_files import resolve_model_dir
 
     return resolve_model_dir(None, show_progress=False)

@@ -279,9 +279,9 @@ def run_sweep(args: Any) -> int:
 
 def _model_limit(model: str | None) -> int:
     """The sweep runs at the model's full length (long prompts are part of the workload)."""
-    from guidespec.worker import checkpoint
+    from guidespec import model_files
 
-    hf_config = checkpoint.load_hf_config(checkpoint.resolve_model_dir(model, show_progress=False))
+    hf_config = model_files.load_hf_config(model_files.resolve_model_dir(model, show_progress=False))
     return int(hf_config.max_position_embeddings)
 
 

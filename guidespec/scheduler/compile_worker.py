@@ -25,7 +25,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from guidespec.grammar_backends import GrammarError, create_backend
     from guidespec.grammar_backends.rewrites import rewrite_schema
-    from guidespec.worker.checkpoint import load_tokenizer
+    from guidespec.model_files import load_tokenizer
 
     from guidespec import envs
 

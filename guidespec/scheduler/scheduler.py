@@ -65,7 +65,7 @@ from guidespec.scheduler.grammar import FillRow, GrammarManager, grammar_setting
 from guidespec.scheduler.output import append_token, finish_output, make_delta
 from guidespec.scheduler.request import Request
 from guidespec.scheduler.trace import StepTrace
-from guidespec.worker.checkpoint import load_tokenizer
+from guidespec.model_files import load_tokenizer
 from guidespec.spec.proposer import Speculator
 
 logger = logging.getLogger(__name__)

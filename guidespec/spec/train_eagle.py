@@ -160,7 +160,7 @@ def target_features(
     prompt of thousands of tokens costs seconds on a 2-core CPU."""
     from tqdm import tqdm
 
-    from guidespec.worker.checkpoint import load_hf_config
+    from guidespec.model_files import load_hf_config
     from guidespec.worker.model import ForwardBatch, LlamaModel
     from guidespec.worker.tp import TPInfo
 
@@ -391,7 +391,8 @@ def train(cfg: TrainConfig, log: Any = print) -> dict[str, Any]:
 
 
 def _train(cfg: TrainConfig, log: Any) -> dict[str, Any]:
-    from guidespec.worker.checkpoint import ShardReader, load_hf_config, load_tokenizer, resolve_model_dir
+    from guidespec.model_files import load_hf_config, load_tokenizer, resolve_model_dir
+    from guidespec.worker.checkpoint import ShardReader
 
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)

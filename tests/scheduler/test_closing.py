@@ -18,7 +18,7 @@ from guidespec.scheduler.closing import (
     count_required,
     schema_examples,
 )
-from guidespec.worker.checkpoint import default_model_path, resolve_model_dir
+from guidespec.model_files import default_model_path, resolve_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch
 from guidespec.config import ModelConfig
 from guidespec.protocol import StepInputs
 from guidespec.spec.draft_model import DraftRunner
-from guidespec.worker.checkpoint import load_hf_config
+from guidespec.model_files import load_hf_config
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.tp import TPInfo
 from tests.conftest import make_tiny_model

@@ -107,7 +107,7 @@ def test_anchored_lookup_copies_a_value_from_where_its_name_is_in_the_prompt(rea
     from guidespec.grammar_backends import create_backend
     from guidespec.protocol import GuidedDecoding
     from guidespec.spec.drafters import ngram_drafter
-    from guidespec.worker.checkpoint import load_tokenizer
+    from guidespec.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(real_model_dir)
     backend = create_backend("xgrammar", tokenizer, 49152, (2,))
@@ -141,7 +141,7 @@ def test_a_value_after_its_key_comes_from_the_keys_next_mention_in_the_prompt(re
     from guidespec.grammar_backends import create_backend
     from guidespec.protocol import GuidedDecoding
     from guidespec.spec.drafters import ngram_drafter
-    from guidespec.worker.checkpoint import load_tokenizer
+    from guidespec.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(real_model_dir)
     backend = create_backend("xgrammar", tokenizer, 49152, (2,))
@@ -202,7 +202,7 @@ def test_a_lists_next_item_is_the_prompts_next_string_closed_the_outputs_way(rea
     from guidespec.grammar_backends import create_backend
     from guidespec.protocol import GuidedDecoding
     from guidespec.spec.drafters import ngram_drafter
-    from guidespec.worker.checkpoint import load_tokenizer
+    from guidespec.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(real_model_dir)
     backend = create_backend("xgrammar", tokenizer, 49152, (2,))
@@ -236,7 +236,7 @@ def test_a_values_end_closes_it_the_jsons_way_and_the_next_key_follows(real_mode
     from guidespec.grammar_backends import create_backend
     from guidespec.protocol import GuidedDecoding
     from guidespec.spec.drafters import ngram_drafter
-    from guidespec.worker.checkpoint import load_tokenizer
+    from guidespec.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(real_model_dir)
     backend = create_backend("xgrammar", tokenizer, 49152, (2,))

@@ -16,7 +16,7 @@ from guidespec.protocol import StepInputs
 from guidespec.spec.draft_model import constrain
 from guidespec.spec.eagle import EagleHead, EagleRunner, default_aux_layers, save_head
 from guidespec.spec.train_eagle import TrainableHead, head_config
-from guidespec.worker.checkpoint import load_hf_config
+from guidespec.model_files import load_hf_config
 from guidespec.worker.kernels import dense
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.tp import TPInfo

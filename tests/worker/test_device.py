@@ -11,7 +11,7 @@ import torch
 
 from guidespec.config import ModelConfig
 from guidespec.launch.ray_executor import placement_bundle, placement_problem, placement_strategy
-from guidespec.worker.checkpoint import load_hf_config
+from guidespec.model_files import load_hf_config
 from guidespec.worker.device import (MemoryPlan, check_fits, memory_plan, rank_device, resolve_device,
                                      resolve_dtype)
 from guidespec.worker.mask import DeviceMasks, apply_bitmask, unpack_bitmask

@@ -24,7 +24,7 @@ from guidespec import LLM, SamplingParams
 from guidespec.config import ModelConfig
 from guidespec.llm import GenerationOutput
 from guidespec.protocol import GuidedDecoding
-from guidespec.worker.checkpoint import load_hf_config
+from guidespec.model_files import load_hf_config
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.tp import TPInfo
 from tests.conftest import make_tiny_model

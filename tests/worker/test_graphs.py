@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from guidespec.config import ModelConfig
-from guidespec.worker.checkpoint import load_hf_config
+from guidespec.model_files import load_hf_config
 from guidespec.worker.graphs import GraphKey, GraphRunner, batch_bucket, key_bucket
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.tp import TPInfo

@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from guidespec.config import ModelConfig
-from guidespec.worker.checkpoint import load_hf_config
+from guidespec.model_files import load_hf_config
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.tp import TPInfo, destroy_distributed, init_distributed
 from tests.conftest import make_tiny_model
@@ -119,7 +119,7 @@ def test_engine_processes_read_the_config_transformers_reads(tmp_path: Path, kin
     ids are those of the config class; a RoPE kind that needs the class gets the class."""
     from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 
-    from guidespec.worker.checkpoint import config_data, eos_token_ids
+    from guidespec.model_files import config_data, eos_token_ids
     from guidespec.worker.model import rotary_tables
 
     monkeypatch.setenv("GUIDESPEC_CACHE_DIR", str(tmp_path / "cache"))
@@ -150,7 +150,7 @@ def test_engine_processes_load_the_tokenizer_transformers_loads(real_model_dir: 
     class, is AutoTokenizer's: same class, settings, chat prompt and ids."""
     from transformers import AutoTokenizer
 
-    from guidespec.worker.checkpoint import load_tokenizer
+    from guidespec.model_files import load_tokenizer
 
     ours, reference = load_tokenizer(real_model_dir), AutoTokenizer.from_pretrained(real_model_dir)
     assert type(ours) is type(reference) and ours.init_kwargs == reference.init_kwargs

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from guidespec.config import ModelConfig
 from guidespec.worker import kernels
-from guidespec.worker.checkpoint import GGUFTensors, ShardReader, gguf_source, load_hf_config
+from guidespec.model_files import load_hf_config
+from guidespec.worker.checkpoint import GGUFTensors, ShardReader, gguf_source
 from guidespec.worker.kernels import gguf_weights
 from guidespec.worker.kernels.gguf_weights import GGUFWeight, from_gguf
 from guidespec.worker.model import LINEAR_WEIGHTS, ForwardBatch, LlamaModel
