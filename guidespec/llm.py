@@ -55,7 +55,7 @@ from guidespec.protocol import (
     validate_prompt,
     validate_request,
 )
-from guidespec.worker import checkpoint
+from guidespec import model_files
 
 logger = logging.getLogger(__name__)
 Message = dict[str, str]
@@ -212,10 +212,13 @@ class LLM:
         # Ray places its ranks itself: only a local launch needs the GPUs here
         local = 0 if distributed_executor == "ray" else tensor_parallel_size
         resolved_device = resolve_device(device, local)
+        gguf_blocks = dtype == "gguf"  # the GGUF file's own quantized blocks, in fp32 arithmetic otherwise
+        if gguf_blocks and resolved_device != "cpu":
+            raise ValueError("dtype 'gguf' (the GGUF file's own quantized blocks) runs on CPU workers only")
         config, self.tokenizer = _create_engine_config(
             model,
             tensor_parallel_size,
-            resolve_dtype(dtype, resolved_device),
+            "float32" if gguf_blocks else resolve_dtype(dtype, resolved_device),
             max_batch_size,
             max_model_len,
             max_num_batched_tokens,
@@ -231,6 +234,7 @@ class LLM:
             )
         self.config = dataclasses.replace(
             config,
+            quantized_weights=gguf_blocks,
             grammar_backend=grammar_backend,
             jump_forward=_jump_forward_mode(jump_forward),
             grammar_compile_timeout_s=grammar_compile_timeout_s,
@@ -619,9 +623,9 @@ def _create_engine_config(
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if tensor_parallel_size < 1 or max_batch_size < 1 or max_num_batched_tokens < 1:
         raise ValueError("tensor_parallel_size, max_batch_size and max_num_batched_tokens must be >= 1")
-    model_dir = checkpoint.resolve_model_dir(model, show_progress)
-    hf_data = checkpoint.config_data(model_dir)
-    hf_config = checkpoint.load_hf_config(model_dir, hf_data)
+    model_dir = model_files.resolve_model_dir(model, show_progress)
+    hf_data = model_files.config_data(model_dir)
+    hf_config = model_files.load_hf_config(model_dir, hf_data)
     model_cfg = ModelConfig.from_hf(hf_config)
     if any(not 0 < r < tensor_parallel_size for r in remote_ranks):
         raise ValueError(f"remote_ranks must be among ranks 1..{tensor_parallel_size - 1}")
@@ -635,8 +639,8 @@ def _create_engine_config(
     length = min(limit, 2048) if max_model_len is None else max_model_len
     if not 1 < length <= limit:
         raise ValueError(f"max_model_len must be in (1, {limit}] for this model, got {length}")
-    tokenizer = checkpoint.load_tokenizer(model_dir)
-    eos = checkpoint.eos_token_ids(model_dir, hf_config, tokenizer)
+    tokenizer = model_files.load_tokenizer(model_dir)
+    eos = model_files.eos_token_ids(model_dir, hf_config, tokenizer)
     return EngineConfig(
         model_dir,
         tensor_parallel_size,
@@ -699,7 +703,7 @@ def _speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None) 
         UserDrafter(value.user_drafter or "")
     draft = value.draft_model
     if value.method == "draft_model" and draft and draft not in ("self", "int8") and not draft.startswith("layers:"):
-        value = dataclasses.replace(value, draft_model=str(checkpoint.resolve_model_dir(draft, show_progress=False)))
+        value = dataclasses.replace(value, draft_model=str(model_files.resolve_model_dir(draft, show_progress=False)))
     if value.method == "eagle" and draft:
         from guidespec.spec.eagle import check_head_dir
 

@@ -372,3 +372,21 @@ def test_astream_yields_the_same_tokens_as_generate(llm: LLM) -> None:
         return [t async for delta in llm.astream(CHATS[2], GREEDY) for t in delta.token_ids]
 
     assert asyncio.run(collect()) == expected
+
+
+def test_the_gguf_files_own_blocks_serve_guided_requests() -> None:
+    """``dtype="gguf"``: the default model's linear weights stay the file's Q4_1 blocks
+    (``worker/kernels/gguf_weights.py``; their arithmetic is tested in ``tests/worker/test_quantized.py``)."""
+    from guidespec.launch.sweep import validate_output
+    from guidespec.protocol import GuidedDecoding
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    params = SamplingParams(max_tokens=60, temperature=0.0, guided=GuidedDecoding(json_schema=schema))
+    with LLM(dtype="gguf", max_batch_size=2, show_progress=False) as llm:
+        assert llm.config.quantized_weights and llm.config.dtype == "float32"
+        out = llm.generate([{"role": "user", "content": "Give a person named Ann aged 31 as JSON."}], params)[0]
+    assert out.finish_reason == "stop" and validate_output(out.text, schema) is None, out.text

@@ -39,8 +39,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto: bfloat16 on CUDA, float32 on the CPU",
+        choices=["auto", "float32", "bfloat16", "float16", "gguf"],
+        help="auto: bfloat16 on CUDA, float32 on the CPU; gguf: a GGUF model's own quantized blocks (CPU)",
     )
     p.add_argument(
         "--device",

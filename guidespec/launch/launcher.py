@@ -142,6 +142,7 @@ class EngineProcesses:
                 device=rank_device(cfg.device, None if self.ray is not None else rank),
                 draft_channel=self.drafts.spec if self.drafts is not None and rank == 0 else None,
                 scheduler_pid=self.processes["scheduler"].pid,
+                quantized_weights=cfg.quantized_weights,
             )
             for rank in range(cfg.tensor_parallel_size)
         ]

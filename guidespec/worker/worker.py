@@ -36,7 +36,7 @@ from guidespec.spec.draft_model import DraftRunner
 from guidespec.spec.eagle import EagleRunner
 from guidespec.spec.verify import verify
 from guidespec.worker import tp as tp_mod
-from guidespec.worker.checkpoint import load_hf_config
+from guidespec.model_files import load_hf_config
 from guidespec.worker.device import check_device_memory
 from guidespec.worker.graphs import MAX_TOKENS_PER_ROW, GraphRunner
 from guidespec.worker.mask import DeviceMasks, only_allowed
@@ -93,7 +93,7 @@ class Worker:
         num_slots = cfg.max_batch_size + (1 if use_graphs else 0)
         check_device_memory(model_cfg, dtype, self.tp.size, num_slots, cfg.max_model_len, max_rows, cfg.device,
                             cfg.gpu_memory_utilization)
-        self.model = LlamaModel(model_cfg, self.tp, dtype, cfg.max_model_len, cfg.device)
+        self.model = LlamaModel(model_cfg, self.tp, dtype, cfg.max_model_len, cfg.device, quantized=cfg.quantized_weights)
         self.model.load(cfg.model_dir, hf_config, show_progress=self.tp.is_driver and cfg.show_progress)
         self.kv = self.model.create_kv_cache(num_slots)
         self.graphs = GraphRunner(self.model, self.kv, cfg.max_batch_size, capture=True) if use_graphs else None
