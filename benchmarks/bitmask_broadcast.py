@@ -31,11 +31,14 @@ from guidespec.ipc.shm_ring import ShmRing  # noqa: E402
 from guidespec.protocol import StepBitmask  # noqa: E402
 
 
-def measure(rows: int, vocab: int, readers: int, iterations: int, use_arena: bool,
-            in_place: bool = False) -> dict[str, np.ndarray]:
+def measure(
+    rows: int, vocab: int, readers: int, iterations: int, use_arena: bool, in_place: bool = False
+) -> dict[str, np.ndarray]:
     words = -(-vocab // 32)
     ring = ShmRing.create(f"guidespec-bench-{uuid.uuid4().hex[:8]}", readers, 16, 1 << 20)
-    arena = MaskArena.create(ArenaSpec(f"guidespec-bench-{uuid.uuid4().hex[:8]}-masks", rows, words)) if use_arena else None
+    arena = (
+        MaskArena.create(ArenaSpec(f"guidespec-bench-{uuid.uuid4().hex[:8]}-masks", rows, words)) if use_arena else None
+    )
     ctx = zmq.Context()
     spec = BroadcastSpec(ring.spec, arena=arena.spec if arena is not None else None)
     writer = StepBroadcaster(spec, ctx)
@@ -80,13 +83,17 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=500)
     args = parser.parse_args()
     size_kb = args.rows * -(-args.vocab // 32) * 4 / 1024
-    print(f"{args.rows} rows x {args.vocab} tokens ({size_kb:.0f} KB) to {args.readers} readers, "
-          f"{args.iterations} steps; microseconds")
+    print(
+        f"{args.rows} rows x {args.vocab} tokens ({size_kb:.0f} KB) to {args.readers} readers, "
+        f"{args.iterations} steps; microseconds"
+    )
     print("| path | write p50 | write p90 | one read p50 | one read p90 | hand-off p50 | hand-off p90 |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, use_arena, in_place in (("ring (whole message)", False, False),
-                                      ("arena, copied in (header on the ring)", True, False),
-                                      ("arena, filled in place (the scheduler's way)", True, True)):
+    for name, use_arena, in_place in (
+        ("ring (whole message)", False, False),
+        ("arena, copied in (header on the ring)", True, False),
+        ("arena, filled in place (the scheduler's way)", True, True),
+    ):
         t = measure(args.rows, args.vocab, args.readers, args.iterations, use_arena, in_place)
         cells = [f"{np.percentile(t[k], q):.1f}" for k in ("write", "read", "hand-off") for q in (50, 90)]
         print(f"| {name} | " + " | ".join(cells) + " |")

@@ -87,8 +87,10 @@ def main() -> None:
     hf = run_hf(chats, args.batch_sizes, args.max_tokens, args.dtype)
     bw = memory_bandwidth_gb_s()
     wbytes = weight_bytes(args.dtype)
-    print(f"\n{machine()}; read bandwidth {bw['read_gb_s']:.1f} GB/s, copy bandwidth {bw['copy_gb_s']:.1f} GB/s; "
-          f"weights read per step {wbytes / 1e6:.0f} MB ({args.dtype})\n")
+    print(
+        f"\n{machine()}; read bandwidth {bw['read_gb_s']:.1f} GB/s, copy bandwidth {bw['copy_gb_s']:.1f} GB/s; "
+        f"weights read per step {wbytes / 1e6:.0f} MB ({args.dtype})\n"
+    )
     print("| batch | guidespec tok/s | HF generate tok/s | ratio | steps/s | weight GB/s | of read bw | of copy bw |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
@@ -96,11 +98,23 @@ def main() -> None:
         steps = ours[b] / b
         gbs = wbytes * steps / 1e9
         rows.append({"batch": b, "guidespec": ours[b], "hf": hf[b], "ratio": ours[b] / hf[b], "weight_gb_s": gbs})
-        print(f"| {b} | {ours[b]:.1f} | {hf[b]:.1f} | {ours[b] / hf[b]:.2f}x | {steps:.1f} | {gbs:.1f} | "
-              f"{gbs / bw['read_gb_s']:.0%} | {gbs / bw['copy_gb_s']:.0%} |")
+        print(
+            f"| {b} | {ours[b]:.1f} | {hf[b]:.1f} | {ours[b] / hf[b]:.2f}x | {steps:.1f} | {gbs:.1f} | "
+            f"{gbs / bw['read_gb_s']:.0%} | {gbs / bw['copy_gb_s']:.0%} |"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "bandwidth": bw, "machine": machine(),
-                                         "max_tokens": args.max_tokens, "dtype": args.dtype}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "rows": rows,
+                    "bandwidth": bw,
+                    "machine": machine(),
+                    "max_tokens": args.max_tokens,
+                    "dtype": args.dtype,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

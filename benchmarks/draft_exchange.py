@@ -58,8 +58,9 @@ def _answer_channel(spec: ChannelSpec, steps: int, ready: mp.Event, acks: Any) -
 _DRAFTS_PER_STEP = 20  # draft steps per step (a StreamExchange holds 32 argument blocks)
 
 
-def _answer_messages(ring_spec: RingSpec, endpoint: str, rows: int, words: int, iterations: int,
-                     ready: mp.Event) -> None:
+def _answer_messages(
+    ring_spec: RingSpec, endpoint: str, rows: int, words: int, iterations: int, ready: mp.Event
+) -> None:
     ring = ShmRing.attach(ring_spec)
     writer = ring.writer()
     ctx = zmq.Context()
@@ -116,8 +117,9 @@ def run(rows: int, vocab: int, iterations: int) -> dict[str, tuple[float, float]
     reader = ring.reader(0)
     endpoint = new_ipc_endpoint("bench")
     ready = spawn.Event()
-    peer = spawn.Process(target=_answer_messages, args=(ring.spec, endpoint, rows, words, iterations, ready),
-                         daemon=True)
+    peer = spawn.Process(
+        target=_answer_messages, args=(ring.spec, endpoint, rows, words, iterations, ready), daemon=True
+    )
     peer.start()
     ready.wait(60)
     ctx = zmq.Context()

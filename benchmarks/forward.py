@@ -46,6 +46,7 @@ def measure(context: int, repeats: int, quantized: bool = False) -> dict[tuple[i
                 return fn(*args, **kwargs)
             finally:
                 spent[name] += time.perf_counter() - start
+
         return wrapper
 
     linear, attend = model_mod.linear, model_mod.LlamaModel._attend_group
@@ -54,8 +55,9 @@ def measure(context: int, repeats: int, quantized: bool = False) -> dict[tuple[i
     try:
         model_dir = resolve_model_dir(None, show_progress=False)
         hf = load_hf_config(model_dir)
-        model = model_mod.LlamaModel(ModelConfig.from_hf(hf), TPInfo(), torch.float32, context + 64,
-                                       quantized=quantized)
+        model = model_mod.LlamaModel(
+            ModelConfig.from_hf(hf), TPInfo(), torch.float32, context + 64, quantized=quantized
+        )
         model.load(model_dir, hf, show_progress=False)
         kv = model.create_kv_cache(16)
         for slot in range(16):
@@ -63,8 +65,9 @@ def measure(context: int, repeats: int, quantized: bool = False) -> dict[tuple[i
         results = {}
         for rows, n in SHAPES:
             spent.clear()
-            batch = model_mod.ForwardBatch.create(np.arange(rows * n) % 1000, list(range(rows)), [context] * rows,
-                                                  [n] * rows, [n] * rows)
+            batch = model_mod.ForwardBatch.create(
+                np.arange(rows * n) % 1000, list(range(rows)), [context] * rows, [n] * rows, [n] * rows
+            )
             model.compute_logits(model.forward(batch, kv))  # warm
             spent.clear()
             start = time.perf_counter()
@@ -94,9 +97,11 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|")
     for key in SHAPES:
         a, b = on[key], off[key]
-        print(f"| {key[0]} × {key[1]} | {a['total']:.1f} ({a['linear']:.1f} / {a['attention']:.1f}) | "
-              f"{b['total']:.1f} ({b['linear']:.1f} / {b['attention']:.1f}) | {b['total'] / a['total']:.2f}x | "
-              f"{a['total'] / on[(1, 1)]['total']:.2f} | {b['total'] / off[(1, 1)]['total']:.2f} |")
+        print(
+            f"| {key[0]} × {key[1]} | {a['total']:.1f} ({a['linear']:.1f} / {a['attention']:.1f}) | "
+            f"{b['total']:.1f} ({b['linear']:.1f} / {b['attention']:.1f}) | {b['total'] / a['total']:.2f}x | "
+            f"{a['total'] / on[(1, 1)]['total']:.2f} | {b['total'] / off[(1, 1)]['total']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The GPU benchmark (issue 22, item 7): decode speed, guidance, speculation, CUDA graphs, bitmasks.
 
     python -m benchmarks.gpu --device cuda --preset smollm2-135m --batch-sizes 1 16 64 --max-tokens 128 --output out/gpu
-    python -m benchmarks.gpu --device cpu --quick --output /tmp/gpu-smoke     # smoke run: batch 1 and 2, 16 tokens, 4 layers
+    python -m benchmarks.gpu --device cpu --quick --output /tmp/gpu-smoke   # smoke: batch 1, 2; 16 tokens; 4 layers
 
 Without ``--model``, a Llama folder with random weights is built for ``--preset`` (SmolLM2-135M's
 or SmolLM2-1.7B's config, ``benchmarks/random_model.py``) and cached in ``--work-dir``, so a bare
@@ -50,26 +50,71 @@ from benchmarks.random_model import PRESETS, build_random_model, default_folder 
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMAS: list[tuple[str, dict[str, Any]]] = [
-    ("person", {"type": "object", "properties": {
-        "name": {"type": "string"}, "age": {"type": "integer"}, "email": {"type": "string"},
-        "languages": {"type": "array", "items": {"type": "string"}}},
-        "required": ["name", "age", "email", "languages"]}),
-    ("order", {"type": "object", "properties": {
-        "order_id": {"type": "integer"},
-        "items": {"type": "array", "items": {"type": "object", "properties": {
-            "sku": {"type": "string"}, "quantity": {"type": "integer"}, "price": {"type": "number"}},
-            "required": ["sku", "quantity", "price"]}},
-        "paid": {"type": "boolean"}},
-        "required": ["order_id", "items", "paid"]}),
-    ("event", {"type": "object", "properties": {
-        "title": {"type": "string"}, "city": {"type": "string"},
-        "status": {"enum": ["planned", "confirmed", "cancelled"]},
-        "attendees": {"type": "array", "items": {"type": "object", "properties": {
-            "name": {"type": "string"}, "role": {"type": "string"}}, "required": ["name", "role"]}}},
-        "required": ["title", "city", "status", "attendees"]}),
+    (
+        "person",
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "age": {"type": "integer"},
+                "email": {"type": "string"},
+                "languages": {"type": "array", "items": {"type": "string"}},
+            },
+            "required": ["name", "age", "email", "languages"],
+        },
+    ),
+    (
+        "order",
+        {
+            "type": "object",
+            "properties": {
+                "order_id": {"type": "integer"},
+                "items": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "sku": {"type": "string"},
+                            "quantity": {"type": "integer"},
+                            "price": {"type": "number"},
+                        },
+                        "required": ["sku", "quantity", "price"],
+                    },
+                },
+                "paid": {"type": "boolean"},
+            },
+            "required": ["order_id", "items", "paid"],
+        },
+    ),
+    (
+        "event",
+        {
+            "type": "object",
+            "properties": {
+                "title": {"type": "string"},
+                "city": {"type": "string"},
+                "status": {"enum": ["planned", "confirmed", "cancelled"]},
+                "attendees": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {"name": {"type": "string"}, "role": {"type": "string"}},
+                        "required": ["name", "role"],
+                    },
+                },
+            },
+            "required": ["title", "city", "status", "attendees"],
+        },
+    ),
 ]
-SUBJECTS = ["a software engineer in Lisbon", "a bakery order for a wedding", "a jazz concert in Osaka",
-            "a retired teacher who learned Python", "three books bought online", "a team offsite in Oslo"]
+SUBJECTS = [
+    "a software engineer in Lisbon",
+    "a bakery order for a wedding",
+    "a jazz concert in Osaka",
+    "a retired teacher who learned Python",
+    "three books bought online",
+    "a team offsite in Oslo",
+]
 
 
 # ---------------------------------------------------------------- workload
@@ -95,8 +140,10 @@ def requests(cases: list[dict[str, Any]], n: int) -> list[tuple[Any, Any]]:
         if "messages" in case:
             out.append((case["messages"], case["schema"]))
             continue
-        text = (f"Request {i}: describe {SUBJECTS[i % len(SUBJECTS)]} as one JSON object matching this schema:\n"
-                f"{json.dumps(case['schema'])}")
+        text = (
+            f"Request {i}: describe {SUBJECTS[i % len(SUBJECTS)]} as one JSON object matching this schema:\n"
+            f"{json.dumps(case['schema'])}"
+        )
         out.append(([{"role": "user", "content": text}], case["schema"]))
     return out
 
@@ -121,9 +168,15 @@ class Setup:
     not_passed: list[str] = field(default_factory=list)  # flags this LLM does not take
 
     def kwargs(self, enforce_eager: bool | None = None, speculative: bool = False) -> dict[str, Any]:
-        kw: dict[str, Any] = dict(model=str(self.model_dir), dtype=self.dtype, max_batch_size=self.max_batch_size,
-                                  show_progress=False, grammar_backend=self.grammar_backend,
-                                  enable_prefix_caching=False, jump_forward=self.jump_forward)
+        kw: dict[str, Any] = dict(
+            model=str(self.model_dir),
+            dtype=self.dtype,
+            max_batch_size=self.max_batch_size,
+            show_progress=False,
+            grammar_backend=self.grammar_backend,
+            enable_prefix_caching=False,
+            jump_forward=self.jump_forward,
+        )
         if self.max_model_len is not None:
             kw["max_model_len"] = self.max_model_len
         if self.max_num_batched_tokens is not None:
@@ -196,13 +249,21 @@ def summary(outs: list[Any], wall: float) -> dict[str, Any]:
     accepted = sum(o.stats.num_accepted_tokens for o in done)
     spec_steps = sum(o.stats.num_spec_steps for o in done)
     chars = sum(len(o.text) for o in done)
-    return {"tokens": tokens, "steps": sum(o.stats.num_steps for o in done), "wall_s": wall, "tok_s": tokens / wall if wall > 0 else 0.0,
-            "chars": chars, "chars_s": chars / wall if wall > 0 else 0.0,
-            "median_request_decode_tok_s": statistics.median(per_request) if per_request else 0.0,
-            "failed": len(outs) - len(done), "draft_tokens": drafts, "accepted_tokens": accepted,
-            "acceptance": accepted / drafts if drafts else None,
-            "tokens_per_spec_step": 1 + accepted / spec_steps if spec_steps else None,
-            "sample": done[0].text[:200] if done else None}
+    return {
+        "tokens": tokens,
+        "steps": sum(o.stats.num_steps for o in done),
+        "wall_s": wall,
+        "tok_s": tokens / wall if wall > 0 else 0.0,
+        "chars": chars,
+        "chars_s": chars / wall if wall > 0 else 0.0,
+        "median_request_decode_tok_s": statistics.median(per_request) if per_request else 0.0,
+        "failed": len(outs) - len(done),
+        "draft_tokens": drafts,
+        "accepted_tokens": accepted,
+        "acceptance": accepted / drafts if drafts else None,
+        "tokens_per_spec_step": 1 + accepted / spec_steps if spec_steps else None,
+        "sample": done[0].text[:200] if done else None,
+    }
 
 
 def measure(run: Callable[[], tuple[list[Any], float]], repeats: int) -> tuple[dict[str, Any], list[Any]]:
@@ -239,12 +300,20 @@ def guided_params(schemas: list[Any], max_tokens: int) -> list[Any]:
     from guidespec import SamplingParams
     from guidespec.protocol import GuidedDecoding
 
-    return [SamplingParams(max_tokens=max_tokens, temperature=0.0, guided=GuidedDecoding(json_schema=s))
-            for s in schemas]
+    return [
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, guided=GuidedDecoding(json_schema=s)) for s in schemas
+    ]
 
 
-def bench_default(setup: Setup, cases: list[dict[str, Any]], batch_sizes: list[int], max_tokens: int,
-                  rows: dict[int, dict[str, Any]], skip: set[str], engines: dict[str, float]) -> None:
+def bench_default(
+    setup: Setup,
+    cases: list[dict[str, Any]],
+    batch_sizes: list[int],
+    max_tokens: int,
+    rows: dict[int, dict[str, Any]],
+    skip: set[str],
+    engines: dict[str, float],
+) -> None:
     """Decode (unguided, fixed length), guided, and unguided held to the guided lengths."""
     from guidespec import SamplingParams
 
@@ -263,22 +332,33 @@ def bench_default(setup: Setup, cases: list[dict[str, Any]], batch_sizes: list[i
             if "guided" in skip:
                 continue
             run_each(llm, prompts, guided_params(schemas, warm))  # compiles the grammars, warms up
-            row["guided"], outs = measure(lambda: run_each(llm, prompts, guided_params(schemas, max_tokens)),
-                                          setup.repeats)
+            row["guided"], outs = measure(
+                lambda: run_each(llm, prompts, guided_params(schemas, max_tokens)), setup.repeats
+            )
             row["guided"]["valid_json"] = sum(o is not None and valid_json(o.text, s) for o, s in zip(outs, schemas))
             row["_guided_outs"] = outs
             lengths = [len(o.token_ids) if o is not None else 0 for o in outs]
             kept = [i for i, n in enumerate(lengths) if n > 0]
             twins = [SamplingParams(max_tokens=lengths[i], temperature=0.0, ignore_eos=True) for i in kept]
-            row["unguided_same_lengths"], _ = measure(lambda: run_each(llm, [prompts[i] for i in kept], twins),
-                                                      setup.repeats)
-            print(f"[default] batch {b}: guided {row['guided']['tok_s']:.1f} tok/s, unguided at the same lengths "
-                  f"{row['unguided_same_lengths']['tok_s']:.1f} tok/s ({row['guided']['tokens']} tokens, "
-                  f"{row['guided']['valid_json']}/{b} valid)", flush=True)
+            row["unguided_same_lengths"], _ = measure(
+                lambda: run_each(llm, [prompts[i] for i in kept], twins), setup.repeats
+            )
+            print(
+                f"[default] batch {b}: guided {row['guided']['tok_s']:.1f} tok/s, unguided at the same lengths "
+                f"{row['unguided_same_lengths']['tok_s']:.1f} tok/s ({row['guided']['tokens']} tokens, "
+                f"{row['guided']['valid_json']}/{b} valid)",
+                flush=True,
+            )
 
 
-def bench_eager(setup: Setup, cases: list[dict[str, Any]], batch_sizes: list[int], max_tokens: int,
-                rows: dict[int, dict[str, Any]], engines: dict[str, float]) -> bool:
+def bench_eager(
+    setup: Setup,
+    cases: list[dict[str, Any]],
+    batch_sizes: list[int],
+    max_tokens: int,
+    rows: dict[int, dict[str, Any]],
+    engines: dict[str, float],
+) -> bool:
     """Decode with ``enforce_eager=True``; False where this LLM has no such flag."""
     from guidespec import SamplingParams
 
@@ -296,13 +376,20 @@ def bench_eager(setup: Setup, cases: list[dict[str, Any]], batch_sizes: list[int
             reference = rows[b].get("_decode_ids")
             if reference is not None:
                 rows[b]["decode_eager"]["same_tokens_as_graphs"] = sum(
-                    list(o.token_ids) == ids for o, ids in zip(outs, reference))
+                    list(o.token_ids) == ids for o, ids in zip(outs, reference)
+                )
             print(f"[eager] batch {b}: decode {rows[b]['decode_eager']['tok_s']:.1f} tok/s", flush=True)
     return True
 
 
-def bench_speculative(setup: Setup, cases: list[dict[str, Any]], batch_sizes: list[int], max_tokens: int,
-                      rows: dict[int, dict[str, Any]], engines: dict[str, float]) -> None:
+def bench_speculative(
+    setup: Setup,
+    cases: list[dict[str, Any]],
+    batch_sizes: list[int],
+    max_tokens: int,
+    rows: dict[int, dict[str, Any]],
+    engines: dict[str, float],
+) -> None:
     """The guided requests again, on an engine with n-gram speculation."""
     llm, engines["ngram"] = start_engine(setup, "guided+ngram", enforce_eager=False, speculative=True)
     with llm:
@@ -311,23 +398,29 @@ def bench_speculative(setup: Setup, cases: list[dict[str, Any]], batch_sizes: li
             prompts, schemas = [p for p, _ in pairs], [s for _, s in pairs]
             run_each(llm, prompts, guided_params(schemas, min(16, max_tokens)))  # compiles, warms up
             row = rows[b]
-            row["guided_spec"], outs = measure(lambda: run_each(llm, prompts, guided_params(schemas, max_tokens)),
-                                               setup.repeats)
-            row["guided_spec"]["valid_json"] = sum(o is not None and valid_json(o.text, s)
-                                                   for o, s in zip(outs, schemas))
+            row["guided_spec"], outs = measure(
+                lambda: run_each(llm, prompts, guided_params(schemas, max_tokens)), setup.repeats
+            )
+            row["guided_spec"]["valid_json"] = sum(
+                o is not None and valid_json(o.text, s) for o, s in zip(outs, schemas)
+            )
             reference = row.get("_guided_outs")
             if reference is not None:  # by text: forced-token drafts may split the same text into other tokens
                 row["guided_spec"]["same_text_as_guided"] = sum(same_text(o, r) for o, r in zip(outs, reference))
             acc = row["guided_spec"]["acceptance"]
-            print(f"[guided+ngram] batch {b}: {row['guided_spec']['tok_s']:.1f} tok/s, acceptance "
-                  f"{'-' if acc is None else f'{acc:.0%}'}", flush=True)
+            print(
+                f"[guided+ngram] batch {b}: {row['guided_spec']['tok_s']:.1f} tok/s, acceptance "
+                f"{'-' if acc is None else f'{acc:.0%}'}",
+                flush=True,
+            )
 
 
 # ---------------------------------------------------------------- bitmask
 
 
-def bench_bitmask(device: str, batch_sizes: list[int], draft_len: int, vocabs: list[int],
-                  iters: int) -> list[dict[str, Any]]:
+def bench_bitmask(
+    device: str, batch_sizes: list[int], draft_len: int, vocabs: list[int], iters: int
+) -> list[dict[str, Any]]:
     """p50 µs per step: copy R rows host-to-device, apply them on the device, and both."""
     from guidespec.worker.mask import DeviceMasks, apply_on_device
 
@@ -369,9 +462,16 @@ def bench_bitmask(device: str, batch_sizes: list[int], draft_len: int, vocabs: l
                 rows = np.arange(r, dtype=np.int64)
                 bitmask = arena[:r]
                 logits = torch.randn(r, vocab, dtype=torch.float32, device=device)
-                entry: dict[str, Any] = {"vocab": vocab, "batch": b, "rows": r, "bytes": int(bitmask.nbytes),
-                                         "pinned": masks.is_pinned(bitmask) if cuda else None, "kernel": kernel}
+                entry: dict[str, Any] = {
+                    "vocab": vocab,
+                    "batch": b,
+                    "rows": r,
+                    "bytes": int(bitmask.nbytes),
+                    "pinned": masks.is_pinned(bitmask) if cuda else None,
+                    "kernel": kernel,
+                }
                 if cuda:
+
                     def copy() -> None:
                         masks.upload(bitmask)
                         masks.wait()
@@ -386,8 +486,11 @@ def bench_bitmask(device: str, batch_sizes: list[int], draft_len: int, vocabs: l
                     entry["apply_us"] = entry["copy_apply_us"] = p50_us(lambda: masks.apply(logits, rows, bitmask))
                 results.append(entry)
                 copy_us = "-" if entry["copy_us"] is None else f"{entry['copy_us']:.1f}"
-                print(f"[bitmask] vocab {vocab} batch {b} ({r} rows): copy {copy_us} µs, apply "
-                      f"{entry['apply_us']:.1f} µs, both {entry['copy_apply_us']:.1f} µs", flush=True)
+                print(
+                    f"[bitmask] vocab {vocab} batch {b} ({r} rows): copy {copy_us} µs, apply "
+                    f"{entry['apply_us']:.1f} µs, both {entry['copy_apply_us']:.1f} µs",
+                    flush=True,
+                )
         finally:
             masks.close()
     return results
@@ -398,17 +501,20 @@ def bench_bitmask(device: str, batch_sizes: list[int], draft_len: int, vocabs: l
 
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
-        return (f"{torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}, "
-                f"CUDA {torch.version.cuda}")
+        return (
+            f"{torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+        )
     return machine()
 
 
 def commit() -> str:
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
         return head + (" (with uncommitted changes)" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -427,7 +533,8 @@ def fmt(value: float | None, spec: str = ".1f", suffix: str = "") -> str:
 def markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
     lines = [
-        "# guidespec GPU benchmark", "",
+        "# guidespec GPU benchmark",
+        "",
         f"- device: {meta['device_name']} (`--device {meta['device']}`)",
         f"- date: {meta['date']}; commit {meta['commit']}",
         f"- model: {meta['model']}; {meta['dtype']}",
@@ -439,30 +546,45 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     if meta["not_passed"]:
         lines.append(f"- not passed (this LLM does not take them): {', '.join(meta['not_passed'])}")
-    lines += ["", "| batch | decode tok/s | eager tok/s | graphs ÷ eager | guided tok/s | unguided, same lengths, "
-              "tok/s | guided ÷ unguided | guided + ngram tok/s | guided+spec ÷ guided (chars/s) | drafts accepted | "
-              "valid JSON (guided / +spec) |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines += [
+        "",
+        "| batch | decode tok/s | eager tok/s | graphs ÷ eager | guided tok/s | unguided, same lengths, "
+        "tok/s | guided ÷ unguided | guided + ngram tok/s | guided+spec ÷ guided (chars/s) | drafts accepted | "
+        "valid JSON (guided / +spec) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for row in report["rows"]:
+
         def tok_s(key: str) -> str:
             return fmt(row[key]["tok_s"]) if key in row else "–"
 
         spec = row.get("guided_spec", {})
-        valid = (f"{row['guided']['valid_json']}/{row['batch']}" if "guided" in row else "–") + " / " + \
-                (f"{spec['valid_json']}/{row['batch']}" if spec else "–")
-        lines.append(f"| {row['batch']} | {tok_s('decode')} | {tok_s('decode_eager')} | "
-                     f"{fmt(row['ratios']['graphs_over_eager'], '.2f', 'x')} | {tok_s('guided')} | "
-                     f"{tok_s('unguided_same_lengths')} | {fmt(row['ratios']['guided_over_unguided'], '.3f')} | "
-                     f"{tok_s('guided_spec')} | {fmt(row['ratios']['guided_spec_over_guided'], '.2f', 'x')} | "
-                     f"{fmt(spec.get('acceptance'), '.0%')} | {valid} |")
+        valid = (
+            (f"{row['guided']['valid_json']}/{row['batch']}" if "guided" in row else "–")
+            + " / "
+            + (f"{spec['valid_json']}/{row['batch']}" if spec else "–")
+        )
+        lines.append(
+            f"| {row['batch']} | {tok_s('decode')} | {tok_s('decode_eager')} | "
+            f"{fmt(row['ratios']['graphs_over_eager'], '.2f', 'x')} | {tok_s('guided')} | "
+            f"{tok_s('unguided_same_lengths')} | {fmt(row['ratios']['guided_over_unguided'], '.3f')} | "
+            f"{tok_s('guided_spec')} | {fmt(row['ratios']['guided_spec_over_guided'], '.2f', 'x')} | "
+            f"{fmt(spec.get('acceptance'), '.0%')} | {valid} |"
+        )
     if report["bitmask"]:
-        lines += ["", "Bitmask per step (p50 µs): R = batch x (1 + draft length) rows, fp32 logits [R, vocab]; "
-                  "copy = host-to-device from the page-locked arena, apply = on rows already on the device.", "",
-                  "| vocab | batch | rows | mask bytes | copy µs | apply µs | copy + apply µs | kernel |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---|"]
+        lines += [
+            "",
+            "Bitmask per step (p50 µs): R = batch x (1 + draft length) rows, fp32 logits [R, vocab]; "
+            "copy = host-to-device from the page-locked arena, apply = on rows already on the device.",
+            "",
+            "| vocab | batch | rows | mask bytes | copy µs | apply µs | copy + apply µs | kernel |",
+            "|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
         for m in report["bitmask"]:
-            lines.append(f"| {m['vocab']} | {m['batch']} | {m['rows']} | {m['bytes']:,} | {fmt(m['copy_us'])} | "
-                         f"{fmt(m['apply_us'])} | {fmt(m['copy_apply_us'])} | {m['kernel']} |")
+            lines.append(
+                f"| {m['vocab']} | {m['batch']} | {m['rows']} | {m['bytes']:,} | {fmt(m['copy_us'])} | "
+                f"{fmt(m['apply_us'])} | {fmt(m['copy_apply_us'])} | {m['kernel']} |"
+            )
     lines += ["", *(f"{note}" for note in report["notes"]), ""]
     return "\n".join(lines)
 
@@ -470,25 +592,33 @@ def markdown(report: dict[str, Any]) -> str:
 def notes(meta: dict[str, Any]) -> list[str]:
     out = []
     if meta["random_weights"]:
-        out.append("Random weights: decode tok/s, graphs ÷ eager and the bitmask times depend only on shapes and "
-                   "hold for the real model, as does guided ÷ unguided up to the share of grammar-forced tokens "
-                   "(see jump-forward below); the drafts' acceptance and guided + spec ÷ guided depend on what the "
-                   "model predicts and need real weights (`--model DIR`). Guided outputs are grammar-constrained "
-                   "(valid JSON unless cut at max_tokens) whatever the weights.")
+        out.append(
+            "Random weights: decode tok/s, graphs ÷ eager and the bitmask times depend only on shapes and "
+            "hold for the real model, as does guided ÷ unguided up to the share of grammar-forced tokens "
+            "(see jump-forward below); the drafts' acceptance and guided + spec ÷ guided depend on what the "
+            "model predicts and need real weights (`--model DIR`). Guided outputs are grammar-constrained "
+            "(valid JSON unless cut at max_tokens) whatever the weights."
+        )
     else:
         out.append("Real weights: every figure holds for this model.")
     if meta["jump_forward"]:
-        out.append("Jump-forward is on (the engine's default): grammar-forced tokens of a guided request can skip "
-                   "steps, so guided ÷ unguided may exceed 1 and moves with the share of forced tokens in the output "
-                   "(which the weights partly decide); `--no-jump-forward` measures guidance's cost per step alone "
-                   "(gpu.json's `steps` counts the steps each run took).")
+        out.append(
+            "Jump-forward is on (the engine's default): grammar-forced tokens of a guided request can skip "
+            "steps, so guided ÷ unguided may exceed 1 and moves with the share of forced tokens in the output "
+            "(which the weights partly decide); `--no-jump-forward` measures guidance's cost per step alone "
+            "(gpu.json's `steps` counts the steps each run took)."
+        )
     if meta["device"] == "cpu":
-        out.append("CPU: there are no CUDA graphs, so graphs ÷ eager is ~1 by construction, and nothing is copied "
-                   "for the bitmask (the arena's rows are used in place).")
-    out.append("tok/s are output tokens over the wall time of the whole batch (prefill included); gpu.json also "
-               "holds each run's median per-request decode tok/s (after the first token). guided+spec ÷ guided "
-               "compares output characters per second: a grammar-forced draft can spell the same text in other, "
-               "smaller tokens than the plain run picks, so tokens/s would flatter speculation.")
+        out.append(
+            "CPU: there are no CUDA graphs, so graphs ÷ eager is ~1 by construction, and nothing is copied "
+            "for the bitmask (the arena's rows are used in place)."
+        )
+    out.append(
+        "tok/s are output tokens over the wall time of the whole batch (prefill included); gpu.json also "
+        "holds each run's median per-request decode tok/s (after the first token). guided+spec ÷ guided "
+        "compares output characters per second: a grammar-forced draft can spell the same text in other, "
+        "smaller tokens than the plain run picks, so tokens/s would flatter speculation."
+    )
     return out
 
 
@@ -500,29 +630,51 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help="a Hugging Face folder (real weights)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: smollm2-135m")
     parser.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
-    parser.add_argument("--work-dir", type=Path, default=None, help="where the random model is built and "
-                        "kept (default: out/gpu-model-<preset>)")
-    parser.add_argument("--tokenizer-from", type=Path, default=None,
-                        help="a folder to copy the tokenizer from (default: the default model's)")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="where the random model is built and kept (default: out/gpu-model-<preset>)",
+    )
+    parser.add_argument(
+        "--tokenizer-from",
+        type=Path,
+        default=None,
+        help="a folder to copy the tokenizer from (default: the default model's)",
+    )
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                        help="auto: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="auto: bfloat16 on cuda, float32 on cpu",
+    )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default: 1 16 64")
     parser.add_argument("--max-tokens", type=int, default=None, help="default: 128")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--grammar-backend", default="xgrammar")
-    parser.add_argument("--draft-len", type=int, default=3, help="n-gram max draft length; bitmask rows per request - 1")
-    parser.add_argument("--workload", type=Path, default=None, help="a workload.jsonl (id, messages, schema) "
-                        "instead of the embedded schemas")
+    parser.add_argument(
+        "--draft-len", type=int, default=3, help="n-gram max draft length; bitmask rows per request - 1"
+    )
+    parser.add_argument(
+        "--workload",
+        type=Path,
+        default=None,
+        help="a workload.jsonl (id, messages, schema) instead of the embedded schemas",
+    )
     parser.add_argument("--workload-prefix", default="JME_")
     parser.add_argument("--mask-vocabs", type=int, nargs="+", default=[49152, 128256])
     parser.add_argument("--mask-iters", type=int, default=None, help="default: 200 (quick: 20)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per figure, the median kept "
-                        "(default: 3; quick: 1)")
-    parser.add_argument("--no-jump-forward", action="store_true", help="guided requests take a step per token "
-                        "(isolates the mask's cost from the steps that jump-forward saves)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed runs per figure, the median kept (default: 3; quick: 1)"
+    )
+    parser.add_argument(
+        "--no-jump-forward",
+        action="store_true",
+        help="guided requests take a step per token (isolates the mask's cost from the steps that jump-forward saves)",
+    )
     parser.add_argument("--skip", nargs="+", default=[], choices=["eager", "guided", "spec", "mask"])
     parser.add_argument("--quick", action="store_true", help="smoke run: batch 1 and 2, 16 tokens, 4 layers")
     parser.add_argument("--output", type=Path, default=Path("out/gpu"))
@@ -546,21 +698,35 @@ def main() -> None:
     if args.model is not None:
         model_dir, model_label, random_weights = args.model, str(args.model), False
     else:
-        model_dir = build_random_model(preset, args.work_dir or default_folder(preset, num_layers),
-                                       args.tokenizer_from, num_layers)
+        model_dir = build_random_model(
+            preset, args.work_dir or default_folder(preset, num_layers), args.tokenizer_from, num_layers
+        )
         layers = PRESETS[preset]["num_hidden_layers"] if num_layers is None else num_layers
         model_label, random_weights = f"random weights, {preset} config ({layers} layers)", True
     if args.workload is not None:
-        cases, prompts_label = workload_cases(args.workload, args.workload_prefix), f"{args.workload} ({args.workload_prefix}*)"
+        cases, prompts_label = (
+            workload_cases(args.workload, args.workload_prefix),
+            f"{args.workload} ({args.workload_prefix}*)",
+        )
     else:
         cases, prompts_label = embedded_cases(), f"{len(SCHEMAS)} embedded schemas ({', '.join(n for n, _ in SCHEMAS)})"
 
     from guidespec import LLM
 
-    setup = Setup(model_dir, device, dtype, max(batch_sizes), max_model_len, args.max_num_batched_tokens,
-                  args.grammar_backend, args.gpu_memory_utilization, args.draft_len, repeats,
-                  not args.no_jump_forward,
-                  accepted=set(inspect.signature(LLM.__init__).parameters))
+    setup = Setup(
+        model_dir,
+        device,
+        dtype,
+        max(batch_sizes),
+        max_model_len,
+        args.max_num_batched_tokens,
+        args.grammar_backend,
+        args.gpu_memory_utilization,
+        args.draft_len,
+        repeats,
+        not args.no_jump_forward,
+        accepted=set(inspect.signature(LLM.__init__).parameters),
+    )
     rows: dict[int, dict[str, Any]] = {b: {"batch": b} for b in batch_sizes}
     engines: dict[str, float] = {}
     bench_default(setup, cases, batch_sizes, max_tokens, rows, skip, engines)
@@ -568,24 +734,37 @@ def main() -> None:
         bench_eager(setup, cases, batch_sizes, max_tokens, rows, engines)
     if "spec" not in skip:
         bench_speculative(setup, cases, batch_sizes, max_tokens, rows, engines)
-    bitmask = [] if "mask" in skip else bench_bitmask(device, batch_sizes, args.draft_len, args.mask_vocabs,
-                                                      mask_iters)
+    bitmask = [] if "mask" in skip else bench_bitmask(device, batch_sizes, args.draft_len, args.mask_vocabs, mask_iters)
 
     for row in rows.values():
         for key in [k for k in row if k.startswith("_")]:
             del row[key]
-        row["ratios"] = {"guided_over_unguided": ratio(row, "guided", "unguided_same_lengths"),
-                         # by output text per second: forced-token drafts may split the same text into more tokens
-                         "guided_spec_over_guided": ratio(row, "guided_spec", "guided", "chars_s"),
-                         "guided_spec_over_guided_tok_s": ratio(row, "guided_spec", "guided"),
-                         "graphs_over_eager": ratio(row, "decode", "decode_eager")}
-    meta = {"device": device, "device_name": device_name(device), "dtype": dtype,
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "commit": commit(),
-            "model": model_label, "model_dir": str(model_dir), "random_weights": random_weights,
-            "max_tokens": max_tokens, "repeats": repeats, "jump_forward": not args.no_jump_forward,
-            "grammar_backend": args.grammar_backend, "draft_len": args.draft_len,
-            "prompts": prompts_label, "engine_start_s": engines, "not_passed": setup.not_passed,
-            "batch_sizes": batch_sizes}
+        row["ratios"] = {
+            "guided_over_unguided": ratio(row, "guided", "unguided_same_lengths"),
+            # by output text per second: forced-token drafts may split the same text into more tokens
+            "guided_spec_over_guided": ratio(row, "guided_spec", "guided", "chars_s"),
+            "guided_spec_over_guided_tok_s": ratio(row, "guided_spec", "guided"),
+            "graphs_over_eager": ratio(row, "decode", "decode_eager"),
+        }
+    meta = {
+        "device": device,
+        "device_name": device_name(device),
+        "dtype": dtype,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "commit": commit(),
+        "model": model_label,
+        "model_dir": str(model_dir),
+        "random_weights": random_weights,
+        "max_tokens": max_tokens,
+        "repeats": repeats,
+        "jump_forward": not args.no_jump_forward,
+        "grammar_backend": args.grammar_backend,
+        "draft_len": args.draft_len,
+        "prompts": prompts_label,
+        "engine_start_s": engines,
+        "not_passed": setup.not_passed,
+        "batch_sizes": batch_sizes,
+    }
     report = {"meta": meta, "rows": list(rows.values()), "bitmask": bitmask, "notes": notes(meta)}
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "gpu.json").write_text(json.dumps(report, indent=2))

@@ -36,16 +36,20 @@ def load_cases(n: int) -> list[dict]:
     return load_workload(default_workload(), "JME_", n)
 
 
-def run(backend: str, guided: bool, cases: list[dict], concurrency: int, lengths: list[int],
-        trace: Path) -> tuple[dict[str, float], list[int]]:
+def run(
+    backend: str, guided: bool, cases: list[dict], concurrency: int, lengths: list[int], trace: Path
+) -> tuple[dict[str, float], list[int]]:
     """Serve every case; guided with ``lengths`` as max_tokens, or unguided held to exactly ``lengths``."""
     from guidespec import LLM, RequestError, SamplingParams
     from guidespec.protocol import GuidedDecoding
 
     def params(i: int) -> SamplingParams:
         if guided:
-            return SamplingParams(max_tokens=lengths[i], temperature=0.0,
-                                  guided=GuidedDecoding(json_schema=cases[i]["schema"], backend=backend))
+            return SamplingParams(
+                max_tokens=lengths[i],
+                temperature=0.0,
+                guided=GuidedDecoding(json_schema=cases[i]["schema"], backend=backend),
+            )
         return SamplingParams(max_tokens=max(1, lengths[i]), temperature=0.0, ignore_eos=True)
 
     os.environ["GUIDESPEC_TRACE"] = str(trace)
@@ -94,27 +98,49 @@ def main() -> None:
         for backend in args.backends:
             pairs = []
             for repeat in range(args.repeats):
-                guided, lengths = run(backend, True, cases, concurrency, [args.max_tokens] * len(cases),
-                                      args.trace_dir / f"trace-{backend}-c{concurrency}.json")
-                unguided, counts = run(backend, False, cases, concurrency, lengths,
-                                       args.trace_dir / f"trace-unguided-like-{backend}-c{concurrency}.json")
+                guided, lengths = run(
+                    backend,
+                    True,
+                    cases,
+                    concurrency,
+                    [args.max_tokens] * len(cases),
+                    args.trace_dir / f"trace-{backend}-c{concurrency}.json",
+                )
+                unguided, counts = run(
+                    backend,
+                    False,
+                    cases,
+                    concurrency,
+                    lengths,
+                    args.trace_dir / f"trace-unguided-like-{backend}-c{concurrency}.json",
+                )
                 assert counts == lengths, (counts, lengths)
                 pairs.append((guided, unguided))
-                print(f"{backend} c={concurrency} run {repeat + 1}: guided {guided['tok_s']:.1f} tok/s, unguided "
-                      f"{unguided['tok_s']:.1f} tok/s ({sum(lengths)} tokens each)", flush=True)
+                print(
+                    f"{backend} c={concurrency} run {repeat + 1}: guided {guided['tok_s']:.1f} tok/s, unguided "
+                    f"{unguided['tok_s']:.1f} tok/s ({sum(lengths)} tokens each)",
+                    flush=True,
+                )
             pairs.sort(key=lambda p: p[0]["tok_s"] / p[1]["tok_s"])
             ratios = [g["tok_s"] / u["tok_s"] for g, u in pairs]
             rows.append((backend, concurrency, *pairs[len(pairs) // 2], min(ratios), max(ratios)))
-    print(f"\n{machine()}; {len(cases)} JME cases, greedy, max_tokens {args.max_tokens}, "
-          f"{args.repeats} run(s) per pair (the median pair shown)\n")
-    print("| backend | concurrency | tokens | guided tok/s | unguided tok/s | guided ÷ unguided | range over runs | "
-          "scheduler outside forward (guided / unguided) | mean mask fill ms | mean step ms (guided / unguided) |")
+    print(
+        f"\n{machine()}; {len(cases)} JME cases, greedy, max_tokens {args.max_tokens}, "
+        f"{args.repeats} run(s) per pair (the median pair shown)\n"
+    )
+    print(
+        "| backend | concurrency | tokens | guided tok/s | unguided tok/s | guided ÷ unguided | range over runs | "
+        "scheduler outside forward (guided / unguided) | mean mask fill ms | mean step ms (guided / unguided) |"
+    )
     print("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     for backend, concurrency, g, u, low, high in rows:
-        print(f"| {backend} | {concurrency} | {int(g['tokens'])} | {g['tok_s']:.1f} | {u['tok_s']:.1f} | "
-              f"{g['tok_s'] / u['tok_s']:.3f} | {low:.3f}–{high:.3f} | "
-              f"{g['outside_forward_fraction']:.1%} / {u['outside_forward_fraction']:.1%} | "
-              f"{g['mean_fill_ms']:.2f} | {g['mean_step_ms']:.1f} / {u['mean_step_ms']:.1f} |")
+        print(
+            f"| {backend} | {concurrency} | {int(g['tokens'])} | {g['tok_s']:.1f} | {u['tok_s']:.1f} | "
+            f"{g['tok_s'] / u['tok_s']:.3f} | {low:.3f}–{high:.3f} | "
+            f"{g['outside_forward_fraction']:.1%} / {u['outside_forward_fraction']:.1%} | "
+            f"{g['mean_fill_ms']:.2f} | {g['mean_step_ms']:.1f} / {u['mean_step_ms']:.1f} |"
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -45,9 +45,11 @@ class LoadReport:
     finish_reasons: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def summary(self) -> str:
-        return (f"{self.requests} requests in {self.wall_s:.1f} s: lost {len(self.lost)}, invalid "
-                f"{len(self.invalid)}; outcomes {dict(sorted(self.outcomes.items()))}; guided finish reasons "
-                f"{dict(self.finish_reasons)}")
+        return (
+            f"{self.requests} requests in {self.wall_s:.1f} s: lost {len(self.lost)}, invalid "
+            f"{len(self.invalid)}; outcomes {dict(sorted(self.outcomes.items()))}; guided finish reasons "
+            f"{dict(self.finish_reasons)}"
+        )
 
 
 def load_cases(prefix: str = "", limit: int = 40) -> list[dict[str, Any]]:
@@ -69,20 +71,29 @@ def build_requests(num_requests: int, max_tokens: int, cases: list[dict[str, Any
         elif kind in ("streamed", "cancelled"):
             body["stream"] = True
         elif kind == "bad":
-            body = [{"prompt": [60000, 1, 2]}, {"messages": case["messages"], "guided_json": "{not json"},
-                    {"messages": case["messages"], "colour": "red"}][i // len(KINDS) % 3]
+            body = [
+                {"prompt": [60000, 1, 2]},
+                {"messages": case["messages"], "guided_json": "{not json"},
+                {"messages": case["messages"], "colour": "red"},
+            ][i // len(KINDS) % 3]
         out.append((kind, body))
     return out
 
 
-async def run_load(url: str, api_key: str | None, requests: list[tuple[str, dict[str, Any]]],
-                   concurrency: int, timeout_s: float = 600.0) -> LoadReport:
+async def run_load(
+    url: str,
+    api_key: str | None,
+    requests: list[tuple[str, dict[str, Any]]],
+    concurrency: int,
+    timeout_s: float = 600.0,
+) -> LoadReport:
     report = LoadReport(requests=len(requests))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     gate = asyncio.Semaphore(concurrency)
     start = time.perf_counter()
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s, limits=limits) as http:
+
         async def one(index: int, kind: str, body: dict[str, Any]) -> None:
             async with gate:
                 try:

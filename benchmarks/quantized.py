@@ -87,13 +87,17 @@ def main() -> None:
     from guidespec.model_files import load_tokenizer, resolve_model_dir
 
     tokenizer = load_tokenizer(resolve_model_dir(None, show_progress=False))
-    encoded = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-               for chat in workload_chats(limit=args.prompts)]
+    encoded = [
+        tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        for chat in workload_chats(limit=args.prompts)
+    ]
     prompts = [list(ids["input_ids"] if hasattr(ids, "keys") else ids) for ids in encoded]
     max_len = max(map(len, prompts)) + args.max_tokens + 600
     models = {"fp32": load(False, max_len), "gguf": load(True, max_len)}
-    print(f"{machine()}; {args.threads} threads, {'CPU' if args.cpu_time else 'wall'} time; weights kept as blocks: "
-          f"{type(models['gguf'].layers[0]['qkv']).__name__}, LM head {type(models['gguf'].lm_head).__name__}\n")
+    print(
+        f"{machine()}; {args.threads} threads, {'CPU' if args.cpu_time else 'wall'} time; weights kept as blocks: "
+        f"{type(models['gguf'].layers[0]['qkv']).__name__}, LM head {type(models['gguf'].lm_head).__name__}\n"
+    )
     print("| prompt | prompt tokens | equal until | equal positions |\n|---:|---:|---:|---:|")
     outputs: dict[str, list[list[int]]] = {"fp32": [], "gguf": []}
     for i, prompt in enumerate([] if args.speed_only else prompts):
@@ -106,14 +110,20 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, model in models.items():
             wall = sum(greedy(model, p, args.max_tokens, clock)[1] for p in prompts[:2])
-            for key, value in (("tok/s", 2 * args.max_tokens / wall), ("decode ms", -step_ms(model, 1, clock)),
-                               ("verify-4 ms", -step_ms(model, 4, clock)),
-                               ("prefill-256 ms", -step_ms(model, 256, clock, 64, 2))):
+            for key, value in (
+                ("tok/s", 2 * args.max_tokens / wall),
+                ("decode ms", -step_ms(model, 1, clock)),
+                ("verify-4 ms", -step_ms(model, 4, clock)),
+                ("prefill-256 ms", -step_ms(model, 256, clock, 64, 2)),
+            ):
                 best[name][key] = max(best[name].get(key, -1e9), value)
-    print("\n| weights | tok/s (batch 1, prefill included) | decode step ms | 4-token verify ms | 256-token prefill ms |")
+    print(
+        "\n| weights | tok/s (batch 1, prefill included) | decode step ms | 4-token verify ms | 256-token prefill ms |"
+    )
     print("|---|---:|---:|---:|---:|")
     for name, r in best.items():
-        print(f"| {name} | {r['tok/s']:.1f} | {-r['decode ms']:.1f} | {-r['verify-4 ms']:.1f} | {-r['prefill-256 ms']:.0f} |")
+        cells = f"{r['tok/s']:.1f} | {-r['decode ms']:.1f} | {-r['verify-4 ms']:.1f} | {-r['prefill-256 ms']:.0f}"
+        print(f"| {name} | {cells} |")
 
 
 if __name__ == "__main__":

@@ -24,16 +24,47 @@ from typing import Any
 import torch
 
 # SmolLM2's configs (HuggingFaceTB/SmolLM2-135M-Instruct and -1.7B-Instruct config.json)
-_SMOLLM2 = dict(vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                hidden_act="silu", bos_token_id=1, eos_token_id=2, pad_token_id=2)
+_SMOLLM2 = dict(
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    hidden_act="silu",
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
 PRESETS: dict[str, dict[str, Any]] = {
-    "smollm2-135m": dict(_SMOLLM2, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0),
-    "smollm2-1.7b": dict(_SMOLLM2, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
-                         num_attention_heads=32, num_key_value_heads=32, rope_theta=130000.0),
+    "smollm2-135m": dict(
+        _SMOLLM2,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        rope_theta=100000.0,
+    ),
+    "smollm2-1.7b": dict(
+        _SMOLLM2,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        rope_theta=130000.0,
+    ),
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
 
 
 def preset_config(preset: str, num_layers: int | None = None) -> dict[str, Any]:
@@ -51,8 +82,9 @@ def default_folder(preset: str, num_layers: int | None = None) -> Path:
     return Path("out") / (f"gpu-model-{preset}" + (f"-{num_layers}layers" if num_layers is not None else ""))
 
 
-def build_random_model(preset: str, target: Path, tokenizer_from: Path | None = None, num_layers: int | None = None,
-                       seed: int = 0) -> Path:
+def build_random_model(
+    preset: str, target: Path, tokenizer_from: Path | None = None, num_layers: int | None = None, seed: int = 0
+) -> Path:
     """``target`` as a model folder of ``preset`` with random weights (reused if already built)."""
     config = preset_config(preset, num_layers)
     marker = {"preset": preset, "config": config, "seed": seed}
@@ -76,8 +108,11 @@ def build_random_model(preset: str, target: Path, tokenizer_from: Path | None = 
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"built {preset} ({config['num_hidden_layers']} layers, random weights) in {target} "
-          f"in {time.perf_counter() - start:.1f} s", flush=True)
+    print(
+        f"built {preset} ({config['num_hidden_layers']} layers, random weights) in {target} "
+        f"in {time.perf_counter() - start:.1f} s",
+        flush=True,
+    )
     return target
 
 
@@ -91,8 +126,10 @@ def tokenizer_source(tokenizer_from: Path | None) -> Path:
     try:
         return resolve_model_dir(None, show_progress=False)
     except Exception as exc:  # no embedded model here: say what to pass instead
-        raise SystemExit(f"no tokenizer: the default model is not available here ({exc}); pass --tokenizer-from DIR "
-                         "(a folder with SmolLM2's tokenizer.json, e.g. a model folder built before)") from exc
+        raise SystemExit(
+            f"no tokenizer: the default model is not available here ({exc}); pass --tokenizer-from DIR "
+            "(a folder with SmolLM2's tokenizer.json, e.g. a model folder built before)"
+        ) from exc
 
 
 def _save_random_weights(config: dict[str, Any], folder: Path, seed: int) -> None:

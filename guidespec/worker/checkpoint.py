@@ -75,8 +75,9 @@ class GGUFTensors:
         self._names = gguf.get_tensor_name_map(arch_id, num_blocks)
         self._heads = {"attn_q": num_heads, "attn_k": num_kv_heads} if arch == "llama" else {}
 
-    def get(self, name: str, rows: tuple[int, int] | None = None,
-            cols: tuple[int, int] | None = None) -> GGUFWeight | None:
+    def get(
+        self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
+    ) -> GGUFWeight | None:
         """Tensor ``name`` (rows, columns [start, end) as ShardReader.get) as blocks; None where
         the file lacks it, keeps it in a type the kernel does not take, or the columns do not
         fall on blocks."""

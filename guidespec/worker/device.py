@@ -36,9 +36,11 @@ def resolve_device(device: str, num_local_ranks: int, num_gpus: int | None = Non
         device = "cuda" if gpus > 0 else "cpu"
     if device == "cuda" and gpus < num_local_ranks:
         seen = "no GPU" if gpus == 0 else f"{gpus} GPU{'s' if gpus > 1 else ''}"
-        raise ValueError(f"device 'cuda' with {num_local_ranks} local rank{'s' if num_local_ranks > 1 else ''} needs "
-                         f"as many GPUs; torch sees {seen} (check CUDA_VISIBLE_DEVICES and the driver, lower "
-                         "--tensor-parallel-size, or use --device cpu)")
+        raise ValueError(
+            f"device 'cuda' with {num_local_ranks} local rank{'s' if num_local_ranks > 1 else ''} needs "
+            f"as many GPUs; torch sees {seen} (check CUDA_VISIBLE_DEVICES and the driver, lower "
+            "--tensor-parallel-size, or use --device cpu)"
+        )
     return device
 
 
@@ -70,8 +72,9 @@ class MemoryPlan:
         return self.weights + self.kv_cache + self.activations
 
 
-def memory_plan(cfg: ModelConfig, dtype: torch.dtype, tp_size: int, num_slots: int, max_model_len: int,
-                max_step_rows: int) -> MemoryPlan:
+def memory_plan(
+    cfg: ModelConfig, dtype: torch.dtype, tp_size: int, num_slots: int, max_model_len: int, max_step_rows: int
+) -> MemoryPlan:
     """The bytes of rank 0's shard (the largest: it owns the first extra heads of an uneven cut)."""
     item = torch.empty((), dtype=dtype).element_size()
     kv_heads = -(-cfg.num_kv_heads // tp_size)
@@ -87,8 +90,15 @@ def memory_plan(cfg: ModelConfig, dtype: torch.dtype, tp_size: int, num_slots: i
     return MemoryPlan(weights, kv, activations)
 
 
-def check_fits(plan: MemoryPlan, free_bytes: int, total_bytes: int, utilization: float, num_slots: int,
-               max_model_len: int, device_name: str) -> None:
+def check_fits(
+    plan: MemoryPlan,
+    free_bytes: int,
+    total_bytes: int,
+    utilization: float,
+    num_slots: int,
+    max_model_len: int,
+    device_name: str,
+) -> None:
     """ValueError, with the numbers and what to change, where the plan does not fit
     ``utilization`` of the device's memory (and what other processes already took)."""
     if not 0 < utilization <= 1:
@@ -99,21 +109,33 @@ def check_fits(plan: MemoryPlan, free_bytes: int, total_bytes: int, utilization:
     gib = 1 << 30
     room_for_kv = budget - plan.weights - plan.activations
     if room_for_kv <= 0:
-        raise ValueError(f"the model does not fit {device_name}: its weights take {plan.weights / gib:.2f} GiB and a "
-                         f"step ~{plan.activations / gib:.2f} GiB, of {budget / gib:.2f} GiB usable "
-                         f"({utilization:.0%} of {total_bytes / gib:.1f} GiB, {free_bytes / gib:.1f} GiB free); use more "
-                         "tensor-parallel ranks, a smaller dtype, or a larger GPU")
+        raise ValueError(
+            f"the model does not fit {device_name}: its weights take {plan.weights / gib:.2f} GiB and a "
+            f"step ~{plan.activations / gib:.2f} GiB, of {budget / gib:.2f} GiB usable "
+            f"({utilization:.0%} of {total_bytes / gib:.1f} GiB, {free_bytes / gib:.1f} GiB free); use more "
+            "tensor-parallel ranks, a smaller dtype, or a larger GPU"
+        )
     per_slot = plan.kv_cache // max(1, num_slots)
     fitting = room_for_kv // max(1, per_slot)
-    raise ValueError(f"the KV cache does not fit {device_name}: {num_slots} slots x {max_model_len} positions take "
-                     f"{plan.kv_cache / gib:.2f} GiB beside {plan.weights / gib:.2f} GiB of weights, of "
-                     f"{budget / gib:.2f} GiB usable ({utilization:.0%} of {total_bytes / gib:.1f} GiB); "
-                     f"--max-batch-size {max(1, fitting - 1)} fits at this --max-model-len (or lower --max-model-len, "
-                     "or raise --gpu-memory-utilization)")
+    raise ValueError(
+        f"the KV cache does not fit {device_name}: {num_slots} slots x {max_model_len} positions take "
+        f"{plan.kv_cache / gib:.2f} GiB beside {plan.weights / gib:.2f} GiB of weights, of "
+        f"{budget / gib:.2f} GiB usable ({utilization:.0%} of {total_bytes / gib:.1f} GiB); "
+        f"--max-batch-size {max(1, fitting - 1)} fits at this --max-model-len (or lower --max-model-len, "
+        "or raise --gpu-memory-utilization)"
+    )
 
 
-def check_device_memory(cfg: ModelConfig, dtype: torch.dtype, tp_size: int, num_slots: int, max_model_len: int,
-                        max_step_rows: int, device: str, utilization: float) -> MemoryPlan:
+def check_device_memory(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    tp_size: int,
+    num_slots: int,
+    max_model_len: int,
+    max_step_rows: int,
+    device: str,
+    utilization: float,
+) -> MemoryPlan:
     """On CUDA, :func:`check_fits` against the device's free memory before anything is loaded."""
     plan = memory_plan(cfg, dtype, tp_size, num_slots, max_model_len, max_step_rows)
     if torch.device(device).type == "cuda":

@@ -100,8 +100,12 @@ class StaticBuffers:
         row_slots = np.full(key.batch, self.scratch_slot, dtype=np.int64)
         row_slots[:rows] = batch.slots
         out = self.host_np
-        out[:t], out[t : 2 * t], out[2 * t : 3 * t], out[3 * t :] = tokens.ravel(), positions.ravel(), \
-            token_slots.ravel(), row_slots
+        out[:t], out[t : 2 * t], out[2 * t : 3 * t], out[3 * t :] = (
+            tokens.ravel(),
+            positions.ravel(),
+            token_slots.ravel(),
+            row_slots,
+        )
         # (the host tensor is written again only after this step's tokens came back: copied by then)
         self.device.copy_(self.host, non_blocking=True)
         flat_of_real = (np.arange(rows)[:, None] * n + column)[real]  # the padded index of each real token
@@ -113,10 +117,18 @@ class GraphRunner:
     padded forward run eagerly (``capture=False``). ``kv`` must hold one slot more than the
     batch: the last one is the scratch slot."""
 
-    def __init__(self, model: LlamaModel, kv: KVCache, max_batch_size: int, capture: bool,
-                 max_tokens_per_row: int = MAX_TOKENS_PER_ROW) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv: KVCache,
+        max_batch_size: int,
+        capture: bool,
+        max_tokens_per_row: int = MAX_TOKENS_PER_ROW,
+    ) -> None:
         if kv.num_slots < max_batch_size + 1:
-            raise ValueError(f"a graph runner needs a scratch slot: {kv.num_slots} slots for a batch of {max_batch_size}")
+            raise ValueError(
+                f"a graph runner needs a scratch slot: {kv.num_slots} slots for a batch of {max_batch_size}"
+            )
         self.model, self.kv = model, kv
         self.max_batch_size, self.max_tokens_per_row = max_batch_size, max_tokens_per_row
         self.capture = capture
@@ -158,8 +170,15 @@ class GraphRunner:
 
     def _forward(self, buffers: StaticBuffers) -> torch.Tensor:
         key = buffers.key
-        return self.model.forward_padded(self.kv, buffers.token_ids, buffers.positions, buffers.token_slots,
-                                         buffers.row_slots, key.tokens_per_row, key.key_length)
+        return self.model.forward_padded(
+            self.kv,
+            buffers.token_ids,
+            buffers.positions,
+            buffers.token_slots,
+            buffers.row_slots,
+            key.tokens_per_row,
+            key.key_length,
+        )
 
     def _capture(self, key: GraphKey, buffers: StaticBuffers, batch: ForwardBatch) -> tuple[Any, torch.Tensor]:
         """Capture ``key``'s graph on padding only (warm-up and capture write the scratch slot),

@@ -14,8 +14,16 @@ import torch
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str = "cpu",
+    ) -> None:
         shape = (num_slots, num_kv_heads, max_len, head_dim)
         self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
@@ -29,8 +37,9 @@ class KVCache:
         view.num_slots, view.max_len = self.num_slots, self.max_len
         return view
 
-    def write(self, layer: int, slot_of_token: torch.Tensor, positions: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slot_of_token: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         """k, v [T, kv_heads, D] for flat tokens of slots ``slot_of_token`` at ``positions``."""
         self.k[layer][slot_of_token, :, positions] = k
         self.v[layer][slot_of_token, :, positions] = v

@@ -75,8 +75,9 @@ class DeviceMasks:
     the CPU tests run it.
     """
 
-    def __init__(self, device: torch.device | str, max_rows: int, num_words: int,
-                 arena_buffers: list[np.ndarray] | None = None) -> None:
+    def __init__(
+        self, device: torch.device | str, max_rows: int, num_words: int, arena_buffers: list[np.ndarray] | None = None
+    ) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.max_rows, self.num_words = max_rows, num_words
@@ -88,8 +89,9 @@ class DeviceMasks:
             for buffer in arena_buffers or []:
                 self._register(buffer)
         # one device buffer of the arena's row capacity, written by uploads (CPU: unused)
-        self.rows_on_device = torch.empty(max_rows if self.cuda else 0, num_words, dtype=torch.int32,
-                                          device=self.device)
+        self.rows_on_device = torch.empty(
+            max_rows if self.cuda else 0, num_words, dtype=torch.int32, device=self.device
+        )
 
     def _register(self, buffer: np.ndarray) -> None:
         address, size = int(buffer.__array_interface__["data"][0]), int(buffer.nbytes)

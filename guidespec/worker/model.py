@@ -90,10 +90,15 @@ class ForwardBatch:
         moved = copy.copy(self)
         for name in ("token_ids", "positions", "logits_indices", "slot_of_token"):
             setattr(moved, name, getattr(self, name).to(device, non_blocking=True))
-        moved.groups = [dataclasses.replace(
-            g, token_index=None if g.token_index is None else g.token_index.to(device, non_blocking=True),
-            slot_ids=g.slot_ids.to(device, non_blocking=True), starts=g.starts.to(device, non_blocking=True))
-            for g in self.groups]
+        moved.groups = [
+            dataclasses.replace(
+                g,
+                token_index=None if g.token_index is None else g.token_index.to(device, non_blocking=True),
+                slot_ids=g.slot_ids.to(device, non_blocking=True),
+                starts=g.starts.to(device, non_blocking=True),
+            )
+            for g in self.groups
+        ]
         return moved
 
     @classmethod
@@ -123,12 +128,17 @@ _SMALL_ATTENTION = 1 << 16  # query rows x keys below which attention is done wi
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, tp: TPInfo, dtype: torch.dtype, max_model_len: int, device: str = "cpu",
-                 quantized: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: TPInfo,
+        dtype: torch.dtype,
+        max_model_len: int,
+        device: str = "cpu",
+        quantized: bool = False,
+    ) -> None:
         if cfg.num_kv_heads < tp.size:
-            raise ValueError(
-                f"tensor_parallel_size {tp.size} exceeds the model's {cfg.num_kv_heads} key/value heads"
-            )
+            raise ValueError(f"tensor_parallel_size {tp.size} exceeds the model's {cfg.num_kv_heads} key/value heads")
         self.cfg, self.tp, self.dtype, self.device = cfg, tp, dtype, device
         self.quantized = quantized  # keep a GGUF file's own blocks where it can (fp32 on the CPU)
         kv0, kv1 = tp.split(cfg.num_kv_heads)
@@ -171,9 +181,13 @@ class LlamaModel:
             layer_ids = tqdm(layer_ids, desc="guidespec: loading layers", unit="layer", leave=False)
         self.layers = [self._load_layer(reader, blocks, i) for i in layer_ids]
         if self.dequantized:
-            logger.info("rank %d: %d weights run in fp32 (a type the kernel does not take, a cut off 32-input "
-                        "blocks, or parts in different formats), e.g. %s", self.tp.rank, len(self.dequantized),
-                        self.dequantized[0])
+            logger.info(
+                "rank %d: %d weights run in fp32 (a type the kernel does not take, a cut off 32-input "
+                "blocks, or parts in different formats), e.g. %s",
+                self.tp.rank,
+                len(self.dequantized),
+                self.dequantized[0],
+            )
         self._init_rotary(hf_config)
 
     def _gguf_blocks(self, model_dir: Path) -> GGUFTensors | None:
@@ -197,7 +211,9 @@ class LlamaModel:
     def first_layers(self, n: int) -> LlamaModel:
         """This model cut after its first ``n`` layers, final norm and LM head kept: a draft model
         sharing the target's weights (``spec/draft_model.py``)."""
-        cut = LlamaModel(dataclasses.replace(self.cfg, num_layers=n), self.tp, self.dtype, self.max_model_len, self.device)
+        cut = LlamaModel(
+            dataclasses.replace(self.cfg, num_layers=n), self.tp, self.dtype, self.max_model_len, self.device
+        )
         cut.embed, cut.lm_head, cut.final_norm, cut.layers = self.embed, self.lm_head, self.final_norm, self.layers[:n]
         cut.cos, cut.sin = self.cos, self.sin
         return cut
@@ -208,7 +224,9 @@ class LlamaModel:
         bytes (``spec/draft_model.py``)."""
         copy = self.first_layers(self.cfg.num_layers)
         copy.lm_head = quantize(self.lm_head)
-        copy.layers = [{k: quantize(v) if k in LINEAR_WEIGHTS else v for k, v in layer.items()} for layer in self.layers]
+        copy.layers = [
+            {k: quantize(v) if k in LINEAR_WEIGHTS else v for k, v in layer.items()} for layer in self.layers
+        ]
         return copy
 
     def _load_layer(self, reader: ShardReader, blocks: GGUFTensors | None, i: int) -> dict[str, Any]:
@@ -220,8 +238,11 @@ class LlamaModel:
         }
         layer.update({key: self._load_linear(reader, blocks, key_parts) for key, key_parts in parts.items()})
         if self.cfg.qkv_bias:
-            layer["qkv_bias"] = self._t(torch.cat(
-                [reader.get(name.removesuffix("weight") + "bias", rows=rows) for name, rows, _ in parts["qkv"]]))
+            layer["qkv_bias"] = self._t(
+                torch.cat(
+                    [reader.get(name.removesuffix("weight") + "bias", rows=rows) for name, rows, _ in parts["qkv"]]
+                )
+            )
         if self.cfg.o_bias and self.tp.is_driver:  # added once, before the all-reduce sums the ranks
             layer["o_bias"] = self._t(reader.get(p + "self_attn.o_proj.bias"))
         return layer
@@ -234,8 +255,10 @@ class LlamaModel:
         q_rows = (self.kv_heads[0] * cfg.num_query_groups * d, self.kv_heads[1] * cfg.num_query_groups * d)
         kv_rows = (self.kv_heads[0] * d, self.kv_heads[1] * d)
         return {
-            "qkv": [(p + f"self_attn.{n}.weight", r, None) for n, r in zip(("q_proj", "k_proj", "v_proj"),
-                                                                          (q_rows, kv_rows, kv_rows))],
+            "qkv": [
+                (p + f"self_attn.{n}.weight", r, None)
+                for n, r in zip(("q_proj", "k_proj", "v_proj"), (q_rows, kv_rows, kv_rows))
+            ],
             "o": [(p + "self_attn.o_proj.weight", None, q_rows)],
             "gate_up": [(p + f"mlp.{n}.weight", self.intermediate, None) for n in ("gate_proj", "up_proj")],
             "down": [(p + "mlp.down_proj.weight", None, self.intermediate)],
@@ -260,7 +283,13 @@ class LlamaModel:
 
     def create_kv_cache(self, num_slots: int) -> KVCache:
         return KVCache(
-            self.cfg.num_layers, num_slots, self.num_local_kv_heads, self.max_model_len, self.cfg.head_dim, self.dtype, self.device
+            self.cfg.num_layers,
+            num_slots,
+            self.num_local_kv_heads,
+            self.max_model_len,
+            self.cfg.head_dim,
+            self.dtype,
+            self.device,
         )
 
     # ------------------------------------------------------------------ forward
@@ -293,8 +322,16 @@ class LlamaModel:
         return _rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
-    def forward_padded(self, kv: KVCache, token_ids: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
-                       row_slots: torch.Tensor, tokens_per_row: int, key_length: int) -> torch.Tensor:
+    def forward_padded(
+        self,
+        kv: KVCache,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        token_slots: torch.Tensor,
+        row_slots: torch.Tensor,
+        tokens_per_row: int,
+        key_length: int,
+    ) -> torch.Tensor:
         """The forward of a fixed shape, for CUDA graphs (``graphs.py``): ``B`` rows of exactly
         ``tokens_per_row`` tokens each, attending the first ``key_length`` keys of their slot.
 
@@ -312,14 +349,28 @@ class LlamaModel:
         cos, sin = self.cos[positions], self.sin[positions]
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer["input_norm"], self.cfg.rms_norm_eps)
-            x = x + self._attention_padded(h, layer, kv, i, positions, token_slots, row_slots, n, key_length, mask,
-                                           cos, sin)
+            x = x + self._attention_padded(
+                h, layer, kv, i, positions, token_slots, row_slots, n, key_length, mask, cos, sin
+            )
             h = _rms_norm(x, layer["post_norm"], self.cfg.rms_norm_eps)
             x = x + self._mlp(h, layer)
         return _rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
 
-    def _attention_padded(self, h, layer, kv: KVCache, i: int, positions, token_slots, row_slots, n: int,  # type: ignore[no-untyped-def]
-                          key_length: int, mask, cos, sin) -> torch.Tensor:
+    def _attention_padded(
+        self,
+        h,
+        layer,
+        kv: KVCache,
+        i: int,
+        positions,
+        token_slots,
+        row_slots,
+        n: int,  # type: ignore[no-untyped-def]
+        key_length: int,
+        mask,
+        cos,
+        sin,
+    ) -> torch.Tensor:
         d, hq, hkv, g = self.cfg.head_dim, self.num_local_heads, self.num_local_kv_heads, self.cfg.num_query_groups
         b = row_slots.shape[0]
         qkv = linear(h, layer["qkv"], layer.get("qkv_bias"))
@@ -451,6 +502,9 @@ def _attention_groups(batch: ForwardBatch) -> list[AttentionGroup]:
         if len(by_count) > 1:
             index = torch.cat([torch.arange(offsets[r], offsets[r + 1]) for r in rows])
         slots = [batch.slots[r] for r in rows]
-        groups.append(AttentionGroup(rows, slots, index, n, length, torch.tensor(slots, dtype=torch.int32),
-                                     starts.to(torch.int32)))
+        groups.append(
+            AttentionGroup(
+                rows, slots, index, n, length, torch.tensor(slots, dtype=torch.int32), starts.to(torch.int32)
+            )
+        )
     return groups

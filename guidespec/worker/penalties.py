@@ -16,8 +16,14 @@ class TokenHistory:
         self.seen = torch.zeros(num_slots, vocab_size, dtype=torch.bool, device=device)
         self.output_counts = torch.zeros(num_slots, vocab_size, dtype=torch.int32, device=device)
 
-    def update(self, slots: list[int], starts: list[int], counts: list[int], token_ids: torch.Tensor,
-               num_prompt_tokens: list[int]) -> None:
+    def update(
+        self,
+        slots: list[int],
+        starts: list[int],
+        counts: list[int],
+        token_ids: torch.Tensor,
+        num_prompt_tokens: list[int],
+    ) -> None:
         offset = 0
         token_ids = token_ids.to(self.seen.device, non_blocking=True)
         for slot, start, count, prompt_len in zip(slots, starts, counts, num_prompt_tokens):
@@ -31,8 +37,14 @@ class TokenHistory:
             if len(output_tokens):
                 self.output_counts[slot].index_add_(0, output_tokens, torch.ones_like(output_tokens, dtype=torch.int32))
 
-    def apply(self, logits: torch.Tensor, slots: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
-              presence: torch.Tensor) -> None:
+    def apply(
+        self,
+        logits: torch.Tensor,
+        slots: torch.Tensor,
+        repetition: torch.Tensor,
+        frequency: torch.Tensor,
+        presence: torch.Tensor,
+    ) -> None:
         """Penalize ``logits`` [R, V] in place; row r belongs to slot ``slots[r]``."""
         active = ((repetition != 1) | (frequency != 0) | (presence != 0)).nonzero().flatten()
         for r in active.tolist():

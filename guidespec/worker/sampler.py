@@ -16,8 +16,15 @@ _SEED_STRIDE = 1_000_003
 _MIN_TEMPERATURE = 1e-4
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           seeds: torch.Tensor, sample_index: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    sample_index: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """logits [R, V] fp32; per-row parameters [R]. Returns token ids [R] int64."""
     greedy = temperature == 0
     tokens = logits.argmax(dim=-1)
@@ -29,7 +36,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return tokens
 
 
-def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def filtered_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     device = logits.device
     temperature, top_k, top_p = temperature.to(device), top_k.to(device), top_p.to(device)
     logits = logits / temperature.clamp(min=_MIN_TEMPERATURE)[:, None]
@@ -48,14 +57,18 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return logits.softmax(dim=-1)
 
 
-def _draw(probs: torch.Tensor, seeds: torch.Tensor, sample_index: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def _draw(
+    probs: torch.Tensor, seeds: torch.Tensor, sample_index: torch.Tensor, generator: torch.Generator | None
+) -> torch.Tensor:
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     unseeded = (seeds < 0).nonzero().flatten()
     if len(unseeded):
-        out[unseeded.to(probs.device)] = torch.multinomial(probs[unseeded.to(probs.device)], 1,
-                                                           generator=generator).flatten()
+        out[unseeded.to(probs.device)] = torch.multinomial(
+            probs[unseeded.to(probs.device)], 1, generator=generator
+        ).flatten()
     for row in (seeds >= 0).nonzero().flatten().tolist():
         g = torch.Generator(device=probs.device).manual_seed(
-            (int(seeds[row]) * _SEED_STRIDE + int(sample_index[row])) % 2**63)
+            (int(seeds[row]) * _SEED_STRIDE + int(sample_index[row])) % 2**63
+        )
         out[row] = torch.multinomial(probs[row], 1, generator=g).item()
     return out

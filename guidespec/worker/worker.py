@@ -30,8 +30,16 @@ from guidespec.ipc.broadcast import create_step_reader
 from guidespec.ipc.shm_ring import RingTimeout
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.process_utils import parent_alive, setup_child_process
-from guidespec.protocol import (DraftMask, DraftTokens, Shutdown, StepBitmask, StepInputs, StepOutputs, WorkerError,
-                                WorkerReady)
+from guidespec.protocol import (
+    DraftMask,
+    DraftTokens,
+    Shutdown,
+    StepBitmask,
+    StepInputs,
+    StepOutputs,
+    WorkerError,
+    WorkerReady,
+)
 from guidespec.spec.draft_model import DraftRunner
 from guidespec.spec.eagle import EagleRunner
 from guidespec.spec.verify import verify
@@ -60,8 +68,13 @@ def run_worker(cfg: WorkerConfig, parent_pid: int) -> None:
         worker.loop(results, parent_pid)
     except Exception as e:
         first_line = (str(e).splitlines() or [""])[0][:200]
-        results.send(WorkerError(cfg.rank, f"worker rank {cfg.rank} failed: {type(e).__name__}: {first_line}",
-                                 details=traceback.format_exc()))
+        results.send(
+            WorkerError(
+                cfg.rank,
+                f"worker rank {cfg.rank} failed: {type(e).__name__}: {first_line}",
+                details=traceback.format_exc(),
+            )
+        )
         time.sleep(0.2)  # let the frame leave before the socket is torn down
         raise SystemExit(1)
     finally:
@@ -91,16 +104,25 @@ class Worker:
         # CUDA graphs pad batches onto a scratch slot: one KV slot more than the batch
         use_graphs = cuda and not cfg.enforce_eager and cfg.draft_model is None
         num_slots = cfg.max_batch_size + (1 if use_graphs else 0)
-        check_device_memory(model_cfg, dtype, self.tp.size, num_slots, cfg.max_model_len, max_rows, cfg.device,
-                            cfg.gpu_memory_utilization)
-        self.model = LlamaModel(model_cfg, self.tp, dtype, cfg.max_model_len, cfg.device, quantized=cfg.quantized_weights)
+        check_device_memory(
+            model_cfg,
+            dtype,
+            self.tp.size,
+            num_slots,
+            cfg.max_model_len,
+            max_rows,
+            cfg.device,
+            cfg.gpu_memory_utilization,
+        )
+        self.model = LlamaModel(
+            model_cfg, self.tp, dtype, cfg.max_model_len, cfg.device, quantized=cfg.quantized_weights
+        )
         self.model.load(cfg.model_dir, hf_config, show_progress=self.tp.is_driver and cfg.show_progress)
         self.kv = self.model.create_kv_cache(num_slots)
         self.graphs = GraphRunner(self.model, self.kv, cfg.max_batch_size, capture=True) if use_graphs else None
         self.history = TokenHistory(cfg.max_batch_size, model_cfg.vocab_size, self.device)
         self.reader = create_step_reader(cfg.broadcast, cfg.ring_index, ctx)
-        self.masks = DeviceMasks(self.device, max_rows, -(-model_cfg.vocab_size // 32),
-                                 self.reader.arena_buffers())
+        self.masks = DeviceMasks(self.device, max_rows, -(-model_cfg.vocab_size // 32), self.reader.arena_buffers())
         self.generator = torch.Generator(device=self.device).manual_seed(int.from_bytes(os.urandom(7), "little"))
         # rank 0's draft steps: through the draft channel's C functions (cuda_ext), called directly
         # or by the C host stream; without a channel (a remote rank 0), as messages
@@ -111,11 +133,19 @@ class Worker:
         self.drafter: DraftRunner | EagleRunner | None = None
         if cfg.draft_model is not None and self.tp.is_driver:
             if cfg.draft_method == "eagle":
-                self.drafter = EagleRunner(Path(cfg.draft_model), self.model, cfg.model_dir, hf_config,
-                                           cfg.max_batch_size, cfg.max_model_len)
+                self.drafter = EagleRunner(
+                    Path(cfg.draft_model), self.model, cfg.model_dir, hf_config, cfg.max_batch_size, cfg.max_model_len
+                )
             else:
-                self.drafter = DraftRunner(cfg.draft_model, cfg.model_dir, dtype, cfg.max_batch_size,
-                                           cfg.max_model_len, model_cfg.vocab_size, (self.model, self.kv))
+                self.drafter = DraftRunner(
+                    cfg.draft_model,
+                    cfg.model_dir,
+                    dtype,
+                    cfg.max_batch_size,
+                    cfg.max_model_len,
+                    model_cfg.vocab_size,
+                    (self.model, self.kv),
+                )
 
     def close_drafts(self) -> None:
         if self.stream_exchange is not None:
@@ -139,8 +169,9 @@ class Worker:
 
     def step(self, inputs: StepInputs) -> StepOutputs | None:
         start, wall_start = time.perf_counter(), time.time()
-        batch = ForwardBatch.create(inputs.token_ids, inputs.slots, inputs.start_positions,
-                                    inputs.num_new_tokens, inputs.num_logits)
+        batch = ForwardBatch.create(
+            inputs.token_ids, inputs.slots, inputs.start_positions, inputs.num_new_tokens, inputs.num_logits
+        )
         key = self.graphs.plan(batch) if self.graphs is not None else None
         if key is not None:  # decode and verify steps: a replayed CUDA graph (graphs.py)
             hidden = self.graphs.run(batch, key)  # type: ignore[union-attr]
@@ -159,21 +190,33 @@ class Worker:
         if logits is None:
             return None
         rows = np.repeat(np.arange(inputs.batch_size), inputs.num_logits)
-        self.history.update(batch.slots, batch.start_positions, batch.num_new_tokens, batch.token_ids,
-                            inputs.num_prompt_tokens.tolist())
+        self.history.update(
+            batch.slots, batch.start_positions, batch.num_new_tokens, batch.token_ids, inputs.num_prompt_tokens.tolist()
+        )
         penalties = torch.from_numpy(inputs.penalties[rows].copy())  # per-row scalars: read on the host
         self.history.apply(logits, torch.from_numpy(inputs.slots[rows].copy()), *penalties.unbind(1))
         # rows without drafts are sampled; rows with drafts are verified (spec/verify.py)
         drafts = _drafts(inputs)
         draft_probs = self.drafter.sampling.draft_probs(inputs, drafts) if self.drafter is not None else None
-        tokens_np, counts = verify(logits, inputs.num_logits, drafts, inputs.temperature, inputs.top_k,
-                                   inputs.top_p, inputs.seeds, inputs.sample_index, self.generator, draft_probs)
+        tokens_np, counts = verify(
+            logits,
+            inputs.num_logits,
+            drafts,
+            inputs.temperature,
+            inputs.top_k,
+            inputs.top_p,
+            inputs.seeds,
+            inputs.sample_index,
+            self.generator,
+            draft_probs,
+        )
         proposals = draft_counts = None
         verified = time.perf_counter()
         if self.drafter is not None and inputs.draft_lens is not None:
             try:
                 proposals, draft_counts = self.drafter.propose(
-                    inputs, tokens_np, counts, lambda j, rows, seqs: self._draft_mask(inputs.step, j, rows, seqs))
+                    inputs, tokens_np, counts, lambda j, rows, seqs: self._draft_mask(inputs.step, j, rows, seqs)
+                )
             except DraftChannelError as e:  # no mask came: nothing of this step's drafting is used
                 logger.warning("worker rank 0: %s; no drafts this step", e)
                 proposals = draft_counts = None
@@ -217,8 +260,9 @@ class Worker:
         if self.stream_exchange is not None:
             return self.stream_exchange.exchange(step, draft_index, rows, sequences)
         if self.drafts is not None:
-            return self.drafts.exchange(step, draft_index, rows, sequences, envs.draft_mask_timeout_s(),
-                                        self.cfg.scheduler_pid)
+            return self.drafts.exchange(
+                step, draft_index, rows, sequences, envs.draft_mask_timeout_s(), self.cfg.scheduler_pid
+            )
         flat = np.array([t for seq in sequences for t in seq], dtype=np.int32)
         self.results.send(DraftTokens(step, draft_index, rows, flat, np.array([len(s) for s in sequences], np.int32)))
         message = codec.decode(self.reader.read(timeout=60.0))

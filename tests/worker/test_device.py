@@ -12,8 +12,7 @@ import torch
 from guidespec.config import ModelConfig
 from guidespec.launch.ray_executor import placement_bundle, placement_problem, placement_strategy
 from guidespec.model_files import load_hf_config
-from guidespec.worker.device import (MemoryPlan, check_fits, memory_plan, rank_device, resolve_device,
-                                     resolve_dtype)
+from guidespec.worker.device import MemoryPlan, check_fits, memory_plan, rank_device, resolve_device, resolve_dtype
 from guidespec.worker.mask import DeviceMasks, apply_bitmask, unpack_bitmask
 from guidespec.worker.model import LlamaModel
 from guidespec.worker.tp import TPInfo
@@ -59,14 +58,35 @@ def test_memory_plan_counts_the_shard(tmp_path: Path) -> None:
 
 def test_what_does_not_fit_is_said_with_numbers() -> None:
     plan = MemoryPlan(weights=2 * GIB, kv_cache=8 * GIB, activations=1 * GIB)
-    check_fits(plan, free_bytes=80 * GIB, total_bytes=80 * GIB, utilization=0.9, num_slots=16, max_model_len=4096,
-               device_name="H100")
+    check_fits(
+        plan,
+        free_bytes=80 * GIB,
+        total_bytes=80 * GIB,
+        utilization=0.9,
+        num_slots=16,
+        max_model_len=4096,
+        device_name="H100",
+    )
     with pytest.raises(ValueError, match=r"KV cache does not fit H100.*--max-batch-size 13 fits"):
-        check_fits(plan, free_bytes=10 * GIB, total_bytes=80 * GIB, utilization=0.9, num_slots=16,
-                   max_model_len=4096, device_name="H100")
+        check_fits(
+            plan,
+            free_bytes=10 * GIB,
+            total_bytes=80 * GIB,
+            utilization=0.9,
+            num_slots=16,
+            max_model_len=4096,
+            device_name="H100",
+        )
     with pytest.raises(ValueError, match="the model does not fit"):
-        check_fits(plan, free_bytes=2 * GIB, total_bytes=80 * GIB, utilization=0.9, num_slots=16,
-                   max_model_len=4096, device_name="H100")
+        check_fits(
+            plan,
+            free_bytes=2 * GIB,
+            total_bytes=80 * GIB,
+            utilization=0.9,
+            num_slots=16,
+            max_model_len=4096,
+            device_name="H100",
+        )
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         check_fits(plan, 80 * GIB, 80 * GIB, 1.5, 16, 4096, "H100")
 

@@ -31,13 +31,23 @@ from tests.conftest import make_tiny_model
 
 # GUIDESPEC_TEST_DEVICE=cpu runs these on the CPU (to check the tests themselves where there is no GPU)
 DEVICE = os.environ.get("GUIDESPEC_TEST_DEVICE", "cuda")
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    DEVICE == "cuda" and not torch.cuda.is_available(),
-    reason="no CUDA device here: the GPU path is built and CPU-tested but not verified on this machine")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        DEVICE == "cuda" and not torch.cuda.is_available(),
+        reason="no CUDA device here: the GPU path is built and CPU-tested but not verified on this machine",
+    ),
+]
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 PROMPTS = [[1, 504, 3456, 28, 5110, 30], [1, 2683, 314, 253, 1029, 1352, 30], [1, 42, 42, 42, 17, 900]]
 
 
@@ -46,8 +56,12 @@ def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from benchmarks.random_model import build_random_model
 
     tokenizer = os.environ.get("GUIDESPEC_TOKENIZER_DIR")
-    return build_random_model("smollm2-135m", tmp_path_factory.mktemp("gpu") / "smollm2-4l",
-                              Path(tokenizer) if tokenizer else None, num_layers=4)
+    return build_random_model(
+        "smollm2-135m",
+        tmp_path_factory.mktemp("gpu") / "smollm2-4l",
+        Path(tokenizer) if tokenizer else None,
+        num_layers=4,
+    )
 
 
 def _run(llm: LLM, requests: list[tuple[Any, SamplingParams]]) -> list[GenerationOutput]:
@@ -87,28 +101,39 @@ def test_greedy_output_equals_hf_generate(random_model: Path) -> None:
     expected = []
     with torch.no_grad():
         for prompt in PROMPTS:
-            out = reference.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=24, do_sample=False,
-                                     pad_token_id=0)
-            expected.append(out[0, len(prompt):].tolist())
+            out = reference.generate(
+                torch.tensor([prompt], device=DEVICE), max_new_tokens=24, do_sample=False, pad_token_id=0
+            )
+            expected.append(out[0, len(prompt) :].tolist())
     with LLM(str(random_model), device=DEVICE, dtype="float32", max_batch_size=4, show_progress=False) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy())
     assert [o.token_ids for o in outs] == expected
 
 
 def _mixed(backend: str = "xgrammar") -> list[tuple[Any, SamplingParams]]:
-    guided = SamplingParams(max_tokens=64, temperature=0.0, guided=GuidedDecoding(json_schema=json.dumps(PERSON),
-                                                                                    backend=backend))
-    return [({"prompt_token_ids": p}, _greedy()) for p in PROMPTS] + [([{"role": "user", "content": "A person as JSON."}], guided)] * 2
+    guided = SamplingParams(
+        max_tokens=64, temperature=0.0, guided=GuidedDecoding(json_schema=json.dumps(PERSON), backend=backend)
+    )
+    return [({"prompt_token_ids": p}, _greedy()) for p in PROMPTS] + [
+        ([{"role": "user", "content": "A person as JSON."}], guided)
+    ] * 2
 
 
 def test_cuda_graphs_equal_eager_and_guided_outputs_are_valid(random_model: Path) -> None:
     outputs = {}
     for eager in (False, True):
-        with LLM(str(random_model), device=DEVICE, dtype="float32", max_batch_size=8, enforce_eager=eager,
-                 show_progress=False, jump_forward=False) as llm:
+        with LLM(
+            str(random_model),
+            device=DEVICE,
+            dtype="float32",
+            max_batch_size=8,
+            enforce_eager=eager,
+            show_progress=False,
+            jump_forward=False,
+        ) as llm:
             outputs[eager] = _run(llm, _mixed())
     assert [o.token_ids for o in outputs[False]] == [o.token_ids for o in outputs[True]]
-    for out in outputs[False][len(PROMPTS):]:
+    for out in outputs[False][len(PROMPTS) :]:
         if out.finish_reason != "length":
             jsonschema.validate(json.loads(out.text), PERSON)
 
@@ -118,7 +143,7 @@ def test_bf16_default_serves_guided_json(random_model: Path) -> None:
         assert llm.config.dtype == ("bfloat16" if DEVICE == "cuda" else "float32")
         outs = _run(llm, _mixed("llguidance"))
     assert all(len(o.token_ids) > 0 for o in outs)
-    for out in outs[len(PROMPTS):]:
+    for out in outs[len(PROMPTS) :]:
         if out.finish_reason != "length":
             jsonschema.validate(json.loads(out.text), PERSON)
 
@@ -127,8 +152,15 @@ def test_speculative_greedy_equals_plain_greedy(random_model: Path) -> None:
     requests = _mixed() + [("the cat sat on the mat. the cat sat on the mat. the cat", _greedy(32))]
     runs = {}
     for speculative in (None, "ngram"):
-        with LLM(str(random_model), device=DEVICE, dtype="float32", max_batch_size=8, show_progress=False,
-                 speculative=speculative, jump_forward=False) as llm:
+        with LLM(
+            str(random_model),
+            device=DEVICE,
+            dtype="float32",
+            max_batch_size=8,
+            show_progress=False,
+            speculative=speculative,
+            jump_forward=False,
+        ) as llm:
             runs[speculative] = _run(llm, requests)
     assert [o.token_ids for o in runs["ngram"]] == [o.token_ids for o in runs[None]]
     assert sum(o.stats.num_spec_steps for o in runs["ngram"]) > 0
@@ -138,7 +170,13 @@ def test_speculative_greedy_equals_plain_greedy(random_model: Path) -> None:
 def test_tp2_equals_tp1(random_model: Path) -> None:
     runs = {}
     for tp in (1, 2):
-        with LLM(str(random_model), device=DEVICE, dtype="float32", tensor_parallel_size=tp, max_batch_size=8,
-                 show_progress=False) as llm:
+        with LLM(
+            str(random_model),
+            device=DEVICE,
+            dtype="float32",
+            tensor_parallel_size=tp,
+            max_batch_size=8,
+            show_progress=False,
+        ) as llm:
             runs[tp] = _run(llm, _mixed())
     assert [o.token_ids for o in runs[2]] == [o.token_ids for o in runs[1]]

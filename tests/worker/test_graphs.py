@@ -35,17 +35,24 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 def _steps() -> list[tuple[list[int], list[int], list[int], list[int]]]:
     """(slots, starts, new tokens per row, logits per row) after a prefill of every slot to 20
     tokens: decode, decode of a padded batch on scattered slots, verify with mixed row lengths."""
-    return [([0, 1, 2, 3], [20, 20, 20, 20], [1, 1, 1, 1], [1, 1, 1, 1]),
-            ([4, 0, 2], [20, 21, 21], [1, 1, 1], [1, 1, 1]),
-            ([1, 3, 5], [21, 21, 20], [4, 1, 3], [4, 1, 3]),
-            ([5], [23], [2], [1])]
+    return [
+        ([0, 1, 2, 3], [20, 20, 20, 20], [1, 1, 1, 1], [1, 1, 1, 1]),
+        ([4, 0, 2], [20, 21, 21], [1, 1, 1], [1, 1, 1]),
+        ([1, 3, 5], [21, 21, 20], [4, 1, 3], [4, 1, 3]),
+        ([5], [23], [2], [1]),
+    ]
 
 
 def test_padded_forward_equals_the_ordinary_forward(model: LlamaModel) -> None:
     gen = torch.Generator().manual_seed(0)
     eager_kv, graph_kv = model.create_kv_cache(MAX_BATCH + 1), model.create_kv_cache(MAX_BATCH + 1)
-    prefill = ForwardBatch.create(torch.randint(0, 300, (MAX_BATCH * 20,), generator=gen), list(range(MAX_BATCH)),
-                                  [0] * MAX_BATCH, [20] * MAX_BATCH, [1] * MAX_BATCH)
+    prefill = ForwardBatch.create(
+        torch.randint(0, 300, (MAX_BATCH * 20,), generator=gen),
+        list(range(MAX_BATCH)),
+        [0] * MAX_BATCH,
+        [20] * MAX_BATCH,
+        [1] * MAX_BATCH,
+    )
     model.forward(prefill, eager_kv)
     model.forward(prefill, graph_kv)
     runner = GraphRunner(model, graph_kv, MAX_BATCH, capture=False)
@@ -71,4 +78,3 @@ def test_steps_outside_the_buckets_run_eagerly(model: LlamaModel) -> None:
     assert runner.plan(near_end) == GraphKey(1, 2, 300)
     with pytest.raises(ValueError, match="scratch slot"):
         GraphRunner(model, model.create_kv_cache(MAX_BATCH), MAX_BATCH, capture=False)
-

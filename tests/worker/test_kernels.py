@@ -71,8 +71,9 @@ def test_weights_the_kernel_cannot_take_stay_as_they_are() -> None:
     torch.testing.assert_close(kernels.linear(x, w16), F.linear(x, w16))
 
 
-def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: list[int], starts: list[int],
-                         n: int, g: int) -> torch.Tensor:
+def _reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: list[int], starts: list[int], n: int, g: int
+) -> torch.Tensor:
     out = torch.empty_like(q)
     hkv, d = k.shape[1], k.shape[3]
     for r, (slot, start) in enumerate(zip(slots, starts)):
@@ -93,8 +94,9 @@ def test_cache_attention_matches_torch(n: int, g: int, d: int) -> None:
     v = torch.randn(5, hkv, max_len, d, generator=gen)
     slots, starts = [3, 0, 4], [0, 17, 250]  # a first token, a short and a long context
     q = torch.randn(len(slots) * n, hkv * g, d, generator=gen) * 3
-    out = kernels.cache_attention(q, k, v, torch.tensor(slots, dtype=torch.int32),
-                                  torch.tensor(starts, dtype=torch.int32), n, g)
+    out = kernels.cache_attention(
+        q, k, v, torch.tensor(slots, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32), n, g
+    )
     assert out is not None
     torch.testing.assert_close(out, _reference_attention(q, k, v, slots, starts, n, g), atol=1e-5, rtol=1e-5)
 
@@ -108,7 +110,9 @@ def test_cache_attention_of_a_token_does_not_depend_on_later_tokens_or_other_row
     assert together is not None
     for r in range(4):
         for j in range(5):  # token j alone, as a decode step would run it
-            alone = kernels.cache_attention(q[r * 5 + j : r * 5 + j + 1], k, v, int32([r]), int32([10 * (r + 1) + j]), 1, 3)
+            alone = kernels.cache_attention(
+                q[r * 5 + j : r * 5 + j + 1], k, v, int32([r]), int32([10 * (r + 1) + j]), 1, 3
+            )
             assert alone is not None and torch.equal(alone[0], together[r * 5 + j])
 
 
@@ -121,11 +125,14 @@ def _cpu_has(flag: str) -> bool:
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 instruction sets")
-@pytest.mark.parametrize("arch,runs", [
-    ("-march=x86-64", True),  # SSE2 only: 4-wide vectors
-    ("-march=x86-64-v3", _cpu_has("avx2")),  # AVX2: 8-wide
-    ("-march=x86-64-v4", _cpu_has("avx512f")),  # AVX-512, 16-wide: built everywhere, run where the CPU has it
-])
+@pytest.mark.parametrize(
+    "arch,runs",
+    [
+        ("-march=x86-64", True),  # SSE2 only: 4-wide vectors
+        ("-march=x86-64-v3", _cpu_has("avx2")),  # AVX2: 8-wide
+        ("-march=x86-64-v4", _cpu_has("avx512f")),  # AVX-512, 16-wide: built everywhere, run where the CPU has it
+    ],
+)
 def test_each_vector_width_builds_and_matches_torch(monkeypatch: pytest.MonkeyPatch, arch: str, runs: bool) -> None:
     """The kernels at each vector width vec.h picks, not only this machine's: built, and where
     the CPU can run them, checked against torch (linear, int8, attention) and for rows that do
@@ -139,8 +146,9 @@ def test_each_vector_width_builds_and_matches_torch(monkeypatch: pytest.MonkeyPa
         w, x, bias = _case(m, n, k)
         torch.testing.assert_close(kernels.linear(x, kernels.pack(w), bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)
         quantized = kernels.quantize(w)
-        torch.testing.assert_close(kernels.linear(x, quantized), F.linear(x, kernels.dense(quantized)),
-                                   atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(
+            kernels.linear(x, quantized), F.linear(x, kernels.dense(quantized)), atol=1e-4, rtol=1e-5
+        )
     w = kernels.pack(_case(0, 300, 576)[0])
     x = _case(23, 1, 576)[1]
     alone = torch.cat([kernels.linear(x[i : i + 1], w) for i in range(len(x))])

@@ -33,11 +33,16 @@ def our_logits(model_dir: Path, prompts: list[list[int]], tp: TPInfo = TPInfo())
     model.load(model_dir, hf, show_progress=False)
     kv = model.create_kv_cache(len(prompts))
     split = [len(p) // 2 for p in prompts]
-    first = ForwardBatch.create([t for p, s in zip(prompts, split) for t in p[:s]], list(range(len(prompts))),
-                                [0] * len(prompts), split, split)
-    second = ForwardBatch.create([t for p, s in zip(prompts, split) for t in p[s:]], list(range(len(prompts))),
-                                 split, [len(p) - s for p, s in zip(prompts, split)],
-                                 [len(p) - s for p, s in zip(prompts, split)])
+    first = ForwardBatch.create(
+        [t for p, s in zip(prompts, split) for t in p[:s]], list(range(len(prompts))), [0] * len(prompts), split, split
+    )
+    second = ForwardBatch.create(
+        [t for p, s in zip(prompts, split) for t in p[s:]],
+        list(range(len(prompts))),
+        split,
+        [len(p) - s for p, s in zip(prompts, split)],
+        [len(p) - s for p, s in zip(prompts, split)],
+    )
     a = model.compute_logits(model.forward(first, kv))
     b = model.compute_logits(model.forward(second, kv))
     if a is None or b is None:
@@ -74,8 +79,7 @@ def test_tp2_logits_match_hf(tmp_path: Path, kind: str) -> None:
 
     folder = make_tiny_model(tmp_path / kind, kind)
     out = tmp_path / "logits.pt"
-    mp.start_processes(_tp_rank, args=(folder, f"tcp://127.0.0.1:{_free_port()}", out), nprocs=2,
-                       start_method="spawn")
+    mp.start_processes(_tp_rank, args=(folder, f"tcp://127.0.0.1:{_free_port()}", out), nprocs=2, start_method="spawn")
     for ours, ref in zip(torch.load(out), hf_logits(folder, PROMPTS)):
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 
@@ -89,14 +93,23 @@ def test_real_model_logits_match_hf(real_model_dir: Path) -> None:
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "default", "rope_theta": 10000.0},
-    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 1024},
-    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
-    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024},
-    {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        },
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024},
+        {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    ],
+)
 def test_rotary_tables_equal_transformers_rotary_module(rope: dict[str, object]) -> None:
     """Our tables (computed without importing Llama's modeling file, for a fast worker start)
     are transformers' own, bit for bit, for each RoPE type."""
@@ -112,8 +125,9 @@ def test_rotary_tables_equal_transformers_rotary_module(rope: dict[str, object])
 
 
 @pytest.mark.parametrize("kind", ["real", "llama", "qwen2", "mistral", "yarn"])
-def test_engine_processes_read_the_config_transformers_reads(tmp_path: Path, kind: str, real_model_dir: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_processes_read_the_config_transformers_reads(
+    tmp_path: Path, kind: str, real_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Engine processes read the model's config as plain data, cached by content, not through
     transformers' config classes (a fast start): the model shape, the rotary tables and the end
     ids are those of the config class; a RoPE kind that needs the class gets the class."""
@@ -127,9 +141,17 @@ def test_engine_processes_read_the_config_transformers_reads(tmp_path: Path, kin
         folder = real_model_dir
     elif kind == "yarn":
         folder = tmp_path / "yarn"
-        LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=512,
-                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                     "original_max_position_embeddings": 128}).save_pretrained(folder)
+        LlamaConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+        ).save_pretrained(folder)
     else:
         folder = make_tiny_model(tmp_path / kind, kind)
     reference = AutoConfig.from_pretrained(folder)
@@ -155,6 +177,11 @@ def test_engine_processes_load_the_tokenizer_transformers_loads(real_model_dir: 
     ours, reference = load_tokenizer(real_model_dir), AutoTokenizer.from_pretrained(real_model_dir)
     assert type(ours) is type(reference) and ours.init_kwargs == reference.init_kwargs
     chat = [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": 'Say {"a": [1, 2]} ünïcode'}]
-    assert ours.apply_chat_template(chat, add_generation_prompt=True) == \
-        reference.apply_chat_template(chat, add_generation_prompt=True)
-    assert (ours.eos_token_id, ours.bos_token_id, len(ours)) == (reference.eos_token_id, reference.bos_token_id, len(reference))
+    assert ours.apply_chat_template(chat, add_generation_prompt=True) == reference.apply_chat_template(
+        chat, add_generation_prompt=True
+    )
+    assert (ours.eos_token_id, ours.bos_token_id, len(ours)) == (
+        reference.eos_token_id,
+        reference.bos_token_id,
+        len(reference),
+    )

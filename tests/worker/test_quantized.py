@@ -120,12 +120,15 @@ def test_types_not_kept_as_blocks() -> None:
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 instruction sets")
-@pytest.mark.parametrize("arch,flag", [
-    ("-march=x86-64", "sse2"),  # the portable C tile
-    ("-march=x86-64-v3", "avx2"),  # AVX2: maddubs
-    ("-march=x86-64-v4", "avx512f"),  # AVX-512 without VNNI: maddubs
-    ("-march=native", "avx512_vnni"),  # dpbusd where this CPU has it
-])
+@pytest.mark.parametrize(
+    "arch,flag",
+    [
+        ("-march=x86-64", "sse2"),  # the portable C tile
+        ("-march=x86-64-v3", "avx2"),  # AVX2: maddubs
+        ("-march=x86-64-v4", "avx512f"),  # AVX-512 without VNNI: maddubs
+        ("-march=native", "avx512_vnni"),  # dpbusd where this CPU has it
+    ],
+)
 def test_each_instruction_set_builds_and_matches(monkeypatch: pytest.MonkeyPatch, arch: str, flag: str) -> None:
     path = kernels.build([arch])
     assert path is not None and path.exists()
@@ -144,8 +147,17 @@ def test_each_instruction_set_builds_and_matches(monkeypatch: pytest.MonkeyPatch
 
 # ---------------------------------------------------------------- a tiny model written as a GGUF file
 
-TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=128, tie_word_embeddings=True, vocab_size=300, rms_norm_eps=1e-5)
+TINY = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+    vocab_size=300,
+    rms_norm_eps=1e-5,
+)
 # 3 key/value heads over 2 ranks, 2 + 1 (TINY's 2 heads give o_proj's columns a cut at 128: off Q4_K's 256)
 TINY_ODD_HEADS = dict(TINY, hidden_size=384, num_attention_heads=6, num_key_value_heads=3)
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11, 12, 13], [201, 7, 7, 9, 100]]
@@ -195,11 +207,22 @@ def model_logits(model_dir: Path, quantized: bool, tp: TPInfo = TPInfo()) -> tup
     model = LlamaModel(ModelConfig.from_hf(hf), tp, torch.float32, max_model_len=64, quantized=quantized)
     model.load(model_dir, hf, show_progress=False)
     kv = model.create_kv_cache(len(PROMPTS))
-    first = ForwardBatch.create([t for p in PROMPTS for t in p[:-1]], [0, 1, 2], [0, 0, 0],
-                                [len(p) - 1 for p in PROMPTS], [len(p) - 1 for p in PROMPTS])
+    first = ForwardBatch.create(
+        [t for p in PROMPTS for t in p[:-1]],
+        [0, 1, 2],
+        [0, 0, 0],
+        [len(p) - 1 for p in PROMPTS],
+        [len(p) - 1 for p in PROMPTS],
+    )
     a = model.compute_logits(model.forward(first, kv))
-    b = model.compute_logits(model.forward(ForwardBatch.create([p[-1] for p in PROMPTS], [0, 1, 2],
-                                                               [len(p) - 1 for p in PROMPTS], [1, 1, 1], [1, 1, 1]), kv))
+    b = model.compute_logits(
+        model.forward(
+            ForwardBatch.create(
+                [p[-1] for p in PROMPTS], [0, 1, 2], [len(p) - 1 for p in PROMPTS], [1, 1, 1], [1, 1, 1]
+            ),
+            kv,
+        )
+    )
     if a is None or b is None:
         return None, model
     out, at = [], 0
@@ -248,8 +271,11 @@ def test_real_model_blocks_are_the_converted_weights(real_model_dir: Path) -> No
     source = gguf_source(real_model_dir)
     assert source is not None
     blocks, reader = GGUFTensors(source, 9, 3), ShardReader(real_model_dir)
-    for name in ("model.layers.7.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
-                 "model.layers.7.mlp.down_proj.weight"):
+    for name in (
+        "model.layers.7.self_attn.q_proj.weight",
+        "model.layers.7.self_attn.k_proj.weight",
+        "model.layers.7.mlp.down_proj.weight",
+    ):
         weight = blocks.get(name)
         assert weight is not None and torch.equal(kernels.dense(weight), reader.get(name))
     cut = blocks.get("model.layers.0.mlp.down_proj.weight", rows=(8, 40), cols=(768, 1536))
@@ -277,8 +303,7 @@ def test_tp2_with_blocks_equals_tp1(tmp_path: Path, type_name: str, config: dict
 
     folder = gguf_model(tmp_path, {"*": type_name}, config)
     out = tmp_path / "logits"
-    mp.start_processes(_tp_rank, args=(folder, f"tcp://127.0.0.1:{_free_port()}", out), nprocs=2,
-                       start_method="spawn")
+    mp.start_processes(_tp_rank, args=(folder, f"tcp://127.0.0.1:{_free_port()}", out), nprocs=2, start_method="spawn")
     (ours, kept), (none, _) = torch.load(out.with_suffix(".0.pt")), torch.load(out.with_suffix(".1.pt"))
     assert none is None and set(kept.values()) == {"GGUFWeight"}
     reference, _ = model_logits(folder, quantized=True)

@@ -10,8 +10,13 @@ from guidespec.worker.sampler import sample
 
 
 def _params(rows: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = -1):  # type: ignore[no-untyped-def]
-    return (torch.full((rows,), temperature), torch.full((rows,), top_k), torch.full((rows,), top_p),
-            torch.full((rows,), seed), torch.arange(rows))
+    return (
+        torch.full((rows,), temperature),
+        torch.full((rows,), top_k),
+        torch.full((rows,), top_p),
+        torch.full((rows,), seed),
+        torch.arange(rows),
+    )
 
 
 def test_greedy_is_argmax() -> None:
@@ -50,11 +55,18 @@ def test_temperature_sampling_follows_the_softmax() -> None:
 
 def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     logits = torch.randn(4, 1000)
-    alone = sample(logits[2:3].clone(), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]),
-                   torch.tensor([42]), torch.tensor([7]))
+    alone = sample(
+        logits[2:3].clone(),
+        torch.tensor([1.0]),
+        torch.tensor([0]),
+        torch.tensor([1.0]),
+        torch.tensor([42]),
+        torch.tensor([7]),
+    )
     temperature, top_k, top_p, _, _ = _params(4)
-    batched = sample(logits.clone(), temperature, top_k, top_p, torch.tensor([-1, 5, 42, -1]),
-                     torch.tensor([0, 0, 7, 0]))
+    batched = sample(
+        logits.clone(), temperature, top_k, top_p, torch.tensor([-1, 5, 42, -1]), torch.tensor([0, 0, 7, 0])
+    )
     assert batched[2] == alone[0]
 
 

@@ -58,11 +58,26 @@ def load(path: Path) -> ctypes.CDLL:
     lib.packed_linear_f32.restype = None
     lib.packed_linear_i8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
     lib.packed_linear_i8.restype = None
-    lib.gguf_linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.gguf_linear.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
     lib.gguf_linear.restype = None
-    lib.gguf_dequantize_rows.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                         ctypes.c_void_p]
+    lib.gguf_dequantize_rows.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+    ]
     lib.gguf_dequantize_rows.restype = None
     lib.cache_attention_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.cache_attention_f32.restype = None
@@ -123,8 +138,7 @@ Weight = torch.Tensor | PackedWeight | QuantizedWeight | GGUFWeight
 def pack(weight: torch.Tensor) -> Weight:
     """The weight packed for :func:`linear` when the kernel applies (fp32, 2-D, on the CPU, a
     compiled kernel), else the weight itself."""
-    if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu"
-            or _library() is None):
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" or _library() is None:
         return weight
     return PackedWeight(weight)
 
@@ -161,14 +175,40 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
         bias = None if bias is None else bias.float().contiguous()
         bias_ptr = None if bias is None else bias.data_ptr()
         if isinstance(weight, GGUFWeight):
-            lib.gguf_linear(x.data_ptr(), weight.blocks.data_ptr(), weight.fmt, bias_ptr, out.data_ptr(), x.shape[0],
-                            n, k, torch.get_num_threads())
+            lib.gguf_linear(
+                x.data_ptr(),
+                weight.blocks.data_ptr(),
+                weight.fmt,
+                bias_ptr,
+                out.data_ptr(),
+                x.shape[0],
+                n,
+                k,
+                torch.get_num_threads(),
+            )
         elif isinstance(weight, QuantizedWeight):
-            lib.packed_linear_i8(x.data_ptr(), weight.blocks.data_ptr(), weight.scale.data_ptr(), bias_ptr,
-                                 out.data_ptr(), x.shape[0], n, k, torch.get_num_threads())
+            lib.packed_linear_i8(
+                x.data_ptr(),
+                weight.blocks.data_ptr(),
+                weight.scale.data_ptr(),
+                bias_ptr,
+                out.data_ptr(),
+                x.shape[0],
+                n,
+                k,
+                torch.get_num_threads(),
+            )
         else:
-            lib.packed_linear_f32(x.data_ptr(), weight.blocks.data_ptr(), bias_ptr, out.data_ptr(), x.shape[0], n, k,
-                                  torch.get_num_threads())
+            lib.packed_linear_f32(
+                x.data_ptr(),
+                weight.blocks.data_ptr(),
+                bias_ptr,
+                out.data_ptr(),
+                x.shape[0],
+                n,
+                k,
+                torch.get_num_threads(),
+            )
     return out
 
 
@@ -186,8 +226,15 @@ def embedding(token_ids: torch.Tensor, weight: Weight) -> torch.Tensor:
 MAX_CACHE_ATTENTION_TOKENS = 64  # new tokens per row up to which cache_attention applies
 
 
-def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                    starts: torch.Tensor, num_new_tokens: int, num_query_groups: int) -> torch.Tensor | None:
+def cache_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    num_new_tokens: int,
+    num_query_groups: int,
+) -> torch.Tensor | None:
     """Attention of ``num_new_tokens`` new tokens per row over one layer's cache, or None where
     the kernel does not apply (torch does it then).
 
@@ -196,14 +243,34 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     position of its first new token. Returns [B * n, hkv * g, D].
     """
     lib = _library()
-    if (lib is None or num_new_tokens > MAX_CACHE_ATTENTION_TOKENS or q.shape[-1] % 16 or q.dtype != torch.float32
-            or k_cache.dtype != torch.float32 or q.device.type != "cpu" or not k_cache.is_contiguous()
-            or not v_cache.is_contiguous()):
+    if (
+        lib is None
+        or num_new_tokens > MAX_CACHE_ATTENTION_TOKENS
+        or q.shape[-1] % 16
+        or q.dtype != torch.float32
+        or k_cache.dtype != torch.float32
+        or q.device.type != "cpu"
+        or not k_cache.is_contiguous()
+        or not v_cache.is_contiguous()
+    ):
         return None
     _, hkv, max_len, d = k_cache.shape
     q = q.contiguous()
     out = torch.empty_like(q)
-    lib.cache_attention_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), slots.data_ptr(),
-                            starts.data_ptr(), len(slots), num_new_tokens, hkv, num_query_groups, d, max_len,
-                            d**-0.5, torch.get_num_threads())
+    lib.cache_attention_f32(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        slots.data_ptr(),
+        starts.data_ptr(),
+        len(slots),
+        num_new_tokens,
+        hkv,
+        num_query_groups,
+        d,
+        max_len,
+        d**-0.5,
+        torch.get_num_threads(),
+    )
     return out

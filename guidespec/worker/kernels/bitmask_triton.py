@@ -30,8 +30,15 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _apply_rows(logits_ptr, logits_stride, bitmask_ptr, num_words, rows_ptr, vocab_size,  # type: ignore[no-untyped-def]
-                    BLOCK: tl.constexpr):
+    def _apply_rows(
+        logits_ptr,
+        logits_stride,
+        bitmask_ptr,
+        num_words,
+        rows_ptr,
+        vocab_size,  # type: ignore[no-untyped-def]
+        BLOCK: tl.constexpr,
+    ):
         i = tl.program_id(0)
         offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < vocab_size

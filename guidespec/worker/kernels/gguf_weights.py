@@ -66,8 +66,9 @@ class GGUFWeight:
         if lib is None:
             out = _dequantize_numpy(self.blocks[flat].numpy(), self.fmt)
         elif len(flat):
-            lib.gguf_dequantize_rows(self.blocks.data_ptr(), self.fmt, flat.data_ptr(), len(flat), self.shape[1],
-                                     out.data_ptr())
+            lib.gguf_dequantize_rows(
+                self.blocks.data_ptr(), self.fmt, flat.data_ptr(), len(flat), self.shape[1], out.data_ptr()
+            )
         shape = (self.shape[0],) if ids is None else tuple(ids.shape)
         return out.view(*shape, self.shape[1])
 
