@@ -1,7 +1,7 @@
 """``negation.negate`` accepts exactly what its schema rejects, and ``disjoint.disjoint`` only
-proves what holds: checked with the jsonschema library on JSON values hypothesis generates from the numbers,
-strings and property names these schemas use. (hypothesis-jsonschema, which would draw instances
-from a schema, does not run with the hypothesis this project pins: 'many' object has no
+proves what holds: checked with the jsonschema library on JSON values hypothesis generates from
+the numbers, strings and property names these schemas use. (hypothesis-jsonschema 0.23.1, which
+would draw instances from a schema, does not run with hypothesis 6.170: 'many' object has no
 attribute 'more'.)"""
 
 from __future__ import annotations
