@@ -41,7 +41,9 @@ def compile_all(schemas: dict[str, str], backend: str, timeout_s: float) -> dict
     model_dir = resolve_model_dir(None, show_progress=False)
     tokenizer = load_tokenizer(model_dir)
     hf = load_hf_config(model_dir)
-    settings = GrammarSettings(model_dir, backend, hf.vocab_size, eos_token_ids(model_dir, hf, tokenizer), timeout_s, 16)
+    settings = GrammarSettings(
+        model_dir, backend, hf.vocab_size, eos_token_ids(model_dir, hf, tokenizer), timeout_s, 16
+    )
     manager = GrammarManager(settings, tokenizer)
     manager.wait_started(120)
     results: dict[str, str | None] = {}
@@ -72,7 +74,9 @@ def main() -> None:
     parser.add_argument("--list", action="store_true", help="print every schema auto refuses, with the error")
     parser.add_argument("--by-rewrite", action="store_true", help="the schemas each exact rewrite unlocks")
     args = parser.parse_args()
-    schemas = {p.stem: json.dumps(json.loads(p.read_text())["schema"]) for p in sorted(Path(args.schemas).glob("*.json"))}
+    schemas = {
+        p.stem: json.dumps(json.loads(p.read_text())["schema"]) for p in sorted(Path(args.schemas).glob("*.json"))
+    }
     runs = {backend: compile_all(schemas, backend, args.timeout) for backend in BACKENDS}
     by_category: dict[str, list[str]] = collections.defaultdict(list)
     for name in schemas:

@@ -70,6 +70,7 @@ def test_no_module_imports_itself_back() -> None:
 def test_the_scheduler_and_the_workers_do_not_import_each_other() -> None:
     graph = _graph()
     for side, other in (("guidespec.scheduler", "guidespec.worker"), ("guidespec.worker", "guidespec.scheduler")):
-        crossing = sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith(side)
-                          for t in targets if t.startswith(other))
+        crossing = sorted(
+            f"{m} -> {t}" for m, targets in graph.items() if m.startswith(side) for t in targets if t.startswith(other)
+        )
         assert crossing == [], crossing

@@ -16,8 +16,9 @@ from guidespec.protocol import GRAMMAR_BACKENDS as BACKENDS
 __all__ = ["BACKENDS", "GrammarBackend", "GrammarError", "GrammarMatcher", "create_backend"]
 
 
-def create_backend(name: str, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...],
-                   num_threads: int = 2) -> GrammarBackend:
+def create_backend(
+    name: str, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], num_threads: int = 2
+) -> GrammarBackend:
     if name == "xgrammar":
         from guidespec.grammar_backends.xgrammar_backend import XGrammarBackend
 

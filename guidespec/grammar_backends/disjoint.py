@@ -22,8 +22,16 @@ IsValid = Callable[[Any, Any], bool]  # (schema, value) -> whether the value is 
 _MAX_DEPTH = 8
 
 
-def disjoint(a: Any, b: Any, types: set[str] | None, resolve: Resolve, is_valid: IsValid,
-             required: frozenset[str] = frozenset(), depth: int = 0, draft_4: bool = False) -> bool:
+def disjoint(
+    a: Any,
+    b: Any,
+    types: set[str] | None,
+    resolve: Resolve,
+    is_valid: IsValid,
+    required: frozenset[str] = frozenset(),
+    depth: int = 0,
+    draft_4: bool = False,
+) -> bool:
     """True if no value of a type in ``types`` (all where None) with the ``required`` property
     names (of the schema beside the two) can match both schemas. ``draft_4``: read in draft 3
     or 4, where a number as ``exclusiveMinimum`` is no bound."""
@@ -41,12 +49,23 @@ def disjoint(a: Any, b: Any, types: set[str] | None, resolve: Resolve, is_valid:
         return True
     if _values_fail(first, b, is_valid) or _values_fail(second, a, is_valid):
         return True
-    return all(_disjoint_as(t, first + [{"required": sorted(required)}], second + [{"required": sorted(required)}],
-                            resolve, is_valid, depth, draft_4) for t in shared)
+    return all(
+        _disjoint_as(
+            t,
+            first + [{"required": sorted(required)}],
+            second + [{"required": sorted(required)}],
+            resolve,
+            is_valid,
+            depth,
+            draft_4,
+        )
+        for t in shared
+    )
 
 
-def _disjoint_as(kind: str, first: list[Any], second: list[Any], resolve: Resolve, is_valid: IsValid,
-                 depth: int, draft_4: bool) -> bool:
+def _disjoint_as(
+    kind: str, first: list[Any], second: list[Any], resolve: Resolve, is_valid: IsValid, depth: int, draft_4: bool
+) -> bool:
     if kind == "object":
         return _objects_disjoint(first, second, resolve, is_valid, depth, draft_4)
     if kind in ("number", "integer"):
@@ -104,27 +123,38 @@ def _values_fail(conjuncts: list[Any], other: Any, is_valid: IsValid) -> bool:
     return False
 
 
-def _objects_disjoint(first: list[Any], second: list[Any], resolve: Resolve, is_valid: IsValid, depth: int,
-                      draft_4: bool) -> bool:
+def _objects_disjoint(
+    first: list[Any], second: list[Any], resolve: Resolve, is_valid: IsValid, depth: int, draft_4: bool
+) -> bool:
     required_first, required_second = _required(first), _required(second)
     if any(_forbids(second, n) for n in required_first) or any(_forbids(first, n) for n in required_second):
         return True
     for name in required_first & required_second:
         for a in _property_schemas(first, name):
-            if any(disjoint(a, b, None, resolve, is_valid, depth=depth + 1, draft_4=draft_4)
-                   for b in _property_schemas(second, name)):
+            if any(
+                disjoint(a, b, None, resolve, is_valid, depth=depth + 1, draft_4=draft_4)
+                for b in _property_schemas(second, name)
+            ):
                 return True
     return False
 
 
 def _required(conjuncts: list[Any]) -> set[str]:
-    return {n for s in conjuncts if isinstance(s, dict) and isinstance(s.get("required"), list)
-            for n in s["required"] if isinstance(n, str)}
+    return {
+        n
+        for s in conjuncts
+        if isinstance(s, dict) and isinstance(s.get("required"), list)
+        for n in s["required"]
+        if isinstance(n, str)
+    }
 
 
 def _property_schemas(conjuncts: list[Any], name: str) -> list[Any]:
-    return [s["properties"][name] for s in conjuncts
-            if isinstance(s, dict) and isinstance(s.get("properties"), dict) and name in s["properties"]]
+    return [
+        s["properties"][name]
+        for s in conjuncts
+        if isinstance(s, dict) and isinstance(s.get("properties"), dict) and name in s["properties"]
+    ]
 
 
 def _forbids(conjuncts: list[Any], name: str) -> bool:
@@ -159,15 +189,21 @@ def _range(conjuncts: list[Any], draft_4: bool) -> _Range:
     for schema in conjuncts:
         if not isinstance(schema, dict):
             continue
-        for key, exclusive in (("minimum", False), ("exclusiveMinimum", True))[:1 if draft_4 else 2]:
+        for key, exclusive in (("minimum", False), ("exclusiveMinimum", True))[: 1 if draft_4 else 2]:
             value = schema.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and (
-                    value > low or value == low and exclusive):
+            if (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and (value > low or value == low and exclusive)
+            ):
                 low, low_open = value, exclusive
-        for key, exclusive in (("maximum", False), ("exclusiveMaximum", True))[:1 if draft_4 else 2]:
+        for key, exclusive in (("maximum", False), ("exclusiveMaximum", True))[: 1 if draft_4 else 2]:
             value = schema.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and (
-                    value < high or value == high and exclusive):
+            if (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and (value < high or value == high and exclusive)
+            ):
                 high, high_open = value, exclusive
     return low, low_open, high, high_open
 

@@ -77,13 +77,15 @@ def find_counted_open_object(schema: Any) -> bool:
         return False
     counted = schema.get("minProperties", 0)
     if (not isinstance(counted, (int, float)) or counted > 1) and (
-            "patternProperties" in schema or schema.get("additionalProperties") not in (None, False)):
+        "patternProperties" in schema or schema.get("additionalProperties") not in (None, False)
+    ):
         return True
     return any(find_counted_open_object(v) for k, v in schema.items() if k not in DATA_KEYWORDS)
 
 
-COUNTED_OPEN_OBJECT = ("cannot enforce 'minProperties' on an object open to more names in this json_schema "
-                       "(a name may repeat)")
+COUNTED_OPEN_OBJECT = (
+    "cannot enforce 'minProperties' on an object open to more names in this json_schema (a name may repeat)"
+)
 
 
 def is_refusal(error: str) -> bool:
@@ -98,11 +100,40 @@ def refusals_in(message: str) -> list[tuple[str, str]]:
     return [(part.split(" ", 1)[0], refusal_keyword(part)) for part in parts.split("; ") if is_refusal(part)]
 
 
-_KEYWORDS = {"not", "oneOf", "anyOf", "allOf", "if", "then", "else", "dependencies", "dependentRequired",
-             "dependentSchemas", "uniqueItems", "contains", "minContains", "maxContains", "format", "$ref", "pattern",
-             "minLength", "maxLength", "minProperties", "maxProperties", "propertyNames", "multipleOf",
-             "patternProperties", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "prefixItems",
-             "minItems", "maxItems", "const", "enum"}
+_KEYWORDS = {
+    "not",
+    "oneOf",
+    "anyOf",
+    "allOf",
+    "if",
+    "then",
+    "else",
+    "dependencies",
+    "dependentRequired",
+    "dependentSchemas",
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "format",
+    "$ref",
+    "pattern",
+    "minLength",
+    "maxLength",
+    "minProperties",
+    "maxProperties",
+    "propertyNames",
+    "multipleOf",
+    "patternProperties",
+    "additionalProperties",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "prefixItems",
+    "minItems",
+    "maxItems",
+    "const",
+    "enum",
+}
 
 
 def refusal_keyword(error: str) -> str:
@@ -112,6 +143,7 @@ def refusal_keyword(error: str) -> str:
     for word in quoted:
         if word in _KEYWORDS:
             return word
-    named = re.search(r"(?<![\w$])(" + "|".join(re.escape(k) for k in sorted(_KEYWORDS, key=len, reverse=True))
-                      + r")(?![\w$])", error)
+    named = re.search(
+        r"(?<![\w$])(" + "|".join(re.escape(k) for k in sorted(_KEYWORDS, key=len, reverse=True)) + r")(?![\w$])", error
+    )
     return named.group(1) if named else "other"

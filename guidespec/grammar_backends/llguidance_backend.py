@@ -13,8 +13,12 @@ import llguidance.hf
 import llguidance.numpy
 import numpy as np
 
-from guidespec.grammar_backends.interface import (COUNTED_OPEN_OBJECT, GrammarError, GrammarMatcher,
-                                                  find_counted_open_object)
+from guidespec.grammar_backends.interface import (
+    COUNTED_OPEN_OBJECT,
+    GrammarError,
+    GrammarMatcher,
+    find_counted_open_object,
+)
 from guidespec.protocol import GuidedDecoding
 
 
@@ -50,7 +54,9 @@ class LLGuidanceBackend:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], num_threads: int) -> None:
         self.vocab_size = vocab_size
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids) or None)
+        self.tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids) or None
+        )
         self.executor = llg.LLExecutor(num_threads)
 
     def compile(self, spec: GuidedDecoding) -> Any:
@@ -68,7 +74,8 @@ class LLGuidanceBackend:
                 grammar = llg.LLMatcher.grammar_from_lark(spec.grammar)  # type: ignore[arg-type]
             else:
                 grammar = llg.LLMatcher.grammar_from_lark(
-                    "start: " + " | ".join(json.dumps(c) for c in spec.choice or ()))
+                    "start: " + " | ".join(json.dumps(c) for c in spec.choice or ())
+                )
         except Exception as e:
             raise GrammarError(f"llguidance cannot compile this {kind}: {e}") from None
         error = llg.LLMatcher.validate_grammar(grammar, self.tokenizer)

@@ -8,10 +8,10 @@ keywords, of "a value of that keyword's type which breaks it": ``not {"minLength
 ``{"type": "string", "maxLength": 1}``, ``not {"required": ["a"]}`` is ``{"type": "object",
 "properties": {"a": false}}``. Compositions follow De Morgan's laws; a local ``$ref`` is
 negated through its target. What this module cannot negate exactly (``pattern`` and
-``propertyNames`` but for a form each, ``multipleOf``, ``format``, ``uniqueItems``, ``additionalProperties``, an object or array
-among forbidden values, ...) makes ``negate`` return None, and the caller leaves the schema for
-the backends to refuse. It does not simplify what it builds beyond dropping branches that are
-``false``.
+``propertyNames`` but for a form each, ``multipleOf``, ``format``, ``uniqueItems``,
+``additionalProperties``, an object or array among forbidden values, ...) makes ``negate``
+return None, and the caller leaves the schema for the backends to refuse. It does not simplify
+what it builds beyond dropping branches that are ``false``.
 
 It also writes a conjunction (``conjoin``) the way the backends read best: keywords merged into
 one schema where none clashes, else one more ``allOf`` branch.
@@ -28,19 +28,72 @@ Resolve = Callable[[str], Any]  # a "$ref" -> its target schema, or None where i
 
 # every keyword that constrains a value in some draft (3 to 2020-12); any other keyword is an
 # annotation (or unknown, hence ignored by validators)
-VALIDATION = {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
-              "maxLength", "minLength", "pattern", "items", "additionalItems", "prefixItems", "maxItems", "minItems",
-              "uniqueItems", "contains", "minContains", "maxContains", "maxProperties", "minProperties", "required",
-              "properties", "patternProperties", "additionalProperties", "dependencies", "dependentRequired",
-              "dependentSchemas", "propertyNames", "if", "then", "else", "allOf", "anyOf", "oneOf", "not", "$ref",
-              "$dynamicRef", "$recursiveRef", "format", "unevaluatedItems", "unevaluatedProperties", "disallow",
-              "extends", "divisibleBy", "contentEncoding", "contentMediaType", "contentSchema"}
+VALIDATION = {
+    "type",
+    "enum",
+    "const",
+    "multipleOf",
+    "maximum",
+    "exclusiveMaximum",
+    "minimum",
+    "exclusiveMinimum",
+    "maxLength",
+    "minLength",
+    "pattern",
+    "items",
+    "additionalItems",
+    "prefixItems",
+    "maxItems",
+    "minItems",
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "maxProperties",
+    "minProperties",
+    "required",
+    "properties",
+    "patternProperties",
+    "additionalProperties",
+    "dependencies",
+    "dependentRequired",
+    "dependentSchemas",
+    "propertyNames",
+    "if",
+    "then",
+    "else",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "not",
+    "$ref",
+    "$dynamicRef",
+    "$recursiveRef",
+    "format",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "disallow",
+    "extends",
+    "divisibleBy",
+    "contentEncoding",
+    "contentMediaType",
+    "contentSchema",
+}
 _MAX_DEPTH = 12  # of "$ref"s followed: deeper (or recursive) targets are not negated
-_BOUNDS = {"minimum": "exclusiveMaximum", "exclusiveMinimum": "maximum", "maximum": "exclusiveMinimum",
-           "exclusiveMaximum": "minimum"}
-_LENGTHS = {"minLength": ("string", "maxLength"), "maxLength": ("string", "minLength"),
-            "minItems": ("array", "maxItems"), "maxItems": ("array", "minItems"),
-            "minProperties": ("object", "maxProperties"), "maxProperties": ("object", "minProperties")}
+_BOUNDS = {
+    "minimum": "exclusiveMaximum",
+    "exclusiveMinimum": "maximum",
+    "maximum": "exclusiveMinimum",
+    "exclusiveMaximum": "minimum",
+}
+_LENGTHS = {
+    "minLength": ("string", "maxLength"),
+    "maxLength": ("string", "minLength"),
+    "minItems": ("array", "maxItems"),
+    "maxItems": ("array", "minItems"),
+    "minProperties": ("object", "maxProperties"),
+    "maxProperties": ("object", "minProperties"),
+}
 _LINE_ENDS = "\n\r\u2028\u2029"
 
 
@@ -88,9 +141,12 @@ def all_of(branches: list[Any]) -> Any:
 
 # keywords that must be read together (properties with additionalProperties, ...): merged into a
 # node only where the node has none of the same group
-_GROUPS = ({"properties", "patternProperties", "additionalProperties", "unevaluatedProperties"},
-           {"items", "prefixItems", "additionalItems", "unevaluatedItems"},
-           {"contains", "minContains", "maxContains"}, {"if", "then", "else"})
+_GROUPS = (
+    {"properties", "patternProperties", "additionalProperties", "unevaluatedProperties"},
+    {"items", "prefixItems", "additionalItems", "unevaluatedItems"},
+    {"contains", "minContains", "maxContains"},
+    {"if", "then", "else"},
+)
 
 
 def conjoin(node: dict[str, Any], extra: Any) -> Any:
@@ -128,8 +184,12 @@ def conjoin_all(schemas: list[Any]) -> Any:
 def _possible(branches: list[Any], own: Any) -> list[Any]:
     """The branches whose ``type`` allows a value of type ``own`` (a node's type keyword)."""
     ours = _type_set(own)
-    return [b for b in branches if ours is None or not isinstance(b, dict) or _type_set(b.get("type")) is None
-            or ours & _type_set(b.get("type"))]  # type: ignore[operator]
+
+    def possible(branch: Any) -> bool:
+        theirs = _type_set(branch.get("type")) if isinstance(branch, dict) else None
+        return ours is None or theirs is None or bool(ours & theirs)
+
+    return [b for b in branches if possible(b)]
 
 
 def _type_set(value: Any) -> set[str] | None:
@@ -141,14 +201,17 @@ def _type_set(value: Any) -> set[str] | None:
 
 
 def _clash(node: dict[str, Any], extra: dict[str, Any]) -> bool:
-    if any(k in node and node[k] != v and not (k == "required" and isinstance(node[k], list) and isinstance(v, list))
-           for k, v in extra.items()):
+    if any(
+        k in node and node[k] != v and not (k == "required" and isinstance(node[k], list) and isinstance(v, list))
+        for k, v in extra.items()
+    ):
         return True
     return any(group & set(node) and group & set(extra) for group in _GROUPS)
 
 
-def _negate_keyword(key: str, value: Any, schema: dict[str, Any], resolve: Resolve, depth: int,
-                    draft_4: bool) -> list[Any] | None:
+def _negate_keyword(
+    key: str, value: Any, schema: dict[str, Any], resolve: Resolve, depth: int, draft_4: bool
+) -> list[Any] | None:
     """The values that break keyword ``key`` alone, as a list of branches (of an anyOf)."""
     if key == "type":
         return _not_types(value)
@@ -181,8 +244,9 @@ def _negate_keyword(key: str, value: Any, schema: dict[str, Any], resolve: Resol
     return _negate_composition(key, value, schema, resolve, depth, draft_4)
 
 
-def _negate_composition(key: str, value: Any, schema: dict[str, Any], resolve: Resolve, depth: int,
-                        draft_4: bool) -> list[Any] | None:
+def _negate_composition(
+    key: str, value: Any, schema: dict[str, Any], resolve: Resolve, depth: int, draft_4: bool
+) -> list[Any] | None:
     if key == "not":
         return [value]
     if key in ("anyOf", "allOf") and isinstance(value, list):
@@ -263,7 +327,9 @@ def _not_values(values: Any, draft_4: bool) -> list[Any] | None:
         if not all(math.isfinite(n) for n in numbers) or draft_4:
             return None
         branches.append({"type": "number", "exclusiveMaximum": numbers[0]})
-        branches += [{"type": "number", "exclusiveMinimum": a, "exclusiveMaximum": b} for a, b in zip(numbers, numbers[1:])]
+        branches += [
+            {"type": "number", "exclusiveMinimum": a, "exclusiveMaximum": b} for a, b in zip(numbers, numbers[1:])
+        ]
         branches.append({"type": "number", "exclusiveMinimum": numbers[-1]})
     strings = [v for v in values if isinstance(v, str)]
     if strings:

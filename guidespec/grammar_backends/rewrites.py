@@ -51,23 +51,86 @@ from guidespec.grammar_backends.disjoint import disjoint
 from guidespec.grammar_backends.negation import VALIDATION, any_of, conjoin, conjoin_all, negate
 
 _TYPES = ("null", "boolean", "object", "array", "string", "number")
-_ANNOTATIONS = {"title", "description", "$comment", "examples", "default", "$id", "$schema", "$anchor", "deprecated",
-                "readOnly", "writeOnly"}
+_ANNOTATIONS = {
+    "title",
+    "description",
+    "$comment",
+    "examples",
+    "default",
+    "$id",
+    "$schema",
+    "$anchor",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+}
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
 # validation keywords that can narrow an enum (beside "type", which every backend enforces with it)
-_VALIDATION = {"not", "pattern", "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-               "multipleOf", "minItems", "maxItems", "uniqueItems", "items", "contains", "minContains", "maxContains",
-               "properties", "patternProperties", "additionalProperties", "required", "minProperties",
-               "maxProperties", "propertyNames", "allOf", "anyOf", "oneOf", "if", "then", "else"}
+_VALIDATION = {
+    "not",
+    "pattern",
+    "minLength",
+    "maxLength",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    "minItems",
+    "maxItems",
+    "uniqueItems",
+    "items",
+    "contains",
+    "minContains",
+    "maxContains",
+    "properties",
+    "patternProperties",
+    "additionalProperties",
+    "required",
+    "minProperties",
+    "maxProperties",
+    "propertyNames",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "if",
+    "then",
+    "else",
+}
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "definitions", "$defs", "dependentSchemas")
-_SUBSCHEMAS = ("not", "items", "additionalProperties", "contains", "propertyNames", "if", "then", "else",
-               "additionalItems", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMAS = (
+    "not",
+    "items",
+    "additionalProperties",
+    "contains",
+    "propertyNames",
+    "if",
+    "then",
+    "else",
+    "additionalItems",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
 
 
-REWRITES = ("double negation", "not of a type", "dependencies", "not", "if/then/else", "oneOf of one branch",
-            "oneOf of finite branches", "oneOf of disjoint branches", "oneOf by negation", "unknown format",
-            "annotations beside $ref", "keywords beside $ref its target repeats", "keywords beside $ref",
-            "bounded integers", "min/maxProperties of a closed object", "finite values")
+REWRITES = (
+    "double negation",
+    "not of a type",
+    "dependencies",
+    "not",
+    "if/then/else",
+    "oneOf of one branch",
+    "oneOf of finite branches",
+    "oneOf of disjoint branches",
+    "oneOf by negation",
+    "unknown format",
+    "annotations beside $ref",
+    "keywords beside $ref its target repeats",
+    "keywords beside $ref",
+    "bounded integers",
+    "min/maxProperties of a closed object",
+    "finite values",
+)
 
 
 def rewrite_schema(schema: Any, disabled: frozenset[str] = frozenset()) -> tuple[Any, list[str]]:
@@ -292,16 +355,22 @@ def _one_of(node: dict[str, Any], context: _Context) -> Any:
             return conjoin(rest, {"enum": exactly_one})
     types = node.get("type")
     types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else None
-    required = frozenset(n for n in node.get("required", []) if isinstance(n, str)) if isinstance(
-        node.get("required"), list) else frozenset()
-    if (all(disjoint(a, b, types, context.resolve, context.is_valid, required, draft_4=context.draft_4_integers)
-            for a, b in combinations(branches, 2)) and context.use("oneOf of disjoint branches")):
+    required = (
+        frozenset(n for n in node.get("required", []) if isinstance(n, str))
+        if isinstance(node.get("required"), list)
+        else frozenset()
+    )
+    if all(
+        disjoint(a, b, types, context.resolve, context.is_valid, required, draft_4=context.draft_4_integers)
+        for a, b in combinations(branches, 2)
+    ) and context.use("oneOf of disjoint branches"):
         return conjoin(rest, {"anyOf": branches})
     negated = [negate(b, context.resolve, draft_4=context.draft_4_integers) for b in branches]
     if any(n is None for n in negated):
         return node
-    exactly_one = any_of([conjoin_all([b, *[n for j, n in enumerate(negated) if j != i]])
-                          for i, b in enumerate(branches)])
+    exactly_one = any_of(
+        [conjoin_all([b, *[n for j, n in enumerate(negated) if j != i]]) for i, b in enumerate(branches)]
+    )
     if len(json.dumps(exactly_one)) > _MAX_ONE_OF_CHARS or not context.use("oneOf by negation"):
         return node
     return conjoin(rest, exactly_one)
@@ -338,8 +407,13 @@ def _bounded_integers(node: dict[str, Any], context: _Context) -> dict[str, Any]
     """An integer node between two bounds, with a keyword left that a backend cannot enforce
     (``not``, ``oneOf``, ``if``...), becomes the ``enum`` of its valid integers (each checked by
     ``jsonschema``). Not in drafts 3 and 4, where 5.0 is no integer but equals the value 5."""
-    if (node.get("type") != "integer" or not _UNENFORCEABLE & set(node) or context.draft_4_integers
-            or "$ref" in node and context.legacy_refs):  # (there the bounds beside the $ref do not count)
+    if (
+        node.get("type") != "integer"
+        or not _UNENFORCEABLE & set(node)
+        or context.draft_4_integers
+        or "$ref" in node
+        and context.legacy_refs
+    ):  # (there the bounds beside the $ref do not count)
         return node
     low, high = _integer_bounds(node)
     if low is None or high is None or high - low + 1 > _MAX_INTEGERS or _contains(node, _SENSITIVE):
@@ -384,10 +458,16 @@ def _counted_properties(node: dict[str, Any], context: _Context) -> Any:
     ``properties: {name: false}`` subsets (where there are few subsets)."""
     counts = {k: node[k] for k in ("minProperties", "maxProperties") if k in node}
     properties, required = node.get("properties"), node.get("required", [])
-    if (not counts or node.get("additionalProperties") is not False or "patternProperties" in node
-            or "unevaluatedProperties" in node or not isinstance(properties, dict) or not isinstance(required, list)
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in counts.values())
-            or not set(required) <= set(properties)):
+    if (
+        not counts
+        or node.get("additionalProperties") is not False
+        or "patternProperties" in node
+        or "unevaluatedProperties" in node
+        or not isinstance(properties, dict)
+        or not isinstance(required, list)
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in counts.values())
+        or not set(required) <= set(properties)
+    ):
         return node
     optional = [n for n, sub in properties.items() if n not in required and sub is not False]
     need = counts.get("minProperties", 0) - len(set(required))
@@ -412,9 +492,27 @@ def _counted_properties(node: dict[str, Any], context: _Context) -> Any:
 
 # the formats the JSON Schema drafts define (draft 3's own only in a draft-3 schema); any other
 # "format" is an annotation every draft tells validators to ignore
-_FORMATS = {"date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname", "ipv4", "ipv6",
-            "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template", "json-pointer",
-            "relative-json-pointer", "regex"}
+_FORMATS = {
+    "date-time",
+    "date",
+    "time",
+    "duration",
+    "email",
+    "idn-email",
+    "hostname",
+    "idn-hostname",
+    "ipv4",
+    "ipv6",
+    "uri",
+    "uri-reference",
+    "iri",
+    "iri-reference",
+    "uuid",
+    "uri-template",
+    "json-pointer",
+    "relative-json-pointer",
+    "regex",
+}
 _DRAFT_3_FORMATS = {"utc-millisec", "color", "style", "phone", "host-name", "ip-address"}
 
 
@@ -431,8 +529,17 @@ def _unknown_format(node: dict[str, Any], context: _Context) -> dict[str, Any]:
 
 
 # keywords beside a "$ref" that hold or locate schemas: kept where they are
-_STRUCTURAL = {"definitions", "$defs", "$id", "id", "$schema", "$anchor", "$dynamicAnchor", "$recursiveAnchor",
-               "$vocabulary"}
+_STRUCTURAL = {
+    "definitions",
+    "$defs",
+    "$id",
+    "id",
+    "$schema",
+    "$anchor",
+    "$dynamicAnchor",
+    "$recursiveAnchor",
+    "$vocabulary",
+}
 
 
 def _ref_siblings(node: dict[str, Any], context: _Context) -> dict[str, Any]:
@@ -491,9 +598,19 @@ def _values_of(node: dict[str, Any]) -> list[Any] | None:
 
 # keywords whose meaning depends on the draft (or that jsonschema treats as annotations while a
 # backend enforces them): a node holding one is not evaluated here
-_SENSITIVE = {"prefixItems", "additionalItems", "dependencies", "dependentRequired", "dependentSchemas",
-              "unevaluatedItems", "unevaluatedProperties", "$recursiveRef", "format", "contentEncoding",
-              "contentMediaType"}
+_SENSITIVE = {
+    "prefixItems",
+    "additionalItems",
+    "dependencies",
+    "dependentRequired",
+    "dependentSchemas",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "$recursiveRef",
+    "format",
+    "contentEncoding",
+    "contentMediaType",
+}
 
 
 _REFS = {"$ref", "$dynamicRef"}
@@ -502,8 +619,11 @@ _REFS = {"$ref", "$dynamicRef"}
 def _contains(node: Any, keywords: set[str]) -> bool:
     """Whether a schema holds one of ``keywords``, or ``items`` as a list (draft-dependent), anywhere."""
     if isinstance(node, dict):
-        return (bool(keywords & set(node)) or isinstance(node.get("items"), list)
-                or any(_contains(v, keywords) for v in node.values()))
+        return (
+            bool(keywords & set(node))
+            or isinstance(node.get("items"), list)
+            or any(_contains(v, keywords) for v in node.values())
+        )
     if isinstance(node, list):
         return any(_contains(v, keywords) for v in node)
     return False

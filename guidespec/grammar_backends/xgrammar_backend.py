@@ -15,8 +15,13 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from guidespec.grammar_backends.interface import (COUNTED_OPEN_OBJECT, DATA_KEYWORDS, GrammarError, GrammarMatcher,
-                                                  find_counted_open_object)
+from guidespec.grammar_backends.interface import (
+    COUNTED_OPEN_OBJECT,
+    DATA_KEYWORDS,
+    GrammarError,
+    GrammarMatcher,
+    find_counted_open_object,
+)
 from guidespec.protocol import GuidedDecoding
 
 
@@ -59,8 +64,9 @@ class XGrammarBackend:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], num_threads: int) -> None:
         self.vocab_size = vocab_size
         self._encode = lambda text: list(tokenizer.encode(text, add_special_tokens=False))
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=list(stop_token_ids))
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+        )
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=num_threads, cache_enabled=False)
         self.batch = xgr.BatchGrammarMatcher(max_threads=num_threads)
 
@@ -72,18 +78,24 @@ class XGrammarBackend:
                 _refuse_ignored_keywords(original)
                 if find_counted_open_object(original):
                     raise GrammarError(f"xgrammar {COUNTED_OPEN_OBJECT}")
-                schema = _rewrite_patterns(_drop_false_properties(_declare_required(_distribute_siblings(original,
-                                                                                                        original))))
+                schema = _rewrite_patterns(
+                    _drop_false_properties(_declare_required(_distribute_siblings(original, original)))
+                )
                 with _CapturedStderr() as log:  # xgrammar reports approximations only as a C++ log line
-                    compiled = self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
-                                                                 separators=(", ", ": "))
+                    compiled = self.compiler.compile_json_schema(
+                        json.dumps(schema), any_whitespace=False, separators=(", ", ": ")
+                    )
                 approximation = next((line for line in log.lines() if "cannot be represented exactly" in line), None)
                 if approximation is not None and not _one_ofs_disjoint_by_type(json.loads(spec.json_schema)):  # type: ignore[arg-type]
-                    raise GrammarError("xgrammar cannot enforce this json_schema exactly (outputs could violate it): "
-                                       + approximation.split("Warning: ", 1)[-1])
+                    raise GrammarError(
+                        "xgrammar cannot enforce this json_schema exactly (outputs could violate it): "
+                        + approximation.split("Warning: ", 1)[-1]
+                    )
                 return compiled
             if kind == "json_object":
-                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=(", ", ": "))
+                return self.compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=False, separators=(", ", ": ")
+                )
             if kind == "regex":
                 return self.compiler.compile_regex(optional_groups_as_alternations(spec.regex))  # type: ignore[arg-type]
             if kind == "grammar":
@@ -111,8 +123,16 @@ class XGrammarBackend:
 # keywords xgrammar compiles without enforcing them (an invalid instance of each is accepted:
 # tests/grammar_backends/test_exactness.py); the sweep found outputs breaking "not", "if",
 # "dependencies" and a "$ref" beside "type" (Handwritten pNameFalse, key5, dep6, num2)
-_IGNORED_KEYWORDS = ("not", "if", "dependencies", "dependentRequired", "dependentSchemas", "contains", "minContains",
-                     "maxContains")
+_IGNORED_KEYWORDS = (
+    "not",
+    "if",
+    "dependencies",
+    "dependentRequired",
+    "dependentSchemas",
+    "contains",
+    "minContains",
+    "maxContains",
+)
 
 
 def _refuse_ignored_keywords(schema: Any) -> None:
@@ -131,17 +151,22 @@ def _refuse_ignored_keywords(schema: Any) -> None:
     if schema.get("uniqueItems") is True:
         raise GrammarError("xgrammar cannot enforce 'uniqueItems' in this json_schema (it would ignore it)")
     if "multipleOf" in schema and schema.get("type") != "integer":  # it enforces it on integers only (o17460)
-        raise GrammarError("xgrammar cannot enforce 'multipleOf' on a non-integer in this json_schema (it would ignore it)")
+        raise GrammarError(
+            "xgrammar cannot enforce 'multipleOf' on a non-integer in this json_schema (it would ignore it)"
+        )
     if "pattern" in schema:  # it compiles the pattern and drops the lengths (sampled sweep, Snowplow sp_332)
         for key in ("minLength", "maxLength"):
             if key in schema:
-                raise GrammarError(f"xgrammar cannot enforce {key!r} beside a 'pattern' in this json_schema "
-                                   "(it would ignore it)")
+                raise GrammarError(
+                    f"xgrammar cannot enforce {key!r} beside a 'pattern' in this json_schema (it would ignore it)"
+                )
     if "$ref" in schema:
         beside = sorted(k for k in schema if k != "$ref" and k not in _ANNOTATIONS)
         if beside:
-            raise GrammarError(f"xgrammar cannot enforce the keywords beside a '$ref' in this json_schema "
-                               f"({', '.join(beside)}: it would ignore them)")
+            raise GrammarError(
+                f"xgrammar cannot enforce the keywords beside a '$ref' in this json_schema "
+                f"({', '.join(beside)}: it would ignore them)"
+            )
     for key, value in schema.items():
         if key in DATA_KEYWORDS:
             continue
@@ -184,12 +209,14 @@ def optional_groups_as_alternations(pattern: str) -> str:
 def _rewrite_patterns(schema: Any) -> Any:
     """The schema with every ``pattern`` and ``patternProperties`` key passed through
     ``optional_groups_as_alternations``."""
+
     def rewrite(node: dict[str, Any]) -> dict[str, Any]:
         if isinstance(node.get("pattern"), str):
             node["pattern"] = optional_groups_as_alternations(node["pattern"])
         if isinstance(node.get("patternProperties"), dict):
-            node["patternProperties"] = {optional_groups_as_alternations(k): v
-                                         for k, v in node["patternProperties"].items()}
+            node["patternProperties"] = {
+                optional_groups_as_alternations(k): v for k, v in node["patternProperties"].items()
+            }
         return node
 
     return _bottom_up(schema, rewrite)
@@ -213,8 +240,21 @@ def _bottom_up(schema: Any, rewrite: Callable[[dict[str, Any]], dict[str, Any]])
     return rewrite(out)
 
 
-_ANNOTATIONS = {"title", "description", "$schema", "$id", "id", "default", "examples", "$comment", "definitions",
-                "$defs", "deprecated", "readOnly", "writeOnly"}
+_ANNOTATIONS = {
+    "title",
+    "description",
+    "$schema",
+    "$id",
+    "id",
+    "default",
+    "examples",
+    "$comment",
+    "definitions",
+    "$defs",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+}
 
 
 def _distribute_siblings(schema: Any, root: Any) -> Any:
@@ -291,8 +331,11 @@ def _merge(a: dict[str, Any], b: Any) -> dict[str, Any] | None:
                 if name in merged and merged[name] != sub and not {_truth(merged[name]), _truth(sub)} - {None}:
                     raise GrammarError(f"xgrammar cannot combine two schemas of property {name!r} in a composition")
                 # S and true is S; S and false is false
-                merged[name] = merged[name] if name in merged and (sub is True or sub == {}) else (
-                    False if merged.get(name) is False else sub)
+                merged[name] = (
+                    merged[name]
+                    if name in merged and (sub is True or sub == {})
+                    else (False if merged.get(name) is False else sub)
+                )
             out[key] = merged
         elif key == "type":
             ours = {out[key]} if isinstance(out[key], str) else set(out[key])
@@ -334,8 +377,10 @@ def _undeclare_false_properties(out: dict[str, Any]) -> dict[str, Any]:
         return out
     patterns: dict[str, Any] = out["patternProperties"] if isinstance(out.get("patternProperties"), dict) else {}
     if out.get("additionalProperties", False) is not False or any(_may_match(p, n) for p in patterns for n in absent):
-        raise GrammarError("xgrammar cannot forbid a property of an object open to more names in this json_schema "
-                           "('properties' false beside 'additionalProperties')")
+        raise GrammarError(
+            "xgrammar cannot forbid a property of an object open to more names in this json_schema "
+            "('properties' false beside 'additionalProperties')"
+        )
     out["properties"] = {n: sub for n, sub in properties.items() if n not in absent}
     return out
 

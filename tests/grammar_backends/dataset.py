@@ -38,11 +38,39 @@ def matcher_accepts(backend: Any, compiled: Any, tokenizer: Any, text: str, stop
     return matcher.is_terminated() or matcher.accept_token(stop_token)
 
 
-UNENFORCED_KEYWORDS = ("uniqueItems", "multipleOf", "not", "dependencies", "dependentRequired", "dependentSchemas",
-                       "if", "contains", "format", "pattern", "patternProperties", "minimum", "maximum",
-                       "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "minItems", "maxItems",
-                       "minProperties", "maxProperties", "oneOf", "allOf", "anyOf", "$ref", "const", "enum",
-                       "additionalProperties", "propertyNames", "unevaluatedProperties", "prefixItems")
+UNENFORCED_KEYWORDS = (
+    "uniqueItems",
+    "multipleOf",
+    "not",
+    "dependencies",
+    "dependentRequired",
+    "dependentSchemas",
+    "if",
+    "contains",
+    "format",
+    "pattern",
+    "patternProperties",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "minProperties",
+    "maxProperties",
+    "oneOf",
+    "allOf",
+    "anyOf",
+    "$ref",
+    "const",
+    "enum",
+    "additionalProperties",
+    "propertyNames",
+    "unevaluatedProperties",
+    "prefixItems",
+)
 
 
 def keywords_used(schema: Any) -> set[str]:
@@ -78,8 +106,9 @@ def disagreements(backend_name: str, backend: Any, tokenizer: Any, stop_token: i
             continue
         wrong = []
         for i, test in enumerate(case["tests"]):
-            text = json.dumps(order_like_schema(test["data"], case["schema"]), separators=SEPARATORS[backend_name],
-                              ensure_ascii=False)
+            text = json.dumps(
+                order_like_schema(test["data"], case["schema"]), separators=SEPARATORS[backend_name], ensure_ascii=False
+            )
             if matcher_accepts(backend, compiled, tokenizer, text, stop_token) != test["valid"]:
                 wrong.append([i, "valid instance rejected" if test["valid"] else "invalid instance accepted"])
         if wrong:

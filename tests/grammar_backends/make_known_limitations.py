@@ -1,6 +1,6 @@
 """Regenerate known_limitations.json: run after a backend upgrade, then read the diff.
 
-    .venv/bin/python -m tests.grammar_backends.make_known_limitations
+.venv/bin/python -m tests.grammar_backends.make_known_limitations
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ STOP = 2  # <|im_end|> of SmolLM2-Instruct
 
 def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None, show_progress=False))
-    out = {name: disagreements(name, create_backend(name, tokenizer, 49152, (STOP,)), tokenizer, STOP) for name in BACKENDS}
+    out = {
+        name: disagreements(name, create_backend(name, tokenizer, 49152, (STOP,)), tokenizer, STOP) for name in BACKENDS
+    }
     path = Path(__file__).with_name("known_limitations.json")
     path.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
     print({name: len(v) for name, v in out.items()})

@@ -4,6 +4,7 @@ never compiled into a grammar whose outputs could violate it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -11,11 +12,28 @@ from guidespec.grammar_backends import GrammarError, create_backend
 from guidespec.grammar_backends.rewrites import rewrite_schema
 from guidespec.protocol import GuidedDecoding
 
-OVERLAPPING_ONE_OF = {"type": "object", "properties": {"dimensions": {
-    "oneOf": [{"required": ["length", "width"]}, {"required": ["radius"]}],
-    "properties": {"length": {"type": "number"}, "width": {"type": "number"}, "radius": {"type": "number"}}}}}
-DISJOINT_ONE_OF = {"type": "object", "properties": {"data": {
-    "oneOf": [{"type": "integer"}, {"type": "string"}, {"type": "null"}, {"type": "array", "items": {"type": "integer"}}]}}}
+OVERLAPPING_ONE_OF = {
+    "type": "object",
+    "properties": {
+        "dimensions": {
+            "oneOf": [{"required": ["length", "width"]}, {"required": ["radius"]}],
+            "properties": {"length": {"type": "number"}, "width": {"type": "number"}, "radius": {"type": "number"}},
+        }
+    },
+}
+DISJOINT_ONE_OF = {
+    "type": "object",
+    "properties": {
+        "data": {
+            "oneOf": [
+                {"type": "integer"},
+                {"type": "string"},
+                {"type": "null"},
+                {"type": "array", "items": {"type": "integer"}},
+            ]
+        }
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +72,13 @@ def test_keywords_beside_a_composition_are_enforced(tokenizer, composition: str)
     from tests.grammar_backends.dataset import matcher_accepts
 
     backend = create_backend("xgrammar", tokenizer, 49152, (2,))
-    schema = {"type": "object", "properties": {"target": {"type": "string"}, "routes": {"type": "array"},
-                                               "file": {"type": "string"}},
-              "required": ["target"], "additionalProperties": False,
-              composition: [{"required": ["routes"]}, {"required": ["file"]}]}
+    schema = {
+        "type": "object",
+        "properties": {"target": {"type": "string"}, "routes": {"type": "array"}, "file": {"type": "string"}},
+        "required": ["target"],
+        "additionalProperties": False,
+        composition: [{"required": ["routes"]}, {"required": ["file"]}],
+    }
     if composition == "oneOf":
         with pytest.raises(GrammarError, match="oneOf"):
             backend.compile(GuidedDecoding(json_schema=schema))
@@ -77,9 +98,14 @@ def test_required_names_a_pattern_property_matches_are_declared_with_its_schema(
     from tests.grammar_backends.dataset import matcher_accepts
 
     backend = create_backend("xgrammar", tokenizer, 49152, (2,))
-    schema = {"type": "object", "properties": {"user": {"type": "string"}}, "required": ["from"],
-              "patternProperties": {"^from": {"type": "object", "properties": {"image": {"type": "string"}},
-                                              "required": ["image"]}}}
+    schema = {
+        "type": "object",
+        "properties": {"user": {"type": "string"}},
+        "required": ["from"],
+        "patternProperties": {
+            "^from": {"type": "object", "properties": {"image": {"type": "string"}}, "required": ["image"]}
+        },
+    }
     compiled = backend.compile(GuidedDecoding(json_schema=schema))
     assert not matcher_accepts(backend, compiled, tokenizer, '{"user": "u"}', 2)
     assert not matcher_accepts(backend, compiled, tokenizer, '{"from": 3}', 2)
@@ -115,7 +141,9 @@ def test_string_patterns_accept_exactly_what_python_re_matches(tokenizer, backen
 
     backend = create_backend(backend_name, tokenizer, 49152, (2,))
     strings = ["".join(p) for n in range(5) for p in itertools.product("ab/", repeat=n)]
-    uri_path = r"^/(([a-zA-Z0-9._~!$&'()*+,;=:@-]|%[0-9a-fA-F]{2})+(/([a-zA-Z0-9._~!$&'()*+,;=:@-]|%[0-9a-fA-F]{2})*)*)?$"
+    uri_path = (
+        r"^/(([a-zA-Z0-9._~!$&'()*+,;=:@-]|%[0-9a-fA-F]{2})+(/([a-zA-Z0-9._~!$&'()*+,;=:@-]|%[0-9a-fA-F]{2})*)*)?$"
+    )
     rng = np.random.default_rng(1)
     patterns = [uri_path, r"^/(a+b*)?$", r"^[ab]((b)+(b|/))?$"]
     patterns += [f"^{_random_pattern(rng)}{_random_pattern(rng)}{_random_pattern(rng)}$" for _ in range(100)]
@@ -139,27 +167,68 @@ def test_optional_groups_as_alternations_leaves_classes_and_escapes_alone() -> N
 
 IGNORABLE = [  # (keyword, schema, an instance the schema forbids only through that keyword)
     ("not", {"type": "integer", "not": {"const": 5}}, "5"),
-    ("if", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "if": {"required": ["a"]}, "then": {"required": ["b"]}}, '{"a": 1}'),
-    ("dependencies", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                      "dependencies": {"a": ["b"]}}, '{"a": 1}'),
-    ("dependentRequired", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                           "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
-    ("dependentSchemas", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                          "dependentSchemas": {"a": {"required": ["b"]}}}, '{"a": 1}'),
+    (
+        "if",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "if": {"required": ["a"]},
+            "then": {"required": ["b"]},
+        },
+        '{"a": 1}',
+    ),
+    (
+        "dependencies",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "dependencies": {"a": ["b"]},
+        },
+        '{"a": 1}',
+    ),
+    (
+        "dependentRequired",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "dependentRequired": {"a": ["b"]},
+        },
+        '{"a": 1}',
+    ),
+    (
+        "dependentSchemas",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "dependentSchemas": {"a": {"required": ["b"]}},
+        },
+        '{"a": 1}',
+    ),
     ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]"),
     ("contains", {"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}}, "[1]"),
-    ("$ref beside type", {"type": "integer", "$ref": "#/definitions/x", "definitions": {"x": {"not": {"const": 1}}}},
-     '"s"'),
+    (
+        "$ref beside type",
+        {"type": "integer", "$ref": "#/definitions/x", "definitions": {"x": {"not": {"const": 1}}}},
+        '"s"',
+    ),
     ("$ref beside minimum", {"$ref": "#/definitions/x", "minimum": 5, "definitions": {"x": {"type": "integer"}}}, "1"),
-    ("minProperties, repeated name", {"type": "object", "patternProperties": {"^[a-e]$": True},
-                                      "additionalProperties": False, "minProperties": 2}, '{"a": 1, "a": 2}'),
-    ("propertyNames", {"type": "object", "propertyNames": {"pattern": "^a"}, "additionalProperties": {"type": "integer"}},
-     '{"b": 1}'),
+    (
+        "minProperties, repeated name",
+        {"type": "object", "patternProperties": {"^[a-e]$": True}, "additionalProperties": False, "minProperties": 2},
+        '{"a": 1, "a": 2}',
+    ),
+    (
+        "propertyNames",
+        {"type": "object", "propertyNames": {"pattern": "^a"}, "additionalProperties": {"type": "integer"}},
+        '{"b": 1}',
+    ),
     ("multipleOf", {"type": "integer", "multipleOf": 3}, "4"),
     ("multipleOf", {"type": "number", "multipleOf": 0.01}, "1000.008321"),  # sampled sweep, Github_easy o17460
-    ("maxProperties", {"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 1},
-     '{"a": 1, "b": 2}'),
+    (
+        "maxProperties",
+        {"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 1},
+        '{"a": 1, "b": 2}',
+    ),
     # sampled sweep, Snowplow sp_332: a 250-digit "version" under maxLength 32 and this pattern
     ("maxLength", {"type": "string", "maxLength": 8, "pattern": "^(\\d+\\.\\d+\\.\\d+.*)$"}, '"1.2.3456789"'),
     ("minLength", {"type": "string", "minLength": 9, "pattern": "^(\\d+\\.\\d+\\.\\d+.*)$"}, '"1.2.3"'),
@@ -169,8 +238,14 @@ IGNORABLE = [  # (keyword, schema, an instance the schema forbids only through t
 @pytest.mark.parametrize("rewritten", [False, True], ids=["as sent", "rewritten"])
 @pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
 @pytest.mark.parametrize("keyword,schema,invalid", IGNORABLE, ids=[f"{c[0]}-{i}" for i, c in enumerate(IGNORABLE)])
-def test_a_keyword_is_enforced_or_the_schema_refused(tokenizer, backend_name, keyword, schema, invalid,  # type: ignore[no-untyped-def]
-                                                     rewritten) -> None:
+def test_a_keyword_is_enforced_or_the_schema_refused(
+    tokenizer,
+    backend_name,
+    keyword,
+    schema,
+    invalid,  # type: ignore[no-untyped-def]
+    rewritten,
+) -> None:
     """No backend compiles a schema and then ignores one of its keywords: xgrammar ignored
     ``not``, ``if``, ``dependencies``, ``uniqueItems``, ``contains``, keywords beside ``$ref``
     and repeated names under ``minProperties`` (the sweep's Handwritten pNameFalse, key5, num2

@@ -20,21 +20,54 @@ from guidespec.grammar_backends.negation import negate, other_strings
 
 DEFINITIONS = {"s": {"type": "string", "minLength": 2}, "o": {"properties": {"a": {"$ref": "#/definitions/s"}}}}
 NEGATABLE = [  # a schema for each keyword negate handles, and some of their combinations
-    {}, True, False, {"type": "string"}, {"type": ["integer", "number", "null"]}, {"const": 1}, {"const": "ab"},
-    {"enum": [True, None, 1.5, -2, "", "a", "ab", "b]"]}, {"enum": [False]}, {"required": ["a", "b"]},
-    {"properties": {"a": {"type": "number", "minimum": 0}, "b": True}}, {"minimum": 1}, {"exclusiveMinimum": 1},
-    {"maximum": -1.5}, {"exclusiveMaximum": 0}, {"minLength": 2, "maxLength": 3}, {"minLength": 0},
-    {"minItems": 1, "maxItems": 2}, {"minProperties": 1, "maxProperties": 1}, {"pattern": r"^[\s.,]+$"},
-    {"pattern": r"^[\s-]*$"}, {"contains": {"type": "null"}}, {"not": {"type": "boolean"}},
-    {"anyOf": [{"type": "string"}, {"minimum": 3}]}, {"allOf": [{"required": ["a"]}, {"maxProperties": 2}]},
-    {"$ref": "#/definitions/o"}, {"type": "object", "required": ["a"], "properties": {"a": {"enum": ["x", 2]}},
-                                  "additionalProperties": True}, {"if": True, "title": "no then"},
-    {"propertyNames": False}, {"propertyNames": {"not": {"enum": ["a", "b", 1]}}}, {"propertyNames": True},
+    {},
+    True,
+    False,
+    {"type": "string"},
+    {"type": ["integer", "number", "null"]},
+    {"const": 1},
+    {"const": "ab"},
+    {"enum": [True, None, 1.5, -2, "", "a", "ab", "b]"]},
+    {"enum": [False]},
+    {"required": ["a", "b"]},
+    {"properties": {"a": {"type": "number", "minimum": 0}, "b": True}},
+    {"minimum": 1},
+    {"exclusiveMinimum": 1},
+    {"maximum": -1.5},
+    {"exclusiveMaximum": 0},
+    {"minLength": 2, "maxLength": 3},
+    {"minLength": 0},
+    {"minItems": 1, "maxItems": 2},
+    {"minProperties": 1, "maxProperties": 1},
+    {"pattern": r"^[\s.,]+$"},
+    {"pattern": r"^[\s-]*$"},
+    {"contains": {"type": "null"}},
+    {"not": {"type": "boolean"}},
+    {"anyOf": [{"type": "string"}, {"minimum": 3}]},
+    {"allOf": [{"required": ["a"]}, {"maxProperties": 2}]},
+    {"$ref": "#/definitions/o"},
+    {"type": "object", "required": ["a"], "properties": {"a": {"enum": ["x", 2]}}, "additionalProperties": True},
+    {"if": True, "title": "no then"},
+    {"propertyNames": False},
+    {"propertyNames": {"not": {"enum": ["a", "b", 1]}}},
+    {"propertyNames": True},
 ]
-NOT_NEGATABLE = [{"pattern": "^a"}, {"multipleOf": 2}, {"format": "email"}, {"uniqueItems": True},
-                 {"additionalProperties": False}, {"const": [1]}, {"type": "integer"}, {"exclusiveMinimum": True},
-                 {"pattern": r"^[ab]+$"}, {"propertyNames": {"enum": ["a"]}}, {"$ref": "#/definitions/s", "maxLength": 3}, {"oneOf": [{}, {}]},
-                 {"if": {"minimum": 1}, "then": {"maximum": 2}}, {"items": {"type": "string"}}]
+NOT_NEGATABLE = [
+    {"pattern": "^a"},
+    {"multipleOf": 2},
+    {"format": "email"},
+    {"uniqueItems": True},
+    {"additionalProperties": False},
+    {"const": [1]},
+    {"type": "integer"},
+    {"exclusiveMinimum": True},
+    {"pattern": r"^[ab]+$"},
+    {"propertyNames": {"enum": ["a"]}},
+    {"$ref": "#/definitions/s", "maxLength": 3},
+    {"oneOf": [{}, {}]},
+    {"if": {"minimum": 1}, "then": {"maximum": 2}},
+    {"items": {"type": "string"}},
+]
 
 
 def _resolve(ref: str) -> Any:
@@ -45,10 +78,18 @@ def _valid(schema: Any, value: Any) -> bool:
     return bool(jsonschema.Draft202012Validator({"definitions": DEFINITIONS, "allOf": [schema]}).is_valid(value))
 
 
-_SCALARS = (st.none() | st.booleans() | st.integers(-4, 4) | st.sampled_from([1.5, -1.5, 0.5, 2.0, 1e9])
-            | st.text(alphabet="ab] .,-\n", max_size=4))
-_JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=3)
-                     | st.dictionaries(st.sampled_from(["a", "b", "c"]), inner, max_size=3), max_leaves=6)
+_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-4, 4)
+    | st.sampled_from([1.5, -1.5, 0.5, 2.0, 1e9])
+    | st.text(alphabet="ab] .,-\n", max_size=4)
+)
+_JSON = st.recursive(
+    _SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["a", "b", "c"]), inner, max_size=3),
+    max_leaves=6,
+)
 
 
 @pytest.mark.parametrize("schema", NEGATABLE, ids=[str(s)[:50] for s in NEGATABLE])
@@ -101,15 +142,36 @@ PAIRS = [  # (a, b, the types beside them, required names beside them, proven di
 
 
 @pytest.mark.parametrize("a, b, types, required, proven", PAIRS, ids=[f"pair{i}" for i in range(len(PAIRS))])
-def test_disjoint_proves_only_what_holds(a: Any, b: Any, types: set[str] | None, required: list[str],
-                                        proven: bool) -> None:
+def test_disjoint_proves_only_what_holds(
+    a: Any, b: Any, types: set[str] | None, required: list[str], proven: bool
+) -> None:
     assert disjoint(a, b, types, _resolve, _valid, frozenset(required)) == proven
-    assert not disjoint({"type": "number", "maximum": 1}, {"type": "number", "exclusiveMinimum": 1}, None, _resolve,
-                        _valid, draft_4=True)
+    assert not disjoint(
+        {"type": "number", "maximum": 1},
+        {"type": "number", "exclusiveMinimum": 1},
+        None,
+        _resolve,
+        _valid,
+        draft_4=True,
+    )
     if proven:  # no value of the types beside them, with the names beside them, matches both
         beside = {"type": sorted(types)} if types else {}
         beside = {**beside, "required": required} if required else beside
-        values: list[Any] = [None, True, 0, 1, 2, 3, 1.5, "", "ab", [], {"a": 1}, {"k": "x"}, {"k": "y", "a": 2},
-                             {"b": 1}]
+        values: list[Any] = [
+            None,
+            True,
+            0,
+            1,
+            2,
+            3,
+            1.5,
+            "",
+            "ab",
+            [],
+            {"a": 1},
+            {"k": "x"},
+            {"k": "y", "a": 2},
+            {"b": 1},
+        ]
         for value in values:
             assert not (_valid(beside, value) and _valid(a, value) and _valid(b, value)), value

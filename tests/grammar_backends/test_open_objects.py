@@ -13,9 +13,15 @@ from guidespec.grammar_backends import create_backend
 from guidespec.grammar_backends.interface import find_counted_open_object
 from guidespec.protocol import GuidedDecoding
 
-OPEN_NON_EMPTY = [{"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1},
-                  {"type": "object", "patternProperties": {"^[a-c]$": {"type": "integer"}}, "additionalProperties": False,
-                   "minProperties": 1}]
+OPEN_NON_EMPTY = [
+    {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1},
+    {
+        "type": "object",
+        "patternProperties": {"^[a-c]$": {"type": "integer"}},
+        "additionalProperties": False,
+        "minProperties": 1,
+    },
+]
 
 
 def test_only_counts_past_one_are_refused() -> None:
@@ -25,8 +31,9 @@ def test_only_counts_past_one_are_refused() -> None:
 
 @pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
 @pytest.mark.parametrize("schema", OPEN_NON_EMPTY, ids=["additionalProperties", "patternProperties"])
-def test_an_open_object_with_min_properties_1_is_never_empty(real_model_dir: Path, backend_name: str,
-                                                             schema: dict[str, object]) -> None:
+def test_an_open_object_with_min_properties_1_is_never_empty(
+    real_model_dir: Path, backend_name: str, schema: dict[str, object]
+) -> None:
     from transformers import AutoTokenizer
 
     from tests.grammar_backends.dataset import SEPARATORS, matcher_accepts

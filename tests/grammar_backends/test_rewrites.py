@@ -21,99 +21,234 @@ DRAFT_7 = "http://json-schema.org/draft-07/schema#"
 SCHEMAS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "jsonschemabench" / "schemas"
 
 HAND = {  # (schema, what it becomes, the rewrites applied)
-    "double negation": ({"not": {"not": {"type": "string", "minLength": 2}}}, {"type": "string", "minLength": 2},
-                        ["double negation"]),
-    "double negation beside keywords": ({"type": "string", "not": {"not": {"maxLength": 3}}},
-                                        {"type": "string", "allOf": [{"maxLength": 3}]}, ["double negation"]),
-    "enum narrowed by a pattern": ({"enum": ["ab", "b", "abc"], "pattern": "^a"}, {"enum": ["ab", "abc"]},
-                                   ["finite values"]),
-    "allOf of an enum and a not": ({"allOf": [{"enum": [1, "x", None]}, {"not": {"type": "string"}}]},
-                                   {"enum": [1, None]}, ["not of a type", "finite values"]),
-    "not of a type": ({"type": ["string", "integer", "null"], "not": {"type": "null"}},
-                      {"type": ["string", "integer"]}, ["not of a type"]),
-    "dependencies, both forms": ({"type": "object", "dependencies": {"a": ["b"], "c": {"required": ["d"]}}},
-                                 {"type": "object", "allOf": [
-                                     {"anyOf": [{"properties": {"a": False}}, {"required": ["a", "b"]}]},
-                                     {"anyOf": [{"properties": {"c": False}},
-                                                {"allOf": [{"required": ["c"]}, {"required": ["d"]}]}]}]},
-                                 ["dependencies"]),
-    "dependentRequired": ({"dependentRequired": {"x": ["y", "z"]}},
-                          {"allOf": [{"anyOf": [{"properties": {"x": False}}, {"required": ["x", "y", "z"]}]}]},
-                          ["dependencies"]),
-    "not of number removes integer": ({"not": {"type": "number"}},
-                                      {"type": ["null", "boolean", "object", "array", "string"]}, ["not of a type"]),
-    "not of required": ({"type": "object", "not": {"required": ["a", "b"]}},
-                        {"type": "object", "anyOf": [{"type": "object", "properties": {"a": False}},
-                                                     {"type": "object", "properties": {"b": False}}]}, ["not"]),
-    "not of string values": ({"type": "string", "not": {"enum": ["ab", "b"]}},
-                             {"type": "string", "pattern": r"^(|[^ab][\s\S]*|a((|[^b][\s\S]*|b(([\s\S]+))))|b(([\s\S]+)))$"},
-                             ["not"]),
-    "not of a range": ({"type": "number", "not": {"minimum": 1, "maximum": 5}},
-                       {"type": "number", "anyOf": [{"type": "number", "exclusiveMaximum": 1},
-                                                    {"type": "number", "exclusiveMinimum": 5}]}, ["not"]),
-    "not of anyOf": ({"not": {"anyOf": [{"type": "string"}, {"minimum": 3}]}},
-                     {"allOf": [{"type": ["null", "boolean", "object", "array", "number"]},
-                                {"type": "number", "exclusiveMaximum": 3}]}, ["not"]),
-    "not of a character class": ({"type": "string", "not": {"pattern": r"^[\s.]+$"}},
-                                 {"type": "string", "anyOf": [{"type": "string", "pattern": r"[^\s.]"},
-                                                              {"type": "string", "maxLength": 0}]}, ["not"]),
-    "not of a property": ({"type": "object", "not": {"properties": {"a": {"type": "string"}}, "required": ["a"]}},
-                          {"type": "object", "anyOf": [
-                              {"type": "object", "required": ["a"],
-                               "properties": {"a": {"type": ["null", "boolean", "object", "array", "number"]}}},
-                              {"type": "object", "properties": {"a": False}}]}, ["not"]),
-    "not of nothing": ({"type": "object", "properties": {"a": {"not": {}}}},
-                       {"type": "object", "properties": {"a": False}}, ["not"]),
-    "if/then/else": ({"if": {"properties": {"a": {"const": 1}}, "required": ["a"]}, "then": {"required": ["b"]},
-                      "else": {"required": ["c"]}},
-                     {"anyOf": [{"properties": {"a": {"const": 1}}, "required": ["a", "b"]},
-                                {"anyOf": [{"type": "object", "required": ["a"], "properties": {"a": {"anyOf": [
-                                    {"type": ["null", "boolean", "object", "array", "string"]},
-                                    {"type": "number", "exclusiveMaximum": 1}, {"type": "number", "exclusiveMinimum": 1}]}}},
-                                    {"type": "object", "properties": {"a": False}}], "required": ["c"]}]},
-                     ["if/then/else"]),
-    "oneOf of one branch": ({"type": "object", "oneOf": [{"required": ["a"]}]}, {"type": "object", "required": ["a"]},
-                            ["oneOf of one branch"]),
-    "oneOf of disjoint branches": ({"type": "object", "required": ["kind"], "oneOf": [
-                                       {"properties": {"kind": {"const": "a"}}}, {"properties": {"kind": {"const": "b"}}}]},
-                                   {"type": "object", "required": ["kind"], "anyOf": [
-                                       {"properties": {"kind": {"const": "a"}}}, {"properties": {"kind": {"const": "b"}}}]},
-                                   ["oneOf of disjoint branches"]),
-    "oneOf of finite branches": ({"oneOf": [{"enum": [1, 2]}, {"$ref": "#/definitions/x"}],
-                                  "definitions": {"x": {"enum": [2, 3]}}},
-                                 {"definitions": {"x": {"enum": [2, 3]}}, "enum": [1, 3]}, ["oneOf of finite branches"]),
-    "oneOf by negation": ({"type": "object", "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
-                          {"type": "object", "anyOf": [{"required": ["a"], "type": "object", "properties": {"b": False}},
-                                                       {"required": ["b"], "type": "object", "properties": {"a": False}}]},
-                          ["oneOf by negation"]),
+    "double negation": (
+        {"not": {"not": {"type": "string", "minLength": 2}}},
+        {"type": "string", "minLength": 2},
+        ["double negation"],
+    ),
+    "double negation beside keywords": (
+        {"type": "string", "not": {"not": {"maxLength": 3}}},
+        {"type": "string", "allOf": [{"maxLength": 3}]},
+        ["double negation"],
+    ),
+    "enum narrowed by a pattern": (
+        {"enum": ["ab", "b", "abc"], "pattern": "^a"},
+        {"enum": ["ab", "abc"]},
+        ["finite values"],
+    ),
+    "allOf of an enum and a not": (
+        {"allOf": [{"enum": [1, "x", None]}, {"not": {"type": "string"}}]},
+        {"enum": [1, None]},
+        ["not of a type", "finite values"],
+    ),
+    "not of a type": (
+        {"type": ["string", "integer", "null"], "not": {"type": "null"}},
+        {"type": ["string", "integer"]},
+        ["not of a type"],
+    ),
+    "dependencies, both forms": (
+        {"type": "object", "dependencies": {"a": ["b"], "c": {"required": ["d"]}}},
+        {
+            "type": "object",
+            "allOf": [
+                {"anyOf": [{"properties": {"a": False}}, {"required": ["a", "b"]}]},
+                {"anyOf": [{"properties": {"c": False}}, {"allOf": [{"required": ["c"]}, {"required": ["d"]}]}]},
+            ],
+        },
+        ["dependencies"],
+    ),
+    "dependentRequired": (
+        {"dependentRequired": {"x": ["y", "z"]}},
+        {"allOf": [{"anyOf": [{"properties": {"x": False}}, {"required": ["x", "y", "z"]}]}]},
+        ["dependencies"],
+    ),
+    "not of number removes integer": (
+        {"not": {"type": "number"}},
+        {"type": ["null", "boolean", "object", "array", "string"]},
+        ["not of a type"],
+    ),
+    "not of required": (
+        {"type": "object", "not": {"required": ["a", "b"]}},
+        {
+            "type": "object",
+            "anyOf": [{"type": "object", "properties": {"a": False}}, {"type": "object", "properties": {"b": False}}],
+        },
+        ["not"],
+    ),
+    "not of string values": (
+        {"type": "string", "not": {"enum": ["ab", "b"]}},
+        {"type": "string", "pattern": r"^(|[^ab][\s\S]*|a((|[^b][\s\S]*|b(([\s\S]+))))|b(([\s\S]+)))$"},
+        ["not"],
+    ),
+    "not of a range": (
+        {"type": "number", "not": {"minimum": 1, "maximum": 5}},
+        {
+            "type": "number",
+            "anyOf": [{"type": "number", "exclusiveMaximum": 1}, {"type": "number", "exclusiveMinimum": 5}],
+        },
+        ["not"],
+    ),
+    "not of anyOf": (
+        {"not": {"anyOf": [{"type": "string"}, {"minimum": 3}]}},
+        {
+            "allOf": [
+                {"type": ["null", "boolean", "object", "array", "number"]},
+                {"type": "number", "exclusiveMaximum": 3},
+            ]
+        },
+        ["not"],
+    ),
+    "not of a character class": (
+        {"type": "string", "not": {"pattern": r"^[\s.]+$"}},
+        {"type": "string", "anyOf": [{"type": "string", "pattern": r"[^\s.]"}, {"type": "string", "maxLength": 0}]},
+        ["not"],
+    ),
+    "not of a property": (
+        {"type": "object", "not": {"properties": {"a": {"type": "string"}}, "required": ["a"]}},
+        {
+            "type": "object",
+            "anyOf": [
+                {
+                    "type": "object",
+                    "required": ["a"],
+                    "properties": {"a": {"type": ["null", "boolean", "object", "array", "number"]}},
+                },
+                {"type": "object", "properties": {"a": False}},
+            ],
+        },
+        ["not"],
+    ),
+    "not of nothing": (
+        {"type": "object", "properties": {"a": {"not": {}}}},
+        {"type": "object", "properties": {"a": False}},
+        ["not"],
+    ),
+    "if/then/else": (
+        {
+            "if": {"properties": {"a": {"const": 1}}, "required": ["a"]},
+            "then": {"required": ["b"]},
+            "else": {"required": ["c"]},
+        },
+        {
+            "anyOf": [
+                {"properties": {"a": {"const": 1}}, "required": ["a", "b"]},
+                {
+                    "anyOf": [
+                        {
+                            "type": "object",
+                            "required": ["a"],
+                            "properties": {
+                                "a": {
+                                    "anyOf": [
+                                        {"type": ["null", "boolean", "object", "array", "string"]},
+                                        {"type": "number", "exclusiveMaximum": 1},
+                                        {"type": "number", "exclusiveMinimum": 1},
+                                    ]
+                                }
+                            },
+                        },
+                        {"type": "object", "properties": {"a": False}},
+                    ],
+                    "required": ["c"],
+                },
+            ]
+        },
+        ["if/then/else"],
+    ),
+    "oneOf of one branch": (
+        {"type": "object", "oneOf": [{"required": ["a"]}]},
+        {"type": "object", "required": ["a"]},
+        ["oneOf of one branch"],
+    ),
+    "oneOf of disjoint branches": (
+        {
+            "type": "object",
+            "required": ["kind"],
+            "oneOf": [{"properties": {"kind": {"const": "a"}}}, {"properties": {"kind": {"const": "b"}}}],
+        },
+        {
+            "type": "object",
+            "required": ["kind"],
+            "anyOf": [{"properties": {"kind": {"const": "a"}}}, {"properties": {"kind": {"const": "b"}}}],
+        },
+        ["oneOf of disjoint branches"],
+    ),
+    "oneOf of finite branches": (
+        {"oneOf": [{"enum": [1, 2]}, {"$ref": "#/definitions/x"}], "definitions": {"x": {"enum": [2, 3]}}},
+        {"definitions": {"x": {"enum": [2, 3]}}, "enum": [1, 3]},
+        ["oneOf of finite branches"],
+    ),
+    "oneOf by negation": (
+        {"type": "object", "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
+        {
+            "type": "object",
+            "anyOf": [
+                {"required": ["a"], "type": "object", "properties": {"b": False}},
+                {"required": ["b"], "type": "object", "properties": {"a": False}},
+            ],
+        },
+        ["oneOf by negation"],
+    ),
     "unknown format": ({"type": "string", "format": "counter"}, {"type": "string"}, ["unknown format"]),
-    "annotations beside $ref": ({"$ref": "#/definitions/x", "alias": "y", "definitions": {"x": {"type": "string"}}},
-                                {"$ref": "#/definitions/x", "definitions": {"x": {"type": "string"}}},
-                                ["annotations beside $ref"]),
-    "keywords beside $ref": ({"$ref": "#/definitions/x", "maxLength": 3, "definitions": {"x": {"type": "string"}}},
-                             {"maxLength": 3, "definitions": {"x": {"type": "string"}},
-                              "allOf": [{"$ref": "#/definitions/x"}]}, ["keywords beside $ref"]),
+    "annotations beside $ref": (
+        {"$ref": "#/definitions/x", "alias": "y", "definitions": {"x": {"type": "string"}}},
+        {"$ref": "#/definitions/x", "definitions": {"x": {"type": "string"}}},
+        ["annotations beside $ref"],
+    ),
+    "keywords beside $ref": (
+        {"$ref": "#/definitions/x", "maxLength": 3, "definitions": {"x": {"type": "string"}}},
+        {"maxLength": 3, "definitions": {"x": {"type": "string"}}, "allOf": [{"$ref": "#/definitions/x"}]},
+        ["keywords beside $ref"],
+    ),
     "keywords beside $ref its target repeats": (
         {"$schema": DRAFT_4, "$ref": "#/definitions/x", "type": "string", "definitions": {"x": {"type": "string"}}},
         {"$schema": DRAFT_4, "$ref": "#/definitions/x", "definitions": {"x": {"type": "string"}}},
-        ["keywords beside $ref its target repeats"]),
-    "bounded integers": ({"type": "integer", "minimum": 1, "exclusiveMaximum": 11, "not": {"multipleOf": 3}},
-                         {"enum": [1, 2, 4, 5, 7, 8, 10]}, ["bounded integers"]),
+        ["keywords beside $ref its target repeats"],
+    ),
+    "bounded integers": (
+        {"type": "integer", "minimum": 1, "exclusiveMaximum": 11, "not": {"multipleOf": 3}},
+        {"enum": [1, 2, 4, 5, 7, 8, 10]},
+        ["bounded integers"],
+    ),
     "min/maxProperties of a closed object": (
-        {"type": "object", "properties": {"a": {}, "b": {}, "c": {}}, "required": ["a"], "additionalProperties": False,
-         "minProperties": 2, "maxProperties": 2},
-        {"type": "object", "properties": {"a": {}, "b": {}, "c": {}}, "required": ["a"], "additionalProperties": False,
-         "anyOf": [{"required": ["b"]}, {"required": ["c"]}],
-         "allOf": [{"anyOf": [{"properties": {"b": False}}, {"properties": {"c": False}}]}]},
-        ["min/maxProperties of a closed object"]),
-    "not beside a $ref, draft 7": ({"$schema": DRAFT_7, "$ref": "#/definitions/x", "not": {"required": ["a"]},
-                                   "definitions": {"x": {"type": "object"}}},
-                                  {"$schema": DRAFT_7, "$ref": "#/definitions/x", "definitions": {"x": {"type": "object"}},
-                                   "allOf": [{"type": "object", "properties": {"a": False}}]}, ["not"]),
+        {
+            "type": "object",
+            "properties": {"a": {}, "b": {}, "c": {}},
+            "required": ["a"],
+            "additionalProperties": False,
+            "minProperties": 2,
+            "maxProperties": 2,
+        },
+        {
+            "type": "object",
+            "properties": {"a": {}, "b": {}, "c": {}},
+            "required": ["a"],
+            "additionalProperties": False,
+            "anyOf": [{"required": ["b"]}, {"required": ["c"]}],
+            "allOf": [{"anyOf": [{"properties": {"b": False}}, {"properties": {"c": False}}]}],
+        },
+        ["min/maxProperties of a closed object"],
+    ),
+    "not beside a $ref, draft 7": (
+        {
+            "$schema": DRAFT_7,
+            "$ref": "#/definitions/x",
+            "not": {"required": ["a"]},
+            "definitions": {"x": {"type": "object"}},
+        },
+        {
+            "$schema": DRAFT_7,
+            "$ref": "#/definitions/x",
+            "definitions": {"x": {"type": "object"}},
+            "allOf": [{"type": "object", "properties": {"a": False}}],
+        },
+        ["not"],
+    ),
     "not of propertyNames, as written": (
         {"type": "object", "not": {"propertyNames": {"not": {"enum": ["a", "b"]}}}},
         {"type": "object", "anyOf": [{"type": "object", "required": ["a"]}, {"type": "object", "required": ["b"]}]},
-        ["not", "not"]),  # (the inner not, rewritten on its own, is not what the outer one negates)
+        ["not", "not"],
+    ),  # (the inner not, rewritten on its own, is not what the outer one negates)
 }
 LEFT_ALONE = {  # no exact rewrite: left for the backend to refuse
     "not integer": {"not": {"type": "integer"}},
@@ -122,24 +257,46 @@ LEFT_ALONE = {  # no exact rewrite: left for the backend to refuse
     "an enum with a $ref": {"enum": ["a"], "allOf": [{"$ref": "#/definitions/x"}], "definitions": {"x": {}}},
     "an enum with a format": {"enum": ["a"], "format": "email", "minLength": 1},
     "no value left": {"enum": ["a"], "minLength": 2},
-    "keywords beside $ref in draft 7": {"$schema": "http://json-schema.org/draft-07/schema#", "$ref": "#/definitions/x",
-                                        "maxLength": 3, "definitions": {"x": {"type": "string"}}},
+    "keywords beside $ref in draft 7": {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "$ref": "#/definitions/x",
+        "maxLength": 3,
+        "definitions": {"x": {"type": "string"}},
+    },
     "oneOf of overlapping strings": {"oneOf": [{"type": "string", "pattern": "^a"}, {"type": "string"}]},
-    "a draft-3 format in a draft-3 schema": {"$schema": "http://json-schema.org/draft-03/schema#", "type": "string",
-                                             "format": "host-name"},
-    "bounded integers in draft 4": {"$schema": DRAFT_4, "type": "integer", "minimum": 1, "maximum": 3,
-                                    "not": {"multipleOf": 2}},
+    "a draft-3 format in a draft-3 schema": {
+        "$schema": "http://json-schema.org/draft-03/schema#",
+        "type": "string",
+        "format": "host-name",
+    },
+    "bounded integers in draft 4": {
+        "$schema": DRAFT_4,
+        "type": "integer",
+        "minimum": 1,
+        "maximum": 3,
+        "not": {"multipleOf": 2},
+    },
     "not of an object value": {"not": {"const": {"a": 1}}},
     "not of a multipleOf": {"type": "number", "not": {"multipleOf": 2}},
     "if of a pattern": {"if": {"pattern": "^a"}, "then": {"maxLength": 2}},
-    "bounded integers beside a $ref, draft 7": {"$schema": DRAFT_7, "$ref": "#/definitions/x", "type": "integer",
-                                                "minimum": 1, "maximum": 3, "not": {"multipleOf": 2},
-                                                "definitions": {"x": {}}},
-    "oneOf of typed values in draft 4": {"$schema": DRAFT_4, "oneOf": [{"type": "integer", "enum": [1, 2]},
-                                                                   {"enum": [2, 3]}]},
+    "bounded integers beside a $ref, draft 7": {
+        "$schema": DRAFT_7,
+        "$ref": "#/definitions/x",
+        "type": "integer",
+        "minimum": 1,
+        "maximum": 3,
+        "not": {"multipleOf": 2},
+        "definitions": {"x": {}},
+    },
+    "oneOf of typed values in draft 4": {
+        "$schema": DRAFT_4,
+        "oneOf": [{"type": "integer", "enum": [1, 2]}, {"enum": [2, 3]}],
+    },
     "minProperties of an open object": {"type": "object", "properties": {"a": {}}, "minProperties": 1},
-    "not of a recursive reference": {"not": {"$ref": "#/definitions/t"}, "definitions": {"t": {
-        "properties": {"a": {"$ref": "#/definitions/t"}}, "required": ["a"]}}},
+    "not of a recursive reference": {
+        "not": {"$ref": "#/definitions/t"},
+        "definitions": {"t": {"properties": {"a": {"$ref": "#/definitions/t"}}, "required": ["a"]}},
+    },
 }
 
 
@@ -158,7 +315,9 @@ DATASET = _dataset()
 def _validity(schema: Any, reference: Any, value: Any) -> bool:
     """``value`` against ``schema`` in the draft ``reference`` is written in (a schema using
     ``dependencies`` and no ``$schema`` is read as draft 7: in 2020-12 it would be ignored)."""
-    default = jsonschema.Draft7Validator if '"dependencies"' in json.dumps(reference) else jsonschema.Draft202012Validator
+    default = (
+        jsonschema.Draft7Validator if '"dependencies"' in json.dumps(reference) else jsonschema.Draft202012Validator
+    )
     cls = jsonschema.validators.validator_for(reference, default=default)
     return bool(cls(schema).is_valid(value))
 
@@ -182,11 +341,24 @@ def test_what_cannot_be_rewritten_exactly_is_left_alone(name: str) -> None:
 @pytest.mark.skipif(not SCHEMAS.exists(), reason="the shared data set is not beside this checkout")
 def test_the_dataset_has_schemas_to_rewrite() -> None:
     applied = [set(rewrite_schema(schema)[1]) for _, schema, _ in DATASET]
-    assert len(DATASET) >= 20 and all(any(name in a for a in applied) for name in
-                                      ("double negation", "finite values", "not of a type", "dependencies", "not",
-                                       "if/then/else", "oneOf of one branch", "oneOf of disjoint branches",
-                                       "oneOf of finite branches", "oneOf by negation", "unknown format",
-                                       "annotations beside $ref", "keywords beside $ref its target repeats"))
+    assert len(DATASET) >= 20 and all(
+        any(name in a for a in applied)
+        for name in (
+            "double negation",
+            "finite values",
+            "not of a type",
+            "dependencies",
+            "not",
+            "if/then/else",
+            "oneOf of one branch",
+            "oneOf of disjoint branches",
+            "oneOf of finite branches",
+            "oneOf by negation",
+            "unknown format",
+            "annotations beside $ref",
+            "keywords beside $ref its target repeats",
+        )
+    )
 
 
 @pytest.mark.parametrize("name, schema, instances", DATASET, ids=[d[0][:60] for d in DATASET])
@@ -209,10 +381,11 @@ def _values_in(node: Any) -> list[Any]:
     return found
 
 
-_JSON = st.recursive(st.none() | st.booleans() | st.integers(-10, 10) | st.floats(-10, 10, allow_nan=False)
-                     | st.text(max_size=5),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
-                     max_leaves=6)
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-10, 10) | st.floats(-10, 10, allow_nan=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
 _CASES = [s for s, _, _ in HAND.values()] + [s for _, s, _ in DATASET]
 
 

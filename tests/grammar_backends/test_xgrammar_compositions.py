@@ -20,16 +20,28 @@ from guidespec.protocol import GuidedDecoding
 
 INTEGERS = {"a": {"type": "integer"}, "b": {"type": "integer"}}
 CASES = [  # (schema, accepted texts, rejected texts)
-    ({"type": "object", "required": ["a"], "properties": INTEGERS,
-      "allOf": [{"anyOf": [{"required": ["b"]}, {"properties": {"x": {"type": "string"}}}]}]},
-     ['{"a": 1}', '{"a": 1, "b": 2}'], ['{"b": 1}', "{}"]),
-    ({"type": "object", "properties": INTEGERS, "anyOf": [{"properties": {"b": False}}, {"required": ["b"]}]},
-     ['{"a": 1}', '{"b": 1}', '{"a": 1, "b": 2}'], ['{"a": "x"}']),
+    (
+        {
+            "type": "object",
+            "required": ["a"],
+            "properties": INTEGERS,
+            "allOf": [{"anyOf": [{"required": ["b"]}, {"properties": {"x": {"type": "string"}}}]}],
+        },
+        ['{"a": 1}', '{"a": 1, "b": 2}'],
+        ['{"b": 1}', "{}"],
+    ),
+    (
+        {"type": "object", "properties": INTEGERS, "anyOf": [{"properties": {"b": False}}, {"required": ["b"]}]},
+        ['{"a": 1}', '{"b": 1}', '{"a": 1, "b": 2}'],
+        ['{"a": "x"}'],
+    ),
     ({"type": "object", "properties": {"a": {"type": "integer"}, "b": False}}, ['{"a": 1}', "{}"], ['{"b": 1}']),
     ({"type": "object", "properties": INTEGERS, "allOf": [{"properties": {"b": False}}]}, ['{"a": 1}'], ['{"b": 1}']),
 ]
-REFUSED = [{"type": "object", "properties": {"a": {"type": "integer"}, "b": False}, "additionalProperties": True},
-           {"type": "object", "properties": {"b": False}, "patternProperties": {"^b": {"type": "integer"}}}]
+REFUSED = [
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": False}, "additionalProperties": True},
+    {"type": "object", "properties": {"b": False}, "patternProperties": {"^b": {"type": "integer"}}},
+]
 
 
 @pytest.fixture(scope="module")
