@@ -28,7 +28,7 @@ from schemathesis.specs.openapi.checks import (
 from tests.launch.serving import AUTH, Server, start_server, stop_server
 
 pytestmark = pytest.mark.slow
-MAX_EXAMPLES = 60
+MAX_EXAMPLES = 40
 CHECKS = [not_a_server_error, response_schema_conformance, status_code_conformance, content_type_conformance]
 
 

@@ -226,7 +226,7 @@ def test_bench_against_the_server_writes_its_table_and_plot(server: str, tmp_pat
             "1",
             "2",
             "--max-tokens",
-            "40",
+            "16",
             "--output-dir",
             str(tmp_path),
         ]
