@@ -4,6 +4,7 @@ with and without draft-side grammar checks, and tokens/s against guided decoding
     python benchmarks/speculative.py [--cases 10] [--max-tokens 256] [--draft-len 3] [--backend xgrammar]
                                      [--concurrency 16] [--concurrent-cases 32]
                                      [--eagle-head DIR] [--only REGEX] [--repeats N] [--interleave]
+                                     [--plot FILE.png]
 
 Part 1, batch 1 (one request at a time, greedy, draft length fixed at --draft-len): one fresh
 engine per configuration serves every case; grammars are compiled before timing. Greedy
@@ -246,6 +247,32 @@ def table(title: str, rounds: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+def plot_tokens_per_step(rounds: dict[str, list[dict[str, Any]]], path: Path, subtitle: str) -> None:
+    """A bar per configuration: tokens per target step, and accepted tokens per speculative step
+    (TensorRT-LLM's acceptance length; the target's own token included)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rounds)
+    per_step = [rounds[n][0]["tokens_per_step"] for n in names]
+    per_spec_step = [rounds[n][0]["accepted_per_spec_step"] for n in names]
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(names) + 1.5))
+    ys = range(len(names))
+    ax.barh([y + 0.2 for y in ys], per_step, height=0.4, label="tokens per step")
+    ax.barh([y - 0.2 for y in ys], per_spec_step, height=0.4, label="accepted tokens per speculative step")
+    ax.set_yticks(list(ys), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens")
+    ax.set_title(f"Tokens per step by drafter ({subtitle})", fontsize=9)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 1.2 / (len(names) + 3)), ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=int, default=10)
@@ -278,6 +305,7 @@ def main() -> None:
         default=str(Path.home() / ".cache" / "guidespec" / "eagle-smollm2"),
         help="an EAGLE head folder (guidespec train-eagle --output ...)",
     )
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="batch 1: tokens per step per drafter, drawn")
     parser.add_argument(
         "--only",
         default=None,
@@ -321,6 +349,10 @@ def main() -> None:
                         f"{result['tokens_per_step']:.2f} tokens/step",
                         flush=True,
                     )
+        if args.plot and concurrency == 1:
+            plot_tokens_per_step(
+                rounds, Path(args.plot), f"{len(cases)} JME cases, batch 1, greedy, draft length {args.draft_len}"
+            )
         speculative = [r["outputs"] for name, runs in rounds.items() if isinstance(configs[name], dict) for r in runs]
         same = all(outputs == speculative[0] for outputs in speculative)
         report.append(
