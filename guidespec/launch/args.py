@@ -138,3 +138,20 @@ def speculative_from_args(args: argparse.Namespace) -> dict[str, object] | None:
         ngram_fallback=not args.no_ngram_fallback,
         anchored_lookup=not args.no_anchored_lookup,
     )
+
+
+def engine_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM``'s keyword arguments (but the model) from the engine's flags of ``generate`` and ``serve``."""
+    return dict(
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        max_model_len=args.max_model_len,
+        grammar_backend=args.backend,
+        jump_forward=jump_forward_from_args(args),
+        speculative=speculative_from_args(args),
+        distributed_executor=args.distributed_executor,
+        ray_address=args.ray_address,
+        enable_prefix_caching=args.enable_prefix_caching,
+        **device_from_args(args),
+    )

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from guidespec.launch.args import add_engine_args, device_from_args, jump_forward_from_args, speculative_from_args
+from guidespec.launch.args import add_engine_args, engine_from_args
 
 if TYPE_CHECKING:
     from guidespec.llm import GenerationOutput
@@ -200,21 +200,7 @@ def _serve(args: argparse.Namespace) -> int:
     from guidespec import LLM
     from guidespec.launch.server import run_server
 
-    with LLM(
-        args.model,
-        tensor_parallel_size=args.tensor_parallel_size,
-        dtype=args.dtype,
-        max_batch_size=args.max_batch_size,
-        max_model_len=args.max_model_len,
-        grammar_backend=args.backend,
-        jump_forward=jump_forward_from_args(args),
-        speculative=speculative_from_args(args),
-        distributed_executor=args.distributed_executor,
-        ray_address=args.ray_address,
-        enable_prefix_caching=args.enable_prefix_caching,
-        restart_on_failure=not args.no_restart,
-        **device_from_args(args),
-    ) as llm:
+    with LLM(args.model, restart_on_failure=not args.no_restart, **engine_from_args(args)) as llm:
         name = args.served_model_name or (args.model and Path(args.model).name) or "SmolLM2-135M-Instruct"
         print(f"guidespec: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         code = run_server(llm, name, args.host, args.port, args.api_key, args.log_level, args.shutdown_timeout)
@@ -240,20 +226,7 @@ def _generate(args: argparse.Namespace) -> int:
     texts = args.prompt or [_DEFAULT_JSON_PROMPT if (args.json_schema or args.json_object) else _DEFAULT_PROMPT]
     prompts = texts if args.raw else [[{"role": "user", "content": t}] for t in texts]
     start = time.perf_counter()
-    with LLM(
-        args.model,
-        tensor_parallel_size=args.tensor_parallel_size,
-        dtype=args.dtype,
-        max_batch_size=args.max_batch_size,
-        max_model_len=args.max_model_len,
-        grammar_backend=args.backend,
-        jump_forward=jump_forward_from_args(args),
-        speculative=speculative_from_args(args),
-        distributed_executor=args.distributed_executor,
-        ray_address=args.ray_address,
-        enable_prefix_caching=args.enable_prefix_caching,
-        **device_from_args(args),
-    ) as llm:
+    with LLM(args.model, **engine_from_args(args)) as llm:
         print(
             f"engine ready in {time.perf_counter() - start:.1f} s (tensor_parallel_size={args.tensor_parallel_size}, "
             f"device={llm.config.device}, dtype={llm.config.dtype})",
