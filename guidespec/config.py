@@ -171,6 +171,8 @@ class EngineConfig:
     hf_config: dict[str, Any] | None = None  # the model's config as data (model_files.config_data)
     device: str = "cpu"  # "cpu" or "cuda" (resolved from "auto": worker/device.py)
     enforce_eager: bool = False  # CUDA: no graphs (worker/graphs.py)
+    # CUDA: an EAGLE head's greedy draft steps as one graph each, grammar waits inside (spec/draft_graph.py)
+    graph_grammar: bool = True
     gpu_memory_utilization: float = 0.9  # CUDA: the share of a GPU's memory a rank may take
     ray_placement: str = "pack"  # Ray: "pack" (STRICT_PACK: one node) or "spread" (STRICT_SPREAD across nodes)
     # dtype "gguf" (CPU): a GGUF model's linear weights run as the file's own blocks (kernels/gguf_weights.py)
@@ -221,6 +223,7 @@ class WorkerConfig:
     draft_channel: ChannelSpec | None = None  # rank 0's draft/mask exchange with the scheduler (cuda_ext)
     scheduler_pid: int = 0  # the draft channel's peer: a wait ends at once when it dies
     quantized_weights: bool = False  # EngineConfig.quantized_weights: LlamaModel(quantized=...)
+    draft_graphs: bool = False  # rank 0: the EAGLE head's draft steps as fixed-shape graphs (spec/draft_graph.py)
 
 
 def config_to_dict(config: SchedulerConfig | WorkerConfig) -> dict[str, object]:

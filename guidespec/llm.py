@@ -35,7 +35,7 @@ import numpy as np
 import zmq
 
 from guidespec import envs
-from guidespec.config import DTYPES, JUMP_FORWARD_MODES, MODEL_DRAFTERS, EngineConfig, ModelConfig, SpeculativeConfig
+from guidespec.config import DTYPES, JUMP_FORWARD_MODES, EngineConfig, ModelConfig, SpeculativeConfig
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.launch.launcher import EngineProcesses
 from guidespec.protocol import (
@@ -194,6 +194,7 @@ class LLM:
         enforce_eager: bool = False,
         gpu_memory_utilization: float = 0.9,
         ray_placement: str = "pack",
+        graph_grammar: bool = True,
     ) -> None:
         if grammar_backend not in BACKEND_CHOICES:
             raise ValueError(f"grammar_backend must be one of {', '.join(BACKEND_CHOICES)}, got {grammar_backend!r}")
@@ -226,11 +227,10 @@ class LLM:
             tuple(remote_ranks),
         )
         spec_config = _speculative_config(speculative)
-        if resolved_device == "cuda" and spec_config is not None and spec_config.method in MODEL_DRAFTERS:
+        if resolved_device == "cuda" and spec_config is not None and spec_config.method == "draft_model":
             raise ValueError(
-                f"speculative method {spec_config.method!r} runs on CPU workers only so far (its GPU "
-                "path, a fused draft/verify graph, is not built yet): use --device cpu, or a drafter "
-                "of the scheduler (ngram, forced, user)"
+                "speculative method 'draft_model' runs on CPU workers only so far: use --device cpu, "
+                "an EAGLE head (eagle), or a drafter of the scheduler (ngram, forced, user)"
             )
         self.config = dataclasses.replace(
             config,
@@ -244,6 +244,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             device=resolved_device,
             enforce_eager=bool(enforce_eager),
+            graph_grammar=bool(graph_grammar),
             gpu_memory_utilization=float(gpu_memory_utilization),
             ray_placement=ray_placement,
         )

@@ -178,7 +178,7 @@ def test_greedy_eagle_equals_greedy_plain(reference: list[list[int]], eagle_head
     assert sum(o.stats.num_draft_tokens for o in outs) > 0
 
 
-@pytest.mark.parametrize("exchange", ["stream", "python"])
+@pytest.mark.parametrize("exchange", ["stream", "graph", "python"])
 def test_every_draft_exchange_gives_the_same_greedy_eagle_output(
     reference: list[list[int]], eagle_head: Path, exchange: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

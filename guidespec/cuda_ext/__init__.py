@@ -2,11 +2,15 @@
 
 - ``draft_channel.c`` (plain C, built with the system's C compiler at first use, everywhere):
   the shared-memory draft channel (publish drafts, wait for a mask, and the scheduler's side),
-  the host-callback trampolines a stream calls, and a CPU "host stream" that runs enqueued host
+  the host-callback trampolines a stream calls (``gs_cb_*``: one draft step at a time, and the
+  fixed-shape draft steps of a graph), and a CPU "host stream" that runs enqueued host
   functions in order on a thread (what ``cudaLaunchHostFunc`` does on a CUDA stream);
-- ``host_callbacks.cu`` (CUDA): the trampolines enqueued with ``cudaLaunchHostFunc``, so a CUDA
-  graph can wait for the scheduler's masks with no Python in the callback. The tests compile it
-  with ``nvcc``; nothing loads it yet (the fused GPU graph that will is not built).
+- ``host_functions.py``: the trampolines enqueued in stream order from Python: on CUDA with the
+  driver's ``cuLaunchHostFunc`` (captured into CUDA graphs as host nodes: ``spec/draft_graph.py``),
+  on the CPU called where they stand;
+- ``host_callbacks.cu`` (CUDA): the same enqueueing as C++ entry points (``cudaLaunchHostFunc``,
+  the mask's host-to-device copy, page-locking), for a build that links the runtime. The tests
+  compile it with ``nvcc``; the Python worker enqueues through the driver and does not load it.
 
 ``library()`` loads the host library (None without a C compiler); ``channel.py`` wraps it.
 """
@@ -69,7 +73,7 @@ def nvcc() -> str | None:
 
 def compile_cuda(output: Path, arch: str = "sm_90") -> subprocess.CompletedProcess[str]:
     """``host_callbacks.cu`` compiled by nvcc into an object file (what CI checks on a machine
-    without a GPU; nothing loads it yet: the fused GPU graph that would is issue 23's next part)."""
+    without a GPU)."""
     cmd = [
         nvcc() or "nvcc",
         "-O2",

@@ -225,6 +225,57 @@ void gs_cb_wait_mask(void *args) {
     *a->status = gs_wait_mask(a->channel, *a->step, a->draft_index, a->timeout_us, a->peer_pid, a->out, *a->num_rows);
 }
 
+void gs_cb_graph_publish(void *args) {
+    gs_graph_step_args *a = (gs_graph_step_args *)args;
+    int32_t n = 0, m = 0, j = a->draft_index;
+    *a->published = 0;
+    if (a->status[0] != GS_OK || a->status[1] != GS_OK) return; /* an earlier draft step failed */
+    for (int32_t b = 0; b < a->batch; b++) {
+        if (!a->masked[b] || a->wanted[b] <= j) continue;
+        int32_t produced = a->produced_len[b];
+        if (produced < 0 || produced > a->max_produced) produced = 0;
+        a->rows[n] = a->batch_rows[b];
+        a->lens[n] = produced + j;
+        memcpy(a->tokens + m, a->produced + (size_t)b * (size_t)a->max_produced, (size_t)produced * 4);
+        m += produced;
+        for (int32_t i = 0; i < j; i++) a->tokens[m++] = a->drafts[(size_t)i * (size_t)a->batch + (size_t)b];
+        n++;
+    }
+    if (n == 0) return;
+    int code = gs_publish_drafts(a->channel, *a->step, j, a->rows, n, a->lens, a->tokens, m);
+    if (code != GS_OK) {
+        a->status[0] = code;
+        return;
+    }
+    *a->published = n;
+}
+
+void gs_cb_graph_wait(void *args) {
+    gs_graph_step_args *a = (gs_graph_step_args *)args;
+    size_t row_bytes = (size_t)a->num_words * 4;
+    int32_t n = *a->published, failed = a->status[0] != GS_OK || a->status[1] != GS_OK;
+    if (n > 0) {
+        int code = gs_wait_mask(a->channel, *a->step, a->draft_index, a->timeout_us, a->peer_pid, a->mask_rows, n);
+        if (code != GS_OK) { /* the rows are zero: every token forbidden */
+            if (a->status[1] == GS_OK) a->status[1] = code;
+            failed = 1;
+        }
+    }
+    int32_t k = 0, j = a->draft_index;
+    for (int32_t b = 0; b < a->batch; b++) {
+        int32_t *row = a->out + (size_t)b * (size_t)a->num_words;
+        if (!a->masked[b]) {
+            memset(row, 0xff, row_bytes);
+        } else if (n > 0 && a->wanted[b] > j) {
+            memcpy(row, a->mask_rows + (size_t)k++ * (size_t)a->num_words, row_bytes);
+        } else if (failed) {
+            memset(row, 0, row_bytes);
+        } else { /* masked, but drafting no further: its picks are cut on the host */
+            memset(row, 0xff, row_bytes);
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ the host stream */
 
 typedef struct {

@@ -87,6 +87,40 @@ typedef struct {
 void gs_cb_publish_drafts(void *args);
 void gs_cb_wait_mask(void *args);
 
+/* The draft steps of a fixed-shape graph (spec/draft_graph.py): B rows, each drafting up to K
+ * tokens; one argument block per draft index j, read by both callbacks of that draft step.
+ * gs_cb_graph_publish publishes the rows that are masked and want more than j drafts, each with
+ * its tokens past its final ones: produced[b][:produced_len[b]] then drafts[0..j-1][b] (what the
+ * graph copied device-to-host before the callback); gs_cb_graph_wait waits for their mask and
+ * lays out one mask row per graph row in `out`: the scheduler's row where it was published, all
+ * ones (allow all) for rows not masked. On a failed wait the published rows are all zero (forbid
+ * every token), status[1] keeps the first error, and every later draft step of the replay
+ * publishes nothing and forbids every token of its masked rows. */
+typedef struct {
+    void *channel;
+    const int64_t *step;
+    int32_t draft_index;
+    int32_t batch;        /* B */
+    int32_t max_produced; /* P: the row stride of `produced` */
+    int32_t num_words;    /* W */
+    int64_t timeout_us;
+    int32_t peer_pid;
+    const int32_t *batch_rows;   /* [B]: the step's batch row of each graph row (what is published) */
+    const int32_t *wanted;       /* [B]: drafts the row wants (0: a padding row) */
+    const int32_t *masked;       /* [B]: 1 where the grammar masks the row's drafts */
+    const int32_t *produced;     /* [B][P] */
+    const int32_t *produced_len; /* [B] */
+    const int32_t *drafts;       /* [K][B]: draft j of every row, as target ids */
+    int32_t *rows, *lens, *tokens; /* scratch for the published layout: [B], [B], [B * (P + K)] */
+    int32_t *mask_rows;            /* scratch [B][W]: the scheduler's rows, in published order */
+    int32_t *out;                  /* [B][W] */
+    int32_t *published;            /* rows published at this draft index */
+    int32_t *status;               /* [2]: the first failed publish, the first failed wait (GS_*) */
+} gs_graph_step_args;
+
+void gs_cb_graph_publish(void *args);
+void gs_cb_graph_wait(void *args);
+
 /* a CPU "stream": host functions run in order on one thread */
 typedef struct gs_host_stream gs_host_stream;
 gs_host_stream *gs_host_stream_create(int32_t capacity);

@@ -19,6 +19,7 @@ def device_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "device": args.device,
         "enforce_eager": args.enforce_eager,
+        "graph_grammar": not args.no_graph_grammar,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "ray_placement": args.ray_placement,
     }
@@ -55,6 +56,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="CUDA: the share of each GPU's memory a rank may take (weights, KV cache, activations)",
     )
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run every step eagerly, without CUDA graphs")
+    p.add_argument(
+        "--no-graph-grammar",
+        action="store_true",
+        help="CUDA, EAGLE: run the head's draft steps one by one, waiting for their grammar masks in Python, "
+        "instead of one graph per proposal with the waits inside",
+    )
     p.add_argument(
         "--ray-placement",
         default="pack",

@@ -143,6 +143,7 @@ class EngineProcesses:
                 draft_channel=self.drafts.spec if self.drafts is not None and rank == 0 else None,
                 scheduler_pid=self.processes["scheduler"].pid,
                 quantized_weights=cfg.quantized_weights,
+                draft_graphs=rank == 0 and self.drafts is not None and _draft_graphs(cfg),
             )
             for rank in range(cfg.tensor_parallel_size)
         ]
@@ -214,6 +215,16 @@ def _arena_spec(cfg: EngineConfig) -> ArenaSpec:
     return ArenaSpec(
         f"guidespec-{uuid.uuid4().hex[:12]}-masks", cfg.max_batch_size * rows_per_request, -(-cfg.vocab_size // 32)
     )
+
+
+def _draft_graphs(cfg: EngineConfig) -> bool:
+    """An EAGLE head's draft steps as graphs: on CUDA with graphs (unless --no-graph-grammar), and
+    on the CPU where ``GUIDESPEC_DRAFT_CHANNEL=graph`` runs the same steps eagerly."""
+    if cfg.speculative is None or cfg.speculative.method != "eagle":
+        return False
+    if cfg.device == "cuda":
+        return cfg.graph_grammar and not cfg.enforce_eager
+    return envs.draft_channel() == "graph"
 
 
 def _uses_channel(cfg: EngineConfig, local_ranks: list[int]) -> bool:

@@ -90,7 +90,11 @@ class DraftSampling:
         sampled = np.flatnonzero(temperature > 0)
         q_rows: dict[int, torch.Tensor] = {}
         if len(sampled):
-            ids = to_target(torch.arange(logits.shape[1])).clamp(max=self.vocab_size - 1) if to_target else None
+            ids = None
+            if to_target is not None:
+                ids = (
+                    to_target(torch.arange(logits.shape[1], device=logits.device)).clamp(max=self.vocab_size - 1).cpu()
+                )
             probs = filtered_probs(
                 logits[torch.from_numpy(sampled)],
                 torch.from_numpy(temperature[sampled].astype(np.float32)),
@@ -99,7 +103,7 @@ class DraftSampling:
             )
             for i, local in enumerate(sampled.tolist()):
                 b = int(rows[local])
-                q = probs[i]
+                q = probs[i].cpu()  # drawn with a CPU generator, kept on the host until verification
                 if not bool(torch.isfinite(q).all()) or float(q.sum()) <= 0:  # nothing allowed: a fixed draft
                     continue
                 seed = int(inputs.seeds[b])

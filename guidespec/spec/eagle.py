@@ -37,7 +37,9 @@ import numpy as np
 import torch
 
 from guidespec.config import ModelConfig
+from guidespec.cuda_ext.channel import DraftChannel
 from guidespec.protocol import StepInputs
+from guidespec.spec.draft_graph import EagleDraftGraphs
 from guidespec.spec.draft_model import DraftSampling, MaskSource, constrain, flat_drafts
 from guidespec.worker.kernels import Weight, embedding, linear, pack
 from guidespec.worker.kv_cache import KVCache
@@ -97,6 +99,7 @@ class EagleHead:
         target_lm_head: Weight,
         dtype: torch.dtype,
         max_model_len: int,
+        device: str = "cpu",
     ) -> None:
         state, config = load_head_state(head_dir)
         state = {k.removeprefix("model."): v for k, v in state.items()}
@@ -120,7 +123,7 @@ class EagleHead:
         self.cfg = head_cfg
         self.dtype = dtype
         self.eps = head_cfg.rms_norm_eps
-        t = lambda x: x.to(dtype).contiguous()  # noqa: E731
+        t = lambda x: x.to(dtype=dtype, device=device).contiguous()  # noqa: E731
         self.layer: dict[str, Any] = {
             "qkv": pack(t(torch.cat([state[prefix + f"self_attn.{n}_proj.weight"] for n in "qkv"]))),
             "o": pack(t(state[prefix + "self_attn.o_proj.weight"])),
@@ -160,11 +163,11 @@ class EagleHead:
         self.draft_vocab_size = self.lm_head.shape[0]
         self.d2t: torch.Tensor | None = None
         if "d2t" in state and self.draft_vocab_size != target_cfg.vocab_size:
-            self.d2t = torch.arange(self.draft_vocab_size) + state["d2t"].long()
+            self.d2t = (torch.arange(self.draft_vocab_size) + state["d2t"].long()).to(device)
         elif self.draft_vocab_size not in (target_cfg.vocab_size, embed.shape[0]):
             raise ValueError(f"{head_dir}: a draft vocabulary of {self.draft_vocab_size} without d2t")
         # attention and rotary: our decoder's own code, on a one-layer model of the head's shape
-        self.attn = LlamaModel(head_cfg, TPInfo(), dtype, max_model_len)
+        self.attn = LlamaModel(head_cfg, TPInfo(), dtype, max_model_len, device)
         self.attn._init_rotary(_rotary_config(target_hf_config, head_cfg))
 
     @property
@@ -174,7 +177,7 @@ class EagleHead:
 
     def create_kv_cache(self, num_slots: int, max_model_len: int) -> KVCache:
         c = self.cfg
-        return KVCache(1, num_slots, c.num_kv_heads, max_model_len, c.head_dim, self.dtype)
+        return KVCache(1, num_slots, c.num_kv_heads, max_model_len, c.head_dim, self.dtype, self.attn.device)
 
     @torch.inference_mode()
     def forward(
@@ -183,6 +186,37 @@ class EagleHead:
         """Features [T, F] (target features, or the head's own outputs [T, hidden]) and the tokens
         that followed; returns (output hidden [R, hidden], draft logits [R, draft vocab]) at
         ``batch.logits_indices``."""
+        batch = batch.to(self.attn.device)
+        h, x = self._inputs(features, token_ids.to(batch.token_ids.device))
+        cos, sin = self.attn.cos[batch.positions], self.attn.sin[batch.positions]
+        h = h + self.attn._attention(x, self.layer, kv, 0, batch, cos, sin)
+        return self._outputs(h[batch.logits_indices])  # (the MLP is per position: picked rows first)
+
+    @torch.inference_mode()
+    def forward_padded(
+        self,
+        features: torch.Tensor,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        kv: KVCache,
+        key_length: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row for ``B`` rows, of a fixed shape (``draft_graph.py``): features,
+        token_ids, positions, slots [B]; attends the first ``key_length`` keys of each slot.
+        Returns (output hidden [B, hidden], draft logits [B, draft vocab]), capturable as it is."""
+        b, g = slots.shape[0], self.cfg.num_query_groups
+        mask = torch.arange(key_length, device=positions.device)[None, :] <= positions[:, None]  # [B, L]
+        mask = mask[:, None, None, :].expand(b, 1, g, key_length)
+        h, x = self._inputs(features, token_ids)
+        cos, sin = self.attn.cos[positions], self.attn.sin[positions]
+        h = h + self.attn._attention_padded(
+            x, self.layer, kv, 0, positions, slots, slots, 1, key_length, mask, cos, sin
+        )
+        return self._outputs(h)
+
+    def _inputs(self, features: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the residual stream, the attention's input) of the head's layer."""
         emb = embedding(token_ids, self.embed)
         if self.version == 3:
             h = linear(features, self.fc) if features.shape[-1] != self.fc.shape[0] else features
@@ -190,14 +224,15 @@ class EagleHead:
                 [_rms_norm(emb, self.layer["input_norm"], self.eps), _rms_norm(h, self.layer["hidden_norm"], self.eps)],
                 dim=-1,
             )
-        else:
-            h = x = linear(torch.cat([emb, features], dim=-1), self.fc, self.fc_bias)
-        cos, sin = self.attn.cos[batch.positions], self.attn.sin[batch.positions]
-        h = h + self.attn._attention(x, self.layer, kv, 0, batch, cos, sin)
+            return h, x
+        h = linear(torch.cat([emb, features], dim=-1), self.fc, self.fc_bias)
+        return h, h
+
+    def _outputs(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP, then (output hidden, draft logits)."""
         h = h + self.attn._mlp(_rms_norm(h, self.layer["post_norm"], self.eps), self.layer)
-        out = h[batch.logits_indices]
-        normed = _rms_norm(out, self.norm, self.eps) if self.norm is not None else out
-        return out, linear(normed, self.lm_head).float()
+        normed = _rms_norm(h, self.norm, self.eps) if self.norm is not None else h
+        return h, linear(normed, self.lm_head).float()
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.d2t is None else self.d2t[draft_ids]
@@ -219,22 +254,41 @@ class EagleRunner:
             embed, lm_head = _whole_embedding(target, target_dir)
         else:
             embed, lm_head = target.embed, target.lm_head
-        self.head = EagleHead(head_dir, target.cfg, target_hf_config, embed, lm_head, target.dtype, max_model_len)
+        self.device = torch.device(target.device)
+        self.head = EagleHead(
+            head_dir, target.cfg, target_hf_config, embed, lm_head, target.dtype, max_model_len, target.device
+        )
         self.max_model_len = max_model_len
         self.vocab_size = target.cfg.vocab_size
-        self.kv = self.head.create_kv_cache(max_batch_size, max_model_len)
+        # one slot more than the batch: fixed-shape draft steps (draft_graph.py) pad onto it
+        self.kv = self.head.create_kv_cache(max_batch_size + 1, max_model_len)
         width = len(self.head.aux_layers) * target.cfg.hidden_size if self.head.version == 3 else target.cfg.hidden_size
-        self.pending = torch.zeros(max_batch_size, width, dtype=target.dtype)
+        self.pending = torch.zeros(max_batch_size, width, dtype=target.dtype, device=self.device)
         self.pending_pos = np.full(max_batch_size, -2, dtype=np.int64)
         self.backlog: dict[int, tuple[int, list[torch.Tensor], list[int]]] = {}  # slot -> positions not yet run
         self._step: tuple[ForwardBatch, torch.Tensor] | None = None  # the step and its target features, until propose
         self.sampling = DraftSampling(self.vocab_size)
         # where each draft id's bit sits in a target bitmask row (rows of a padded LM head past the
         # vocabulary are never allowed)
-        ids = self.head.d2t if self.head.d2t is not None else torch.arange(self.head.draft_vocab_size)
+        ids = self.head.d2t.cpu() if self.head.d2t is not None else torch.arange(self.head.draft_vocab_size)
         self._mask_inside = ids < self.vocab_size
         ids = ids.clamp(max=self.vocab_size - 1)
         self._mask_word, self._mask_bit = ids >> 5, ids & 31
+        self.graphs: EagleDraftGraphs | None = None  # fixed-shape draft steps, set by use_graphs
+
+    def use_graphs(self, channel: DraftChannel, timeout_s: float, peer_pid: int, capture: bool) -> None:
+        """Run greedy draft steps as fixed-shape graphs whose grammar waits are the draft channel's
+        C trampolines in stream order (captured CUDA graphs, or on the CPU the same steps eagerly)."""
+        self.graphs = EagleDraftGraphs(
+            self.head,
+            self.kv,
+            self.pending.shape[0],
+            channel,
+            timeout_s,
+            peer_pid,
+            capture,
+            (self._mask_word, self._mask_bit, self._mask_inside),
+        )
 
     @property
     def capture(self) -> tuple[int, ...] | str:
@@ -338,25 +392,35 @@ class EagleRunner:
         follow = ForwardBatch.create(np.array(ids), slots, starts, lens, np.ones(len(slots), dtype=np.int32))
         out, logits = self.head.forward(torch.cat(feats), follow.token_ids, follow, self.kv)
         rows = np.array(row_of, dtype=np.int64)
-        current = torch.zeros(0, dtype=torch.long)
+        current = torch.zeros(0, dtype=torch.long, device=self.device)
         produced = [tokens[end - n : end].tolist() for end, n in zip(ends.tolist(), counts.tolist())]
+        masked = inputs.draft_masked if masks is not None and inputs.draft_masked is not None else None
+        if self.graphs is not None and self.graphs.fits(rows, wanted, inputs.temperature, produced):
+            # greedy rows: every draft step in one fixed-shape graph, grammar waits included
+            chains = self.graphs.run(
+                inputs.step, out, logits, rows, last_position, inputs.slots, wanted, masked, produced
+            )
+            for i, b in enumerate(rows.tolist()):
+                drafts[b] = chains[: wanted[b], i].tolist()
+            return flat_drafts(drafts)
         for step in range(int(wanted.max(initial=0))):
             if step > 0:
                 live = wanted[rows] > step
-                rows, out, current = rows[live], out[torch.from_numpy(live)], current[torch.from_numpy(live)]
+                keep = torch.from_numpy(live).to(self.device)
+                rows, out, current = rows[live], out[keep], current[keep]
                 batch_step = ForwardBatch.create(
-                    current.numpy(),
+                    current.cpu().numpy(),
                     inputs.slots[rows],
                     last_position[rows] + step,
                     np.ones(len(rows), dtype=np.int32),
                     np.ones(len(rows), dtype=np.int32),
                 )
                 out, logits = self.head.forward(out, batch_step.token_ids, batch_step, self.kv)
-            if masks is not None and inputs.draft_masked is not None:
+            if masks is not None and masked is not None:
                 constrain(
                     logits,
                     rows,
-                    inputs.draft_masked,
+                    masked,
                     [p + d for p, d in zip(produced, drafts)],
                     step,
                     masks,
@@ -374,8 +438,8 @@ class EagleRunner:
         words = torch.from_numpy(
             np.asarray(bitmask)[:, self._mask_word.numpy()]
         )  # a copy: the ring's rows are read-only
-        allowed = ((words >> self._mask_bit) & 1).bool() & self._mask_inside
-        index = torch.from_numpy(local.astype(np.int64))
+        allowed = (((words >> self._mask_bit) & 1).bool() & self._mask_inside).to(logits.device)
+        index = torch.from_numpy(local.astype(np.int64)).to(logits.device)
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
@@ -413,7 +477,7 @@ def _whole_embedding(target: LlamaModel, target_dir: Path) -> tuple[Weight, Weig
     from guidespec.worker.checkpoint import ShardReader
 
     reader = ShardReader(target_dir)
-    embed = pack(reader.get("model.embed_tokens.weight").to(target.dtype))
+    embed = pack(reader.get("model.embed_tokens.weight").to(target.dtype).to(target.device))
     if target.cfg.tie_word_embeddings or not reader.has("lm_head.weight"):
         return embed, embed
-    return embed, pack(reader.get("lm_head.weight").to(target.dtype))
+    return embed, pack(reader.get("lm_head.weight").to(target.dtype).to(target.device))

@@ -136,6 +136,8 @@ class Worker:
                 self.drafter = EagleRunner(
                     Path(cfg.draft_model), self.model, cfg.model_dir, hf_config, cfg.max_batch_size, cfg.max_model_len
                 )
+                if cfg.draft_graphs and self.drafts is not None:  # draft steps as graphs, grammar waits inside
+                    self.drafter.use_graphs(self.drafts, envs.draft_mask_timeout_s(), cfg.scheduler_pid, capture=cuda)
             else:
                 self.drafter = DraftRunner(
                     cfg.draft_model,

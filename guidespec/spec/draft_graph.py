@@ -1,0 +1,306 @@
+"""Greedy EAGLE draft steps as one fixed-shape graph, grammar waits inside (rank 0).
+
+A proposal's draft steps run, for ``B`` rows (the rows drafting, rounded up to a batch bucket)
+and ``K`` drafts (the most any row wants), as one sequence of operations that never returns to
+Python between draft steps:
+
+    for j in 0..K-1:
+        [j > 0] head forward over (its last output, draft j-1) at position p + j
+        [guided] copy draft j-1 device-to-host;  publish (C);  wait for the mask (C);
+                 copy the mask host-to-device;  -inf where the mask forbids
+        draft j = argmax (as target ids through d2t)
+
+"publish" and "wait" are the draft channel's C trampolines (``gs_cb_graph_publish`` and
+``gs_cb_graph_wait``, ``cuda_ext/draft_channel.c``), enqueued in stream order by
+:class:`~guidespec.cuda_ext.host_functions.HostFunctions`. On CUDA the sequence is captured once
+per :class:`DraftGraphKey` into a CUDA graph (host nodes for the trampolines) and replayed; on
+the CPU the same sequence runs eagerly, the trampolines called where they stand, so CI runs the
+protocol, the layouts and the error handling a GPU replays.
+
+The graph reads fixed buffers: device tensors (the head's output and draft logits at each row's
+last final position, positions, slots) and host buffers the trampolines read (the step number,
+each row's batch row, wanted drafts, grammar flag, tokens produced this step), page-locked on
+CUDA. Rows wanting fewer than ``K`` drafts draft on (their extra picks are cut on the host, and
+the scheduler is asked only for the masks of drafts a row wants); padding rows run on the
+head's scratch slot. A failed wait (timeout, a dead scheduler, a stale mask) forbids every token
+of the rows it concerns, and every later draft step of the replay asks for nothing and forbids
+every token of its guided rows; the error is read after the replay and the proposal dropped, as
+the step-by-step path does. Sampled rows keep that path (their draws and q' are host-side).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from guidespec.cuda_ext.channel import OK, DraftChannel, DraftChannelError
+from guidespec.cuda_ext.host_functions import GraphStepArgs, HostFunctions
+from guidespec.worker.graphs import batch_bucket, key_bucket
+from guidespec.worker.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+MAX_GRAPH_DRAFTS = 8  # more drafts per row run step by step
+MAX_PRODUCED = 64  # tokens a row produced this step, at most, for a graph (more: step by step)
+
+
+@dataclass(frozen=True)
+class DraftGraphKey:
+    batch: int  # B: rows
+    drafts: int  # K: draft steps
+    key_length: int  # L: keys attended
+    masked: bool  # any row's drafts masked by its grammar (else no host functions at all)
+
+
+class _HostBuffers:
+    """What the trampolines read and write, for the largest graph (page-locked on CUDA); a graph
+    of ``B`` rows uses each buffer's first rows with stride ``B``."""
+
+    def __init__(self, max_rows: int, num_words: int, pin: bool) -> None:
+        def make(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        b, w = max_rows, num_words
+        self.step = make(1, dtype=torch.int64)
+        self.batch_rows, self.wanted, self.masked, self.produced_len = (make(b) for _ in range(4))
+        self.produced = make(b * MAX_PRODUCED)
+        self.drafts = make(MAX_GRAPH_DRAFTS * b)
+        self.rows, self.lens = make(b), make(b)
+        self.tokens = make(b * (MAX_PRODUCED + MAX_GRAPH_DRAFTS))
+        self.mask_rows, self.out = make(b * w), make(b * w)
+        self.published, self.status = make(1), make(2)
+
+    def address(self, name: str) -> ctypes.c_void_p:
+        return ctypes.c_void_p(getattr(self, name).data_ptr())
+
+
+class _DraftGraph:
+    """The buffers, argument blocks and (on CUDA) the captured graph of one key."""
+
+    def __init__(self, key: DraftGraphKey, owner: EagleDraftGraphs) -> None:
+        self.key, self.owner = key, owner
+        head, device, b = owner.head, owner.device, key.batch
+        self.features = torch.zeros(b, head.cfg.hidden_size, dtype=head.dtype, device=device)
+        self.logits = torch.zeros(b, head.draft_vocab_size, dtype=torch.float32, device=device)
+        self.positions = torch.zeros(b, dtype=torch.long, device=device)
+        self.slots = torch.full((b,), owner.scratch_slot, dtype=torch.long, device=device)
+        self.mask = torch.zeros(b, owner.num_words, dtype=torch.int32, device=device)
+        self.picks = torch.zeros(key.drafts, b, dtype=torch.long, device=device)
+        host = owner.host
+        self.host_drafts = host.drafts[: key.drafts * b].view(key.drafts, b)
+        self.host_out = host.out[: b * owner.num_words].view(b, owner.num_words)
+        channel = owner.channel
+        self.args = [
+            GraphStepArgs(
+                channel.base,
+                host.address("step"),
+                j,
+                b,
+                MAX_PRODUCED,
+                owner.num_words,
+                int(owner.timeout_s * 1e6),
+                owner.peer_pid,
+                *(
+                    host.address(name)
+                    for name in (
+                        "batch_rows",
+                        "wanted",
+                        "masked",
+                        "produced",
+                        "produced_len",
+                        "drafts",
+                        "rows",
+                        "lens",
+                        "tokens",
+                        "mask_rows",
+                        "out",
+                        "published",
+                        "status",
+                    )
+                ),
+            )
+            for j in range(key.drafts)
+        ]
+        self.graph: Any = None
+
+    def steps(self) -> torch.Tensor:
+        """The draft steps, as the graph replays them: writes and returns ``picks`` [K, B]."""
+        owner, key = self.owner, self.key
+        out, logits = self.features, self.logits
+        for j in range(key.drafts):
+            if j > 0:
+                positions = (self.positions + j).clamp(max=owner.max_model_len - 1)
+                out, logits = owner.head.forward_padded(
+                    out, self.picks[j - 1], positions, self.slots, owner.kv, key.key_length
+                )
+            if key.masked:
+                if j > 0:  # the tokens the publish trampoline sends: draft j-1 of every row
+                    self.host_drafts[j - 1].copy_(self.picks[j - 1].to(torch.int32), non_blocking=True)
+                owner.host_functions.enqueue("gs_cb_graph_publish", self.args[j])
+                owner.host_functions.enqueue("gs_cb_graph_wait", self.args[j])
+                self.mask.copy_(self.host_out, non_blocking=True)
+                words = self.mask.index_select(1, owner.mask_word)  # [B, draft vocab]
+                allowed = ((words >> owner.mask_bit) & 1).bool() & owner.mask_inside
+                logits = logits.masked_fill(~allowed, float("-inf"))
+            pick = logits.argmax(dim=-1)
+            self.picks[j].copy_(owner.head.to_target(pick))
+        return self.picks
+
+    def capture(self) -> None:
+        """Warm up (every row padding: the trampolines publish nothing), then capture."""
+        device = self.owner.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.steps()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=self.owner.pool):
+            self.steps()
+        logger.info("captured a draft-step graph for %s (%d graphs)", self.key, len(self.owner.graphs))
+
+
+class EagleDraftGraphs:
+    """Greedy draft steps of an EAGLE head as fixed-shape graphs (rank 0). ``kv``: the head's
+    cache, one slot more than ``max_batch_size`` (the scratch slot padding rows write);
+    ``mask_tables``: (word, bit, inside) of each draft id in a target bitmask row."""
+
+    def __init__(
+        self,
+        head: Any,  # spec/eagle.py's EagleHead (not imported: eagle.py imports this module)
+        kv: KVCache,
+        max_batch_size: int,
+        channel: DraftChannel,
+        timeout_s: float,
+        peer_pid: int,
+        capture: bool,
+        mask_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> None:
+        if kv.num_slots < max_batch_size + 1:
+            raise ValueError(f"draft graphs need a scratch slot: {kv.num_slots} slots for a batch of {max_batch_size}")
+        self.head, self.kv, self.max_batch_size = head, kv, max_batch_size
+        self.device = torch.device(head.attn.device)
+        self.max_model_len = head.attn.max_model_len
+        self.scratch_slot = kv.num_slots - 1
+        self.channel, self.timeout_s, self.peer_pid = channel, timeout_s, peer_pid
+        self.num_words = channel.spec.num_words
+        self.capture = capture and self.device.type == "cuda"
+        self.host = _HostBuffers(max_batch_size, self.num_words, pin=self.device.type == "cuda")
+        self.host_functions = HostFunctions(self.device)
+        word, bit, inside = mask_tables
+        self.mask_word = word.to(self.device, torch.long)
+        self.mask_bit = bit.to(self.device, torch.int32)
+        self.mask_inside = inside.to(self.device)
+        self.graphs: dict[DraftGraphKey, _DraftGraph] = {}
+        self.pool: Any = torch.cuda.graph_pool_handle() if self.capture else None
+        self.runs = 0
+
+    def fits(self, rows: np.ndarray, wanted: np.ndarray, temperature: np.ndarray, produced: list[list[int]]) -> bool:
+        """Whether these rows' draft steps can run as a graph: greedy, few enough drafts."""
+        if not 0 < len(rows) <= self.max_batch_size:
+            return False
+        k = int(wanted[rows].max())
+        return (
+            0 < k <= MAX_GRAPH_DRAFTS
+            and bool((temperature[rows] <= 0).all())
+            and all(len(produced[b]) <= MAX_PRODUCED for b in rows.tolist())
+        )
+
+    @torch.inference_mode()
+    def run(
+        self,
+        step: int,
+        out: torch.Tensor,
+        logits: torch.Tensor,
+        rows: np.ndarray,
+        last_position: np.ndarray,
+        slots: np.ndarray,
+        wanted: np.ndarray,
+        masked: np.ndarray | None,
+        produced: list[list[int]],
+    ) -> np.ndarray:
+        """Drafts [K, n] (target ids) for batch rows ``rows`` (n of them, in order), from the head's
+        output and draft logits at their last final positions (``out``, ``logits`` [n, ...]).
+        DraftChannelError where a grammar mask did not come."""
+        n = len(rows)
+        row_wanted = wanted[rows].astype(np.int32)
+        row_masked = masked[rows].astype(bool) if masked is not None else np.zeros(n, dtype=bool)
+        k = int(row_wanted.max())
+        end = int((last_position[rows] + k).max())
+        batch = batch_bucket(n, self.max_batch_size)
+        assert batch is not None
+        key = DraftGraphKey(batch, k, key_bucket(end + 1, self.max_model_len), bool(row_masked.any()))
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = _DraftGraph(key, self)
+            if self.capture:
+                self._write_padding(graph)
+                graph.capture()
+            else:
+                logger.info("draft steps for %s run eagerly, as a graph would (%d shapes)", key, len(self.graphs))
+        self._write(graph, step, out, logits, rows, last_position, slots, row_wanted, row_masked, produced)
+        if graph.graph is not None:
+            graph.graph.replay()
+            picks = graph.picks
+        else:
+            picks = graph.steps()
+        chains = picks[:, :n].cpu().numpy().copy()  # (waits for the replay)
+        self.runs += 1
+        publish_code, wait_code = self.host.status.tolist()
+        if publish_code != OK:
+            raise DraftChannelError(publish_code, step, -1, "publishing drafts")
+        if wait_code != OK:
+            _, _, index = self.channel.last_error()
+            raise DraftChannelError(wait_code, step, index, "waiting for the scheduler's mask")
+        return chains
+
+    def _write(
+        self,
+        graph: _DraftGraph,
+        step: int,
+        out: torch.Tensor,
+        logits: torch.Tensor,
+        rows: np.ndarray,
+        last_position: np.ndarray,
+        slots: np.ndarray,
+        wanted: np.ndarray,
+        masked: np.ndarray,
+        produced: list[list[int]],
+    ) -> None:
+        n, b = len(rows), graph.key.batch
+        host = self.host
+        host.step[0] = step
+        host.status.zero_()
+        ints = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int32))  # noqa: E731
+        host.batch_rows[:n] = ints(rows)
+        host.wanted[:n], host.wanted[n:b] = ints(wanted), 0
+        host.masked[:n], host.masked[n:b] = ints(masked), 0
+        lengths = [len(produced[r]) for r in rows.tolist()]
+        host.produced_len[:n] = ints(lengths)
+        grid = np.zeros((n, MAX_PRODUCED), dtype=np.int32)
+        for i, r in enumerate(rows.tolist()):
+            grid[i, : lengths[i]] = produced[r]
+        host.produced[: n * MAX_PRODUCED] = torch.from_numpy(grid.ravel())
+        graph.features[:n].copy_(out)
+        graph.logits[:n].copy_(logits)
+        graph.features[n:].zero_()
+        graph.logits[n:].zero_()
+        graph.positions[:n].copy_(torch.from_numpy(last_position[rows].astype(np.int64)))
+        graph.positions[n:] = 0
+        graph.slots[:n].copy_(torch.from_numpy(np.asarray(slots)[rows].astype(np.int64)))
+        graph.slots[n:] = self.scratch_slot
+
+    def _write_padding(self, graph: _DraftGraph) -> None:
+        """Every row padding: what a warm-up and a capture run on (nothing is published)."""
+        b = graph.key.batch
+        self.host.wanted[:b] = 0
+        self.host.masked[:b] = 0
+        self.host.status.zero_()
+        graph.positions.zero_()
+        graph.slots.fill_(self.scratch_slot)
