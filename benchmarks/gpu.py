@@ -15,6 +15,13 @@ generated greedily through the Python API, each figure after a warm-up run of th
   lengths the guided run produced (same tokens computed, differing only by the guidance);
 - guided + speculative ÷ guided: the same guided requests on an engine with ``speculative="ngram"``;
 - graphs ÷ eager: decode tok/s of the default engine over one with ``enforce_eager=True``;
+- EAGLE draft-step graphs (issue 23): an EAGLE-3 head (``--eagle-head``, else random weights of
+  the model's shape) drafting ``--draft-len`` tokens a step (fixed length), guided and unguided,
+  with the draft steps as one captured graph whose grammar waits are host nodes
+  (``graph_grammar=True``) against the same steps one by one (``--no-graph-grammar``), at batch 1
+  and 16: time per engine step, and the grammar's share of a graph step (guided over unguided
+  step time, minus 1); a random head's drafts are nearly all rejected, so its accepted tokens per
+  step say nothing (a trained head and ``--model`` do);
 - bitmask: p50 time per step to copy R = B x (1 + draft length) bitmask rows host-to-device from a
   page-locked arena (``DeviceMasks.upload``), to apply them to fp32 logits [R, vocab] already on the
   device, and both (``DeviceMasks.apply``), for the default vocabulary and a 128k one; on the CPU,
@@ -415,6 +422,52 @@ def bench_speculative(
             )
 
 
+def bench_eagle_graphs(
+    setup: Setup, cases: list[dict[str, Any]], batch_sizes: list[int], max_tokens: int, head: Path | None
+) -> list[dict[str, Any]]:
+    """EAGLE draft steps as a graph against step by step, guided and unguided, per batch size."""
+    from guidespec import LLM, SamplingParams
+
+    from benchmarks.random_model import build_random_eagle_head
+
+    if "graph_grammar" not in setup.accepted:
+        setup._note("graph_grammar")
+        print("[eagle] skipped: this LLM takes no graph_grammar= argument", flush=True)
+        return []
+    head = head or build_random_eagle_head(setup.model_dir, setup.model_dir.parent / f"{setup.model_dir.name}-eagle")
+    eagle = {"method": "eagle", "draft_model": str(head), "adaptive": False, "max_draft_len": setup.draft_len}
+    out: list[dict[str, Any]] = []
+    for graph in (True, False):
+        label = "eagle graph" if graph else "eagle steps"
+        kw = dict(setup.kwargs(enforce_eager=False), speculative=eagle, graph_grammar=graph)
+        start = time.perf_counter()
+        with LLM(**kw) as llm:
+            print(f"[{label}] engine started in {time.perf_counter() - start:.1f} s", flush=True)
+            for b in batch_sizes:
+                pairs = requests(cases, b)
+                prompts, schemas = [p for p, _ in pairs], [s for _, s in pairs]
+                run_each(llm, prompts, guided_params(schemas, min(16, max_tokens)))  # warm-up, captures
+                guided, outs = measure(
+                    lambda: run_each(llm, prompts, guided_params(schemas, max_tokens)), setup.repeats
+                )
+                lengths = [len(o.token_ids) if o is not None else max_tokens for o in outs]
+                plain = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+                run_each(llm, prompts, plain)
+                unguided, _ = measure(lambda: run_each(llm, prompts, plain), setup.repeats)
+                row = {"graph": graph, "batch": b, "guided": guided, "unguided": unguided}
+                for key in ("guided", "unguided"):  # every request runs in every step: steps = request steps / B
+                    s = row[key]
+                    s["step_ms"] = 1e3 * s["wall_s"] * b / s["steps"] if s["steps"] else None
+                row["valid_json"] = sum(o is not None and valid_json(o.text, s) for o, s in zip(outs, schemas))
+                out.append(row)
+                print(
+                    f"[{label}] batch {b}: guided step {fmt(guided['step_ms'], '.2f')} ms, unguided step "
+                    f"{fmt(unguided['step_ms'], '.2f')} ms, tokens/step {fmt(guided['tokens_per_spec_step'], '.2f')}",
+                    flush=True,
+                )
+    return out
+
+
 # ---------------------------------------------------------------- bitmask
 
 
@@ -571,6 +624,24 @@ def markdown(report: dict[str, Any]) -> str:
             f"{tok_s('guided_spec')} | {fmt(row['ratios']['guided_spec_over_guided'], '.2f', 'x')} | "
             f"{fmt(spec.get('acceptance'), '.0%')} | {valid} |"
         )
+    if report.get("eagle"):
+        lines += [
+            "",
+            "EAGLE draft steps (draft length fixed): one captured graph per proposal, grammar waits as host "
+            "nodes (graph) against the same steps one by one (steps); step = wall × batch ÷ request steps.",
+            "",
+            "| batch | draft steps | guided step ms | unguided step ms | grammar's share | tokens / step | "
+            "valid JSON |",
+            "|---:|---|---:|---:|---:|---:|---|",
+        ]
+        for e in report["eagle"]:
+            g, u = e["guided"]["step_ms"], e["unguided"]["step_ms"]
+            share = g / u - 1 if g and u else None
+            lines.append(
+                f"| {e['batch']} | {'graph' if e['graph'] else 'steps'} | {fmt(g, '.2f')} | {fmt(u, '.2f')} | "
+                f"{fmt(None if share is None else 100 * share, '.1f', '%')} | "
+                f"{fmt(e['guided']['tokens_per_spec_step'], '.2f')} | {e['valid_json']}/{e['batch']} |"
+            )
     if report["bitmask"]:
         lines += [
             "",
@@ -675,7 +746,8 @@ def main() -> None:
         action="store_true",
         help="guided requests take a step per token (isolates the mask's cost from the steps that jump-forward saves)",
     )
-    parser.add_argument("--skip", nargs="+", default=[], choices=["eager", "guided", "spec", "mask"])
+    parser.add_argument("--skip", nargs="+", default=[], choices=["eager", "guided", "spec", "eagle", "mask"])
+    parser.add_argument("--eagle-head", type=Path, default=None, help="an EAGLE-3 head folder (default: random)")
     parser.add_argument("--quick", action="store_true", help="smoke run: batch 1 and 2, 16 tokens, 4 layers")
     parser.add_argument("--output", type=Path, default=Path("out/gpu"))
     args = parser.parse_args()
@@ -734,6 +806,8 @@ def main() -> None:
         bench_eager(setup, cases, batch_sizes, max_tokens, rows, engines)
     if "spec" not in skip:
         bench_speculative(setup, cases, batch_sizes, max_tokens, rows, engines)
+    eagle_batches = [b for b in batch_sizes if b in (1, 16)] or batch_sizes[:1]
+    eagle = [] if "eagle" in skip else bench_eagle_graphs(setup, cases, eagle_batches, max_tokens, args.eagle_head)
     bitmask = [] if "mask" in skip else bench_bitmask(device, batch_sizes, args.draft_len, args.mask_vocabs, mask_iters)
 
     for row in rows.values():
@@ -765,7 +839,7 @@ def main() -> None:
         "not_passed": setup.not_passed,
         "batch_sizes": batch_sizes,
     }
-    report = {"meta": meta, "rows": list(rows.values()), "bitmask": bitmask, "notes": notes(meta)}
+    report = {"meta": meta, "rows": list(rows.values()), "eagle": eagle, "bitmask": bitmask, "notes": notes(meta)}
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "gpu.json").write_text(json.dumps(report, indent=2))
     text = markdown(report)

@@ -171,6 +171,34 @@ def _copy_tokenizer(source: Path, folder: Path, vocab_size: int) -> None:
             raise ValueError(f"the tokenizer in {source} has {size} tokens, more than the model's {vocab_size}")
 
 
+def build_random_eagle_head(model_dir: Path, target: Path, draft_vocab_size: int = 8192, seed: int = 0) -> Path:
+    """``target`` as an EAGLE-3 head folder for the model in ``model_dir``, with random weights
+    (its LM head: the target's embedding rows of the draft vocabulary, read through d2t). Its
+    drafts are nearly always wrong: good for step times, not for acceptance."""
+    import dataclasses
+
+    import torch
+
+    from guidespec.config import ModelConfig
+    from guidespec.model_files import load_hf_config
+    from guidespec.spec.eagle import default_aux_layers, save_head
+    from guidespec.spec.train_eagle import TrainableHead, head_config
+    from guidespec.worker.checkpoint import ShardReader
+
+    hf = load_hf_config(model_dir)
+    target_cfg = ModelConfig.from_hf(hf)
+    cfg = dataclasses.replace(target_cfg, num_layers=1)
+    embed = ShardReader(model_dir).get("model.embed_tokens.weight").float()
+    draft_ids = torch.arange(min(draft_vocab_size, cfg.vocab_size))
+    aux = default_aux_layers(target_cfg.num_layers)
+    torch.manual_seed(seed)
+    head = TrainableHead(cfg, hf, embed, draft_ids, len(aux), 64)
+    save_head(
+        target, head.state_for_checkpoint(cfg.vocab_size), head_config(cfg, cfg.vocab_size, len(draft_ids), aux, {})
+    )
+    return target
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="smollm2-135m")

@@ -171,8 +171,9 @@ class EngineConfig:
     hf_config: dict[str, Any] | None = None  # the model's config as data (model_files.config_data)
     device: str = "cpu"  # "cpu" or "cuda" (resolved from "auto": worker/device.py)
     enforce_eager: bool = False  # CUDA: no graphs (worker/graphs.py)
-    # CUDA: an EAGLE head's greedy draft steps as one graph each, grammar waits inside (spec/draft_graph.py)
-    graph_grammar: bool = True
+    # an EAGLE head's greedy draft steps as one graph each, grammar waits inside (spec/draft_graph.py):
+    # None: on CUDA with graphs; True on the CPU runs the same steps eagerly
+    graph_grammar: bool | None = None
     gpu_memory_utilization: float = 0.9  # CUDA: the share of a GPU's memory a rank may take
     ray_placement: str = "pack"  # Ray: "pack" (STRICT_PACK: one node) or "spread" (STRICT_SPREAD across nodes)
     # dtype "gguf" (CPU): a GGUF model's linear weights run as the file's own blocks (kernels/gguf_weights.py)

@@ -60,11 +60,9 @@ def draft_channel() -> str:
     """How rank 0 exchanges model drafts and their masks with the scheduler
     (``GUIDESPEC_DRAFT_CHANNEL``): ``c`` (default: the cuda_ext shared-memory channel, its C
     functions called directly), ``stream`` (the same functions run by the C host stream, as a
-    CUDA stream would call them back), ``graph`` (an EAGLE head's greedy draft steps run as the
-    fixed-shape sequence a CUDA graph replays, the C trampolines in stream order:
-    ``spec/draft_graph.py``; the default on CUDA) or ``python`` (messages over ZeroMQ and the ring)."""
+    CUDA stream would call them back) or ``python`` (messages over ZeroMQ and the ring)."""
     value = os.environ.get("GUIDESPEC_DRAFT_CHANNEL", "c")
-    return value if value in ("c", "stream", "graph", "python") else "c"
+    return value if value in ("c", "stream", "python") else "c"
 
 
 def draft_mask_timeout_s() -> float:

@@ -194,7 +194,7 @@ class LLM:
         enforce_eager: bool = False,
         gpu_memory_utilization: float = 0.9,
         ray_placement: str = "pack",
-        graph_grammar: bool = True,
+        graph_grammar: bool | None = None,
     ) -> None:
         if grammar_backend not in BACKEND_CHOICES:
             raise ValueError(f"grammar_backend must be one of {', '.join(BACKEND_CHOICES)}, got {grammar_backend!r}")
@@ -244,7 +244,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             device=resolved_device,
             enforce_eager=bool(enforce_eager),
-            graph_grammar=bool(graph_grammar),
+            graph_grammar=None if graph_grammar is None else bool(graph_grammar),
             gpu_memory_utilization=float(gpu_memory_utilization),
             ray_placement=ray_placement,
         )

@@ -182,12 +182,13 @@ def test_greedy_eagle_equals_greedy_plain(reference: list[list[int]], eagle_head
 def test_every_draft_exchange_gives_the_same_greedy_eagle_output(
     reference: list[list[int]], eagle_head: Path, exchange: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Rank 0's draft steps through the C host stream (the trampolines a CUDA graph calls back) or
-    as messages over ZeroMQ and the ring give what the default (the C channel, called directly)
-    gives: plain greedy output."""
-    monkeypatch.setenv("GUIDESPEC_DRAFT_CHANNEL", exchange)
+    """Rank 0's draft steps through the C host stream (the trampolines a CUDA graph calls back), as
+    the fixed-shape sequence a CUDA graph replays (``graph_grammar``: run eagerly here, the
+    trampolines in stream order), or as messages over ZeroMQ and the ring give what the default
+    (the C channel, called directly) gives: plain greedy output."""
+    monkeypatch.setenv("GUIDESPEC_DRAFT_CHANNEL", "c" if exchange == "graph" else exchange)
     speculative = dict(method="eagle", draft_model=str(eagle_head), adaptive=False)
-    with LLM(max_batch_size=8, show_progress=False, speculative=speculative) as llm:
+    with LLM(max_batch_size=8, show_progress=False, speculative=speculative, graph_grammar=exchange == "graph") as llm:
         channel = llm._engine.processes.drafts
         assert (channel is not None) == (exchange != "python")
         outs = _run(llm, _requests())

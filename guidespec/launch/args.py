@@ -19,7 +19,7 @@ def device_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "device": args.device,
         "enforce_eager": args.enforce_eager,
-        "graph_grammar": not args.no_graph_grammar,
+        "graph_grammar": args.graph_grammar,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "ray_placement": args.ray_placement,
     }
@@ -57,10 +57,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: run every step eagerly, without CUDA graphs")
     p.add_argument(
-        "--no-graph-grammar",
-        action="store_true",
-        help="CUDA, EAGLE: run the head's draft steps one by one, waiting for their grammar masks in Python, "
-        "instead of one graph per proposal with the waits inside",
+        "--graph-grammar",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="EAGLE: the head's greedy draft steps as one graph per proposal, grammar waits inside (default: "
+        "on CUDA with graphs; on the CPU the same steps run eagerly); --no-graph-grammar: one by one",
     )
     p.add_argument(
         "--ray-placement",

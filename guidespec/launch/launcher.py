@@ -218,13 +218,13 @@ def _arena_spec(cfg: EngineConfig) -> ArenaSpec:
 
 
 def _draft_graphs(cfg: EngineConfig) -> bool:
-    """An EAGLE head's draft steps as graphs: on CUDA with graphs (unless --no-graph-grammar), and
-    on the CPU where ``GUIDESPEC_DRAFT_CHANNEL=graph`` runs the same steps eagerly."""
+    """An EAGLE head's draft steps as graphs: by default on CUDA with graphs; ``graph_grammar``
+    True or False decides (on the CPU the same steps run eagerly; --enforce-eager wins on CUDA)."""
     if cfg.speculative is None or cfg.speculative.method != "eagle":
         return False
-    if cfg.device == "cuda":
-        return cfg.graph_grammar and not cfg.enforce_eager
-    return envs.draft_channel() == "graph"
+    if cfg.device == "cuda" and cfg.enforce_eager:
+        return False
+    return cfg.device == "cuda" if cfg.graph_grammar is None else cfg.graph_grammar
 
 
 def _uses_channel(cfg: EngineConfig, local_ranks: list[int]) -> bool:

@@ -81,9 +81,9 @@ class StaticBuffers:
         self.host_np[t : 2 * t] = np.tile(np.arange(self.key.tokens_per_row), self.key.batch)
         self.device.copy_(self.host)
 
-    def write(self, batch: ForwardBatch, max_model_len: int) -> np.ndarray:
+    def write(self, batch: ForwardBatch, max_model_len: int) -> tuple[np.ndarray, np.ndarray]:
         """Lay ``batch`` out in the buffers (row i in row i, its tokens first); returns the flat
-        index, in the padded layout, of each of the batch's logits rows."""
+        index, in the padded layout, of each of the batch's logits rows and of each of its tokens."""
         key, n = self.key, self.key.tokens_per_row
         t = key.batch * n
         counts = np.asarray(batch.num_new_tokens, dtype=np.int64)
@@ -109,7 +109,7 @@ class StaticBuffers:
         # (the host tensor is written again only after this step's tokens came back: copied by then)
         self.device.copy_(self.host, non_blocking=True)
         flat_of_real = (np.arange(rows)[:, None] * n + column)[real]  # the padded index of each real token
-        return flat_of_real[batch.logits_indices.cpu().numpy()]
+        return flat_of_real[batch.logits_indices.cpu().numpy()], flat_of_real
 
 
 class GraphRunner:
@@ -124,6 +124,7 @@ class GraphRunner:
         max_batch_size: int,
         capture: bool,
         max_tokens_per_row: int = MAX_TOKENS_PER_ROW,
+        features: tuple[int, ...] | str | None = None,
     ) -> None:
         if kv.num_slots < max_batch_size + 1:
             raise ValueError(
@@ -132,10 +133,11 @@ class GraphRunner:
         self.model, self.kv = model, kv
         self.max_batch_size, self.max_tokens_per_row = max_batch_size, max_tokens_per_row
         self.capture = capture
+        self.features = features  # an EAGLE head's features, kept in model.captured (LlamaModel.forward)
         self.scratch_slot = kv.num_slots - 1
         self.device = torch.device(model.device)
         self.buffers: dict[GraphKey, StaticBuffers] = {}
-        self.graphs: dict[GraphKey, Any] = {}  # key -> (torch.cuda.CUDAGraph, its output tensor)
+        self.graphs: dict[GraphKey, Any] = {}  # key -> (torch.cuda.CUDAGraph, its output, its features)
         self._pool: Any = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0
         self.eager_runs = 0
@@ -158,14 +160,18 @@ class GraphRunner:
         buffers = self.buffers.get(key)
         if buffers is None:
             buffers = self.buffers[key] = StaticBuffers(key, self.device, self.scratch_slot)
-        index = buffers.write(batch, self.model.max_model_len)
+        index, tokens = buffers.write(batch, self.model.max_model_len)
         if self.capture:
-            graph, output = self.graphs.get(key) or self._capture(key, buffers, batch)
+            graph, output, features = self.graphs.get(key) or self._capture(key, buffers, batch)
             graph.replay()
             self.replays += 1
         else:
             output = self._forward(buffers)
+            features = self.model.captured
             self.eager_runs += 1
+        if self.features is not None:  # the real tokens' features, in the batch's order
+            assert features is not None
+            self.model.captured = features[torch.from_numpy(tokens).to(self.device, non_blocking=True)]
         return output[torch.from_numpy(index).to(self.device, non_blocking=True)]
 
     def _forward(self, buffers: StaticBuffers) -> torch.Tensor:
@@ -178,9 +184,12 @@ class GraphRunner:
             buffers.row_slots,
             key.tokens_per_row,
             key.key_length,
+            self.features,
         )
 
-    def _capture(self, key: GraphKey, buffers: StaticBuffers, batch: ForwardBatch) -> tuple[Any, torch.Tensor]:
+    def _capture(
+        self, key: GraphKey, buffers: StaticBuffers, batch: ForwardBatch
+    ) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
         """Capture ``key``'s graph on padding only (warm-up and capture write the scratch slot),
         then lay the step out again."""
         buffers.fill_padding()
@@ -193,7 +202,8 @@ class GraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             output = self._forward(buffers)
-        self.graphs[key] = (graph, output)
+        features = self.model.captured if self.features is not None else None
+        self.graphs[key] = (graph, output, features)
         logger.info("captured a CUDA graph for %s (%d graphs)", key, len(self.graphs))
         buffers.write(batch, self.model.max_model_len)
-        return graph, output
+        return graph, output, features

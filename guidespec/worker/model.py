@@ -331,14 +331,16 @@ class LlamaModel:
         row_slots: torch.Tensor,
         tokens_per_row: int,
         key_length: int,
+        capture: tuple[int, ...] | str | None = None,
     ) -> torch.Tensor:
         """The forward of a fixed shape, for CUDA graphs (``graphs.py``): ``B`` rows of exactly
         ``tokens_per_row`` tokens each, attending the first ``key_length`` keys of their slot.
 
         token_ids, positions, token_slots [B * n] (token_slots: where each token's keys are
         written; padding goes to a scratch slot); row_slots [B] (whose keys each row reads).
-        Returns the normalized hidden states of every position [B * n, hidden]. No host
-        synchronisation and no shape that depends on the values: capturable as it is.
+        Returns the normalized hidden states of every position [B * n, hidden]; ``capture`` keeps
+        an EAGLE head's features of every position in ``self.captured``, as :meth:`forward`
+        does. No host synchronisation and no shape that depends on the values: capturable as it is.
         """
         n, b = tokens_per_row, row_slots.shape[0]
         g = self.cfg.num_query_groups
@@ -347,14 +349,19 @@ class LlamaModel:
         mask = allowed[:, None].repeat(1, 1, g, 1)  # [B, 1, G*n, L], rows ordered (group, token)
         x = self._embed(token_ids)
         cos, sin = self.cos[positions], self.sin[positions]
+        kept: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
+            if isinstance(capture, tuple) and i in capture:
+                kept.extend([x] * capture.count(i))
             h = _rms_norm(x, layer["input_norm"], self.cfg.rms_norm_eps)
             x = x + self._attention_padded(
                 h, layer, kv, i, positions, token_slots, row_slots, n, key_length, mask, cos, sin
             )
             h = _rms_norm(x, layer["post_norm"], self.cfg.rms_norm_eps)
             x = x + self._mlp(h, layer)
-        return _rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
+        out = _rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
+        self.captured = out if capture == "final" else torch.cat(kept, dim=-1) if kept else None
+        return out
 
     def _attention_padded(
         self,

@@ -101,8 +101,9 @@ class Worker:
         dtype = getattr(torch, cfg.dtype)
         arena = cfg.broadcast.arena
         max_rows = arena.num_rows if arena is not None else cfg.max_batch_size * (1 + MAX_TOKENS_PER_ROW)
-        # CUDA graphs pad batches onto a scratch slot: one KV slot more than the batch
-        use_graphs = cuda and not cfg.enforce_eager and cfg.draft_model is None
+        # CUDA graphs pad batches onto a scratch slot: one KV slot more than the batch (an EAGLE
+        # head's features come out of the graphs too; a draft model shares the eager cache)
+        use_graphs = cuda and not cfg.enforce_eager and (cfg.draft_model is None or cfg.draft_method == "eagle")
         num_slots = cfg.max_batch_size + (1 if use_graphs else 0)
         check_device_memory(
             model_cfg,
@@ -119,7 +120,6 @@ class Worker:
         )
         self.model.load(cfg.model_dir, hf_config, show_progress=self.tp.is_driver and cfg.show_progress)
         self.kv = self.model.create_kv_cache(num_slots)
-        self.graphs = GraphRunner(self.model, self.kv, cfg.max_batch_size, capture=True) if use_graphs else None
         self.history = TokenHistory(cfg.max_batch_size, model_cfg.vocab_size, self.device)
         self.reader = create_step_reader(cfg.broadcast, cfg.ring_index, ctx)
         self.masks = DeviceMasks(self.device, max_rows, -(-model_cfg.vocab_size // 32), self.reader.arena_buffers())
@@ -148,6 +148,10 @@ class Worker:
                     model_cfg.vocab_size,
                     (self.model, self.kv),
                 )
+        self.graphs = None
+        if use_graphs:
+            features = self.drafter.capture if self.drafter is not None else None
+            self.graphs = GraphRunner(self.model, self.kv, cfg.max_batch_size, capture=True, features=features)
 
     def close_drafts(self) -> None:
         if self.stream_exchange is not None:

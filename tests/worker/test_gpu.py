@@ -166,6 +166,36 @@ def test_speculative_greedy_equals_plain_greedy(random_model: Path) -> None:
     assert sum(o.stats.num_spec_steps for o in runs["ngram"]) > 0
 
 
+def test_eagle_draft_graphs_equal_step_by_step_and_plain_greedy(random_model: Path, tmp_path: Path) -> None:
+    """An EAGLE head's draft steps as captured graphs (grammar waits as host nodes) against the
+    same steps one by one (``graph_grammar=False``) and against no speculation: the same greedy
+    tokens, guided and unguided, with drafts proposed and verified (a random head: few accepted)."""
+    from benchmarks.random_model import build_random_eagle_head
+
+    head = build_random_eagle_head(random_model, tmp_path / "head")
+    eagle = dict(method="eagle", draft_model=str(head), adaptive=False, max_draft_len=3)
+    runs = {}
+    for label, options in (
+        ("plain", {}),
+        ("graph", dict(speculative=eagle, graph_grammar=True)),
+        ("steps", dict(speculative=eagle, graph_grammar=False)),
+    ):
+        with LLM(
+            str(random_model),
+            device=DEVICE,
+            dtype="float32",
+            max_batch_size=8,
+            show_progress=False,
+            jump_forward=False,
+            **options,
+        ) as llm:
+            runs[label] = _run(llm, _mixed())
+    assert [o.token_ids for o in runs["graph"]] == [o.token_ids for o in runs["plain"]]
+    assert [o.token_ids for o in runs["steps"]] == [o.token_ids for o in runs["plain"]]
+    assert sum(o.stats.num_draft_tokens for o in runs["graph"]) > 0
+    assert sum(o.stats.num_draft_tokens for o in runs["steps"]) > 0
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="TP=2 on the GPU needs two GPUs")
 def test_tp2_equals_tp1(random_model: Path) -> None:
     runs = {}

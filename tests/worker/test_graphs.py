@@ -55,14 +55,19 @@ def test_padded_forward_equals_the_ordinary_forward(model: LlamaModel) -> None:
     )
     model.forward(prefill, eager_kv)
     model.forward(prefill, graph_kv)
-    runner = GraphRunner(model, graph_kv, MAX_BATCH, capture=False)
+    # with an EAGLE-3 head's features: the inputs of layers 0 and 1 (the second one twice)
+    features = (0, 1, 1)
+    runner = GraphRunner(model, graph_kv, MAX_BATCH, capture=False, features=features)
     for slots, starts, counts, logits in _steps():
         tokens = torch.randint(0, 300, (sum(counts),), generator=gen)
         batch = ForwardBatch.create(tokens, slots, starts, counts, logits)
         key = runner.plan(batch)
         assert key is not None and key.batch == batch_bucket(len(slots), MAX_BATCH) and key.key_length == 256
-        expected = model.forward(batch, eager_kv)
+        expected = model.forward(batch, eager_kv, capture=features)
+        expected_features = model.captured
         torch.testing.assert_close(runner.run(batch, key), expected, atol=1e-5, rtol=1e-5)
+        assert expected_features is not None and model.captured is not None
+        torch.testing.assert_close(model.captured, expected_features, atol=1e-5, rtol=1e-5)
     assert runner.eager_runs == len(_steps())
     # the real slots' keys and values are the same (padding wrote only the scratch slot)
     for layer in range(model.cfg.num_layers):
