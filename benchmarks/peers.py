@@ -1,0 +1,365 @@
+"""guidespec against the runtimes a user would pick instead, side by side in one run, on CPU.
+
+    python benchmarks/peers.py [--cases 10] [--max-tokens 256] [--threads 2] [--sets jme rephrased]
+                               [--systems llama.cpp hf guidespec] [--concurrency 1 4 16 64] [--output DIR]
+
+Batch 1, greedy, one case after another, on the same model: the default SmolLM2-135M-Instruct
+GGUF for llama.cpp (llama-cpp-python, the optional ``peers`` extra: ``pip install -e '.[peers]'``
+builds llama.cpp from source, ~10 min on 2 cores), its fp32 conversion for Hugging Face
+``generate`` (with xgrammar's logits processor for guidance) and guidespec (``--dtype``: float32,
+or gguf for the file's own blocks). For each system and mode (unguided; guided by the case's JSON
+schema; guided + prompt lookup / n-gram drafts) and each case set (the workload's first JME cases
+as written, and the same facts rephrased by ``benchmarks/rephrase.py``): output tokens per second
+including prefill, time per task (a case's prompt to its last token) and how many outputs are
+JSON valid under the schema. Goals (issue 25): guidespec unguided >= llama.cpp unguided; guided +
+n-gram >= 1.5x llama.cpp unguided and >= 2.5x llama.cpp with a grammar; guided / unguided >=
+0.98; every guided output valid.
+
+``--concurrency``: guidespec alone, guided + n-gram, that many requests at once (one engine per
+level, ``max(c, 8)`` requests over the cases): throughput, and the scheduler's share of a step
+(its work the workers wait for, from the step trace; goal <= 5% at 16).
+
+Writes peers.json and peers.md into ``--output``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import machine  # noqa: E402
+
+Run = Callable[[dict[str, Any]], tuple[str, int]]  # case -> (text, output tokens)
+MODES = ("unguided", "guided", "guided+lookup")
+
+
+def case_sets(names: list[str], n: int) -> dict[str, list[dict[str, Any]]]:
+    """The first ``n`` JME cases as written ("jme"), and the same cases rephrased ("rephrased"),
+    case i in ``rephrase.py``'s style i mod 4 (sentences, key: value lines, shuffled, prose)."""
+    from benchmarks.rephrase import STYLES, jme_cases, rephrase
+
+    cases = jme_cases(n)
+    rephrased = [rephrase(case, STYLES[i % len(STYLES)]) for i, case in enumerate(cases)]
+    return {name: cases if name == "jme" else rephrased for name in names}
+
+
+def schema_of(case: dict[str, Any]) -> dict[str, Any]:
+    schema = case["schema"]
+    return json.loads(schema) if isinstance(schema, str) else schema
+
+
+# ---------------------------------------------------------------- systems
+
+
+def llama_cpp_runs(threads: int, max_tokens: int) -> dict[str, Run]:
+    from llama_cpp import Llama, LlamaGrammar
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    from guidespec.model_files import default_model_path
+
+    path = str(default_model_path())
+    kw = dict(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, seed=0, verbose=False)
+    plain, lookup = Llama(**kw), Llama(**kw, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
+
+    def run(llm: Any, case: dict[str, Any], guided: bool) -> tuple[str, int]:
+        grammar = LlamaGrammar.from_json_schema(json.dumps(schema_of(case)), verbose=False) if guided else None
+        out = llm.create_chat_completion(
+            case["messages"], max_tokens=max_tokens, temperature=0.0, grammar=grammar, seed=0
+        )
+        return out["choices"][0]["message"]["content"] or "", int(out["usage"]["completion_tokens"])
+
+    return {
+        "unguided": lambda case: run(plain, case, False),
+        "guided": lambda case: run(plain, case, True),
+        "guided+lookup": lambda case: run(lookup, case, True),
+    }
+
+
+def hf_runs(threads: int, max_tokens: int) -> dict[str, Run]:
+    import torch
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from guidespec.model_files import resolve_model_dir
+
+    torch.set_num_threads(threads)
+    folder = resolve_model_dir(None, show_progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size)
+    compiler = xgr.GrammarCompiler(info)
+
+    def run(case: dict[str, Any], guided: bool) -> tuple[str, int]:
+        ids = tokenizer.apply_chat_template(case["messages"], add_generation_prompt=True, return_tensors="pt")
+        ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+        processors = []
+        if guided:
+            processors.append(xgr.contrib.hf.LogitsProcessor(compiler.compile_json_schema(json.dumps(schema_of(case)))))
+        with torch.no_grad():
+            out = model.generate(
+                ids, max_new_tokens=max_tokens, do_sample=False, logits_processor=processors, pad_token_id=0
+            )
+        new = out[0, ids.shape[1] :]
+        return tokenizer.decode(new, skip_special_tokens=True), int(new.shape[0])
+
+    return {"unguided": lambda case: run(case, False), "guided": lambda case: run(case, True)}
+
+
+def guidespec_runs(dtype: str, max_tokens: int) -> tuple[dict[str, Run], Any]:
+    from guidespec import LLM, SamplingParams
+    from guidespec.protocol import GuidedDecoding
+
+    llm = LLM(dtype=dtype, show_progress=False, speculative="ngram", max_batch_size=8)
+
+    def run(case: dict[str, Any], guided: bool, speculative: bool) -> tuple[str, int]:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            speculative=speculative,
+            guided=GuidedDecoding(json_schema=json.dumps(schema_of(case))) if guided else None,
+        )
+        out = llm.generate([case["messages"]], params)[0]
+        return out.text, len(out.token_ids)
+
+    runs: dict[str, Run] = {
+        "unguided": lambda case: run(case, False, False),
+        "guided": lambda case: run(case, True, False),
+        "guided+lookup": lambda case: run(case, True, True),
+    }
+    return runs, llm
+
+
+def measure(run: Run, cases: list[dict[str, Any]], guided: bool) -> dict[str, Any]:
+    from guidespec.launch.sweep import validate_output
+
+    run(cases[0])  # warm-up (grammar compiler caches, first-call costs)
+    tokens, valid, walls, failures = 0, 0, [], []
+    for case in cases:
+        start = time.perf_counter()
+        try:
+            text, n = run(case)
+        except Exception as e:  # a peer that crashes on a case is a result, not the end of the run
+            failures.append(f"{case['id']}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        walls.append(time.perf_counter() - start)
+        tokens += n
+        valid += validate_output(text, schema_of(case)) is None
+    wall = sum(walls)
+    return {
+        "tok_s": tokens / wall if wall else None,
+        "s_per_task": wall / len(walls) if walls else None,
+        "tokens": tokens,
+        "valid": valid,
+        "cases": len(cases),
+        "failures": failures,
+        "guided": guided,
+    }
+
+
+# ---------------------------------------------------------------- concurrency
+
+
+def concurrency_sweep(levels: list[int], cases: list[dict[str, Any]], dtype: str, max_tokens: int) -> list[dict]:
+    from guidespec import LLM, SamplingParams
+    from guidespec.protocol import GuidedDecoding
+
+    rows = []
+    for c in levels:
+        trace = Path(tempfile.mkdtemp()) / "trace.json"
+        os.environ["GUIDESPEC_TRACE"] = str(trace)
+        try:
+            with LLM(dtype=dtype, show_progress=False, speculative="ngram", max_batch_size=max(c, 8)) as llm:
+                picked = [cases[i % len(cases)] for i in range(max(c, 8))]
+                params = [
+                    SamplingParams(
+                        max_tokens=max_tokens,
+                        temperature=0.0,
+                        guided=GuidedDecoding(json_schema=json.dumps(schema_of(case))),
+                    )
+                    for case in picked
+                ]
+                outs, wall = asyncio.run(_at_once(llm, picked, params, c))
+        finally:
+            os.environ.pop("GUIDESPEC_TRACE", None)
+        summary = json.loads(trace.read_text())["summary"] if trace.exists() else {}
+        tokens = sum(len(o.token_ids) for o in outs)
+        rows.append(
+            {
+                "concurrency": c,
+                "requests": len(outs),
+                "tok_s": tokens / wall,
+                "scheduler_share": summary.get("outside_forward_fraction"),
+                "mean_step_ms": summary.get("mean_step_ms"),
+            }
+        )
+        print(f"[concurrency {c}] {rows[-1]}", flush=True)
+    return rows
+
+
+async def _at_once(llm: Any, cases: list[dict[str, Any]], params: list[Any], limit: int) -> tuple[list[Any], float]:
+    gate = asyncio.Semaphore(limit)
+
+    async def one(case: dict[str, Any], p: Any) -> Any:
+        async with gate:
+            return await llm.agenerate(case["messages"], p)
+
+    start = time.perf_counter()
+    outs = await asyncio.gather(*(one(case, p) for case, p in zip(cases, params)))
+    return list(outs), time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- report
+
+
+def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
+    if not a or not b or not a.get("tok_s") or not b.get("tok_s"):
+        return None
+    return a["tok_s"] / b["tok_s"]
+
+
+def goals(results: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[str, float | None, float]]:
+    g, llama = results.get("guidespec", {}), results.get("llama.cpp", {})
+    return [
+        ("guidespec unguided ÷ llama.cpp unguided", ratio(g.get("unguided"), llama.get("unguided")), 1.0),
+        ("guidespec guided + n-gram ÷ llama.cpp unguided", ratio(g.get("guided+lookup"), llama.get("unguided")), 1.5),
+        ("guidespec guided + n-gram ÷ llama.cpp guided", ratio(g.get("guided+lookup"), llama.get("guided")), 2.5),
+        ("guidespec guided ÷ guidespec unguided", ratio(g.get("guided"), g.get("unguided")), 0.98),
+    ]
+
+
+def fmt(x: float | None, spec: str = ".1f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    lines = [
+        "# guidespec against its peers (CPU, batch 1, greedy)",
+        "",
+        f"- {meta['date']}, commit {meta['commit']}; {meta['machine']}; {meta['threads']} threads each",
+        f"- {meta['cases']} cases per set, max_tokens {meta['max_tokens']}; guidespec dtype {meta['dtype']}; "
+        f"llama.cpp: llama-cpp-python {meta.get('llama_cpp', '–')} on the GGUF (prompt lookup: 10 tokens)",
+        "",
+    ]
+    for name, results in report["sets"].items():
+        lines += [
+            f"## {name}",
+            "",
+            "| system | mode | tok/s | s per task | valid JSON | failures |",
+            "|---|---|---:|---:|---:|---|",
+        ]
+        for system, modes in results.items():
+            for mode, r in modes.items():
+                valid = f"{r['valid']}/{r['cases']}"
+                failures = f"{len(r['failures'])}: {r['failures'][0]}" if r["failures"] else ""
+                lines.append(
+                    f"| {system} | {mode} | {fmt(r['tok_s'])} | {fmt(r['s_per_task'], '.2f')} | {valid} | {failures} |"
+                )
+        lines += ["", "| goal | measured | target | met |", "|---|---:|---:|---|"]
+        for label, value, target in goals(results):
+            met = "–" if value is None else ("yes" if value >= target else "no")
+            lines.append(f"| {label} | {fmt(value, '.2f')} | {target} | {met} |")
+        lines.append("")
+    if report["concurrency"]:
+        lines += [
+            "## guidespec, guided + n-gram, requests at once",
+            "",
+            "| concurrency | requests | tok/s | scheduler's share of a step | mean step ms |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for row in report["concurrency"]:
+            share = row["scheduler_share"]
+            lines.append(
+                f"| {row['concurrency']} | {row['requests']} | {fmt(row['tok_s'])} | "
+                f"{fmt(None if share is None else 100 * share)}% | {fmt(row['mean_step_ms'])} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", type=int, default=10)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", help="guidespec's: float32, or gguf (the file's own blocks)")
+    parser.add_argument("--sets", nargs="+", default=["jme", "rephrased"], choices=["jme", "rephrased"])
+    parser.add_argument("--systems", nargs="+", default=["llama.cpp", "hf", "guidespec"])
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16, 64])
+    parser.add_argument("--output", type=Path, default=Path("out/peers"))
+    args = parser.parse_args()
+
+    sets = case_sets(args.sets, args.cases)
+    systems: dict[str, dict[str, Run]] = {}
+    meta: dict[str, Any] = {}
+    closers = []
+    for system in args.systems:
+        try:
+            if system == "llama.cpp":
+                import llama_cpp
+
+                meta["llama_cpp"] = llama_cpp.__version__
+                systems[system] = llama_cpp_runs(args.threads, args.max_tokens)
+            elif system == "hf":
+                systems[system] = hf_runs(args.threads, args.max_tokens)
+            elif system == "guidespec":
+                systems[system], llm = guidespec_runs(args.dtype, args.max_tokens)
+                closers.append(llm)
+            else:
+                raise SystemExit(f"unknown system {system!r}")
+        except ImportError as e:
+            print(f"[{system}] skipped: {e} (pip install -e '.[peers]' for llama.cpp)", flush=True)
+    report: dict[str, Any] = {"sets": {}, "concurrency": []}
+    try:
+        for name, cases in sets.items():
+            results: dict[str, dict[str, Any]] = {}
+            for system, runs in systems.items():
+                results[system] = {}
+                for mode in MODES:
+                    if mode in runs:
+                        try:
+                            results[system][mode] = measure(runs[mode], cases, mode != "unguided")
+                        except Exception:
+                            traceback.print_exc()
+                            continue
+                        r = results[system][mode]
+                        print(
+                            f"[{name}] {system} {mode}: {fmt(r['tok_s'])} tok/s, {fmt(r['s_per_task'], '.2f')} s/task, "
+                            f"valid {r['valid']}/{r['cases']}, failures {len(r['failures'])}",
+                            flush=True,
+                        )
+            report["sets"][name] = results
+    finally:
+        for llm in closers:
+            llm.close()
+    if args.concurrency:
+        report["concurrency"] = concurrency_sweep(args.concurrency, sets[args.sets[0]], args.dtype, args.max_tokens)
+    report["meta"] = dict(
+        meta,
+        date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        commit=os.popen("git rev-parse --short HEAD").read().strip(),
+        machine=machine(),
+        threads=args.threads,
+        cases=args.cases,
+        max_tokens=args.max_tokens,
+        dtype=args.dtype,
+    )
+    args.output.mkdir(parents=True, exist_ok=True)
+    (args.output / "peers.json").write_text(json.dumps(report, indent=2))
+    text = markdown(report)
+    (args.output / "peers.md").write_text(text)
+    print("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
