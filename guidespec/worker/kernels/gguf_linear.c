@@ -264,10 +264,13 @@ void gguf_linear(const float* x, const void* w, int format, const float* bias, f
 }
 
 /* rows `ids` of w dequantized into out [len(ids)][K] (embedding lookups, dense copies) */
-void gguf_dequantize_rows(const void* w, int format, const int64_t* ids, int num_ids, int K, float* out) {
+void gguf_dequantize_rows(const void* w, int format, const int64_t* ids, int num_ids, int K, float* out,
+                          int threads) {
     const format_t* f = &FORMATS[format];
-    int nb = K / QK, q[QK];
+    int nb = K / QK;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (num_ids >= 64)
     for (int i = 0; i < num_ids; i++) {
+        int q[QK];
         const char* row = (const char*)w + (size_t)ids[i] * nb * f->block_bytes;
         for (int b = 0; b < nb; b++) {
             float lo, hi, m;

@@ -67,7 +67,13 @@ class GGUFWeight:
             out = _dequantize_numpy(self.blocks[flat].numpy(), self.fmt)
         elif len(flat):
             lib.gguf_dequantize_rows(
-                self.blocks.data_ptr(), self.fmt, flat.data_ptr(), len(flat), self.shape[1], out.data_ptr()
+                self.blocks.data_ptr(),
+                self.fmt,
+                flat.data_ptr(),
+                len(flat),
+                self.shape[1],
+                out.data_ptr(),
+                torch.get_num_threads(),
             )
         shape = (self.shape[0],) if ids is None else tuple(ids.shape)
         return out.view(*shape, self.shape[1])
