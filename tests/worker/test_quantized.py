@@ -83,9 +83,6 @@ def test_kernel_matches_the_dequantized_weight(type_name: str, m: int) -> None:
     g = torch.Generator().manual_seed(m)
     x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
     out = kernels.linear(x, weight, bias)
-    if m >= kernels.GGUF_DEQUANTIZE_ROWS:  # a prefill chunk: the weight dequantized, fp32 activations
-        torch.testing.assert_close(out, F.linear(x, w) + bias, atol=1e-4, rtol=1e-4)
-        return
     torch.testing.assert_close(out, emulated_linear(x, w) + bias, atol=1e-4, rtol=1e-4)
     if m:
         exact = F.linear(x, w)
@@ -93,9 +90,13 @@ def test_kernel_matches_the_dequantized_weight(type_name: str, m: int) -> None:
 
 
 def test_a_rows_result_does_not_depend_on_the_batch() -> None:
+    """Bit for bit, whatever shares the call (a decode row beside a prefill chunk of 100 rows):
+    speculative greedy output equals plain greedy output only if it does. (Dequantizing and
+    running fp32 GEMM for large calls was faster for prefill, 4.88 against 6.66 ms at 256 rows of
+    576 x 1536, and gave up exactly this.)"""
     weight = from_gguf(quantized_rows("Q4_1", 100, 576), "Q4_1", 576)
     assert weight is not None
-    x = torch.randn(11, 576, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(111, 576, generator=torch.Generator().manual_seed(0))
     alone = torch.cat([kernels.linear(x[i : i + 1], weight) for i in range(len(x))])
     assert torch.equal(kernels.linear(x, weight), alone)
 

@@ -134,7 +134,6 @@ class QuantizedWeight:
 
 
 Weight = torch.Tensor | PackedWeight | QuantizedWeight | GGUFWeight
-GGUF_DEQUANTIZE_ROWS = 64  # a GGUF weight times this many rows or more: dequantized, then fp32 GEMM
 
 
 def pack(weight: torch.Tensor) -> Weight:
@@ -170,11 +169,6 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     lib = _library()
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, dense(weight).to(x.dtype), bias)
-    if isinstance(weight, GGUFWeight) and x.shape[0] >= GGUF_DEQUANTIZE_ROWS:
-        # many rows (a prefill chunk): compute-bound, so the blocks' saving on memory traffic is
-        # gone and fp32 GEMM on weights dequantized for this call is faster than the block kernel
-        # (576 x 1536 Q4_1, 1 thread: 1.52 against 1.63 ms at 64 rows, 4.88 against 6.66 at 256)
-        return F.linear(x, weight.dequantize(lib=lib), bias)
     n, k = weight.shape
     x = x.contiguous()
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
