@@ -4,7 +4,7 @@ with and without draft-side grammar checks, and tokens/s against guided decoding
     python benchmarks/speculative.py [--cases 10] [--max-tokens 256] [--draft-len 3] [--backend xgrammar]
                                      [--concurrency 16] [--concurrent-cases 32]
                                      [--eagle-head DIR] [--only REGEX] [--repeats N] [--interleave]
-                                     [--plot FILE.png]
+                                     [--plot FILE.png] [--phrasings original,rephrased]
 
 Part 1, batch 1 (one request at a time, greedy, draft length fixed at --draft-len): one fresh
 engine per configuration serves every case; grammars are compiled before timing. Greedy
@@ -14,6 +14,11 @@ speculative output equals plain greedy output, so every configuration computes t
 With --interleave, part 1 opens every configuration's engine at once and runs each case with
 every configuration in turn, so that a machine whose speed drifts over minutes (a shared VM)
 slows them alike; a round's time is then the sum of its requests' latencies.
+
+With --phrasings, part 1 runs on each set of prompts named: ``original`` (the workload's
+``name is "value";`` lists), ``rephrased`` (the same facts written four other ways by
+``benchmarks/rephrase.py``; each style is served by fresh engines, since the styles are the same
+records and a drafter's shared pool would learn one's answers from another's), or one style.
 
 Part 2, --concurrency requests at a time over the first --concurrent-cases JME cases (32 by
 default, so that 16 are really in flight at once): guided alone, and each drafter with the
@@ -46,6 +51,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import machine  # noqa: E402
+from benchmarks.rephrase import phrased_groups  # noqa: E402
 
 EAGLE_HEAD = "eagle-head"  # replaced by --eagle-head
 NO_JUMP_FORWARD = "no-jump-forward"
@@ -127,13 +133,30 @@ def compile_all(llm: Any, cases: list[dict[str, Any]], guided: list[Any]) -> lis
 
 
 def run(
-    cases: list[dict[str, Any]],
+    groups: list[list[dict[str, Any]]],
     speculative: dict[str, Any] | str | None,
     draft_len: int,
     concurrency: int,
     backend: str,
     max_tokens: int,
 ) -> dict[str, Any]:
+    """Each group of cases served by a fresh engine; the figures over all of them (times summed)."""
+    outs: list[Any] = []
+    wall = 0.0
+    for cases in groups:
+        served, seconds = serve(cases, speculative, draft_len, concurrency, backend, max_tokens)
+        outs, wall = outs + served, wall + seconds
+    return figures(outs, wall)
+
+
+def serve(
+    cases: list[dict[str, Any]],
+    speculative: dict[str, Any] | str | None,
+    draft_len: int,
+    concurrency: int,
+    backend: str,
+    max_tokens: int,
+) -> tuple[list[Any], float]:
     from guidespec import SamplingParams
     from guidespec.protocol import GuidedDecoding
 
@@ -154,33 +177,28 @@ def run(
         start = time.perf_counter()
         outs = asyncio.run(every())
         wall = time.perf_counter() - start
-    return figures(outs, wall)
+    return outs, wall
 
 
 def interleaved(
-    cases: list[dict[str, Any]], configs: dict[str, Any], repeats: int, draft_len: int, backend: str, max_tokens: int
+    groups: list[list[dict[str, Any]]],
+    configs: dict[str, Any],
+    repeats: int,
+    draft_len: int,
+    backend: str,
+    max_tokens: int,
 ) -> dict[str, list[dict[str, Any]]]:
     """Batch 1 with every configuration's engine open at once, each case run by every configuration
     in turn (the order rotating from case to case): a machine whose speed drifts over minutes
     slows every configuration alike. A round's wall time is the sum of its requests' latencies;
-    each round has fresh engines (as the rounds of ``run`` do)."""
-    from contextlib import ExitStack
-
-    from guidespec import SamplingParams
-    from guidespec.protocol import GuidedDecoding
-
-    guided = [GuidedDecoding(json_schema=c["schema"], backend=backend) for c in cases]
+    each round has fresh engines (as the rounds of ``run`` do), and so does each group of cases."""
     names = list(configs)
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for r in range(repeats):  # fresh engines each round: a drafter's public pool must not remember the cases
-        with ExitStack() as stack:
-            engines = {name: stack.enter_context(engine(configs[name], draft_len, 1, backend)) for name in names}
-            usable = sorted(set.intersection(*(set(compile_all(e, cases, guided)) for e in engines.values())))
-            outs: dict[str, list[Any]] = {name: [] for name in names}
-            for k, i in enumerate(usable):
-                for name in names[k % len(names) :] + names[: k % len(names)]:
-                    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, guided=guided[i])
-                    outs[name].append(engines[name].generate(cases[i]["messages"], params)[0])
+        outs: dict[str, list[Any]] = {name: [] for name in names}
+        for cases in groups:
+            for name, served in interleave_group(cases, configs, draft_len, backend, max_tokens).items():
+                outs[name] += served
         for name in names:
             result = figures(outs[name], sum(o.latency_s for o in outs[name]))
             rounds[name].append(result)
@@ -190,6 +208,28 @@ def interleaved(
                 flush=True,
             )
     return rounds
+
+
+def interleave_group(
+    cases: list[dict[str, Any]], configs: dict[str, Any], draft_len: int, backend: str, max_tokens: int
+) -> dict[str, list[Any]]:
+    """One group of cases, each run by every configuration's engine in turn: the outputs by configuration."""
+    from contextlib import ExitStack
+
+    from guidespec import SamplingParams
+    from guidespec.protocol import GuidedDecoding
+
+    guided = [GuidedDecoding(json_schema=c["schema"], backend=backend) for c in cases]
+    names = list(configs)
+    with ExitStack() as stack:
+        engines = {name: stack.enter_context(engine(configs[name], draft_len, 1, backend)) for name in names}
+        usable = sorted(set.intersection(*(set(compile_all(e, cases, guided)) for e in engines.values())))
+        outs: dict[str, list[Any]] = {name: [] for name in names}
+        for k, i in enumerate(usable):
+            for name in names[k % len(names) :] + names[: k % len(names)]:
+                params = SamplingParams(max_tokens=max_tokens, temperature=0.0, guided=guided[i])
+                outs[name].append(engines[name].generate(cases[i]["messages"], params)[0])
+    return outs
 
 
 def figures(outs: list[Any], wall: float) -> dict[str, Any]:
@@ -288,6 +328,12 @@ def main() -> None:
     parser.add_argument("--backend", default="xgrammar")
     parser.add_argument("--skip-concurrent", action="store_true")
     parser.add_argument(
+        "--phrasings",
+        default="original",
+        help="batch 1 on these prompts, comma-separated: original (the workload's), rephrased (every style "
+        "of benchmarks/rephrase.py, the same facts written other ways), or one style",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -327,22 +373,32 @@ def main() -> None:
             out[name] = spec
         return out
 
-    parts = [("batch 1", chosen(BATCH1), 1, load_cases(args.cases))] + (
-        []
-        if args.skip_concurrent
-        else [
-            (f"{args.concurrency} concurrent", chosen(CONCURRENT), args.concurrency, load_cases(args.concurrent_cases))
-        ]
+    batch1 = [
+        (
+            "batch 1" if phrasing == "original" else f"batch 1, {phrasing}",
+            chosen(BATCH1),
+            1,
+            phrased_groups(phrasing, args.cases),
+        )
+        for phrasing in args.phrasings.split(",")
+    ]
+    concurrent = (
+        f"{args.concurrency} concurrent",
+        chosen(CONCURRENT),
+        args.concurrency,
+        [load_cases(args.concurrent_cases)],
     )
+    parts = batch1 + ([] if args.skip_concurrent else [concurrent])
     report = []
-    for title, configs, concurrency, cases in parts:
+    for title, configs, concurrency, groups in parts:
+        cases = [case for group in groups for case in group]
         if args.interleave and concurrency == 1:
-            rounds = interleaved(cases, configs, args.repeats, args.draft_len, args.backend, args.max_tokens)
+            rounds = interleaved(groups, configs, args.repeats, args.draft_len, args.backend, args.max_tokens)
         else:
             rounds = {name: [] for name in configs}
             for i in range(args.repeats):
                 for name, spec in configs.items():
-                    result = run(cases, spec, args.draft_len, concurrency, args.backend, args.max_tokens)
+                    result = run(groups, spec, args.draft_len, concurrency, args.backend, args.max_tokens)
                     rounds[name].append(result)
                     print(
                         f"{title}, round {i + 1}: {name}: {result['tok_s']:.1f} tok/s, "

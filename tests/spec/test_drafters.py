@@ -269,6 +269,92 @@ def test_a_values_end_closes_it_the_jsons_way_and_the_next_key_follows(real_mode
         assert tokenizer.decode(drafts) == draft, before
 
 
+def test_text_lookup_drafts_values_the_prompt_writes_in_prose(real_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Values written unquoted (`` Glen Oak`` after a space, other tokens than ``G len Oak`` after
+    JSON's quote) and names written as words (``device ID`` for ``deviceID``) are drafted from the
+    prompt's characters: a string's start after its name, its rest after what the output began (in
+    any case), its end closed as JSON does, a number, a list's next line and its end."""
+    from guidespec.grammar_backends import create_backend
+    from guidespec.protocol import GuidedDecoding
+    from guidespec.spec.drafters import ngram_drafter
+    from guidespec.model_files import load_tokenizer
+
+    tokenizer = load_tokenizer(real_model_dir)
+    backend = create_backend("xgrammar", tokenizer, 49152, (2,))
+    strings = {"type": "array", "items": {"type": "string"}}
+    properties = {"deviceID": {"type": "string"}, "productName": {"type": "string"}, "heartRate": {"type": "integer"}}
+    compiled = backend.compile(
+        GuidedDecoding(json_schema={"type": "object", "properties": {**properties, "alerts": strings}})
+    )
+    prompt = tokenizer.encode(
+        "Turn this into JSON. The device ID is MON123456. The product name is whiskey Glen Oak. "
+        "The heart rate is 78.\nalerts:\n- low battery\n- Gate oxide integrity"
+    )
+    record = '{"deviceID": "MON123456", "productName": "Glen Oak", "heartRate": 78, "alerts": ["low battery",'
+    expected = {
+        '{"deviceID":': ' "MON1',  # the value after its name, past "is", opened as a JSON string
+        '{"deviceID": "MON123456': '", "product',  # the sentence's end closes it; more follows
+        '{"deviceID": "MON123456", "productName": "Whis': "key Glen Oak",  # found in any case
+        '{"deviceID": "MON123456", "productName": "G': 'len Oak",',  # the word's tokens after a quote
+        '{"deviceID": "MON123456", "productName": "Glen Oak", "heartRate":': " 78",  # a number
+        '{"deviceID": "MON123456", "productName": "Glen Oak", "heartRate": 7': '8, "',  # its rest, its end
+        record: ' "Gate oxide',  # the list's next line
+        record + ' "Gate oxide': ' integrity"]',  # the prompt's last item ends the list
+    }
+    drafts: dict[bool, dict[str, str]] = {}
+    for text_lookup in (True, False):
+        drafter = ngram_drafter(SpeculativeConfig(max_draft_len=3, is_public_pool=False), tokenizer, text_lookup)
+        drafter.propose("r", prompt, len(prompt), 3, lambda tokens: len(tokens))  # the prefill step's call
+        drafts[text_lookup] = {
+            before: tokenizer.decode(_draft_after(drafter, backend.create_matcher(compiled), tokenizer, prompt, before))
+            for before in expected
+        }
+    assert drafts[True] == expected
+    assert all(drafts[False][before] != draft for before, draft in expected.items())  # token lookup alone misses
+
+
+def test_text_lookup_reads_where_a_value_starts_and_ends_in_the_prompt() -> None:
+    """The prompt's text alone (no tokenizer): a name's mentions matched on letters and digits,
+    the value after a copula or a colon (past the names of the fields around it), a quoted word
+    first; a value's end and whether more follows, in a list or in the record; how a value opens
+    (a list first where the prompt lists items; without the space for a compact grammar)."""
+    from guidespec.spec.drafters import _json_state, _openings, _PromptText
+
+    def prompt_of(text: str) -> _PromptText:
+        pieces = text.split(" ")
+        pieces = [piece if i == 0 else " " + piece for i, piece in enumerate(pieces)]
+        return _PromptText(list(range(len(pieces))), pieces)
+
+    prose = prompt_of("The heart rate of metrics is 78. We have it: the patient ID, PAT654321; notes: none.")
+    start = prose.text.index("78")
+    assert prose.value_starts("heartRate", {"metrics"}, 0) == [(start, start, False)]
+    assert prose.value_end(start, quoted=False, in_list=False, literal=True) == (start + 2, True)
+    patient = prose.text.index("PAT")
+    assert prose.value_starts("patientID", set(), 0) == [(patient, patient, False)]
+    assert prose.value_end(patient, quoted=False, in_list=False) == (patient + 9, True)
+    last = prose.text.index("none")
+    assert prose.value_end(last, quoted=False, in_list=False) == (last + 4, False)  # the record ends there
+    quoted = prompt_of('summary is "Tech, Innovators. 2023"; days are Monday, Tuesday and Friday.')
+    opening = quoted.text.index("Tech")
+    assert quoted.value_starts("summary", set(), 0) == [(opening, opening, True)]
+    assert quoted.value_end(opening, quoted=True, in_list=False) == (quoted.text.index('";'), True)
+    tuesday = quoted.text.index("Tuesday")
+    assert quoted.value_end(tuesday, quoted=False, in_list=True) == (tuesday + 7, True)
+    friday = quoted.text.index("Friday")
+    assert quoted.value_end(friday, quoted=False, in_list=True) == (friday + 6, False)
+    assert quoted.next_item("Monday", 0) == [(tuesday, tuesday, False)]
+    paths = prompt_of("For the heart rate of metrics, use 78. The name of entry 1 of items is Wireless Mouse.")
+    starts = [paths.text[at:].split(" ")[0] for at, _, _ in paths.value_starts("heartRate", {"metrics"}, 0)]
+    assert starts == ["use", "78."]  # the clause's words in turn (the grammar takes a number's)
+    starts = [paths.text[at:].split(" ")[0] for at, _, _ in paths.value_starts("name", {"items"}, 0)]
+    assert starts[0] == "Wireless"  # after the copula, before the words of the path
+    assert _openings('{"a":', False, "1, 2 and 3.", False)[:2] == (" [", ' ["')  # a list's items: a list first
+    assert _openings('{"a":', False, "Glen Oak.", False) == (' "', ' ["', " ", " [", '"', '["', "", "[")
+    assert _openings('{"a": ', False, "Glen Oak.", False) == ('"', '["', "", "[")  # its space is out
+    assert _json_state('{"a": ["x", "y') == (len('{"a": ["x", "'), "[")
+    assert _json_state('{"a": {"b": "x\\" y"}, "c"') == (None, "{")
+
+
 class _Faulty:
     """A user's drafter with bugs: it raises where the context holds token 7777, and proposes a
     token id past the vocabulary where it holds 8888 (``tests/test_speculative.py``)."""
