@@ -359,9 +359,9 @@ class NGramDrafter:
     def _from_text(
         self, request_id: str, context: Sequence[int], num_committed: int, max_len: int, valid_prefix: ValidPrefix
     ) -> tuple[list[int], bool]:
-        """A string value (an object's, or a list's item) drafted from the prompt's characters
-        rather than its tokens, so that a value the prompt writes unquoted (`` Glen Oak`` after a
-        space) is drafted as the JSON string's tokens (``G len Oak`` after a quote):
+        """A value (a string or a number; an object's, or a list's item) drafted from the prompt's
+        characters rather than its tokens, so that a value the prompt writes unquoted (`` Glen Oak``
+        after a space) is drafted as the JSON string's tokens (``G len Oak`` after a quote):
 
         - inside a string the output has begun, its last characters are found in the prompt, and
           what follows them there is the draft;
@@ -370,11 +370,12 @@ class NGramDrafter:
           ``deviceID``), past the words between (``is``, ``:``, the names of the fields around it);
         - at a list's next item, it follows the previous value in the prompt.
 
-        The text from there to the value's end in the prompt (its closing quote where quoted, else
-        the end of its line, clause or sentence, and for a list's item also a comma or ``and``) is
-        encoded after the characters of the string the output has begun (a token depends on what
-        precedes it) and before the closing JSON needs next there: ``",`` where more follows in the
-        prompt, ``"}`` or ``"]`` where the record or the list ends; the grammar has the last word."""
+        A value opens as the grammar takes it (a string, a list, a number: ``_openings``). The text
+        from there to the value's end in the prompt (its closing quote where quoted, else the end
+        of its line, clause or sentence, and for a list's item also a comma or ``and``) is encoded
+        after the characters of the value the output has begun (a token depends on what precedes
+        it) and before the closing JSON needs next there: ``",`` where more follows in the prompt,
+        ``"}`` or ``"]`` where the record or the list ends; the grammar has the last word."""
         prompt = self._prompt(request_id, context, num_committed)
         output = list(context[len(prompt.tokens) :])
         out_text = "".join(self._pieces(output))
@@ -385,22 +386,8 @@ class NGramDrafter:
         head_tokens = self._string_tokens(output, typed_at) if typed_at is not None else []
         if head_tokens is None:
             return [], False
-        last_start = self.text_cursors.get(request_id, 0)
         typed = out_text[typed_at:] if typed_at is not None else ""
-        if typed:
-            starts = prompt.find_typed(typed, last_start)
-        elif in_list and not first_item:
-            found = _LAST_ITEM.search(out_text[-256:])
-            previous = next(g for g in found.groups() if g) if found else ""
-            if out_text.count(f'"{previous}"') > 1:  # a list that repeats an item does not follow the prompt's
-                return [], False
-            starts = prompt.next_item(previous, last_start)
-        else:
-            key = _LAST_KEY.search(out_text[-96:])
-            if key is None:
-                return [], False
-            known = {_normalized(name) for name in _KEYS.findall(out_text)}
-            starts = prompt.value_starts(key.group(1), known, last_start)
+        starts = _places(prompt, out_text, typed, in_list and not first_item, self.text_cursors.get(request_id, 0))
         head_text = "".join(self._pieces(head_tokens))
         after_colon = typed_at is None and out_text.rstrip().endswith(":")
         opens: dict[str, bool] = {}  # opening -> whether the grammar takes it here
@@ -717,6 +704,24 @@ def _json_state(text: str) -> tuple[int | None, str]:
         elif stack:
             stack.pop()
     return string_at, stack[-1] if stack else ""
+
+
+def _places(prompt: _PromptText, out_text: str, typed: str, next_item: bool, after: int) -> list[tuple[int, int, bool]]:
+    """Where in the prompt the value the output is at may be (``_PromptText``'s lookups): after the
+    string it has begun (``typed``), after a list's previous item (``next_item``), else after a
+    mention of its key; the places from ``after`` on first."""
+    if typed:
+        return prompt.find_typed(typed, after)
+    if next_item:
+        found = _LAST_ITEM.search(out_text[-256:])
+        previous = next(g for g in found.groups() if g) if found else ""
+        if out_text.count(f'"{previous}"') > 1:  # a list that repeats an item does not follow the prompt's
+            return []
+        return prompt.next_item(previous, after)
+    key = _LAST_KEY.search(out_text[-96:])
+    if key is None:
+        return []
+    return prompt.value_starts(key.group(1), {_normalized(name) for name in _KEYS.findall(out_text)}, after)
 
 
 def _text_state(out_text: str) -> tuple[int | None, bool, bool, bool] | None:
