@@ -1,13 +1,14 @@
 """guidespec against the runtimes a user would pick instead, side by side in one run, on CPU.
 
     python benchmarks/peers.py [--cases 10] [--max-tokens 256] [--threads 2] [--sets jme rephrased]
-                               [--systems llama.cpp hf guidespec] [--concurrency 1 4 16 64] [--output DIR]
+                               [--systems llama.cpp hf guidespec guidespec-gguf] [--concurrency 1 4 16 64]
+                               [--output DIR]
 
 Batch 1, greedy, one case after another, on the same model: the default SmolLM2-135M-Instruct
 GGUF for llama.cpp (llama-cpp-python, the optional ``peers`` extra: ``pip install -e '.[peers]'``
 builds llama.cpp from source, ~10 min on 2 cores), its fp32 conversion for Hugging Face
-``generate`` (with xgrammar's logits processor for guidance) and guidespec (``--dtype``: float32,
-or gguf for the file's own blocks). For each system and mode (unguided; guided by the case's JSON
+``generate`` (guided only, by xgrammar's logits processor) and guidespec (``--dtype``, float32 by
+default, and ``guidespec-gguf``: the file's own blocks). For each system and mode (unguided; guided by the case's JSON
 schema; guided + prompt lookup / n-gram drafts) and each case set (the workload's first JME cases
 as written, and the same facts rephrased by ``benchmarks/rephrase.py``): output tokens per second
 including prefill, time per task (a case's prompt to its last token) and how many outputs are
@@ -112,7 +113,7 @@ def hf_runs(threads: int, max_tokens: int) -> dict[str, Run]:
         new = out[0, ids.shape[1] :]
         return tokenizer.decode(new, skip_special_tokens=True), int(new.shape[0])
 
-    return {"unguided": lambda case: run(case, False), "guided": lambda case: run(case, True)}
+    return {"guided": lambda case: run(case, True)}  # (its unguided decode: benchmarks/decode.py)
 
 
 def guidespec_runs(dtype: str, max_tokens: int) -> tuple[dict[str, Run], Any]:
@@ -228,13 +229,16 @@ def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
 
 
 def goals(results: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[str, float | None, float]]:
-    g, llama = results.get("guidespec", {}), results.get("llama.cpp", {})
-    return [
-        ("guidespec unguided ÷ llama.cpp unguided", ratio(g.get("unguided"), llama.get("unguided")), 1.0),
-        ("guidespec guided + n-gram ÷ llama.cpp unguided", ratio(g.get("guided+lookup"), llama.get("unguided")), 1.5),
-        ("guidespec guided + n-gram ÷ llama.cpp guided", ratio(g.get("guided+lookup"), llama.get("guided")), 2.5),
-        ("guidespec guided ÷ guidespec unguided", ratio(g.get("guided"), g.get("unguided")), 0.98),
-    ]
+    llama, out = results.get("llama.cpp", {}), []
+    for name in [s for s in results if s.startswith("guidespec")]:
+        g = results[name]
+        out += [
+            (f"{name} unguided ÷ llama.cpp unguided", ratio(g.get("unguided"), llama.get("unguided")), 1.0),
+            (f"{name} guided + n-gram ÷ llama.cpp unguided", ratio(g.get("guided+lookup"), llama.get("unguided")), 1.5),
+            (f"{name} guided + n-gram ÷ llama.cpp guided", ratio(g.get("guided+lookup"), llama.get("guided")), 2.5),
+            (f"{name} guided ÷ unguided", ratio(g.get("guided"), g.get("unguided")), 0.98),
+        ]
+    return out
 
 
 def fmt(x: float | None, spec: str = ".1f") -> str:
@@ -294,7 +298,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", help="guidespec's: float32, or gguf (the file's own blocks)")
     parser.add_argument("--sets", nargs="+", default=["jme", "rephrased"], choices=["jme", "rephrased"])
-    parser.add_argument("--systems", nargs="+", default=["llama.cpp", "hf", "guidespec"])
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        default=["llama.cpp", "hf", "guidespec", "guidespec-gguf"],
+        choices=["llama.cpp", "hf", "guidespec", "guidespec-gguf"],
+        help="guidespec-gguf: guidespec with dtype gguf (the file's own blocks)",
+    )
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16, 64])
     parser.add_argument("--output", type=Path, default=Path("out/peers"))
     args = parser.parse_args()
@@ -312,8 +322,9 @@ def main() -> None:
                 systems[system] = llama_cpp_runs(args.threads, args.max_tokens)
             elif system == "hf":
                 systems[system] = hf_runs(args.threads, args.max_tokens)
-            elif system == "guidespec":
-                systems[system], llm = guidespec_runs(args.dtype, args.max_tokens)
+            elif system in ("guidespec", "guidespec-gguf"):
+                dtype = "gguf" if system == "guidespec-gguf" else args.dtype
+                systems[system], llm = guidespec_runs(dtype, args.max_tokens)
                 closers.append(llm)
             else:
                 raise SystemExit(f"unknown system {system!r}")

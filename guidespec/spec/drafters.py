@@ -20,6 +20,16 @@ from collections import OrderedDict
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from guidespec.config import MODEL_DRAFTERS, SpeculativeConfig
+from guidespec.spec.prompt_text import (
+    TEXT_CANDIDATES,
+    TEXT_CLOSINGS,
+    TEXT_SEARCH,
+    TEXT_WINDOW,
+    PromptText,
+    openings,
+    places,
+    text_state,
+)
 
 ValidPrefix = Callable[[Sequence[int]], int]
 _WORD = re.compile(r"[A-Za-z0-9_]{3,}")
@@ -140,7 +150,7 @@ class NGramDrafter:
         self.seen: dict[str, int] = {}  # request -> final tokens already in its pools
         self.token_texts = token_texts
         self.encode = encode
-        self.prompts: dict[str, _PromptText] = {}  # request -> its prompt's tokens and text
+        self.prompts: dict[str, PromptText] = {}  # request -> its prompt's tokens and text
         self.cursors: dict[str, int] = {}  # request -> the prompt token where its last anchored draft began
         self.text_lookup = text_lookup and token_texts is not None and encode is not None
         self.text_cursors: dict[str, int] = {}  # request -> where the prompt's last value drafted by text starts
@@ -221,16 +231,16 @@ class NGramDrafter:
         found = _KEY_END.search("".join(self._pieces(context[-12:])))
         return found.group(1) if found else None
 
-    def _prompt(self, request_id: str, context: Sequence[int], num_committed: int) -> _PromptText:
+    def _prompt(self, request_id: str, context: Sequence[int], num_committed: int) -> PromptText:
         """The request's prompt as the first call sees it (at the prefill step, or after it)."""
         source = self.prompts.get(request_id)
         if source is None:
-            source = self.prompts[request_id] = _PromptText(
+            source = self.prompts[request_id] = PromptText(
                 context[:num_committed], self._pieces(context[:num_committed])
             )
         return source
 
-    def _copy(self, prompt: _PromptText, start: int, max_len: int, valid_prefix: ValidPrefix) -> list[int]:
+    def _copy(self, prompt: PromptText, start: int, max_len: int, valid_prefix: ValidPrefix) -> list[int]:
         """The prompt's tokens from ``start`` (``_closed``, told whether more of the prompt's content
         follows where the grammar cuts the copy)."""
         draft = list(prompt.tokens[start : start + max_len])
@@ -315,7 +325,7 @@ class NGramDrafter:
         return []
 
     def _longest(
-        self, prompt: _PromptText, starts: Iterable[int], max_len: int, valid_prefix: ValidPrefix
+        self, prompt: PromptText, starts: Iterable[int], max_len: int, valid_prefix: ValidPrefix
     ) -> tuple[list[int], int]:
         """Of the prompt copies from ``starts`` (``_copy``), the first longest, and where it starts;
         the first of full length ends the search."""
@@ -371,7 +381,7 @@ class NGramDrafter:
           ``deviceID``), past the words between (``is``, ``:``, the names of the fields around it);
         - at a list's next item, it follows the previous value in the prompt.
 
-        A value opens as the grammar takes it (a string, a list, a number: ``_openings``). The text
+        A value opens as the grammar takes it (a string, a list, a number: ``openings``). The text
         from there to the value's end in the prompt (its closing quote where quoted, else the end
         of its line, clause or sentence, and for a list's item also a comma or ``and``) is encoded
         after the characters of the value the output has begun (a token depends on what precedes
@@ -380,7 +390,7 @@ class NGramDrafter:
         prompt = self._prompt(request_id, context, num_committed)
         output = list(context[len(prompt.tokens) :])
         out_text = "".join(self._pieces(output))
-        state = _text_state(out_text)
+        state = text_state(out_text)
         if state is None:
             return [], False
         typed_at, literal, in_list, first_item = state
@@ -388,12 +398,12 @@ class NGramDrafter:
         if head_tokens is None:
             return [], False
         typed = out_text[typed_at:] if typed_at is not None else ""
-        starts = _places(prompt, out_text, typed, in_list and not first_item, self.text_cursors.get(request_id, 0))
+        starts = places(prompt, out_text, typed, in_list and not first_item, self.text_cursors.get(request_id, 0))
         head_text = "".join(self._pieces(head_tokens))
         after_colon = typed_at is None and out_text.rstrip().endswith(":")
         opens: dict[str, bool] = {}  # opening -> whether the grammar takes it here
-        for value_start, start, quoted in starts[:_TEXT_CANDIDATES]:
-            for opening in _openings(out_text, typed_at is not None, prompt.text[start : start + 32], quoted):
+        for value_start, start, quoted in starts[:TEXT_CANDIDATES]:
+            for opening in openings(out_text, typed_at is not None, prompt.text[start : start + 32], quoted):
                 if opening not in opens:
                     opens[opening] = not opening or valid_prefix(self._encode(opening)) == len(self._encode(opening))
                 if not opens[opening]:
@@ -425,7 +435,7 @@ class NGramDrafter:
         if start != string_at:
             return None
         for i in range(first, len(pieces)):  # a word's start: the tokens after it do not depend on those before
-            if sum(len(p) for p in pieces[i:]) < _TEXT_SEARCH:
+            if sum(len(p) for p in pieces[i:]) < TEXT_SEARCH:
                 break
             if pieces[i][:1] == " " and i > first:
                 first = i
@@ -433,7 +443,7 @@ class NGramDrafter:
 
     def _text_draft(
         self,
-        prompt: _PromptText,
+        prompt: PromptText,
         head: tuple[str, list[int]],
         start: int,
         kind: tuple[bool, bool, bool],
@@ -446,10 +456,10 @@ class NGramDrafter:
         ``true`` ...) in the output, in a list."""
         (head_text, head_tokens), (quoted, literal, in_list) = head, kind
         end, more = prompt.value_end(start, quoted, in_list, literal)
-        window = min(end, start + _TEXT_WINDOW)
+        window = min(end, start + TEXT_WINDOW)
         body = head_text + prompt.text[start:window]
         best: list[int] = []
-        for closing in ("",) if window < end else _TEXT_CLOSINGS[literal, in_list, more]:
+        for closing in ("",) if window < end else TEXT_CLOSINGS[literal, in_list, more]:
             tokens = self._encode(body + closing)
             if tokens[: len(head_tokens)] != head_tokens:
                 break
@@ -513,269 +523,6 @@ _CLOSINGS = {
     "line": ('",', '"}', '"]', ",", "},", "}", "],", "]"),  # a line's end closes a string or a number
     "line end": ('"}', '"]', "}", "}]", "]", '",', ","),
 }
-
-
-# the text lookup (``NGramDrafter._from_text``)
-_TEXT_WINDOW = 48  # the prompt's characters encoded for one draft (its last token is dropped where cut)
-_TEXT_SEARCH = 32  # a string's last characters that are looked up in the prompt
-_TEXT_MIN_WORDS = 3  # the fewest characters of a string's last words looked up where the string is not found
-_TEXT_CANDIDATES = 6  # places in the prompt tried for one draft
-_MENTION_WORDS = 8  # words after a name's mention that may start its value
-_MENTION_STARTS = 3  # words after a name's mention tried as its value's start
-_NEXT_QUOTE = 64  # how far after a list's quoted item the next one may open
-_TEXT_CLOSINGS = {  # (a literal, in a list, more follows in the prompt) -> JSON's closings, likeliest first
-    (False, False, True): ('",', '"}', '"]', '"'),
-    (False, False, False): ('"}', '"]', '"', '",'),
-    (False, True, True): ('",', '"]', '"'),
-    (False, True, False): ('"]', '",', '"'),
-    (True, False, True): (",", "},", "}", "],", "]"),
-    (True, False, False): ("}", "}]", "]", ","),
-    (True, True, True): (",", "],", "]"),
-    (True, True, False): ("]", "],", "]}", ","),
-}
-# words that stand between a name and its value in English prose (articles, auxiliaries, prepositions,
-# pronouns and conjunctions; no content words)
-_FUNCTION_WORDS = frozenset(
-    "a an the is are was were be been being has have had do does did will would shall should can could may "
-    "might must of in on at by for to from with as about into per than it its this that these those their his "
-    "her our we they he she which who and or but so".split()
-)
-_SEPARATORS = frozenset("is are was were equals as".split())  # a name's copula: its value follows
-_DASHES = frozenset(("-", "–", "—", "->", "=>"))
-_TYPED_NUMBER = re.compile(r"([:,\[])\s*(-?\d[\d.]*)$")  # a number the output has begun, and what precedes it
-_JSON_PARTS = re.compile(r'"(?:[^"\\]|\\.)*("?)|[\[\]{}]')
-_LAST_KEY = re.compile(r'"([^"\\]{1,64})"\s*:\s*\[?\s*"?$')
-_LAST_ITEM = re.compile(r'(?:"((?:[^"\\]|\\.)*)"|([-\w.+]+))\s*,\s*"?$')  # a list's last item and its comma
-_LITERAL = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?(?![\w-])|(?:true|false|null)\b")
-_KEYS = re.compile(r'"([^"\\]{1,64})"\s*:')
-_VALUE_END = re.compile(r"\n|;|\.(?=\s|$|<)")
-_ITEM_END = re.compile(r"\n|;|,|\.(?=\s|$|<)| and | or ")
-_ITEM_FOLLOWS = re.compile(r"\s*(?:[,;]|and\b|or\b)|\n\s*(?:[-*•]|\d+[.)])\s")
-_ITEM_MORE = re.compile(r"\n\s*(?:[-*•]|\d+[.)])\s")
-_ITEM_START = re.compile(r"(?:\s|[,;]|and\b|or\b|[-*•]\s|\d+[.)]\s)*")
-_SPECIAL = re.compile(r"<[^<>\s]+>")
-
-
-class _PromptText:
-    """A prompt's text for the text lookup: where a name is mentioned (matched on its letters and
-    digits, lowercased), where the value after a mention starts, and where a value ends. The chat
-    template's closing (the special tokens among the prompt's last 8 and what follows them) is not
-    part of the content."""
-
-    def __init__(self, tokens: Sequence[int], pieces: list[str]) -> None:
-        self.tokens, self.text = list(tokens), "".join(pieces)
-        offsets = self.offsets = [0] * len(pieces)  # each token's first character in the text
-        for i in range(1, len(pieces)):
-            offsets[i] = offsets[i - 1] + len(pieces[i - 1])
-        text = self.text
-        self.lower = text.lower() if len(text.lower()) == len(text) else text
-        kept = [(i, c.lower()) for i, c in enumerate(text) if c.isalnum()]
-        self.letters = "".join(c for _, c in kept)
-        self.letter_at = [i for i, _ in kept]
-        tail = [i for i in range(max(0, len(pieces) - 8), len(pieces)) if _SPECIAL.fullmatch(pieces[i])]
-        self.content_end = offsets[tail[0]] if tail else len(text)
-
-    def value_starts(self, key: str, known: set[str], after: int) -> list[tuple[int, int, bool]]:
-        """(value's start, where the draft copies from, whether quoted) after each mention of
-        ``key`` outside quotes, the mentions from ``after`` on first (``_after_mention``; ``known``:
-        the output's keys)."""
-        name = _normalized(key)
-        if len(name) < 2:
-            return []
-        found = []
-        at = self.letters.find(name)
-        while at >= 0:
-            begin, end = self.letter_at[at], self.letter_at[at + len(name) - 1] + 1
-            at = self.letters.find(name, at + 1)
-            if _inside_word(self.text, begin, end) or self.text[begin - 1 : begin] == '"' == self.text[end : end + 1]:
-                continue
-            found.append(self._after_mention(end, name, known))
-        ordered = [s for s in found if s and s[0][0] >= after] + [s for s in found if s and s[0][0] < after]
-        return [start for starts in ordered for start in starts]
-
-    def _after_mention(self, end: int, name: str, known: set[str]) -> list[tuple[int, int, bool]]:
-        """Where the value after a mention that ends at ``end`` may start, likeliest first: the
-        first quoted word of its clause, else the first word after a copula or a colon (``is``,
-        ``:``, ``=`` ...), then the clause's other words, that are not function words, punctuation
-        or part of a field's name (the grammar rejects those that cannot be the value's start)."""
-        words: list[tuple[int, int, bool]] = []
-        separated_at = None  # how many words there were before the first after a separator
-        for count, word in enumerate(re.finditer(r"\S+", self.text[end : self.content_end])):
-            if count >= _MENTION_WORDS:
-                break
-            raw = word.group()
-            if raw.startswith('"'):
-                at = end + word.start() + 1
-                return [(at, at, True)]
-            core = raw.strip(":=,;()-–>.")
-            letters = _normalized(core)
-            if core.lower() not in _FUNCTION_WORDS and letters not in name and letters not in known:
-                at = end + word.start() + raw.find(core[:1])
-                words.append((at, at, False))
-            if separated_at is None and (core.lower() in _SEPARATORS or raw.endswith((":", "=")) or raw in _DASHES):
-                separated_at = len(words)
-            if raw.endswith((".", ";")) or (core and self.text[end + word.end() : end + word.end() + 1] == "\n"):
-                break  # the clause ends (not at a colon before the value's line: ``name:\n- value``)
-        if separated_at is not None and separated_at < len(words):
-            words.insert(0, words.pop(separated_at))
-        return words[:_MENTION_STARTS]
-
-    def find_typed(self, typed: str, after: int) -> list[tuple[int, int, bool]]:
-        """Where the string the output has begun is in the prompt, in any case: (the value's start,
-        the character after the string so far, whether quoted), from ``after`` on first. Where the
-        string (its last characters) is not there, its last words are looked up instead (the model
-        wrote the value's start its own way)."""
-        typed = typed.lower() if len(typed.lower()) == len(typed) else typed
-        search = typed[-_TEXT_SEARCH:]
-        found = self._occurrences(search, whole=len(search) == len(typed))
-        back = len(typed) - len(search)  # from a match to its value's start
-        words = [m.start() for m in re.finditer(r"(?<=\s)\S", search)]
-        while not found and words:  # the last words, from the longest
-            search, back = search[words.pop(0) :], 0
-            if len(search) >= _TEXT_MIN_WORDS:
-                found = self._occurrences(search, whole=True)
-        starts = [(at - back, at + len(search), self.text[at - back - 1 : at - back] == '"') for at in found]
-        return [s for s in starts if s[0] >= after] + [s for s in starts if s[0] < after]
-
-    def _occurrences(self, search: str, whole: bool) -> list[int]:
-        """Where ``search`` (lowercased) is in the prompt's content; with ``whole``, only where a
-        word starts."""
-        found = []
-        at = self.lower.find(search, 0, self.content_end)
-        while at >= 0:
-            if not whole or not self.text[at - 1 : at].isalnum():
-                found.append(at)
-            at = self.lower.find(search, at + 1, self.content_end)
-        return found
-
-    def next_item(self, previous: str, after: int) -> list[tuple[int, int, bool]]:
-        """A list's next item, after the previous one (``previous``, found in the prompt from
-        ``after`` on first): the next quoted string where that one was quoted, else what follows
-        the separator (``,``, ``and``, a line's ``- ``)."""
-        found = []
-        for _, end, _ in self.find_typed(previous, after)[:_TEXT_CANDIDATES] if previous else ():
-            if self.text[end : end + 1] == '"':  # quoted: the next string near it
-                opening = self.text.find('"', end + 1, min(self.content_end, end + _NEXT_QUOTE))
-                if opening >= 0:
-                    found.append((opening + 1, opening + 1, True))
-                continue
-            start = _ITEM_START.match(self.text, end, min(self.content_end, end + 16))
-            at = start.end() if start else end
-            if at > end and at < self.content_end and self.text[at].strip():
-                found.append((at, at, False))
-        return found
-
-    def value_end(self, start: int, quoted: bool, in_list: bool, literal: bool = False) -> tuple[int, bool]:
-        """Where the value from ``start`` ends (a closing quote, a literal's last character, else
-        the end of a line, clause or sentence, and in a list a comma or ``and``) and whether more
-        follows it: the list's next item, or for an object's value more of the prompt's content."""
-        text, content_end = self.text, self.content_end
-        number = _LITERAL.match(text, start, content_end) if literal and not quoted else None
-        if quoted:
-            end = text.find('"', start, content_end)
-            end = content_end if end < 0 else end
-            after = text[end + 1 : end + 2]
-            more_in_list = bool(after) and after not in ".\n<" and end + 1 < content_end
-        elif number is not None:
-            end = number.end()
-            more_in_list = bool(_ITEM_FOLLOWS.match(text, end, content_end))
-        else:
-            found = (_ITEM_END if in_list else _VALUE_END).search(text, start, content_end)
-            end = found.start() if found else content_end
-            sign = found.group() if found else ""
-            more_in_list = sign not in ("", ".", "\n") or bool(_ITEM_MORE.match(text, end, content_end))
-        return end, more_in_list if in_list else self.more_after(end)
-
-    def more_after(self, at: int) -> bool:
-        """Whether the prompt's content goes on after character ``at`` (a letter or a digit)."""
-        return any(c.isalnum() for c in _SPECIAL.sub("", self.text[at + 1 : self.content_end]))
-
-
-def _json_state(text: str) -> tuple[int | None, str]:
-    """Where the output's open string starts (None: not in one) and its innermost open container."""
-    stack: list[str] = []
-    string_at = None
-    for part in _JSON_PARTS.finditer(text):
-        token = part.group()
-        if token[0] == '"':
-            if not part.group(1) and part.end() == len(text):
-                string_at = part.start() + 1
-        elif token in "[{":
-            stack.append(token)
-        elif stack:
-            stack.pop()
-    return string_at, stack[-1] if stack else ""
-
-
-def _places(prompt: _PromptText, out_text: str, typed: str, next_item: bool, after: int) -> list[tuple[int, int, bool]]:
-    """Where in the prompt the value the output is at may be (``_PromptText``'s lookups): after the
-    string it has begun (``typed``), after a list's previous item (``next_item``), else after a
-    mention of its key; the places from ``after`` on first."""
-    if typed:
-        return prompt.find_typed(typed, after)
-    if next_item:
-        found = _LAST_ITEM.search(out_text[-256:])
-        previous = next(g for g in found.groups() if g) if found else ""
-        if out_text.count(f'"{previous}"') > 1:  # a list that repeats an item does not follow the prompt's
-            return []
-        return prompt.next_item(previous, after)
-    key = _LAST_KEY.search(out_text[-96:])
-    if key is None:
-        return []
-    return prompt.value_starts(key.group(1), {_normalized(name) for name in _KEYS.findall(out_text)}, after)
-
-
-def _text_state(out_text: str) -> tuple[int | None, bool, bool, bool] | None:
-    """Where the output stands for the text lookup: where the value it has begun starts (None:
-    none begun), whether that value is a literal (a number), whether it is in a list and the
-    list's first item; None where no value is due (an object's key, between values)."""
-    string_at, container = _json_state(out_text)
-    in_list = container == "["
-    if string_at is not None:
-        before = out_text[: string_at - 1].rstrip()[-1:]
-        if before not in (":", "[", ","):  # an object's key
-            return None
-        return string_at, False, in_list, before != ","
-    number = _TYPED_NUMBER.search(out_text)
-    if number is not None:
-        return number.start(2), True, in_list, number.group(1) == "["
-    end = out_text.rstrip()[-1:]
-    if end == ":" or (in_list and end in ",["):
-        return None, False, in_list, end != ","
-    return None
-
-
-def _openings(out_text: str, in_string: bool, value: str, quoted: bool) -> tuple[str, ...]:
-    """How the value in the prompt's ``value`` (from its start on) may open in the output: nothing
-    in a string the output has begun, else after ``:`` a string, a list of strings, a literal or a
-    list of literals (after a list's comma a string or a literal), literals first where the
-    prompt's value looks like one and lists first where a list's separator follows its first
-    item; each after a space, then without (a compact grammar's); the grammar picks."""
-    if in_string:
-        return ("",)
-    strings: tuple[str, ...] = (' "', ' ["')
-    literals: tuple[str, ...] = (" ", " [")
-    end = out_text.rstrip()[-1:]
-    if end == ",":
-        strings, literals = (' "',), (" ",)
-    elif end == "[":
-        strings, literals = ('"',), ("",)
-    literal = None if quoted else _LITERAL.match(value)
-    openings = literals + strings if literal else strings + literals
-    first = literal.end() if literal else next(_VALUE_END.finditer(value + "\n")).start()
-    if end == ":" and not quoted and _ITEM_FOLLOWS.match(value, first):  # "1, 2 and 3": a list's items
-        openings = tuple(sorted(openings, key=lambda opening: "[" not in opening))
-    if out_text.endswith(" "):
-        return tuple(dict.fromkeys(o[1:] for o in openings))  # the space is out already
-    return openings + tuple(o[1:] for o in openings if o.startswith(" "))
-
-
-def _normalized(name: str) -> str:
-    return "".join(c for c in name.lower() if c.isalnum())
-
-
-def _inside_word(text: str, begin: int, end: int) -> bool:
-    return text[begin - 1 : begin].isalnum() or text[end : end + 1].isalnum()
 
 
 class UserDrafter:

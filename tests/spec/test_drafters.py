@@ -318,12 +318,12 @@ def test_text_lookup_reads_where_a_value_starts_and_ends_in_the_prompt() -> None
     the value after a copula or a colon (past the names of the fields around it), a quoted word
     first; a value's end and whether more follows, in a list or in the record; how a value opens
     (a list first where the prompt lists items; without the space for a compact grammar)."""
-    from guidespec.spec.drafters import _json_state, _openings, _PromptText
+    from guidespec.spec.prompt_text import PromptText, json_state, openings
 
-    def prompt_of(text: str) -> _PromptText:
+    def prompt_of(text: str) -> PromptText:
         pieces = text.split(" ")
         pieces = [piece if i == 0 else " " + piece for i, piece in enumerate(pieces)]
-        return _PromptText(list(range(len(pieces))), pieces)
+        return PromptText(list(range(len(pieces))), pieces)
 
     prose = prompt_of("The heart rate of metrics is 78. We have it: the patient ID, PAT654321; notes: none.")
     start = prose.text.index("78")
@@ -348,11 +348,11 @@ def test_text_lookup_reads_where_a_value_starts_and_ends_in_the_prompt() -> None
     assert starts == ["use", "78."]  # the clause's words in turn (the grammar takes a number's)
     starts = [paths.text[at:].split(" ")[0] for at, _, _ in paths.value_starts("name", {"items"}, 0)]
     assert starts[0] == "Wireless"  # after the copula, before the words of the path
-    assert _openings('{"a":', False, "1, 2 and 3.", False)[:2] == (" [", ' ["')  # a list's items: a list first
-    assert _openings('{"a":', False, "Glen Oak.", False) == (' "', ' ["', " ", " [", '"', '["', "", "[")
-    assert _openings('{"a": ', False, "Glen Oak.", False) == ('"', '["', "", "[")  # its space is out
-    assert _json_state('{"a": ["x", "y') == (len('{"a": ["x", "'), "[")
-    assert _json_state('{"a": {"b": "x\\" y"}, "c"') == (None, "{")
+    assert openings('{"a":', False, "1, 2 and 3.", False)[:2] == (" [", ' ["')  # a list's items: a list first
+    assert openings('{"a":', False, "Glen Oak.", False) == (' "', ' ["', " ", " [", '"', '["', "", "[")
+    assert openings('{"a": ', False, "Glen Oak.", False) == ('"', '["', "", "[")  # its space is out
+    assert json_state('{"a": ["x", "y') == (len('{"a": ["x", "'), "[")
+    assert json_state('{"a": {"b": "x\\" y"}, "c"') == (None, "{")
 
 
 class _Faulty:
