@@ -199,3 +199,40 @@ def _scheduling(channel: DraftChannel, log: list, answer_step: int | None = 7) -
         channel.done(7)
         thread.join(15)
         assert not thread.is_alive()
+
+
+def test_where_draft_steps_run_as_graphs() -> None:
+    """``graph_grammar``: None (the default) is on where CUDA graphs are; True or False decides,
+    also on the CPU; --enforce-eager wins on CUDA; only an EAGLE head drafts in graphs. The CLI
+    flag reaches the engine's arguments."""
+    import argparse
+
+    from guidespec.config import EngineConfig, SpeculativeConfig
+    from guidespec.launch.args import add_engine_args, device_from_args
+    from guidespec.launch.launcher import _draft_graphs
+
+    eagle = SpeculativeConfig(method="eagle", draft_model="head")
+
+    def graphs(**kw: object) -> bool:
+        base = dict(
+            model_dir=Path("m"),
+            tensor_parallel_size=1,
+            dtype="float32",
+            max_batch_size=4,
+            max_model_len=64,
+            max_num_batched_tokens=64,
+            eos_token_ids=(0,),
+            speculative=eagle,
+        )
+        return _draft_graphs(EngineConfig(**{**base, **kw}))  # type: ignore[arg-type]
+
+    assert graphs(device="cuda") and not graphs(device="cpu")
+    assert graphs(device="cpu", graph_grammar=True) and not graphs(device="cuda", graph_grammar=False)
+    assert not graphs(device="cuda", enforce_eager=True) and not graphs(
+        device="cuda", graph_grammar=True, enforce_eager=True
+    )
+    assert not graphs(device="cuda", speculative=SpeculativeConfig(method="ngram"))
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for flags, expected in (([], None), (["--graph-grammar"], True), (["--no-graph-grammar"], False)):
+        assert device_from_args(parser.parse_args(flags))["graph_grammar"] is expected
