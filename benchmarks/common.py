@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import time
 from pathlib import Path
 
 import torch
 
-WORKLOAD = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "jsonschemabench" / "workload.jsonl"
+REPO = Path(__file__).resolve().parents[1]
+WORKLOAD = REPO.parent / "shared" / "data" / "jsonschemabench" / "workload.jsonl"
 
 
 def workload_chats(prefix: str = "JME_", limit: int | None = None) -> list[list[dict[str, str]]]:
@@ -51,3 +53,22 @@ def machine() -> str:
     except OSError:
         pass
     return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def commit() -> str:
+    """This checkout's short commit, saying so where tracked files have uncommitted changes."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+        return head + (" (with uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def fmt(value: float | None, spec: str = ".1f", suffix: str = "") -> str:
+    """A table cell: ``value`` formatted, or a dash where there is none."""
+    return "–" if value is None else f"{value:{spec}}{suffix}"

@@ -41,7 +41,6 @@ import datetime
 import inspect
 import json
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -52,10 +51,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import machine  # noqa: E402
+from benchmarks.common import commit, fmt, machine  # noqa: E402
 from benchmarks.random_model import PRESETS, build_random_model, default_folder  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 SCHEMAS: list[tuple[str, dict[str, Any]]] = [
     (
         "person",
@@ -560,27 +558,10 @@ def device_name(device: str) -> str:
     return machine()
 
 
-def commit() -> str:
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip()
-        return head + (" (with uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def ratio(row: dict[str, Any], top: str, bottom: str, key: str = "tok_s") -> float | None:
     if top in row and bottom in row and row[bottom][key] > 0:
         return float(row[top][key] / row[bottom][key])
     return None
-
-
-def fmt(value: float | None, spec: str = ".1f", suffix: str = "") -> str:
-    return "–" if value is None else f"{value:{spec}}{suffix}"
 
 
 def markdown(report: dict[str, Any]) -> str:

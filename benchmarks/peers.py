@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import machine  # noqa: E402
+from benchmarks.common import commit, fmt, machine  # noqa: E402
 
 Run = Callable[[dict[str, Any]], tuple[str, int]]  # case -> (text, output tokens)
 MODES = ("unguided", "guided", "guided+lookup")
@@ -241,10 +241,6 @@ def goals(results: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[str, floa
     return out
 
 
-def fmt(x: float | None, spec: str = ".1f") -> str:
-    return "–" if x is None else format(x, spec)
-
-
 def markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
     lines = [
@@ -358,7 +354,7 @@ def main() -> None:
     report["meta"] = dict(
         meta,
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        commit=os.popen("git rev-parse --short HEAD").read().strip(),
+        commit=commit(),
         machine=machine(),
         threads=args.threads,
         cases=args.cases,

@@ -229,22 +229,28 @@ class EagleDraftGraphs:
         output and draft logits at their last final positions (``out``, ``logits`` [n, ...]).
         DraftChannelError where a grammar mask did not come."""
         n = len(rows)
-        row_wanted = wanted[rows].astype(np.int32)
-        row_masked = masked[rows].astype(bool) if masked is not None else np.zeros(n, dtype=bool)
-        k = int(row_wanted.max())
-        end = int((last_position[rows] + k).max())
+        picked = _Rows(
+            rows.astype(np.int32),
+            last_position[rows].astype(np.int64),
+            np.asarray(slots)[rows].astype(np.int64),
+            wanted[rows].astype(np.int32),
+            masked[rows].astype(bool) if masked is not None else np.zeros(n, dtype=bool),
+            [produced[r] for r in rows.tolist()],
+        )
+        k = int(picked.wanted.max())
         batch = batch_bucket(n, self.max_batch_size)
         assert batch is not None
-        key = DraftGraphKey(batch, k, key_bucket(end + 1, self.max_model_len), bool(row_masked.any()))
+        end = int((picked.positions + k).max())
+        key = DraftGraphKey(batch, k, key_bucket(end + 1, self.max_model_len), bool(picked.masked.any()))
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = _DraftGraph(key, self)
-            if self.capture:
-                self._write_padding(graph)
+            if self.capture:  # on padding only: the trampolines publish nothing
+                self._write(graph, step, graph.features[:0], graph.logits[:0], _Rows.none())
                 graph.capture()
             else:
                 logger.info("draft steps for %s run eagerly, as a graph would (%d shapes)", key, len(self.graphs))
-        self._write(graph, step, out, logits, rows, last_position, slots, row_wanted, row_masked, produced)
+        self._write(graph, step, out, logits, picked)
         if graph.graph is not None:
             graph.graph.replay()
             picks = graph.picks
@@ -260,47 +266,45 @@ class EagleDraftGraphs:
             raise DraftChannelError(wait_code, step, index, "waiting for the scheduler's mask")
         return chains
 
-    def _write(
-        self,
-        graph: _DraftGraph,
-        step: int,
-        out: torch.Tensor,
-        logits: torch.Tensor,
-        rows: np.ndarray,
-        last_position: np.ndarray,
-        slots: np.ndarray,
-        wanted: np.ndarray,
-        masked: np.ndarray,
-        produced: list[list[int]],
-    ) -> None:
-        n, b = len(rows), graph.key.batch
+    def _write(self, graph: _DraftGraph, step: int, out: torch.Tensor, logits: torch.Tensor, rows: _Rows) -> None:
+        """Lay ``rows`` out in the graph's first rows and the host buffers; the rest is padding."""
+        n, b = len(rows.batch_rows), graph.key.batch
         host = self.host
         host.step[0] = step
         host.status.zero_()
-        ints = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int32))  # noqa: E731
-        host.batch_rows[:n] = ints(rows)
-        host.wanted[:n], host.wanted[n:b] = ints(wanted), 0
-        host.masked[:n], host.masked[n:b] = ints(masked), 0
-        lengths = [len(produced[r]) for r in rows.tolist()]
-        host.produced_len[:n] = ints(lengths)
+        host.batch_rows[:n] = torch.from_numpy(rows.batch_rows)
+        host.wanted[:n], host.wanted[n:b] = torch.from_numpy(rows.wanted), 0
+        host.masked[:n], host.masked[n:b] = torch.from_numpy(rows.masked.astype(np.int32)), 0
+        lengths = [len(p) for p in rows.produced]
+        host.produced_len[:n] = torch.tensor(lengths, dtype=torch.int32)
         grid = np.zeros((n, MAX_PRODUCED), dtype=np.int32)
-        for i, r in enumerate(rows.tolist()):
-            grid[i, : lengths[i]] = produced[r]
+        for i, tokens in enumerate(rows.produced):
+            grid[i, : lengths[i]] = tokens
         host.produced[: n * MAX_PRODUCED] = torch.from_numpy(grid.ravel())
         graph.features[:n].copy_(out)
         graph.logits[:n].copy_(logits)
         graph.features[n:].zero_()
         graph.logits[n:].zero_()
-        graph.positions[:n].copy_(torch.from_numpy(last_position[rows].astype(np.int64)))
+        graph.positions[:n].copy_(torch.from_numpy(rows.positions))
         graph.positions[n:] = 0
-        graph.slots[:n].copy_(torch.from_numpy(np.asarray(slots)[rows].astype(np.int64)))
+        graph.slots[:n].copy_(torch.from_numpy(rows.slots))
         graph.slots[n:] = self.scratch_slot
 
-    def _write_padding(self, graph: _DraftGraph) -> None:
-        """Every row padding: what a warm-up and a capture run on (nothing is published)."""
-        b = graph.key.batch
-        self.host.wanted[:b] = 0
-        self.host.masked[:b] = 0
-        self.host.status.zero_()
-        graph.positions.zero_()
-        graph.slots.fill_(self.scratch_slot)
+
+@dataclass(frozen=True)
+class _Rows:
+    """The rows one proposal drafts for, in order: each one's batch row, last final position, KV
+    slot, drafts wanted, whether its grammar masks them, and the tokens it produced this step."""
+
+    batch_rows: np.ndarray  # int32
+    positions: np.ndarray  # int64
+    slots: np.ndarray  # int64
+    wanted: np.ndarray  # int32
+    masked: np.ndarray  # bool
+    produced: list[list[int]]
+
+    @staticmethod
+    def none() -> _Rows:
+        """No rows: every graph row padding (what a warm-up and a capture run on)."""
+        i32, i64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
+        return _Rows(i32, i64, i64, i32, np.zeros(0, bool), [])

@@ -258,7 +258,7 @@ class EagleRunner:
         self.head = EagleHead(
             head_dir, target.cfg, target_hf_config, embed, lm_head, target.dtype, max_model_len, target.device
         )
-        self.max_model_len = max_model_len
+        self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
         self.vocab_size = target.cfg.vocab_size
         # one slot more than the batch: fixed-shape draft steps (draft_graph.py) pad onto it
         self.kv = self.head.create_kv_cache(max_batch_size + 1, max_model_len)
@@ -282,7 +282,7 @@ class EagleRunner:
         self.graphs = EagleDraftGraphs(
             self.head,
             self.kv,
-            self.pending.shape[0],
+            self.max_batch_size,
             channel,
             timeout_s,
             peer_pid,

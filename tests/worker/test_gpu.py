@@ -71,6 +71,12 @@ def _run(llm: LLM, requests: list[tuple[Any, SamplingParams]]) -> list[Generatio
     return asyncio.run(run())
 
 
+def _fp32_engine(model: Path, **options: Any) -> LLM:
+    """An fp32 engine of 8 rows on the test device, jump-forward off unless ``options`` say."""
+    kw: dict[str, Any] = dict(device=DEVICE, dtype="float32", max_batch_size=8, show_progress=False, jump_forward=False)
+    return LLM(str(model), **{**kw, **options})
+
+
 def _greedy(max_tokens: int = 24, **kw: Any) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
@@ -122,15 +128,7 @@ def _mixed(backend: str = "xgrammar") -> list[tuple[Any, SamplingParams]]:
 def test_cuda_graphs_equal_eager_and_guided_outputs_are_valid(random_model: Path) -> None:
     outputs = {}
     for eager in (False, True):
-        with LLM(
-            str(random_model),
-            device=DEVICE,
-            dtype="float32",
-            max_batch_size=8,
-            enforce_eager=eager,
-            show_progress=False,
-            jump_forward=False,
-        ) as llm:
+        with _fp32_engine(random_model, enforce_eager=eager) as llm:
             outputs[eager] = _run(llm, _mixed())
     assert [o.token_ids for o in outputs[False]] == [o.token_ids for o in outputs[True]]
     for out in outputs[False][len(PROMPTS) :]:
@@ -152,15 +150,7 @@ def test_speculative_greedy_equals_plain_greedy(random_model: Path) -> None:
     requests = _mixed() + [("the cat sat on the mat. the cat sat on the mat. the cat", _greedy(32))]
     runs = {}
     for speculative in (None, "ngram"):
-        with LLM(
-            str(random_model),
-            device=DEVICE,
-            dtype="float32",
-            max_batch_size=8,
-            show_progress=False,
-            speculative=speculative,
-            jump_forward=False,
-        ) as llm:
+        with _fp32_engine(random_model, speculative=speculative) as llm:
             runs[speculative] = _run(llm, requests)
     assert [o.token_ids for o in runs["ngram"]] == [o.token_ids for o in runs[None]]
     assert sum(o.stats.num_spec_steps for o in runs["ngram"]) > 0
@@ -180,15 +170,7 @@ def test_eagle_draft_graphs_equal_step_by_step_and_plain_greedy(random_model: Pa
         ("graph", dict(speculative=eagle, graph_grammar=True)),
         ("steps", dict(speculative=eagle, graph_grammar=False)),
     ):
-        with LLM(
-            str(random_model),
-            device=DEVICE,
-            dtype="float32",
-            max_batch_size=8,
-            show_progress=False,
-            jump_forward=False,
-            **options,
-        ) as llm:
+        with _fp32_engine(random_model, **options) as llm:
             runs[label] = _run(llm, _mixed())
     assert [o.token_ids for o in runs["graph"]] == [o.token_ids for o in runs["plain"]]
     assert [o.token_ids for o in runs["steps"]] == [o.token_ids for o in runs["plain"]]
@@ -200,13 +182,6 @@ def test_eagle_draft_graphs_equal_step_by_step_and_plain_greedy(random_model: Pa
 def test_tp2_equals_tp1(random_model: Path) -> None:
     runs = {}
     for tp in (1, 2):
-        with LLM(
-            str(random_model),
-            device=DEVICE,
-            dtype="float32",
-            tensor_parallel_size=tp,
-            max_batch_size=8,
-            show_progress=False,
-        ) as llm:
+        with _fp32_engine(random_model, tensor_parallel_size=tp, jump_forward=True) as llm:
             runs[tp] = _run(llm, _mixed())
     assert [o.token_ids for o in runs[2]] == [o.token_ids for o in runs[1]]
