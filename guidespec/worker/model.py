@@ -32,7 +32,7 @@ from tqdm import tqdm
 from guidespec.config import ModelConfig
 from guidespec.worker.checkpoint import GGUFTensors, ShardReader, gguf_source
 from guidespec.worker.kernels import Weight, available, cache_attention, embedding, linear, pack, quantize
-from guidespec.worker.kernels.gguf_weights import concat_rows
+from guidespec.worker.kernels.gguf_weights import GGUFWeight, concat_rows
 from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.tp import TPInfo, all_reduce, gather_vocab
 
@@ -180,6 +180,9 @@ class LlamaModel:
         if show_progress:
             layer_ids = tqdm(layer_ids, desc="guidespec: loading layers", unit="layer", leave=False)
         self.layers = [self._load_layer(reader, blocks, i) for i in layer_ids]
+        for weight in [self.embed, self.lm_head, *(w for layer in self.layers for w in layer.values())]:
+            if isinstance(weight, GGUFWeight):
+                weight.release_blocks()  # cut and fused: only the kernel's layout is read from now on
         if self.dequantized:
             logger.info(
                 "rank %d: %d weights run in fp32 (a type the kernel does not take, a cut off 32-input "

@@ -58,19 +58,11 @@ def load(path: Path) -> ctypes.CDLL:
     lib.packed_linear_f32.restype = None
     lib.packed_linear_i8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
     lib.packed_linear_i8.restype = None
-    lib.gguf_linear.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
+    lib.gguf_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
     lib.gguf_linear.restype = None
     lib.gguf_dequantize_rows.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
         ctypes.c_void_p,
         ctypes.c_int,
         ctypes.c_void_p,
@@ -178,7 +170,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
         if isinstance(weight, GGUFWeight):
             lib.gguf_linear(
                 x.data_ptr(),
-                weight.blocks.data_ptr(),
+                *weight.kernel_layout().pointers(),
                 weight.fmt,
                 bias_ptr,
                 out.data_ptr(),

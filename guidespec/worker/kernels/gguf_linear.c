@@ -1,43 +1,64 @@
 /* Linear layers over GGUF's own quantized blocks: y[M, N] = x[M, K] @ w[N, K]^T + bias[N].
  *
- * The weight stays row-major as the file stores it, each row K/32 blocks of 32 inputs (the
- * formats below; gguf_weights.py repacks the K-quants into them exactly). Activations are
- * quantized the way llama.cpp's Q8_1 dot products take them: per row and block of 32, a scale
- * d = max|x| / 127, int8 values q = round(x / d) and their sum times d. A block's dot product is
- * then integer (4-bit or 8-bit weights x int8) and scaled in fp32:
+ * Activations are quantized the way llama.cpp's Q8 dot products take them: per row and block
+ * of 32 inputs, a scale d = max|x| / 127, int8 values q = round(x / d) and their sum times d.
+ * A block's dot product is then integer (4-bit or 8-bit weights x int8) and scaled in fp32:
  *
  *   sum_i w_i x_i ~ dw * dx * sum_i qw_i qx_i + mw * (dx * sum_i qx_i)      (w_i = dw qw_i + mw)
  *
  * Why: decoding streams every weight once per token. Q4_1 blocks are 20 bytes per 32 weights
- * against 128 in fp32, so the step reads ~6x fewer bytes; the integer products run 32 to an
- * instruction (AVX2 maddubs, or AVX-512 VNNI's dpbusd where the build has it).
+ * against 128 in fp32, so the step reads ~6x fewer bytes, and the integer products run 32 to an
+ * instruction (AVX2 maddubs, or VNNI's dpbusd where the build has it).
  *
- * Each thread owns whole groups of 16 output rows; within a group, up to 4 activation rows at
- * once pass over two weight rows (their blocks unpacked once for all 4, each activation block
- * loaded once for both), so the group's weights stay in L1 while the activations stream: 1 to
- * 4 rows (decode, verification) cost about what one costs, and prefill-sized M reads each
- * weight from cache, not memory. A row's result does not depend on the other rows.
+ * The weight's layout is the kernel's own (gguf_weights.py makes it once from the file's blocks):
+ * each row's quants side by side, qs [N][nbw][16] (4-bit: input j < 16 in byte j's low nibble,
+ * j + 16 in its high one, as ggml's Q4 blocks) or [N][nbw][32] (8-bit, signed), then the scales
+ * apart, s0 [N][nbw] and s1 [N][nbw] (fp16 as the file stores them, or fp32 for the K-quants'
+ * products): s0 the scale and s1 the offset of each block (Q8H: s0 the scale of inputs 0-15, s1
+ * that of inputs 16-31). nbw is the row's blocks rounded up to even, the padding zero.
+ *
+ * Eight blocks make a group: 4 pairs of blocks, each pair two 256-bit integer products (a
+ * pair's low halves, then its high halves, 32 bytes each: one load of 4-bit quants feeds both),
+ * whose lanes hold 4 partial sums of each block; two rounds of horizontal adds turn the 4 pairs
+ * into one vector of the 8 blocks' sums (in lane order 0 2 4 6 1 3 5 7), converted and scaled
+ * at once by 8 weight scales times 8 activation scales, offsets added the same way. So the
+ * scales, offsets and conversions cost a few instructions per 8 blocks, not per block (the
+ * activation's layout and scales are written in that order by quantize_rows).
+ *
+ * Each thread owns whole groups of 16 output rows; within a group each weight row is unpacked
+ * once for up to 8 activation rows, so 1 to 8 rows (decode, verification) cost about what one
+ * costs, and for prefill-sized M the group's weights stay in cache while the activations
+ * stream. Every output is summed over the groups in order, the same way whatever M is: a row's
+ * result does not depend on the other rows of the call.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__F16C__)
+#define QUANT_AVX2 1
 #include <immintrin.h>
 #endif
 
-enum { QK = 32, ROWS_PER_GROUP = 16, MAX_TILE = 4 };
+enum { QK = 32, GROUP = 8, ROWS_PER_GROUP = 16, MAX_TILE = 8 };
 enum { FMT_Q4_1 = 0, FMT_Q4F = 1, FMT_Q8_0 = 2, FMT_Q8H = 3 };
 
-typedef struct { uint16_t d, m; uint8_t qs[16]; } block_q4_1;  /* ggml's Q4_1 (and Q4_0, as m = -8 d) */
-typedef struct { float d, m; uint8_t qs[16]; } block_q4f;      /* Q4_K per 32 inputs: d = d*scale, m = -dmin*min */
-typedef struct { uint16_t d; int8_t qs[32]; } block_q8_0;      /* ggml's Q8_0 */
-typedef struct { float d[2]; int8_t qs[32]; } block_q8h;       /* Q6_K per 32 inputs: a scale per 16 */
+typedef struct {
+    int qs_bytes;  /* per block: 16 (4-bit) or 32 (8-bit) */
+    int f16;       /* scales in fp16 (else fp32) */
+    int has_offset;
+    int halves;    /* s1 is the scale of inputs 16-31 (Q8H) */
+} format_t;
 
-/* the four nibble formats put input j < 16 in qs[j]'s low nibble and input j + 16 in its high one */
+static const format_t FORMATS[] = {
+    {16, 1, 1, 0},  /* Q4_1 (and Q4_0: offset -8 d) */
+    {16, 0, 1, 0},  /* Q4F: Q4_K per 32 inputs */
+    {32, 1, 0, 0},  /* Q8_0 */
+    {32, 0, 0, 1},  /* Q8H: Q6_K per 32 inputs, a scale per 16 */
+};
 
 static inline float fp16(uint16_t h) {
-#if defined(__F16C__)
+#if QUANT_AVX2
     return _cvtsh_ss(h);
 #else
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, bits;
@@ -52,77 +73,94 @@ static inline float fp16(uint16_t h) {
 #endif
 }
 
+static inline float scale_at(const void* s, int f16, size_t i) {
+    return f16 ? fp16(((const uint16_t*)s)[i]) : ((const float*)s)[i];
+}
+
 /* ---------------------------------------------------------------- activations */
 
 typedef struct {
-    int8_t* q;  /* [M][K] */
-    float* d;   /* [M][K/32]: the block's scale */
-    float* s;   /* [M][K/32]: d * the sum of the block's q */
+    int8_t* q;  /* [M][nbp * 32]: per group, pair j's low halves then its high halves (32 bytes each) */
+    float* d;   /* [M][nbp]: the block's scale, lane order within each group */
+    float* s;   /* [M][nbp]: d * the sum of the block's q, the same order */
+    int nbp;
 } act_t;
 
-static void quantize_rows(const float* x, int M, int K, act_t* a) {
-    int nb = K / QK;
+/* where block i of a group sits in the group's lanes, and its halves in the group's bytes */
+static inline int lane_of(int i) { return (i & 1) * 4 + i / 2; }
+static inline int low_half_at(int i) { return (i / 2) * 64 + (i & 1) * 16; }
+
+static void quantize_block(const float* xb, int8_t* lo, int8_t* hi, float* d_out, float* s_out) {
+    float amax = 0.f;
+#if QUANT_AVX2
+    __m256 v[4], sign = _mm256_set1_ps(-0.f), m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(xb + 8 * i);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    __m256 scale = _mm256_set1_ps(id);
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], scale));  /* nearest, ties even */
+    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    /* 32 int32 -> 32 int8 in order: packs interleave 128-bit lanes, the permute undoes it */
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm_storeu_si128((__m128i*)lo, _mm256_castsi256_si128(p));
+    _mm_storeu_si128((__m128i*)hi, _mm256_extracti128_si256(p, 1));
+    *d_out = d;
+    *s_out = d * (float)_mm_cvtsi128_si32(s4);
+#else
+    for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+    float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    int sum = 0;
+    for (int i = 0; i < QK; i++) {
+        int q = (int)lrintf(xb[i] * id);
+        (i < 16 ? lo : hi)[i % 16] = (int8_t)q;
+        sum += q;
+    }
+    *d_out = d;
+    *s_out = d * (float)sum;
+#endif
+}
+
+static void quantize_rows(const float* x, int M, int K, act_t* a, int threads) {
+    int nb = K / QK, nbp = a->nbp;
+    #pragma omp parallel for schedule(static) num_threads(threads) if (M >= 16)
     for (int r = 0; r < M; r++) {
+        int8_t* q = a->q + (size_t)r * nbp * QK;
+        float *d = a->d + (size_t)r * nbp, *s = a->s + (size_t)r * nbp;
+        memset(q + (size_t)(nb / GROUP) * GROUP * QK, 0, (size_t)(nbp - nb / GROUP * GROUP) * QK);
+        for (int b = nb; b < nbp; b++) d[b / GROUP * GROUP + lane_of(b % GROUP)] = s[b / GROUP * GROUP + lane_of(b % GROUP)] = 0.f;
         for (int b = 0; b < nb; b++) {
-            const float* xb = x + (size_t)r * K + b * QK;
-            float amax = 0.f;
-            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
-            float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-            int8_t* q = a->q + (size_t)r * K + b * QK;
-            int sum = 0;
-            for (int i = 0; i < QK; i++) {
-                q[i] = (int8_t)lrintf(xb[i] * id);
-                sum += q[i];
-            }
-            a->d[(size_t)r * nb + b] = d;
-            a->s[(size_t)r * nb + b] = d * (float)sum;
+            int g = b / GROUP, i = b % GROUP;
+            int8_t* lo = q + (size_t)g * GROUP * QK + low_half_at(i);
+            quantize_block(x + (size_t)r * K + b * QK, lo, lo + 32, d + g * GROUP + lane_of(i), s + g * GROUP + lane_of(i));
         }
     }
 }
 
-/* ---------------------------------------------------------------- one block, per format
- * Each format gives its 32 quants (unsigned 0..15 or signed int8), a scale per half block
- * (lo: inputs 0-15, hi: 16-31) and an offset per input (mw, 0 where there is none). */
+/* ---------------------------------------------------------------- the AVX2 tile */
 
-#define NIBBLES(q, qs) for (int j = 0; j < 16; j++) { q[j] = qs[j] & 15; q[j + 16] = qs[j] >> 4; }
-static inline void q4_1_scalar(const void* p, int* q, float* lo, float* hi, float* m) {
-    const block_q4_1* b = p; NIBBLES(q, b->qs); *lo = *hi = fp16(b->d); *m = fp16(b->m);
-}
-static inline void q4f_scalar(const void* p, int* q, float* lo, float* hi, float* m) {
-    const block_q4f* b = p; NIBBLES(q, b->qs); *lo = *hi = b->d; *m = b->m;
-}
-static inline void q8_0_scalar(const void* p, int* q, float* lo, float* hi, float* m) {
-    const block_q8_0* b = p; for (int j = 0; j < 32; j++) q[j] = b->qs[j]; *lo = *hi = fp16(b->d); *m = 0.f;
-}
-static inline void q8h_scalar(const void* p, int* q, float* lo, float* hi, float* m) {
-    const block_q8h* b = p; for (int j = 0; j < 32; j++) q[j] = b->qs[j]; *lo = b->d[0]; *hi = b->d[1]; *m = 0.f;
-}
-
-#if defined(__AVX2__)
-/* 8 int32 lanes, lane i the sum of products 4i..4i+3 of unsigned w and signed x */
-static inline __m256i dot_u8s8(__m256i w, __m256i x) {
+#if QUANT_AVX2
+/* lane i += the sum of products 4i..4i+3 of unsigned w and signed x */
+static inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+    return _mm256_dpbusd_epi32(acc, w, x);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 #endif
 }
-static inline __m256i nibbles(const uint8_t* qs) {
-    __m128i t = _mm_loadu_si128((const __m128i*)qs), mask = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(t, 4), mask), _mm_and_si128(t, mask));
+
+static inline __m256 load8(const void* s, int f16) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s)) : _mm256_loadu_ps((const float*)s);
 }
-/* quants, lane scales (lanes 0-3: inputs 0-15, 4-7: inputs 16-31), offset, signedness */
-#define Q4_1_V(p) nibbles(((const block_q4_1*)(p))->qs)
-#define Q4_1_S(p) _mm256_set1_ps(fp16(((const block_q4_1*)(p))->d))
-#define Q4_1_M(p) fp16(((const block_q4_1*)(p))->m)
-#define Q4F_V(p) nibbles(((const block_q4f*)(p))->qs)
-#define Q4F_S(p) _mm256_set1_ps(((const block_q4f*)(p))->d)
-#define Q4F_M(p) (((const block_q4f*)(p))->m)
-#define Q8_0_V(p) _mm256_loadu_si256((const __m256i*)((const block_q8_0*)(p))->qs)
-#define Q8_0_S(p) _mm256_set1_ps(fp16(((const block_q8_0*)(p))->d))
-#define Q8H_V(p) _mm256_loadu_si256((const __m256i*)((const block_q8h*)(p))->qs)
-#define Q8H_S(p) _mm256_set_m128(_mm_set1_ps(((const block_q8h*)(p))->d[1]), _mm_set1_ps(((const block_q8h*)(p))->d[0]))
-#define NO_M(p) 0.f
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -130,131 +168,174 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* NAME##MC: two weight rows (nb blocks of BT each) by MC activation rows, sharing each
-   activation block's load; signed quants go through maddubs/dpbusd as |w| times x with w's sign */
-#define QTILE_ROW(SIGNED, HAS_M, q, qa, sc, m, c, x, dx, s, acc, macc)                          \
-    {                                                                                         \
-        __m256i xs = SIGNED ? _mm256_sign_epi8(x, q) : x;                                     \
-        __m256 p = _mm256_cvtepi32_ps(dot_u8s8(qa, xs));                                      \
-        acc[c] = _mm256_fmadd_ps(p, _mm256_mul_ps(sc, dx), acc[c]);                           \
-        if (HAS_M) macc[c] += m * (s);                                                        \
-    }
-#define DEFINE_QTILE(NAME, MC, BT, QV, QS, QM, SIGNED, HAS_M)                                   \
-static void NAME##MC(const void* row0, const void* row1, const act_t* a, int m0, int K,         \
-                     float* out0, float* out1) {                                              \
-    int nb = K / QK;                                                                          \
-    const BT *w0 = row0, *w1 = row1;                                                          \
-    __m256 acc0[MC], acc1[MC];                                                                \
-    float macc0[MC], macc1[MC];                                                               \
-    for (int c = 0; c < MC; c++) {                                                            \
-        acc0[c] = acc1[c] = _mm256_setzero_ps();                                              \
-        macc0[c] = macc1[c] = 0.f;                                                            \
-    }                                                                                         \
-    for (int b = 0; b < nb; b++) {                                                            \
-        __m256i q0 = QV(w0 + b), qa0 = SIGNED ? _mm256_sign_epi8(q0, q0) : q0;                \
-        __m256i q1 = QV(w1 + b), qa1 = SIGNED ? _mm256_sign_epi8(q1, q1) : q1;                \
-        __m256 sc0 = QS(w0 + b), sc1 = QS(w1 + b);                                            \
-        float mw0 = QM(w0 + b), mw1 = QM(w1 + b);                                             \
-        for (int c = 0; c < MC; c++) {                                                        \
-            size_t at = (size_t)(m0 + c) * nb + b;                                            \
-            __m256i x = _mm256_loadu_si256((const __m256i*)(a->q + at * QK));                 \
-            __m256 dx = _mm256_set1_ps(a->d[at]);                                             \
-            float s = HAS_M ? a->s[at] : 0.f;                                                 \
-            QTILE_ROW(SIGNED, HAS_M, q0, qa0, sc0, mw0, c, x, dx, s, acc0, macc0)             \
-            QTILE_ROW(SIGNED, HAS_M, q1, qa1, sc1, mw1, c, x, dx, s, acc1, macc1)             \
-        }                                                                                     \
-    }                                                                                         \
-    for (int c = 0; c < MC; c++) {                                                            \
-        out0[c] = hsum(acc0[c]) + macc0[c];                                                   \
-        out1[c] = hsum(acc1[c]) + macc1[c];                                                   \
-    }                                                                                         \
+/* the 4 pairs' products -> the 8 blocks' sums, lane order 0 2 4 6 1 3 5 7 */
+static inline __m256 blocks_of(const __m256i t[4]) {
+    return _mm256_cvtepi32_ps(_mm256_hadd_epi32(_mm256_hadd_epi32(t[0], t[1]), _mm256_hadd_epi32(t[2], t[3])));
 }
-#define DEFINE_QTILES(NAME, BT, QV, QS, QM, SIGNED, HAS_M)                                     \
-    DEFINE_QTILE(NAME, 1, BT, QV, QS, QM, SIGNED, HAS_M)                                      \
-    DEFINE_QTILE(NAME, 2, BT, QV, QS, QM, SIGNED, HAS_M)                                      \
-    DEFINE_QTILE(NAME, 3, BT, QV, QS, QM, SIGNED, HAS_M)                                      \
-    DEFINE_QTILE(NAME, 4, BT, QV, QS, QM, SIGNED, HAS_M)
-DEFINE_QTILES(q4_1_tile, block_q4_1, Q4_1_V, Q4_1_S, Q4_1_M, 0, 1)
-DEFINE_QTILES(q4f_tile, block_q4f, Q4F_V, Q4F_S, Q4F_M, 0, 1)
-DEFINE_QTILES(q8_0_tile, block_q8_0, Q8_0_V, Q8_0_S, NO_M, 1, 0)
-DEFINE_QTILES(q8h_tile, block_q8h, Q8H_V, Q8H_S, NO_M, 1, 0)
-#endif
 
-typedef void (*tile_fn)(const void*, const void*, const act_t*, int, int, float*, float*);
-typedef void (*block_fn)(const void*, int*, float*, float*, float*);
-
-/* the portable tile: the same sums in plain C (any MC up to MAX_TILE) */
-static void scalar_tile(block_fn unpack, size_t block_bytes, const void* row, const act_t* a, int m0, int mc, int K,
-                        float* out) {
-    int nb = K / QK, q[QK];
-    for (int c = 0; c < mc; c++) out[c] = 0.f;
-    for (int b = 0; b < nb; b++) {
-        float lo, hi, m;
-        unpack((const char*)row + b * block_bytes, q, &lo, &hi, &m);
-        for (int c = 0; c < mc; c++) {
-            size_t at = (size_t)(m0 + c) * nb + b;
-            const int8_t* x = a->q + at * QK;
-            int s0 = 0, s1 = 0;
-            for (int j = 0; j < 16; j++) { s0 += q[j] * x[j]; s1 += q[j + 16] * x[j + 16]; }
-            out[c] += a->d[at] * (lo * (float)s0 + hi * (float)s1) + m * a->s[at];
+/* pairs (1 to 4) pairs of blocks of one weight row (quants wq, scales already in lane order)
+   by mc activation rows: acc[c] += the group's sums */
+static inline __attribute__((always_inline)) void group(const format_t* f, const uint8_t* wq, __m256 ws0, __m256 ws1,
+                                                        int pairs, const act_t* a, size_t at0, int mc, __m256* acc) {
+    const __m256i mask = _mm256_set1_epi8(15);
+    __m256i lo[4], hi[4];  /* pair j's quants as unsigned bytes (8-bit: signed) */
+    for (int j = 0; j < 4; j++) {
+        if (j >= pairs) {
+            lo[j] = hi[j] = _mm256_setzero_si256();
+        } else if (f->qs_bytes == 16) {
+            __m256i v = _mm256_loadu_si256((const __m256i*)(wq + 32 * j));
+            lo[j] = _mm256_and_si256(v, mask);
+            hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        } else {
+            const uint8_t* p = wq + 64 * j;
+            lo[j] = _mm256_loadu2_m128i((const __m128i*)(p + 32), (const __m128i*)p);
+            hi[j] = _mm256_loadu2_m128i((const __m128i*)(p + 48), (const __m128i*)(p + 16));
         }
     }
+    for (int c = 0; c < mc; c++) {
+        size_t at = at0 + (size_t)c * a->nbp;
+        const int8_t* xq = a->q + at * QK;
+        __m256 dx = _mm256_loadu_ps(a->d + at);
+        __m256i t[4], u[4];
+        for (int j = 0; j < 4; j++) {
+            __m256i xl = _mm256_loadu_si256((const __m256i*)(xq + 64 * j));
+            __m256i xh = _mm256_loadu_si256((const __m256i*)(xq + 64 * j + 32));
+            if (f->qs_bytes == 16) {
+                t[j] = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), lo[j], xl), hi[j], xh);
+            } else {  /* signed weights: |w| times x with w's sign */
+                __m256i l = _mm256_sign_epi8(xl, lo[j]), h = _mm256_sign_epi8(xh, hi[j]);
+                __m256i la = _mm256_sign_epi8(lo[j], lo[j]), ha = _mm256_sign_epi8(hi[j], hi[j]);
+                if (f->halves) {
+                    t[j] = dot_u8s8(_mm256_setzero_si256(), la, l);
+                    u[j] = dot_u8s8(_mm256_setzero_si256(), ha, h);
+                } else {
+                    t[j] = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), la, l), ha, h);
+                }
+            }
+        }
+        acc[c] = _mm256_fmadd_ps(blocks_of(t), _mm256_mul_ps(ws0, dx), acc[c]);
+        if (f->halves) acc[c] = _mm256_fmadd_ps(blocks_of(u), _mm256_mul_ps(ws1, dx), acc[c]);
+        if (f->has_offset) acc[c] = _mm256_fmadd_ps(ws1, _mm256_loadu_ps(a->s + at), acc[c]);
+    }
 }
 
-typedef struct {
-    size_t block_bytes;
-    block_fn unpack;
-#if defined(__AVX2__)
-    tile_fn tiles[MAX_TILE + 1];
-#endif
-} format_t;
-
-static const format_t FORMATS[] = {
-#if defined(__AVX2__)
-    {sizeof(block_q4_1), q4_1_scalar, {0, q4_1_tile1, q4_1_tile2, q4_1_tile3, q4_1_tile4}},
-    {sizeof(block_q4f), q4f_scalar, {0, q4f_tile1, q4f_tile2, q4f_tile3, q4f_tile4}},
-    {sizeof(block_q8_0), q8_0_scalar, {0, q8_0_tile1, q8_0_tile2, q8_0_tile3, q8_0_tile4}},
-    {sizeof(block_q8h), q8h_scalar, {0, q8h_tile1, q8h_tile2, q8h_tile3, q8h_tile4}},
-#else
-    {sizeof(block_q4_1), q4_1_scalar}, {sizeof(block_q4f), q4f_scalar},
-    {sizeof(block_q8_0), q8_0_scalar}, {sizeof(block_q8h), q8h_scalar},
-#endif
-};
-
-/* rows row0 and row1 (the same row where there is one) by activation rows m0 .. m0 + mc - 1 */
-static inline void run_tile(const format_t* f, const void* row0, const void* row1, const act_t* a, int m0, int mc,
-                            int K, float* out0, float* out1) {
-#if defined(__AVX2__)
-    f->tiles[mc](row0, row1, a, m0, K, out0, out1);
-#else
-    scalar_tile(f->unpack, f->block_bytes, row0, a, m0, mc, K, out0);
-    if (row1 != row0) scalar_tile(f->unpack, f->block_bytes, row1, a, m0, mc, K, out1);
-#endif
+/* one weight row of nbw blocks (its qs, s0, s1 at the row's start) by mc activation rows from m0 */
+static inline __attribute__((always_inline)) void tile(const format_t* f, const uint8_t* qs, const void* s0,
+                                                       const void* s1, int nbw, const act_t* a, int m0, int mc,
+                                                       float* out) {
+    const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const int ss = f->f16 ? 2 : 4, two = f->has_offset || f->halves;
+    __m256 acc[MAX_TILE];
+    for (int c = 0; c < mc; c++) acc[c] = _mm256_setzero_ps();
+    int g = 0;
+    for (; g < nbw / GROUP; g++) {
+        __m256 ws0 = _mm256_permutevar8x32_ps(load8((const char*)s0 + (size_t)g * GROUP * ss, f->f16), perm);
+        __m256 ws1 = two ? _mm256_permutevar8x32_ps(load8((const char*)s1 + (size_t)g * GROUP * ss, f->f16), perm)
+                         : _mm256_setzero_ps();
+        group(f, qs + (size_t)g * GROUP * f->qs_bytes, ws0, ws1, 4, a, (size_t)m0 * a->nbp + g * GROUP, mc, acc);
+    }
+    int rest = nbw - g * GROUP;  /* an even number of blocks: the row's last pairs */
+    if (rest) {
+        float w0[GROUP] = {0}, w1[GROUP] = {0};
+        for (int i = 0; i < rest; i++) {
+            w0[lane_of(i)] = scale_at(s0, f->f16, (size_t)g * GROUP + i);
+            if (two) w1[lane_of(i)] = scale_at(s1, f->f16, (size_t)g * GROUP + i);
+        }
+        group(f, qs + (size_t)g * GROUP * f->qs_bytes, _mm256_loadu_ps(w0), _mm256_loadu_ps(w1), rest / 2, a,
+              (size_t)m0 * a->nbp + g * GROUP, mc, acc);
+    }
+    for (int c = 0; c < mc; c++) out[c] = hsum(acc[c]);
 }
 
-/* w: N rows of K/32 blocks of `format`; K a multiple of 32 */
-void gguf_linear(const float* x, const void* w, int format, const float* bias, float* y, int M, int N, int K,
-                 int threads) {
+/* the compiler specializes each format and row count (the format's branches fold away) */
+#define TILE_FOR(FMT)                                                                                     \
+    static void tile_##FMT(const uint8_t* qs, const void* s0, const void* s1, int nbw, const act_t* a, int m0,  \
+                           int mc, float* out) {                                                          \
+        switch (mc) {                                                                                     \
+            case 1: tile(&FORMATS[FMT], qs, s0, s1, nbw, a, m0, 1, out); break;                                \
+            case 2: tile(&FORMATS[FMT], qs, s0, s1, nbw, a, m0, 2, out); break;                                \
+            case 3: tile(&FORMATS[FMT], qs, s0, s1, nbw, a, m0, 3, out); break;                                \
+            case 4: tile(&FORMATS[FMT], qs, s0, s1, nbw, a, m0, 4, out); break;                                \
+            case 8: tile(&FORMATS[FMT], qs, s0, s1, nbw, a, m0, 8, out); break;                                \
+            default: tile(&FORMATS[FMT], qs, s0, s1, nbw, a, m0, mc, out); break;                              \
+        }                                                                                                 \
+    }
+TILE_FOR(FMT_Q4_1)
+TILE_FOR(FMT_Q4F)
+TILE_FOR(FMT_Q8_0)
+TILE_FOR(FMT_Q8H)
+typedef void (*tile_fn)(const uint8_t*, const void*, const void*, int, const act_t*, int, int, float*);
+static const tile_fn TILES[] = {tile_FMT_Q4_1, tile_FMT_Q4F, tile_FMT_Q8_0, tile_FMT_Q8H};
+#endif
+
+/* ---------------------------------------------------------------- the portable tile */
+
+/* block b's quant j of a row (4-bit: unsigned 0..15; 8-bit: signed) */
+static inline int quant(const format_t* f, const uint8_t* qs, int b, int j) {
+    if (f->qs_bytes == 16) {
+        uint8_t v = qs[(size_t)b * 16 + j % 16];
+        return j < 16 ? v & 15 : v >> 4;
+    }
+    return ((const int8_t*)qs)[(size_t)b * 32 + j];
+}
+
+__attribute__((unused)) static void scalar_tile(const format_t* f, const uint8_t* qs, const void* s0, const void* s1,
+                                                int nbw, const act_t* a, int m0, int mc, float* out) {
+    int nbp = a->nbp;
+    for (int c = 0; c < mc; c++) {
+        float sum = 0.f;
+        for (int b = 0; b < nbw; b++) {
+            int g = b / GROUP, i = b % GROUP, lane = g * GROUP + lane_of(i);
+            size_t row = (size_t)(m0 + c) * nbp;
+            const int8_t* lo = a->q + (row + g * GROUP) * QK + low_half_at(i);
+            int d0 = 0, d1 = 0;
+            for (int j = 0; j < 16; j++) {
+                d0 += quant(f, qs, b, j) * lo[j];
+                d1 += quant(f, qs, b, j + 16) * lo[32 + j];
+            }
+            float w0 = scale_at(s0, f->f16, b), dx = a->d[row + lane];
+            if (f->halves) {
+                sum += w0 * dx * (float)d0 + scale_at(s1, f->f16, b) * dx * (float)d1;
+            } else {
+                sum += w0 * dx * (float)(d0 + d1);
+                if (f->has_offset) sum += scale_at(s1, f->f16, b) * a->s[row + lane];
+            }
+        }
+        out[c] = sum;
+    }
+}
+
+/* ---------------------------------------------------------------- entry points */
+
+/* w: N rows of nbw = K/32 rounded up to even blocks in the kernel's layout (above); K a multiple of 32 */
+void gguf_linear(const float* x, const uint8_t* qs, const void* s0, const void* s1, int format, const float* bias,
+                 float* y, int M, int N, int K, int threads) {
     const format_t* f = &FORMATS[format];
-    int nb = K / QK, groups = (N + ROWS_PER_GROUP - 1) / ROWS_PER_GROUP;
-    size_t row_bytes = (size_t)nb * f->block_bytes;
+    int nbw = (K / QK + 1) / 2 * 2, nbp = (K / QK + GROUP - 1) / GROUP * GROUP;
+    int groups = (N + ROWS_PER_GROUP - 1) / ROWS_PER_GROUP;
+    size_t qs_row = (size_t)nbw * f->qs_bytes, s_row = (size_t)nbw * (f->f16 ? 2 : 4);
     act_t a;
-    a.q = malloc((size_t)M * K);
-    a.d = malloc(sizeof(float) * (size_t)M * nb);
-    a.s = malloc(sizeof(float) * (size_t)M * nb);
-    quantize_rows(x, M, K, &a);
+    a.nbp = nbp;
+    a.q = malloc((size_t)M * nbp * QK);
+    a.d = malloc(sizeof(float) * (size_t)M * nbp);
+    a.s = malloc(sizeof(float) * (size_t)M * nbp);
+    quantize_rows(x, M, K, &a, threads);
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int g = 0; g < groups; g++) {
         int n0 = g * ROWS_PER_GROUP, n1 = n0 + ROWS_PER_GROUP < N ? n0 + ROWS_PER_GROUP : N;
         for (int m0 = 0; m0 < M; m0 += MAX_TILE) {
             int mc = M - m0 < MAX_TILE ? M - m0 : MAX_TILE;
-            for (int n = n0; n < n1; n += 2) {
-                float out[2][MAX_TILE];
-                const char* row0 = (const char*)w + (size_t)n * row_bytes;
-                int two = n + 1 < n1;
-                run_tile(f, row0, two ? row0 + row_bytes : row0, &a, m0, mc, K, out[0], out[1]);
-                for (int r = 0; r <= two; r++)
-                    for (int c = 0; c < mc; c++) y[(size_t)(m0 + c) * N + n + r] = out[r][c] + (bias ? bias[n + r] : 0.f);
+            for (int n = n0; n < n1; n++) {
+                float out[MAX_TILE];
+                const uint8_t* row_qs = qs + (size_t)n * qs_row;
+                const char* row_s0 = (const char*)s0 + (size_t)n * s_row;
+                const char* row_s1 = s1 ? (const char*)s1 + (size_t)n * s_row : 0;
+#if QUANT_AVX2
+                TILES[format](row_qs, row_s0, row_s1, nbw, &a, m0, mc, out);
+#else
+                scalar_tile(f, row_qs, row_s0, row_s1, nbw, &a, m0, mc, out);
+#endif
+                for (int c = 0; c < mc; c++) y[(size_t)(m0 + c) * N + n] = out[c] + (bias ? bias[n] : 0.f);
             }
         }
     }
@@ -263,20 +344,24 @@ void gguf_linear(const float* x, const void* w, int format, const float* bias, f
     free(a.s);
 }
 
-/* rows `ids` of w dequantized into out [len(ids)][K] (embedding lookups, dense copies) */
-void gguf_dequantize_rows(const void* w, int format, const int64_t* ids, int num_ids, int K, float* out,
-                          int threads) {
+/* rows `ids` of w (the kernel's layout) dequantized into out [len(ids)][K] (embedding lookups) */
+void gguf_dequantize_rows(const uint8_t* qs, const void* s0, const void* s1, int format, const int64_t* ids,
+                          int num_ids, int K, float* out, int threads) {
     const format_t* f = &FORMATS[format];
-    int nb = K / QK;
+    int nb = K / QK, nbw = (nb + 1) / 2 * 2;
     #pragma omp parallel for schedule(static) num_threads(threads) if (num_ids >= 64)
     for (int i = 0; i < num_ids; i++) {
-        int q[QK];
-        const char* row = (const char*)w + (size_t)ids[i] * nb * f->block_bytes;
+        size_t n = (size_t)ids[i];
+        const uint8_t* row = qs + n * nbw * f->qs_bytes;
         for (int b = 0; b < nb; b++) {
-            float lo, hi, m;
-            f->unpack(row + b * f->block_bytes, q, &lo, &hi, &m);
+            float w0 = scale_at(s0, f->f16, n * nbw + b);
+            float w1 = f->has_offset || f->halves ? scale_at(s1, f->f16, n * nbw + b) : 0.f;
             float* o = out + (size_t)i * K + b * QK;
-            for (int j = 0; j < QK; j++) o[j] = (j < 16 ? lo : hi) * (float)q[j] + m;
+            for (int j = 0; j < QK; j++) {
+                float q = (float)quant(f, row, b, j);
+                o[j] = f->halves ? (j < 16 ? w0 : w1) * q : w0 * q + w1;
+            }
         }
     }
 }
+

@@ -38,11 +38,30 @@ class GGUFWeight:
 
     def __init__(self, blocks: torch.Tensor, fmt: int) -> None:
         assert blocks.dtype == torch.uint8 and blocks.dim() == 3 and blocks.shape[2] == BLOCK_BYTES[fmt]
-        self.blocks = blocks.contiguous()
+        self._blocks: torch.Tensor | None = blocks.contiguous()
+        self._kernel: KernelLayout | None = None
         self.fmt = fmt
         self.shape = torch.Size((blocks.shape[0], blocks.shape[1] * QK))
         self.dtype = torch.float32
         self.device = torch.device("cpu")
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        if self._blocks is None:
+            raise RuntimeError("this weight keeps only the kernel's layout (release_blocks): cut it before")
+        return self._blocks
+
+    def kernel_layout(self) -> KernelLayout:
+        """The weight in ``gguf_linear.c``'s layout, made on first use."""
+        if self._kernel is None:
+            self._kernel = KernelLayout.of(self.blocks, self.fmt)
+        return self._kernel
+
+    def release_blocks(self) -> None:
+        """Keep only the kernel's layout (a model, once loaded: its cuts and concatenations are
+        done), not the same numbers twice."""
+        self.kernel_layout()
+        self._blocks = None
 
     def select_rows(self, rows: torch.Tensor | slice) -> GGUFWeight:
         return GGUFWeight(self.blocks[rows], self.fmt)
@@ -66,8 +85,9 @@ class GGUFWeight:
         if lib is None:
             out = _dequantize_numpy(self.blocks[flat].numpy(), self.fmt)
         elif len(flat):
+            layout = self.kernel_layout()
             lib.gguf_dequantize_rows(
-                self.blocks.data_ptr(),
+                *layout.pointers(),
                 self.fmt,
                 flat.data_ptr(),
                 len(flat),
@@ -77,6 +97,36 @@ class GGUFWeight:
             )
         shape = (self.shape[0],) if ids is None else tuple(ids.shape)
         return out.view(*shape, self.shape[1])
+
+
+class KernelLayout:
+    """A weight as ``gguf_linear.c`` reads it (that file draws it): each row's quants side by side,
+    ``qs`` uint8 [N, nbw, 16 or 32], and its blocks' scales apart, ``s0`` and ``s1`` (the offsets
+    of 4-bit formats, Q8H's second scales, None for Q8_0) uint8 [N, nbw * 2 or 4] (fp16 or fp32
+    bytes), nbw the row's blocks rounded up to even with a zero block. The same bytes as the
+    file's blocks, rearranged: a group of 8 blocks' scales is one vector load."""
+
+    def __init__(self, qs: torch.Tensor, s0: torch.Tensor, s1: torch.Tensor | None) -> None:
+        self.qs, self.s0, self.s1 = qs, s0, s1
+
+    @classmethod
+    def of(cls, blocks: torch.Tensor, fmt: int) -> KernelLayout:
+        n, nb, _ = blocks.shape
+        nbw = -(-nb // 2) * 2
+        qs_bytes = 16 if fmt in (Q4_1, Q4F) else 32
+        scale_bytes = 2 if fmt in (Q4_1, Q8_0) else 4
+        raw = blocks.numpy()
+
+        def part(start: int, width: int) -> torch.Tensor:
+            out = np.zeros((n, nbw, width), dtype=np.uint8)
+            out[:, :nb] = raw[:, :, start : start + width]
+            return torch.from_numpy(out.reshape(n, -1))
+
+        s1 = None if fmt == Q8_0 else part(scale_bytes, scale_bytes)
+        return cls(part(BLOCK_BYTES[fmt] - qs_bytes, qs_bytes), part(0, scale_bytes), s1)
+
+    def pointers(self) -> tuple[int, int, int | None]:
+        return self.qs.data_ptr(), self.s0.data_ptr(), None if self.s1 is None else self.s1.data_ptr()
 
 
 def concat_rows(parts: Sequence[GGUFWeight]) -> GGUFWeight | None:
