@@ -86,13 +86,15 @@ def _reference_attention(
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 9])
-@pytest.mark.parametrize("g,d", [(3, 64), (1, 16), (6, 32)])
+@pytest.mark.parametrize("g,d", [(3, 64), (1, 16), (6, 32), (2, 128)])
 def test_cache_attention_matches_torch(n: int, g: int, d: int) -> None:
     gen = torch.Generator().manual_seed(n * 100 + g + d)
     hkv, max_len = 2, 300
     k = torch.randn(5, hkv, max_len, d, generator=gen)
     v = torch.randn(5, hkv, max_len, d, generator=gen)
-    slots, starts = [3, 0, 4], [0, 17, 250]  # a first token, a short and a long context
+    # a first token, a short and a long context, and one that ends where the cache does (its last keys
+    # are not a whole vector of 8: 300 = 37 * 8 + 4)
+    slots, starts = [3, 0, 4, 1], [0, 17, 250, max_len - n]
     q = torch.randn(len(slots) * n, hkv * g, d, generator=gen) * 3
     out = kernels.cache_attention(
         q, k, v, torch.tensor(slots, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32), n, g

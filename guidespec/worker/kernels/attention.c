@@ -3,125 +3,215 @@
  * Decode and draft verification attend n (1 to 64) new query tokens per row against that
  * row's whole cache. torch spends more on the plumbing of such small products (the gather of
  * the rows' keys, the causal mask, several ops per layer) than on the arithmetic; here one task
- * per (row, key/value head) reads each key and value once for all of the head's query heads
- * and new tokens:
+ * per (row, key/value head) reads the head's keys and values in place for all of its query
+ * heads and new tokens:
  *
  *   q   [B * n, hkv * g, D]           the rows' new tokens, row after row (head = h * g + i)
  *   k,v [num_slots, hkv, max_len, D]  one layer's cache (D a multiple of 16)
  *   out [B * n, hkv * g, D]
  *
  * Token j of row r sits at position starts[r] + j and attends keys 0 .. starts[r] + j.
- * Scores are computed VW queries at a time (VW: the machine's vector width, vec.h; the queries
- * transposed, each key's elements broadcast), the softmax runs on those VW lanes with a vector
- * exp, and the weighted sum of values 4 queries x VW dims at a time. Each query is summed over
- * keys in order, the same way whatever n, B and VW are, and keys past its position weigh
- * exactly 0: a row's result does not depend on the rest of the batch.
+ *
+ * A score is a dot product over D: 8 dims to a vector (the query held in registers, the key
+ * streamed), and 8 keys' vectors are summed across their lanes together (a transpose by
+ * horizontal adds), so a score costs D/8 FMAs and about one add. The softmax runs on vectors of
+ * 8 keys with a vector exp; the weighted sum of values on vectors of 8 dims, 3 queries and 64
+ * dims at a time. Decoding has few queries per key head (g, 3 for SmolLM2), so spreading the queries
+ * over the lanes would leave most of them empty.
+ *
+ * Each query's score, softmax and sum run over its own keys in order, the same way whatever n,
+ * B and the other queries are: a token's attention does not depend on the rest of the batch.
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "vec.h"
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ATTN_AVX2 1
+#endif
 
-static inline vf splat(float x) { return (vf){0} + x; }
-static inline vf vsel(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+enum { KEYS = 8, QUERIES_PER_PASS = 3, KEY_TILE = 64 };
 
-/* exp on VW lanes (Cephes' expf polynomial, ~1 ulp on [-87, 88]) */
-static inline vf vexp(vf x) {
+typedef float v8 __attribute__((vector_size(32)));
+typedef int v8i __attribute__((vector_size(32)));
+
+static inline v8 splat(float x) { return (v8){0} + x; }
+static inline v8 vsel(v8i mask, v8 a, v8 b) { return (v8)((mask & (v8i)a) | (~mask & (v8i)b)); }
+static inline v8 load(const float* p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store(float* p, v8 v) { memcpy(p, &v, sizeof v); }
+
+/* exp on 8 lanes (Cephes' expf polynomial, ~1 ulp on [-87, 88]) */
+static inline v8 vexp(v8 x) {
     x = vsel(x < splat(-87.3f), splat(-87.3f), x);
     x = vsel(x > splat(88.3f), splat(88.3f), x);
-    vf shifted = x * 1.44269504088896341f + 12582912.0f;  /* round(x / ln 2) in the low mantissa */
-    vf n = shifted - 12582912.0f;
-    vi ni = (vi)shifted - 0x4B400000;
-    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf p = splat(1.9875691500e-4f);
+    v8 shifted = x * 1.44269504088896341f + 12582912.0f;  /* round(x / ln 2) in the low mantissa */
+    v8 n = shifted - 12582912.0f;
+    v8i ni = (v8i)shifted - 0x4B400000;
+    v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v8 p = splat(1.9875691500e-4f);
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    return p * (vf)((ni + 127) << 23);
+    return p * (v8)((ni + 127) << 23);
 }
 
-/* contraction into FMAs off: GCC contracts the same expression differently in different
-   places of this function (with 8-wide vectors a query's result then changed with its lane),
-   and a token's attention must not depend on the batch */
-__attribute__((optimize("fp-contract=off")))
+/* s[t0 .. t0 + 7] = scale * q . k_t for 8 keys from kt (D floats each) */
+static inline __attribute__((always_inline)) v8 scores8(const float* q, const float* kt, int D, float scale) {
+#if ATTN_AVX2
+    __m256 p[KEYS];
+    for (int c = 0; c < KEYS; c++) {
+        const float* key = kt + (size_t)c * D;
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(key));
+        for (int d = 8; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(key + d), acc);
+        p[c] = acc;
+    }
+    /* lanes of key c summed into lane c */
+    __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));
+    __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(p[4], p[5]), _mm256_hadd_ps(p[6], p[7]));
+    __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    v8 out;
+    memcpy(&out, &sums, sizeof out);
+    return out * scale;
+#else
+    v8 out;
+    for (int c = 0; c < KEYS; c++) {
+        float acc = 0.f;
+        for (int d = 0; d < D; d++) acc += q[d] * kt[(size_t)c * D + d];
+        out[c] = acc;
+    }
+    return out * scale;
+#endif
+}
+
+static inline v8 fma8(v8 a, v8 b, v8 c) {
+#if ATTN_AVX2
+    __m256 x, y, z;
+    memcpy(&x, &a, 32); memcpy(&y, &b, 32); memcpy(&z, &c, 32);
+    x = _mm256_fmadd_ps(x, y, z);
+    memcpy(&a, &x, 32);
+    return a;
+#else
+    return a * b + c;
+#endif
+}
+
+/* acc[c][0 .. dims) += the sum over t in [t0, t1) and below length[c] of w[c][t] * v[t][0 .. dims)
+   (v rows `stride` apart; acc rows D apart), in order of t */
+static inline __attribute__((always_inline)) void weighted_sum(const float* v, int stride, const float* const* w,
+                                                               const int* length, int t0, int t1, int na, int dims,
+                                                               float* const* acc_out) {
+    v8 acc[QUERIES_PER_PASS][8];
+    for (int c = 0; c < na; c++)
+        for (int i = 0; i < dims / 8; i++) acc[c][i] = load(acc_out[c] + 8 * i);
+    for (int t = t0; t < t1; t++) {
+        const float* vt = v + (size_t)t * stride;
+        for (int c = 0; c < na; c++) {
+            if (t >= length[c]) continue;
+            v8 wt = splat(w[c][t]);
+            for (int i = 0; i < dims / 8; i++) acc[c][i] = fma8(wt, load(vt + 8 * i), acc[c][i]);
+        }
+    }
+    for (int c = 0; c < na; c++)
+        for (int i = 0; i < dims / 8; i++) store(acc_out[c] + 8 * i, acc[c][i]);
+}
+
 void cache_attention_f32(const float* q, const float* k, const float* v, float* out,
                          const int* slots, const int* starts, int B, int n, int hkv, int g, int D,
                          int max_len, float scale, int threads) {
-    int hq = hkv * g, nq = n * g, nv = (nq + VW - 1) / VW;
+    int hq = hkv * g, nq = n * g;
     #pragma omp parallel for schedule(dynamic) num_threads(threads)
     for (int task = 0; task < B * hkv; task++) {
-        int r = task / hkv, h = task % hkv, start = starts[r], length = start + n;
+        int r = task / hkv, h = task % hkv, start = starts[r];
+        int blocks = (start + n + KEYS - 1) / KEYS, padded = blocks * KEYS;  /* keys read, in whole vectors */
         const float* kb = k + ((size_t)slots[r] * hkv + h) * max_len * D;
         const float* vb = v + ((size_t)slots[r] * hkv + h) * max_len * D;
-        /* query a = j * g + i: token j, head h * g + i */
-        float* qt = calloc((size_t)nv * D * VW, sizeof(float));   /* [nv][D][VW] */
-        float* s = malloc(sizeof(float) * (size_t)nv * length * VW); /* [nv][length][VW] */
-        float* inv = malloc(sizeof(float) * (size_t)nv * VW);
+        /* query a = j * g + i: token j, head h * g + i; p[a] its weights over the keys */
+        float* p = calloc((size_t)nq * padded, sizeof(float));
+        float* top = malloc(sizeof(float) * KEYS * (size_t)nq);
+        float* acc = calloc((size_t)nq * D, sizeof(float));
+        float* inv = malloc(sizeof(float) * (size_t)nq);
+        int* length = malloc(sizeof(int) * (size_t)nq);
         for (int a = 0; a < nq; a++) {
-            const float* qa = q + ((size_t)(r * n + a / g) * hq + h * g + a % g) * D;
-            for (int d = 0; d < D; d++) qt[((size_t)(a / VW) * D + d) * VW + a % VW] = qa[d];
+            length[a] = start + a / g + 1;
+            store(top + KEYS * a, splat(-3.0e38f));
         }
-        for (int blk = 0; blk < nv; blk++) {
-            const float* qb = qt + (size_t)blk * D * VW;
-            float* sb = s + (size_t)blk * length * VW;
-            vi limit;  /* keys each lane attends */
-            for (int lane = 0; lane < VW; lane++) {
-                int a = blk * VW + lane;
-                limit[lane] = a < nq ? start + a / g + 1 : 0;
-            }
-            vf top = splat(-3.0e38f);
-            for (int t0 = 0; t0 < length; t0 += 4) {
-                /* 4 keys at a time: independent accumulators, each query vector loaded once */
-                int nt = length - t0 < 4 ? length - t0 : 4;
-                const float* kt[4];
-                for (int c = 0; c < 4; c++) kt[c] = kb + (size_t)(t0 + (c < nt ? c : 0)) * D;
-                vf acc[4] = {{0}, {0}, {0}, {0}};
-                for (int d = 0; d < D; d++) {
-                    vf qd = ld(qb + (size_t)d * VW);
-                    for (int c = 0; c < 4; c++) acc[c] += qd * kt[c][d];
-                }
-                for (int c = 0; c < nt; c++) {
-                    int t = t0 + c;
-                    vf sc = acc[c] * scale;
-                    vi live = (vi){0} + t < limit;
-                    top = vsel(live & (sc > top), sc, top);
-                    st(sb + (size_t)t * VW, sc);
-                }
-            }
-            vf total = {0};
-            for (int t = 0; t < length; t++) {
-                vi live = (vi){0} + t < limit;
-                vf e = vsel(live, vexp(ld(sb + (size_t)t * VW) - top), (vf){0});
-                total += e;
-                st(sb + (size_t)t * VW, e);
-            }
-            for (int lane = 0; lane < VW; lane++) inv[blk * VW + lane] = total[lane] > 0.f ? 1.f / total[lane] : 0.f;
-        }
-        /* out[a] = sum_t p[a][t] v[t] / total[a], 4 queries x VW dims per pass */
-        for (int a0 = 0; a0 < nq; a0 += 4) {
-            int na = nq - a0 < 4 ? nq - a0 : 4;
-            for (int d0 = 0; d0 < D; d0 += VW) {
-                vf acc[4] = {{0}, {0}, {0}, {0}};
-                for (int t = 0; t < length; t++) {
-                    vf vt = ld(vb + (size_t)t * D + d0);
-                    for (int c = 0; c < na; c++) {
-                        int a = a0 + c;
-                        acc[c] += s[((size_t)(a / VW) * length + t) * VW + a % VW] * vt;
+        /* scores, KEY_TILE keys for every query at a time (they stay in L1) */
+        for (int b0 = 0; b0 < blocks; b0 += KEY_TILE / KEYS) {
+            for (int a = 0; a < nq; a++) {
+                const float* qa = q + ((size_t)(r * n + a / g) * hq + h * g + a % g) * D;
+                int b1 = (length[a] + KEYS - 1) / KEYS;
+                b1 = b1 < b0 + KEY_TILE / KEYS ? b1 : b0 + KEY_TILE / KEYS;
+                v8 best = load(top + KEYS * a);
+                for (int b = b0; b < b1; b++) {
+                    const float* kt = kb + (size_t)b * KEYS * D;
+                    v8 sc;
+                    if ((b + 1) * KEYS <= max_len) {
+                        sc = D == 64 ? scores8(qa, kt, 64, scale) : scores8(qa, kt, D, scale);
+                    } else {  /* the cache's last keys: not a whole vector of them to read */
+                        sc = splat(-3.0e38f);
+                        for (int c = 0; c < KEYS && b * KEYS + c < length[a]; c++) {
+                            float dot = 0.f;
+                            for (int d = 0; d < D; d++) dot += qa[d] * kt[(size_t)c * D + d];
+                            sc[c] = dot * scale;
+                        }
                     }
+                    v8i live = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + b * KEYS < length[a];
+                    sc = vsel(live, sc, splat(-3.0e38f));
+                    best = vsel(sc > best, sc, best);
+                    store(p + (size_t)a * padded + (size_t)b * KEYS, sc);
                 }
-                for (int c = 0; c < na; c++) {
-                    int a = a0 + c;
-                    float* o = out + ((size_t)(r * n + a / g) * hq + h * g + a % g) * D + d0;
-                    st(o, acc[c] * inv[a]);
+                store(top + KEYS * a, best);
+            }
+        }
+        for (int a = 0; a < nq; a++) {
+            float* pa = p + (size_t)a * padded;
+            v8 best = load(top + KEYS * a), total = {0};
+            float m = best[0];
+            for (int c = 1; c < KEYS; c++) m = best[c] > m ? best[c] : m;
+            for (int b = 0; b < (length[a] + KEYS - 1) / KEYS; b++) {
+                v8i live = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + b * KEYS < length[a];
+                v8 e = vsel(live, vexp(load(pa + (size_t)b * KEYS) - m), (v8){0});
+                total += e;
+                store(pa + (size_t)b * KEYS, e);
+            }
+            float sum = 0.f;
+            for (int c = 0; c < KEYS; c++) sum += total[c];
+            inv[a] = sum > 0.f ? 1.f / sum : 0.f;
+        }
+        /* out[a] = sum_t p[a][t] v[t] / total[a]: 3 queries x 64 dims at a time, KEY_TILE keys
+           for every query at a time, each query's sum over its own keys in order */
+        for (int t0 = 0; t0 < start + n; t0 += KEY_TILE) {
+            int t1 = t0 + KEY_TILE < start + n ? t0 + KEY_TILE : start + n;
+            for (int a0 = 0; a0 < nq; a0 += QUERIES_PER_PASS) {
+                int na = nq - a0 < QUERIES_PER_PASS ? nq - a0 : QUERIES_PER_PASS;
+                const float* w[QUERIES_PER_PASS];
+                float* o[QUERIES_PER_PASS];
+                for (int d0 = 0; d0 < D; d0 += 64) {
+                    int dims = D - d0 < 64 ? D - d0 : 64;
+                    for (int c = 0; c < na; c++) {
+                        w[c] = p + (size_t)(a0 + c) * padded;
+                        o[c] = acc + (size_t)(a0 + c) * D + d0;
+                    }
+                    if (dims == 64 && na == QUERIES_PER_PASS)
+                        weighted_sum(vb + d0, D, w, length + a0, t0, t1, QUERIES_PER_PASS, 64, o);
+                    else
+                        weighted_sum(vb + d0, D, w, length + a0, t0, t1, na, dims, o);
                 }
             }
         }
-        free(qt);
-        free(s);
+        for (int a = 0; a < nq; a++) {
+            float* o = out + ((size_t)(r * n + a / g) * hq + h * g + a % g) * D;
+            for (int d = 0; d < D; d += 8) store(o + d, load(acc + (size_t)a * D + d) * inv[a]);
+        }
+        free(p);
+        free(top);
+        free(acc);
         free(inv);
+        free(length);
     }
 }
