@@ -31,7 +31,18 @@ from tqdm import tqdm
 
 from guidespec.config import ModelConfig
 from guidespec.worker.checkpoint import GGUFTensors, ShardReader, gguf_source
-from guidespec.worker.kernels import Weight, available, cache_attention, embedding, linear, pack, quantize
+from guidespec.worker.kernels import (
+    Weight,
+    add_rms_norm,
+    available,
+    cache_attention,
+    embedding,
+    linear,
+    pack,
+    quantize,
+    rope_into_cache,
+    silu_mul,
+)
 from guidespec.worker.kernels.gguf_weights import GGUFWeight, concat_rows
 from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.tp import TPInfo, all_reduce, gather_vocab
@@ -307,22 +318,28 @@ class LlamaModel:
         """
         batch = batch.to(self.device)
         x = self._embed(batch.token_ids)  # [T, H]
-        cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
+        delta: torch.Tensor | None = None  # the last block's output, added to x with the next norm
         kept: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
+            x, h = self._add_norm(x, delta, layer["input_norm"])
             if isinstance(capture, tuple) and i in capture:
                 kept.extend([x] * capture.count(i))
-            h = _rms_norm(x, layer["input_norm"], self.cfg.rms_norm_eps)
-            x = x + self._attention(h, layer, kv, i, batch, cos, sin)
-            h = _rms_norm(x, layer["post_norm"], self.cfg.rms_norm_eps)
-            x = x + self._mlp(h, layer)
-        if capture == "final":
-            x = _rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
-            self.captured = x
-            return x[batch.logits_indices]
-        self.captured = torch.cat(kept, dim=-1) if kept else None
-        x = x[batch.logits_indices]
-        return _rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
+            x, h = self._add_norm(x, self._attention(h, layer, kv, i, batch), layer["post_norm"])
+            delta = self._mlp(h, layer)
+        _, x = self._add_norm(x, delta, self.final_norm)
+        self.captured = x if capture == "final" else torch.cat(kept, dim=-1) if kept else None
+        return x[batch.logits_indices]
+
+    def _add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its RMS norm times ``weight``); delta None: x and its norm."""
+        fused = add_rms_norm(x, delta, weight, self.cfg.rms_norm_eps)
+        if fused is not None:  # fp32 on the CPU: one call
+            return fused
+        if delta is not None:
+            x = x + delta
+        return x, _rms_norm(x, weight, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def forward_padded(
@@ -408,12 +425,15 @@ class LlamaModel:
         out = embedding(local, self.embed) * inside[:, None].to(self.dtype)
         return all_reduce(out, self.tp)
 
-    def _attention(self, h, layer, kv: KVCache, i: int, batch: ForwardBatch, cos, sin) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def _attention(self, h, layer, kv: KVCache, i: int, batch: ForwardBatch) -> torch.Tensor:  # type: ignore[no-untyped-def]
         d, hq, hkv = self.cfg.head_dim, self.num_local_heads, self.num_local_kv_heads
         qkv = linear(h, layer["qkv"], layer.get("qkv_bias"))
-        qk = _rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)  # q and k heads in one go
-        q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
-        kv.write(i, batch.slot_of_token, batch.positions, k, v)
+        q = rope_into_cache(qkv, hq, hkv, self.cos, self.sin, batch.positions, batch.slot_of_token, kv.k[i], kv.v[i])
+        if q is None:  # torch: rotate, then write the keys and values
+            cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
+            qk = _rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)  # q and k heads in one go
+            q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
+            kv.write(i, batch.slot_of_token, batch.positions, k, v)
         if len(batch.groups) == 1:
             out = self._attend_group(q, kv, i, batch.groups[0])
         else:
@@ -450,8 +470,12 @@ class LlamaModel:
         return out.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, hkv * g, d)
 
     def _mlp(self, h: torch.Tensor, layer: dict[str, torch.Tensor]) -> torch.Tensor:
-        gate, up = linear(h, layer["gate_up"]).chunk(2, dim=-1)
-        return all_reduce(linear(F.silu(gate) * up, layer["down"]), self.tp)
+        gate_up = linear(h, layer["gate_up"])
+        act = silu_mul(gate_up)  # fp32 on the CPU: one call
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return all_reduce(linear(act, layer["down"]), self.tp)
 
 
 def rotary_tables(hf_config: Any, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:

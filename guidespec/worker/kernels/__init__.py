@@ -13,6 +13,8 @@ Two kernels, fp32 activations:
   activations rounded to int8 per block of 32 as llama.cpp does: :func:`linear` takes them too.
 - ``attention.c``: :func:`cache_attention`, a few new tokens per row attending the KV cache in
   place (decode and draft verification).
+- ``layer_ops.c``: a layer's small operations in one call each (:func:`add_rms_norm`,
+  :func:`rope_into_cache`, :func:`silu_mul`), where torch's dispatch costs more than the work.
 
 Without a compiler, or with ``GUIDESPEC_CPU_KERNELS=0``, :func:`pack` leaves weights as they
 are, :func:`cache_attention` is unavailable, and everything runs on ``torch.nn.functional``.
@@ -33,8 +35,10 @@ from guidespec.worker.kernels.gguf_weights import GGUFWeight
 
 logger = logging.getLogger(__name__)
 BLOCK = 16  # output rows per packed block (one AVX-512 vector, two AVX2 vectors: vec.h)
-_SOURCES = [Path(__file__).with_name(name) for name in ("packed_linear.c", "gguf_linear.c", "attention.c")]
-_HEADERS = [Path(__file__).with_name("vec.h")]
+_SOURCES = [
+    Path(__file__).with_name(name) for name in ("packed_linear.c", "gguf_linear.c", "attention.c", "layer_ops.c")
+]
+_HEADERS = [Path(__file__).with_name(name) for name in ("vec.h", "vmath.h")]
 
 
 @lru_cache(maxsize=1)
@@ -74,6 +78,14 @@ def load(path: Path) -> ctypes.CDLL:
     lib.gguf_dequantize_rows.restype = None
     lib.cache_attention_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.cache_attention_f32.restype = None
+    lib.add_rms_norm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
+    lib.add_rms_norm_f32.restype = None
+    lib.rope_cache_f32.argtypes = (
+        [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 6 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    )
+    lib.rope_cache_f32.restype = None
+    lib.silu_mul_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.silu_mul_f32.restype = None
     return lib
 
 
@@ -266,4 +278,92 @@ def cache_attention(
         d**-0.5,
         torch.get_num_threads(),
     )
+    return out
+
+
+def _fp32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x + delta, RMS norm of it times ``weight``) for x [T, H] (delta None: x and its norm), or
+    None where the kernel does not apply."""
+    lib = _library()
+    if lib is None or x.dim() != 2 or not _fp32_cpu(x, weight, *(() if delta is None else (delta,))):
+        return None
+    t, h = x.shape
+    out = x if delta is None else torch.empty_like(x)
+    norm = torch.empty_like(x)
+    lib.add_rms_norm_f32(
+        x.data_ptr(),
+        None if delta is None else delta.data_ptr(),
+        weight.data_ptr(),
+        eps,
+        out.data_ptr(),
+        norm.data_ptr(),
+        t,
+        h,
+        torch.get_num_threads(),
+    )
+    return out, norm
+
+
+def rope_into_cache(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor | None:
+    """Rotary embedding of qkv [T, (hq + 2 hkv) * D]'s q and k heads at ``positions`` (cos, sin:
+    the model's [max_len, D] tables), k and v written into one layer's cache [slots, hkv, max_len,
+    D] at (``slots``, ``positions``) (int64 [T]); returns q [T, hq, D], or None where the kernel
+    does not apply (nothing is written then)."""
+    lib = _library()
+    if (
+        lib is None
+        or qkv.dim() != 2
+        or not _fp32_cpu(qkv, cos, sin, k_cache, v_cache)
+        or positions.dtype != torch.int64
+        or slots.dtype != torch.int64
+        or not positions.is_contiguous()
+        or not slots.is_contiguous()
+    ):
+        return None
+    d = k_cache.shape[-1]
+    t = qkv.shape[0]
+    q = torch.empty(t, num_heads, d, dtype=torch.float32)
+    lib.rope_cache_f32(
+        qkv.data_ptr(),
+        t,
+        num_heads,
+        num_kv_heads,
+        d,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        positions.data_ptr(),
+        slots.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_cache.shape[2],
+        q.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for gate_up [T, 2 I] (gate | up): [T, I]; None where the kernel does not apply."""
+    lib = _library()
+    if lib is None or gate_up.dim() != 2 or not _fp32_cpu(gate_up):
+        return None
+    t, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, i, dtype=torch.float32)
+    lib.silu_mul_f32(gate_up.data_ptr(), t, i, out.data_ptr(), torch.get_num_threads())
     return out
