@@ -188,8 +188,7 @@ class EagleHead:
         ``batch.logits_indices``."""
         batch = batch.to(self.attn.device)
         h, x = self._inputs(features, token_ids.to(batch.token_ids.device))
-        cos, sin = self.attn.cos[batch.positions], self.attn.sin[batch.positions]
-        h = h + self.attn._attention(x, self.layer, kv, 0, batch, cos, sin)
+        h = h + self.attn._attention(x, self.layer, kv, 0, batch)
         return self._outputs(h[batch.logits_indices])  # (the MLP is per position: picked rows first)
 
     @torch.inference_mode()

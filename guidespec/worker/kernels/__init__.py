@@ -78,8 +78,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.gguf_dequantize_rows.restype = None
     lib.cache_attention_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.cache_attention_f32.restype = None
-    pointers, ints = [ctypes.c_void_p], [ctypes.c_int]
-    lib.add_rms_norm_f32.argtypes = pointers * 3 + [ctypes.c_float] + pointers * 2 + ints * 3
+    pointers: list[type] = [ctypes.c_void_p]
+    lib.add_rms_norm_f32.argtypes = pointers * 3 + [ctypes.c_float] + pointers * 2 + [ctypes.c_int] * 3
     lib.add_rms_norm_f32.restype = None
     lib.rope_cache_f32.argtypes = (
         [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 6 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
