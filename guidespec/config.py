@@ -176,7 +176,8 @@ class EngineConfig:
     graph_grammar: bool | None = None
     gpu_memory_utilization: float = 0.9  # CUDA: the share of a GPU's memory a rank may take
     ray_placement: str = "pack"  # Ray: "pack" (STRICT_PACK: one node) or "spread" (STRICT_SPREAD across nodes)
-    # dtype "gguf" (CPU): a GGUF model's linear weights run as the file's own blocks (kernels/gguf_weights.py)
+    # dtype "gguf", and "auto" on the CPU: a GGUF model's linear weights run as the file's own blocks
+    # (kernels/gguf_weights.py); a model that is not a GGUF file's conversion loads as fp32
     quantized_weights: bool = False
 
 

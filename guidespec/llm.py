@@ -213,8 +213,10 @@ class LLM:
         # Ray places its ranks itself: only a local launch needs the GPUs here
         local = 0 if distributed_executor == "ray" else tensor_parallel_size
         resolved_device = resolve_device(device, local)
-        gguf_blocks = dtype == "gguf"  # the GGUF file's own quantized blocks, in fp32 arithmetic otherwise
-        if gguf_blocks and resolved_device != "cpu":
+        # a GGUF model's own quantized blocks (where the model is a GGUF file's conversion), with fp32
+        # arithmetic around them: what "auto" means on the CPU; "float32" dequantizes them
+        gguf_blocks = dtype == "gguf" or (dtype == "auto" and resolved_device == "cpu")
+        if dtype == "gguf" and resolved_device != "cpu":
             raise ValueError("dtype 'gguf' (the GGUF file's own quantized blocks) runs on CPU workers only")
         config, self.tokenizer = _create_engine_config(
             model,

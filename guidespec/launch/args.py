@@ -41,7 +41,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16", "gguf"],
-        help="auto: bfloat16 on CUDA, float32 on the CPU; gguf: a GGUF model's own quantized blocks (CPU)",
+        help="auto: bfloat16 on CUDA; on the CPU a GGUF model's own quantized blocks (gguf), else float32",
     )
     p.add_argument(
         "--device",
