@@ -1,20 +1,25 @@
 """guidespec against the runtimes a user would pick instead, side by side in one run, on CPU.
 
     python benchmarks/peers.py [--cases 10] [--max-tokens 256] [--threads 2] [--sets jme rephrased]
-                               [--systems llama.cpp hf guidespec guidespec-gguf] [--concurrency 1 4 16 64]
+                               [--systems llama.cpp hf guidespec guidespec-fp32] [--concurrency 1 4 16 64]
                                [--output DIR]
 
 Batch 1, greedy, one case after another, on the same model: the default SmolLM2-135M-Instruct
 GGUF for llama.cpp (llama-cpp-python, the optional ``peers`` extra: ``pip install -e '.[peers]'``
 builds llama.cpp from source, ~10 min on 2 cores), its fp32 conversion for Hugging Face
-``generate`` (guided only, by xgrammar's logits processor) and guidespec (``--dtype``, float32 by
-default, and ``guidespec-gguf``: the file's own blocks). For each system and mode (unguided; guided by the case's JSON
-schema; guided + prompt lookup / n-gram drafts) and each case set (the workload's first JME cases
-as written, and the same facts rephrased by ``benchmarks/rephrase.py``): output tokens per second
-including prefill, time per task (a case's prompt to its last token) and how many outputs are
-JSON valid under the schema. Goals (issue 25): guidespec unguided >= llama.cpp unguided; guided +
-n-gram >= 1.5x llama.cpp unguided and >= 2.5x llama.cpp with a grammar; guided / unguided >=
-0.98; every guided output valid.
+``generate`` (guided only, by xgrammar's logits processor) and guidespec (``--dtype``, auto by
+default: the file's own blocks; ``guidespec-fp32``: its weights dequantized). For each system and
+mode (unguided; guided by the case's JSON schema; guided + prompt lookup / n-gram drafts) and
+each case set (the workload's first JME cases as written, and the same facts rephrased by
+``benchmarks/rephrase.py``): output tokens per second including prefill, time per task (a case's
+prompt to its last token) and how many outputs are JSON valid under the schema. Goals (issue
+25): guidespec unguided >= llama.cpp unguided; guided + n-gram >= 1.5x llama.cpp unguided and
+>= 2.5x llama.cpp with a grammar; guided / unguided >= 0.98; every guided output valid.
+
+Unguided outputs run to ``max_tokens`` where guided ones stop after the JSON (~60 tokens), so
+their prefill weighs less per token: guided / unguided is also measured at the same lengths,
+unguided run to each guided output's token count with EOS ignored ("unguided, guided's length"),
+which leaves the grammar's own cost.
 
 ``--concurrency``: guidespec alone, guided + n-gram, that many requests at once (one engine per
 level, ``max(c, 8)`` requests over the cases): throughput, and the scheduler's share of a step
@@ -41,7 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import commit, fmt, machine  # noqa: E402
 
 Run = Callable[[dict[str, Any]], tuple[str, int]]  # case -> (text, output tokens)
-MODES = ("unguided", "guided", "guided+lookup")
+# "unguided, guided's length": the guided output's token count, EOS ignored: guided ÷ this is the
+# grammar's own cost (unguided outputs run longer, to max_tokens, so their prefill weighs less)
+SAME_LENGTH = "unguided, guided's length"
+MODES = ("unguided", "guided", SAME_LENGTH, "guided+lookup")
 
 
 def case_sets(names: list[str], n: int) -> dict[str, list[dict[str, Any]]]:
@@ -121,20 +129,25 @@ def guidespec_runs(dtype: str, max_tokens: int) -> tuple[dict[str, Run], Any]:
     from guidespec.protocol import GuidedDecoding
 
     llm = LLM(dtype=dtype, show_progress=False, speculative="ngram", max_batch_size=8)
+    guided_lengths: dict[str, int] = {}
 
-    def run(case: dict[str, Any], guided: bool, speculative: bool) -> tuple[str, int]:
+    def run(case: dict[str, Any], guided: bool, speculative: bool, length: int | None = None) -> tuple[str, int]:
         params = SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=length or max_tokens,
             temperature=0.0,
             speculative=speculative,
             guided=GuidedDecoding(json_schema=json.dumps(schema_of(case))) if guided else None,
+            ignore_eos=length is not None,
         )
         out = llm.generate([case["messages"]], params)[0]
+        if guided and not speculative:
+            guided_lengths[case["id"]] = len(out.token_ids)
         return out.text, len(out.token_ids)
 
     runs: dict[str, Run] = {
         "unguided": lambda case: run(case, False, False),
         "guided": lambda case: run(case, True, False),
+        SAME_LENGTH: lambda case: run(case, False, False, guided_lengths[case["id"]]),
         "guided+lookup": lambda case: run(case, True, True),
     }
     return runs, llm
@@ -236,7 +249,12 @@ def goals(results: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[str, floa
             (f"{name} unguided ÷ llama.cpp unguided", ratio(g.get("unguided"), llama.get("unguided")), 1.0),
             (f"{name} guided + n-gram ÷ llama.cpp unguided", ratio(g.get("guided+lookup"), llama.get("unguided")), 1.5),
             (f"{name} guided + n-gram ÷ llama.cpp guided", ratio(g.get("guided+lookup"), llama.get("guided")), 2.5),
-            (f"{name} guided ÷ unguided", ratio(g.get("guided"), g.get("unguided")), 0.98),
+            (
+                f"{name} guided ÷ unguided, the same lengths",
+                ratio(g.get("guided"), g.get("unguided, guided's length")),
+                0.98,
+            ),
+            (f"{name} guided ÷ unguided, each its own length", ratio(g.get("guided"), g.get("unguided")), 0.98),
         ]
     return out
 
@@ -292,14 +310,16 @@ def main() -> None:
     parser.add_argument("--cases", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", default="float32", help="guidespec's: float32, or gguf (the file's own blocks)")
+    parser.add_argument(
+        "--dtype", default="auto", help="guidespec's: auto (the GGUF's own blocks on the CPU) or float32"
+    )
     parser.add_argument("--sets", nargs="+", default=["jme", "rephrased"], choices=["jme", "rephrased"])
     parser.add_argument(
         "--systems",
         nargs="+",
-        default=["llama.cpp", "hf", "guidespec", "guidespec-gguf"],
-        choices=["llama.cpp", "hf", "guidespec", "guidespec-gguf"],
-        help="guidespec-gguf: guidespec with dtype gguf (the file's own blocks)",
+        default=["llama.cpp", "hf", "guidespec", "guidespec-fp32"],
+        choices=["llama.cpp", "hf", "guidespec", "guidespec-fp32"],
+        help="guidespec: --dtype (auto: the file's own blocks); guidespec-fp32: its weights dequantized",
     )
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16, 64])
     parser.add_argument("--output", type=Path, default=Path("out/peers"))
@@ -318,8 +338,8 @@ def main() -> None:
                 systems[system] = llama_cpp_runs(args.threads, args.max_tokens)
             elif system == "hf":
                 systems[system] = hf_runs(args.threads, args.max_tokens)
-            elif system in ("guidespec", "guidespec-gguf"):
-                dtype = "gguf" if system == "guidespec-gguf" else args.dtype
+            elif system in ("guidespec", "guidespec-fp32"):
+                dtype = "float32" if system == "guidespec-fp32" else args.dtype
                 systems[system], llm = guidespec_runs(dtype, args.max_tokens)
                 closers.append(llm)
             else:

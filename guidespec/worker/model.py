@@ -32,6 +32,7 @@ from tqdm import tqdm
 from guidespec.config import ModelConfig
 from guidespec.worker.checkpoint import GGUFTensors, ShardReader, gguf_source
 from guidespec.worker.kernels import (
+    DecoderStack,
     Weight,
     add_rms_norm,
     available,
@@ -161,6 +162,8 @@ class LlamaModel:
         self.max_model_len = max_model_len
         self.layers: list[dict[str, Any]] = []
         self.captured: torch.Tensor | None = None  # forward(capture=...) keeps its features here
+        self._stack: DecoderStack | None = None  # the layers for decoder.c, where it applies
+        self._stack_checked = False
 
     # ------------------------------------------------------------------ loading
 
@@ -318,6 +321,11 @@ class LlamaModel:
         """
         batch = batch.to(self.device)
         x = self._embed(batch.token_ids)  # [T, H]
+        if capture is None:
+            hidden = self._forward_in_c(x, batch, kv)
+            if hidden is not None:
+                self.captured = None
+                return hidden[batch.logits_indices]
         delta: torch.Tensor | None = None  # the last block's output, added to x with the next norm
         kept: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
@@ -329,6 +337,39 @@ class LlamaModel:
         _, x = self._add_norm(x, delta, self.final_norm)
         self.captured = x if capture == "final" else torch.cat(kept, dim=-1) if kept else None
         return x[batch.logits_indices]
+
+    def _forward_in_c(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor | None:
+        """Every layer and the final norm in one C call (``kernels/decoder.c``: the loop below, bit
+        for bit), [T, hidden]; None where it does not apply: tensor parallelism, rows running
+        different token counts, not fp32 CPU weights."""
+        if not self._stack_checked:
+            self._stack, self._stack_checked = self._build_stack(), True
+        n = batch.num_new_tokens[0]
+        if self._stack is None or len(batch.groups) != 1 or x.dtype != torch.float32:
+            return None
+        cfg, group = self.cfg, batch.groups[0]
+        return self._stack.run(
+            x,
+            kv,
+            self.final_norm,
+            cfg.rms_norm_eps,
+            (self.num_local_heads, self.num_local_kv_heads, cfg.head_dim, self.intermediate[1] - self.intermediate[0]),
+            (self.cos, self.sin),
+            (batch.positions, batch.slot_of_token, group.slot_ids, group.starts),
+            n,
+        )
+
+    def _build_stack(self) -> DecoderStack | None:
+        ok = (
+            self.tp.size == 1
+            and self.device == "cpu"
+            and self.dtype == torch.float32
+            and self.cfg.head_dim % 16 == 0
+            and self.final_norm.is_contiguous()
+            and self.cos.is_contiguous()
+            and self.sin.is_contiguous()
+        )
+        return DecoderStack.of(self.layers) if ok else None
 
     def _add_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
@@ -453,7 +494,7 @@ class LlamaModel:
         g, d, hkv = self.cfg.num_query_groups, self.cfg.head_dim, self.num_local_kv_heads
         n, b = group.num_new_tokens, len(group.rows)
         out = cache_attention(q, kv.k[i], kv.v[i], group.slot_ids, group.starts, n, g)
-        if out is not None:  # decode-sized, on the CPU: the C kernel reads the cache in place
+        if out is not None:  # on the CPU: the C kernel reads the cache in place
             return out
         k, v = kv.gather(i, group.slots, group.length)
         q = q.view(b, n, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * n, d)

@@ -118,6 +118,45 @@ def test_cache_attention_of_a_token_does_not_depend_on_later_tokens_or_other_row
             assert alone is not None and torch.equal(alone[0], together[r * 5 + j])
 
 
+@pytest.mark.parametrize("t", [1, 3, 40])  # decode, a verify, a prefill chunk (threads from 32 rows)
+def test_layer_ops_match_torch(t: int) -> None:
+    """add_rms_norm, rope_into_cache and silu_mul (layer_ops.c) against the torch ops the model runs
+    without them; each row alone gives the same bits as in its batch."""
+    from guidespec.worker.model import _rms_norm, _rope, rotary_tables
+    from transformers import LlamaConfig
+
+    gen = torch.Generator().manual_seed(t)
+    x, delta, w = torch.randn(t, 576, generator=gen), torch.randn(t, 576, generator=gen), torch.rand(576, generator=gen)
+    fused = kernels.add_rms_norm(x, delta, w, 1e-5)
+    assert fused is not None
+    torch.testing.assert_close(fused[0], x + delta, atol=0, rtol=0)
+    torch.testing.assert_close(fused[1], _rms_norm(x + delta, w, 1e-5), atol=1e-5, rtol=1e-5)
+    alone = [kernels.add_rms_norm(x[i : i + 1], delta[i : i + 1], w, 1e-5) for i in range(t)]
+    assert torch.equal(torch.cat([a[1] for a in alone if a is not None]), fused[1])
+    first = kernels.add_rms_norm(x, None, w, 1e-5)
+    assert first is not None and first[0] is x and torch.allclose(first[1], _rms_norm(x, w, 1e-5), atol=1e-5)
+
+    gate_up = torch.randn(t, 2 * 1536, generator=gen) * 4
+    act = kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert act is not None
+    torch.testing.assert_close(act, F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+    hq, hkv, d, max_len = 9, 3, 64, 128
+    cos, sin = rotary_tables(LlamaConfig(hidden_size=hq * d, num_attention_heads=hq, rope_theta=1e5), max_len)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen)
+    positions, slots = torch.randint(0, max_len, (t,), generator=gen), torch.randint(0, 4, (t,), generator=gen)
+    positions = positions[:1].repeat(t) + torch.arange(t) if t <= max_len else positions  # distinct cache cells
+    positions = positions % max_len
+    k_cache, v_cache = torch.zeros(4, hkv, max_len, d), torch.zeros(4, hkv, max_len, d)
+    q = kernels.rope_into_cache(qkv, hq, hkv, cos, sin, positions, slots, k_cache, v_cache)
+    qk = _rope(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos[positions], sin[positions])
+    assert q is not None
+    torch.testing.assert_close(q, qk[:, :hq], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_cache[slots, :, positions], qk[:, hq:], atol=1e-5, rtol=1e-5)
+    assert torch.equal(v_cache[slots, :, positions], qkv[:, (hq + hkv) * d :].view(t, hkv, d))
+
+
 def _cpu_has(flag: str) -> bool:
     try:
         with open("/proc/cpuinfo") as f:
@@ -157,3 +196,27 @@ def test_each_vector_width_builds_and_matches_torch(monkeypatch: pytest.MonkeyPa
     assert torch.equal(kernels.linear(x, w), alone)
     test_cache_attention_matches_torch(4, 3, 64)
     test_cache_attention_of_a_token_does_not_depend_on_later_tokens_or_other_rows()
+
+
+def test_the_c_decoder_stack_equals_the_python_loop(real_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """LlamaModel.forward's one C call (decoder.c) gives the Python loop's hidden states bit for
+    bit (the same kernels in the same order), GGUF blocks and fp32 weights, decode and verify."""
+    import numpy as np
+
+    from guidespec.config import ModelConfig
+    from guidespec.model_files import load_hf_config
+    from guidespec.worker.model import ForwardBatch, LlamaModel
+    from guidespec.worker.tp import TPInfo
+
+    hf = load_hf_config(real_model_dir)
+    for quantized in (True, False):
+        model = LlamaModel(ModelConfig.from_hf(hf), TPInfo(), torch.float32, 256, quantized=quantized)
+        model.load(real_model_dir, hf, show_progress=False)
+        kv = model.create_kv_cache(2)
+        model.forward(ForwardBatch.create(np.arange(60) % 700, [0, 1], [0, 0], [30, 30], [1, 1]), kv)
+        for n in (1, 4):
+            batch = ForwardBatch.create(np.arange(2 * n) + 5, [0, 1], [30, 30], [n, n], [n, n])
+            in_c = model.forward(batch, kv)
+            assert model._stack is not None  # the C path ran
+            python = model.forward(batch, kv, capture=(0,))  # capturing runs the Python loop
+            assert torch.equal(in_c, python)

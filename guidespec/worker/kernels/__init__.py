@@ -11,10 +11,12 @@ Two kernels, fp32 activations:
 - ``gguf_linear.c``: linear layers over a GGUF file's own quantized blocks
   (:class:`~guidespec.worker.kernels.gguf_weights.GGUFWeight`, that module says which formats),
   activations rounded to int8 per block of 32 as llama.cpp does: :func:`linear` takes them too.
-- ``attention.c``: :func:`cache_attention`, a few new tokens per row attending the KV cache in
+- ``attention.c``: :func:`cache_attention`, new tokens (any number per row) attending the KV cache in
   place (decode and draft verification).
 - ``layer_ops.c``: a layer's small operations in one call each (:func:`add_rms_norm`,
   :func:`rope_into_cache`, :func:`silu_mul`), where torch's dispatch costs more than the work.
+- ``decoder.c``: every layer of a forward in one call (:class:`DecoderStack`), the same kernels
+  in the same order as the model's Python loop, without the Python between them.
 
 Without a compiler, or with ``GUIDESPEC_CPU_KERNELS=0``, :func:`pack` leaves weights as they
 are, :func:`cache_attention` is unavailable, and everything runs on ``torch.nn.functional``.
@@ -26,6 +28,7 @@ import ctypes
 import logging
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +39,8 @@ from guidespec.worker.kernels.gguf_weights import GGUFWeight
 logger = logging.getLogger(__name__)
 BLOCK = 16  # output rows per packed block (one AVX-512 vector, two AVX2 vectors: vec.h)
 _SOURCES = [
-    Path(__file__).with_name(name) for name in ("packed_linear.c", "gguf_linear.c", "attention.c", "layer_ops.c")
+    Path(__file__).with_name(name)
+    for name in ("packed_linear.c", "gguf_linear.c", "attention.c", "layer_ops.c", "decoder.c")
 ]
 _HEADERS = [Path(__file__).with_name(name) for name in ("vec.h", "vmath.h")]
 
@@ -78,16 +82,20 @@ def load(path: Path) -> ctypes.CDLL:
     lib.gguf_dequantize_rows.restype = None
     lib.cache_attention_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.cache_attention_f32.restype = None
-    pointers: list[type] = [ctypes.c_void_p]
-    lib.add_rms_norm_f32.argtypes = pointers * 3 + [ctypes.c_float] + pointers * 2 + [ctypes.c_int] * 3
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.add_rms_norm_f32.argtypes = _signature(p, p, p, f, p, p, i, i, i)
     lib.add_rms_norm_f32.restype = None
-    lib.rope_cache_f32.argtypes = (
-        [ctypes.c_void_p] + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 6 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    )
+    lib.rope_cache_f32.argtypes = _signature(p, i, i, i, i, p, p, p, p, p, p, i, p, i)
     lib.rope_cache_f32.restype = None
-    lib.silu_mul_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.silu_mul_f32.argtypes = _signature(p, i, i, p, i)
     lib.silu_mul_f32.restype = None
+    lib.decoder_forward_f32.argtypes = _signature(p, i, i, p, i, p, f, i, i, i, i, p, p, p, p, p, p, i, i, i, f, p, i)
+    lib.decoder_forward_f32.restype = None
     return lib
+
+
+def _signature(*types: Any) -> list[Any]:
+    return list(types)
 
 
 def available() -> bool:
@@ -229,9 +237,6 @@ def embedding(token_ids: torch.Tensor, weight: Weight) -> torch.Tensor:
     return F.embedding(token_ids, weight)
 
 
-MAX_CACHE_ATTENTION_TOKENS = 64  # new tokens per row up to which cache_attention applies
-
-
 def cache_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -251,7 +256,6 @@ def cache_attention(
     lib = _library()
     if (
         lib is None
-        or num_new_tokens > MAX_CACHE_ATTENTION_TOKENS
         or q.shape[-1] % 16
         or q.dtype != torch.float32
         or k_cache.dtype != torch.float32
@@ -368,3 +372,127 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(t, i, dtype=torch.float32)
     lib.silu_mul_f32(gate_up.data_ptr(), t, i, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int),
+        ("format", ctypes.c_int),
+        ("n", ctypes.c_int),
+        ("k", ctypes.c_int),
+        ("a", ctypes.c_void_p),
+        ("b", ctypes.c_void_p),
+        ("c", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+    ]
+
+
+def _linear_struct(weight: Weight, bias: torch.Tensor | None) -> _Linear | None:
+    if bias is not None and not _fp32_cpu(bias):
+        return None
+    n, k = weight.shape
+    bias_ptr = None if bias is None else bias.data_ptr()
+    if isinstance(weight, GGUFWeight):
+        qs, s0, s1 = weight.kernel_layout().pointers()
+        return _Linear(2, weight.fmt, n, k, qs, s0, s1, bias_ptr)
+    if isinstance(weight, QuantizedWeight):
+        return _Linear(1, 0, n, k, weight.blocks.data_ptr(), weight.scale.data_ptr(), None, bias_ptr)
+    if isinstance(weight, PackedWeight):
+        return _Linear(0, 0, n, k, weight.blocks.data_ptr(), None, None, bias_ptr)
+    return None
+
+
+class DecoderStack:
+    """A model's layers as ``decoder.c`` reads them: built once from the layers' weights (the
+    model keeps them alive), the KV cache's pointers set per cache. :meth:`of` is None where a
+    weight is of a kind the C stack does not take (the model's Python loop runs then)."""
+
+    def __init__(self, layers: ctypes.Array, keep: list[torch.Tensor]) -> None:
+        self.layers, self._keep = layers, keep
+        self._kv: object = None
+
+    @classmethod
+    def of(cls, layers: list[dict[str, Any]]) -> DecoderStack | None:
+        if _library() is None:
+            return None
+        structs = (_Layer * len(layers))()
+        keep = []
+        for struct, layer in zip(structs, layers):
+            norms = [layer["input_norm"].float().contiguous(), layer["post_norm"].float().contiguous()]
+            keep += norms
+            struct.input_norm, struct.post_norm = norms[0].data_ptr(), norms[1].data_ptr()
+            for name, bias in (("qkv", "qkv_bias"), ("o", "o_bias"), ("gate_up", None), ("down", None)):
+                linear_struct = _linear_struct(layer[name], layer.get(bias) if bias else None)
+                if linear_struct is None:
+                    return None
+                setattr(struct, name, linear_struct)
+        return cls(structs, keep)
+
+    def run(
+        self,
+        x: torch.Tensor,
+        kv: Any,
+        final_norm: torch.Tensor,
+        eps: float,
+        dims: tuple[int, int, int, int],
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        n: int,
+    ) -> torch.Tensor | None:
+        """The layers and the final norm over embeddings x [T, H] (B rows of ``n`` tokens), keys
+        and values written into ``kv`` (a KVCache): the normalized hidden states [T, H], or None
+        where the kernels do not apply. dims: heads, key/value heads, head dim, intermediate
+        size; rotary: the [max_len, D] cos and sin tables; rows: positions and cache slots per
+        token (int64), cache slots and first positions per row (int32)."""
+        lib = _library()
+        positions, token_slots, row_slots, row_starts = (t.contiguous() for t in rows)
+        if lib is None or not _fp32_cpu(final_norm, *rotary) or dims[2] % 16:
+            return None
+        if self._kv is not kv:  # point the layers at this cache's keys and values
+            if not _fp32_cpu(*kv.k, *kv.v):
+                return None
+            for struct, k, v in zip(self.layers, kv.k, kv.v):
+                struct.k_cache, struct.v_cache = k.data_ptr(), v.data_ptr()
+            self._kv = kv
+        x = x.float().contiguous().clone()  # written in place: the residual stream
+        hidden = torch.empty_like(x)
+        hq, hkv, d, inter = dims
+        lib.decoder_forward_f32(
+            x.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            ctypes.addressof(self.layers),
+            len(self.layers),
+            final_norm.data_ptr(),
+            eps,
+            hq,
+            hkv,
+            d,
+            inter,
+            rotary[0].data_ptr(),
+            rotary[1].data_ptr(),
+            positions.data_ptr(),
+            token_slots.data_ptr(),
+            row_slots.data_ptr(),
+            row_starts.data_ptr(),
+            len(row_slots),
+            n,
+            kv.max_len,
+            d**-0.5,
+            hidden.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return hidden

@@ -1,10 +1,10 @@
 /* Attention of a few new tokens per row over the KV cache, in place (no gather, no mask).
  *
- * Decode and draft verification attend n (1 to 64) new query tokens per row against that
- * row's whole cache. torch spends more on the plumbing of such small products (the gather of
+ * Decode and draft verification attend a few new query tokens per row against that row's whole
+ * cache, a prefill chunk many. torch spends more on the plumbing of such small products (the gather of
  * the rows' keys, the causal mask, several ops per layer) than on the arithmetic; here one task
- * per (row, key/value head) reads the head's keys and values in place for all of its query
- * heads and new tokens:
+ * per (row, key/value head, 16 new tokens) reads the head's keys and values in place for those
+ * tokens' query heads:
  *
  *   q   [B * n, hkv * g, D]           the rows' new tokens, row after row (head = h * g + i)
  *   k,v [num_slots, hkv, max_len, D]  one layer's cache (D a multiple of 16)
@@ -20,7 +20,9 @@
  * over the lanes would leave most of them empty.
  *
  * Each query's score, softmax and sum run over its own keys in order, the same way whatever n,
- * B and the other queries are: a token's attention does not depend on the rest of the batch.
+ * B and the other queries are: a token's attention does not depend on the rest of the batch, nor
+ * on how its prompt was cut into prefill chunks (so speculative greedy output equals plain
+ * greedy output whatever the steps held).
  */
 #include <math.h>
 #include <stddef.h>
@@ -32,7 +34,7 @@
 #define ATTN_AVX2 1
 #endif
 
-enum { KEYS = 8, QUERIES_PER_PASS = 3, KEY_TILE = 64 };
+enum { KEYS = 8, QUERIES_PER_PASS = 3, KEY_TILE = 64, CHUNK_TOKENS = 16 };
 
 #include "vmath.h"
 
@@ -96,98 +98,109 @@ static inline __attribute__((always_inline)) void weighted_sum(const float* v, i
         for (int i = 0; i < dims / 8; i++) store(acc_out[c] + 8 * i, acc[c][i]);
 }
 
+/* queries a0 .. a0 + nq - 1 of row r, key/value head h (see cache_attention_f32) */
+static void attend(const float* q, const float* kb, const float* vb, float* out, int r, int h, int start, int n,
+                   int a0, int nq, int hkv, int g, int D, int max_len, float scale) {
+    int hq = hkv * g;
+    int last = start + (a0 + nq - 1) / g + 1;  /* keys the chunk's last query attends */
+    int blocks = (last + KEYS - 1) / KEYS, padded = blocks * KEYS;
+    /* query a0 + a = j * g + i: token j, head h * g + i; p[a] its weights over the keys */
+    float* p = malloc(sizeof(float) * (size_t)nq * padded);
+    float* top = malloc(sizeof(float) * KEYS * (size_t)nq);
+    float* acc = calloc((size_t)nq * D, sizeof(float));
+    float* inv = malloc(sizeof(float) * (size_t)nq);
+    int* length = malloc(sizeof(int) * (size_t)nq);
+    for (int a = 0; a < nq; a++) {
+        length[a] = start + (a0 + a) / g + 1;
+        store(top + KEYS * a, splat(-3.0e38f));
+    }
+    /* scores, KEY_TILE keys for every query at a time (they stay in L1) */
+    for (int b0 = 0; b0 < blocks; b0 += KEY_TILE / KEYS) {
+        for (int a = 0; a < nq; a++) {
+            const float* qa = q + ((size_t)(r * n + (a0 + a) / g) * hq + h * g + (a0 + a) % g) * D;
+            int b1 = (length[a] + KEYS - 1) / KEYS;
+            b1 = b1 < b0 + KEY_TILE / KEYS ? b1 : b0 + KEY_TILE / KEYS;
+            v8 best = load(top + KEYS * a);
+            for (int b = b0; b < b1; b++) {
+                const float* kt = kb + (size_t)b * KEYS * D;
+                v8 sc;
+                if ((b + 1) * KEYS <= max_len) {
+                    sc = D == 64 ? scores8(qa, kt, 64, scale) : scores8(qa, kt, D, scale);
+                } else {  /* the cache's last keys: not a whole vector of them to read */
+                    sc = splat(-3.0e38f);
+                    for (int c = 0; c < KEYS && b * KEYS + c < length[a]; c++) {
+                        float dot = 0.f;
+                        for (int d = 0; d < D; d++) dot += qa[d] * kt[(size_t)c * D + d];
+                        sc[c] = dot * scale;
+                    }
+                }
+                v8i live = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + b * KEYS < length[a];
+                sc = vsel(live, sc, splat(-3.0e38f));
+                best = vsel(sc > best, sc, best);
+                store(p + (size_t)a * padded + (size_t)b * KEYS, sc);
+            }
+            store(top + KEYS * a, best);
+        }
+    }
+    for (int a = 0; a < nq; a++) {
+        float* pa = p + (size_t)a * padded;
+        v8 best = load(top + KEYS * a), total = {0};
+        float m = best[0];
+        for (int c = 1; c < KEYS; c++) m = best[c] > m ? best[c] : m;
+        for (int b = 0; b < (length[a] + KEYS - 1) / KEYS; b++) {
+            v8i live = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + b * KEYS < length[a];
+            v8 e = vsel(live, vexp(load(pa + (size_t)b * KEYS) - m), (v8){0});
+            total += e;
+            store(pa + (size_t)b * KEYS, e);
+        }
+        float sum = 0.f;
+        for (int c = 0; c < KEYS; c++) sum += total[c];
+        inv[a] = sum > 0.f ? 1.f / sum : 0.f;
+    }
+    /* out[a] = sum_t p[a][t] v[t] / total[a]: 3 queries x 64 dims at a time, KEY_TILE keys for
+       every query at a time, each query's sum over its own keys in order */
+    for (int t0 = 0; t0 < last; t0 += KEY_TILE) {
+        int t1 = t0 + KEY_TILE < last ? t0 + KEY_TILE : last;
+        for (int c0 = 0; c0 < nq; c0 += QUERIES_PER_PASS) {
+            int na = nq - c0 < QUERIES_PER_PASS ? nq - c0 : QUERIES_PER_PASS;
+            const float* w[QUERIES_PER_PASS];
+            float* o[QUERIES_PER_PASS];
+            for (int d0 = 0; d0 < D; d0 += 64) {
+                int dims = D - d0 < 64 ? D - d0 : 64;
+                for (int c = 0; c < na; c++) {
+                    w[c] = p + (size_t)(c0 + c) * padded;
+                    o[c] = acc + (size_t)(c0 + c) * D + d0;
+                }
+                if (dims == 64 && na == QUERIES_PER_PASS)
+                    weighted_sum(vb + d0, D, w, length + c0, t0, t1, QUERIES_PER_PASS, 64, o);
+                else
+                    weighted_sum(vb + d0, D, w, length + c0, t0, t1, na, dims, o);
+            }
+        }
+    }
+    for (int a = 0; a < nq; a++) {
+        float* o = out + ((size_t)(r * n + (a0 + a) / g) * hq + h * g + (a0 + a) % g) * D;
+        for (int d = 0; d < D; d += 8) store(o + d, load(acc + (size_t)a * D + d) * inv[a]);
+    }
+    free(p);
+    free(top);
+    free(acc);
+    free(inv);
+    free(length);
+}
+
 void cache_attention_f32(const float* q, const float* k, const float* v, float* out,
                          const int* slots, const int* starts, int B, int n, int hkv, int g, int D,
                          int max_len, float scale, int threads) {
-    int hq = hkv * g, nq = n * g;
+    /* tasks: (row, key/value head, chunk of CHUNK_TOKENS tokens' queries): a prefill chunk's
+       queries spread over the threads, and their weights over the keys take bounded memory */
+    int chunks = (n + CHUNK_TOKENS - 1) / CHUNK_TOKENS;
     #pragma omp parallel for schedule(dynamic) num_threads(threads)
-    for (int task = 0; task < B * hkv; task++) {
-        int r = task / hkv, h = task % hkv, start = starts[r];
-        int blocks = (start + n + KEYS - 1) / KEYS, padded = blocks * KEYS;  /* keys read, in whole vectors */
+    for (int task = 0; task < B * hkv * chunks; task++) {
+        int r = task / (hkv * chunks), h = task / chunks % hkv, chunk = task % chunks;
+        int j0 = chunk * CHUNK_TOKENS, tokens = n - j0 < CHUNK_TOKENS ? n - j0 : CHUNK_TOKENS;
         const float* kb = k + ((size_t)slots[r] * hkv + h) * max_len * D;
         const float* vb = v + ((size_t)slots[r] * hkv + h) * max_len * D;
-        /* query a = j * g + i: token j, head h * g + i; p[a] its weights over the keys */
-        float* p = calloc((size_t)nq * padded, sizeof(float));
-        float* top = malloc(sizeof(float) * KEYS * (size_t)nq);
-        float* acc = calloc((size_t)nq * D, sizeof(float));
-        float* inv = malloc(sizeof(float) * (size_t)nq);
-        int* length = malloc(sizeof(int) * (size_t)nq);
-        for (int a = 0; a < nq; a++) {
-            length[a] = start + a / g + 1;
-            store(top + KEYS * a, splat(-3.0e38f));
-        }
-        /* scores, KEY_TILE keys for every query at a time (they stay in L1) */
-        for (int b0 = 0; b0 < blocks; b0 += KEY_TILE / KEYS) {
-            for (int a = 0; a < nq; a++) {
-                const float* qa = q + ((size_t)(r * n + a / g) * hq + h * g + a % g) * D;
-                int b1 = (length[a] + KEYS - 1) / KEYS;
-                b1 = b1 < b0 + KEY_TILE / KEYS ? b1 : b0 + KEY_TILE / KEYS;
-                v8 best = load(top + KEYS * a);
-                for (int b = b0; b < b1; b++) {
-                    const float* kt = kb + (size_t)b * KEYS * D;
-                    v8 sc;
-                    if ((b + 1) * KEYS <= max_len) {
-                        sc = D == 64 ? scores8(qa, kt, 64, scale) : scores8(qa, kt, D, scale);
-                    } else {  /* the cache's last keys: not a whole vector of them to read */
-                        sc = splat(-3.0e38f);
-                        for (int c = 0; c < KEYS && b * KEYS + c < length[a]; c++) {
-                            float dot = 0.f;
-                            for (int d = 0; d < D; d++) dot += qa[d] * kt[(size_t)c * D + d];
-                            sc[c] = dot * scale;
-                        }
-                    }
-                    v8i live = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + b * KEYS < length[a];
-                    sc = vsel(live, sc, splat(-3.0e38f));
-                    best = vsel(sc > best, sc, best);
-                    store(p + (size_t)a * padded + (size_t)b * KEYS, sc);
-                }
-                store(top + KEYS * a, best);
-            }
-        }
-        for (int a = 0; a < nq; a++) {
-            float* pa = p + (size_t)a * padded;
-            v8 best = load(top + KEYS * a), total = {0};
-            float m = best[0];
-            for (int c = 1; c < KEYS; c++) m = best[c] > m ? best[c] : m;
-            for (int b = 0; b < (length[a] + KEYS - 1) / KEYS; b++) {
-                v8i live = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + b * KEYS < length[a];
-                v8 e = vsel(live, vexp(load(pa + (size_t)b * KEYS) - m), (v8){0});
-                total += e;
-                store(pa + (size_t)b * KEYS, e);
-            }
-            float sum = 0.f;
-            for (int c = 0; c < KEYS; c++) sum += total[c];
-            inv[a] = sum > 0.f ? 1.f / sum : 0.f;
-        }
-        /* out[a] = sum_t p[a][t] v[t] / total[a]: 3 queries x 64 dims at a time, KEY_TILE keys
-           for every query at a time, each query's sum over its own keys in order */
-        for (int t0 = 0; t0 < start + n; t0 += KEY_TILE) {
-            int t1 = t0 + KEY_TILE < start + n ? t0 + KEY_TILE : start + n;
-            for (int a0 = 0; a0 < nq; a0 += QUERIES_PER_PASS) {
-                int na = nq - a0 < QUERIES_PER_PASS ? nq - a0 : QUERIES_PER_PASS;
-                const float* w[QUERIES_PER_PASS];
-                float* o[QUERIES_PER_PASS];
-                for (int d0 = 0; d0 < D; d0 += 64) {
-                    int dims = D - d0 < 64 ? D - d0 : 64;
-                    for (int c = 0; c < na; c++) {
-                        w[c] = p + (size_t)(a0 + c) * padded;
-                        o[c] = acc + (size_t)(a0 + c) * D + d0;
-                    }
-                    if (dims == 64 && na == QUERIES_PER_PASS)
-                        weighted_sum(vb + d0, D, w, length + a0, t0, t1, QUERIES_PER_PASS, 64, o);
-                    else
-                        weighted_sum(vb + d0, D, w, length + a0, t0, t1, na, dims, o);
-                }
-            }
-        }
-        for (int a = 0; a < nq; a++) {
-            float* o = out + ((size_t)(r * n + a / g) * hq + h * g + a % g) * D;
-            for (int d = 0; d < D; d += 8) store(o + d, load(acc + (size_t)a * D + d) * inv[a]);
-        }
-        free(p);
-        free(top);
-        free(acc);
-        free(inv);
-        free(length);
+        attend(q, kb, vb, out, r, h, starts[r], n, j0 * g, tokens * g, hkv, g, D, max_len, scale);
     }
 }
