@@ -4,8 +4,10 @@ row) cost, at batch 1 and 16, each row with a context of --context tokens.
 
     python benchmarks/forward.py [--context 700] [--repeats 10] [--quantized]
 
-"kernels off" is ``GUIDESPEC_CPU_KERNELS=0``: torch's linear layers and attention. The time
-spent in the linear layers and in attention is shown apart (wall time of those calls).
+"kernels off" is ``GUIDESPEC_CPU_KERNELS=0``: torch's linear layers and attention. "on" is the
+engine's path, every layer in one C call (``kernels/decoder.c``) where it applies; the same
+forward through the model's Python loop is shown too, with the time spent in the linear layers
+and in attention apart (wall time of those calls).
 ``--quantized`` compares the GGUF file's own blocks (``LlamaModel(quantized=True)``, the
 columns "on") with its fp32 weights (the columns "off"), kernels on in both.
 """
@@ -63,18 +65,21 @@ def measure(context: int, repeats: int, quantized: bool = False) -> dict[tuple[i
         for slot in range(16):
             model.forward(model_mod.ForwardBatch.create(np.arange(context), [slot], [0], [context], [1]), kv)
         results = {}
+        stack = model._stack if model._stack_checked else model._build_stack()
         for rows, n in SHAPES:
-            spent.clear()
             batch = model_mod.ForwardBatch.create(
                 np.arange(rows * n) % 1000, list(range(rows)), [context] * rows, [n] * rows, [n] * rows
             )
-            model.compute_logits(model.forward(batch, kv))  # warm
-            spent.clear()
-            start = time.perf_counter()
-            for _ in range(repeats):
-                model.compute_logits(model.forward(batch, kv))
-            total = time.perf_counter() - start
-            results[(rows, n)] = {"total": total, **spent}
+            times = {}
+            for path in ("one call", "loop"):  # decoder.c's one call where it applies, then the Python loop
+                model._stack, model._stack_checked = (stack if path == "one call" else None), True
+                model.compute_logits(model.forward(batch, kv))  # warm
+                spent.clear()
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    model.compute_logits(model.forward(batch, kv))
+                times[path] = time.perf_counter() - start
+            results[(rows, n)] = {"total": times["one call"], "loop": times["loop"], **spent}
         return {k: {name: 1000 * v / repeats for name, v in r.items()} for k, r in results.items()}
     finally:
         model_mod.linear, model_mod.LlamaModel._attend_group = linear, attend  # type: ignore[method-assign]
@@ -91,15 +96,18 @@ def main() -> None:
     if not args.quantized:
         os.environ["GUIDESPEC_CPU_KERNELS"] = "0"
     off = measure(args.context, args.repeats)
-    print(f"{machine()}; context {args.context} tokens per row; ms per forward + LM head (linear / attention)")
+    print(f"{machine()}; context {args.context} tokens per row; ms per forward + LM head")
     print("on: GGUF blocks, off: fp32 weights (kernels on)\n" if args.quantized else "")
-    print("| rows × new tokens | kernels on | kernels off | off ÷ on | ÷ 1 × 1 token, on | ÷ 1 × 1 token, off |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        "| rows × new tokens | on | on, Python loop (linear / attention) | off, Python loop (linear / attention) "
+        "| off ÷ on | ÷ 1 × 1 token, on | ÷ 1 × 1 token, off |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for key in SHAPES:
         a, b = on[key], off[key]
         print(
-            f"| {key[0]} × {key[1]} | {a['total']:.1f} ({a['linear']:.1f} / {a['attention']:.1f}) | "
-            f"{b['total']:.1f} ({b['linear']:.1f} / {b['attention']:.1f}) | {b['total'] / a['total']:.2f}x | "
+            f"| {key[0]} × {key[1]} | {a['total']:.1f} | {a['loop']:.1f} ({a['linear']:.1f} / {a['attention']:.1f}) | "
+            f"{b['loop']:.1f} ({b['linear']:.1f} / {b['attention']:.1f}) | {b['total'] / a['total']:.2f}x | "
             f"{a['total'] / on[(1, 1)]['total']:.2f} | {b['total'] / off[(1, 1)]['total']:.2f} |"
         )
 
