@@ -214,9 +214,9 @@ def places(prompt: PromptText, out_text: str, typed: str, next_item: bool, after
         return prompt.find_typed(typed, after)
     if next_item:
         found = _LAST_ITEM.search(out_text[-256:])
-        previous = next(g for g in found.groups() if g) if found else ""
-        if out_text.count(f'"{previous}"') > 1:  # a list that repeats an item does not follow the prompt's
-            return []
+        previous = next((g for g in found.groups() if g), "") if found else ""
+        if not previous or out_text.count(f'"{previous}"') > 1:  # an empty item, or a list that repeats
+            return []  # an item: not the prompt's list
         return prompt.next_item(previous, after)
     key = _LAST_KEY.search(out_text[-96:])
     if key is None:

@@ -318,7 +318,7 @@ def test_text_lookup_reads_where_a_value_starts_and_ends_in_the_prompt() -> None
     the value after a copula or a colon (past the names of the fields around it), a quoted word
     first; a value's end and whether more follows, in a list or in the record; how a value opens
     (a list first where the prompt lists items; without the space for a compact grammar)."""
-    from guidespec.spec.prompt_text import PromptText, json_state, openings
+    from guidespec.spec.prompt_text import PromptText, json_state, openings, places
 
     def prompt_of(text: str) -> PromptText:
         pieces = text.split(" ")
@@ -353,6 +353,8 @@ def test_text_lookup_reads_where_a_value_starts_and_ends_in_the_prompt() -> None
     assert openings('{"a": ', False, "Glen Oak.", False) == ('"', '["', "", "[")  # its space is out
     assert json_state('{"a": ["x", "y') == (len('{"a": ["x", "'), "[")
     assert json_state('{"a": {"b": "x\\" y"}, "c"') == (None, "{")
+    # after an empty item (an output of the JME benchmark, 2026-11-25: StopIteration failed its request)
+    assert places(quoted, '{"days": ["", ', "", True, 0) == []
 
 
 class _Faulty:
