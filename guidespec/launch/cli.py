@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from guidespec.launch.args import add_engine_args, engine_from_args
 
@@ -229,7 +229,7 @@ def _generate(args: argparse.Namespace) -> int:
     with LLM(args.model, **engine_from_args(args)) as llm:
         print(
             f"engine ready in {time.perf_counter() - start:.1f} s (tensor_parallel_size={args.tensor_parallel_size}, "
-            f"device={llm.config.device}, dtype={llm.config.dtype})",
+            f"device={llm.config.device}, weights={_weights(llm.config)})",
             file=sys.stderr,
         )
         if args.stream:
@@ -285,6 +285,15 @@ def _guided(args: argparse.Namespace) -> GuidedDecoding | None:
     if args.choice:
         return GuidedDecoding(choice=tuple(args.choice))
     return None
+
+
+def _weights(config: Any) -> str:
+    """The weights' form as the workers hold them: the GGUF file's own blocks, or the dtype."""
+    from guidespec.worker.checkpoint import gguf_source
+
+    if config.quantized_weights and config.device == "cpu" and gguf_source(config.model_dir) is not None:
+        return "the GGUF file's quantized blocks"
+    return str(config.dtype)
 
 
 if __name__ == "__main__":
