@@ -145,9 +145,9 @@ def test_layer_ops_match_torch(t: int) -> None:
     hq, hkv, d, max_len = 9, 3, 64, 128
     cos, sin = rotary_tables(LlamaConfig(hidden_size=hq * d, num_attention_heads=hq, rope_theta=1e5), max_len)
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen)
-    positions, slots = torch.randint(0, max_len, (t,), generator=gen), torch.randint(0, 4, (t,), generator=gen)
-    positions = positions[:1].repeat(t) + torch.arange(t) if t <= max_len else positions  # distinct cache cells
-    positions = positions % max_len
+    start = int(torch.randint(0, max_len, (1,), generator=gen))
+    positions = (start + torch.arange(t)) % max_len  # distinct cache cells
+    slots = torch.randint(0, 4, (t,), generator=gen)
     k_cache, v_cache = torch.zeros(4, hkv, max_len, d), torch.zeros(4, hkv, max_len, d)
     q = kernels.rope_into_cache(qkv, hq, hkv, cos, sin, positions, slots, k_cache, v_cache)
     qk = _rope(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos[positions], sin[positions])
