@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from guidespec.protocol import GuidedDecoding
+from guidespec.protocol import AUTO_BACKEND_ORDER, GuidedDecoding
 
 
 def main() -> None:
@@ -41,12 +41,15 @@ def main() -> None:
             )
         return backends[name]
 
-    # a backend's setup (xgrammar's tokenizer info: a second or more) is not part of any request's
-    # compile time: the default one is made before "ready", another one before its job "started"
-    try:
-        backend(settings["default_backend"])
-    except Exception:
-        pass  # each job then reports the backend's error itself
+    # a backend's setup (xgrammar's tokenizer info: a second or more; llguidance's: half a second)
+    # is not part of any request's compile time: the default one, and with "auto" each one it may
+    # fall back to, is made before "ready"; any other one before its job "started"
+    default = settings["default_backend"]
+    for name in AUTO_BACKEND_ORDER if default == "auto" else (default,):
+        try:
+            backend(name)
+        except Exception:
+            pass  # each job then reports the backend's error itself
     _reply({"ready": True})
     for line in sys.stdin:
         job = json.loads(line)

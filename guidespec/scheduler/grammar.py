@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
 import queue
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from guidespec.protocol import AUTO_BACKEND_ORDER, GuidedDecoding
 from guidespec.scheduler.closing import allowed_ids
 from guidespec.scheduler.closing_step import ClosingStep
 
+logger = logging.getLogger(__name__)
 
 # Fills run on the scheduler's own thread. A fill takes tens of microseconds per row, while
 # waking a backend's thread pool on cores the workers' forward keeps busy took milliseconds per
@@ -100,7 +102,15 @@ class GrammarManager:
         self.tokenizer = tokenizer
         self.backends: dict[str, GrammarBackend] = {}
         self.process = _CompileProcess(settings, compile_process)  # before the backend below: it imports meanwhile
-        self._backend(self._order(None)[0])  # deserializing needs it; made before the first step
+        # deserializing needs a backend: the default one, and with "auto" the ones it falls back
+        # to (llguidance's setup takes half a second), are made before the first step
+        first, *others = self._order(None)
+        self._backend(first)
+        for name in others:
+            try:
+                self._backend(name)
+            except Exception as e:  # (not installed): a request that needs it reports why
+                logger.warning("grammar backend %s is not available: %s", name, e)
         self.compiled: OrderedDict[str, Any] = OrderedDict()
         self.failed: OrderedDict[str, str] = OrderedDict()
         self.jobs: OrderedDict[int, _Job] = OrderedDict()

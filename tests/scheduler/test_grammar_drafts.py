@@ -244,3 +244,16 @@ def test_a_complete_output_offers_its_end_token_and_nothing_before(manager: tupl
         assert grammar.accept("r", 2) and grammar.is_terminated("r")
         assert grammar.end_token("r") is None
     grammar.release("r")
+
+
+def test_auto_sets_up_every_backend_it_may_fall_back_to_before_the_first_step(real_model_dir: Path) -> None:
+    """llguidance's setup takes half a second: with "auto" it is made with the manager, so the
+    first request xgrammar refuses does not wait for it mid-serving."""
+    from transformers import AutoTokenizer
+
+    settings = GrammarSettings(real_model_dir, "auto", 49152, (2,), compile_timeout_s=60.0, max_rows=4)
+    grammar = GrammarManager(settings, AutoTokenizer.from_pretrained(real_model_dir))
+    try:
+        assert sorted(grammar.backends) == ["llguidance", "xgrammar"]
+    finally:
+        grammar.shutdown()
