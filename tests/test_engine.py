@@ -53,6 +53,28 @@ def test_greedy_equals_hugging_face_generate(llm: LLM, real_model_dir: Path) -> 
         assert len(out.token_ids) == len(ref) or out.finish_reason == "stop"
 
 
+def test_penalties_equal_hugging_face_beside_requests_without_them(llm: LLM, real_model_dir: Path) -> None:
+    """A repetition penalty over prompt and output tokens, as Hugging Face applies it; the workers
+    keep token history for penalized requests only, so one shares its steps with plain ones."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32).eval()
+    penalized = SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3)
+
+    async def together() -> list:
+        return list(
+            await asyncio.gather(
+                llm.agenerate(CHATS[1], penalized), llm.agenerate(CHATS[0], GREEDY), llm.agenerate(CHATS[2], GREEDY)
+            )
+        )
+
+    outs = asyncio.run(together())
+    ids = torch.tensor([llm.encode_prompt(CHATS[1])])
+    ref = hf.generate(ids, max_new_tokens=24, do_sample=False, repetition_penalty=1.3)[0, ids.shape[1] :].tolist()
+    assert outs[0].token_ids == ref[: len(outs[0].token_ids)] and len(outs[0].token_ids) >= 8
+    assert [o.token_ids for o in outs[1:]] == [o.token_ids for o in llm.generate(CHATS[:3:2], GREEDY)]
+
+
 def test_concurrent_requests_equal_each_request_alone(llm: LLM) -> None:
     prompts = [f"Count from 1 to {n}:" + " please" * n for n in range(1, 9)]
     params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(8)]

@@ -48,12 +48,15 @@ def verify(
     batch = len(num_logits)
     offsets = np.concatenate([[0], np.cumsum(num_logits)]).astype(np.int64)
     out: list[list[int]] = [[] for _ in range(batch)]
-    dead = torch.isneginf(logits).all(dim=-1)  # [R]: rows whose mask allows nothing
-    if bool(dead.any()):
-        logits[dead] = 0.0  # sampled harmlessly (no nan), then replaced by NO_TOKEN below
+    best, dead = _argmax_and_dead(logits)  # [R] each: the greedy picks; rows whose mask allows nothing
+    if dead.any():  # sampled harmlessly (no nan), then replaced by NO_TOKEN below
+        logits[torch.from_numpy(np.flatnonzero(dead)).to(logits.device)] = 0.0
     spec_rows = [b for b in range(batch) if num_logits[b] > 1]
-    plain_rows = [b for b in range(batch) if num_logits[b] == 1]
-    if plain_rows:  # no drafts: the ordinary sampler, batched
+    plain_rows = [b for b in range(batch) if num_logits[b] == 1 and temperature[b] != 0]
+    for b in range(batch):
+        if num_logits[b] == 1 and temperature[b] == 0:
+            out[b] = [int(best[offsets[b]])]
+    if plain_rows:  # no drafts, sampled: the ordinary sampler, batched
         index = offsets[plain_rows]
         plain_logits = logits if len(index) == logits.shape[0] else logits[index]  # no copy without drafts
         tokens = sample(
@@ -67,10 +70,8 @@ def verify(
         )
         for b, token in zip(plain_rows, tokens.cpu().tolist()):
             out[b] = [token]
-    greedy = [b for b in spec_rows if temperature[b] == 0]
-    if greedy:
-        best = logits.argmax(dim=-1).cpu().numpy()  # only the argmaxes travel back
-        for b in greedy:
+    for b in spec_rows:
+        if temperature[b] == 0:
             out[b] = _verify_greedy(best[offsets[b] : offsets[b + 1]], drafts[b])
     sampled = [b for b in spec_rows if temperature[b] != 0]
     if sampled:
@@ -89,13 +90,24 @@ def verify(
                 probs[start : start + n], drafts[b], q, int(seeds[b]), int(sample_index[b]), generator
             )
             start += n
-    if bool(dead.any()):
+    if dead.any():
         for b in range(batch):  # only a row's last token can come from a dead row (a draft accepted at
             if bool(dead[offsets[b] + len(out[b]) - 1]):  # a row had p' > 0 there)
                 out[b][-1] = NO_TOKEN
     counts = np.array([len(t) for t in out], dtype=np.int32)
     flat = np.array([t for tokens in out for t in tokens], dtype=np.int32)
     return flat, counts
+
+
+def _argmax_and_dead(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's argmax, and whether the row is all -inf, as NumPy arrays: one pass of the CPU
+    kernel (kernels/logits_ops.c), or torch on the logits' device (only the answers travel back)."""
+    from guidespec.worker import kernels
+
+    picked = kernels.argmax_rows(logits)
+    if picked is not None:
+        return picked
+    return logits.argmax(dim=-1).cpu().numpy(), torch.isneginf(logits).all(dim=-1).cpu().numpy()
 
 
 def _verify_greedy(best: np.ndarray, drafts: np.ndarray) -> list[int]:

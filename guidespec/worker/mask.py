@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from guidespec.worker import kernels
+
 logger = logging.getLogger(__name__)
 _BITS = torch.arange(32, dtype=torch.int32)
 
@@ -34,6 +36,9 @@ def apply_bitmask(logits: torch.Tensor, rows: np.ndarray | torch.Tensor, bitmask
     """Set disallowed tokens of ``logits[rows]`` to -inf, in place (torch ops on logits' device)."""
     if len(rows) == 0:
         return
+    on_host = isinstance(rows, np.ndarray) and isinstance(bitmask, np.ndarray)
+    if on_host and kernels.apply_bitmask(logits, rows, bitmask):  # type: ignore[arg-type]
+        return  # the CPU kernel (kernels/logits_ops.c)
     device = logits.device
     if isinstance(bitmask, np.ndarray):
         bitmask = torch.from_numpy(np.array(bitmask, dtype=np.int32))

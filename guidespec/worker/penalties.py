@@ -4,6 +4,8 @@ Every token of a sequence passes through a step's inputs once (prompt chunks, th
 sampled token fed back), so the worker keeps, per slot, which tokens occurred (prompt and
 output: Hugging Face's repetition penalty) and how often each occurred in the output
 (OpenAI's frequency and presence penalties), on the logits' device. A row starting at position 0 resets its slot.
+Only requests that ask for a penalty are recorded: they always start at position 0 (the
+scheduler gives them no cached prefix), so their history is complete, and the others cost nothing.
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ class TokenHistory:
         counts: list[int],
         token_ids: torch.Tensor,
         num_prompt_tokens: list[int],
+        active: list[bool] | None = None,
     ) -> None:
+        """Record the rows' new tokens; ``active``: only those rows' (the others are skipped)."""
         offset = 0
         token_ids = token_ids.to(self.seen.device, non_blocking=True)
-        for slot, start, count, prompt_len in zip(slots, starts, counts, num_prompt_tokens):
+        for i, (slot, start, count, prompt_len) in enumerate(zip(slots, starts, counts, num_prompt_tokens)):
             tokens = token_ids[offset : offset + count]
             offset += count
+            if active is not None and not active[i]:
+                continue
             if start == 0:
                 self.seen[slot] = False
                 self.output_counts[slot] = 0

@@ -52,6 +52,7 @@ from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.penalties import TokenHistory
 
 _IDLE_READ_TIMEOUT_S = 1.0
+_NO_PENALTY = np.array([1.0, 0.0, 0.0], dtype=np.float32)  # (repetition, frequency, presence) that change nothing
 logger = logging.getLogger(__name__)
 
 
@@ -195,12 +196,19 @@ class Worker:
         logits = self._logits(hidden, bitmask)
         if logits is None:
             return None
-        rows = np.repeat(np.arange(inputs.batch_size), inputs.num_logits)
-        self.history.update(
-            batch.slots, batch.start_positions, batch.num_new_tokens, batch.token_ids, inputs.num_prompt_tokens.tolist()
-        )
-        penalties = torch.from_numpy(inputs.penalties[rows].copy())  # per-row scalars: read on the host
-        self.history.apply(logits, torch.from_numpy(inputs.slots[rows].copy()), *penalties.unbind(1))
+        penalized = (inputs.penalties != _NO_PENALTY).any(axis=1)  # [B]: requests that ask for one
+        if penalized.any():
+            self.history.update(
+                batch.slots,
+                batch.start_positions,
+                batch.num_new_tokens,
+                batch.token_ids,
+                inputs.num_prompt_tokens.tolist(),
+                penalized.tolist(),
+            )
+            rows = np.repeat(np.arange(inputs.batch_size), inputs.num_logits)
+            penalties = torch.from_numpy(inputs.penalties[rows].copy())  # per-row scalars: read on the host
+            self.history.apply(logits, torch.from_numpy(inputs.slots[rows].copy()), *penalties.unbind(1))
         # rows without drafts are sampled; rows with drafts are verified (spec/verify.py)
         drafts = _drafts(inputs)
         draft_probs = self.drafter.sampling.draft_probs(inputs, drafts) if self.drafter is not None else None

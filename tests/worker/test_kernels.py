@@ -220,3 +220,39 @@ def test_the_c_decoder_stack_equals_the_python_loop(real_model_dir) -> None:  # 
             assert model._stack is not None  # the C path ran
             python = model.forward(batch, kv, capture=(0,))  # capturing runs the Python loop
             assert torch.equal(in_c, python)
+
+
+@pytest.mark.parametrize("vocab,num_rows,rows", [(49152, 3, [2, 0]), (1000, 5, [4, 1, 3]), (33, 2, [1]), (64, 1, [])])
+def test_the_bitmask_kernel_forbids_exactly_what_numpy_unpacks(vocab: int, num_rows: int, rows: list[int]) -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(vocab + num_rows)
+    words = -(-vocab // 32)
+    logits = torch.from_numpy(rng.normal(size=(num_rows, vocab)).astype(np.float32))
+    bitmask = rng.integers(-(2**31), 2**31, size=(len(rows), words), dtype=np.int64).astype(np.int32)
+    if len(rows):
+        bitmask[0, : words // 2] = -1  # whole words allowed, and whole words forbidden
+        bitmask[-1, words // 2 :] = 0
+    bits = (bitmask.view(np.uint32)[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1
+    allowed = bits.reshape(len(rows), words * 32)[:, :vocab].astype(bool)
+    expected = logits.numpy().copy()
+    for i, r in enumerate(rows):
+        expected[r][~allowed[i]] = -np.inf
+    assert kernels.apply_bitmask(logits, np.array(rows, dtype=np.int64), bitmask)
+    np.testing.assert_array_equal(logits.numpy(), expected)
+
+
+def test_argmax_rows_picks_as_torch_does_and_finds_rows_that_allow_nothing() -> None:
+    import numpy as np
+
+    logits = torch.randn(12, 1001, generator=torch.Generator().manual_seed(3))
+    logits[1, [7, 500]] = 50.0  # a tie: the first one
+    logits[2] = float("-inf")  # nothing allowed
+    logits[3] = float("-inf")
+    logits[3, 1000] = -1e30  # one token left, the last one
+    logits[4, 9] = float("nan")  # torch.argmax takes a NaN as the largest
+    logits[5, [0, 1]] = float("inf")
+    best, dead = kernels.argmax_rows(logits)  # type: ignore[misc]
+    np.testing.assert_array_equal(best, logits.argmax(dim=-1).numpy())
+    np.testing.assert_array_equal(dead, torch.isneginf(logits).all(dim=-1).numpy())
+    assert dead.tolist() == [False, False, True] + [False] * 9

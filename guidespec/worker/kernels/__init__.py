@@ -1,7 +1,7 @@
 """CPU kernels built at first use: the C source is compiled with the system's C compiler into
 the cache directory and called through ctypes (no torch headers, so it builds in a second).
 
-Two kernels, fp32 activations:
+The kernels, fp32 activations:
 
 - ``packed_linear.c``: linear layers over weights packed at load time (:class:`PackedWeight`;
   the file says why). The model packs its linear weights with :func:`pack` and multiplies with
@@ -15,6 +15,8 @@ Two kernels, fp32 activations:
   place (decode and draft verification).
 - ``layer_ops.c``: a layer's small operations in one call each (:func:`add_rms_norm`,
   :func:`rope_into_cache`, :func:`silu_mul`), where torch's dispatch costs more than the work.
+- ``logits_ops.c``: a bitmask applied to logits rows (:func:`apply_bitmask`) and the greedy pick
+  of every row (:func:`argmax_rows`), one pass each.
 - ``decoder.c``: every layer of a forward in one call (:class:`DecoderStack`), the same kernels
   in the same order as the model's Python loop, without the Python between them.
 
@@ -30,6 +32,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -40,7 +43,7 @@ logger = logging.getLogger(__name__)
 BLOCK = 16  # output rows per packed block (one AVX-512 vector, two AVX2 vectors: vec.h)
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("packed_linear.c", "gguf_linear.c", "attention.c", "layer_ops.c", "decoder.c")
+    for name in ("packed_linear.c", "gguf_linear.c", "attention.c", "layer_ops.c", "logits_ops.c", "decoder.c")
 ]
 _HEADERS = [Path(__file__).with_name(name) for name in ("vec.h", "vmath.h")]
 
@@ -89,6 +92,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.rope_cache_f32.restype = None
     lib.silu_mul_f32.argtypes = _signature(p, i, i, p, i)
     lib.silu_mul_f32.restype = None
+    lib.apply_bitmask_f32.argtypes = _signature(p, i, p, p, i, i, i)
+    lib.apply_bitmask_f32.restype = None
+    lib.argmax_rows_f32.argtypes = _signature(p, i, i, p, p, i)
+    lib.argmax_rows_f32.restype = None
     lib.decoder_forward_f32.argtypes = _signature(p, i, i, p, i, p, f, i, i, i, i, p, p, p, p, p, p, i, i, i, f, p, i)
     lib.decoder_forward_f32.restype = None
     return lib
@@ -372,6 +379,45 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(t, i, dtype=torch.float32)
     lib.silu_mul_f32(gate_up.data_ptr(), t, i, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def apply_bitmask(logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray) -> bool:
+    """Forbid (-inf) the tokens ``bitmask`` row i does not allow in ``logits[rows[i]]``, in place;
+    False (nothing done) where the kernel does not apply."""
+    lib = _library()
+    if lib is None or logits.dim() != 2 or not _fp32_cpu(logits):
+        return False
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    bitmask = np.ascontiguousarray(bitmask, dtype=np.int32)
+    vocab = logits.shape[1]
+    if bitmask.ndim != 2 or bitmask.shape[0] != len(rows) or bitmask.shape[1] * 32 < vocab:
+        return False
+    if len(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < logits.shape[0]:
+        raise IndexError(f"bitmask rows {rows.min()}..{rows.max()} outside {logits.shape[0]} logits rows")
+    lib.apply_bitmask_f32(
+        logits.data_ptr(),
+        vocab,
+        rows.ctypes.data,
+        bitmask.ctypes.data,
+        bitmask.shape[1],
+        len(rows),
+        torch.get_num_threads(),
+    )
+    return True
+
+
+def argmax_rows(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+    """(each row's argmax as torch.argmax gives it, whether each row is all -inf) for logits
+    [R, V], or None where the kernel does not apply."""
+    lib = _library()
+    if lib is None or logits.dim() != 2 or not _fp32_cpu(logits) or logits.shape[1] == 0:
+        return None
+    best = np.empty(logits.shape[0], dtype=np.int64)
+    dead = np.empty(logits.shape[0], dtype=np.bool_)
+    lib.argmax_rows_f32(
+        logits.data_ptr(), logits.shape[0], logits.shape[1], best.ctypes.data, dead.ctypes.data, torch.get_num_threads()
+    )
+    return best, dead
 
 
 class _Linear(ctypes.Structure):
