@@ -14,8 +14,11 @@ reader (the reader's "read flags": reader ``r`` has read every chunk below its c
   total in ``[0, MAX_MESSAGE_SIZE]``, every chunk full but the last, continuations marked -1)
   and raises ``RingCorrupt`` on any other; it copies chunk by chunk, so a corrupt total cannot
   make it allocate more than was written.
-- Waits spin for a few microseconds (a step's messages arrive back to back), then sleep with
-  a growing interval up to 1 ms, so an idle reader costs almost no CPU. Every wait has a
+- A reader waits by spinning for a few microseconds (a step's messages arrive back to back),
+  then sleeping on the ring's bell, a futex word the writer rings after each chunk
+  (``guidespec.ipc.futex``): it wakes as soon as the chunk is there and costs no CPU while it
+  sleeps. Without futexes, and for the writer waiting on a full ring, waits sleep with a
+  growing interval up to 1 ms. Every wait has a
   timeout (of running time: ``waiting.AwakeTimer``, so processes paused together and resumed
   go on) and raises ``RingTimeout`` naming who it waited for.
 
@@ -33,12 +36,13 @@ from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
+from guidespec.ipc import futex
 from guidespec.ipc.waiting import AwakeTimer
 
-_CTRL_WORDS = 4  # num_readers, num_slots, slot_size, magic
+_CTRL_WORDS = 5  # num_readers, num_slots, slot_size, magic, bell (a uint32 futex word in the low half)
 _MAGIC = 0x67756964  # "guid"
 _CURSOR_STRIDE = 8  # int64 words between reader cursors: one cache line each
-_SPIN_S = 100e-6
+_SPIN_S = 50e-6
 _MAX_SLEEP_S = 1e-3
 MAX_MESSAGE_SIZE = 1 << 30  # far above any step's messages (a 512-row bitmask over 256k tokens: 16 MiB)
 
@@ -74,6 +78,8 @@ class ShmRing:
         words = _CTRL_WORDS + 3 * s + _CURSOR_STRIDE * n + n
         ints = np.ndarray((words,), dtype=np.int64, buffer=buf)
         self.ctrl = ints[:_CTRL_WORDS]
+        self.bell = np.ndarray((1,), dtype=np.uint32, buffer=buf, offset=4 * 8)  # ctrl[4]'s first 4 bytes
+        self.bell_address = int(self.bell.ctypes.data)
         self.slot_seq = ints[_CTRL_WORDS : _CTRL_WORDS + s]
         self.slot_nbytes = ints[_CTRL_WORDS + s : _CTRL_WORDS + 2 * s]
         self.slot_total = ints[_CTRL_WORDS + 2 * s : _CTRL_WORDS + 3 * s]
@@ -93,7 +99,7 @@ class ShmRing:
         ring.slot_seq[:] = -1
         ring.cursors[:] = 0
         ring.reader_dead[:] = 0
-        ring.ctrl[:] = (num_readers, num_slots, slot_size, _MAGIC)
+        ring.ctrl[:] = (num_readers, num_slots, slot_size, _MAGIC, 0)
         return ring
 
     @classmethod
@@ -117,7 +123,7 @@ class ShmRing:
 
     def close(self) -> None:
         # Drop numpy views before closing the mapping.
-        self.ctrl = self.slot_seq = self.slot_nbytes = self.slot_total = None  # type: ignore[assignment]
+        self.ctrl = self.slot_seq = self.slot_nbytes = self.slot_total = self.bell = None  # type: ignore[assignment]
         self.cursors = self.reader_dead = self.data = None  # type: ignore[assignment]
         close_segment(self._shm, self._owner)
 
@@ -147,6 +153,8 @@ class RingWriter:
             ring.slot_nbytes[slot] = n
             ring.slot_total[slot] = size if sent == 0 else -1
             ring.slot_seq[slot] = chunk  # publish last
+            np.add(ring.bell, 1, out=ring.bell)  # then ring the bell for readers asleep on it
+            futex.wake(ring.bell_address)
             self._next_chunk = chunk + 1
             sent += n
             if size == 0:
@@ -206,9 +214,12 @@ class RingReader:
         ring = self.ring
         cursor = int(ring.cursors[self.index])
         slot = cursor % ring.spec.num_slots
-        backoff = _Backoff(timer)
-        while int(ring.slot_seq[slot]) != cursor:
-            if not backoff.wait():
+        backoff = _Backoff(timer, ring)
+        while True:
+            bell = int(ring.bell[0])  # before the check: a chunk published after it rings a new value
+            if int(ring.slot_seq[slot]) == cursor:
+                break
+            if not backoff.wait(bell):
                 raise RingTimeout(f"ring {ring.spec.name}: reader {self.index} got no message in time")
         return slot, int(ring.slot_nbytes[slot]), int(ring.slot_total[slot])
 
@@ -221,18 +232,24 @@ class RingReader:
 
 
 class _Backoff:
-    """Spin briefly, then sleep with a doubling interval up to 1 ms, until the timer expires."""
+    """Spin briefly, then sleep until the timer expires: on the ring's bell (``bell``: the value
+    read before the caller's check), else with a doubling interval up to 1 ms."""
 
-    def __init__(self, timer: AwakeTimer) -> None:
+    def __init__(self, timer: AwakeTimer, ring: ShmRing | None = None) -> None:
         self.timer = timer
         self.start = time.monotonic()
         self.sleep = 20e-6
+        self.bell_address = ring.bell_address if ring is not None and futex.available() else None
 
-    def wait(self) -> bool:
+    def wait(self, bell: int | None = None) -> bool:
         if self.timer.expired():
             return False
         now = time.monotonic()
-        if now - self.start > _SPIN_S:
+        if now - self.start <= _SPIN_S:
+            return True
+        if self.bell_address is not None and bell is not None:
+            futex.wait(self.bell_address, bell, _MAX_SLEEP_S)  # at most 1 ms: the timer is checked between
+        else:
             time.sleep(self.sleep)
             self.sleep = min(self.sleep * 2, _MAX_SLEEP_S)
         return True
