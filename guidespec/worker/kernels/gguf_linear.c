@@ -23,7 +23,10 @@
  * into one vector of the 8 blocks' sums (in lane order 0 2 4 6 1 3 5 7), converted and scaled
  * at once by 8 weight scales times 8 activation scales, offsets added the same way. So the
  * scales, offsets and conversions cost a few instructions per 8 blocks, not per block (the
- * activation's layout and scales are written in that order by quantize_rows).
+ * activation's layout and scales are written in that order by quantize_rows). A row's last
+ * group may hold 1 to 3 pairs (576 inputs, the default model's width, are 2 groups and a pair):
+ * it is compiled once per count, so the missing pairs cost no products (they cost the full
+ * group before, a fifth of these rows' time).
  *
  * Each thread owns whole groups of 16 output rows; within a group each weight row is unpacked
  * once for up to 8 activation rows, so 1 to 8 rows (decode, verification) cost about what one
@@ -198,6 +201,10 @@ static inline __attribute__((always_inline)) void group(const format_t* f, const
         __m256 dx = _mm256_loadu_ps(a->d + at);
         __m256i t[4], u[4];
         for (int j = 0; j < 4; j++) {
+            if (j >= pairs) {  /* a row's last group: pairs is a constant there (tile's switch) */
+                t[j] = u[j] = _mm256_setzero_si256();
+                continue;
+            }
             __m256i xl = _mm256_loadu_si256((const __m256i*)(xq + 64 * j));
             __m256i xh = _mm256_loadu_si256((const __m256i*)(xq + 64 * j + 32));
             if (f->qs_bytes == 16) {
@@ -241,8 +248,14 @@ static inline __attribute__((always_inline)) void tile(const format_t* f, const 
             w0[lane_of(i)] = scale_at(s0, f->f16, (size_t)g * GROUP + i);
             if (two) w1[lane_of(i)] = scale_at(s1, f->f16, (size_t)g * GROUP + i);
         }
-        group(f, qs + (size_t)g * GROUP * f->qs_bytes, _mm256_loadu_ps(w0), _mm256_loadu_ps(w1), rest / 2, a,
-              (size_t)m0 * a->nbp + g * GROUP, mc, acc);
+        const uint8_t* wq = qs + (size_t)g * GROUP * f->qs_bytes;
+        __m256 ws0 = _mm256_loadu_ps(w0), ws1 = _mm256_loadu_ps(w1);
+        size_t at0 = (size_t)m0 * a->nbp + g * GROUP;
+        switch (rest / 2) {  /* each count its own code: the missing pairs cost nothing */
+            case 1: group(f, wq, ws0, ws1, 1, a, at0, mc, acc); break;
+            case 2: group(f, wq, ws0, ws1, 2, a, at0, mc, acc); break;
+            default: group(f, wq, ws0, ws1, 3, a, at0, mc, acc); break;
+        }
     }
     for (int c = 0; c < mc; c++) out[c] = hsum(acc[c]);
 }
