@@ -39,6 +39,7 @@ from guidespec.worker.kernels import (
     cache_attention,
     embedding,
     linear,
+    linear_rows,
     pack,
     quantize,
     rope_into_cache,
@@ -456,6 +457,19 @@ class LlamaModel:
         """[R, hidden] -> fp32 logits [R, vocab] on rank 0, None on the other ranks."""
         local = linear(hidden, self.lm_head).float()
         return gather_vocab(local, self.tp, self.cfg.vocab_size)
+
+    @property
+    def computes_chosen_logits(self) -> bool:
+        """Whether :meth:`compute_chosen_logits` applies (one rank, the LM head in GGUF blocks)."""
+        return self.tp.size == 1 and isinstance(self.lm_head, GGUFWeight) and available()
+
+    def compute_chosen_logits(self, hidden: torch.Tensor, token_ids: np.ndarray) -> torch.Tensor:
+        """[R, hidden] -> fp32 logits [R, len(token_ids)] of those tokens only, each equal to
+        :meth:`compute_logits`' (where :attr:`computes_chosen_logits`)."""
+        chosen = linear_rows(hidden, self.lm_head, token_ids)
+        if chosen is None:
+            raise RuntimeError("the LM head cannot compute chosen tokens' logits here")
+        return chosen
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

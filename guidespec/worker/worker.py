@@ -47,11 +47,12 @@ from guidespec.worker import tp as tp_mod
 from guidespec.model_files import load_hf_config
 from guidespec.worker.device import check_device_memory
 from guidespec.worker.graphs import MAX_TOKENS_PER_ROW, GraphRunner
-from guidespec.worker.mask import DeviceMasks, only_allowed
+from guidespec.worker.mask import DeviceMasks, allowed_counts, allowed_tokens, only_allowed
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.penalties import TokenHistory
 
 _IDLE_READ_TIMEOUT_S = 1.0
+_FEW_TOKENS = 4  # a mask allowing at most vocab / 4 tokens: their logits alone cost less than all
 _NO_PENALTY = np.array([1.0, 0.0, 0.0], dtype=np.float32)  # (repetition, frequency, presence) that change nothing
 logger = logging.getLogger(__name__)
 
@@ -243,18 +244,27 @@ class Worker:
 
     def _logits(self, hidden: torch.Tensor, mask: tuple[np.ndarray, np.ndarray] | None) -> torch.Tensor | None:
         """Masked fp32 logits [R, vocab] on rank 0 (None elsewhere). A row whose mask allows one
-        token skips the LM head: -inf everywhere but that token."""
+        token skips the LM head: -inf everywhere but that token. A row whose mask allows few
+        tokens (a JSON grammar between values: punctuation, a key, a digit) gets only theirs where
+        the model can compute them alone (one rank, GGUF blocks), each what the whole LM head
+        gives, so no pick changes."""
         if mask is None:
             return self.model.compute_logits(hidden)
         rows, bitmask = mask
         vocab = self.model.cfg.vocab_size
         forced = only_allowed(rows, bitmask, hidden.shape[0], vocab)
-        if not (forced >= 0).any():
+        few = np.zeros(len(rows), dtype=bool)  # bitmask rows whose tokens' logits are computed alone
+        if self.model.computes_chosen_logits:
+            counts = allowed_counts(bitmask)
+            few = (counts > 1) & (counts <= vocab // _FEW_TOKENS)
+        if not (forced >= 0).any() and not few.any():
             logits = self.model.compute_logits(hidden)
             if logits is not None:
                 self.masks.apply(logits, rows, bitmask)
             return logits
-        keep = np.flatnonzero(forced < 0)
+        whole = forced < 0  # logits rows that need the whole LM head
+        whole[rows[few]] = False
+        keep = np.flatnonzero(whole)
         computed = self.model.compute_logits(hidden[torch.from_numpy(keep).to(self.device)]) if len(keep) else None
         if not self.tp.is_driver:
             return None
@@ -263,7 +273,12 @@ class Worker:
             logits[torch.from_numpy(keep).to(self.device)] = computed
         single = np.flatnonzero(forced >= 0)
         logits[torch.from_numpy(single).to(self.device), torch.from_numpy(forced[single]).to(self.device)] = 0.0
-        masked = forced[rows] < 0  # the other guided rows: their mask as usual
+        for i in np.flatnonzero(few).tolist():
+            tokens, row = allowed_tokens(bitmask[i], vocab), int(rows[i])
+            logits[row, torch.from_numpy(tokens.astype(np.int64))] = self.model.compute_chosen_logits(
+                hidden[row : row + 1], tokens
+            )[0]
+        masked = (forced[rows] < 0) & ~few  # the other guided rows: their mask as usual
         self.masks.apply(logits, rows[masked], bitmask[masked])
         return logits
 

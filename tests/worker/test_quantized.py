@@ -103,6 +103,23 @@ def test_a_rows_result_does_not_depend_on_the_batch() -> None:
     assert torch.equal(kernels.linear(x, weight), alone)
 
 
+@pytest.mark.parametrize("type_name", FORMATS)
+def test_chosen_rows_equal_the_full_products_columns_bit_for_bit(type_name: str) -> None:
+    """The LM head over the tokens a grammar allows (kernels.linear_rows): each value is the one
+    the whole product gives, so greedy picks do not change."""
+    raw = quantized_rows(type_name, 300, 768)
+    weight = from_gguf(raw, type_name, 768)
+    assert weight is not None
+    x = torch.randn(3, 768, generator=torch.Generator().manual_seed(5))
+    ids = np.array([299, 0, 17, 18, 150, 17], dtype=np.int32)  # any order, repeats
+    chosen = kernels.linear_rows(x, weight, ids)
+    assert chosen is not None and torch.equal(chosen, kernels.linear(x, weight)[:, ids])
+    empty = kernels.linear_rows(x, weight, np.zeros(0, dtype=np.int32))
+    assert empty is not None and empty.shape == (3, 0)
+    with pytest.raises(IndexError):
+        kernels.linear_rows(x, weight, np.array([300], dtype=np.int32))
+
+
 def test_cuts_fall_on_blocks_and_rows_concatenate() -> None:
     raw = quantized_rows("Q4_K", 20, 768)
     weight = from_gguf(raw, "Q4_K", 768)
@@ -315,3 +332,36 @@ def test_tp2_with_blocks_equals_tp1(tmp_path: Path, type_name: str, config: dict
     reference, _ = model_logits(folder, quantized=True)
     assert reference is not None
     assert_near(ours, reference, 1e-4)
+
+
+def test_a_mask_of_few_tokens_gets_the_whole_heads_logits_for_them(tmp_path: Path) -> None:
+    """The worker's LM head over only the tokens a row's mask allows (a quarter of the vocabulary
+    or fewer) gives what the whole head gives, masked: a forced row, a few-token row and an
+    all-allowed row in one step, beside an unguided row."""
+    from types import SimpleNamespace
+
+    from guidespec.worker.mask import DeviceMasks, apply_bitmask
+    from guidespec.worker.worker import Worker
+
+    folder = gguf_model(tmp_path, {"*": "Q4_1"})
+    hf = load_hf_config(folder)
+    model = LlamaModel(ModelConfig.from_hf(hf), TPInfo(), torch.float32, max_model_len=64, quantized=True)
+    model.load(folder, hf, show_progress=False)
+    assert model.computes_chosen_logits
+    words = -(-model.cfg.vocab_size // 32)
+    bitmask = np.zeros((3, words), dtype=np.int32)
+    few = [1, 31, 32, 77, 299]
+    for token in few:
+        bitmask[0, token // 32] |= np.int32(np.uint32(1 << (token % 32)).view(np.int32))
+    bitmask[1, 250 // 32] = 1 << (250 % 32)  # one token: forced
+    bitmask[2] = -1  # everything
+    rows = np.array([0, 1, 3])
+    hidden = torch.randn(4, model.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    worker = SimpleNamespace(model=model, tp=TPInfo(), device=torch.device("cpu"), masks=DeviceMasks("cpu", 8, words))
+    logits = Worker._logits(worker, hidden, (rows, bitmask))  # type: ignore[arg-type]
+    expected = model.compute_logits(hidden)
+    assert logits is not None and expected is not None
+    apply_bitmask(expected, rows, bitmask)
+    assert torch.equal(logits[[0, 2, 3]], expected[[0, 2, 3]])  # few tokens, unguided, all allowed
+    assert torch.isfinite(logits[0]).sum() == len(few)
+    assert logits[1].argmax() == 250 and torch.isfinite(logits[1]).sum() == 1  # forced: no head at all

@@ -71,6 +71,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.packed_linear_i8.restype = None
     lib.gguf_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
     lib.gguf_linear.restype = None
+    lib.gguf_linear_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.gguf_linear_rows.argtypes += [ctypes.c_void_p] + [ctypes.c_int] * 3
+    lib.gguf_linear_rows.restype = None
     lib.gguf_dequantize_rows.argtypes = [
         ctypes.c_void_p,
         ctypes.c_void_p,
@@ -230,6 +233,33 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
                 k,
                 torch.get_num_threads(),
             )
+    return out
+
+
+def linear_rows(x: torch.Tensor, weight: Weight, ids: np.ndarray) -> torch.Tensor | None:
+    """``F.linear(x, weight)[:, ids]`` computing only those outputs (a GGUF weight, the kernel
+    built), each equal to :func:`linear`'s; None where the kernel does not apply."""
+    lib = _library()
+    if lib is None or not isinstance(weight, GGUFWeight) or x.dim() != 2 or not _fp32_cpu(x.contiguous()):
+        return None
+    ids = np.ascontiguousarray(ids, dtype=np.int32)
+    n, k = weight.shape
+    if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < n:
+        raise IndexError(f"rows {ids.min()}..{ids.max()} outside a weight of {n} rows")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], len(ids), dtype=torch.float32)
+    if x.shape[0] and len(ids):
+        lib.gguf_linear_rows(
+            x.data_ptr(),
+            *weight.kernel_layout().pointers(),
+            weight.fmt,
+            ids.ctypes.data,
+            len(ids),
+            out.data_ptr(),
+            x.shape[0],
+            k,
+            torch.get_num_threads(),
+        )
     return out
 
 

@@ -320,9 +320,9 @@ __attribute__((unused)) static void scalar_tile(const format_t* f, const uint8_t
 
 /* ---------------------------------------------------------------- entry points */
 
-/* w: N rows of nbw = K/32 rounded up to even blocks in the kernel's layout (above); K a multiple of 32 */
-void gguf_linear(const float* x, const uint8_t* qs, const void* s0, const void* s1, int format, const float* bias,
-                 float* y, int M, int N, int K, int threads) {
+/* y [M][N]: output n is weight row ids[n] (ids NULL: row n) */
+static void linear_rows(const float* x, const uint8_t* qs, const void* s0, const void* s1, int format,
+                        const float* bias, const int32_t* ids, float* y, int M, int N, int K, int threads) {
     const format_t* f = &FORMATS[format];
     int nbw = (K / QK + 1) / 2 * 2, nbp = (K / QK + GROUP - 1) / GROUP * GROUP;
     int groups = (N + ROWS_PER_GROUP - 1) / ROWS_PER_GROUP;
@@ -340,21 +340,35 @@ void gguf_linear(const float* x, const uint8_t* qs, const void* s0, const void* 
             int mc = M - m0 < MAX_TILE ? M - m0 : MAX_TILE;
             for (int n = n0; n < n1; n++) {
                 float out[MAX_TILE];
-                const uint8_t* row_qs = qs + (size_t)n * qs_row;
-                const char* row_s0 = (const char*)s0 + (size_t)n * s_row;
-                const char* row_s1 = s1 ? (const char*)s1 + (size_t)n * s_row : 0;
+                size_t w = ids ? (size_t)ids[n] : (size_t)n;
+                const uint8_t* row_qs = qs + w * qs_row;
+                const char* row_s0 = (const char*)s0 + w * s_row;
+                const char* row_s1 = s1 ? (const char*)s1 + w * s_row : 0;
 #if QUANT_AVX2
                 TILES[format](row_qs, row_s0, row_s1, nbw, &a, m0, mc, out);
 #else
                 scalar_tile(f, row_qs, row_s0, row_s1, nbw, &a, m0, mc, out);
 #endif
-                for (int c = 0; c < mc; c++) y[(size_t)(m0 + c) * N + n] = out[c] + (bias ? bias[n] : 0.f);
+                for (int c = 0; c < mc; c++) y[(size_t)(m0 + c) * N + n] = out[c] + (bias ? bias[w] : 0.f);
             }
         }
     }
     free(a.q);
     free(a.d);
     free(a.s);
+}
+
+/* w: N rows of nbw = K/32 rounded up to even blocks in the kernel's layout (above); K a multiple of 32 */
+void gguf_linear(const float* x, const uint8_t* qs, const void* s0, const void* s1, int format, const float* bias,
+                 float* y, int M, int N, int K, int threads) {
+    linear_rows(x, qs, s0, s1, format, bias, 0, y, M, N, K, threads);
+}
+
+/* only the outputs of weight rows ids[0..num_ids): y [M][num_ids], each value what gguf_linear
+   gives for it (an LM head over the tokens a grammar allows) */
+void gguf_linear_rows(const float* x, const uint8_t* qs, const void* s0, const void* s1, int format,
+                      const int32_t* ids, int num_ids, float* y, int M, int K, int threads) {
+    linear_rows(x, qs, s0, s1, format, 0, ids, y, M, num_ids, K, threads);
 }
 
 /* rows `ids` of w (the kernel's layout) dequantized into out [len(ids)][K] (embedding lookups) */
