@@ -36,7 +36,8 @@ class Request:
     sent_token_count: int = 0
     first_token_time: float = 0.0
     finish_reason: str | None = None
-    grammar_ready: bool = True  # False while its grammar compiles (UNREADY: not admitted)
+    grammar_ready: bool = True  # False while its grammar compiles (its prompt may be prefilled meanwhile)
+    compiling_since: float = 0.0  # time.monotonic() when its compile began
     grammar_backend: str = ""  # the backend enforcing its grammar, once ready
     grammar_refusal: str = ""  # why a backend before it refused (backend "auto"), if one did
     draft_tokens: list[int] = field(default_factory=list)  # this step's drafts, after the known tokens

@@ -187,7 +187,7 @@ class Scheduler:
         now = time.monotonic()
         if now - self._stats_sent_at < _STATS_INTERVAL_S:
             return
-        compiling = sum(1 for r in self.batcher.waiting if not r.grammar_ready)
+        compiling = sum(1 for r in self.batcher.waiting if not r.grammar_ready)  # (running ones count as running)
         stats = SchedulerStats(
             len(self.batcher.running), len(self.batcher.waiting) - compiling, compiling, len(self.batcher.free_slots)
         )
@@ -506,6 +506,7 @@ class Scheduler:
         )
         if message.params.guided is not None:
             try:
+                request.compiling_since = time.monotonic()
                 request.grammar_ready = self.grammar.submit(request.request_id, message.params.guided)
                 if request.grammar_ready:
                     request.grammar_backend, request.grammar_refusal = self.grammar.served(request.request_id)

@@ -48,6 +48,41 @@ def test_admission_slots_and_chunked_prefill() -> None:
     assert c.slot == freed and any(r.request is c for r in rows)
 
 
+def test_a_prompt_is_prefilled_while_its_grammar_compiles_but_for_its_last_token() -> None:
+    """A grammar that compiles past the grace does not hold its prompt back (a slot no ready
+    request wants): all but the last token are computed meanwhile, without logits; the last one,
+    whose logits need the mask, runs once the grammar is ready. Ready requests come first."""
+    import time
+
+    from guidespec.scheduler.batching import PREFILL_WHILE_COMPILING_S
+
+    batcher = Batcher(max_batch_size=2, max_num_batched_tokens=64)
+    compiling, ready, later = _request("compiling", 6), _request("ready", 3), _request("later", 4)
+    compiling.grammar_ready, compiling.compiling_since = False, time.monotonic()
+    batcher.add(compiling)
+    assert batcher.schedule() == [] and not batcher.has_runnable_work  # within the grace: it waits
+    compiling.compiling_since -= PREFILL_WHILE_COMPILING_S
+    batcher.add(ready)
+    assert batcher.has_runnable_work
+    rows = batcher.schedule()
+    assert ready.slot is not None and compiling.slot is not None  # the ready one was admitted too
+    assert sorted((r.request.request_id, r.start, r.num_new_tokens, r.num_logits) for r in rows) == [
+        ("compiling", 0, 5, 0),
+        ("ready", 0, 3, 1),
+    ]
+    for row in rows:
+        row.request.advance_computed(row.num_new_tokens)
+    ready.output_token_ids.append(70)
+    batcher.add(later)  # no slot left: it waits
+    rows = batcher.schedule()
+    assert [r.request.request_id for r in rows] == ["ready"] and later.slot is None
+    rows[0].request.advance_computed(1)
+    batcher.promote(compiling)  # compiled: its last prompt token, with logits
+    assert batcher.has_runnable_work
+    rows = batcher.schedule()
+    assert ("compiling", 5, 1, 1) in [(r.request.request_id, r.start, r.num_new_tokens, r.num_logits) for r in rows]
+
+
 def test_prefix_caching_takes_the_free_slot_with_the_longest_shared_prefix() -> None:
     batcher = Batcher(max_batch_size=3, max_num_batched_tokens=64, prefix_caching=True)
     a, b = _request("a", 6), _request("b", 3)
