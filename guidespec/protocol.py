@@ -26,6 +26,13 @@ GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance")
 # "auto": the first of these that enforces the grammar exactly (the other where one refuses)
 AUTO_BACKEND_ORDER = ("xgrammar", "llguidance")
+
+
+def backend_order(backend: str) -> tuple[str, ...]:
+    """The backends a choice stands for, in the order they are tried ("auto": each in turn)."""
+    return AUTO_BACKEND_ORDER if backend == "auto" else (backend,)
+
+
 BACKEND_CHOICES = ("auto", *GRAMMAR_BACKENDS)
 
 # What one request may carry (validate_request): every number fits the engine's int32 / float32

@@ -62,6 +62,12 @@ def bitmask_row(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
     return np.packbits(bits, bitorder="little").view(np.int32).copy()
 
 
+def allowed_ids(row: np.ndarray, vocab_size: int | None = None) -> np.ndarray:
+    """The token ids a packed bitmask row allows, ascending (below ``vocab_size`` where given)."""
+    bits = np.unpackbits(np.ascontiguousarray(row).view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits if vocab_size is None else bits[:vocab_size])
+
+
 DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values in a JSON schema, not schemas
 
 

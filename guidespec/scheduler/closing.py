@@ -52,7 +52,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from guidespec.grammar_backends.interface import DATA_KEYWORDS, bitmask_row
+from guidespec.grammar_backends.interface import DATA_KEYWORDS, allowed_ids, bitmask_row
 
 MAX_PERIOD = 32
 MIN_SPAN = 24
@@ -200,11 +200,6 @@ def count_required(schema: Any) -> int:
         return 0
     own = len(schema["required"]) if isinstance(schema.get("required"), list) else 0
     return own + sum(count_required(v) for k, v in schema.items() if k not in DATA_KEYWORDS)
-
-
-def allowed_ids(row: np.ndarray) -> np.ndarray:
-    """The token ids a bitmask row allows."""
-    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
 
 
 class RepeatDetector:

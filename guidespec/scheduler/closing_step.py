@@ -19,7 +19,8 @@ import numpy as np
 from guidespec.grammar_backends import GrammarBackend, GrammarMatcher
 from guidespec.grammar_backends.interface import bitmask_row
 from guidespec.protocol import GuidedDecoding
-from guidespec.scheduler.closing import MAX_STEPS, ClosingTokens, EarlyCloser, allowed_ids
+from guidespec.grammar_backends.interface import allowed_ids
+from guidespec.scheduler.closing import MAX_STEPS, ClosingTokens, EarlyCloser
 
 MAX_CLOSING_RUN = 2048  # the longest dry run of closing (``dry_run``)
 _SCRIPT_MARGIN = 8  # a dry run of closing this near the budget's end is written as it is

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from guidespec.protocol import AUTO_BACKEND_ORDER, GuidedDecoding
+from guidespec.protocol import GuidedDecoding, backend_order
 
 
 def main() -> None:
@@ -44,8 +44,7 @@ def main() -> None:
     # a backend's setup (xgrammar's tokenizer info: a second or more; llguidance's: half a second)
     # is not part of any request's compile time: the default one, and with "auto" each one it may
     # fall back to, is made before "ready"; any other one before its job "started"
-    default = settings["default_backend"]
-    for name in AUTO_BACKEND_ORDER if default == "auto" else (default,):
+    for name in backend_order(settings["default_backend"]):
         try:
             backend(name)
         except Exception:

@@ -33,9 +33,8 @@ import numpy as np
 
 from guidespec.config import SchedulerConfig
 from guidespec.grammar_backends import GrammarBackend, GrammarError, GrammarMatcher, create_backend
-from guidespec.grammar_backends.interface import bitmask_row, bitmask_width, is_refusal
-from guidespec.protocol import AUTO_BACKEND_ORDER, GuidedDecoding
-from guidespec.scheduler.closing import allowed_ids
+from guidespec.grammar_backends.interface import allowed_ids, bitmask_row, bitmask_width, is_refusal
+from guidespec.protocol import GuidedDecoding, backend_order
 from guidespec.scheduler.closing_step import ClosingStep
 
 logger = logging.getLogger(__name__)
@@ -140,8 +139,7 @@ class GrammarManager:
             raise
 
     def _order(self, backend: str | None) -> tuple[str, ...]:
-        chosen = backend or self.settings.default_backend
-        return AUTO_BACKEND_ORDER if chosen == "auto" else (chosen,)
+        return backend_order(backend or self.settings.default_backend)
 
     def _try(self, request_id: str, spec: GuidedDecoding, backends: list[str], refusals: list[str]) -> bool:
         """Start the first of ``backends`` whose compile has not failed (True: ready now)."""

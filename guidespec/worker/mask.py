@@ -10,7 +10,7 @@ masked distribution puts all mass on that token, whatever the model says. ``only
 finds those rows, so the workers skip their LM head (a fifth of a token's compute for this
 model) and the mask, as jump-forward skips the whole step for them. A row whose mask allows
 few tokens (a JSON grammar between values: punctuation, a key, a digit) needs only their
-logits: the worker computes those alone where the model can (``allowed_tokens``).
+logits: the worker computes those alone where the model can (``allowed_counts``).
 """
 
 from __future__ import annotations
@@ -50,25 +50,22 @@ def apply_bitmask(logits: torch.Tensor, rows: np.ndarray | torch.Tensor, bitmask
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
-def allowed_tokens(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
-    """The token ids one bitmask row allows, ascending, int32."""
-    bits = np.unpackbits(np.ascontiguousarray(bitmask_row).view(np.uint8), bitorder="little")
-    return np.flatnonzero(bits[:vocab_size]).astype(np.int32)
-
-
 def allowed_counts(bitmask: np.ndarray) -> np.ndarray:
     """[R] int64: how many bits each bitmask row sets (tokens past the vocabulary included)."""
     return np.bitwise_count(np.asarray(bitmask).view(np.uint32)).sum(axis=1, dtype=np.int64)
 
 
-def only_allowed(rows: np.ndarray, bitmask: np.ndarray, num_rows: int, vocab_size: int) -> np.ndarray:
+def only_allowed(
+    rows: np.ndarray, bitmask: np.ndarray, num_rows: int, vocab_size: int, counts: np.ndarray | None = None
+) -> np.ndarray:
     """[num_rows] int64: for each logits row, the one token its mask allows, or -1 (no mask,
-    or any other number of tokens allowed)."""
+    or any other number of tokens allowed). ``counts``: :func:`allowed_counts` of ``bitmask``,
+    where the caller has them."""
     out = np.full(num_rows, -1, dtype=np.int64)
     if len(rows) == 0:
         return out
     words = np.asarray(bitmask).view(np.uint32)
-    single = np.flatnonzero(allowed_counts(bitmask) == 1)
+    single = np.flatnonzero((allowed_counts(bitmask) if counts is None else counts) == 1)
     if len(single):
         nonzero = words[single] != 0
         word = np.argmax(nonzero, axis=1)

@@ -47,7 +47,8 @@ from guidespec.worker import tp as tp_mod
 from guidespec.model_files import load_hf_config
 from guidespec.worker.device import check_device_memory
 from guidespec.worker.graphs import MAX_TOKENS_PER_ROW, GraphRunner
-from guidespec.worker.mask import DeviceMasks, allowed_counts, allowed_tokens, only_allowed
+from guidespec.grammar_backends.interface import allowed_ids
+from guidespec.worker.mask import DeviceMasks, allowed_counts, only_allowed
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.penalties import TokenHistory
 
@@ -252,11 +253,10 @@ class Worker:
             return self.model.compute_logits(hidden)
         rows, bitmask = mask
         vocab = self.model.cfg.vocab_size
-        forced = only_allowed(rows, bitmask, hidden.shape[0], vocab)
-        few = np.zeros(len(rows), dtype=bool)  # bitmask rows whose tokens' logits are computed alone
-        if self.model.computes_chosen_logits:
-            counts = allowed_counts(bitmask)
-            few = (counts > 1) & (counts <= vocab // _FEW_TOKENS)
+        counts = allowed_counts(bitmask)
+        forced = only_allowed(rows, bitmask, hidden.shape[0], vocab, counts)
+        # bitmask rows whose tokens' logits are computed alone
+        few = (counts > 1) & (counts <= vocab // _FEW_TOKENS) & self.model.computes_chosen_logits
         if not (forced >= 0).any() and not few.any():
             logits = self.model.compute_logits(hidden)
             if logits is not None:
@@ -274,10 +274,8 @@ class Worker:
         single = np.flatnonzero(forced >= 0)
         logits[torch.from_numpy(single).to(self.device), torch.from_numpy(forced[single]).to(self.device)] = 0.0
         for i in np.flatnonzero(few).tolist():
-            tokens, row = allowed_tokens(bitmask[i], vocab), int(rows[i])
-            logits[row, torch.from_numpy(tokens.astype(np.int64))] = self.model.compute_chosen_logits(
-                hidden[row : row + 1], tokens
-            )[0]
+            tokens, row = allowed_ids(bitmask[i], vocab), int(rows[i])
+            logits[row, torch.from_numpy(tokens)] = self.model.compute_chosen_logits(hidden[row : row + 1], tokens)[0]
         masked = (forced[rows] < 0) & ~few  # the other guided rows: their mask as usual
         self.masks.apply(logits, rows[masked], bitmask[masked])
         return logits

@@ -240,13 +240,13 @@ def linear_rows(x: torch.Tensor, weight: Weight, ids: np.ndarray) -> torch.Tenso
     """``F.linear(x, weight)[:, ids]`` computing only those outputs (a GGUF weight, the kernel
     built), each equal to :func:`linear`'s; None where the kernel does not apply."""
     lib = _library()
-    if lib is None or not isinstance(weight, GGUFWeight) or x.dim() != 2 or not _fp32_cpu(x.contiguous()):
+    x = x.contiguous()
+    if lib is None or not isinstance(weight, GGUFWeight) or x.dim() != 2 or not _fp32_cpu(x):
         return None
     ids = np.ascontiguousarray(ids, dtype=np.int32)
     n, k = weight.shape
     if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < n:
         raise IndexError(f"rows {ids.min()}..{ids.max()} outside a weight of {n} rows")
-    x = x.contiguous()
     out = torch.empty(x.shape[0], len(ids), dtype=torch.float32)
     if x.shape[0] and len(ids):
         lib.gguf_linear_rows(
