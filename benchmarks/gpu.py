@@ -43,6 +43,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -637,6 +638,8 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {m['vocab']} | {m['batch']} | {m['rows']} | {m['bytes']:,} | {fmt(m['copy_us'])} | "
                 f"{fmt(m['apply_us'])} | {fmt(m['copy_apply_us'])} | {m['kernel']} |"
             )
+    for name in report.get("errors", {}):
+        lines.append(f"\n**{name}: failed** (the traceback is in gpu.json's `errors`)")
     lines += ["", *(f"{note}" for note in report["notes"]), ""]
     return "\n".join(lines)
 
@@ -782,25 +785,9 @@ def main() -> None:
     )
     rows: dict[int, dict[str, Any]] = {b: {"batch": b} for b in batch_sizes}
     engines: dict[str, float] = {}
-    bench_default(setup, cases, batch_sizes, max_tokens, rows, skip, engines)
-    if "eager" not in skip:
-        bench_eager(setup, cases, batch_sizes, max_tokens, rows, engines)
-    if "spec" not in skip:
-        bench_speculative(setup, cases, batch_sizes, max_tokens, rows, engines)
-    eagle_batches = [b for b in batch_sizes if b in (1, 16)] or batch_sizes[:1]
-    eagle = [] if "eagle" in skip else bench_eagle_graphs(setup, cases, eagle_batches, max_tokens, args.eagle_head)
-    bitmask = [] if "mask" in skip else bench_bitmask(device, batch_sizes, args.draft_len, args.mask_vocabs, mask_iters)
-
-    for row in rows.values():
-        for key in [k for k in row if k.startswith("_")]:
-            del row[key]
-        row["ratios"] = {
-            "guided_over_unguided": ratio(row, "guided", "unguided_same_lengths"),
-            # by output text per second: forced-token drafts may split the same text into more tokens
-            "guided_spec_over_guided": ratio(row, "guided_spec", "guided", "chars_s"),
-            "guided_spec_over_guided_tok_s": ratio(row, "guided_spec", "guided"),
-            "graphs_over_eager": ratio(row, "decode", "decode_eager"),
-        }
+    errors: dict[str, str] = {}
+    eagle: list[dict[str, Any]] = []
+    bitmask: list[dict[str, Any]] = []
     meta = {
         "device": device,
         "device_name": device_name(device),
@@ -820,13 +807,48 @@ def main() -> None:
         "not_passed": setup.not_passed,
         "batch_sizes": batch_sizes,
     }
-    report = {"meta": meta, "rows": list(rows.values()), "eagle": eagle, "bitmask": bitmask, "notes": notes(meta)}
-    args.output.mkdir(parents=True, exist_ok=True)
-    (args.output / "gpu.json").write_text(json.dumps(report, indent=2))
-    text = markdown(report)
-    (args.output / "gpu.md").write_text(text)
-    print("\n" + text)
+
+    def write() -> None:
+        """The report so far: a section that fails or a run cut short keeps what came before it."""
+        for row in rows.values():
+            row["ratios"] = {
+                "guided_over_unguided": ratio(row, "guided", "unguided_same_lengths"),
+                # by output text per second: forced-token drafts may split the same text into more tokens
+                "guided_spec_over_guided": ratio(row, "guided_spec", "guided", "chars_s"),
+                "guided_spec_over_guided_tok_s": ratio(row, "guided_spec", "guided"),
+                "graphs_over_eager": ratio(row, "decode", "decode_eager"),
+            }
+        public = [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows.values()]
+        report = {"meta": meta, "rows": public, "eagle": eagle, "bitmask": bitmask, "errors": errors}
+        report["notes"] = notes(meta)
+        args.output.mkdir(parents=True, exist_ok=True)
+        (args.output / "gpu.json").write_text(json.dumps(report, indent=2, default=str))
+        (args.output / "gpu.md").write_text(markdown(report))
+
+    def section(name: str, run: Callable[[], Any]) -> None:
+        """One part of the benchmark; its failure is reported and the next part still runs."""
+        if name in skip:
+            return
+        try:
+            run()
+        except Exception:
+            errors[name] = traceback.format_exc()
+            print(f"[{name}] FAILED:\n{errors[name]}", flush=True)
+        write()
+
+    eagle_batches = [b for b in batch_sizes if b in (1, 16)] or batch_sizes[:1]
+    section("default", lambda: bench_default(setup, cases, batch_sizes, max_tokens, rows, skip, engines))
+    section("eager", lambda: bench_eager(setup, cases, batch_sizes, max_tokens, rows, engines))
+    section(
+        "mask",
+        lambda: bitmask.extend(bench_bitmask(device, batch_sizes, args.draft_len, args.mask_vocabs, mask_iters)),
+    )
+    section("spec", lambda: bench_speculative(setup, cases, batch_sizes, max_tokens, rows, engines))
+    section("eagle", lambda: eagle.extend(bench_eagle_graphs(setup, cases, eagle_batches, max_tokens, args.eagle_head)))
+    print("\n" + (args.output / "gpu.md").read_text())
     print(f"wrote {args.output / 'gpu.json'} and {args.output / 'gpu.md'}")
+    if errors:
+        raise SystemExit(f"sections failed: {', '.join(errors)}")
 
 
 if __name__ == "__main__":
