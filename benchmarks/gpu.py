@@ -7,7 +7,9 @@ Without ``--model``, a Llama folder with random weights is built for ``--preset`
 or SmolLM2-1.7B's config, ``benchmarks/random_model.py``) and cached in ``--work-dir``, so a bare
 machine with torch and transformers needs no model files. For each batch size B, B distinct chat
 prompts asking for JSON under one of three small embedded schemas (or ``--workload`` cases) are
-generated greedily through the Python API, each figure after a warm-up run of the same batch:
+generated greedily through the Python API, each figure after a warm-up run of the same requests
+(graphs are captured the first time a step's shape is met: the warm-up captures what the timed
+runs replay, as a long-running server has):
 
 - decode tok/s: unguided, EOS ignored, exactly ``--max-tokens`` each: output tokens over the wall
   time of one ``generate`` call of the B prompts (prefill included);
@@ -323,7 +325,6 @@ def bench_default(
     """Decode (unguided, fixed length), guided, and unguided held to the guided lengths."""
     from guidespec import SamplingParams
 
-    warm = min(16, max_tokens)
     fixed = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm, engines["default"] = start_engine(setup, "default", enforce_eager=False)
     with llm:
@@ -331,13 +332,13 @@ def bench_default(
             pairs = requests(cases, b)
             prompts, schemas = [p for p, _ in pairs], [s for _, s in pairs]
             row = rows[b]
-            llm.generate(prompts, SamplingParams(max_tokens=warm, temperature=0.0, ignore_eos=True))  # warm-up
+            llm.generate(prompts, fixed)  # warm-up
             row["decode"], outs = measure(lambda: run_generate(llm, prompts, fixed), setup.repeats)
             row["_decode_ids"] = [list(o.token_ids) for o in outs]
             print(f"[default] batch {b}: decode {row['decode']['tok_s']:.1f} tok/s", flush=True)
             if "guided" in skip:
                 continue
-            run_each(llm, prompts, guided_params(schemas, warm))  # compiles the grammars, warms up
+            run_each(llm, prompts, guided_params(schemas, max_tokens))  # compiles the grammars, warms up
             row["guided"], outs = measure(
                 lambda: run_each(llm, prompts, guided_params(schemas, max_tokens)), setup.repeats
             )
@@ -377,7 +378,7 @@ def bench_eager(
     with llm:
         for b in batch_sizes:
             prompts = [p for p, _ in requests(cases, b)]
-            llm.generate(prompts, SamplingParams(max_tokens=min(16, max_tokens), temperature=0.0, ignore_eos=True))
+            llm.generate(prompts, fixed)  # warm-up: captures the graphs the run meets
             rows[b]["decode_eager"], outs = measure(lambda: run_generate(llm, prompts, fixed), setup.repeats)
             reference = rows[b].get("_decode_ids")
             if reference is not None:
@@ -402,7 +403,7 @@ def bench_speculative(
         for b in batch_sizes:
             pairs = requests(cases, b)
             prompts, schemas = [p for p, _ in pairs], [s for _, s in pairs]
-            run_each(llm, prompts, guided_params(schemas, min(16, max_tokens)))  # compiles, warms up
+            run_each(llm, prompts, guided_params(schemas, max_tokens))  # compiles, captures, warms up
             row = rows[b]
             row["guided_spec"], outs = measure(
                 lambda: run_each(llm, prompts, guided_params(schemas, max_tokens)), setup.repeats
@@ -445,7 +446,7 @@ def bench_eagle_graphs(
             for b in batch_sizes:
                 pairs = requests(cases, b)
                 prompts, schemas = [p for p, _ in pairs], [s for _, s in pairs]
-                run_each(llm, prompts, guided_params(schemas, min(16, max_tokens)))  # warm-up, captures
+                run_each(llm, prompts, guided_params(schemas, max_tokens))  # warm-up, captures
                 guided, outs = measure(
                     lambda: run_each(llm, prompts, guided_params(schemas, max_tokens)), setup.repeats
                 )

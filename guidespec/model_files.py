@@ -10,6 +10,7 @@ and the workers (config, weights) both use this module; the weights themselves a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -18,7 +19,7 @@ import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 from guidespec import envs
 from guidespec.config import SUPPORTED_MODEL_TYPES
@@ -148,6 +149,21 @@ def load_tokenizer(model_dir: Path) -> Any:
     if name == "TokenizersBackend" and (model_dir / "tokenizer.json").exists():
         return transformers.TokenizersBackend.from_pretrained(model_dir)
     return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+def text_encoder(tokenizer: Any, cache_size: int = 4096) -> Callable[[str], list[int]]:
+    """``text -> token ids`` without special tokens, as ``tokenizer.encode`` gives them, through the
+    fast tokenizer itself where there is one (transformers' wrapper costs ~60 µs a call, more than
+    the encode) and cached: grammars ask for the same few texts (names, punctuation) step after step."""
+    fast = getattr(tokenizer, "backend_tokenizer", None)
+
+    @functools.lru_cache(maxsize=cache_size)
+    def encode(text: str) -> tuple[int, ...]:
+        if fast is not None:
+            return tuple(fast.encode(text, add_special_tokens=False).ids)
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    return lambda text: list(encode(text))
 
 
 def eos_token_ids(model_dir: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:

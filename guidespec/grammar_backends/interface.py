@@ -62,10 +62,26 @@ def bitmask_row(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
     return np.packbits(bits, bitorder="little").view(np.int32).copy()
 
 
-def allowed_ids(row: np.ndarray, vocab_size: int | None = None) -> np.ndarray:
-    """The token ids a packed bitmask row allows, ascending (below ``vocab_size`` where given)."""
-    bits = np.unpackbits(np.ascontiguousarray(row).view(np.uint8), bitorder="little")
-    return np.flatnonzero(bits if vocab_size is None else bits[:vocab_size])
+def allowed_ids(row: np.ndarray, vocab_size: int | None = None, limit: int | None = None) -> np.ndarray:
+    """The token ids a packed bitmask row allows, ascending (below ``vocab_size`` where given; the
+    first ``limit`` of them where given). Only the row's nonzero words are unpacked: a grammar's
+    row is often a few tokens (a name, a closing bracket), and then this costs a few µs."""
+    words = np.ascontiguousarray(row).view(np.uint32)
+    nonzero = np.flatnonzero(words)
+    if limit is not None:
+        nonzero = nonzero[:limit]  # every nonzero word holds at least one id
+    if len(nonzero) > _SPARSE_WORDS:
+        ids = np.flatnonzero(np.unpackbits(words[: nonzero[-1] + 1].view(np.uint8), bitorder="little"))
+    else:
+        bits = np.unpackbits(words[nonzero].view(np.uint8), bitorder="little").reshape(len(nonzero), 32)
+        word, bit = np.nonzero(bits)
+        ids = nonzero[word] * 32 + bit
+    if vocab_size is not None:
+        ids = ids[ids < vocab_size]
+    return ids if limit is None else ids[:limit]
+
+
+_SPARSE_WORDS = 48  # rows with more nonzero words than this are unpacked whole
 
 
 DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values in a JSON schema, not schemas

@@ -22,6 +22,7 @@ from guidespec.grammar_backends.interface import (
     GrammarMatcher,
     find_counted_open_object,
 )
+from guidespec.model_files import text_encoder
 from guidespec.protocol import GuidedDecoding
 
 
@@ -63,7 +64,7 @@ class XGrammarBackend:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], num_threads: int) -> None:
         self.vocab_size = vocab_size
-        self._encode = lambda text: list(tokenizer.encode(text, add_special_tokens=False))
+        self._encode = text_encoder(tokenizer)
         self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
         )

@@ -20,6 +20,7 @@ from guidespec.grammar_backends import GrammarBackend, GrammarMatcher
 from guidespec.grammar_backends.interface import bitmask_row
 from guidespec.protocol import GuidedDecoding
 from guidespec.grammar_backends.interface import allowed_ids
+from guidespec.model_files import text_encoder
 from guidespec.scheduler.closing import MAX_STEPS, ClosingTokens, EarlyCloser
 
 MAX_CLOSING_RUN = 2048  # the longest dry run of closing (``dry_run``)
@@ -29,6 +30,7 @@ _SCRIPT_MARGIN = 8  # a dry run of closing this near the budget's end is written
 class ClosingStep:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
         self.tokenizer = tokenizer
+        self.encode = text_encoder(tokenizer)
         self.vocab_size, self.stop_token_ids = vocab_size, stop_token_ids
         self.closers: dict[str, EarlyCloser] = {}
         self._stop_row = bitmask_row(stop_token_ids, vocab_size)
@@ -120,7 +122,7 @@ class ClosingStep:
             if matcher.forced_tokens(1):
                 return  # the grammar writes the next tokens itself (a name): narrowing would only split them
             closer.restrict(
-                row, self._closing_tokens(), self.tokenizer, _GrammarView(backend, matcher, row, self.tokenizer)
+                row, self._closing_tokens(), self.tokenizer, _GrammarView(backend, matcher, row, self.encode)
             )
 
     def dry_run(
@@ -154,13 +156,12 @@ class ClosingStep:
                 stops = allowed_ids(row[0] & self._stop_row)
                 if len(stops):
                     return run + [int(stops[0])], True
-                view = _GrammarView(backend, matcher, row[0], self.tokenizer)
+                view = _GrammarView(backend, matcher, row[0], self.encode)
                 narrowed = closer.restrict(row[0], closing, self.tokenizer, view)
-                allowed = allowed_ids(row[0])
+                allowed = allowed_ids(row[0], limit=MAX_STEPS)  # the first is taken, or the longest of these
                 if not len(allowed):
                     return run, False
                 if narrowed:  # the longest of the narrowed tokens (the first of them on a tie)
-                    allowed = allowed[:MAX_STEPS]
                     token = int(allowed[np.argmax(closing.piece_length[allowed])])
                 else:
                     token = int(allowed[0])
@@ -182,9 +183,11 @@ class ClosingStep:
 class _GrammarView:
     """Closing's view of one request's grammar at one mask row: trial accepts, always rolled back."""
 
-    def __init__(self, backend: GrammarBackend, matcher: GrammarMatcher, current: np.ndarray, tokenizer: Any) -> None:
+    def __init__(
+        self, backend: GrammarBackend, matcher: GrammarMatcher, current: np.ndarray, encode: Callable[[str], list[int]]
+    ) -> None:
         # ``current`` is the row itself: closing narrows it only after asking (no copy needed)
-        self.backend, self.matcher, self.current, self.tokenizer = backend, matcher, current, tokenizer
+        self.backend, self.matcher, self.current, self.encode = backend, matcher, current, encode
         self.scratch = np.zeros((1, current.shape[0]), dtype=np.int32)
         self._accepted = False  # whether the last trial's tokens were all accepted
 
@@ -200,7 +203,7 @@ class _GrammarView:
 
     def completion(self, texts: Sequence[str], target: np.ndarray) -> list[int]:
         for text in texts:
-            tokens = list(self.tokenizer.encode(text, add_special_tokens=False))
+            tokens = self.encode(text)
             if tokens and self._after(tokens, target):
                 return tokens
         return []

@@ -335,7 +335,7 @@ class GrammarManager:
         matcher.rollback(1)
         row = np.zeros((1, self.bitmask.shape[1]), dtype=np.int32)
         self.backends[self.matchers[request_id][0]].fill_bitmasks([matcher], row, [0])
-        return stops[0] if allowed_ids(row[0]).tolist() == [stops[0]] else None
+        return stops[0] if allowed_ids(row[0], limit=2).tolist() == [stops[0]] else None
 
     def is_terminated(self, request_id: str) -> bool:
         return self.matchers[request_id][1].is_terminated()

@@ -13,13 +13,13 @@ the workers (``draft_model.py``); ``ModelDrafter`` hands its proposals on.
 from __future__ import annotations
 
 import bisect
-import functools
 import importlib
 import re
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from guidespec.config import MODEL_DRAFTERS, SpeculativeConfig
+from guidespec.model_files import text_encoder
 from guidespec.spec.prompt_text import (
     TEXT_CANDIDATES,
     TEXT_CLOSINGS,
@@ -598,17 +598,8 @@ def ngram_drafter(cfg: SpeculativeConfig, tokenizer: Any = None, text_lookup: bo
     texts = None
     if tokenizer is not None and cfg.anchored_lookup:
         texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-    encode = None
-    if texts is not None:  # the next-key lookup tokenizes the same few names step after step: cached
-        fast = getattr(tokenizer, "backend_tokenizer", None)  # the text lookup's encodes, without HF's wrapper
-
-        @functools.lru_cache(maxsize=4096)
-        def encode_text(text: str) -> tuple[int, ...]:
-            if fast is not None:
-                return tuple(fast.encode(text, add_special_tokens=False).ids)
-            return tuple(tokenizer.encode(text, add_special_tokens=False))
-
-        encode = lambda text: list(encode_text(text))  # noqa: E731
+    # the next-key lookup tokenizes the same few names step after step
+    encode = text_encoder(tokenizer) if texts is not None else None
     return NGramDrafter(
         cfg.max_draft_len,
         cfg.max_matching_ngram_size,

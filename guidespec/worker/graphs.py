@@ -4,7 +4,9 @@ A step whose rows all run few new tokens (decode: 1; verify: 1 + the draft lengt
 forward of fixed shape (``LlamaModel.forward_padded``) chosen by three buckets:
 
 - ``B``: the batch, rounded up to 1, 2, 4, 8, 16, 32, ... (and the engine's max batch size);
-- ``n``: tokens per row, the step's largest row count (at most ``MAX_TOKENS_PER_ROW``);
+- ``n``: tokens per row, the step's largest row count rounded up to 1, 2, 4, 8, 16 or 32
+  (decode: 1; verify: 1 + drafts; a guided row's jump-forward: its forced tokens), where
+  ``B x n`` is at most ``MAX_GRAPH_TOKENS``;
 - ``L``: keys attended, the longest row's end rounded up to a power of two (at least 256).
 
 Each (B, n, L) is captured once, the first time a step needs it, into a graph that reads a
@@ -33,7 +35,8 @@ from guidespec.worker.model import ForwardBatch, LlamaModel
 
 logger = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-MAX_TOKENS_PER_ROW = 8  # 1 + draft tokens; more runs eagerly
+MAX_TOKENS_PER_ROW = 32  # 1 + draft tokens (forced ones included); more runs eagerly
+MAX_GRAPH_TOKENS = 2048  # B x n of the largest graph; larger steps run eagerly
 MIN_KEY_BUCKET = 256
 
 
@@ -42,6 +45,17 @@ def batch_bucket(batch_size: int, max_batch_size: int) -> int | None:
     if not 0 < batch_size <= max_batch_size:
         return None
     return next((b for b in BATCH_BUCKETS if batch_size <= b <= max_batch_size), max_batch_size)
+
+
+def tokens_bucket(tokens: int, max_tokens_per_row: int = MAX_TOKENS_PER_ROW) -> int | None:
+    """Tokens per row of a graph holding rows of at most ``tokens``: a power of two, so a guided
+    step's forced tokens (any count) meet a handful of graphs rather than one per count."""
+    if not 0 < tokens <= max_tokens_per_row:
+        return None
+    bucket = 1
+    while bucket < tokens:
+        bucket *= 2
+    return min(bucket, max_tokens_per_row)
 
 
 def key_bucket(length: int, max_model_len: int) -> int:
@@ -144,11 +158,9 @@ class GraphRunner:
 
     def plan(self, batch: ForwardBatch) -> GraphKey | None:
         """The bucket ``batch`` runs in, or None (eager)."""
-        n = max(batch.num_new_tokens)
-        if n > self.max_tokens_per_row:
-            return None
+        n = tokens_bucket(max(batch.num_new_tokens), self.max_tokens_per_row)
         b = batch_bucket(len(batch.slots), self.max_batch_size)
-        if b is None:
+        if n is None or b is None or b * n > MAX_GRAPH_TOKENS:
             return None
         end = max(s + c for s, c in zip(batch.start_positions, batch.num_new_tokens))
         if end > self.model.max_model_len:

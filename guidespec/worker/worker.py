@@ -46,13 +46,14 @@ from guidespec.spec.verify import verify
 from guidespec.worker import tp as tp_mod
 from guidespec.model_files import load_hf_config
 from guidespec.worker.device import check_device_memory
-from guidespec.worker.graphs import MAX_TOKENS_PER_ROW, GraphRunner
+from guidespec.worker.graphs import GraphRunner
 from guidespec.grammar_backends.interface import allowed_ids
 from guidespec.worker.mask import DeviceMasks, allowed_counts, only_allowed
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.penalties import TokenHistory
 
 _IDLE_READ_TIMEOUT_S = 1.0
+_ROWS_PER_REQUEST = 9  # logits rows a request has in a step (1 + drafts), without a mask arena to say
 _FEW_TOKENS = 4  # a mask allowing at most vocab / 4 tokens: their logits alone cost less than all
 _NO_PENALTY = np.array([1.0, 0.0, 0.0], dtype=np.float32)  # (repetition, frequency, presence) that change nothing
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class Worker:
         model_cfg = ModelConfig.from_hf(hf_config)
         dtype = getattr(torch, cfg.dtype)
         arena = cfg.broadcast.arena
-        max_rows = arena.num_rows if arena is not None else cfg.max_batch_size * (1 + MAX_TOKENS_PER_ROW)
+        max_rows = arena.num_rows if arena is not None else cfg.max_batch_size * _ROWS_PER_REQUEST
         # CUDA graphs pad batches onto a scratch slot: one KV slot more than the batch (an EAGLE
         # head's features come out of the graphs too; a draft model shares the eager cache)
         use_graphs = cuda and not cfg.enforce_eager and (cfg.draft_model is None or cfg.draft_method == "eagle")

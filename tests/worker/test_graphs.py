@@ -8,7 +8,7 @@ import torch
 
 from guidespec.config import ModelConfig
 from guidespec.model_files import load_hf_config
-from guidespec.worker.graphs import GraphKey, GraphRunner, batch_bucket, key_bucket
+from guidespec.worker.graphs import GraphKey, GraphRunner, batch_bucket, key_bucket, tokens_bucket
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.tp import TPInfo
 from tests.conftest import make_tiny_model
@@ -21,6 +21,8 @@ def test_buckets() -> None:
     assert batch_bucket(5, 6) == 6 and batch_bucket(3, 6) == 4  # the max batch size is a bucket
     assert [key_bucket(n, 2048) for n in (1, 256, 257, 1000, 2048)] == [256, 256, 512, 1024, 2048]
     assert key_bucket(300, 300) == 300
+    assert [tokens_bucket(n) for n in (1, 2, 3, 5, 8, 9, 17, 32, 33, 0)] == [1, 2, 4, 8, 8, 16, 32, 32, None, None]
+    assert tokens_bucket(5, max_tokens_per_row=6) == 6
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -34,12 +36,14 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 def _steps() -> list[tuple[list[int], list[int], list[int], list[int]]]:
     """(slots, starts, new tokens per row, logits per row) after a prefill of every slot to 20
-    tokens: decode, decode of a padded batch on scattered slots, verify with mixed row lengths."""
+    tokens: decode, decode of a padded batch on scattered slots, verify with mixed row lengths,
+    rows padded to their tokens' bucket."""
     return [
         ([0, 1, 2, 3], [20, 20, 20, 20], [1, 1, 1, 1], [1, 1, 1, 1]),
         ([4, 0, 2], [20, 21, 21], [1, 1, 1], [1, 1, 1]),
         ([1, 3, 5], [21, 21, 20], [4, 1, 3], [4, 1, 3]),
         ([5], [23], [2], [1]),
+        ([0, 2], [22, 22], [3, 3], [3, 1]),  # 3 tokens a row, run in a graph of 4
     ]
 
 
@@ -77,9 +81,14 @@ def test_padded_forward_equals_the_ordinary_forward(model: LlamaModel) -> None:
 
 def test_steps_outside_the_buckets_run_eagerly(model: LlamaModel) -> None:
     runner = GraphRunner(model, model.create_kv_cache(MAX_BATCH + 1), MAX_BATCH, capture=False)
-    prefill = ForwardBatch.create(list(range(20)), [0], [0], [20], [1])
-    assert runner.plan(prefill) is None  # 20 tokens in a row: a prefill chunk
+    prefill = ForwardBatch.create(list(range(40)), [0], [0], [40], [1])
+    assert runner.plan(prefill) is None  # 40 tokens in a row: a prefill chunk
     near_end = ForwardBatch.create([1, 2], [0], [298], [2], [2])
     assert runner.plan(near_end) == GraphKey(1, 2, 300)
+    near_end = ForwardBatch.create([1, 2, 3], [0], [297], [3], [3])  # padded to 4 tokens past the end
+    assert runner.plan(near_end) == GraphKey(1, 4, 300)
+    big = GraphRunner(model, model.create_kv_cache(129), 128, capture=False)
+    rows = ForwardBatch.create([1] * 17 * 65, list(range(65)), [0] * 65, [17] * 65, [1] * 65)
+    assert big.plan(rows) is None  # 128 rows x 32 tokens: more than MAX_GRAPH_TOKENS
     with pytest.raises(ValueError, match="scratch slot"):
         GraphRunner(model, model.create_kv_cache(MAX_BATCH), MAX_BATCH, capture=False)
