@@ -1,0 +1,32 @@
+#!/bin/bash
+# The GPU checks of issues 22 and 23 on a bare GPU machine: the gpu tests, then the GPU benchmark.
+#
+# The machine needs torch, triton and transformers; the rest travel as wheels in .whl/ (see
+# docs/benchmarks.md, "GPU: how to run it"), the default model's tokenizer in .gpu/tok/ (its
+# tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json). Writes the
+# logs and the benchmark's report under $OUT (default /tmp/out).
+#   TEST_S, BENCH_S: time limits of the two parts, seconds (default 240 and 300)
+#   BENCH_ARGS: extra arguments for benchmarks/gpu.py (e.g. "--skip eager")
+cd "$(dirname "$0")/.."
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1 GUIDESPEC_TOKENIZER_DIR=${GUIDESPEC_TOKENIZER_DIR:-$PWD/.gpu/tok}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+set -o pipefail
+echo "=== pytest -m gpu tests/worker"
+start=$SECONDS
+timeout -k 5 "${TEST_S:-240}" python3 -m pytest -m gpu -rs -v -p no:cacheprovider -o timeout=150 tests/worker 2>&1 \
+    | tee "$OUT/pytest.log" | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" | tail -20
+echo "pytest rc=$? in $((SECONDS - start)) s"
+echo "=== benchmarks/gpu.py"
+start=$SECONDS
+# shellcheck disable=SC2086
+timeout -k 5 "${BENCH_S:-300}" python3 -m benchmarks.gpu --device cuda --preset smollm2-135m --batch-sizes 1 16 64 \
+    --max-tokens 128 --tokenizer-from "$GUIDESPEC_TOKENIZER_DIR" --work-dir /tmp/gpu-model --output "$OUT/bench" \
+    $BENCH_ARGS >"$OUT/bench.log" 2>&1
+echo "bench rc=$? in $((SECONDS - start)) s"
+grep -E "^\[|FAILED|Error" "$OUT/bench.log" | tail -40
+cat "$OUT/bench/gpu.md" 2>/dev/null
