@@ -1,8 +1,8 @@
 """guidespec against the runtimes a user would pick instead, side by side in one run, on CPU.
 
     python benchmarks/peers.py [--cases 10] [--max-tokens 256] [--threads 2] [--sets jme rephrased]
-                               [--systems llama.cpp hf guidespec guidespec-fp32] [--concurrency 1 4 16 64]
-                               [--output DIR]
+                               [--systems llama.cpp hf guidespec guidespec-fp32] [--repeats 3]
+                               [--concurrency 1 4 16 64] [--output DIR]
 
 Batch 1, greedy, one case after another, on the same model: the default SmolLM2-135M-Instruct
 GGUF for llama.cpp (llama-cpp-python, the optional ``peers`` extra: ``pip install -e '.[peers]'``
@@ -20,6 +20,13 @@ Unguided outputs run to ``max_tokens`` where guided ones stop after the JSON (~6
 their prefill weighs less per token: guided / unguided is also measured at the same lengths,
 unguided run to each guided output's token count with EOS ignored ("unguided, guided's length"),
 which leaves the grammar's own cost.
+
+guidespec runs with prefix caching off: every run of a case computes its prompt, as a new
+document's would (a run of the same case in an earlier mode would otherwise leave its prompt
+cached for the later one). guidespec's guided and same-length runs alternate case by case (the
+two meet the same moments of a noisy machine) and are repeated ``--repeats`` times, each on a
+fresh engine, so every schema's compile counts as a first one; their figures are the sums, with
+each repeat's ratio beside them.
 
 ``--concurrency``: guidespec alone, guided + n-gram, that many requests at once (one engine per
 level, ``max(c, 8)`` requests over the cases): throughput, and the scheduler's share of a step
@@ -124,11 +131,17 @@ def hf_runs(threads: int, max_tokens: int) -> dict[str, Run]:
     return {"guided": lambda case: run(case, True)}  # (its unguided decode: benchmarks/decode.py)
 
 
-def guidespec_runs(dtype: str, max_tokens: int) -> tuple[dict[str, Run], Any]:
+def guidespec_runs(dtype: str, max_tokens: int) -> tuple[dict[str, Run], Any, Callable[[], None]]:
+    """guidespec's runs, its engine, and a restart (a fresh engine: no grammar compiled yet)."""
     from guidespec import LLM, SamplingParams
     from guidespec.protocol import GuidedDecoding
 
-    llm = LLM(dtype=dtype, show_progress=False, speculative="ngram", max_batch_size=8)
+    def start() -> Any:
+        # no prefix caching: every run of a case computes its prompt, as a new document's would
+        # (a cached prompt from an earlier mode's run of the same case would flatter the later mode)
+        return LLM(dtype=dtype, show_progress=False, speculative="ngram", max_batch_size=8, enable_prefix_caching=False)
+
+    engine = [start()]
     guided_lengths: dict[str, int] = {}
 
     def run(case: dict[str, Any], guided: bool, speculative: bool, length: int | None = None) -> tuple[str, int]:
@@ -139,10 +152,14 @@ def guidespec_runs(dtype: str, max_tokens: int) -> tuple[dict[str, Run], Any]:
             guided=GuidedDecoding(json_schema=json.dumps(schema_of(case))) if guided else None,
             ignore_eos=length is not None,
         )
-        out = llm.generate([case["messages"]], params)[0]
+        out = engine[0].generate([case["messages"]], params)[0]
         if guided and not speculative:
             guided_lengths[case["id"]] = len(out.token_ids)
         return out.text, len(out.token_ids)
+
+    def restart() -> None:
+        engine[0].close()
+        engine[0] = start()
 
     runs: dict[str, Run] = {
         "unguided": lambda case: run(case, False, False),
@@ -150,34 +167,84 @@ def guidespec_runs(dtype: str, max_tokens: int) -> tuple[dict[str, Run], Any]:
         SAME_LENGTH: lambda case: run(case, False, False, guided_lengths[case["id"]]),
         "guided+lookup": lambda case: run(case, True, True),
     }
-    return runs, llm
+
+    class Closer:
+        def close(self) -> None:
+            engine[0].close()
+
+    return runs, Closer(), restart
 
 
 def measure(run: Run, cases: list[dict[str, Any]], guided: bool) -> dict[str, Any]:
+    return measure_each({"mode": run}, cases, {"mode": guided})["mode"]
+
+
+def measure_each(runs: dict[str, Run], cases: list[dict[str, Any]], guided: dict[str, bool]) -> dict[str, Any]:
+    """Each mode of ``runs`` on every case, case by case (case 1 in every mode, then case 2, ...):
+    modes compared with each other meet the same moments of a noisy machine."""
     from guidespec.launch.sweep import validate_output
 
-    run(cases[0])  # warm-up (grammar compiler caches, first-call costs)
-    tokens, valid, walls, failures = 0, 0, [], []
+    for run in runs.values():
+        run(cases[0])  # warm-up (grammar compiler caches, first-call costs)
+    tallies: dict[str, dict[str, Any]] = {m: {"tokens": 0, "valid": 0, "walls": [], "failures": []} for m in runs}
     for case in cases:
-        start = time.perf_counter()
-        try:
-            text, n = run(case)
-        except Exception as e:  # a peer that crashes on a case is a result, not the end of the run
-            failures.append(f"{case['id']}: {type(e).__name__}: {str(e)[:120]}")
-            continue
-        walls.append(time.perf_counter() - start)
-        tokens += n
-        valid += validate_output(text, schema_of(case)) is None
-    wall = sum(walls)
-    return {
-        "tok_s": tokens / wall if wall else None,
-        "s_per_task": wall / len(walls) if walls else None,
-        "tokens": tokens,
-        "valid": valid,
-        "cases": len(cases),
-        "failures": failures,
-        "guided": guided,
-    }
+        for mode, run in runs.items():
+            tally = tallies[mode]
+            start = time.perf_counter()
+            try:
+                text, n = run(case)
+            except Exception as e:  # a peer that crashes on a case is a result, not the end of the run
+                tally["failures"].append(f"{case['id']}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            tally["walls"].append(time.perf_counter() - start)
+            tally["tokens"] += n
+            tally["valid"] += validate_output(text, schema_of(case)) is None
+    out = {}
+    for mode, t in tallies.items():
+        wall = sum(t["walls"])
+        out[mode] = {
+            "tok_s": t["tokens"] / wall if wall else None,
+            "s_per_task": wall / len(t["walls"]) if t["walls"] else None,
+            "tokens": t["tokens"],
+            "wall_s": wall,
+            "valid": t["valid"],
+            "cases": len(cases),
+            "failures": t["failures"],
+            "guided": guided[mode],
+        }
+    return out
+
+
+def measure_same_length(
+    runs: dict[str, Run], cases: list[dict[str, Any]], repeats: int, restart: Callable[[], None]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Guided, and unguided held to each guided output's length, case by case, ``repeats`` times,
+    each time on a fresh engine (every schema compiled anew, as the first time): the summed
+    figures, and each repeat's guided ÷ unguided in ``ratios``."""
+    pairs = {"guided": runs["guided"], SAME_LENGTH: runs[SAME_LENGTH]}
+    each = []
+    for r in range(repeats):
+        if r:
+            restart()
+        each.append(measure_each(pairs, cases, {"guided": True, SAME_LENGTH: True}))
+    merged = []
+    for mode in pairs:
+        parts = [e[mode] for e in each]
+        tokens, wall = sum(p["tokens"] for p in parts), sum(p["wall_s"] for p in parts)
+        merged.append(
+            dict(
+                parts[0],
+                tokens=tokens,
+                wall_s=wall,
+                tok_s=tokens / wall if wall else None,
+                s_per_task=wall / max(1, sum(p["cases"] - len(p["failures"]) for p in parts)),
+                valid=sum(p["valid"] for p in parts),
+                cases=sum(p["cases"] for p in parts),
+                failures=[f for p in parts for f in p["failures"]],
+            )
+        )
+    merged[0]["ratios"] = [ratio(e["guided"], e[SAME_LENGTH]) for e in each]
+    return merged[0], merged[1]
 
 
 # ---------------------------------------------------------------- concurrency
@@ -192,7 +259,8 @@ def concurrency_sweep(levels: list[int], cases: list[dict[str, Any]], dtype: str
         trace = Path(tempfile.mkdtemp()) / "trace.json"
         os.environ["GUIDESPEC_TRACE"] = str(trace)
         try:
-            with LLM(dtype=dtype, show_progress=False, speculative="ngram", max_batch_size=max(c, 8)) as llm:
+            engine = dict(dtype=dtype, show_progress=False, speculative="ngram", enable_prefix_caching=False)
+            with LLM(**engine, max_batch_size=max(c, 8)) as llm:
                 picked = [cases[i % len(cases)] for i in range(max(c, 8))]
                 params = [
                     SamplingParams(
@@ -235,6 +303,10 @@ async def _at_once(llm: Any, cases: list[dict[str, Any]], params: list[Any], lim
 # ---------------------------------------------------------------- report
 
 
+def fmt_ratios(ratios: list[float | None]) -> str:
+    return ", ".join(fmt(r, ".3f") for r in ratios)
+
+
 def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
     if not a or not b or not a.get("tok_s") or not b.get("tok_s"):
         return None
@@ -267,6 +339,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"- {meta['date']}, commit {meta['commit']}; {meta['machine']}; {meta['threads']} threads each",
         f"- {meta['cases']} cases per set, max_tokens {meta['max_tokens']}; guidespec dtype {meta['dtype']}; "
         f"llama.cpp: llama-cpp-python {meta.get('llama_cpp', '–')} on the GGUF (prompt lookup: 10 tokens)",
+        f"- guidespec's guided and same-length runs: case by case, {meta.get('repeats', 1)} time(s), each on a "
+        "fresh engine (summed); the others: once",
         "",
     ]
     for name, results in report["sets"].items():
@@ -283,6 +357,9 @@ def markdown(report: dict[str, Any]) -> str:
                 lines.append(
                     f"| {system} | {mode} | {fmt(r['tok_s'])} | {fmt(r['s_per_task'], '.2f')} | {valid} | {failures} |"
                 )
+        for system, modes in results.items():
+            if "ratios" in modes.get("guided", {}):
+                lines += ["", f"{system}: guided ÷ same length per repeat: {fmt_ratios(modes['guided']['ratios'])}"]
         lines += ["", "| goal | measured | target | met |", "|---|---:|---:|---|"]
         for label, value, target in goals(results):
             met = "–" if value is None else ("yes" if value >= target else "no")
@@ -321,6 +398,12 @@ def main() -> None:
         choices=["llama.cpp", "hf", "guidespec", "guidespec-fp32"],
         help="guidespec: --dtype (auto: the file's own blocks); guidespec-fp32: its weights dequantized",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="guidespec's guided and same-length runs, case by case, this many times on fresh engines",
+    )
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 16, 64])
     parser.add_argument("--output", type=Path, default=Path("out/peers"))
     args = parser.parse_args()
@@ -329,6 +412,7 @@ def main() -> None:
     systems: dict[str, dict[str, Run]] = {}
     meta: dict[str, Any] = {}
     closers = []
+    restarts: dict[str, Callable[[], None]] = {}  # guidespec's: a fresh engine, no grammar compiled
     for system in args.systems:
         try:
             if system == "llama.cpp":
@@ -340,7 +424,7 @@ def main() -> None:
                 systems[system] = hf_runs(args.threads, args.max_tokens)
             elif system in ("guidespec", "guidespec-fp32"):
                 dtype = "float32" if system == "guidespec-fp32" else args.dtype
-                systems[system], llm = guidespec_runs(dtype, args.max_tokens)
+                systems[system], llm, restarts[system] = guidespec_runs(dtype, args.max_tokens)
                 closers.append(llm)
             else:
                 raise SystemExit(f"unknown system {system!r}")
@@ -353,16 +437,25 @@ def main() -> None:
             for system, runs in systems.items():
                 results[system] = {}
                 for mode in MODES:
-                    if mode in runs:
-                        try:
+                    if mode not in runs or (mode == SAME_LENGTH and mode in results[system]):
+                        continue
+                    try:
+                        if mode == "guided" and system in restarts:
+                            results[system]["guided"], results[system][SAME_LENGTH] = measure_same_length(
+                                runs, cases, args.repeats, restarts[system]
+                            )
+                        else:
                             results[system][mode] = measure(runs[mode], cases, mode != "unguided")
-                        except Exception:
-                            traceback.print_exc()
-                            continue
-                        r = results[system][mode]
+                    except Exception:
+                        traceback.print_exc()
+                        continue
+                    for shown in [mode] + ([SAME_LENGTH] if mode == "guided" and system in restarts else []):
+                        r = results[system][shown]
+                        each = f", guided ÷ same length per repeat {fmt_ratios(r['ratios'])}" if "ratios" in r else ""
                         print(
-                            f"[{name}] {system} {mode}: {fmt(r['tok_s'])} tok/s, {fmt(r['s_per_task'], '.2f')} s/task, "
-                            f"valid {r['valid']}/{r['cases']}, failures {len(r['failures'])}",
+                            f"[{name}] {system} {shown}: {fmt(r['tok_s'])} tok/s, "
+                            f"{fmt(r['s_per_task'], '.2f')} s/task, valid {r['valid']}/{r['cases']}, "
+                            f"failures {len(r['failures'])}{each}",
                             flush=True,
                         )
             report["sets"][name] = results
@@ -378,6 +471,7 @@ def main() -> None:
         machine=machine(),
         threads=args.threads,
         cases=args.cases,
+        repeats=args.repeats,
         max_tokens=args.max_tokens,
         dtype=args.dtype,
     )
