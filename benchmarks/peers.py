@@ -21,16 +21,18 @@ their prefill weighs less per token: guided / unguided is also measured at the s
 unguided run to each guided output's token count with EOS ignored ("unguided, guided's length"),
 which leaves the grammar's own cost.
 
-guidespec runs with prefix caching off: every run of a case computes its prompt, as a new
-document's would (a run of the same case in an earlier mode would otherwise leave its prompt
-cached for the later one). guidespec's guided and same-length runs alternate case by case (the
-two meet the same moments of a noisy machine) and are repeated ``--repeats`` times, each on a
-fresh engine, so every schema's compile counts as a first one; their figures are the sums, with
-each repeat's ratio beside them.
+Each guidespec mode starts on a fresh engine, with prefix caching on as users run it (the cases
+share a chat template and system prompt, as llama.cpp's consecutive calls share a prefix) and no
+prompt of an earlier mode's run of the same case cached. Its guided runs alternate with their
+same-length twins case by case (the two meet the same moments of a noisy machine), with prefix
+caching off (the twin computes the prompt its guided run just computed), ``--repeats`` times,
+each on a fresh engine, so every schema's compile counts as a first one; their figures are the
+sums, with each repeat's ratio beside them.
 
 ``--concurrency``: guidespec alone, guided + n-gram, that many requests at once (one engine per
-level, ``max(c, 8)`` requests over the cases): throughput, and the scheduler's share of a step
-(its work the workers wait for, from the step trace; goal <= 5% at 16).
+level, ``max(c, 8)`` requests over the cases, prefix caching off since the cases repeat):
+throughput, and the scheduler's share of a step (its work the workers wait for, from the step
+trace; goal <= 5% at 16).
 
 Writes peers.json and peers.md into ``--output``.
 """
@@ -131,15 +133,20 @@ def hf_runs(threads: int, max_tokens: int) -> dict[str, Run]:
     return {"guided": lambda case: run(case, True)}  # (its unguided decode: benchmarks/decode.py)
 
 
-def guidespec_runs(dtype: str, max_tokens: int) -> tuple[dict[str, Run], Any, Callable[[], None]]:
-    """guidespec's runs, its engine, and a restart (a fresh engine: no grammar compiled yet)."""
+def guidespec_runs(dtype: str, max_tokens: int) -> tuple[dict[str, Run], Any, Callable[[bool], None]]:
+    """guidespec's runs, its engine, and a restart: a fresh engine (no prompt cached, no grammar
+    compiled), with prefix caching on (as users run it) or off."""
     from guidespec import LLM, SamplingParams
     from guidespec.protocol import GuidedDecoding
 
-    def start() -> Any:
-        # no prefix caching: every run of a case computes its prompt, as a new document's would
-        # (a cached prompt from an earlier mode's run of the same case would flatter the later mode)
-        return LLM(dtype=dtype, show_progress=False, speculative="ngram", max_batch_size=8, enable_prefix_caching=False)
+    def start(prefix_caching: bool = True) -> Any:
+        return LLM(
+            dtype=dtype,
+            show_progress=False,
+            speculative="ngram",
+            max_batch_size=8,
+            enable_prefix_caching=prefix_caching,
+        )
 
     engine = [start()]
     guided_lengths: dict[str, int] = {}
@@ -157,9 +164,9 @@ def guidespec_runs(dtype: str, max_tokens: int) -> tuple[dict[str, Run], Any, Ca
             guided_lengths[case["id"]] = len(out.token_ids)
         return out.text, len(out.token_ids)
 
-    def restart() -> None:
+    def restart(prefix_caching: bool) -> None:
         engine[0].close()
-        engine[0] = start()
+        engine[0] = start(prefix_caching)
 
     runs: dict[str, Run] = {
         "unguided": lambda case: run(case, False, False),
@@ -216,16 +223,16 @@ def measure_each(runs: dict[str, Run], cases: list[dict[str, Any]], guided: dict
 
 
 def measure_same_length(
-    runs: dict[str, Run], cases: list[dict[str, Any]], repeats: int, restart: Callable[[], None]
+    runs: dict[str, Run], cases: list[dict[str, Any]], repeats: int, restart: Callable[[bool], None]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Guided, and unguided held to each guided output's length, case by case, ``repeats`` times,
-    each time on a fresh engine (every schema compiled anew, as the first time): the summed
-    figures, and each repeat's guided ÷ unguided in ``ratios``."""
+    each time on a fresh engine without prefix caching (every schema compiled anew, and the twin
+    computes the prompt its guided run just computed): the summed figures, and each repeat's
+    guided ÷ unguided in ``ratios``."""
     pairs = {"guided": runs["guided"], SAME_LENGTH: runs[SAME_LENGTH]}
     each = []
-    for r in range(repeats):
-        if r:
-            restart()
+    for _ in range(repeats):
+        restart(False)
         each.append(measure_each(pairs, cases, {"guided": True, SAME_LENGTH: True}))
     merged = []
     for mode in pairs:
@@ -339,8 +346,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"- {meta['date']}, commit {meta['commit']}; {meta['machine']}; {meta['threads']} threads each",
         f"- {meta['cases']} cases per set, max_tokens {meta['max_tokens']}; guidespec dtype {meta['dtype']}; "
         f"llama.cpp: llama-cpp-python {meta.get('llama_cpp', '–')} on the GGUF (prompt lookup: 10 tokens)",
-        f"- guidespec's guided and same-length runs: case by case, {meta.get('repeats', 1)} time(s), each on a "
-        "fresh engine (summed); the others: once",
+        f"- guidespec: each mode on a fresh engine; guided and same length case by case without prefix "
+        f"caching, {meta.get('repeats', 1)} time(s), each on a fresh engine (summed); the others: once",
         "",
     ]
     for name, results in report["sets"].items():
@@ -412,7 +419,7 @@ def main() -> None:
     systems: dict[str, dict[str, Run]] = {}
     meta: dict[str, Any] = {}
     closers = []
-    restarts: dict[str, Callable[[], None]] = {}  # guidespec's: a fresh engine, no grammar compiled
+    restarts: dict[str, Callable[[bool], None]] = {}  # guidespec's: a fresh engine (prefix caching on/off)
     for system in args.systems:
         try:
             if system == "llama.cpp":
@@ -445,6 +452,8 @@ def main() -> None:
                                 runs, cases, args.repeats, restarts[system]
                             )
                         else:
+                            if system in restarts and results[system]:  # no prompt of an earlier mode cached
+                                restarts[system](True)
                             results[system][mode] = measure(runs[mode], cases, mode != "unguided")
                     except Exception:
                         traceback.print_exc()
