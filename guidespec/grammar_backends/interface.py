@@ -36,6 +36,10 @@ class GrammarMatcher(Protocol):
 class GrammarBackend(Protocol):
     name: str
     vocab_size: int
+    # a grammar that compiled fast is compiled again by the scheduler rather than carried over as
+    # text, where its text costs more to write and read than a compile (xgrammar's: 60-260 KB of
+    # JSON, 3-23 ms to serialize and parse against 1-7 ms to compile a JME schema)
+    recompile_fast_grammars: bool
 
     def compile(self, spec: GuidedDecoding) -> Any:
         """A compiled grammar (thread-safe, shareable); raises GrammarError."""

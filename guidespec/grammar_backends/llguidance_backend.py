@@ -51,6 +51,7 @@ class LLGuidanceMatcher:
 
 class LLGuidanceBackend:
     name = "llguidance"
+    recompile_fast_grammars = False  # its serialized grammar is the grammar's own small text
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], num_threads: int) -> None:
         self.vocab_size = vocab_size

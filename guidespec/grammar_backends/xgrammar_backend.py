@@ -61,6 +61,7 @@ class XGrammarMatcher:
 
 class XGrammarBackend:
     name = "xgrammar"
+    recompile_fast_grammars = True
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], num_threads: int) -> None:
         self.vocab_size = vocab_size

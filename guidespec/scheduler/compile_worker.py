@@ -6,7 +6,8 @@ process the scheduler can kill when a compile overruns its deadline (the hard ti
 restart. The protocol is JSON lines (never pickle): the scheduler writes a settings line, then
 ``{"job", "backend", "spec"}`` lines; this process answers ``{"job", "started": true}`` when it
 begins a job and ``{"job", "ok", "compiled" | "error"}`` when it ends, where ``compiled`` is the
-backend's serialized grammar.
+backend's serialized grammar, or null with ``spec`` (the spec as rewritten) for a grammar the
+scheduler should compile again itself (``GrammarSettings.recompile_below_s``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import dataclasses
 import json
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ def main() -> None:
 
     rewrites = envs.schema_rewrites_enabled()
     settings = json.loads(sys.stdin.readline())
+    recompile_below_s = float(settings.get("recompile_below_s", 0.0))
     tokenizer = load_tokenizer(Path(settings["model_dir"]))
     backends: dict[str, Any] = {}
 
@@ -60,8 +63,14 @@ def main() -> None:
                 schema, applied = rewrite_schema(json.loads(spec.json_schema))  # type: ignore[arg-type]
                 if applied:
                     spec = dataclasses.replace(spec, json_schema=json.dumps(schema))
-            compiled = chosen.serialize(chosen.compile(spec))
-            _reply({"job": job["job"], "ok": True, "compiled": compiled})
+            start = time.perf_counter()
+            compiled = chosen.compile(spec)
+            if chosen.recompile_fast_grammars and time.perf_counter() - start < recompile_below_s:
+                # the scheduler compiles it again, for less than the text would cost (the spec as
+                # rewritten: the scheduler does not rewrite)
+                _reply({"job": job["job"], "ok": True, "compiled": None, "spec": dataclasses.asdict(spec)})
+            else:
+                _reply({"job": job["job"], "ok": True, "compiled": chosen.serialize(compiled)})
         except GrammarError as e:
             _reply({"job": job["job"], "ok": False, "error": str(e)})
         except Exception as e:

@@ -56,6 +56,9 @@ class GrammarSettings:
     max_rows: int
     num_threads: int = 2
     cache_size: int = 256
+    # a grammar (of a backend whose text form is costly) that compiled this fast is compiled again
+    # by the scheduler rather than carried over as text: on its loop, so only for what takes a few ms
+    recompile_below_s: float = 0.01
 
 
 def grammar_settings(cfg: SchedulerConfig) -> GrammarSettings:
@@ -111,6 +114,7 @@ class GrammarManager:
             except Exception as e:  # (not installed): a request that needs it reports why
                 logger.warning("grammar backend %s is not available: %s", name, e)
         self.compiled: OrderedDict[str, Any] = OrderedDict()
+        self.recompiled = 0  # grammars compiled again here rather than read back as text
         self.failed: OrderedDict[str, str] = OrderedDict()
         self.jobs: OrderedDict[int, _Job] = OrderedDict()
         self.job_of_key: dict[str, int] = {}
@@ -368,7 +372,12 @@ class GrammarManager:
             return
         self._finish_job(message["job"])
         if message["ok"]:
-            compiled = self._backend(job.backend).deserialize(message["compiled"])
+            try:
+                compiled = self._compiled(job.backend, message)
+            except Exception as e:  # a compiled grammar that cannot be rebuilt here: the job fails
+                logger.exception("grammar job %s: its compiled grammar could not be loaded", message["job"])
+                message = {"ok": False, "error": f"internal error loading a compiled grammar: {type(e).__name__}: {e}"}
+        if message["ok"]:
             self._remember(self.compiled, job.key, compiled)
             for request_id in self._waiting(job):
                 self._create_matcher(request_id, job.backend, compiled)
@@ -377,6 +386,14 @@ class GrammarManager:
             self._remember(self.failed, job.key, message["error"])
             for request_id in self._waiting(job):
                 self._fall_back(request_id, message["error"], ready, failed)
+
+    def _compiled(self, backend: str, message: dict[str, Any]) -> Any:
+        """The compile process's grammar: its text read back, or compiled again here from the spec
+        it returned (a grammar that compiles in a few ms: ``GrammarSettings.recompile_below_s``)."""
+        if message["compiled"] is None:
+            self.recompiled += 1
+            return self._backend(backend).compile(GuidedDecoding(**message["spec"]))
+        return self._backend(backend).deserialize(message["compiled"])
 
     def _fall_back(self, request_id: str, error: str, ready: list[str], failed: list[tuple[str, str]]) -> None:
         """A compile failed: the next backend of an "auto" request where this one refused, else fail."""
@@ -544,6 +561,7 @@ def start_compile_process(settings: GrammarSettings) -> subprocess.Popen[str]:
                 "vocab_size": settings.vocab_size,
                 "stop_token_ids": list(settings.stop_token_ids),
                 "num_threads": settings.num_threads,
+                "recompile_below_s": settings.recompile_below_s,
             }
         )
         + "\n"
