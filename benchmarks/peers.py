@@ -133,22 +133,24 @@ def hf_runs(threads: int, max_tokens: int) -> dict[str, Run]:
     return {"guided": lambda case: run(case, True)}  # (its unguided decode: benchmarks/decode.py)
 
 
-def guidespec_runs(dtype: str, max_tokens: int) -> tuple[dict[str, Run], Any, Callable[[bool], None]]:
-    """guidespec's runs, its engine, and a restart: a fresh engine (no prompt cached, no grammar
-    compiled), with prefix caching on (as users run it) or off."""
+def guidespec_runs(dtype: str, max_tokens: int) -> tuple[dict[str, Run], Callable[[], None], Callable[[bool], None]]:
+    """guidespec's runs, a close, and a restart: from then on the runs go to a fresh engine (no
+    prompt cached, no grammar compiled), with prefix caching on (as users run it) or off; a
+    restart of an engine that has run nothing yet with the same setting keeps it."""
     from guidespec import LLM, SamplingParams
     from guidespec.protocol import GuidedDecoding
 
-    def start(prefix_caching: bool = True) -> Any:
-        return LLM(
+    def start(prefix_caching: bool) -> dict[str, Any]:
+        llm = LLM(
             dtype=dtype,
             show_progress=False,
             speculative="ngram",
             max_batch_size=8,
             enable_prefix_caching=prefix_caching,
         )
+        return {"llm": llm, "caching": prefix_caching, "used": False}
 
-    engine = [start()]
+    engine = start(True)
     guided_lengths: dict[str, int] = {}
 
     def run(case: dict[str, Any], guided: bool, speculative: bool, length: int | None = None) -> tuple[str, int]:
@@ -159,14 +161,16 @@ def guidespec_runs(dtype: str, max_tokens: int) -> tuple[dict[str, Run], Any, Ca
             guided=GuidedDecoding(json_schema=json.dumps(schema_of(case))) if guided else None,
             ignore_eos=length is not None,
         )
-        out = engine[0].generate([case["messages"]], params)[0]
+        engine["used"] = True
+        out = engine["llm"].generate([case["messages"]], params)[0]
         if guided and not speculative:
             guided_lengths[case["id"]] = len(out.token_ids)
         return out.text, len(out.token_ids)
 
     def restart(prefix_caching: bool) -> None:
-        engine[0].close()
-        engine[0] = start(prefix_caching)
+        if engine["used"] or engine["caching"] != prefix_caching:
+            engine["llm"].close()
+            engine.update(start(prefix_caching))
 
     runs: dict[str, Run] = {
         "unguided": lambda case: run(case, False, False),
@@ -174,12 +178,7 @@ def guidespec_runs(dtype: str, max_tokens: int) -> tuple[dict[str, Run], Any, Ca
         SAME_LENGTH: lambda case: run(case, False, False, guided_lengths[case["id"]]),
         "guided+lookup": lambda case: run(case, True, True),
     }
-
-    class Closer:
-        def close(self) -> None:
-            engine[0].close()
-
-    return runs, Closer(), restart
+    return runs, lambda: engine["llm"].close(), restart
 
 
 def measure(run: Run, cases: list[dict[str, Any]], guided: bool) -> dict[str, Any]:
@@ -418,7 +417,7 @@ def main() -> None:
     sets = case_sets(args.sets, args.cases)
     systems: dict[str, dict[str, Run]] = {}
     meta: dict[str, Any] = {}
-    closers = []
+    closers: list[Callable[[], None]] = []
     restarts: dict[str, Callable[[bool], None]] = {}  # guidespec's: a fresh engine (prefix caching on/off)
     for system in args.systems:
         try:
@@ -431,8 +430,8 @@ def main() -> None:
                 systems[system] = hf_runs(args.threads, args.max_tokens)
             elif system in ("guidespec", "guidespec-fp32"):
                 dtype = "float32" if system == "guidespec-fp32" else args.dtype
-                systems[system], llm, restarts[system] = guidespec_runs(dtype, args.max_tokens)
-                closers.append(llm)
+                systems[system], close, restarts[system] = guidespec_runs(dtype, args.max_tokens)
+                closers.append(close)
             else:
                 raise SystemExit(f"unknown system {system!r}")
         except ImportError as e:
@@ -452,7 +451,7 @@ def main() -> None:
                                 runs, cases, args.repeats, restarts[system]
                             )
                         else:
-                            if system in restarts and results[system]:  # no prompt of an earlier mode cached
+                            if system in restarts:  # no prompt of an earlier mode (or case set) cached
                                 restarts[system](True)
                             results[system][mode] = measure(runs[mode], cases, mode != "unguided")
                     except Exception:
@@ -469,8 +468,8 @@ def main() -> None:
                         )
             report["sets"][name] = results
     finally:
-        for llm in closers:
-            llm.close()
+        for close in closers:
+            close()
     if args.concurrency:
         report["concurrency"] = concurrency_sweep(args.concurrency, sets[args.sets[0]], args.dtype, args.max_tokens)
     report["meta"] = dict(

@@ -38,7 +38,7 @@ class GrammarBackend(Protocol):
     vocab_size: int
     # a grammar that compiled fast is compiled again by the scheduler rather than carried over as
     # text, where its text costs more to write and read than a compile (xgrammar's: 60-260 KB of
-    # JSON, 3-23 ms to serialize and parse against 1-7 ms to compile a JME schema)
+    # JSON, 3-23 ms to serialize and parse against 4-7 ms to compile a JME schema)
     recompile_fast_grammars: bool
 
     def compile(self, spec: GuidedDecoding) -> Any:
@@ -66,6 +66,9 @@ def bitmask_row(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
     return np.packbits(bits, bitorder="little").view(np.int32).copy()
 
 
+_SPARSE_WORDS = 48  # rows with more nonzero words than this are unpacked whole
+
+
 def allowed_ids(row: np.ndarray, vocab_size: int | None = None, limit: int | None = None) -> np.ndarray:
     """The token ids a packed bitmask row allows, ascending (below ``vocab_size`` where given; the
     first ``limit`` of them where given). Only the row's nonzero words are unpacked: a grammar's
@@ -83,9 +86,6 @@ def allowed_ids(row: np.ndarray, vocab_size: int | None = None, limit: int | Non
     if vocab_size is not None:
         ids = ids[ids < vocab_size]
     return ids if limit is None else ids[:limit]
-
-
-_SPARSE_WORDS = 48  # rows with more nonzero words than this are unpacked whole
 
 
 DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values in a JSON schema, not schemas

@@ -17,9 +17,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from guidespec.grammar_backends import GrammarBackend, GrammarMatcher
-from guidespec.grammar_backends.interface import bitmask_row
+from guidespec.grammar_backends.interface import allowed_ids, bitmask_row
 from guidespec.protocol import GuidedDecoding
-from guidespec.grammar_backends.interface import allowed_ids
 from guidespec.model_files import text_encoder
 from guidespec.scheduler.closing import MAX_STEPS, ClosingTokens, EarlyCloser
 
