@@ -20,10 +20,12 @@ runs replay, as a long-running server has):
 - EAGLE draft-step graphs (issue 23): an EAGLE-3 head (``--eagle-head``, else random weights of
   the model's shape) drafting ``--draft-len`` tokens a step (fixed length), guided and unguided,
   with the draft steps as one captured graph whose grammar waits are host nodes
-  (``graph_grammar=True``) against the same steps one by one (``--no-graph-grammar``), at batch 1
-  and 16: time per engine step, and the grammar's share of a graph step (guided over unguided
-  step time, minus 1); a random head's drafts are nearly all rejected, so its accepted tokens per
-  step say nothing (a trained head and ``--model`` do);
+  (``graph_grammar=True``) against the same steps one by one (``--no-graph-grammar``), and on CUDA
+  the graph again with the scheduler's fills on one thread (``grammar_fill_threads=1``; the default
+  is a pool beside GPU workers), at batch 1 and 16: time per engine step, and the grammar's share
+  of a graph step (guided over unguided step time, minus 1) and of wall time (unguided runs to the
+  guided outputs' lengths, so both produce the same tokens); a random head's drafts are nearly all
+  rejected, so its accepted tokens per step say nothing (a trained head and ``--model`` do);
 - bitmask: p50 time per step to copy R = B x (1 + draft length) bitmask rows host-to-device from a
   page-locked arena (``DeviceMasks.upload``), to apply them to fp32 logits [R, vocab] already on the
   device, and both (``DeviceMasks.apply``), for the default vocabulary and a 128k one; on the CPU,
@@ -42,6 +44,7 @@ import asyncio
 import datetime
 import inspect
 import json
+import os
 import statistics
 import sys
 import time
@@ -423,9 +426,15 @@ def bench_speculative(
 
 
 def bench_eagle_graphs(
-    setup: Setup, cases: list[dict[str, Any]], batch_sizes: list[int], max_tokens: int, head: Path | None
+    setup: Setup,
+    cases: list[dict[str, Any]],
+    batch_sizes: list[int],
+    max_tokens: int,
+    head: Path | None,
+    trace_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """EAGLE draft steps as a graph against step by step, guided and unguided, per batch size."""
+    """EAGLE draft steps as a graph against step by step, guided and unguided, per batch size;
+    with ``trace_dir``, each engine's step trace (``GUIDESPEC_TRACE``) is written there."""
     from guidespec import LLM, SamplingParams
 
     from benchmarks.random_model import build_random_eagle_head
@@ -437,9 +446,17 @@ def bench_eagle_graphs(
     head = head or build_random_eagle_head(setup.model_dir, setup.model_dir.parent / f"{setup.model_dir.name}-eagle")
     eagle = {"method": "eagle", "draft_model": str(head), "adaptive": False, "max_draft_len": setup.draft_len}
     out: list[dict[str, Any]] = []
-    for graph in (True, False):
-        label = "eagle graph" if graph else "eagle steps"
+    variants = [(True, 0), (False, 0)]  # (graph, fill threads: 0 = the engine's default)
+    if "grammar_fill_threads" in setup.accepted and setup.device.startswith("cuda"):
+        variants.insert(1, (True, 1))  # the default fills with several threads beside GPU workers
+    for graph, threads in variants:
+        label = ("eagle graph" if graph else "eagle steps") + (f", {threads} fill thread" if threads else "")
         kw = dict(setup.kwargs(enforce_eager=False), speculative=eagle, graph_grammar=graph)
+        if threads:
+            kw["grammar_fill_threads"] = threads
+        if trace_dir is not None:  # each engine's step trace (the scheduler writes it at shutdown)
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            os.environ["GUIDESPEC_TRACE"] = str(trace_dir / f"{label.replace(', ', '-').replace(' ', '-')}.json")
         start = time.perf_counter()
         with LLM(**kw) as llm:
             print(f"[{label}] engine started in {time.perf_counter() - start:.1f} s", flush=True)
@@ -454,7 +471,7 @@ def bench_eagle_graphs(
                 plain = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
                 run_each(llm, prompts, plain)
                 unguided, _ = measure(lambda: run_each(llm, prompts, plain), setup.repeats)
-                row = {"graph": graph, "batch": b, "guided": guided, "unguided": unguided}
+                row = {"graph": graph, "fill_threads": threads, "batch": b, "guided": guided, "unguided": unguided}
                 for key in ("guided", "unguided"):  # every request runs in every step: steps = request steps / B
                     s = row[key]
                     s["step_ms"] = 1e3 * s["wall_s"] * b / s["steps"] if s["steps"] else None
@@ -462,9 +479,11 @@ def bench_eagle_graphs(
                 out.append(row)
                 print(
                     f"[{label}] batch {b}: guided step {fmt(guided['step_ms'], '.2f')} ms, unguided step "
-                    f"{fmt(unguided['step_ms'], '.2f')} ms, tokens/step {fmt(guided['tokens_per_spec_step'], '.2f')}",
+                    f"{fmt(unguided['step_ms'], '.2f')} ms, tokens/step {fmt(guided['tokens_per_spec_step'], '.2f')}, "
+                    f"wall guided {guided['wall_s']:.3f} s, unguided {unguided['wall_s']:.3f} s",
                     flush=True,
                 )
+    os.environ.pop("GUIDESPEC_TRACE", None)
     return out
 
 
@@ -611,18 +630,23 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [
             "",
             "EAGLE draft steps (draft length fixed): one captured graph per proposal, grammar waits as host "
-            "nodes (graph) against the same steps one by one (steps); step = wall × batch ÷ request steps.",
+            "nodes (graph) against the same steps one by one (steps); step = wall × batch ÷ request steps. "
+            "Unguided runs to the guided outputs' lengths, so the wall-time share compares the same tokens; "
+            "guided steps carry grammar-forced drafts, so they are fewer and longer.",
             "",
-            "| batch | draft steps | guided step ms | unguided step ms | grammar's share | tokens / step | "
-            "valid JSON |",
-            "|---:|---|---:|---:|---:|---:|---|",
+            "| batch | draft steps | fill threads | guided step ms | unguided step ms | grammar's share of a step | "
+            "grammar's share of wall time | tokens / step | valid JSON |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---|",
         ]
         for e in report["eagle"]:
             g, u = e["guided"]["step_ms"], e["unguided"]["step_ms"]
             share = g / u - 1 if g and u else None
+            gw, uw = e["guided"]["wall_s"], e["unguided"]["wall_s"]
+            wall_share = gw / uw - 1 if gw and uw else None
             lines.append(
-                f"| {e['batch']} | {'graph' if e['graph'] else 'steps'} | {fmt(g, '.2f')} | {fmt(u, '.2f')} | "
-                f"{fmt(None if share is None else 100 * share, '.1f', '%')} | "
+                f"| {e['batch']} | {'graph' if e['graph'] else 'steps'} | {e.get('fill_threads') or 'default'} | "
+                f"{fmt(g, '.2f')} | {fmt(u, '.2f')} | {fmt(None if share is None else 100 * share, '.1f', '%')} | "
+                f"{fmt(None if wall_share is None else 100 * wall_share, '.1f', '%')} | "
                 f"{fmt(e['guided']['tokens_per_spec_step'], '.2f')} | {e['valid_json']}/{e['batch']} |"
             )
     if report["bitmask"]:
@@ -733,6 +757,7 @@ def main() -> None:
     )
     parser.add_argument("--skip", nargs="+", default=[], choices=["eager", "guided", "spec", "eagle", "mask"])
     parser.add_argument("--eagle-head", type=Path, default=None, help="an EAGLE-3 head folder (default: random)")
+    parser.add_argument("--trace-dir", type=Path, default=None, help="EAGLE section: each engine's step trace here")
     parser.add_argument("--quick", action="store_true", help="smoke run: batch 1 and 2, 16 tokens, 4 layers")
     parser.add_argument("--output", type=Path, default=Path("out/gpu"))
     args = parser.parse_args()
@@ -845,7 +870,12 @@ def main() -> None:
         lambda: bitmask.extend(bench_bitmask(device, batch_sizes, args.draft_len, args.mask_vocabs, mask_iters)),
     )
     section("spec", lambda: bench_speculative(setup, cases, batch_sizes, max_tokens, rows, engines))
-    section("eagle", lambda: eagle.extend(bench_eagle_graphs(setup, cases, eagle_batches, max_tokens, args.eagle_head)))
+    section(
+        "eagle",
+        lambda: eagle.extend(
+            bench_eagle_graphs(setup, cases, eagle_batches, max_tokens, args.eagle_head, args.trace_dir)
+        ),
+    )
     print("\n" + (args.output / "gpu.md").read_text())
     print(f"wrote {args.output / 'gpu.json'} and {args.output / 'gpu.md'}")
     if errors:

@@ -195,6 +195,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         ray_placement: str = "pack",
         graph_grammar: bool | None = None,
+        grammar_fill_threads: int = 0,
     ) -> None:
         if grammar_backend not in BACKEND_CHOICES:
             raise ValueError(f"grammar_backend must be one of {', '.join(BACKEND_CHOICES)}, got {grammar_backend!r}")
@@ -206,6 +207,12 @@ class LLM:
             raise ValueError("remote_ranks and distributed_executor='ray' do not mix: under Ray every rank is remote")
         if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        if (
+            isinstance(grammar_fill_threads, bool)
+            or not isinstance(grammar_fill_threads, int)
+            or not 0 <= grammar_fill_threads <= 64
+        ):
+            raise ValueError(f"grammar_fill_threads must be an int in [0, 64] (0: auto), got {grammar_fill_threads!r}")
         if ray_placement not in ("pack", "spread"):
             raise ValueError(f"ray_placement must be 'pack' or 'spread', got {ray_placement!r}")
         from guidespec.worker.device import resolve_device, resolve_dtype
@@ -247,6 +254,7 @@ class LLM:
             device=resolved_device,
             enforce_eager=bool(enforce_eager),
             graph_grammar=None if graph_grammar is None else bool(graph_grammar),
+            grammar_fill_threads=grammar_fill_threads,
             gpu_memory_utilization=float(gpu_memory_utilization),
             ray_placement=ray_placement,
         )

@@ -26,6 +26,7 @@ start=$SECONDS
 # shellcheck disable=SC2086
 timeout -k 5 "${BENCH_S:-300}" python3 -m benchmarks.gpu --device cuda --preset smollm2-135m --batch-sizes 1 16 64 \
     --max-tokens 128 --tokenizer-from "$GUIDESPEC_TOKENIZER_DIR" --work-dir /tmp/gpu-model --output "$OUT/bench" \
+    --trace-dir "$OUT/trace" \
     $BENCH_ARGS >"$OUT/bench.log" 2>&1
 echo "bench rc=$? in $((SECONDS - start)) s"
 grep -E "^\[|FAILED|Error" "$OUT/bench.log" | tail -40

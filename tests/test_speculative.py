@@ -189,13 +189,15 @@ def test_greedy_eagle_equals_greedy_plain(
 
 @pytest.mark.parametrize("exchange", ["stream", "graph", "python"])
 def test_every_draft_exchange_gives_the_same_greedy_eagle_output(
-    reference: list[list[int]], eagle_head: Path, exchange: str, monkeypatch: pytest.MonkeyPatch
+    reference: list[list[int]], eagle_head: Path, exchange: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Rank 0's draft steps through the C host stream (the trampolines a CUDA graph calls back), as
     the fixed-shape sequence a CUDA graph replays (``graph_grammar``: run eagerly here, the
     trampolines in stream order), or as messages over ZeroMQ and the ring give what the default
-    (the C channel, called directly) gives: plain greedy output."""
+    (the C channel, called directly) gives: plain greedy output. The step trace shows the
+    scheduler filling each draft step's masks, where the channel serves them."""
     monkeypatch.setenv("GUIDESPEC_DRAFT_CHANNEL", "c" if exchange == "graph" else exchange)
+    monkeypatch.setenv("GUIDESPEC_TRACE", str(tmp_path / "trace.json"))
     speculative = dict(method="eagle", draft_model=str(eagle_head), adaptive=False)
     with LLM(max_batch_size=8, show_progress=False, speculative=speculative, graph_grammar=exchange == "graph") as llm:
         channel = llm._engine.processes.drafts
@@ -203,6 +205,11 @@ def test_every_draft_exchange_gives_the_same_greedy_eagle_output(
         outs = _run(llm, _requests())
     assert [o.token_ids for o in outs] == reference
     assert sum(o.stats.num_draft_tokens for o in outs) > 0
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    fills = [e for e in trace["traceEvents"] if str(e["name"]).startswith("fill draft step")]
+    assert (len(fills) > 0) == (exchange != "python")
+    assert {e["name"] for e in fills} <= {f"fill draft step {j} masks" for j in range(8)}
+    assert (trace["summary"]["draft_fill_fraction"] > 0) == (exchange != "python")
 
 
 def test_sampled_drafts_of_the_target_itself_are_all_accepted_with_their_q() -> None:

@@ -20,6 +20,7 @@ def device_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "enforce_eager": args.enforce_eager,
         "graph_grammar": args.graph_grammar,
+        "grammar_fill_threads": args.grammar_fill_threads,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "ray_placement": args.ray_placement,
     }
@@ -62,6 +63,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="EAGLE: the head's greedy draft steps as one graph per proposal, grammar waits inside (default: "
         "on CUDA with graphs; on the CPU the same steps run eagerly); --no-graph-grammar: one by one",
+    )
+    p.add_argument(
+        "--grammar-fill-threads",
+        type=int,
+        default=0,
+        help="threads filling a step's grammar masks in the scheduler (default 0: auto, 1 beside CPU "
+        "workers, up to 8 beside GPU workers)",
     )
     p.add_argument(
         "--ray-placement",

@@ -39,12 +39,6 @@ from guidespec.scheduler.closing_step import ClosingStep
 
 logger = logging.getLogger(__name__)
 
-# Fills run on the scheduler's own thread. A fill takes tens of microseconds per row, while
-# waking a backend's thread pool on cores the workers' forward keeps busy took milliseconds per
-# call (batch 1, n-gram drafts: 14 ms of filling per step with 2 threads, 2 ms with 1), and the
-# pool's threads slowed the forward they ran beside. Compiles keep ``num_threads`` (their process).
-_FILL_THREADS = 1
-
 
 @dataclass(frozen=True)
 class GrammarSettings:
@@ -54,7 +48,12 @@ class GrammarSettings:
     stop_token_ids: tuple[int, ...]
     compile_timeout_s: float
     max_rows: int
-    num_threads: int = 2
+    num_threads: int = 2  # a compile's (the compile process's)
+    # a step's fills: on the CPU one (the scheduler's own thread): a fill takes tens of microseconds
+    # per row, while waking a backend's thread pool on cores the workers' forward keeps busy took
+    # milliseconds per call (batch 1, n-gram drafts: 14 ms of filling per step with 2 threads, 2 ms
+    # with 1), and the pool's threads slowed the forward they ran beside (launcher.fill_threads)
+    fill_threads: int = 1
     cache_size: int = 256
     # a grammar (of a backend whose text form is costly) that compiled this fast is compiled again
     # by the scheduler rather than carried over as text: on its loop, so only for what takes a few ms
@@ -69,6 +68,7 @@ def grammar_settings(cfg: SchedulerConfig) -> GrammarSettings:
         cfg.eos_token_ids,
         cfg.grammar_compile_timeout_s,
         cfg.max_batch_size,
+        fill_threads=cfg.grammar_fill_threads,
     )
 
 
@@ -469,7 +469,7 @@ class GrammarManager:
     def _backend(self, name: str) -> GrammarBackend:
         if name not in self.backends:
             s = self.settings
-            self.backends[name] = create_backend(name, self.tokenizer, s.vocab_size, s.stop_token_ids, _FILL_THREADS)
+            self.backends[name] = create_backend(name, self.tokenizer, s.vocab_size, s.stop_token_ids, s.fill_threads)
         return self.backends[name]
 
     def _create_matcher(self, request_id: str, backend: str, compiled: Any) -> None:

@@ -119,6 +119,7 @@ class Scheduler:
         self.stopping = False
         self.times: dict[str, float] = {}
         self.trace = StepTrace()
+        self.draft_fills: list[tuple[int, float, float]] = []  # this step's draft masks: (draft step, start, end)
         # verified jump-forward without a drafter: the grammar's forced tokens alone, as drafts
         speculative = cfg.speculative
         if speculative is None and cfg.jump_forward == "verified":
@@ -180,6 +181,7 @@ class Scheduler:
                     guided_rows,
                     outputs.draft_s,
                     sum(row.num_new_tokens for row in rows),
+                    self.draft_fills if self._step_drafts else (),
                 )
 
     def send_stats(self) -> None:
@@ -354,6 +356,7 @@ class Scheduler:
         a message from the workers that came meanwhile (their error), if one did."""
         assert self.drafts is not None
         last, rank0 = -1, self.worker_pids.get(0, 0)
+        self.draft_fills.clear()
         while True:
             try:
                 got = self.drafts.next_drafts(self.step_id, last, _IDLE_POLL_S, rank0)
@@ -370,7 +373,9 @@ class Scheduler:
             index, batch_rows, sequences = got
             if index == DRAFTS_DONE:
                 return None
+            start = time.time()
             self.drafts.answer(self.step_id, index, self._draft_mask_rows(batch_rows, sequences, rows))
+            self.draft_fills.append((index, start, time.time()))
             last = index
 
     def _draft_mask_rows(

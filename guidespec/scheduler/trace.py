@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -23,6 +24,7 @@ class StepTrace:
     fill_s: float = 0.0
     forward_s: float = 0.0
     draft_s: float = 0.0
+    draft_fill_s: float = 0.0
     steps: int = 0
     guided_steps: int = 0
 
@@ -35,10 +37,12 @@ class StepTrace:
         guided_rows: int,
         draft_s: float = 0.0,
         tokens: int = 0,
+        draft_fills: Sequence[tuple[int, float, float]] = (),
     ) -> None:
         """``t``: scheduler wall times (start, inputs, mask_start, mask, outputs, end); ``worker``:
         rank 0's (forward_start, forward_end, mask_ready, done); ``draft_s``: rank 0's drafter
-        proposing the next step's drafts, at the end of its step."""
+        proposing the next step's drafts, at the end of its step; ``draft_fills``: the scheduler
+        filling each of those draft steps' masks (draft step, start, end), which rank 0 waits for."""
         forward_start, forward_end, mask_ready, done = (float(x) for x in worker)
         exposed_fill = max(0.0, t["mask"] - forward_end) if guided_rows else 0.0
         self.step_s += t["end"] - t["start"]
@@ -60,6 +64,9 @@ class StepTrace:
         self._span("mask + sample", max(forward_end, mask_ready), done - draft_s, 2, args)
         if draft_s > 0:
             self._span("propose drafts", done - draft_s, done, 2, args)
+        for index, start, end in draft_fills:
+            self._span(f"fill draft step {index} masks", start, end, 1, args)
+            self.draft_fill_s += end - start
 
     def summary(self) -> dict[str, float]:  # noqa: D401
         return {
@@ -70,6 +77,7 @@ class StepTrace:
             "mean_fill_ms": 1000 * self.fill_s / max(1, self.guided_steps),
             "mean_forward_ms": 1000 * self.forward_s / max(1, self.steps),
             "draft_fraction": self.draft_s / self.step_s if self.step_s else 0.0,
+            "draft_fill_fraction": self.draft_fill_s / self.step_s if self.step_s else 0.0,
         }
 
     def write(self, path: Path) -> None:

@@ -285,3 +285,35 @@ def test_a_grammar_compiled_again_or_carried_as_text_fills_the_same_rows(
     finally:
         grammar.shutdown()
         reference.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_fills_on_several_threads_equal_fills_on_one(real_model_dir: Path, backend: str) -> None:
+    """GPU hosts fill a step's rows on a pool (launcher.fill_threads): the rows of twelve requests
+    at different depths, with drafts, equal one thread's, and every grammar is left as it was."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    text = _Text(tokenizer, backend)
+    settings = GrammarSettings(real_model_dir, backend, 49152, (2,), compile_timeout_s=60.0, max_rows=64)
+    managers = [GrammarManager(dataclasses.replace(settings, fill_threads=n), tokenizer) for n in (1, 4)]
+    document = text.encode('{"name":"Alice Smith","age":42}')
+    try:
+        filled = []
+        for manager in managers:
+            rows = []
+            for i in range(12):
+                _matcher(manager, f"r{i}", document[: i + 1])
+                rows.append(FillRow(f"r{i}", document[i + 1 : i + 1 + i % 4]))
+            filled.append(manager.fill(rows).copy())
+            filled.append(
+                manager.fill_after([f"r{i}" for i in range(12)], [document[i + 1 : i + 3] for i in range(12)]).copy()
+            )
+            filled.append(manager.fill(rows).copy())  # the drafts were rolled back
+        for one, many in zip(filled[:3], filled[3:]):
+            np.testing.assert_array_equal(one, many)
+        np.testing.assert_array_equal(filled[0], filled[2])
+        assert filled[0].shape[0] == sum(1 + len(r.drafts) for r in rows) > 24 and filled[0].any(axis=1).all()
+    finally:
+        for manager in managers:
+            manager.shutdown()
