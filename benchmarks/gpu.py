@@ -47,6 +47,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -446,18 +447,15 @@ def bench_eagle_graphs(
     head = head or build_random_eagle_head(setup.model_dir, setup.model_dir.parent / f"{setup.model_dir.name}-eagle")
     eagle = {"method": "eagle", "draft_model": str(head), "adaptive": False, "max_draft_len": setup.draft_len}
     out: list[dict[str, Any]] = []
-    variants = [(True, 0), (False, 0)]  # (graph, fill threads: 0 = the engine's default)
-    if "grammar_fill_threads" in setup.accepted and setup.device.startswith("cuda"):
-        variants.insert(1, (True, 1))  # the default fills with several threads beside GPU workers
-    for graph, threads in variants:
-        label = ("eagle graph" if graph else "eagle steps") + (f", {threads} fill thread" if threads else "")
+    trace_dir = trace_dir or Path(tempfile.mkdtemp(prefix="guidespec-eagle-trace-"))
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    for graph in (True, False):
+        label = "eagle graph" if graph else "eagle steps"
         kw = dict(setup.kwargs(enforce_eager=False), speculative=eagle, graph_grammar=graph)
-        if threads:
-            kw["grammar_fill_threads"] = threads
-        if trace_dir is not None:  # each engine's step trace (the scheduler writes it at shutdown)
-            trace_dir.mkdir(parents=True, exist_ok=True)
-            os.environ["GUIDESPEC_TRACE"] = str(trace_dir / f"{label.replace(', ', '-').replace(' ', '-')}.json")
+        trace = trace_dir / f"{label.replace(' ', '-')}.json"
+        os.environ["GUIDESPEC_TRACE"] = str(trace)  # the engine's step trace, written at its shutdown
         start = time.perf_counter()
+        rows: list[dict[str, Any]] = []
         with LLM(**kw) as llm:
             print(f"[{label}] engine started in {time.perf_counter() - start:.1f} s", flush=True)
             for b in batch_sizes:
@@ -471,20 +469,63 @@ def bench_eagle_graphs(
                 plain = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
                 run_each(llm, prompts, plain)
                 unguided, _ = measure(lambda: run_each(llm, prompts, plain), setup.repeats)
-                row = {"graph": graph, "fill_threads": threads, "batch": b, "guided": guided, "unguided": unguided}
+                row = {"graph": graph, "batch": b, "guided": guided, "unguided": unguided}
                 for key in ("guided", "unguided"):  # every request runs in every step: steps = request steps / B
                     s = row[key]
                     s["step_ms"] = 1e3 * s["wall_s"] * b / s["steps"] if s["steps"] else None
                 row["valid_json"] = sum(o is not None and valid_json(o.text, s) for o, s in zip(outs, schemas))
-                out.append(row)
+                rows.append(row)
                 print(
                     f"[{label}] batch {b}: guided step {fmt(guided['step_ms'], '.2f')} ms, unguided step "
                     f"{fmt(unguided['step_ms'], '.2f')} ms, tokens/step {fmt(guided['tokens_per_spec_step'], '.2f')}, "
                     f"wall guided {guided['wall_s']:.3f} s, unguided {unguided['wall_s']:.3f} s",
                     flush=True,
                 )
-    os.environ.pop("GUIDESPEC_TRACE", None)
+        os.environ.pop("GUIDESPEC_TRACE", None)
+        for row in rows:  # the trace is complete once the engine has shut down
+            row["decode"] = decode_steps(trace, row["batch"], setup.draft_len)
+            d = row["decode"]
+            print(
+                f"[{label}] batch {row['batch']}: decode steps p50 guided {fmt(d['guided_ms'], '.2f')} ms "
+                f"({d['guided_steps']}), unguided {fmt(d['unguided_ms'], '.2f')} ms ({d['unguided_steps']})",
+                flush=True,
+            )
+        out.extend(rows)
     return out
+
+
+def decode_steps(trace: Path, batch: int, draft_len: int) -> dict[str, Any]:
+    """p50 wall ms of the engine's steps of ``batch`` rows and at most ``batch * (1 + draft_len)``
+    tokens (decode and verify steps, no prefill chunk), guided and unguided, from its step trace;
+    and the guided steps' parts (p50 ms of each span: the scheduler's fills, rank 0's forward,
+    mask + sample, drafting)."""
+    if not trace.exists():
+        return {"guided_ms": None, "unguided_ms": None, "guided_steps": 0, "unguided_steps": 0, "parts": {}}
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    steps: dict[int, list[dict[str, Any]]] = {}
+    for e in events:
+        steps.setdefault(int(e["args"]["step"]), []).append(e)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    parts: dict[str, list[float]] = {}
+    for spans in steps.values():
+        args = spans[0]["args"]
+        if args["batch"] != batch or args["tokens"] > batch * (1 + draft_len):
+            continue
+        mine = [e for e in spans if e["pid"] == 1]  # the scheduler's spans: the step from start to end
+        begin, end = min(e["ts"] for e in mine), max(e["ts"] + e["dur"] for e in mine)
+        guided = bool(args["guided_rows"])
+        times[guided].append((end - begin) / 1e3)
+        if guided:
+            for e in spans:
+                parts.setdefault(e["name"], []).append(e["dur"] / 1e3)
+    p50 = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    return {
+        "guided_ms": p50(times[True]),
+        "unguided_ms": p50(times[False]),
+        "guided_steps": len(times[True]),
+        "unguided_steps": len(times[False]),
+        "parts": {name: p50(xs) for name, xs in sorted(parts.items())},
+    }
 
 
 # ---------------------------------------------------------------- bitmask
@@ -634,21 +675,41 @@ def markdown(report: dict[str, Any]) -> str:
             "Unguided runs to the guided outputs' lengths, so the wall-time share compares the same tokens; "
             "guided steps carry grammar-forced drafts, so they are fewer and longer.",
             "",
-            "| batch | draft steps | fill threads | guided step ms | unguided step ms | grammar's share of a step | "
-            "grammar's share of wall time | tokens / step | valid JSON |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---|",
+            "| batch | draft steps | guided step ms | unguided step ms | grammar's share of a step | "
+            "grammar's share of wall time | decode step p50 ms, guided / unguided | grammar's share of a decode step | "
+            "tokens / step | valid JSON |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for e in report["eagle"]:
             g, u = e["guided"]["step_ms"], e["unguided"]["step_ms"]
             share = g / u - 1 if g and u else None
             gw, uw = e["guided"]["wall_s"], e["unguided"]["wall_s"]
             wall_share = gw / uw - 1 if gw and uw else None
+            d = e.get("decode") or {}
+            dg, du = d.get("guided_ms"), d.get("unguided_ms")
+            decode_share = dg / du - 1 if dg and du else None
             lines.append(
-                f"| {e['batch']} | {'graph' if e['graph'] else 'steps'} | {e.get('fill_threads') or 'default'} | "
-                f"{fmt(g, '.2f')} | {fmt(u, '.2f')} | {fmt(None if share is None else 100 * share, '.1f', '%')} | "
+                f"| {e['batch']} | {'graph' if e['graph'] else 'steps'} | {fmt(g, '.2f')} | {fmt(u, '.2f')} | "
+                f"{fmt(None if share is None else 100 * share, '.1f', '%')} | "
                 f"{fmt(None if wall_share is None else 100 * wall_share, '.1f', '%')} | "
+                f"{fmt(dg, '.2f')} / {fmt(du, '.2f')} | "
+                f"{fmt(None if decode_share is None else 100 * decode_share, '.1f', '%')} | "
                 f"{fmt(e['guided']['tokens_per_spec_step'], '.2f')} | {e['valid_json']}/{e['batch']} |"
             )
+        parts = [(e, (e.get("decode") or {}).get("parts") or {}) for e in report["eagle"]]
+        names = sorted({name for _, p in parts for name in p})
+        if names:
+            lines += [
+                "",
+                "Guided decode steps, p50 ms of each span of the step trace (scheduler: fills, emit; rank 0: "
+                "forward with the head's follow run, mask + sample, propose drafts):",
+                "",
+                "| batch | draft steps | " + " | ".join(names) + " |",
+                "|---:|---|" + "---:|" * len(names),
+            ]
+            for e, p in parts:
+                cells = " | ".join(fmt(p.get(name), ".2f") for name in names)
+                lines.append(f"| {e['batch']} | {'graph' if e['graph'] else 'steps'} | {cells} |")
     if report["bitmask"]:
         lines += [
             "",

@@ -174,8 +174,8 @@ class EngineConfig:
     # an EAGLE head's greedy draft steps as one graph each, grammar waits inside (spec/draft_graph.py):
     # None: on CUDA with graphs; True on the CPU runs the same steps eagerly
     graph_grammar: bool | None = None
-    # threads filling a step's grammar masks in the scheduler (0: auto, launcher.fill_threads)
-    grammar_fill_threads: int = 0
+    # threads filling a step's grammar masks in the scheduler (GrammarSettings.fill_threads)
+    grammar_fill_threads: int = 1
     gpu_memory_utilization: float = 0.9  # CUDA: the share of a GPU's memory a rank may take
     ray_placement: str = "pack"  # Ray: "pack" (STRICT_PACK: one node) or "spread" (STRICT_SPREAD across nodes)
     # dtype "gguf", and "auto" on the CPU: a GGUF model's linear weights run as the file's own blocks
@@ -202,7 +202,7 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None
     enable_prefix_caching: bool = True
     draft_channel: ChannelSpec | None = None  # model drafts and their masks with rank 0 (cuda_ext)
-    grammar_fill_threads: int = 1  # EngineConfig.grammar_fill_threads, resolved
+    grammar_fill_threads: int = 1  # EngineConfig.grammar_fill_threads
 
 
 @dataclass(frozen=True)

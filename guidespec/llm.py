@@ -195,7 +195,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         ray_placement: str = "pack",
         graph_grammar: bool | None = None,
-        grammar_fill_threads: int = 0,
+        grammar_fill_threads: int = 1,
     ) -> None:
         if grammar_backend not in BACKEND_CHOICES:
             raise ValueError(f"grammar_backend must be one of {', '.join(BACKEND_CHOICES)}, got {grammar_backend!r}")
@@ -210,9 +210,9 @@ class LLM:
         if (
             isinstance(grammar_fill_threads, bool)
             or not isinstance(grammar_fill_threads, int)
-            or not 0 <= grammar_fill_threads <= 64
+            or not 1 <= grammar_fill_threads <= 64
         ):
-            raise ValueError(f"grammar_fill_threads must be an int in [0, 64] (0: auto), got {grammar_fill_threads!r}")
+            raise ValueError(f"grammar_fill_threads must be an int in [1, 64], got {grammar_fill_threads!r}")
         if ray_placement not in ("pack", "spread"):
             raise ValueError(f"ray_placement must be 'pack' or 'spread', got {ray_placement!r}")
         from guidespec.worker.device import resolve_device, resolve_dtype

@@ -116,7 +116,7 @@ class EngineProcesses:
             cfg.speculative,
             cfg.enable_prefix_caching,
             draft_channel=self.drafts.spec if self.drafts is not None else None,
-            grammar_fill_threads=fill_threads(cfg),
+            grammar_fill_threads=cfg.grammar_fill_threads,
         )
         self._spawn("scheduler", "scheduler", scheduler_cfg)
         init_method = self.ray.rank0_rendezvous() if self.ray is not None else f"tcp://127.0.0.1:{_free_port()}"
@@ -216,19 +216,6 @@ def _arena_spec(cfg: EngineConfig) -> ArenaSpec:
     return ArenaSpec(
         f"guidespec-{uuid.uuid4().hex[:12]}-masks", cfg.max_batch_size * rows_per_request, -(-cfg.vocab_size // 32)
     )
-
-
-def fill_threads(cfg: EngineConfig, cpu_count: int | None = None) -> int:
-    """Threads the scheduler fills a step's grammar masks with: ``grammar_fill_threads``, or by
-    default one where the workers compute on the CPU (a pool's threads wake slower than a row fills
-    and take the cores the forward needs) and up to 8 beside GPU workers, whose cores are idle
-    while the device computes: half the host's cores, at most one per 4 rows of a full batch."""
-    if cfg.grammar_fill_threads > 0:
-        return cfg.grammar_fill_threads
-    if cfg.device != "cuda":
-        return 1
-    cores = cpu_count if cpu_count is not None else len(os.sched_getaffinity(0))
-    return max(1, min(8, cores // 2, -(-cfg.max_batch_size // 4)))
 
 
 def _draft_graphs(cfg: EngineConfig) -> bool:

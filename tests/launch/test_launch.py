@@ -133,18 +133,3 @@ def test_sweep_checks_multiple_of_on_the_decimal_digits() -> None:
     assert "multiple" in (validate_output('{"price": 1283.345}', schema) or "")
     assert "multiple" in (validate_output('{"n": 10}', schema) or "")
     assert validate_output('{"price": "1.5"}', schema) is not None  # other keywords still apply
-
-
-def test_fill_threads_are_one_beside_cpu_workers_and_a_pool_beside_gpus() -> None:
-    import dataclasses
-
-    from guidespec.config import EngineConfig
-    from guidespec.launch.launcher import fill_threads
-
-    cpu = EngineConfig(Path("m"), 1, "float32", 16, 512, 512, (2,))
-    gpu = dataclasses.replace(cpu, device="cuda")
-    assert fill_threads(cpu, cpu_count=16) == 1
-    assert fill_threads(gpu, cpu_count=16) == 4  # a pool thread per 4 rows of a full batch
-    assert fill_threads(dataclasses.replace(gpu, max_batch_size=64), cpu_count=16) == 8
-    assert fill_threads(dataclasses.replace(gpu, max_batch_size=64), cpu_count=2) == 1
-    assert fill_threads(dataclasses.replace(cpu, grammar_fill_threads=3), cpu_count=2) == 3
