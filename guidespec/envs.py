@@ -42,6 +42,13 @@ def trace_path() -> str | None:
     return os.environ.get("GUIDESPEC_TRACE") or None
 
 
+def torch_profiler_dir() -> str | None:
+    """``GUIDESPEC_TORCH_PROFILER_DIR=DIR``: rank 0 runs torch's profiler (CPU and CUDA) over the
+    steps during which the file ``DIR/on`` exists, and writes each such window's Chrome trace to
+    ``DIR/rank0-<n>.json`` when the file goes away (one existence check per step otherwise)."""
+    return os.environ.get("GUIDESPEC_TORCH_PROFILER_DIR") or None
+
+
 def worker_threads() -> int | None:
     """``GUIDESPEC_WORKER_THREADS=N``: torch threads per worker rank (default: the cores split
     over the ranks). Set it to 1 when several engines share a small machine: oversubscribed

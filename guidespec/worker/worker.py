@@ -17,6 +17,7 @@ import os
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -165,6 +166,8 @@ class Worker:
 
     def loop(self, results: Channel, parent_pid: int) -> None:
         self.results = results
+        folder = envs.torch_profiler_dir()
+        self.profiler = _StepProfiler(Path(folder)) if folder is not None and self.tp.rank == 0 else None
         while True:
             message = self._next_message(parent_pid)
             if isinstance(message, Shutdown):
@@ -173,6 +176,8 @@ class Worker:
                 continue
             if not isinstance(message, StepInputs):
                 raise RuntimeError(f"expected StepInputs on the ring, got {type(message).__name__}")
+            if self.profiler is not None:
+                self.profiler.tick()
             outputs = self.step(message)
             if outputs is not None:
                 results.send(outputs)
@@ -319,3 +324,24 @@ def _drafts(inputs: StepInputs) -> list[np.ndarray]:
     """Each row's draft tokens: the last ``num_logits - 1`` tokens it runs."""
     ends = np.cumsum(inputs.num_new_tokens)
     return [inputs.token_ids[end - max(0, n - 1) : end] for end, n in zip(ends.tolist(), inputs.num_logits.tolist())]
+
+
+class _StepProfiler:
+    """torch's profiler over the steps during which ``folder/on`` exists (envs.torch_profiler_dir)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.windows = folder, 0
+        self.active: Any = None
+
+    def tick(self) -> None:
+        on = (self.folder / "on").exists()
+        if on and self.active is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.active = torch.profiler.profile(activities=activities)
+            self.active.__enter__()
+        elif not on and self.active is not None:
+            self.active.__exit__(None, None, None)
+            self.active.export_chrome_trace(str(self.folder / f"rank0-{self.windows}.json"))
+            self.active, self.windows = None, self.windows + 1
