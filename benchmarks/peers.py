@@ -21,13 +21,15 @@ their prefill weighs less per token: guided / unguided is also measured at the s
 unguided run to each guided output's token count with EOS ignored ("unguided, guided's length"),
 which leaves the grammar's own cost.
 
-Each guidespec mode starts on a fresh engine, with prefix caching on as users run it (the cases
-share a chat template and system prompt, as llama.cpp's consecutive calls share a prefix) and no
-prompt of an earlier mode's run of the same case cached. Its guided runs alternate with their
-same-length twins case by case (the two meet the same moments of a noisy machine), with prefix
-caching off (the twin computes the prompt its guided run just computed), ``--repeats`` times,
-each on a fresh engine, so every schema's compile counts as a first one; their figures are the
-sums, with each repeat's ratio beside them.
+Every system's every mode runs case by case (case 1 in each, then case 2, ...), so the ratios
+between systems meet the same moments of a noisy machine; each mode has a model or engine of its
+own (llama.cpp reuses its previous call's prompt, and no mode may find a prompt another computed).
+guidespec's engines run with prefix caching on as users run it (the cases share a chat template
+and system prompt, as llama.cpp's consecutive calls share a prefix), fresh for each case set.
+Its guided runs then alternate with their same-length twins case by case, with prefix caching
+off (the twin computes the prompt its guided run just computed), ``--repeats`` times, each on a
+fresh engine, so every schema's compile counts as a first one; their figures are the sums, with
+each repeat's ratio beside them.
 
 ``--concurrency``: guidespec alone, guided + n-gram, that many requests at once (one engine per
 level, ``max(c, 8)`` requests over the cases, prefix caching off since the cases repeat):
@@ -87,7 +89,9 @@ def llama_cpp_runs(threads: int, max_tokens: int) -> dict[str, Run]:
 
     path = str(default_model_path())
     kw = dict(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, seed=0, verbose=False)
-    plain, lookup = Llama(**kw), Llama(**kw, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
+    # a model per mode: the modes run case by case, and llama.cpp reuses its previous call's prompt
+    plain, constrained = Llama(**kw), Llama(**kw)
+    lookup = Llama(**kw, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
 
     def run(llm: Any, case: dict[str, Any], guided: bool) -> tuple[str, int]:
         grammar = LlamaGrammar.from_json_schema(json.dumps(schema_of(case)), verbose=False) if guided else None
@@ -98,7 +102,7 @@ def llama_cpp_runs(threads: int, max_tokens: int) -> dict[str, Run]:
 
     return {
         "unguided": lambda case: run(plain, case, False),
-        "guided": lambda case: run(plain, case, True),
+        "guided": lambda case: run(constrained, case, True),
         "guided+lookup": lambda case: run(lookup, case, True),
     }
 
@@ -133,66 +137,82 @@ def hf_runs(threads: int, max_tokens: int) -> dict[str, Run]:
     return {"guided": lambda case: run(case, True)}  # (its unguided decode: benchmarks/decode.py)
 
 
-def guidespec_runs(dtype: str, max_tokens: int) -> tuple[dict[str, Run], Callable[[], None], Callable[[bool], None]]:
-    """guidespec's runs, a close, and a restart: from then on the runs go to a fresh engine (no
-    prompt cached, no grammar compiled), with prefix caching on (as users run it) or off; a
-    restart of an engine that has run nothing yet with the same setting keeps it."""
-    from guidespec import LLM, SamplingParams
-    from guidespec.protocol import GuidedDecoding
+class GuidespecSystem:
+    """guidespec's runs. The modes measured beside the peers (unguided, guided + n-gram) run each
+    on an engine of its own, with prefix caching on as users run it, fresh for each case set
+    (``reset``): no mode finds a prompt another mode computed. The guided runs and their
+    same-length twins share an engine without prefix caching (``pair_runs``), fresh for each
+    repeat (``reset("pairs")``)."""
 
-    def start(prefix_caching: bool) -> dict[str, Any]:
-        llm = LLM(
-            dtype=dtype,
-            show_progress=False,
-            speculative="ngram",
-            max_batch_size=8,
-            enable_prefix_caching=prefix_caching,
-        )
-        return {"llm": llm, "caching": prefix_caching, "used": False}
+    def __init__(self, dtype: str, max_tokens: int) -> None:
+        self.dtype, self.max_tokens = dtype, max_tokens
+        self.engines: dict[str, Any] = {}  # "unguided", "guided+lookup", "pairs" -> LLM
+        self.guided_lengths: dict[str, int] = {}
 
-    engine = start(True)
-    guided_lengths: dict[str, int] = {}
+    def runs(self) -> dict[str, Run]:
+        return {
+            "unguided": lambda case: self._run("unguided", case, False, False),
+            "guided+lookup": lambda case: self._run("guided+lookup", case, True, True),
+        }
 
-    def run(case: dict[str, Any], guided: bool, speculative: bool, length: int | None = None) -> tuple[str, int]:
+    def pair_runs(self) -> dict[str, Run]:
+        return {
+            "guided": lambda case: self._run("pairs", case, True, False),
+            SAME_LENGTH: lambda case: self._run("pairs", case, False, False, self.guided_lengths[case["id"]]),
+        }
+
+    def reset(self, key: str | None = None) -> None:
+        """Close the engine of ``key`` (None: every one); the next run starts a fresh one."""
+        for name in [key] if key is not None else list(self.engines):
+            engine = self.engines.pop(name, None)
+            if engine is not None:
+                engine.close()
+
+    def _engine(self, key: str) -> Any:
+        from guidespec import LLM
+
+        if key not in self.engines:
+            self.engines[key] = LLM(
+                dtype=self.dtype,
+                show_progress=False,
+                speculative="ngram",
+                max_batch_size=8,
+                enable_prefix_caching=key != "pairs",
+            )
+        return self.engines[key]
+
+    def _run(
+        self, key: str, case: dict[str, Any], guided: bool, speculative: bool, length: int | None = None
+    ) -> tuple[str, int]:
+        from guidespec import SamplingParams
+        from guidespec.protocol import GuidedDecoding
+
         params = SamplingParams(
-            max_tokens=length or max_tokens,
+            max_tokens=length or self.max_tokens,
             temperature=0.0,
             speculative=speculative,
             guided=GuidedDecoding(json_schema=json.dumps(schema_of(case))) if guided else None,
             ignore_eos=length is not None,
         )
-        engine["used"] = True
-        out = engine["llm"].generate([case["messages"]], params)[0]
-        if guided and not speculative:
-            guided_lengths[case["id"]] = len(out.token_ids)
+        out = self._engine(key).generate([case["messages"]], params)[0]
+        if key == "pairs" and guided:
+            self.guided_lengths[case["id"]] = len(out.token_ids)
         return out.text, len(out.token_ids)
-
-    def restart(prefix_caching: bool) -> None:
-        if engine["used"] or engine["caching"] != prefix_caching:
-            engine["llm"].close()
-            engine.update(start(prefix_caching))
-
-    runs: dict[str, Run] = {
-        "unguided": lambda case: run(case, False, False),
-        "guided": lambda case: run(case, True, False),
-        SAME_LENGTH: lambda case: run(case, False, False, guided_lengths[case["id"]]),
-        "guided+lookup": lambda case: run(case, True, True),
-    }
-    return runs, lambda: engine["llm"].close(), restart
 
 
 def measure(run: Run, cases: list[dict[str, Any]], guided: bool) -> dict[str, Any]:
     return measure_each({"mode": run}, cases, {"mode": guided})["mode"]
 
 
-def measure_each(runs: dict[str, Run], cases: list[dict[str, Any]], guided: dict[str, bool]) -> dict[str, Any]:
+def measure_each(runs: dict[Any, Run], cases: list[dict[str, Any]], guided: dict[Any, bool]) -> dict[Any, Any]:
     """Each mode of ``runs`` on every case, case by case (case 1 in every mode, then case 2, ...):
-    modes compared with each other meet the same moments of a noisy machine."""
+    modes compared with each other, whatever system runs them, meet the same moments of a noisy
+    machine."""
     from guidespec.launch.sweep import validate_output
 
     for run in runs.values():
         run(cases[0])  # warm-up (grammar compiler caches, first-call costs)
-    tallies: dict[str, dict[str, Any]] = {m: {"tokens": 0, "valid": 0, "walls": [], "failures": []} for m in runs}
+    tallies: dict[Any, dict[str, Any]] = {m: {"tokens": 0, "valid": 0, "walls": [], "failures": []} for m in runs}
     for case in cases:
         for mode, run in runs.items():
             tally = tallies[mode]
@@ -222,16 +242,15 @@ def measure_each(runs: dict[str, Run], cases: list[dict[str, Any]], guided: dict
 
 
 def measure_same_length(
-    runs: dict[str, Run], cases: list[dict[str, Any]], repeats: int, restart: Callable[[bool], None]
+    pairs: dict[str, Run], cases: list[dict[str, Any]], repeats: int, restart: Callable[[], None]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Guided, and unguided held to each guided output's length, case by case, ``repeats`` times,
     each time on a fresh engine without prefix caching (every schema compiled anew, and the twin
     computes the prompt its guided run just computed): the summed figures, and each repeat's
     guided ÷ unguided in ``ratios``."""
-    pairs = {"guided": runs["guided"], SAME_LENGTH: runs[SAME_LENGTH]}
     each = []
     for _ in range(repeats):
-        restart(False)
+        restart()
         each.append(measure_each(pairs, cases, {"guided": True, SAME_LENGTH: True}))
     merged = []
     for mode in pairs:
@@ -345,8 +364,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"- {meta['date']}, commit {meta['commit']}; {meta['machine']}; {meta['threads']} threads each",
         f"- {meta['cases']} cases per set, max_tokens {meta['max_tokens']}; guidespec dtype {meta['dtype']}; "
         f"llama.cpp: llama-cpp-python {meta.get('llama_cpp', '–')} on the GGUF (prompt lookup: 10 tokens)",
-        f"- guidespec: each mode on a fresh engine; guided and same length case by case without prefix "
-        f"caching, {meta.get('repeats', 1)} time(s), each on a fresh engine (summed); the others: once",
+        f"- every system's modes case by case, each on an engine of its own (guidespec: prefix caching on); "
+        f"guidespec's guided and same length then case by case without prefix caching, "
+        f"{meta.get('repeats', 1)} time(s), each on a fresh engine (summed)",
         "",
     ]
     for name, results in report["sets"].items():
@@ -417,8 +437,7 @@ def main() -> None:
     sets = case_sets(args.sets, args.cases)
     systems: dict[str, dict[str, Run]] = {}
     meta: dict[str, Any] = {}
-    closers: list[Callable[[], None]] = []
-    restarts: dict[str, Callable[[bool], None]] = {}  # guidespec's: a fresh engine (prefix caching on/off)
+    ours: dict[str, GuidespecSystem] = {}
     for system in args.systems:
         try:
             if system == "llama.cpp":
@@ -429,9 +448,8 @@ def main() -> None:
             elif system == "hf":
                 systems[system] = hf_runs(args.threads, args.max_tokens)
             elif system in ("guidespec", "guidespec-fp32"):
-                dtype = "float32" if system == "guidespec-fp32" else args.dtype
-                systems[system], close, restarts[system] = guidespec_runs(dtype, args.max_tokens)
-                closers.append(close)
+                ours[system] = GuidespecSystem("float32" if system == "guidespec-fp32" else args.dtype, args.max_tokens)
+                systems[system] = ours[system].runs()
             else:
                 raise SystemExit(f"unknown system {system!r}")
         except ImportError as e:
@@ -439,37 +457,39 @@ def main() -> None:
     report: dict[str, Any] = {"sets": {}, "concurrency": []}
     try:
         for name, cases in sets.items():
-            results: dict[str, dict[str, Any]] = {}
-            for system, runs in systems.items():
-                results[system] = {}
-                for mode in MODES:
-                    if mode not in runs or (mode == SAME_LENGTH and mode in results[system]):
-                        continue
-                    try:
-                        if mode == "guided" and system in restarts:
-                            results[system]["guided"], results[system][SAME_LENGTH] = measure_same_length(
-                                runs, cases, args.repeats, restarts[system]
-                            )
-                        else:
-                            if system in restarts:  # no prompt of an earlier mode (or case set) cached
-                                restarts[system](True)
-                            results[system][mode] = measure(runs[mode], cases, mode != "unguided")
-                    except Exception:
-                        traceback.print_exc()
-                        continue
-                    for shown in [mode] + ([SAME_LENGTH] if mode == "guided" and system in restarts else []):
-                        r = results[system][shown]
-                        each = f", guided ÷ same length per repeat {fmt_ratios(r['ratios'])}" if "ratios" in r else ""
-                        print(
-                            f"[{name}] {system} {shown}: {fmt(r['tok_s'])} tok/s, "
-                            f"{fmt(r['s_per_task'], '.2f')} s/task, valid {r['valid']}/{r['cases']}, "
-                            f"failures {len(r['failures'])}{each}",
-                            flush=True,
-                        )
+            for gs in ours.values():
+                gs.reset()  # fresh engines: no prompt of the other case set cached
+            # every system's every mode, case by case: the ratios between systems meet the same noise
+            runs = {(system, mode): run for system, modes in systems.items() for mode, run in modes.items()}
+            measured = measure_each(runs, cases, {key: key[1] != "unguided" for key in runs})
+            results: dict[str, dict[str, Any]] = {system: {} for system in systems}
+            for (system, mode), r in measured.items():
+                results[system][mode] = r
+            for system, gs in ours.items():
+                try:
+                    results[system]["guided"], results[system][SAME_LENGTH] = measure_same_length(
+                        gs.pair_runs(),
+                        cases,
+                        args.repeats,
+                        lambda gs=gs: gs.reset("pairs"),  # type: ignore[misc]
+                    )
+                except Exception:
+                    traceback.print_exc()
+                gs.reset()
+            for system in results:
+                results[system] = {m: results[system][m] for m in MODES if m in results[system]}
+                for mode, r in results[system].items():
+                    each = f", guided ÷ same length per repeat {fmt_ratios(r['ratios'])}" if "ratios" in r else ""
+                    print(
+                        f"[{name}] {system} {mode}: {fmt(r['tok_s'])} tok/s, "
+                        f"{fmt(r['s_per_task'], '.2f')} s/task, valid {r['valid']}/{r['cases']}, "
+                        f"failures {len(r['failures'])}{each}",
+                        flush=True,
+                    )
             report["sets"][name] = results
     finally:
-        for close in closers:
-            close()
+        for gs in ours.values():
+            gs.reset()
     if args.concurrency:
         report["concurrency"] = concurrency_sweep(args.concurrency, sets[args.sets[0]], args.dtype, args.max_tokens)
     report["meta"] = dict(
