@@ -20,11 +20,11 @@ runs replay, as a long-running server has):
 - EAGLE draft-step graphs (issue 23): an EAGLE-3 head (``--eagle-head``, else random weights of
   the model's shape) drafting ``--draft-len`` tokens a step (fixed length), guided and unguided,
   with the draft steps as one captured graph whose grammar waits are host nodes
-  (``graph_grammar=True``) against the same steps one by one (``--no-graph-grammar``), and on CUDA
-  the graph again with the scheduler's fills on one thread (``grammar_fill_threads=1``; the default
-  is a pool beside GPU workers), at batch 1 and 16: time per engine step, and the grammar's share
-  of a graph step (guided over unguided step time, minus 1) and of wall time (unguided runs to the
-  guided outputs' lengths, so both produce the same tokens); a random head's drafts are nearly all
+  (``graph_grammar=True``) against the same steps one by one (``--no-graph-grammar``), at batch 1
+  and 16: time per engine step, the grammar's share of a step (guided over unguided step time,
+  minus 1), of wall time (unguided runs to the guided outputs' lengths, so both produce the same
+  tokens) and of a decode step (p50 from each engine's step trace, ``--trace-dir``, with the
+  guided steps' parts); a random head's drafts are nearly all
   rejected, so its accepted tokens per step say nothing (a trained head and ``--model`` do);
 - bitmask: p50 time per step to copy R = B x (1 + draft length) bitmask rows host-to-device from a
   page-locked arena (``DeviceMasks.upload``), to apply them to fp32 logits [R, vocab] already on the

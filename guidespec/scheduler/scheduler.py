@@ -181,7 +181,7 @@ class Scheduler:
                     guided_rows,
                     outputs.draft_s,
                     sum(row.num_new_tokens for row in rows),
-                    self.draft_fills if self._step_drafts else (),
+                    self.draft_fills,
                 )
 
     def send_stats(self) -> None:
@@ -242,6 +242,7 @@ class Scheduler:
         guided = [(int(logits_row[i]), row) for i, row in enumerate(rows) if row.num_logits and row.request.guided]
         inputs = self._step_inputs(rows, has_bitmask=bool(guided))
         self._step_drafts = self.drafts is not None and inputs.draft_lens is not None
+        self.draft_fills.clear()
         self.broadcaster.write(codec.encode(inputs), timeout=envs.step_timeout_s())
         self.times["inputs"] = self.times["mask_start"] = self.times["mask"] = time.time()
         if guided:
@@ -356,7 +357,6 @@ class Scheduler:
         a message from the workers that came meanwhile (their error), if one did."""
         assert self.drafts is not None
         last, rank0 = -1, self.worker_pids.get(0, 0)
-        self.draft_fills.clear()
         while True:
             try:
                 got = self.drafts.next_drafts(self.step_id, last, _IDLE_POLL_S, rank0)

@@ -289,8 +289,9 @@ def test_a_grammar_compiled_again_or_carried_as_text_fills_the_same_rows(
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 def test_fills_on_several_threads_equal_fills_on_one(real_model_dir: Path, backend: str) -> None:
-    """GPU hosts fill a step's rows on a pool (launcher.fill_threads): the rows of twelve requests
-    at different depths, with drafts, equal one thread's, and every grammar is left as it was."""
+    """``grammar_fill_threads`` > 1 fills a step's rows on the backend's pool: the rows of twelve
+    requests at different depths, with drafts, equal one thread's, and every grammar is left as
+    it was."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
