@@ -13,7 +13,7 @@ import pytest
 
 from guidespec import LLM, RequestError, SamplingParams
 from guidespec.launch.sweep import is_grammar_refusal, validate_output
-from guidespec.protocol import GuidedDecoding
+from guidespec.protocol import GuidedDecoding, RequestOutput
 
 pytestmark = pytest.mark.slow
 WORKLOAD = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "jsonschemabench" / "workload.jsonl"
@@ -218,11 +218,22 @@ def test_unguided_request_completes_while_a_grammar_compiles(llm: LLM) -> None:
 
 
 def test_compile_timeout_fails_the_request_with_a_clear_message() -> None:
-    with LLM(max_batch_size=2, grammar_compile_timeout_s=0.5, show_progress=False) as engine:
+    """The deadline passes while another request's steps run (the scheduler watches compiles while
+    it waits for a step): the guided request fails, the other one runs to its end."""
+    slow = SamplingParams(max_tokens=4, guided=GuidedDecoding(json_schema=_slow_schema("timeout")))
+
+    async def run(engine: LLM) -> RequestOutput:
+        plain = asyncio.ensure_future(
+            engine.agenerate("Count: 1, 2, 3,", SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True))
+        )
+        await asyncio.sleep(0.1)
         with pytest.raises(RequestError, match="grammar compilation took longer than 0.5 s"):
-            engine.generate(
-                "x", SamplingParams(max_tokens=4, guided=GuidedDecoding(json_schema=_slow_schema("timeout")))
-            )
+            await engine.agenerate("x", slow)
+        assert not plain.done()  # the guided request failed while the other one's steps ran
+        return await plain
+
+    with LLM(max_batch_size=2, grammar_compile_timeout_s=0.5, show_progress=False) as engine:
+        assert len(asyncio.run(run(engine)).token_ids) == 300
         assert engine.generate("Hi", SamplingParams(max_tokens=3))[0].finished
         # the compile process was killed and restarted: guided requests work again
         out = engine.generate("Pick:", SamplingParams(max_tokens=5, guided=GuidedDecoding(choice=("a", "b"))))[0]

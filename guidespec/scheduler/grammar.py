@@ -256,6 +256,12 @@ class GrammarManager:
             self.closing.restore(saved)
         return self.bitmask[: firsts[-1]]
 
+    def prepare(self, request_id: str, max_tokens: int) -> None:
+        """Work for the request's first mask that needs only its grammar (the first budget check's
+        dry run of closing: ``ClosingStep.check_budget``), done ahead of the step that needs it."""
+        if request_id in self.matchers:
+            self.closing.check_budget(request_id, 0, max_tokens, *self._grammar(request_id))
+
     def stop_rows(self, count: int) -> np.ndarray:
         """``count`` mask rows that allow only a stop token (a failed request's rows of a step)."""
         return np.repeat(self._stop_row[None], count, axis=0)

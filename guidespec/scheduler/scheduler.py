@@ -120,6 +120,7 @@ class Scheduler:
         self.times: dict[str, float] = {}
         self.trace = StepTrace()
         self.draft_fills: list[tuple[int, float, float]] = []  # this step's draft masks: (draft step, start, end)
+        self._failed_compiles: list[tuple[str, str]] = []  # (request, error) seen while a step ran
         # verified jump-forward without a drafter: the grammar's forced tokens alone, as drafts
         speculative = cfg.speculative
         if speculative is None and cfg.jump_forward == "verified":
@@ -225,14 +226,33 @@ class Scheduler:
             self._check_health()
 
     def poll_grammars(self) -> None:
-        """Move requests whose grammar compiled to the front of the queue; fail those that did not."""
+        """Move requests whose grammar compiled to the front of the queue; fail those that did not
+        (also those whose compile failed while a step ran)."""
+        self._take_compiled()
+        failed, self._failed_compiles = self._failed_compiles, []
+        for request_id, error in failed:
+            if request_id in self.requests:
+                self._fail(self.requests[request_id], error, BAD_REQUEST)
+
+    def _take_compiled(self) -> None:
+        """Ready the requests whose grammar compiled (``collect`` calls it too: a compile that ends
+        while the workers compute a step, as a prompt's prefill, is loaded and checked meanwhile,
+        not after the step); failures wait for ``poll_grammars``, between steps."""
         ready, failed = self.grammar.poll()
+        self._failed_compiles.extend(failed)
         for request_id in ready:
             request = self.requests[request_id]
             request.grammar_backend, request.grammar_refusal = self.grammar.served(request_id)
             self.batcher.promote(request)
-        for request_id, error in failed:
-            self._fail(self.requests[request_id], error, BAD_REQUEST)
+            self._prepare_grammar(request)
+
+    def _prepare_grammar(self, request: Request) -> None:
+        """The grammar's work for the request's first mask that needs no step (the first dry run
+        of closing), done as soon as its matcher exists rather than in the first step's fill."""
+        try:
+            self.grammar.prepare(request.request_id, self._output_budget(request))
+        except Exception:  # the first fill does it again and fails the request there if it must
+            logger.exception("request %s: preparing its grammar failed", request.request_id)
 
     def broadcast(self, rows: list[ScheduledRow]) -> int:
         """Two broadcasts: the inputs first, so the forward starts at once; then the bitmasks,
@@ -274,7 +294,9 @@ class Scheduler:
         timer = AwakeTimer(envs.step_timeout_s())  # running time: a pause of the whole engine is no hang
         early = self._serve_drafts(rows, timer) if self._step_drafts else None
         while True:
-            message = early if early is not None else self.worker_results.recv(timeout_s=_IDLE_POLL_S)
+            compiling = self.grammar.has_pending
+            timeout = _COMPILE_POLL_S if compiling else _IDLE_POLL_S
+            message = early if early is not None else self.worker_results.recv(timeout_s=timeout)
             early = None
             if isinstance(message, StepOutputs) and message.step == self.step_id:
                 return message
@@ -282,6 +304,8 @@ class Scheduler:
                 self._send_draft_mask(message, rows)
             if isinstance(message, WorkerError):
                 raise EngineFailure(_worker_failure(message))
+            if compiling:
+                self._take_compiled()
             if message is None:
                 self._check_health()
                 if timer.expired():
@@ -515,6 +539,7 @@ class Scheduler:
                 request.grammar_ready = self.grammar.submit(request.request_id, message.params.guided)
                 if request.grammar_ready:
                     request.grammar_backend, request.grammar_refusal = self.grammar.served(request.request_id)
+                    self._prepare_grammar(request)
             except GrammarError as e:
                 self.client_out.send(
                     RequestOutput(message.request_id, [], "", True, "error", str(e), error_status=BAD_REQUEST)

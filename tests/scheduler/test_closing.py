@@ -242,11 +242,14 @@ def test_a_budget_that_barely_fits_the_shortest_document_still_ends_valid(
     """max_tokens only ``slack`` tokens above the dry run's length from the start: the rambling
     model closes at once, and once what is left only fits the dry run, the dry run itself is
     written (the sampled sweep's Github_hard o66712 needs 926 of its 1024 tokens with xgrammar's
-    separators; the model's own closing ran past 1024)."""
+    separators; the model's own closing ran past 1024). The same with the first budget check
+    done ahead of the first fill (``GrammarManager.prepare``, as the scheduler does while a
+    prompt's prefill runs): the same output."""
     import json
 
     import jsonschema
 
+    from guidespec.protocol import GuidedDecoding
     from guidespec.scheduler.grammar import FillRow
 
     schema = _deep_required_schema()
@@ -256,22 +259,31 @@ def test_a_budget_that_barely_fits_the_shortest_document_still_ends_valid(
         run, ended = grammar.closing_run("r", 1000)
         assert ended and len(run) == shortest  # ends with the stop token, or where the grammar ends (llguidance)
         max_tokens = shortest + slack
-        rng = np.random.default_rng(1)
-        output: list[int] = []
-        while True:
-            assert len(output) < max_tokens, f"cut at max_tokens: {tokenizer.decode(output)[-200:]!r}"
-            allowed = _ids(grammar.fill([FillRow("r", output_len=len(output), max_tokens=max_tokens)])[0])
-            rambling = [t for t in allowed if '"' not in tokenizer.decode([t])]
-            token = int(rng.choice(rambling or allowed))
-            if token == 2:
-                break
-            assert grammar.accept("r", token)
-            output.append(token)
-            if grammar.is_terminated("r"):
-                break
+
+        def ramble(request_id: str) -> list[int]:
+            rng = np.random.default_rng(1)
+            output: list[int] = []
+            while True:
+                assert len(output) < max_tokens, f"cut at max_tokens: {tokenizer.decode(output)[-200:]!r}"
+                allowed = _ids(grammar.fill([FillRow(request_id, output_len=len(output), max_tokens=max_tokens)])[0])
+                rambling = [t for t in allowed if '"' not in tokenizer.decode([t])]
+                token = int(rng.choice(rambling or allowed))
+                if token == 2:
+                    return output
+                assert grammar.accept(request_id, token)
+                output.append(token)
+                if grammar.is_terminated(request_id):
+                    return output
+
+        output = ramble("r")
         jsonschema.validate(json.loads(tokenizer.decode(output)), schema)
         if slack == 4:  # written as the dry run found it
             assert output == [t for t in run if t != 2]
+        assert grammar.submit("prepared", GuidedDecoding(json_schema=schema))  # compiled: ready at once
+        grammar.prepare("prepared", max_tokens)
+        closer = grammar.closing.closers["prepared"]
+        assert closer.script if slack == 4 else closer.next_check > 0  # checked before any fill
+        assert ramble("prepared") == output
     finally:
         grammar.shutdown()
 
