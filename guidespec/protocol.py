@@ -396,6 +396,15 @@ class StepOutputs:
     draft_s: float = 0.0  # seconds rank 0 spent proposing (draft model / EAGLE head), not in forward_s
 
 
+@register_message(27)
+@dataclass(frozen=True)
+class MaskWanted:
+    """Rank 0 -> scheduler: the forward of ``step`` is done and its bitmask has not come (the
+    scheduler may be holding it back for a grammar that still compiles: it then stops waiting)."""
+
+    step: int
+
+
 @register_message(25)
 @dataclass(frozen=True)
 class DraftTokens:

@@ -197,7 +197,33 @@ def _slow_schema(tag: str) -> dict:
     return {"type": "string", "enum": [f"{tag}_value_{i}_{i * 7}" for i in range(20000)]}
 
 
+def test_a_grammar_that_compiles_during_the_prefill_masks_the_first_token_there(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A JME schema compiles while its prompt's prefill runs (past the grace) and is ready before
+    the prefill ends: the scheduler writes the held-back mask during the step, and the first
+    token is sampled in the prefill step as with a grammar ready at once (cached): the same
+    steps, the same output."""
+    monkeypatch.setenv("GUIDESPEC_TRACE", str(tmp_path / "trace.json"))
+    case = _jme_cases(1)[0]
+    params = SamplingParams(max_tokens=48, temperature=0.0, guided=GuidedDecoding(json_schema=case["schema"]))
+    with LLM(max_batch_size=2, show_progress=False, enable_prefix_caching=False) as engine:
+        compiled_meanwhile = engine.generate(case["messages"], params)[0]
+        cached = engine.generate(case["messages"], params)[0]
+        prompt_len = len(engine.encode_prompt(case["messages"]))
+    assert compiled_meanwhile.token_ids == cached.token_ids
+    forwards = [e["args"] for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]]
+    forwards = [a for a in forwards if a.get("tokens") and "step" in a]
+    steps = {a["step"]: a for a in forwards}
+    prefills = [s for s, a in sorted(steps.items()) if a["tokens"] == prompt_len]  # (3: forced tokens verified)
+    assert len(prefills) == 2 and all(steps[s]["guided_rows"] for s in prefills)
+    assert prefills[1] - prefills[0] == max(steps) + 1 - prefills[1]  # the same number of steps
+
+
 def test_unguided_request_completes_while_a_grammar_compiles(llm: LLM) -> None:
+    """The guided request's prompt is computed while its grammar compiles for seconds: the token
+    the workers sample for its last prompt token without the mask (it came too late) is dropped,
+    and that token runs again once the grammar is ready."""
     schema = _slow_schema("waiting")
     plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

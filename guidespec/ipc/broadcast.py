@@ -36,6 +36,10 @@ class BroadcastSpec:
 class StepReader(Protocol):
     def read(self, timeout: float | None = 10.0) -> bytes: ...
 
+    def poll(self) -> bool:
+        """True if a message is waiting (``read`` returns it at once)."""
+        ...
+
     def bitmask(self, message: StepBitmask) -> np.ndarray:
         """The message's bitmask rows [R, words], wherever they travelled (MalformedMessage: none)."""
         ...
@@ -102,6 +106,9 @@ class _RingStepReader:
 
     def read(self, timeout: float | None = 10.0) -> bytes:
         return self.reader.read(timeout)
+
+    def poll(self) -> bool:
+        return self.reader.poll()
 
     def bitmask(self, message: StepBitmask) -> np.ndarray:
         if message.arena_buffer < 0:

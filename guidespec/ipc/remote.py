@@ -89,5 +89,9 @@ class RemoteReader:
                 return parts[2]
             self.rejected += 1
 
+    def poll(self) -> bool:
+        """True if a frame is waiting (it may still fail its signature check)."""
+        return bool(self.socket.poll(0))
+
     def close(self) -> None:
         self.socket.close(linger=0)

@@ -8,11 +8,13 @@ Rows are returned in slot order, so the KV cache is read in contiguous runs.
 
 A grammar that still compiles after ``PREFILL_WHILE_COMPILING_S`` does not hold its prompt back:
 with a slot that no ready request waits for, the request is admitted and its prompt computed
-but for the last token, whose logits need the grammar's mask; that token runs once the grammar
-is ready. A compile (xgrammar on the JME schemas: 5-37 ms from submit to ready, most of it
-moving the compiled grammar between processes) then overlaps the prefill instead of coming
-before it. Grammars
-that are ready at once (cached) or within the grace (llguidance) are prefilled whole as before.
+while the grammar compiles (xgrammar on the JME schemas: 5-37 ms from submit to ready), its last
+token's logits included (``late_masks``): the scheduler writes that row's mask once the grammar is
+ready, which is usually before the prefill ends. Where the workers finish first, the token they
+sample without a mask is dropped and the last prompt token runs again once the grammar is ready
+(``Request.mask_came_late``); without ``late_masks`` (a model drafter follows every computed
+position) that token always waits for the grammar. Grammars that are ready at once (cached) or
+within the grace (llguidance) are prefilled whole as before.
 
 Prefix caching (``prefix_caching``): a slot given back keeps the KV of the tokens its request
 computed, and a new request takes the free slot whose kept tokens share the longest prefix with
@@ -45,8 +47,11 @@ class ScheduledRow:
 
 
 class Batcher:
-    def __init__(self, max_batch_size: int, max_num_batched_tokens: int, prefix_caching: bool = False) -> None:
+    def __init__(
+        self, max_batch_size: int, max_num_batched_tokens: int, prefix_caching: bool = False, late_masks: bool = True
+    ) -> None:
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.late_masks = late_masks
         self.free_slots = list(range(max_batch_size))
         heapq.heapify(self.free_slots)
         self.prefix_caching = prefix_caching
@@ -67,7 +72,7 @@ class Batcher:
         rows: list[ScheduledRow] = []
         pending = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens, r.arrival_time))
         for request in pending:
-            todo = _computable(request) - request.num_computed_tokens
+            todo = self._computable(request) - request.num_computed_tokens
             count = min(todo, budget)
             if count <= 0:
                 continue
@@ -105,7 +110,7 @@ class Batcher:
 
     @property
     def has_runnable_work(self) -> bool:
-        if any(_computable(r) > r.num_computed_tokens for r in self.running):
+        if any(self._computable(r) > r.num_computed_tokens for r in self.running):
             return True
         if not self.free_slots:
             return False
@@ -129,6 +134,14 @@ class Batcher:
                 request.status = Status.RUNNING
                 self.running.append(request)
             self.waiting = still_waiting
+
+    def _computable(self, request: Request) -> int:
+        """How many of the request's tokens can be computed now: all, or with its grammar still
+        compiling and no late mask (or one that came too late already), all but the last (its
+        logits need the mask)."""
+        if request.grammar_ready or (self.late_masks and not request.mask_came_late):
+            return request.num_tokens
+        return request.num_tokens - 1
 
     def _take_slot(self, request: Request) -> int:
         """The lowest free slot, or with prefix caching the one whose kept tokens share the longest
@@ -155,12 +168,6 @@ class Batcher:
             best = heapq.heappop(self.free_slots)
         self.cached.pop(best, None)
         return best
-
-
-def _computable(request: Request) -> int:
-    """How many of the request's tokens can be computed now: all, or with its grammar still
-    compiling, all but the last (its logits need the mask)."""
-    return request.num_tokens if request.grammar_ready else request.num_tokens - 1
 
 
 def _prefills_while_compiling(request: Request, now: float) -> bool:

@@ -38,6 +38,9 @@ class Request:
     finish_reason: str | None = None
     grammar_ready: bool = True  # False while its grammar compiles (its prompt may be prefilled meanwhile)
     compiling_since: float = 0.0  # time.monotonic() when its compile began
+    # its prompt's last token ran while its grammar still compiled and the mask did not come in time:
+    # that token runs again once the grammar is ready (``batching.py``)
+    mask_came_late: bool = False
     grammar_backend: str = ""  # the backend enforcing its grammar, once ready
     grammar_refusal: str = ""  # why a backend before it refused (backend "auto"), if one did
     draft_tokens: list[int] = field(default_factory=list)  # this step's drafts, after the known tokens

@@ -47,6 +47,7 @@ from guidespec.protocol import (
     EngineReady,
     GenerateRequest,
     InvalidRequest,
+    MaskWanted,
     RequestOutput,
     SchedulerStats,
     Shutdown,
@@ -71,6 +72,8 @@ from guidespec.spec.proposer import Speculator
 logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.25
 _COMPILE_POLL_S = 0.002  # how often an otherwise idle scheduler looks for finished compiles
+# a held-back bitmask is written after this long even if rank 0 did not ask for it (``MaskWanted``)
+_LATE_MASK_MAX_S = 2.0
 _STATS_INTERVAL_S = 0.1  # SchedulerStats to the client at most this often
 
 
@@ -109,8 +112,12 @@ class Scheduler:
         # prefix caching needs every cache a step writes to follow the target's: not with a draft
         # model or an EAGLE head (their caches follow lazily)
         model_drafter = cfg.speculative is not None and cfg.speculative.method in MODEL_DRAFTERS
+        # (a model drafter follows every position computed: a prompt's last token is not run twice)
         self.batcher = Batcher(
-            cfg.max_batch_size, cfg.max_num_batched_tokens, cfg.enable_prefix_caching and not model_drafter
+            cfg.max_batch_size,
+            cfg.max_num_batched_tokens,
+            cfg.enable_prefix_caching and not model_drafter,
+            late_masks=not model_drafter,
         )
         self.grammar = GrammarManager(grammar_settings(cfg), self.tokenizer, compile_process)
         self.requests: dict[str, Request] = {}
@@ -121,6 +128,10 @@ class Scheduler:
         self.trace = StepTrace()
         self.draft_fills: list[tuple[int, float, float]] = []  # this step's draft masks: (draft step, start, end)
         self._failed_compiles: list[tuple[str, str]] = []  # (request, error) seen while a step ran
+        # this step's guided rows while its bitmask waits for a grammar that compiles (``broadcast``)
+        self._late_mask: list[tuple[int, ScheduledRow]] | None = None
+        self._late_since = 0.0
+        self._dropped: set[str] = set()  # requests whose token this step is dropped (``_write_bitmask``)
         # verified jump-forward without a drafter: the grammar's forced tokens alone, as drafts
         speculative = cfg.speculative
         if speculative is None and cfg.jump_forward == "verified":
@@ -256,37 +267,54 @@ class Scheduler:
 
     def broadcast(self, rows: list[ScheduledRow]) -> int:
         """Two broadcasts: the inputs first, so the forward starts at once; then the bitmasks,
-        filled while the workers compute. Rows of unguided requests get no bitmask row."""
+        filled while the workers compute. Rows of unguided requests get no bitmask row. A step
+        with the last prompt token of a request whose grammar still compiles holds its bitmask
+        back for ``collect`` to write (``_late_mask``)."""
         self.step_id += 1
         logits_row = np.cumsum([0] + [row.num_logits for row in rows])
         guided = [(int(logits_row[i]), row) for i, row in enumerate(rows) if row.num_logits and row.request.guided]
         inputs = self._step_inputs(rows, has_bitmask=bool(guided))
         self._step_drafts = self.drafts is not None and inputs.draft_lens is not None
         self.draft_fills.clear()
+        self._dropped.clear()
         self.broadcaster.write(codec.encode(inputs), timeout=envs.step_timeout_s())
         self.times["inputs"] = self.times["mask_start"] = self.times["mask"] = time.time()
-        if guided:
-            self.times["mask_start"] = time.time()
-            bitmask = self._fill(
-                [
-                    FillRow(
-                        row.request.request_id,
-                        row.request.draft_tokens,
-                        len(row.request.output_token_ids),
-                        self._output_budget(row.request),
-                    )
-                    for _, row in guided
-                ],
-                self.broadcaster.reserve_bitmask(),
-            )
-            rows_array = np.concatenate([np.arange(first, first + row.num_logits) for first, row in guided]).astype(
-                np.int32
-            )
-            self.broadcaster.write_bitmask(
-                StepBitmask(self.step_id, rows_array, bitmask), timeout=envs.step_timeout_s()
-            )
-            self.times["mask"] = time.time()
+        compiling = any(not row.request.grammar_ready for _, row in guided)
+        if compiling and not self._step_drafts:  # (rank 0's draft steps would wait on the mask too)
+            self._late_mask, self._late_since = guided, time.monotonic()
+        elif guided:
+            self._write_bitmask(guided)
         return len(guided)
+
+    def _write_bitmask(self, guided: list[tuple[int, ScheduledRow]]) -> None:
+        """Fill the step's bitmask rows and write them. A request whose grammar is still not ready
+        gets no row: the token the workers sample for it without a mask is dropped (``emit``), and
+        its last prompt token runs again once the grammar is ready."""
+        self._late_mask = None
+        self.times["mask_start"] = time.time()
+        masked = []
+        for first, row in guided:
+            if row.request.grammar_ready:
+                masked.append((first, row))
+            else:
+                self._dropped.add(row.request.request_id)
+        bitmask = self._fill(
+            [
+                FillRow(
+                    row.request.request_id,
+                    row.request.draft_tokens,
+                    len(row.request.output_token_ids),
+                    self._output_budget(row.request),
+                )
+                for _, row in masked
+            ],
+            self.broadcaster.reserve_bitmask(),
+        )
+        rows_array = np.array(
+            [r for first, row in masked for r in range(first, first + row.num_logits)], dtype=np.int32
+        )
+        self.broadcaster.write_bitmask(StepBitmask(self.step_id, rows_array, bitmask), timeout=envs.step_timeout_s())
+        self.times["mask"] = time.time()
 
     def collect(self, rows: list[ScheduledRow]) -> StepOutputs:
         """Wait for rank 0's outputs for this step, answering its draft steps' mask requests and
@@ -306,6 +334,12 @@ class Scheduler:
                 raise EngineFailure(_worker_failure(message))
             if compiling:
                 self._take_compiled()
+            if self._late_mask is not None and (
+                all(row.request.grammar_ready for _, row in self._late_mask)
+                or (isinstance(message, MaskWanted) and message.step == self.step_id)
+                or time.monotonic() - self._late_since > _LATE_MASK_MAX_S
+            ):
+                self._write_bitmask(self._late_mask)
             if message is None:
                 self._check_health()
                 if timer.expired():
@@ -324,6 +358,10 @@ class Scheduler:
             )
         for i, row in enumerate(rows):
             if row.request.request_id not in self.requests:  # failed during this step
+                continue
+            if row.request.request_id in self._dropped:  # sampled without its mask: that token runs again
+                row.request.advance_computed(row.num_new_tokens - row.num_logits)
+                row.request.mask_came_late = True
                 continue
             new_tokens = outputs.token_ids[offsets[i] : offsets[i + 1]].tolist()
             if NO_TOKEN in new_tokens:

@@ -188,9 +188,10 @@ class Speculator:
             request = row.request
             # a row that ends at its last known token drafts: a decode row, or the prompt's last
             # chunk (its drafts verified in the prefill step; not with a model drafter, whose
-            # proposals come from a decode step)
+            # proposals come from a decode step, nor while the request's grammar still compiles)
             if not (
                 self.speculates(request)
+                and request.grammar_ready
                 and row.num_logits == 1
                 and row.start + row.num_new_tokens == request.num_tokens
                 and (request.output_token_ids or not model)

@@ -34,6 +34,7 @@ from guidespec.launch.process_utils import parent_alive, setup_child_process
 from guidespec.protocol import (
     DraftMask,
     DraftTokens,
+    MaskWanted,
     Shutdown,
     StepBitmask,
     StepInputs,
@@ -306,6 +307,8 @@ class Worker:
     def _read_bitmask(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """The step's bitmask: (logits rows, bitmask rows), read in place from the mask arena
         where they are there."""
+        if self.tp.is_driver and not self.reader.poll():  # (the scheduler may hold it for a compile)
+            self.results.send(MaskWanted(step))
         message = codec.decode(self.reader.read(timeout=60.0))
         if not isinstance(message, StepBitmask) or message.step != step:
             raise RuntimeError(f"step {step}: expected its bitmask, got {type(message).__name__}")

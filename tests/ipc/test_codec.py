@@ -48,6 +48,7 @@ EXAMPLES = [
     protocol.StepOutputs(4, I32, np.ones(3, np.int32), 0.1, None, I32, np.ones(3, np.int32)),
     protocol.DraftTokens(5, 1, np.array([0, 2], np.int32), I32, np.array([1, 2], np.int32)),
     protocol.DraftMask(5, 1, np.zeros((2, 4), np.int32)),
+    protocol.MaskWanted(5),
     protocol.WorkerReady(1, 1234),
     protocol.WorkerError(1, "boom", 3),
 ]

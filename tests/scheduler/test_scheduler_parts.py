@@ -48,15 +48,18 @@ def test_admission_slots_and_chunked_prefill() -> None:
     assert c.slot == freed and any(r.request is c for r in rows)
 
 
-def test_a_prompt_is_prefilled_while_its_grammar_compiles_but_for_its_last_token() -> None:
+@pytest.mark.parametrize("late_masks", [True, False])
+def test_a_prompt_is_prefilled_while_its_grammar_compiles(late_masks: bool) -> None:
     """A grammar that compiles past the grace does not hold its prompt back (a slot no ready
-    request wants): all but the last token are computed meanwhile, without logits; the last one,
-    whose logits need the mask, runs once the grammar is ready. Ready requests come first."""
+    request wants): the prompt is computed meanwhile, its last token with logits whose mask comes
+    late (``late_masks``), or without late masks all but the last token, which runs once the
+    grammar is ready. A last token whose mask came too late runs again once it is ready. Ready
+    requests come first."""
     import time
 
     from guidespec.scheduler.batching import PREFILL_WHILE_COMPILING_S
 
-    batcher = Batcher(max_batch_size=2, max_num_batched_tokens=64)
+    batcher = Batcher(max_batch_size=2, max_num_batched_tokens=64, late_masks=late_masks)
     compiling, ready, later = _request("compiling", 6), _request("ready", 3), _request("later", 4)
     compiling.grammar_ready, compiling.compiling_since = False, time.monotonic()
     batcher.add(compiling)
@@ -67,16 +70,19 @@ def test_a_prompt_is_prefilled_while_its_grammar_compiles_but_for_its_last_token
     rows = batcher.schedule()
     assert ready.slot is not None and compiling.slot is not None  # the ready one was admitted too
     assert sorted((r.request.request_id, r.start, r.num_new_tokens, r.num_logits) for r in rows) == [
-        ("compiling", 0, 5, 0),
+        ("compiling", 0, 6, 1) if late_masks else ("compiling", 0, 5, 0),
         ("ready", 0, 3, 1),
     ]
     for row in rows:
-        row.request.advance_computed(row.num_new_tokens)
+        row.request.advance_computed(row.num_new_tokens - (row.request is compiling and late_masks))
+    if late_masks:  # its mask came too late (the scheduler drops the token): the last token waits
+        compiling.mask_came_late = True
     ready.output_token_ids.append(70)
     batcher.add(later)  # no slot left: it waits
     rows = batcher.schedule()
     assert [r.request.request_id for r in rows] == ["ready"] and later.slot is None
     rows[0].request.advance_computed(1)
+    assert not batcher.has_runnable_work
     batcher.promote(compiling)  # compiled: its last prompt token, with logits
     assert batcher.has_runnable_work
     rows = batcher.schedule()
