@@ -6,15 +6,15 @@ whole life), then give every running request the tokens it still has to compute,
 whose known tokens are all computed after this step wants logits for its last position.
 Rows are returned in slot order, so the KV cache is read in contiguous runs.
 
-A grammar that still compiles after ``PREFILL_WHILE_COMPILING_S`` does not hold its prompt back:
-with a slot that no ready request waits for, the request is admitted and its prompt computed
-while the grammar compiles (xgrammar on the JME schemas: 5-37 ms from submit to ready), its last
-token's logits included (``late_masks``): the scheduler writes that row's mask once the grammar is
-ready, which is usually before the prefill ends. Where the workers finish first, the token they
-sample without a mask is dropped and the last prompt token runs again once the grammar is ready
-(``Request.mask_came_late``); without ``late_masks`` (a model drafter follows every computed
-position) that token always waits for the grammar. Grammars that are ready at once (cached) or
-within the grace (llguidance) are prefilled whole as before.
+A grammar that still compiles does not hold its prompt back: with a slot that no ready request
+waits for, the request is admitted and its prompt computed while the grammar compiles (xgrammar
+on the JME schemas: 5-37 ms from submit to ready), its last token's logits included
+(``late_masks``): the scheduler writes that row's mask once the grammar is ready, which is
+usually before the prefill ends. Where the workers finish first, the token they sample without a
+mask is dropped and the last prompt token runs again once the grammar is ready
+(``Request.mask_came_late``). Without ``late_masks`` (a model drafter follows every computed
+position) the request waits ``PREFILL_WHILE_COMPILING_S`` first (a grammar ready by then is
+prefilled whole), and its last token always waits for the grammar.
 
 Prefix caching (``prefix_caching``): a slot given back keeps the KV of the tokens its request
 computed, and a new request takes the free slot whose kept tokens share the longest prefix with
@@ -115,7 +115,7 @@ class Batcher:
         if not self.free_slots:
             return False
         now = time.monotonic()
-        return any(r.grammar_ready or _prefills_while_compiling(r, now) for r in self.waiting)
+        return any(r.grammar_ready or self._prefills_while_compiling(r, now) for r in self.waiting)
 
     def _admit(self) -> None:
         """Admit ready requests in queue order, then (slots left) those whose grammar has compiled
@@ -123,7 +123,7 @@ class Batcher:
         if not self.free_slots or not self.waiting:
             return
         now = time.monotonic()
-        for admissible in (lambda r: r.grammar_ready, lambda r: _prefills_while_compiling(r, now)):
+        for admissible in (lambda r: r.grammar_ready, lambda r: self._prefills_while_compiling(r, now)):
             still_waiting: deque[Request] = deque()
             while self.waiting:
                 request = self.waiting.popleft()
@@ -134,6 +134,16 @@ class Batcher:
                 request.status = Status.RUNNING
                 self.running.append(request)
             self.waiting = still_waiting
+
+    def _prefills_while_compiling(self, request: Request, now: float) -> bool:
+        """A request whose grammar compiles may be admitted for its prefill: at once with late
+        masks, else after the grace (a grammar ready by then is prefilled whole)."""
+        grace = 0.0 if self.late_masks else PREFILL_WHILE_COMPILING_S
+        return (
+            not request.grammar_ready
+            and now - request.compiling_since >= grace
+            and request.num_tokens >= (1 if self.late_masks else 2)
+        )
 
     def _computable(self, request: Request) -> int:
         """How many of the request's tokens can be computed now: all, or with its grammar still
@@ -168,11 +178,3 @@ class Batcher:
             best = heapq.heappop(self.free_slots)
         self.cached.pop(best, None)
         return best
-
-
-def _prefills_while_compiling(request: Request, now: float) -> bool:
-    return (
-        not request.grammar_ready
-        and now - request.compiling_since >= PREFILL_WHILE_COMPILING_S
-        and request.num_tokens >= 2
-    )
