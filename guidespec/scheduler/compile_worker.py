@@ -1,8 +1,8 @@
 """The grammar compile process: compiles grammars away from the scheduler's loop.
 
-xgrammar holds the GIL while it compiles, so a compile thread inside the scheduler would stall
-every step for as long as the compile lasts. Compiles therefore run here, one at a time, in a
-process the scheduler can kill when a compile overruns its deadline (the hard timeout), and
+A compile cannot be interrupted inside the process that runs it, and a hostile schema can
+compile for minutes or take the memory with it. Compiles therefore run here, one at a time, in
+a process the scheduler can kill when a compile overruns its deadline (the hard timeout), and
 restart. The protocol is JSON lines (never pickle): the scheduler writes a settings line, then
 ``{"job", "backend", "spec"}`` lines; this process answers ``{"job", "started": true}`` when it
 begins a job and ``{"job", "ok", "compiled" | "error"}`` when it ends, where ``compiled`` is the

@@ -1,9 +1,10 @@
 """Grammar ownership: the scheduler is the only place grammar state lives.
 
-- Compiles run in a separate process (``compile_worker.py``), one at a time: xgrammar holds
-  the GIL while compiling, so in-process compiles would stall every step. A compile that
-  overruns its deadline is stopped for real: the process is killed and restarted, the request
-  fails with a clear message, the other queued compiles are sent again.
+- Compiles run in a separate process (``compile_worker.py``), one at a time: a compile cannot
+  be stopped inside the process that runs it. A compile that overruns its deadline is stopped
+  for real: the process is killed and restarted, the request fails with a clear message, the
+  other queued compiles are sent again. What it compiled is loaded here on a load thread (the
+  text read back, or a fast grammar compiled again: xgrammar lets go of the GIL meanwhile).
 - Results are cached by the canonical grammar (bounded LRU), failures too (a bad schema fails
   fast the second time); requests for the same grammar share one compile.
 - A request waits UNREADY until its grammar is ready; ``poll`` hands back the ready and the
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +93,7 @@ class _Job:
     spec: GuidedDecoding
     request_ids: list[str] = field(default_factory=list)
     deadline: float | None = None  # set when the compile process starts it
+    loading: Future[Any] | None = None  # compiled: its grammar loading on the load thread
 
 
 class GrammarManager:
@@ -114,6 +117,10 @@ class GrammarManager:
                 self._backend(name)
             except Exception as e:  # (not installed): a request that needs it reports why
                 logger.warning("grammar backend %s is not available: %s", name, e)
+        # a compiled grammar is loaded (its text read back, or a fast one compiled again) on a
+        # thread of its own: xgrammar (0.2.8) lets go of the GIL while it compiles, so the loop
+        # keeps stepping the other requests meanwhile
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guidespec-grammar-load")
         self.compiled: OrderedDict[str, Any] = OrderedDict()
         self.recompiled = 0  # grammars compiled again here rather than read back as text
         self.failed: OrderedDict[str, str] = OrderedDict()
@@ -186,6 +193,10 @@ class GrammarManager:
         failed: list[tuple[str, str]] = []
         for message in self.process.drain():
             self._handle(message, ready, failed)
+        for job_id, job in list(self.jobs.items()):
+            if job.loading is not None and job.loading.done():
+                self._finish_job(job_id)
+                self._loaded(job, job.loading, ready, failed)
         self._enforce_deadline(failed)
         return ready, failed
 
@@ -364,6 +375,7 @@ class GrammarManager:
 
     def shutdown(self) -> None:
         self.process.close()
+        self._loader.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ helpers
 
@@ -377,22 +389,29 @@ class GrammarManager:
         if message.get("started"):
             job.deadline = time.monotonic() + self.settings.compile_timeout_s
             return
+        if message["ok"]:  # loaded on the load thread; ``poll`` makes its matchers once it is done
+            job.deadline = None
+            job.loading = self._loader.submit(self._compiled, job.backend, message)
+            return
         self._finish_job(message["job"])
-        if message["ok"]:
-            try:
-                compiled = self._compiled(job.backend, message)
-            except Exception as e:  # a compiled grammar that cannot be rebuilt here: the job fails
-                logger.exception("grammar job %s: its compiled grammar could not be loaded", message["job"])
-                message = {"ok": False, "error": f"internal error loading a compiled grammar: {type(e).__name__}: {e}"}
-        if message["ok"]:
-            self._remember(self.compiled, job.key, compiled)
-            for request_id in self._waiting(job):
-                self._create_matcher(request_id, job.backend, compiled)
-                ready.append(request_id)
-        else:
-            self._remember(self.failed, job.key, message["error"])
-            for request_id in self._waiting(job):
-                self._fall_back(request_id, message["error"], ready, failed)
+        self._failed_job(job, message["error"], ready, failed)
+
+    def _loaded(self, job: _Job, loading: Future[Any], ready: list[str], failed: list[tuple[str, str]]) -> None:
+        try:
+            compiled = loading.result()
+        except Exception as e:  # a compiled grammar that cannot be rebuilt here: the job fails
+            logger.exception("grammar %s: its compiled grammar could not be loaded", job.key[:200])
+            self._failed_job(job, f"internal error loading a compiled grammar: {type(e).__name__}: {e}", ready, failed)
+            return
+        self._remember(self.compiled, job.key, compiled)
+        for request_id in self._waiting(job):
+            self._create_matcher(request_id, job.backend, compiled)
+            ready.append(request_id)
+
+    def _failed_job(self, job: _Job, error: str, ready: list[str], failed: list[tuple[str, str]]) -> None:
+        self._remember(self.failed, job.key, error)
+        for request_id in self._waiting(job):
+            self._fall_back(request_id, error, ready, failed)
 
     def _compiled(self, backend: str, message: dict[str, Any]) -> Any:
         """The compile process's grammar: its text read back, or compiled again here from the spec
@@ -429,7 +448,8 @@ class GrammarManager:
             failed.extend((request_id, reason) for request_id in self._waiting(job))
         self.process.restart()
         for job_id, job in self.jobs.items():
-            self.process.send(job_id, job.backend, job.spec)
+            if job.loading is None:  # (compiled ones load on)
+                self.process.send(job_id, job.backend, job.spec)
 
     def _finish_job(self, job_id: int) -> None:
         job = self.jobs.pop(job_id)
