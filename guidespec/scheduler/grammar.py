@@ -196,7 +196,7 @@ class GrammarManager:
         for job_id, job in list(self.jobs.items()):
             if job.loading is not None and job.loading.done():
                 self._finish_job(job_id)
-                self._loaded(job, job.loading, ready, failed)
+                self._loaded(job, ready, failed)
         self._enforce_deadline(failed)
         return ready, failed
 
@@ -396,9 +396,10 @@ class GrammarManager:
         self._finish_job(message["job"])
         self._failed_job(job, message["error"], ready, failed)
 
-    def _loaded(self, job: _Job, loading: Future[Any], ready: list[str], failed: list[tuple[str, str]]) -> None:
+    def _loaded(self, job: _Job, ready: list[str], failed: list[tuple[str, str]]) -> None:
+        assert job.loading is not None
         try:
-            compiled = loading.result()
+            compiled = job.loading.result()
         except Exception as e:  # a compiled grammar that cannot be rebuilt here: the job fails
             logger.exception("grammar %s: its compiled grammar could not be loaded", job.key[:200])
             self._failed_job(job, f"internal error loading a compiled grammar: {type(e).__name__}: {e}", ready, failed)

@@ -130,7 +130,7 @@ class Scheduler:
         self._failed_compiles: list[tuple[str, str]] = []  # (request, error) seen while a step ran
         # this step's guided rows while its bitmask waits for a grammar that compiles (``broadcast``)
         self._late_mask: list[tuple[int, ScheduledRow]] | None = None
-        self._late_since = 0.0
+        self._late_timer = AwakeTimer(_LATE_MASK_MAX_S)
         self._dropped: set[str] = set()  # requests whose token this step is dropped (``_write_bitmask``)
         # verified jump-forward without a drafter: the grammar's forced tokens alone, as drafts
         speculative = cfg.speculative
@@ -281,7 +281,7 @@ class Scheduler:
         self.times["inputs"] = self.times["mask_start"] = self.times["mask"] = time.time()
         compiling = any(not row.request.grammar_ready for _, row in guided)
         if compiling and not self._step_drafts:  # (rank 0's draft steps would wait on the mask too)
-            self._late_mask, self._late_since = guided, time.monotonic()
+            self._late_mask, self._late_timer = guided, AwakeTimer(_LATE_MASK_MAX_S)
         elif guided:
             self._write_bitmask(guided)
         return len(guided)
@@ -337,7 +337,7 @@ class Scheduler:
             if self._late_mask is not None and (
                 all(row.request.grammar_ready for _, row in self._late_mask)
                 or (isinstance(message, MaskWanted) and message.step == self.step_id)
-                or time.monotonic() - self._late_since > _LATE_MASK_MAX_S
+                or self._late_timer.expired()
             ):
                 self._write_bitmask(self._late_mask)
             if message is None:
@@ -577,7 +577,6 @@ class Scheduler:
                 request.grammar_ready = self.grammar.submit(request.request_id, message.params.guided)
                 if request.grammar_ready:
                     request.grammar_backend, request.grammar_refusal = self.grammar.served(request.request_id)
-                    self._prepare_grammar(request)
             except GrammarError as e:
                 self.client_out.send(
                     RequestOutput(message.request_id, [], "", True, "error", str(e), error_status=BAD_REQUEST)
