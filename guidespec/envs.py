@@ -57,6 +57,14 @@ def worker_threads() -> int | None:
     return int(value) if value else None
 
 
+def draft_spin_us() -> int | None:
+    """``GUIDESPEC_DRAFT_SPIN_US=N``: how long each side of the draft channel spins before it
+    sleeps on a futex, in microseconds (default: 500 beside a GPU, where a draft step's round trip
+    to the scheduler is what a guided step waits on; 0 on the CPU, a few thousand polls)."""
+    value = os.environ.get("GUIDESPEC_DRAFT_SPIN_US")
+    return max(0, int(value)) if value else None
+
+
 def ray_placement_timeout_s() -> float:
     """How long to wait for a Ray placement group the cluster could hold but is busy
     (``GUIDESPEC_RAY_PLACEMENT_TIMEOUT_S``)."""

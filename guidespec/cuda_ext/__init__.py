@@ -46,7 +46,7 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     p32 = ctypes.POINTER(_i32)
     signatures = {
         "gs_channel_bytes": ([_i32, _i32, _i32], ctypes.c_size_t),
-        "gs_channel_init": ([_ptr, _i32, _i32, _i32], _i32),
+        "gs_channel_init": ([_ptr, _i32, _i32, _i32, _i32], _i32),
         "gs_channel_check": ([_ptr, _i32, _i32, _i32], _i32),
         "gs_channel_offset": ([_ptr, _i32], ctypes.c_size_t),
         "gs_publish_drafts": ([_ptr, _i64, _i32, _ptr, _i32, _ptr, _ptr, _i32], _i32),

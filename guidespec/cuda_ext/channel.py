@@ -40,6 +40,7 @@ class ChannelSpec:
     max_rows: int  # rows a draft step can carry (the max batch size)
     max_tokens: int  # tokens of all rows' sequences together
     num_words: int  # int32 words per mask row: ceil(vocab / 32)
+    spin_us: int = 0  # how long a waiter polls before it sleeps on the futex (after a few thousand polls)
 
 
 def available() -> bool:
@@ -58,7 +59,7 @@ class DraftChannel:
         self.base = ctypes.c_void_p(ctypes.addressof(self._anchor))
         args = (spec.max_rows, spec.max_tokens, spec.num_words)
         if owner:
-            lib.gs_channel_init(self.base, *args)
+            lib.gs_channel_init(self.base, *args, spec.spin_us)
         elif lib.gs_channel_check(self.base, *args) != OK:
             raise RuntimeError(f"shared memory {spec.name!r} is not a draft channel of this layout")
         at = [lib.gs_channel_offset(self.base, i) for i in range(4)]

@@ -20,7 +20,7 @@
 
 typedef struct {
     uint64_t magic;
-    int32_t max_rows, max_tokens, num_words, reserved;
+    int32_t max_rows, max_tokens, num_words, spin_us; /* spin_us: a waiter's polling time before it sleeps */
     _Alignas(64) _Atomic uint64_t draft_seq;
     _Atomic uint32_t draft_bell;
     int32_t draft_rows, draft_tokens;
@@ -52,11 +52,11 @@ size_t gs_channel_offset(const void *base, int32_t which) {
     return offset_of(h->max_rows, h->max_tokens, which);
 }
 
-int gs_channel_init(void *base, int32_t max_rows, int32_t max_tokens, int32_t num_words) {
-    if (max_rows < 1 || max_tokens < 1 || num_words < 1) return GS_BAD_CHANNEL;
+int gs_channel_init(void *base, int32_t max_rows, int32_t max_tokens, int32_t num_words, int32_t spin_us) {
+    if (max_rows < 1 || max_tokens < 1 || num_words < 1 || spin_us < 0) return GS_BAD_CHANNEL;
     header *h = (header *)base;
     memset(h, 0, sizeof(header));
-    h->max_rows = max_rows, h->max_tokens = max_tokens, h->num_words = num_words;
+    h->max_rows = max_rows, h->max_tokens = max_tokens, h->num_words = num_words, h->spin_us = spin_us;
     atomic_thread_fence(memory_order_release);
     h->magic = GS_MAGIC;
     return GS_OK;
@@ -102,8 +102,9 @@ static void publish(_Atomic uint64_t *seq, _Atomic uint32_t *bell, uint64_t t) {
 typedef int (*readiness)(uint64_t seen, uint64_t want);
 
 static int wait_for(_Atomic uint64_t *seq, _Atomic uint32_t *bell, readiness ready, uint64_t want,
-                    int64_t timeout_us, int32_t peer_pid, uint64_t *seen_out) {
-    int64_t deadline = now_ns() + timeout_us * 1000;
+                    int64_t timeout_us, int32_t peer_pid, int32_t spin_us, uint64_t *seen_out) {
+    int64_t start = now_ns(), deadline = start + timeout_us * 1000;
+    int64_t spin_until = start + (int64_t)(spin_us < timeout_us ? spin_us : timeout_us) * 1000;
     for (long i = 0;; i++) {
         uint32_t bell_seen = atomic_load_explicit(bell, memory_order_acquire);
         uint64_t seen = atomic_load_explicit(seq, memory_order_acquire);
@@ -112,7 +113,7 @@ static int wait_for(_Atomic uint64_t *seq, _Atomic uint32_t *bell, readiness rea
             *seen_out = seen;
             return r > 0 ? GS_OK : GS_STALE;
         }
-        if (i < SPINS) continue;
+        if (i < SPINS || (spin_us > 0 && now_ns() < spin_until)) continue;
         int64_t left = deadline - now_ns();
         if (left <= 0) return GS_TIMEOUT;
         if (peer_gone(peer_pid)) return GS_PEER_GONE;
@@ -163,7 +164,8 @@ int gs_wait_mask(void *base, int64_t step, int32_t draft_index, int64_t timeout_
         return GS_BAD_CHANNEL;
     }
     uint64_t seen = 0;
-    int code = wait_for(&h->mask_seq, &h->mask_bell, mask_ready, tag(step, draft_index), timeout_us, peer_pid, &seen);
+    int code = wait_for(&h->mask_seq, &h->mask_bell, mask_ready, tag(step, draft_index), timeout_us, peer_pid,
+                        h->spin_us, &seen);
     if (code == GS_OK && h->mask_rows != num_rows) code = GS_STALE;
     if (code != GS_OK) {
         memset(out, 0, bytes); /* forbid every token: no draft of this step is accepted */
@@ -186,7 +188,7 @@ int gs_wait_drafts(void *base, int64_t step, int32_t last_index, int64_t timeout
     if (h->magic != GS_MAGIC) return GS_BAD_CHANNEL;
     uint64_t after = ((uint64_t)step << 8) | (uint64_t)(last_index + 1); /* last_index -1: none yet */
     uint64_t seen = 0;
-    int code = wait_for(&h->draft_seq, &h->draft_bell, drafts_ready, after, timeout_us, peer_pid, &seen);
+    int code = wait_for(&h->draft_seq, &h->draft_bell, drafts_ready, after, timeout_us, peer_pid, h->spin_us, &seen);
     if (code != GS_OK) return code;
     *draft_index = index_of(seen);
     *num_rows = h->draft_rows, *num_tokens = h->draft_tokens;

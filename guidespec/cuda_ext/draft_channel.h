@@ -38,7 +38,7 @@ enum {
 #define GS_DRAFTS_DONE (-1) /* draft index of "rank 0 drafts no more this step" */
 
 size_t gs_channel_bytes(int32_t max_rows, int32_t max_tokens, int32_t num_words);
-int gs_channel_init(void *base, int32_t max_rows, int32_t max_tokens, int32_t num_words);
+int gs_channel_init(void *base, int32_t max_rows, int32_t max_tokens, int32_t num_words, int32_t spin_us);
 int gs_channel_check(const void *base, int32_t max_rows, int32_t max_tokens, int32_t num_words);
 
 /* offsets (bytes from base) of the arrays: rows [max_rows], lens [max_rows], tokens [max_tokens],

@@ -56,7 +56,10 @@ class EngineProcesses:
         self.endpoints = Endpoints(*(new_ipc_endpoint(t) for t in ("in", "out", "results")))
         if 0 in cfg.remote_ranks or any(not 0 <= r < cfg.tensor_parallel_size for r in cfg.remote_ranks):
             raise ValueError(f"remote_ranks must be among ranks 1..{cfg.tensor_parallel_size - 1}")
-        self.threads = envs.worker_threads() or max(1, (os.cpu_count() or 1) // cfg.tensor_parallel_size)
+        # a GPU rank's torch work on the host is a handful of tiny ops a step: one thread, no OpenMP
+        # team to wake (measured on an H100: a 16-element op waited 3 ms for its team's threads)
+        cores = max(1, (os.cpu_count() or 1) // cfg.tensor_parallel_size)
+        self.threads = envs.worker_threads() or (1 if cfg.device == "cuda" else cores)
         self.ray = None
         host = "127.0.0.1"
         if cfg.distributed_executor == "ray":  # every rank an actor: the broadcast and results go over TCP
@@ -228,6 +231,9 @@ def _draft_graphs(cfg: EngineConfig) -> bool:
     return cfg.device == "cuda" if cfg.graph_grammar is None else cfg.graph_grammar
 
 
+_GPU_SPIN_US = 500  # how long a draft-channel waiter spins before it sleeps, beside a GPU
+
+
 def _uses_channel(cfg: EngineConfig, local_ranks: list[int]) -> bool:
     """A model drafter on a local rank 0, the C library built, and the channel not switched off."""
     spec = cfg.speculative
@@ -242,11 +248,15 @@ def _uses_channel(cfg: EngineConfig, local_ranks: list[int]) -> bool:
 
 
 def _channel_spec(cfg: EngineConfig) -> ChannelSpec:
+    spin_us = envs.draft_spin_us()
     return ChannelSpec(
         f"guidespec-{uuid.uuid4().hex[:12]}-drafts",
         cfg.max_batch_size,
         cfg.max_batch_size * 128,
         -(-cfg.vocab_size // 32),
+        # beside a GPU the host has cores to spare and a draft step's round trip is the latency
+        # that counts; on the CPU the waiting side would take a core from the model
+        (_GPU_SPIN_US if cfg.device == "cuda" else 0) if spin_us is None else spin_us,
     )
 
 

@@ -92,7 +92,8 @@ class ForwardBatch:
     groups: list[AttentionGroup] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.slot_of_token = torch.repeat_interleave(torch.tensor(self.slots), torch.tensor(self.num_new_tokens))
+        # (NumPy: torch's CPU repeat_interleave runs an OpenMP region, a wake-up of its team per step)
+        self.slot_of_token = torch.from_numpy(np.repeat(np.asarray(self.slots, np.int64), self.num_new_tokens))
         self.groups = _attention_groups(self)
 
     def to(self, device: torch.device | str) -> ForwardBatch:

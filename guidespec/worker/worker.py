@@ -271,15 +271,15 @@ class Worker:
             return logits
         whole = forced < 0  # logits rows that need the whole LM head
         whole[rows[few]] = False
-        keep = np.flatnonzero(whole)
-        computed = self.model.compute_logits(hidden[torch.from_numpy(keep).to(self.device)]) if len(keep) else None
+        keep = _index_on(self.device, np.flatnonzero(whole))
+        computed = self.model.compute_logits(hidden[keep]) if len(keep) else None
         if not self.tp.is_driver:
             return None
         logits = torch.full((hidden.shape[0], vocab), float("-inf"), dtype=torch.float32, device=self.device)
         if computed is not None:
-            logits[torch.from_numpy(keep).to(self.device)] = computed
+            logits[keep] = computed
         single = np.flatnonzero(forced >= 0)
-        logits[torch.from_numpy(single).to(self.device), torch.from_numpy(forced[single]).to(self.device)] = 0.0
+        logits[_index_on(self.device, single), _index_on(self.device, forced[single])] = 0.0
         for i in np.flatnonzero(few).tolist():
             tokens, row = allowed_ids(bitmask[i], vocab), int(rows[i])
             logits[row, torch.from_numpy(tokens)] = self.model.compute_chosen_logits(hidden[row : row + 1], tokens)[0]
@@ -323,6 +323,12 @@ class Worker:
                     return Shutdown("parent process is gone")
 
 
+def _index_on(device: torch.device, array: np.ndarray) -> torch.Tensor:
+    """An index array on ``device``, copied without waiting for the stream (a blocking copy from
+    pageable memory would wait for the forward's kernels first)."""
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device, non_blocking=True)
+
+
 def _drafts(inputs: StepInputs) -> list[np.ndarray]:
     """Each row's draft tokens: the last ``num_logits - 1`` tokens it runs."""
     ends = np.cumsum(inputs.num_new_tokens)
@@ -330,7 +336,8 @@ def _drafts(inputs: StepInputs) -> list[np.ndarray]:
 
 
 class _StepProfiler:
-    """torch's profiler over the steps during which ``folder/on`` exists (envs.torch_profiler_dir)."""
+    """torch's profiler over the steps during which ``folder/on`` exists (envs.torch_profiler_dir),
+    with Python stacks (each op's callers are in its window's Chrome trace)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder, self.windows = folder, 0
@@ -342,7 +349,7 @@ class _StepProfiler:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.active = torch.profiler.profile(activities=activities)
+            self.active = torch.profiler.profile(activities=activities, with_stack=True)
             self.active.__enter__()
         elif not on and self.active is not None:
             self.active.__exit__(None, None, None)

@@ -33,8 +33,8 @@ pytestmark = pytest.mark.skipif(cuda_ext.library() is None, reason="no C compile
 WORDS = 5
 
 
-def _spec(rows: int = 4, tokens: int = 64) -> ChannelSpec:
-    return ChannelSpec(f"gs-test-{uuid.uuid4().hex[:8]}", rows, tokens, WORDS)
+def _spec(rows: int = 4, tokens: int = 64, spin_us: int = 0) -> ChannelSpec:
+    return ChannelSpec(f"gs-test-{uuid.uuid4().hex[:8]}", rows, tokens, WORDS, spin_us)
 
 
 def _mask_for(index: int, sequences: list[list[int]]) -> np.ndarray:
@@ -66,9 +66,9 @@ def _start(target, *args) -> mp.Process:  # type: ignore[no-untyped-def]
     return process
 
 
-@pytest.mark.parametrize("through", ["direct", "host stream"])
-def test_round_trips_with_a_scheduler_process(through: str) -> None:
-    spec = _spec()
+@pytest.mark.parametrize("through,spin_us", [("direct", 0), ("host stream", 0), ("direct", 2000)])
+def test_round_trips_with_a_scheduler_process(through: str, spin_us: int) -> None:
+    spec = _spec(spin_us=spin_us)  # spinning (as beside a GPU) changes how a side waits, not what it gets
     channel = DraftChannel.create(spec)
     try:
         peer = _start(_scheduler, spec, 11, 11, 3)
@@ -89,8 +89,9 @@ def test_round_trips_with_a_scheduler_process(through: str) -> None:
         channel.close()
 
 
-def test_a_missing_mask_forbids_everything_and_says_so() -> None:
-    channel = DraftChannel.create(_spec())
+@pytest.mark.parametrize("spin_us", [0, 20_000])
+def test_a_missing_mask_forbids_everything_and_says_so(spin_us: int) -> None:
+    channel = DraftChannel.create(_spec(spin_us=spin_us))  # a spin longer than the deadline still ends there
     try:
         out = np.full((2, WORDS), -1, dtype=np.int32)
         code = channel.lib.gs_publish_drafts(
