@@ -278,6 +278,11 @@ void gs_cb_graph_wait(void *args) {
     }
 }
 
+void gs_cb_graph_exchange(void *args) {
+    gs_cb_graph_publish(args);
+    gs_cb_graph_wait(args);
+}
+
 /* ------------------------------------------------------------------ the host stream */
 
 typedef struct {

@@ -120,6 +120,8 @@ typedef struct {
 
 void gs_cb_graph_publish(void *args);
 void gs_cb_graph_wait(void *args);
+/* both, in one host function: one stop of the stream per draft step rather than two */
+void gs_cb_graph_exchange(void *args);
 
 /* a CPU "stream": host functions run in order on one thread */
 typedef struct gs_host_stream gs_host_stream;

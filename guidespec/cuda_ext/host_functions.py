@@ -72,7 +72,8 @@ class HostFunctions:
         self.device = device
         self.cuda = device.type == "cuda"
         self._functions = {
-            name: ctypes.cast(getattr(lib, name), _p) for name in ("gs_cb_graph_publish", "gs_cb_graph_wait")
+            name: ctypes.cast(getattr(lib, name), _p)
+            for name in ("gs_cb_graph_publish", "gs_cb_graph_wait", "gs_cb_graph_exchange")
         }
         self._direct = {name: ctypes.CFUNCTYPE(None, _p)((name, lib)) for name in self._functions}
         if self.cuda:

@@ -10,8 +10,9 @@ Python between draft steps:
                  copy the mask host-to-device;  -inf where the mask forbids
         draft j = argmax (as target ids through d2t)
 
-"publish" and "wait" are the draft channel's C trampolines (``gs_cb_graph_publish`` and
-``gs_cb_graph_wait``, ``cuda_ext/draft_channel.c``), enqueued in stream order by
+"publish" and "wait" are the draft channel's C trampolines (``gs_cb_graph_publish`` then
+``gs_cb_graph_wait``, called by one host function, ``gs_cb_graph_exchange``, in
+``cuda_ext/draft_channel.c``), enqueued in stream order by
 :class:`~guidespec.cuda_ext.host_functions.HostFunctions`. On CUDA the sequence is captured once
 per :class:`DraftGraphKey` into a CUDA graph (host nodes for the trampolines) and replayed; on
 the CPU the same sequence runs eagerly, the trampolines called where they stand, so CI runs the
@@ -140,8 +141,8 @@ class _DraftGraph:
             if key.masked:
                 if j > 0:  # the tokens the publish trampoline sends: draft j-1 of every row
                     self.host_drafts[j - 1].copy_(self.picks[j - 1].to(torch.int32), non_blocking=True)
-                owner.host_functions.enqueue("gs_cb_graph_publish", self.args[j])
-                owner.host_functions.enqueue("gs_cb_graph_wait", self.args[j])
+                # publish, then wait: one host node (each node stops the stream and wakes a host thread)
+                owner.host_functions.enqueue("gs_cb_graph_exchange", self.args[j])
                 self.mask.copy_(self.host_out, non_blocking=True)
                 words = self.mask.index_select(1, owner.mask_word)  # [B, draft vocab]
                 allowed = ((words >> owner.mask_bit) & 1).bool() & owner.mask_inside

@@ -279,7 +279,9 @@ class Worker:
         if computed is not None:
             logits[keep] = computed
         single = np.flatnonzero(forced >= 0)
-        logits[_index_on(self.device, single), _index_on(self.device, forced[single])] = 0.0
+        # (index_fill_ takes the 0 as an argument; assigning a Python number copies it to the
+        # device from pageable memory, a copy that waits for the forward)
+        logits.view(-1).index_fill_(0, _index_on(self.device, single * vocab + forced[single]), 0.0)
         for i in np.flatnonzero(few).tolist():
             tokens, row = allowed_ids(bitmask[i], vocab), int(rows[i])
             logits[row, torch.from_numpy(tokens)] = self.model.compute_chosen_logits(hidden[row : row + 1], tokens)[0]
