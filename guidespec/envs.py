@@ -51,7 +51,7 @@ def torch_profiler_dir() -> str | None:
 
 def worker_threads() -> int | None:
     """``GUIDESPEC_WORKER_THREADS=N``: torch threads per worker rank (default: the cores split
-    over the ranks). Set it to 1 when several engines share a small machine: oversubscribed
+    over the ranks on the CPU, 1 on a GPU). Set it to 1 when several engines share a small machine: oversubscribed
     OpenMP threads spin against each other and every engine slows down many times over."""
     value = os.environ.get("GUIDESPEC_WORKER_THREADS")
     return int(value) if value else None
