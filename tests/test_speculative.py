@@ -5,6 +5,7 @@ outputs stay valid; per-request switches and figures."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,20 @@ def test_jump_forward_changes_nothing_the_model_says(references: dict[str, list[
         guided = outs[backend][:3]
         assert sum(o.stats.num_accepted_tokens for o in guided) > 0  # forced tokens went through as verified drafts
         assert sum(o.stats.num_steps for o in guided) < sum(len(o.token_ids) for o in guided)
+
+
+def test_requests_that_do_not_speculate_still_jump_forward(references: dict[str, list[list[int]]]) -> None:
+    """On an n-gram engine, requests with ``speculative=False`` get no drafter drafts, but a guided
+    one still drafts its grammar's forced tokens (jump-forward is the engine's, on by default):
+    the same greedy output, in fewer steps than tokens."""
+    with LLM(max_batch_size=8, show_progress=False, speculative="ngram") as llm:
+        requests = [(p, dataclasses.replace(sp, speculative=False)) for p, sp in _requests()]
+        outs = _run(llm, requests)
+    assert [o.token_ids for o in outs] == references["xgrammar"]
+    guided, plain = outs[:3], outs[3:]
+    assert all(o.stats.num_accepted_tokens > 0 for o in guided)  # forced tokens, verified
+    assert sum(o.stats.num_steps for o in guided) < sum(len(o.token_ids) for o in guided)
+    assert all(o.stats.num_draft_tokens == 0 and o.stats.num_steps == len(o.token_ids) for o in plain)
 
 
 @pytest.mark.parametrize("drafter", list(DRAFTERS))

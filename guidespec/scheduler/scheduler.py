@@ -137,7 +137,14 @@ class Scheduler:
         if speculative is None and cfg.jump_forward == "verified":
             speculative = SpeculativeConfig(method="forced", adaptive=False)
         self.speculator = (
-            Speculator(speculative, self.grammar, cfg.max_model_len, self.tokenizer, cfg.vocab_size)
+            Speculator(
+                speculative,
+                self.grammar,
+                cfg.max_model_len,
+                self.tokenizer,
+                cfg.vocab_size,
+                jump_forward=cfg.jump_forward == "verified",
+            )
             if speculative
             else None
         )

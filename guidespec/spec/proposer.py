@@ -146,8 +146,12 @@ class Speculator:
         max_model_len: int,
         tokenizer: Any = None,
         vocab_size: int | None = None,
+        jump_forward: bool = False,
     ) -> None:
         self.cfg = cfg
+        # verified jump-forward: a guided request that does not speculate still drafts its
+        # grammar's forced tokens (its mask allows nothing else, so they are always accepted)
+        self.jump_forward = jump_forward and cfg.use_forced_tokens
         self.grammar = grammar
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size  # drafts outside [0, vocab_size) fail their request
@@ -183,6 +187,7 @@ class Speculator:
         budget = max_tokens_per_step - sum(row.num_new_tokens for row in rows)
         limits: dict[int, int] = {}  # row -> the most drafter tokens it may get
         rooms: dict[int, int] = {}  # row -> the most drafts of any kind (max_tokens, model length)
+        forced_only: dict[int, int] = {}  # row -> room: guided rows that do not speculate (jump-forward)
         model = isinstance(self.drafter, ModelDrafter)
         for i, row in enumerate(rows):
             request = row.request
@@ -190,8 +195,7 @@ class Speculator:
             # chunk (its drafts verified in the prefill step; not with a model drafter, whose
             # proposals come from a decode step, nor while the request's grammar still compiles)
             if not (
-                self.speculates(request)
-                and request.grammar_ready
+                request.grammar_ready
                 and row.num_logits == 1
                 and row.start + row.num_new_tokens == request.num_tokens
                 and (request.output_token_ids or not model)
@@ -200,14 +204,43 @@ class Speculator:
             room = min(
                 request.params.max_tokens - len(request.output_token_ids) - 1, self.max_model_len - request.num_tokens
             )
+            if not self.speculates(request):
+                if self.jump_forward and request.guided and not request.params.has_penalties and room > 0:
+                    forced_only[i] = room
+                continue
             cap = min(request.params.max_draft_len or self.cfg.max_draft_len, room)
             if cap > 0:
                 limits[i], rooms[i] = cap, room
-        if not limits or budget <= 0:
-            return rows
+        out = list(rows)
+        if limits and budget > 0:
+            budget = self._draft(rows, out, limits, rooms, budget)
+        for i, room in forced_only.items():
+            if budget <= 0:
+                break
+            request = rows[i].request
+            try:
+                forced = self.grammar.forced_tokens(request.request_id, min(room, MAX_FORCED_DRAFTS, budget))
+            except Exception as e:  # its grammar's fault fails its request alone (take_failures)
+                self._failures.append((request, f"{type(e).__name__}: {str(e)[:200]}", traceback.format_exc()))
+                continue
+            budget -= len(forced)
+            self._num_forced[request.request_id] = len(forced)
+            request.draft_tokens = forced
+            if forced:
+                out[i] = ScheduledRow(request, rows[i].start, rows[i].num_new_tokens + len(forced), 1 + len(forced))
+        return out
+
+    def _draft(
+        self,
+        rows: list[ScheduledRow],
+        out: list[ScheduledRow],
+        limits: dict[int, int],
+        rooms: dict[int, int],
+        budget: int,
+    ) -> int:
+        """The speculating rows' drafts (forced tokens first) into ``out``; returns the budget left."""
         lengths, from_lookup = self._lengths(rows, limits, budget)
         budget -= sum(lengths.values())
-        out = list(rows)
         for i, k in lengths.items():
             request = rows[i].request
             # the grammar's forced tokens are certain: drafted even where the drafter's are not
@@ -232,7 +265,7 @@ class Speculator:
             request.draft_tokens = drafts
             if drafts:
                 out[i] = ScheduledRow(request, rows[i].start, rows[i].num_new_tokens + len(drafts), 1 + len(drafts))
-        return out
+        return budget
 
     def take_failures(self) -> list[tuple[Request, str, str]]:
         """Requests whose drafter raised during the last ``plan``: (request, message, traceback)."""
