@@ -71,10 +71,7 @@ class HostFunctions:
             raise RuntimeError("the cuda_ext host library is not built (no C compiler)")
         self.device = device
         self.cuda = device.type == "cuda"
-        self._functions = {
-            name: ctypes.cast(getattr(lib, name), _p)
-            for name in ("gs_cb_graph_publish", "gs_cb_graph_wait", "gs_cb_graph_exchange")
-        }
+        self._functions = {name: ctypes.cast(getattr(lib, name), _p) for name in ("gs_cb_graph_exchange",)}
         self._direct = {name: ctypes.CFUNCTYPE(None, _p)((name, lib)) for name in self._functions}
         if self.cuda:
             _launch_host_func()  # a driver without it fails here, at start, not inside a capture

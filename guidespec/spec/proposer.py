@@ -212,35 +212,13 @@ class Speculator:
             if cap > 0:
                 limits[i], rooms[i] = cap, room
         out = list(rows)
+        lengths: dict[int, int] = {}  # row -> drafter tokens
+        from_lookup: set[int] = set()
         if limits and budget > 0:
-            budget = self._draft(rows, out, limits, rooms, budget)
-        for i, room in forced_only.items():
-            if budget <= 0:
-                break
-            request = rows[i].request
-            try:
-                forced = self.grammar.forced_tokens(request.request_id, min(room, MAX_FORCED_DRAFTS, budget))
-            except Exception as e:  # its grammar's fault fails its request alone (take_failures)
-                self._failures.append((request, f"{type(e).__name__}: {str(e)[:200]}", traceback.format_exc()))
-                continue
-            budget -= len(forced)
-            self._num_forced[request.request_id] = len(forced)
-            request.draft_tokens = forced
-            if forced:
-                out[i] = ScheduledRow(request, rows[i].start, rows[i].num_new_tokens + len(forced), 1 + len(forced))
-        return out
-
-    def _draft(
-        self,
-        rows: list[ScheduledRow],
-        out: list[ScheduledRow],
-        limits: dict[int, int],
-        rooms: dict[int, int],
-        budget: int,
-    ) -> int:
-        """The speculating rows' drafts (forced tokens first) into ``out``; returns the budget left."""
-        lengths, from_lookup = self._lengths(rows, limits, budget)
-        budget -= sum(lengths.values())
+            lengths, from_lookup = self._lengths(rows, limits, budget)
+            budget -= sum(lengths.values())
+        for i, room in forced_only.items():  # jump-forward alone: forced tokens, no drafter's
+            lengths[i], rooms[i] = 0, room
         for i, k in lengths.items():
             request = rows[i].request
             # the grammar's forced tokens are certain: drafted even where the drafter's are not
@@ -265,7 +243,7 @@ class Speculator:
             request.draft_tokens = drafts
             if drafts:
                 out[i] = ScheduledRow(request, rows[i].start, rows[i].num_new_tokens + len(drafts), 1 + len(drafts))
-        return budget
+        return out
 
     def take_failures(self) -> list[tuple[Request, str, str]]:
         """Requests whose drafter raised during the last ``plan``: (request, message, traceback)."""
