@@ -169,6 +169,17 @@ static inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i x) {
 #endif
 }
 
+/* lane i = the sum of products 4i..4i+3 of w1 by x1 and of w2 by x2 (unsigned w below 16: the
+   int16 pair sums of both add without saturating, 2 * 2 * 15 * 127 < 32767, one widening madd) */
+static inline __m256i dot2_u4s8(__m256i w1, __m256i x1, __m256i w2, __m256i x2) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w1, x1), w2, x2);
+#else
+    __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w1, x1), _mm256_maddubs_epi16(w2, x2));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
+}
+
 static inline __m256 load8(const void* s, int f16) {
     return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s)) : _mm256_loadu_ps((const float*)s);
 }
@@ -216,7 +227,7 @@ static inline __attribute__((always_inline)) void group(const format_t* f, const
             __m256i xl = _mm256_loadu_si256((const __m256i*)(xq + 64 * j));
             __m256i xh = _mm256_loadu_si256((const __m256i*)(xq + 64 * j + 32));
             if (f->qs_bytes == 16) {
-                t[j] = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), lo[j], xl), hi[j], xh);
+                t[j] = dot2_u4s8(lo[j], xl, hi[j], xh);
             } else {  /* signed weights: |w| times x with w's sign */
                 __m256i l = _mm256_sign_epi8(xl, lo[j]), h = _mm256_sign_epi8(xh, hi[j]);
                 __m256i la = _mm256_sign_epi8(lo[j], lo[j]), ha = _mm256_sign_epi8(hi[j], hi[j]);
