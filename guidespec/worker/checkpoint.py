@@ -7,13 +7,18 @@ does not build the model (see ``model.py``).
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
+from guidespec import envs
 from guidespec.model_files import ModelNotFoundError
 from guidespec.worker.kernels.gguf_weights import GGUFWeight, from_gguf
 
@@ -67,9 +72,9 @@ class GGUFTensors:
     def __init__(self, path: Path, num_heads: int, num_kv_heads: int) -> None:
         import gguf
 
-        self._reader = gguf.GGUFReader(path)
-        self._tensors = {t.name: t for t in self._reader.tensors}
-        arch = str(self._reader.fields["general.architecture"].contents())
+        arch, tensors = _tensor_index(path)
+        self._file = np.memmap(path, dtype=np.uint8, mode="r")
+        self._tensors = {t.name: t for t in tensors}
         arch_id = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
         num_blocks = 1 + max((int(n.split(".")[1]) for n in self._tensors if n.startswith("blk.")), default=-1)
         self._names = gguf.get_tensor_name_map(arch_id, num_blocks)
@@ -87,19 +92,83 @@ class GGUFTensors:
         tensor = self._tensors.get(gguf_name + ".weight")
         if tensor is None or len(tensor.shape) != 2:
             return None
-        n, k = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists the inner dimension first
-        data = np.asarray(tensor.data).reshape(n, -1)
+        n, k = tensor.shape[1], tensor.shape[0]  # GGUF lists the inner dimension first
+        data = tensor.data(self._file).reshape(n, -1)
         heads = self._heads.get(gguf_name.rsplit(".", 1)[-1])
         if heads is not None:
             data = data[_unpermuted_rows(n, heads)]
         elif rows is not None:  # read only this rank's rows of the mapped file
             data, rows = data[rows[0] : rows[1]], None
-        weight = from_gguf(data, tensor.tensor_type.name, k)
+        weight = from_gguf(data, tensor.type_name, k)
         if weight is not None and rows is not None:
             weight = weight.select_rows(slice(*rows))
         if weight is not None and cols is not None:
             weight = weight.columns(*cols)
         return weight
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    """Where a tensor's data lies in its GGUF file, and how ``gguf.GGUFReader`` views it."""
+
+    name: str
+    type_name: str  # GGMLQuantizationType's name
+    shape: tuple[int, ...]  # as GGUF lists it, inner dimension first
+    offset: int  # bytes from the file's start
+    dtype: str  # the reader's view: its numpy dtype and shape (quantized types: bytes per row)
+    view_shape: tuple[int, ...]
+
+    def data(self, file: np.ndarray) -> np.ndarray:
+        dtype = np.dtype(self.dtype)
+        size = int(np.prod(self.view_shape)) * dtype.itemsize
+        return file[self.offset : self.offset + size].view(dtype).reshape(self.view_shape)
+
+
+def _tensor_index(path: Path) -> tuple[str, list[_TensorInfo]]:
+    """The file's architecture and tensors, as ``gguf.GGUFReader`` finds them, kept in the cache
+    directory under the file's path, size, change time and the gguf package's version. Why: the
+    reader parses every metadata field, the tokenizer's ~100k strings one numpy view at a time
+    (4 s of every engine start on the default model) where a worker needs the tensors' places."""
+    stat = path.stat()
+    version = importlib.metadata.version("gguf")
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{version}".encode()).hexdigest()[:16]
+    cached = envs.cache_dir() / "gguf-index" / f"{key}.json"
+    try:
+        data = json.loads(cached.read_text())
+        return data["architecture"], [_info(t) for t in data["tensors"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = str(reader.fields["general.architecture"].contents())
+    tensors = [
+        _TensorInfo(
+            t.name,
+            t.tensor_type.name,
+            tuple(int(d) for d in t.shape),
+            int(t.data_offset),
+            t.data.dtype.str,
+            tuple(int(d) for d in t.data.shape),
+        )
+        for t in reader.tensors
+    ]
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"architecture": arch, "tensors": [t.__dict__ for t in tensors]}))
+    os.replace(tmp, cached)
+    return arch, tensors
+
+
+def _info(data: dict[str, Any]) -> _TensorInfo:
+    return _TensorInfo(
+        str(data["name"]),
+        str(data["type_name"]),
+        tuple(int(d) for d in data["shape"]),
+        int(data["offset"]),
+        str(data["dtype"]),
+        tuple(int(d) for d in data["view_shape"]),
+    )
 
 
 def _unpermuted_rows(n: int, num_heads: int) -> np.ndarray:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from guidespec.config import ModelConfig
 from guidespec.worker import kernels
 from guidespec.model_files import load_hf_config
+from guidespec.worker import checkpoint
 from guidespec.worker.checkpoint import GGUFTensors, ShardReader, gguf_source
 from guidespec.worker.kernels import gguf_weights
 from guidespec.worker.kernels.gguf_weights import GGUFWeight, from_gguf
@@ -365,3 +366,28 @@ def test_a_mask_of_few_tokens_gets_the_whole_heads_logits_for_them(tmp_path: Pat
     assert torch.equal(logits[[0, 2, 3]], expected[[0, 2, 3]])  # few tokens, unguided, all allowed
     assert torch.isfinite(logits[0]).sum() == len(few)
     assert logits[1].argmax() == 250 and torch.isfinite(logits[1]).sum() == 1  # forced: no head at all
+
+
+def test_the_tensor_index_is_the_readers_and_follows_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF file's tensor places are read by gguf's reader once, then from the cache directory;
+    a rewritten file is read again."""
+    monkeypatch.setenv("GUIDESPEC_CACHE_DIR", str(tmp_path / "cache"))
+    path = gguf_model(tmp_path, {"*": "Q4_K"}).parent / "tiny.gguf"
+
+    def views(infos: list[Any]) -> dict[str, np.ndarray]:
+        file = np.memmap(path, dtype=np.uint8, mode="r")
+        return {t.name: t.data(file) for t in infos}
+
+    def readers() -> dict[str, np.ndarray]:
+        return {t.name: np.asarray(t.data) for t in gguf.GGUFReader(path).tensors}
+
+    arch, first = checkpoint._tensor_index(path)
+    assert arch == "llama" and len(list((tmp_path / "cache" / "gguf-index").glob("*.json"))) == 1
+    expected = readers()
+    for found in (views(first), views(checkpoint._tensor_index(path)[1])):  # made, then read back
+        assert found.keys() == expected.keys()
+        assert all(found[n].dtype == expected[n].dtype and np.array_equal(found[n], expected[n]) for n in expected)
+    gguf_model(tmp_path, {"*": "Q8_0"})  # the same names, another format: the index must follow
+    _, again = checkpoint._tensor_index(path)
+    assert {t.type_name for t in again if len(t.shape) == 2} == {"Q8_0"}
+    assert all(np.array_equal(v, readers()[n]) for n, v in views(again).items())
