@@ -121,14 +121,24 @@ def config_data(model_dir: Path) -> dict[str, Any]:
     hash of ``config.json`` and the transformers version."""
     raw = (model_dir / "config.json").read_bytes()
     key = hashlib.sha256(raw + importlib.metadata.version("transformers").encode()).hexdigest()[:16]
-    path = envs.cache_dir() / "configs" / f"{key}.json"
+
+    def read() -> dict[str, Any]:
+        from transformers import AutoConfig
+
+        return dict(json.loads(AutoConfig.from_pretrained(model_dir).to_json_string(use_diff=False)))
+
+    return dict(cached_json("configs", key, read))
+
+
+def cached_json(kind: str, key: str, make: Callable[[], Any]) -> Any:
+    """``make()``'s JSON data, kept in the cache directory as ``kind/key.json`` (written whole or
+    not at all) and read back from there while it is."""
+    path = envs.cache_dir() / kind / f"{key}.json"
     try:
-        return dict(json.loads(path.read_text()))
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         pass
-    from transformers import AutoConfig
-
-    data = dict(json.loads(AutoConfig.from_pretrained(model_dir).to_json_string(use_diff=False)))
+    data = make()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(data))

@@ -7,19 +7,17 @@ does not build the model (see ``model.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
-import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from guidespec import envs
-from guidespec.model_files import ModelNotFoundError
+from guidespec.model_files import ModelNotFoundError, cached_json
 from guidespec.worker.kernels.gguf_weights import GGUFWeight, from_gguf
 
 
@@ -107,21 +105,21 @@ class GGUFTensors:
         return weight
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _TensorInfo:
     """Where a tensor's data lies in its GGUF file, and how ``gguf.GGUFReader`` views it."""
 
     name: str
     type_name: str  # GGMLQuantizationType's name
-    shape: tuple[int, ...]  # as GGUF lists it, inner dimension first
+    shape: Sequence[int]  # as GGUF lists it, inner dimension first
     offset: int  # bytes from the file's start
     dtype: str  # the reader's view: its numpy dtype and shape (quantized types: bytes per row)
-    view_shape: tuple[int, ...]
+    view_shape: Sequence[int]
 
     def data(self, file: np.ndarray) -> np.ndarray:
         dtype = np.dtype(self.dtype)
         size = int(np.prod(self.view_shape)) * dtype.itemsize
-        return file[self.offset : self.offset + size].view(dtype).reshape(self.view_shape)
+        return file[self.offset : self.offset + size].view(dtype).reshape(tuple(self.view_shape))
 
 
 def _tensor_index(path: Path) -> tuple[str, list[_TensorInfo]]:
@@ -132,43 +130,24 @@ def _tensor_index(path: Path) -> tuple[str, list[_TensorInfo]]:
     stat = path.stat()
     version = importlib.metadata.version("gguf")
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{version}".encode()).hexdigest()[:16]
-    cached = envs.cache_dir() / "gguf-index" / f"{key}.json"
-    try:
-        data = json.loads(cached.read_text())
-        return data["architecture"], [_info(t) for t in data["tensors"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    import gguf
 
-    reader = gguf.GGUFReader(path)
-    arch = str(reader.fields["general.architecture"].contents())
-    tensors = [
-        _TensorInfo(
-            t.name,
-            t.tensor_type.name,
-            tuple(int(d) for d in t.shape),
-            int(t.data_offset),
-            t.data.dtype.str,
-            tuple(int(d) for d in t.data.shape),
-        )
-        for t in reader.tensors
-    ]
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"architecture": arch, "tensors": [t.__dict__ for t in tensors]}))
-    os.replace(tmp, cached)
-    return arch, tensors
+    def read() -> dict[str, Any]:
+        import gguf
 
+        reader = gguf.GGUFReader(path)
+        tensors = [
+            _TensorInfo(
+                t.name, t.tensor_type.name, t.shape.tolist(), int(t.data_offset), t.data.dtype.str, t.data.shape
+            )
+            for t in reader.tensors
+        ]
+        return {
+            "architecture": str(reader.fields["general.architecture"].contents()),
+            "tensors": [dataclasses.asdict(t) for t in tensors],
+        }
 
-def _info(data: dict[str, Any]) -> _TensorInfo:
-    return _TensorInfo(
-        str(data["name"]),
-        str(data["type_name"]),
-        tuple(int(d) for d in data["shape"]),
-        int(data["offset"]),
-        str(data["dtype"]),
-        tuple(int(d) for d in data["view_shape"]),
-    )
+    data = cached_json("gguf-index", key, read)
+    return data["architecture"], [_TensorInfo(**t) for t in data["tensors"]]
 
 
 def _unpermuted_rows(n: int, num_heads: int) -> np.ndarray:

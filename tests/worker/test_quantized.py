@@ -20,9 +20,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from guidespec.config import ModelConfig
-from guidespec.worker import kernels
+from guidespec.worker import checkpoint, kernels
 from guidespec.model_files import load_hf_config
-from guidespec.worker import checkpoint
 from guidespec.worker.checkpoint import GGUFTensors, ShardReader, gguf_source
 from guidespec.worker.kernels import gguf_weights
 from guidespec.worker.kernels.gguf_weights import GGUFWeight, from_gguf
@@ -381,10 +380,18 @@ def test_the_tensor_index_is_the_readers_and_follows_the_file(tmp_path: Path, mo
     def readers() -> dict[str, np.ndarray]:
         return {t.name: np.asarray(t.data) for t in gguf.GGUFReader(path).tensors}
 
+    expected = readers()
     arch, first = checkpoint._tensor_index(path)
     assert arch == "llama" and len(list((tmp_path / "cache" / "gguf-index").glob("*.json"))) == 1
-    expected = readers()
-    for found in (views(first), views(checkpoint._tensor_index(path)[1])):  # made, then read back
+
+    def no_reader(*args: Any) -> None:
+        raise AssertionError("the index was parsed again rather than read back")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", no_reader)
+        arch_again, read_back = checkpoint._tensor_index(path)
+    assert arch_again == "llama"
+    for found in (views(first), views(read_back)):
         assert found.keys() == expected.keys()
         assert all(found[n].dtype == expected[n].dtype and np.array_equal(found[n], expected[n]) for n in expected)
     gguf_model(tmp_path, {"*": "Q8_0"})  # the same names, another format: the index must follow
