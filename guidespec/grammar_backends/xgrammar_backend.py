@@ -9,6 +9,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -83,11 +84,18 @@ class XGrammarBackend:
                 schema = _rewrite_patterns(
                     _drop_false_properties(_declare_required(_distribute_siblings(original, original)))
                 )
-                with _CapturedStderr() as log:  # xgrammar reports approximations only as a C++ log line
-                    compiled = self.compiler.compile_json_schema(
-                        json.dumps(schema), any_whitespace=False, separators=(", ", ": ")
-                    )
-                approximation = next((line for line in log.lines() if "cannot be represented exactly" in line), None)
+                text = json.dumps(schema)
+                if '"oneOf"' not in text:  # the one approximation xgrammar makes (and logs)
+                    return self.compiler.compile_json_schema(text, any_whitespace=False, separators=(", ", ": "))
+                # xgrammar reports it only as a C++ log line on file descriptor 2, which is the
+                # process's: one capture at a time, or a line lands in another thread's capture
+                with _STDERR_CAPTURE, _CapturedStderr() as log:
+                    compiled = self.compiler.compile_json_schema(text, any_whitespace=False, separators=(", ", ": "))
+                lines = log.lines()
+                approximation = next((line for line in lines if "cannot be represented exactly" in line), None)
+                others = [line for line in lines if line is not approximation]
+                if others:  # other threads' output, written while fd 2 was captured
+                    print("\n".join(others), file=sys.stderr)
                 if approximation is not None and not _one_ofs_disjoint_by_type(json.loads(spec.json_schema)):  # type: ignore[arg-type]
                     raise GrammarError(
                         "xgrammar cannot enforce this json_schema exactly (outputs could violate it): "
@@ -452,6 +460,9 @@ def _one_ofs_disjoint_by_type(schema: Any) -> bool:
         if "integer" in types and "number" in types:
             return False
     return all(_one_ofs_disjoint_by_type(value) for value in schema.values())
+
+
+_STDERR_CAPTURE = threading.Lock()
 
 
 class _CapturedStderr:

@@ -52,6 +52,36 @@ def test_overlapping_one_of_is_refused_and_disjoint_types_compile(tokenizer, bac
         assert backend.compile(GuidedDecoding(json_schema=DISJOINT_ONE_OF)) is not None
 
 
+def test_overlapping_one_ofs_compiled_on_many_threads_are_all_refused(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """xgrammar reports the approximation only on file descriptor 2, which threads share: the
+    data set test's two compile threads once let Github_easy o50674 through (61 of 64 refused
+    here before captures were taken one at a time)."""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    backend = create_backend("xgrammar", tokenizer, 49152, (2,))
+    schemas = [
+        {"type": "object", "properties": {f"p{i}": {"oneOf": [{"type": "string"}, {"type": "string", "maxLength": i}]}}}
+        for i in range(1, 65)
+    ]
+
+    def refused(schema: Any) -> bool:
+        try:
+            backend.compile(GuidedDecoding(json_schema=schema))
+        except GrammarError:
+            return True
+        return False
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between the capture's start and the compile
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            verdicts = list(pool.map(refused, schemas))
+    finally:
+        sys.setswitchinterval(interval)
+    assert verdicts == [True] * len(schemas)
+
+
 def test_required_names_missing_from_properties_stay_required(tokenizer) -> None:  # type: ignore[no-untyped-def]
     from tests.grammar_backends.dataset import matcher_accepts
 
