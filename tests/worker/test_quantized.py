@@ -74,7 +74,8 @@ def test_blocks_hold_the_files_numbers_exactly(type_name: str) -> None:
 
 @pytest.mark.parametrize("type_name", FORMATS)
 @pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 8, 9, 70])
-@pytest.mark.parametrize("k", [768, 288])  # 24 blocks: 3 groups of 8; 9: a group, a pair and a padding block
+# 24 blocks: 3 groups of 8; 9: a group, a pair and a padding block; 7: a group, its last block padding
+@pytest.mark.parametrize("k", [768, 288, 224])
 def test_kernel_matches_the_dequantized_weight(type_name: str, m: int, k: int) -> None:
     n, whole = 37, -(-k // 256) * 256  # the K-quants come in 256s: cut as tensor parallelism does
     raw = quantized_rows(type_name, n, whole, seed=m)

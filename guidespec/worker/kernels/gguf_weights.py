@@ -104,7 +104,9 @@ class KernelLayout:
     ``qs`` uint8 [N, nbw, 16 or 32], and its blocks' scales apart, ``s0`` and ``s1`` (the offsets
     of 4-bit formats, Q8H's second scales, None for Q8_0) uint8 [N, nbw * 2 or 4] (fp16 or fp32
     bytes), nbw the row's blocks rounded up to even with a zero block. The same bytes as the
-    file's blocks, rearranged: a group of 8 blocks' scales is one vector load."""
+    file's blocks, rearranged: a group of 8 blocks' scales is one vector load, and a 4-bit
+    format's whole groups have their quants' 4-byte words interleaved (vector p, word i: block
+    i's word p), so that an integer product's lane holds one block."""
 
     def __init__(self, qs: torch.Tensor, s0: torch.Tensor, s1: torch.Tensor | None) -> None:
         self.qs, self.s0, self.s1 = qs, s0, s1
@@ -123,7 +125,12 @@ class KernelLayout:
             return torch.from_numpy(out.reshape(n, -1))
 
         s1 = None if fmt == Q8_0 else part(scale_bytes, scale_bytes)
-        return cls(part(BLOCK_BYTES[fmt] - qs_bytes, qs_bytes), part(0, scale_bytes), s1)
+        qs = part(BLOCK_BYTES[fmt] - qs_bytes, qs_bytes)
+        if qs_bytes == 16:  # whole groups of 8 blocks interleaved: word p of block i -> vector p, word i
+            full = nbw // 8 * 8
+            groups = qs.view(n, nbw, 16)[:, :full].reshape(n, full // 8, 8, 4, 4)
+            qs.view(n, nbw, 16)[:, :full] = groups.transpose(2, 3).reshape(n, full, 16)
+        return cls(qs, part(0, scale_bytes), s1)
 
     def pointers(self) -> tuple[int, int, int | None]:
         return self.qs.data_ptr(), self.s0.data_ptr(), None if self.s1 is None else self.s1.data_ptr()
