@@ -146,6 +146,14 @@ def cached_json(kind: str, key: str, make: Callable[[], Any]) -> Any:
     return data
 
 
+def import_tokenizers() -> None:
+    """Import the tokenizer classes ``load_tokenizer`` uses now (transformers imports them on
+    first use), so that a process forked afterwards has them."""
+    import transformers
+
+    transformers.TokenizersBackend  # noqa: B018 (the attribute's access is the import)
+
+
 def load_tokenizer(model_dir: Path) -> Any:
     """The model's tokenizer. Where it is the plain ``tokenizers`` one (every GGUF conversion's),
     it is loaded as such: AutoTokenizer would first import the model's config class, ~3 s of

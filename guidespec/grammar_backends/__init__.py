@@ -7,13 +7,13 @@ created once per engine; a request may pick the other one.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from guidespec.grammar_backends.interface import GrammarBackend, GrammarError, GrammarMatcher
 
 from guidespec.protocol import GRAMMAR_BACKENDS as BACKENDS
 
-__all__ = ["BACKENDS", "GrammarBackend", "GrammarError", "GrammarMatcher", "create_backend"]
+__all__ = ["BACKENDS", "GrammarBackend", "GrammarError", "GrammarMatcher", "create_backend", "import_backends"]
 
 
 def create_backend(
@@ -28,3 +28,17 @@ def create_backend(
 
         return LLGuidanceBackend(tokenizer, vocab_size, stop_token_ids, num_threads)
     raise ValueError(f"unknown grammar backend {name!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def import_backends(names: Iterable[str]) -> None:
+    """Import the named backends and their libraries now (xgrammar brings torch and transformers:
+    ~3 s of CPU), so that a process forked afterwards has them; one that fails to import reports
+    it when it is created."""
+    for name in names:
+        try:
+            if name == "xgrammar":
+                import guidespec.grammar_backends.xgrammar_backend  # noqa: F401
+            elif name == "llguidance":
+                import guidespec.grammar_backends.llguidance_backend  # noqa: F401
+        except ImportError:
+            pass

@@ -18,12 +18,12 @@ def main() -> None:
     spec = json.loads(sys.stdin.read())
     role, parent_pid = spec["role"], int(spec["parent_pid"])
     if role == "scheduler":
-        from guidespec.scheduler.grammar import grammar_settings, start_compile_process
-
-        config = config_from_dict(SchedulerConfig, spec["config"])
-        compile_process = start_compile_process(grammar_settings(config))  # its imports run beside the scheduler's
+        from guidespec.scheduler.grammar import fork_compile_process, grammar_settings
         from guidespec.scheduler.scheduler import run_scheduler
 
+        config = config_from_dict(SchedulerConfig, spec["config"])
+        # forked with the scheduler's imports done and no thread started yet (it starts none)
+        compile_process = fork_compile_process(grammar_settings(config))
         run_scheduler(config, parent_pid, compile_process)
     elif role == "worker":
         from guidespec.worker.worker import run_worker

@@ -20,22 +20,26 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
 from guidespec.config import SchedulerConfig
-from guidespec.grammar_backends import GrammarBackend, GrammarError, GrammarMatcher, create_backend
+from guidespec.grammar_backends import GrammarBackend, GrammarError, GrammarMatcher, create_backend, import_backends
 from guidespec.grammar_backends.interface import allowed_ids, bitmask_row, bitmask_width, is_refusal
+from guidespec.model_files import import_tokenizers
 from guidespec.protocol import GuidedDecoding, backend_order
 from guidespec.scheduler.closing_step import ClosingStep
 
@@ -97,12 +101,11 @@ class _Job:
 
 
 class GrammarManager:
-    """``compile_process``: one started by ``start_compile_process`` with these settings (the
-    scheduler's process starts it first thing, so that its imports run beside the scheduler's);
-    None starts one here."""
+    """``compile_process``: one made by ``fork_compile_process`` (or ``start_compile_process``)
+    with these settings; None starts one here."""
 
     def __init__(
-        self, settings: GrammarSettings, tokenizer: Any, compile_process: subprocess.Popen[str] | None = None
+        self, settings: GrammarSettings, tokenizer: Any, compile_process: CompileProcess | None = None
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
@@ -516,7 +519,7 @@ class GrammarManager:
 class _CompileProcess:
     """The compile subprocess and a thread reading its JSON-line answers into a queue."""
 
-    def __init__(self, settings: GrammarSettings, proc: subprocess.Popen[str] | None = None) -> None:
+    def __init__(self, settings: GrammarSettings, proc: CompileProcess | None = None) -> None:
         self.settings = settings
         self.answers: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
         self.generation = 0
@@ -553,13 +556,13 @@ class _CompileProcess:
             self.proc.kill()
         self.proc.wait(timeout=5)
 
-    def _start(self, proc: subprocess.Popen[str] | None = None) -> None:
-        self.proc = proc or start_compile_process(self.settings)
+    def _start(self, proc: CompileProcess | None = None) -> None:
+        self.proc = proc or start_compile_process(self.settings)  # a restart: its own imports (threads run here)
         threading.Thread(
             target=self._read, args=(self.proc, self.generation), daemon=True, name="guidespec-compile-reader"
         ).start()
 
-    def _read(self, proc: subprocess.Popen[str], generation: int) -> None:
+    def _read(self, proc: CompileProcess, generation: int) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             message = json.loads(line)
@@ -571,8 +574,81 @@ class _CompileProcess:
         self.answers.put((generation, {"exited": True}))
 
 
+class ForkedCompileProcess:
+    """The compile process forked from the scheduler's, as much of a ``Popen`` as
+    ``_CompileProcess`` uses: its JSON lines through two pipes."""
+
+    def __init__(self, pid: int, stdin: IO[str], stdout: IO[str]) -> None:
+        self.pid, self.stdin, self.stdout = pid, stdin, stdout
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pid, status = self.pid, 0
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"compile process {self.pid}", timeout or 0.0)
+            time.sleep(0.01)
+        return self.returncode  # type: ignore[return-value]
+
+
+CompileProcess = subprocess.Popen[str] | ForkedCompileProcess
+
+
+def fork_compile_process(settings: GrammarSettings) -> ForkedCompileProcess:
+    """The compile process, forked from this one: the scheduler's process calls it once its
+    imports (torch, xgrammar, transformers: ~3 s of CPU) are done and before it starts a thread,
+    so the compile process has them for nothing (spawned, it ran them again beside the
+    scheduler's and the worker's on the same cores: ~1.5 s of each engine start on 2 cores)."""
+    import_backends(backend_order(settings.default_backend))
+    import_tokenizers()
+    to_child, from_parent = os.pipe()
+    to_parent, from_child = os.pipe()  # (read end, write end) pairs: child reads to_child's read end
+    pid = os.fork()
+    if pid == 0:  # the compile process: its ends on stdin and stdout, never back into the caller
+        code = 1
+        try:
+            os.dup2(to_child, 0)
+            os.dup2(from_child, 1)
+            for fd in (to_child, from_parent, to_parent, from_child):
+                os.close(fd)
+            sys.stdin = open(0, encoding="utf-8", closefd=False)
+            sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)
+            from guidespec.launch.process_utils import setup_child_process
+            from guidespec.scheduler import compile_worker
+
+            setup_child_process("compile")
+            compile_worker.main()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            os._exit(code)
+    os.close(to_child)
+    os.close(from_child)
+    proc = ForkedCompileProcess(
+        pid, open(from_parent, "w", encoding="utf-8", buffering=1), open(to_parent, encoding="utf-8")
+    )
+    _write_settings(proc.stdin, settings)
+    return proc
+
+
 def start_compile_process(settings: GrammarSettings) -> subprocess.Popen[str]:
-    """The compile process (``compile_worker.py``), its settings line written."""
+    """The compile process (``compile_worker.py``) as a new interpreter, its settings line written."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "guidespec.scheduler.compile_worker"],
         stdin=subprocess.PIPE,
@@ -581,21 +657,21 @@ def start_compile_process(settings: GrammarSettings) -> subprocess.Popen[str]:
         bufsize=1,
     )
     assert proc.stdin is not None
-    proc.stdin.write(
-        json.dumps(
-            {
-                "model_dir": str(settings.model_dir),
-                "default_backend": settings.default_backend,
-                "vocab_size": settings.vocab_size,
-                "stop_token_ids": list(settings.stop_token_ids),
-                "num_threads": settings.num_threads,
-                "recompile_below_s": settings.recompile_below_s,
-            }
-        )
-        + "\n"
-    )
-    proc.stdin.flush()
+    _write_settings(proc.stdin, settings)
     return proc
+
+
+def _write_settings(stdin: IO[str], settings: GrammarSettings) -> None:
+    fields = {
+        "model_dir": str(settings.model_dir),
+        "default_backend": settings.default_backend,
+        "vocab_size": settings.vocab_size,
+        "stop_token_ids": list(settings.stop_token_ids),
+        "num_threads": settings.num_threads,
+        "recompile_below_s": settings.recompile_below_s,
+    }
+    stdin.write(json.dumps(fields) + "\n")
+    stdin.flush()
 
 
 def _refused(errors: list[str]) -> str:

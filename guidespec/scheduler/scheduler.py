@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -62,7 +61,7 @@ from guidespec.cuda_ext.channel import DONE as DRAFTS_DONE
 from guidespec.cuda_ext.channel import DraftChannel, DraftChannelError
 from guidespec.scheduler.batching import Batcher, ScheduledRow
 from guidespec.scheduler.detokenizer import IncrementalDetokenizer
-from guidespec.scheduler.grammar import FillRow, GrammarManager, grammar_settings
+from guidespec.scheduler.grammar import CompileProcess, FillRow, GrammarManager, grammar_settings
 from guidespec.scheduler.output import append_token, finish_output, make_delta
 from guidespec.scheduler.request import Request
 from guidespec.scheduler.trace import StepTrace
@@ -81,7 +80,7 @@ class EngineFailure(RuntimeError):
     """The workers can no longer serve: every request fails with this message."""
 
 
-def run_scheduler(cfg: SchedulerConfig, parent_pid: int, compile_process: subprocess.Popen[str] | None = None) -> None:
+def run_scheduler(cfg: SchedulerConfig, parent_pid: int, compile_process: CompileProcess | None = None) -> None:
     """Process entry point (``compile_process``: see ``GrammarManager``)."""
     setup_child_process("scheduler")
     scheduler = Scheduler(cfg, parent_pid, compile_process)
@@ -95,9 +94,7 @@ def run_scheduler(cfg: SchedulerConfig, parent_pid: int, compile_process: subpro
 
 
 class Scheduler:
-    def __init__(
-        self, cfg: SchedulerConfig, parent_pid: int, compile_process: subprocess.Popen[str] | None = None
-    ) -> None:
+    def __init__(self, cfg: SchedulerConfig, parent_pid: int, compile_process: CompileProcess | None = None) -> None:
         self.cfg = cfg
         self.parent_pid = parent_pid
         self.tokenizer = load_tokenizer(cfg.model_dir)

@@ -77,7 +77,7 @@ def stop_server(server: Server, sig: int = signal.SIGINT) -> None:
 
 def engine_processes(server_pid: int) -> dict[int, str]:
     """The engine's processes under the server, and theirs: pid -> name (``gs-scheduler``,
-    ``gs-worker0``, the scheduler's grammar compile process ``python``)."""
+    ``gs-worker0``, the scheduler's grammar compile process ``gs-compile``)."""
     children: dict[int, list[int]] = {}
     names: dict[int, str] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
