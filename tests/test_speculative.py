@@ -263,17 +263,21 @@ def test_sampled_guided_outputs_stay_valid_and_switches_work() -> None:
 
 def test_the_prefill_step_verifies_drafts(reference: list[list[int]]) -> None:
     """The prompt's last step verifies drafts too: with its grammar ready (compiled by an earlier
-    request), the grammar's forced opening (``{"startDate": "``, a required first property) comes
+    request), the grammar's forced opening (``{"`` and a required first property's name) comes
     out of the prefill step, not one step per token after it. (A grammar still compiling when the
-    prefill starts gets its first token there, and the forced opening in the next step.)"""
-    messages, params = _requests()[1]
+    prefill starts gets its first token there, and the forced opening in the next step.) The
+    drafts are the opening's own tokenization (``{"start``, ``Date``); the model may spell it
+    otherwise (``{"``, ``start``: case 1 since the GGUF kernel's sums changed order, a near tie),
+    and then the prefill step accepts none: at least one of the three cases must come out whole."""
+    firsts = []
     with LLM(max_batch_size=8, show_progress=False, speculative=dict(method="forced")) as llm:
-        compiling = list(llm.stream(messages, params))
-        deltas = list(llm.stream(messages, params))
-    assert [t for d in compiling for t in d.token_ids] == reference[1]
-    first = deltas[0].token_ids
-    assert len(first) > 2 and first == reference[1][: len(first)]
-    assert [t for d in deltas for t in d.token_ids] == reference[1]
+        for i, (messages, params) in enumerate(_requests()[:3]):
+            compiling = list(llm.stream(messages, params))
+            deltas = list(llm.stream(messages, params))
+            assert [t for d in compiling for t in d.token_ids] == reference[i]
+            assert [t for d in deltas for t in d.token_ids] == reference[i]
+            firsts.append(len(deltas[0].token_ids))
+    assert max(firsts) > 2, firsts
 
 
 def test_bad_speculative_options_are_refused_in_the_client() -> None:
