@@ -24,7 +24,7 @@ def main() -> None:
         from guidespec.scheduler.scheduler import run_scheduler
 
         config = config_from_dict(SchedulerConfig, spec["config"])
-        # forked with the scheduler's imports done and no thread started yet (it starts none)
+        # forked once the scheduler's imports are done, before any of its threads starts
         compile_process = fork_compile_process(grammar_settings(config))
         run_scheduler(config, parent_pid, compile_process)
     elif role == "worker":
