@@ -55,7 +55,7 @@ def test_overlapping_one_of_is_refused_and_disjoint_types_compile(tokenizer, bac
 def test_overlapping_one_ofs_compiled_on_many_threads_are_all_refused(tokenizer) -> None:  # type: ignore[no-untyped-def]
     """xgrammar reports the approximation only on file descriptor 2, which threads share: the
     data set test's two compile threads once let Github_easy o50674 through (61 of 64 refused
-    here before captures were taken one at a time; 32, to keep CI short, catch that 4 times in 5)."""
+    here before captures were taken one at a time; with 32, to keep CI short, the old code failed 4 runs of 5)."""
     import sys
     from concurrent.futures import ThreadPoolExecutor
 

@@ -112,11 +112,16 @@ static inline int low_half_at(int i) { return (i / 2) * 64 + (i & 1) * 16; }
 /* blocks in interleaved groups for a format and a row of nbw blocks */
 static inline int interleaved_blocks(const format_t* f, int nbw) { return f->qs_bytes == 16 ? nbw / GROUP * GROUP : 0; }
 
+/* byte k of block b in an interleaved group of blocks of `bytes` bytes: word k / 4 of each block
+   in vector k / 4 (32 bytes), block b's at word b % GROUP */
+static inline size_t interleaved_at(int b, int k, int bytes) {
+    return (size_t)(b / GROUP) * GROUP * bytes + 32 * (k / 4) + 4 * (b % GROUP) + k % 4;
+}
+
 /* a row's activation: input j of block b, and the block's lane (scale and sum) */
 static inline size_t act_at(int full, int b, int j) {
-    size_t g0 = (size_t)(b / GROUP) * GROUP * QK;
-    if (b < full) return g0 + 32 * (j / 4) + 4 * (b % GROUP) + j % 4;
-    return g0 + low_half_at(b % GROUP) + (j < 16 ? j : 16 + j);
+    if (b < full) return interleaved_at(b, j, QK);
+    return (size_t)(b / GROUP) * GROUP * QK + low_half_at(b % GROUP) + (j < 16 ? j : 16 + j);
 }
 static inline int lane_at(int full, int b) { return b < full ? b : b / GROUP * GROUP + lane_of(b % GROUP); }
 
@@ -370,7 +375,7 @@ static const tile_fn TILES[] = {tile_FMT_Q4_1, tile_FMT_Q4F, tile_FMT_Q8_0, tile
 static inline int quant(const format_t* f, const uint8_t* qs, int full, int b, int j) {
     if (f->qs_bytes == 16) {
         int k = j % 16;
-        size_t at = b < full ? (size_t)(b / GROUP) * GROUP * 16 + 32 * (k / 4) + 4 * (b % GROUP) + k % 4 : (size_t)b * 16 + k;
+        size_t at = b < full ? interleaved_at(b, k, 16) : (size_t)b * 16 + k;
         return j < 16 ? qs[at] & 15 : qs[at] >> 4;
     }
     return ((const int8_t*)qs)[(size_t)b * 32 + j];
