@@ -71,6 +71,14 @@ def ray_placement_timeout_s() -> float:
     return float(os.environ.get("GUIDESPEC_RAY_PLACEMENT_TIMEOUT_S", "60"))
 
 
+def zygote(device: str) -> bool:
+    """Whether an engine on ``device`` forks its processes from the client's zygote
+    (``launch/zygote.py``; ``GUIDESPEC_ZYGOTE``): ``1`` everywhere, ``0`` nowhere (every engine
+    process a new interpreter), unset: CPU engines only (a fork beside CUDA has not run on a GPU yet)."""
+    value = os.environ.get("GUIDESPEC_ZYGOTE")
+    return value != "0" if value is not None else device == "cpu"
+
+
 def draft_channel() -> str:
     """How rank 0 exchanges model drafts and their masks with the scheduler
     (``GUIDESPEC_DRAFT_CHANNEL``): ``c`` (default: the cuda_ext shared-memory channel, its C

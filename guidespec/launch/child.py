@@ -12,13 +12,19 @@ import json
 import logging
 import os
 import sys
+from typing import Any
 
 from guidespec.config import SchedulerConfig, WorkerConfig, config_from_dict
 
 
 def main() -> None:
     spec = json.loads(sys.stdin.read())
-    role, parent_pid = spec["role"], int(spec["parent_pid"])
+    run(spec, int(spec["parent_pid"]))
+
+
+def run(spec: dict[str, Any], parent_pid: int) -> None:
+    """Run the loop of ``spec``'s role; the process exits with its parent ``parent_pid``."""
+    role = spec["role"]
     if role == "scheduler":
         from guidespec.scheduler.grammar import fork_compile_process, grammar_settings
         from guidespec.scheduler.scheduler import run_scheduler

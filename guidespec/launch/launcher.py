@@ -1,7 +1,8 @@
 """Starting and stopping the engine's processes: one scheduler and N worker ranks.
 
-Each process is ``python -m guidespec.launch.child`` with its configuration as JSON on stdin
-(no pickle, no re-import of the user's main module), in a session of its own so a terminal's
+Each process runs ``launch/child.py`` with its configuration as JSON (no pickle, no re-import
+of the user's main module), forked by the client's zygote (``launch/zygote.py``) or started
+as a new interpreter, in a session of its own so a terminal's
 Ctrl-C reaches only the client, which then shuts the engine down. The launcher owns every
 shared resource it creates (the ring's shared memory, the ipc socket files) and removes them
 on ``shutdown`` whatever state the processes are in: it asks them to stop, waits briefly,
@@ -12,14 +13,12 @@ message naming it, so the client can fail in-flight requests at once.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import secrets
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -34,6 +33,7 @@ from guidespec.ipc.broadcast import BroadcastSpec
 from guidespec.ipc.mask_arena import ArenaSpec, MaskArena
 from guidespec.ipc.shm_ring import ShmRing
 from guidespec.ipc.zmq_channel import new_ipc_endpoint
+from guidespec.launch.zygote import EngineProcess, spawn_engine_process
 from guidespec.worker.device import rank_device
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class EngineProcesses:
         )
         # model drafts and their masks between rank 0 and the scheduler (cuda_ext), where rank 0 is local
         self.drafts = DraftChannel.create(_channel_spec(cfg)) if _uses_channel(cfg, self.local_ranks) else None
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.processes: dict[str, EngineProcess] = {}
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
 
@@ -195,14 +195,8 @@ class EngineProcesses:
                 os.unlink(path)
 
     def _spawn(self, name: str, role: str, config: SchedulerConfig | WorkerConfig) -> None:
-        spec = json.dumps({"role": role, "parent_pid": os.getpid(), "config": config_to_dict(config)})
-        process = subprocess.Popen(
-            [sys.executable, "-m", "guidespec.launch.child"], stdin=subprocess.PIPE, start_new_session=True
-        )
-        self.processes[name] = process
-        assert process.stdin is not None
-        process.stdin.write(spec.encode())
-        process.stdin.close()
+        spec = {"role": role, "parent_pid": os.getpid(), "config": config_to_dict(config)}
+        self.processes[name] = spawn_engine_process(spec, self.cfg.device)
 
     def _watch(self) -> None:
         while not self._stopping.wait(_MONITOR_INTERVAL_S):
@@ -268,7 +262,7 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-def _death_message(name: str, process: subprocess.Popen[bytes]) -> str:
+def _death_message(name: str, process: EngineProcess) -> str:
     code = process.returncode
     if code is not None and code < 0:
         how = f"was killed by signal {signal.Signals(-code).name}"

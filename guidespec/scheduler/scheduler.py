@@ -657,6 +657,8 @@ class Scheduler:
         return np.concatenate(parts)
 
     def _check_health(self) -> None:
+        if self.stopping:  # the workers were told to stop: their exit is no failure
+            return
         for rank, pid in self.worker_pids.items():
             if not _process_alive(pid):
                 raise EngineFailure(f"worker rank {rank} (pid {pid}) died")

@@ -77,7 +77,8 @@ def stop_server(server: Server, sig: int = signal.SIGINT) -> None:
 
 def engine_processes(server_pid: int) -> dict[int, str]:
     """The engine's processes under the server, and theirs: pid -> name (``gs-scheduler``,
-    ``gs-worker0``, the scheduler's grammar compile process ``gs-compile``)."""
+    ``gs-worker0``, the scheduler's grammar compile process ``gs-compile``). The zygote they are
+    forked from (``gs-zygote``) is the server's, serving every engine it starts: not listed."""
     children: dict[int, list[int]] = {}
     names: dict[int, str] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -94,7 +95,8 @@ def engine_processes(server_pid: int) -> dict[int, str]:
     stack = [pid for pid in children.get(server_pid, []) if names[pid].startswith("gs-")]
     while stack:  # (the server's other children, e.g. multiprocessing's resource tracker, are its own)
         pid = stack.pop()
-        found[pid] = names[pid]
+        if names[pid] != "gs-zygote":
+            found[pid] = names[pid]
         stack.extend(children.get(pid, []))
     return found
 

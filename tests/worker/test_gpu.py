@@ -136,6 +136,24 @@ def test_cuda_graphs_equal_eager_and_guided_outputs_are_valid(random_model: Path
             jsonschema.validate(json.loads(out.text), PERSON)
 
 
+def test_engine_processes_forked_by_the_zygote_equal_new_interpreters(
+    random_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The zygote (``launch/zygote.py``) imports torch without starting CUDA; what it forks starts
+    CUDA itself. ``GUIDESPEC_ZYGOTE=1`` uses it for a CUDA engine (by default only CPU engines do)."""
+    runs = {}
+    for zygote in ("1", "0"):
+        monkeypatch.setenv("GUIDESPEC_ZYGOTE", zygote)
+        with _fp32_engine(random_model) as llm:
+            runs[zygote] = _run(llm, _mixed())
+            parents = {
+                int(Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                for p in llm._processes.processes.values()
+            }
+            assert (parents == {os.getpid()}) == (zygote == "0")
+    assert [o.token_ids for o in runs["1"]] == [o.token_ids for o in runs["0"]]
+
+
 def test_bf16_default_serves_guided_json(random_model: Path) -> None:
     with LLM(str(random_model), device=DEVICE, max_batch_size=8, show_progress=False) as llm:
         assert llm.config.dtype == ("bfloat16" if DEVICE == "cuda" else "float32")

@@ -1,0 +1,101 @@
+"""The zygote: engine processes forked from one pre-imported process per client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from guidespec import LLM, SamplingParams
+from guidespec.launch import zygote
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _name(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
+def test_engine_processes_come_from_a_zygote_of_their_environment(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GUIDESPEC_LOG_LEVEL", "WARNING")  # guidespec's own variables: the zygote still serves
+    with LLM(max_batch_size=2, show_progress=False) as llm:
+        forked = llm.generate("The capital of France is", GREEDY)[0].token_ids
+        pids = [p.pid for p in llm._processes.processes.values()]
+        (old,) = {_parent(pid) for pid in pids}
+        assert _name(old) == "gs-zygote"
+        # each writes where this process writes now (pytest's capture file), as an inherited fd would
+        assert {os.readlink(f"/proc/{pid}/fd/2") for pid in pids} == {os.readlink("/proc/self/fd/2")}
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)  # reaped by the zygote
+    # a variable the zygote's imports read (a native library's): a new zygote, the old one exits
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with LLM(max_batch_size=2, show_progress=False) as llm:
+        assert llm.generate("The capital of France is", GREEDY)[0].token_ids == forked
+        (new,) = {_parent(p.pid) for p in llm._processes.processes.values()}
+        assert new != old and _name(new) == "gs-zygote"
+        assert _gone(old, 10.0)
+    monkeypatch.setenv("GUIDESPEC_ZYGOTE", "0")  # every process a new interpreter
+    with LLM(max_batch_size=2, show_progress=False) as llm:
+        assert llm.generate("The capital of France is", GREEDY)[0].token_ids == forked
+        assert {_parent(p.pid) for p in llm._processes.processes.values()} == {os.getpid()}
+    assert zygote._zygote is not None and zygote._zygote.process is not None
+    assert zygote._zygote.process.pid == new
+    capfd.readouterr()
+
+
+def _gone(pid: int, timeout_s: float) -> bool:
+    """Exited, and reaped by this process (not left a zombie)."""
+    deadline = time.monotonic() + timeout_s
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not Path(f"/proc/{pid}").exists()
+
+
+def test_a_killed_client_takes_its_zygote_and_engine_with_it(tmp_path: Path) -> None:
+    script = tmp_path / "client.py"
+    script.write_text(
+        textwrap.dedent("""
+            import time
+            from guidespec import LLM, SamplingParams
+            from guidespec.launch import zygote
+
+            llm = LLM(max_batch_size=1, show_progress=False)
+            llm.generate("Hi", SamplingParams(max_tokens=2))
+            pids = [zygote._zygote.process.pid] + [p.pid for p in llm._processes.processes.values()]
+            print(*pids, flush=True)
+            time.sleep(600)
+        """)
+    )
+    client = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout is not None
+        pids = [int(p) for p in client.stdout.readline().split()]
+        assert len(pids) == 3 and _name(pids[0]) == "gs-zygote"
+        client.send_signal(signal.SIGKILL)  # no shutdown, no atexit: only the closed socket says it
+        client.wait()
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in pids if Path(f"/proc/{p}").exists() and _state(p) != "Z"]
+    finally:
+        client.kill()
+        client.wait()
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
