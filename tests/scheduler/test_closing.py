@@ -3,8 +3,8 @@ and the mask restriction never allowing a token the grammar refused."""
 
 from __future__ import annotations
 
+import itertools
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,19 +28,45 @@ def tokenizer():  # type: ignore[no-untyped-def]
     return AutoTokenizer.from_pretrained(resolve_model_dir(default_model_path()))
 
 
-def _compiled(request_id: str, schema: Any, backend: str, tokenizer: Any, model_dir: Path) -> Any:
-    """A grammar manager with ``request_id``'s JSON-schema grammar compiled and its matcher made."""
-    from guidespec.protocol import GuidedDecoding
+@pytest.fixture(scope="module")
+def managers(tokenizer, real_model_dir):  # type: ignore[no-untyped-def]
+    """One grammar manager (and compile process) per backend for the module's tests; each test's
+    requests have ids of their own and are released at its end."""
     from guidespec.scheduler.grammar import GrammarManager, GrammarSettings
 
-    grammar = GrammarManager(GrammarSettings(model_dir, backend, 49152, (2,), 60.0, 4), tokenizer)
+    made: dict[str, Any] = {}
+
+    def manager(backend: str) -> Any:
+        if backend not in made:
+            made[backend] = GrammarManager(GrammarSettings(real_model_dir, backend, 49152, (2,), 60.0, 4), tokenizer)
+        return made[backend]
+
+    yield manager
+    for grammar in made.values():
+        grammar.shutdown()
+
+
+@pytest.fixture(scope="module")
+def quote_tokens(tokenizer) -> set[int]:  # type: ignore[no-untyped-def]
+    """The tokens whose text has a double quote (a rambling model never writes one itself)."""
+    return {t for t in range(len(tokenizer)) if '"' in tokenizer.decode([t])}
+
+
+_request_ids = itertools.count()
+
+
+def _compiled(grammar: Any, schema: Any) -> str:
+    """A new request id with ``schema``'s grammar compiled and its matcher made in ``grammar``."""
+    from guidespec.protocol import GuidedDecoding
+
+    request_id = f"r{next(_request_ids)}"
     ready = grammar.submit(request_id, GuidedDecoding(json_schema=schema))
     deadline = time.monotonic() + 60
     while not ready:
         assert time.monotonic() < deadline, "the grammar did not compile"
         ready = request_id in grammar.poll()[0]
         time.sleep(0.01)
-    return grammar
+    return request_id
 
 
 def _ids(mask: np.ndarray) -> list[int]:
@@ -146,7 +172,7 @@ LOOPS = [  # (schema, text the output starts with, the tokens a looping model ke
     LOOPS,
     ids=["integer", "number-before-required", "key-pattern", "pattern", "unanchored-pattern", "alternatives"],
 )
-def test_a_looping_model_is_steered_to_a_valid_end(tokenizer, real_model_dir, backend, schema, start, loop) -> None:  # type: ignore[no-untyped-def]
+def test_a_looping_model_is_steered_to_a_valid_end(tokenizer, managers, backend, schema, start, loop) -> None:  # type: ignore[no-untyped-def]
     """A model that writes its cycle whenever the grammar allows it (and otherwise the
     highest-numbered token allowed) still ends with a valid document: closing finds the comma, the
     stop token, the pattern's ``://`` or ``:`` through the grammar's lookahead, a MAC address
@@ -157,25 +183,26 @@ def test_a_looping_model_is_steered_to_a_valid_end(tokenizer, real_model_dir, ba
 
     from guidespec.scheduler.grammar import FillRow
 
-    grammar = _compiled("r", schema, backend, tokenizer, real_model_dir)
+    grammar = managers(backend)
+    r = _compiled(grammar, schema)
     try:
         output = list(tokenizer.encode(start if backend == "xgrammar" else start.replace(": ", ":")))
         for token in output:
-            assert grammar.accept("r", token)
+            assert grammar.accept(r, token)
         cycle = [tokenizer.encode(t)[0] for t in loop]
         for step in range(300):
-            allowed = set(_ids(grammar.fill([FillRow("r", output_len=len(output), max_tokens=4096)])[0]))
+            allowed = set(_ids(grammar.fill([FillRow(r, output_len=len(output), max_tokens=4096)])[0]))
             wanted = cycle[step % len(cycle)]
             token = wanted if wanted in allowed else max(allowed)
             if token == 2:
                 break
-            assert grammar.accept("r", token)
+            assert grammar.accept(r, token)
             output.append(token)
         else:
             raise AssertionError(f"not closed in 300 tokens: {tokenizer.decode(output)[-200:]!r}")
         jsonschema.validate(json.loads(tokenizer.decode(output)), schema)
     finally:
-        grammar.shutdown()
+        grammar.release(r)
 
 
 def _deep_required_schema() -> dict:
@@ -196,7 +223,7 @@ def _deep_required_schema() -> dict:
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
-def test_deep_required_structure_closes_within_max_tokens(tokenizer, real_model_dir, backend) -> None:  # type: ignore[no-untyped-def]
+def test_deep_required_structure_closes_within_max_tokens(tokenizer, managers, quote_tokens, backend) -> None:  # type: ignore[no-untyped-def]
     """A model that rambles inside every string (random tokens, never a quote) still ends
     with a valid document before max_tokens: closing starts when the dry run of closing
     (``closing_length``) no longer fits in what is left, not at a fixed reserve (the sampled sweep
@@ -209,35 +236,36 @@ def test_deep_required_structure_closes_within_max_tokens(tokenizer, real_model_
 
     schema, max_tokens = _deep_required_schema(), 400
     assert budget_reserve(max_tokens, count_required(schema)) == 133
-    grammar = _compiled("r", schema, backend, tokenizer, real_model_dir)
+    grammar = managers(backend)
+    r = _compiled(grammar, schema)
     try:
-        shortest = grammar.closing_length("r", max_tokens)
+        shortest = grammar.closing_length(r, max_tokens)
         assert shortest is not None and 140 < shortest < 260  # 25 names and values, 6 objects
-        assert grammar.closing_length("r", 50) is None
+        assert grammar.closing_length(r, 50) is None
         rng = np.random.default_rng(0)
         output: list[int] = []
         for _ in range(max_tokens):
-            allowed = _ids(grammar.fill([FillRow("r", output_len=len(output), max_tokens=max_tokens)])[0])
+            allowed = _ids(grammar.fill([FillRow(r, output_len=len(output), max_tokens=max_tokens)])[0])
             if 2 in allowed:
                 break
-            rambling = [t for t in allowed if '"' not in tokenizer.decode([t])]  # never ends a string itself
+            rambling = [t for t in allowed if t not in quote_tokens]  # never ends a string itself
             token = int(rng.choice(rambling or allowed))
-            assert grammar.accept("r", token)
+            assert grammar.accept(r, token)
             output.append(token)
         else:
             raise AssertionError(f"cut at max_tokens: {tokenizer.decode(output)[-200:]!r}")
         document = json.loads(tokenizer.decode(output))
         jsonschema.validate(document, schema)
         assert len(document["part0"]["field0"]) > 20  # it rambled until the budget called for closing
-        assert grammar.closing_reason("r") == "budget"
+        assert grammar.closing_reason(r) == "budget"
     finally:
-        grammar.shutdown()
+        grammar.release(r)
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 @pytest.mark.parametrize("slack", [4, 60])
 def test_a_budget_that_barely_fits_the_shortest_document_still_ends_valid(
-    tokenizer, real_model_dir, backend, slack
+    tokenizer, managers, quote_tokens, backend, slack
 ) -> None:  # type: ignore[no-untyped-def]
     """max_tokens only ``slack`` tokens above the dry run's length from the start: the rambling
     model closes at once, and once what is left only fits the dry run, the dry run itself is
@@ -253,10 +281,11 @@ def test_a_budget_that_barely_fits_the_shortest_document_still_ends_valid(
     from guidespec.scheduler.grammar import FillRow
 
     schema = _deep_required_schema()
-    grammar = _compiled("r", schema, backend, tokenizer, real_model_dir)
+    grammar = managers(backend)
+    r, prepared = _compiled(grammar, schema), f"prepared{next(_request_ids)}"
     try:
-        shortest = grammar.closing_length("r", 1000)
-        run, ended = grammar.closing_run("r", 1000)
+        shortest = grammar.closing_length(r, 1000)
+        run, ended = grammar.closing_run(r, 1000)
         assert ended and len(run) == shortest  # ends with the stop token, or where the grammar ends (llguidance)
         max_tokens = shortest + slack
 
@@ -266,7 +295,7 @@ def test_a_budget_that_barely_fits_the_shortest_document_still_ends_valid(
             while True:
                 assert len(output) < max_tokens, f"cut at max_tokens: {tokenizer.decode(output)[-200:]!r}"
                 allowed = _ids(grammar.fill([FillRow(request_id, output_len=len(output), max_tokens=max_tokens)])[0])
-                rambling = [t for t in allowed if '"' not in tokenizer.decode([t])]
+                rambling = [t for t in allowed if t not in quote_tokens]
                 token = int(rng.choice(rambling or allowed))
                 if token == 2:
                     return output
@@ -275,17 +304,18 @@ def test_a_budget_that_barely_fits_the_shortest_document_still_ends_valid(
                 if grammar.is_terminated(request_id):
                     return output
 
-        output = ramble("r")
+        output = ramble(r)
         jsonschema.validate(json.loads(tokenizer.decode(output)), schema)
         if slack == 4:  # written as the dry run found it
             assert output == [t for t in run if t != 2]
-        assert grammar.submit("prepared", GuidedDecoding(json_schema=schema))  # compiled: ready at once
-        grammar.prepare("prepared", max_tokens)
-        closer = grammar.closing.closers["prepared"]
+        assert grammar.submit(prepared, GuidedDecoding(json_schema=schema))  # compiled: ready at once
+        grammar.prepare(prepared, max_tokens)
+        closer = grammar.closing.closers[prepared]
         assert closer.script if slack == 4 else closer.next_check > 0  # checked before any fill
-        assert ramble("prepared") == output
+        assert ramble(prepared) == output
     finally:
-        grammar.shutdown()
+        grammar.release(r)
+        grammar.release(prepared)
 
 
 def test_budget_reserve() -> None:
