@@ -8,19 +8,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from guidespec.grammar_backends import BACKENDS, create_backend
-from guidespec.model_files import resolve_model_dir
-from tests.grammar_backends.dataset import disagreements
-
-STOP = 2  # <|im_end|> of SmolLM2-Instruct
+from tests.grammar_backends.dataset import byte_level_tokenizer, disagreements
 
 
 def main() -> None:
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None, show_progress=False))
+    tokenizer = byte_level_tokenizer()
+    stop = tokenizer.eos_token_id
     out = {
-        name: disagreements(name, create_backend(name, tokenizer, 49152, (STOP,)), tokenizer, STOP) for name in BACKENDS
+        name: disagreements(name, create_backend(name, tokenizer, len(tokenizer), (stop,)), tokenizer, stop)
+        for name in BACKENDS
     }
     path = Path(__file__).with_name("known_limitations.json")
     path.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
