@@ -37,6 +37,7 @@ import zmq
 from guidespec import envs
 from guidespec.config import DTYPES, JUMP_FORWARD_MODES, EngineConfig, ModelConfig, SpeculativeConfig
 from guidespec.ipc.zmq_channel import Channel
+from guidespec.launch import zygote
 from guidespec.launch.launcher import EngineProcesses
 from guidespec.protocol import (
     BACKEND_CHOICES,
@@ -220,6 +221,7 @@ class LLM:
         # Ray places its ranks itself: only a local launch needs the GPUs here
         local = 0 if distributed_executor == "ray" else tensor_parallel_size
         resolved_device = resolve_device(device, local)
+        zygote.warm_up(resolved_device)
         # a GGUF model's own quantized blocks (where the model is a GGUF file's conversion), with fp32
         # arithmetic around them: what "auto" means on the CPU; "float32" dequantizes them
         gguf_blocks = dtype == "gguf" or (dtype == "auto" and resolved_device == "cpu")

@@ -398,6 +398,14 @@ def spawn_engine_process(spec: dict[str, Any], device: str) -> EngineProcess:
     return process
 
 
+def warm_up(device: str) -> None:
+    """Start this client's zygote now, on a thread of its own, where an engine on ``device`` will
+    want one: its imports overlap the client's own work before the engine starts (the tokenizer,
+    the model's files)."""
+    if envs.zygote(device) and (_zygote is None or not _zygote.alive) and not _zygote_failed:
+        threading.Thread(target=_the_zygote, name="guidespec-zygote-start", daemon=True).start()
+
+
 def _the_zygote() -> Zygote | None:
     global _zygote, _zygote_failed
     if not hasattr(os, "pidfd_open"):  # Linux 5.3 and later
