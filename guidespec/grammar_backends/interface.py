@@ -36,13 +36,14 @@ class GrammarMatcher(Protocol):
 class GrammarBackend(Protocol):
     name: str
     vocab_size: int
-    # a grammar that compiled fast is compiled again by the scheduler rather than carried over as
-    # text, where its text costs more to write and read than a compile (xgrammar's: 60-260 KB of
-    # JSON, 3-23 ms to serialize and parse against 4-7 ms to compile a JME schema)
-    recompile_fast_grammars: bool
 
     def compile(self, spec: GuidedDecoding) -> Any:
         """A compiled grammar (thread-safe, shareable); raises GrammarError."""
+
+    def text_cost_s(self, compiled: Any) -> float | None:
+        """About how long ``compiled``'s text takes to write and read back, or None where the text
+        is cheap whatever the grammar (the scheduler compiles a grammar again itself where that
+        is cheaper than its text: ``GrammarSettings.recompile``)."""
 
     def serialize(self, compiled: Any) -> str:
         """Text form of a compiled grammar, to carry it out of the compile process."""

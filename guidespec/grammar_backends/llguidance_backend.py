@@ -51,7 +51,6 @@ class LLGuidanceMatcher:
 
 class LLGuidanceBackend:
     name = "llguidance"
-    recompile_fast_grammars = False  # its serialized grammar is the grammar's own small text
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], num_threads: int) -> None:
         self.vocab_size = vocab_size
@@ -88,6 +87,9 @@ class LLGuidanceBackend:
         if probe.is_error():
             raise GrammarError(f"llguidance cannot compile this {kind}: {probe.get_error()}")
         return grammar
+
+    def text_cost_s(self, compiled: Any) -> float | None:
+        return None  # its serialized grammar is the grammar's own small text
 
     def serialize(self, compiled: Any) -> str:
         return str(compiled)  # an llguidance grammar is already text

@@ -7,7 +7,7 @@ restart. The protocol is JSON lines (never pickle): the scheduler writes a setti
 ``{"job", "backend", "spec"}`` lines; this process answers ``{"job", "started": true}`` when it
 begins a job and ``{"job", "ok", "compiled" | "error"}`` when it ends, where ``compiled`` is the
 backend's serialized grammar, or null with ``spec`` (the spec as rewritten) for a grammar the
-scheduler should compile again itself (``GrammarSettings.recompile_below_s``).
+scheduler should compile again itself (``GrammarSettings.recompile``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
 
     rewrites = envs.schema_rewrites_enabled()
     settings = json.loads(sys.stdin.readline())
-    recompile_below_s = float(settings.get("recompile_below_s", 0.0))
+    recompile = settings.get("recompile", "auto")
     tokenizer = load_tokenizer(Path(settings["model_dir"]))
     backends: dict[str, Any] = {}
 
@@ -65,7 +65,10 @@ def main() -> None:
                     spec = dataclasses.replace(spec, json_schema=json.dumps(schema))
             start = time.perf_counter()
             compiled = chosen.compile(spec)
-            if chosen.recompile_fast_grammars and time.perf_counter() - start < recompile_below_s:
+            text_cost_s = chosen.text_cost_s(compiled)
+            if text_cost_s is not None and (
+                recompile == "always" or (recompile == "auto" and time.perf_counter() - start < text_cost_s)
+            ):
                 # the scheduler compiles it again, for less than the text would cost (the spec as
                 # rewritten: the scheduler does not rewrite)
                 _reply({"job": job["job"], "ok": True, "compiled": None, "spec": dataclasses.asdict(spec)})

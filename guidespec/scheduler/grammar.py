@@ -62,9 +62,10 @@ class GrammarSettings:
     # masks in 11.3 ms p50 with 4 threads, 0.8 ms with 1)
     fill_threads: int = 1
     cache_size: int = 256
-    # a grammar (of a backend whose text form is costly) that compiled this fast is compiled again
-    # by the scheduler rather than carried over as text: on its loop, so only for what takes a few ms
-    recompile_below_s: float = 0.01
+    # how the compile process hands a grammar over: "auto" has the scheduler compile it again (on
+    # its load thread) where that took less than the backend's estimate of writing and reading
+    # its text (``text_cost_s``), else sends the text; "always" / "never" compile again / not
+    recompile: str = "auto"
 
 
 def grammar_settings(cfg: SchedulerConfig) -> GrammarSettings:
@@ -419,7 +420,7 @@ class GrammarManager:
 
     def _compiled(self, backend: str, message: dict[str, Any]) -> Any:
         """The compile process's grammar: its text read back, or compiled again here from the spec
-        it returned (a grammar that compiles in a few ms: ``GrammarSettings.recompile_below_s``)."""
+        it returned (where that is cheaper than its text: ``GrammarSettings.recompile``)."""
         if message["compiled"] is None:
             self.recompiled += 1
             return self._backend(backend).compile(GuidedDecoding(**message["spec"]))
@@ -668,7 +669,7 @@ def _write_settings(stdin: IO[str], settings: GrammarSettings) -> None:
         "vocab_size": settings.vocab_size,
         "stop_token_ids": list(settings.stop_token_ids),
         "num_threads": settings.num_threads,
-        "recompile_below_s": settings.recompile_below_s,
+        "recompile": settings.recompile,
     }
     stdin.write(json.dumps(fields) + "\n")
     stdin.flush()

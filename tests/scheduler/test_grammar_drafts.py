@@ -260,27 +260,25 @@ def test_auto_sets_up_every_backend_it_may_fall_back_to_before_the_first_step(re
         grammar.shutdown()
 
 
-@pytest.mark.parametrize("recompile_below_s", [0.0, 60.0])
-def test_a_grammar_compiled_again_or_carried_as_text_fills_the_same_rows(
-    real_model_dir: Path, recompile_below_s: float
-) -> None:
-    """xgrammar's compiled grammar comes back as text (slow compiles), or the scheduler compiles the
-    spec again (fast ones: its text costs more than a compile); both serve the same masks."""
+@pytest.mark.parametrize("recompile", ["never", "always"])
+def test_a_grammar_compiled_again_or_carried_as_text_fills_the_same_rows(real_model_dir: Path, recompile: str) -> None:
+    """xgrammar's compiled grammar comes back as text, or the scheduler compiles the spec again
+    (where its text costs more than a compile); both serve the same masks."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
     settings = GrammarSettings(
-        real_model_dir, "xgrammar", 49152, (2,), compile_timeout_s=60.0, max_rows=4, recompile_below_s=recompile_below_s
+        real_model_dir, "xgrammar", 49152, (2,), compile_timeout_s=60.0, max_rows=4, recompile=recompile
     )
     grammar = GrammarManager(settings, tokenizer)
-    reference = GrammarManager(dataclasses.replace(settings, recompile_below_s=0.0), tokenizer)
+    reference = GrammarManager(dataclasses.replace(settings, recompile="never"), tokenizer)
     try:
         rows = []
         for manager in (grammar, reference):
             _matcher(manager, "r", _Text(tokenizer, "xgrammar").encode('{"name":"Al'))
             rows.append(manager.fill([FillRow("r")]).copy())
         np.testing.assert_array_equal(rows[0], rows[1])
-        assert (grammar.recompiled, reference.recompiled) == (int(recompile_below_s > 0), 0)
+        assert (grammar.recompiled, reference.recompiled) == (int(recompile == "always"), 0)
         assert 0 < int(np.unpackbits(rows[0].view(np.uint8)).sum()) < 49152
     finally:
         grammar.shutdown()
