@@ -368,7 +368,7 @@ def test_an_engine_paused_past_its_step_timeout_goes_on(monkeypatch: pytest.Monk
     """All the engine's processes stopped (SIGSTOP) mid-generation for longer than the step
     timeout, then resumed: the request completes with the tokens it has unpaused (the scheduler's
     and the workers' timeouts count running time, not the pause)."""
-    monkeypatch.setenv("GUIDESPEC_STEP_TIMEOUT_S", "10")  # a step of a busy machine can take seconds
+    monkeypatch.setenv("GUIDESPEC_STEP_TIMEOUT_S", "5")  # 100x this engine's steps (a busy machine's can be slow)
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     engine = LLM(max_batch_size=2, show_progress=False)
     try:
@@ -378,7 +378,7 @@ def test_an_engine_paused_past_its_step_timeout_goes_on(monkeypatch: pytest.Monk
         pids = [process.pid for process in engine._processes.processes.values()]
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
-        time.sleep(13.0)  # past the step timeout
+        time.sleep(7.0)  # past the step timeout
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
         for delta in stream:
