@@ -398,6 +398,18 @@ def spawn_engine_process(spec: dict[str, Any], device: str) -> EngineProcess:
     return process
 
 
+def _forget_in_child() -> None:
+    """A fork of the client (its own multiprocessing, say) starts a zygote of its own if it needs
+    one: this one answers the client, and its socket must close when the client dies."""
+    global _zygote, _zygote_lock
+    if _zygote is not None:
+        _zygote.sock.close()
+    _zygote, _zygote_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def warm_up(device: str) -> None:
     """Start this client's zygote now, on a thread of its own, where an engine on ``device`` will
     want one: its imports overlap the client's own work before the engine starts (the tokenizer,
