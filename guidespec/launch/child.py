@@ -1,7 +1,8 @@
-"""Entry point of every engine process: ``python -m guidespec.launch.child`` reads its role and
-configuration as JSON on stdin and runs that process's loop.
+"""Entry point of every engine process: ``run`` takes its role and configuration (JSON) and runs
+that process's loop, in a process forked by the client's zygote (``launch/zygote.py``) or in
+``python -m guidespec.launch.child``, which reads them on stdin.
 
-Processes are started this way, not with multiprocessing, so that nothing is pickled and the
+Processes are started these ways, not with multiprocessing, so that nothing is pickled and the
 user's main module is never re-imported (a script without ``if __name__ == "__main__"``,
 a notebook or ``python -c`` all work).
 """
