@@ -33,6 +33,7 @@ from guidespec.ipc.broadcast import BroadcastSpec
 from guidespec.ipc.mask_arena import ArenaSpec, MaskArena
 from guidespec.ipc.shm_ring import ShmRing
 from guidespec.ipc.zmq_channel import new_ipc_endpoint
+from guidespec.launch.process_utils import kill_group
 from guidespec.launch.zygote import EngineProcess, spawn_engine_process
 from guidespec.worker.device import rank_device
 
@@ -180,7 +181,7 @@ class EngineProcesses:
             if process.poll() is None:
                 process.kill()
                 process.wait(timeout=5.0)
-            _kill_group(process.pid)  # what it started (the scheduler's compile process), if still there
+            kill_group(process.pid)  # what it started (the scheduler's compile process), if still there
         if self.ray is not None:
             self.ray.close(grace_s=max(0.0, deadline - time.monotonic()))
         if self.ring is not None:
@@ -252,14 +253,6 @@ def _channel_spec(cfg: EngineConfig) -> ChannelSpec:
         # that counts; on the CPU the waiting side would take a core from the model
         (_GPU_SPIN_US if cfg.device == "cuda" else 0) if spin_us is None else spin_us,
     )
-
-
-def _kill_group(pid: int) -> None:
-    """Each engine process leads a session (and process group) of its own: kill what is left in it."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _death_message(name: str, process: EngineProcess) -> str:

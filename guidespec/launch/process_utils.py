@@ -40,5 +40,14 @@ def set_process_name(name: str) -> None:
         pass
 
 
+def kill_group(pid: int) -> None:
+    """SIGKILL to what is left of the process group ``pid`` leads (each engine process leads a
+    session of its own: the scheduler's compile process is in its group)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def parent_alive(parent_pid: int) -> bool:
     return os.getppid() == parent_pid

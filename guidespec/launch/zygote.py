@@ -37,7 +37,7 @@ import traceback
 from typing import Any
 
 from guidespec import envs
-from guidespec.launch.process_utils import die_with_parent, set_process_name
+from guidespec.launch.process_utils import die_with_parent, kill_group, set_process_name
 
 logger = logging.getLogger(__name__)
 _MAX_MESSAGE = 1 << 20
@@ -138,7 +138,7 @@ def main() -> None:
         pass  # the client's end closed under a write
     finally:  # the client is gone: so is every engine it started here
         for pid in children.values():
-            _kill_group(pid)
+            kill_group(pid)
 
 
 def _serve(sock: socket.socket, children: dict[int, int]) -> None:
@@ -193,13 +193,6 @@ def _run_child(request: dict[str, Any], fds: list[int]) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 # ---- the client's side -------------------------------------------------------------------
