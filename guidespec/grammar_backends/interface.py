@@ -20,6 +20,10 @@ class GrammarMatcher(Protocol):
     def accept_token(self, token: int) -> bool:
         """Advance by one token; False (and no change) if the grammar rejects it."""
 
+    def advance(self, tokens: Sequence[int]) -> int:
+        """Accept the longest prefix of ``tokens`` the grammar allows, stopping once it has
+        terminated; how many were accepted (one call: the backend's loop, not Python's)."""
+
     def rollback(self, num_tokens: int) -> None: ...
 
     def is_terminated(self) -> bool:

@@ -35,6 +35,20 @@ class LLGuidanceMatcher:
             return False
         return bool(self.matcher.consume_token(token))
 
+    def advance(self, tokens: Sequence[int]) -> int:
+        tokens = list(tokens)
+        if not tokens or self.matcher.is_stopped():
+            return 0
+        count = self.matcher.validate_tokens(tokens)
+        if count and not self.matcher.consume_tokens(tokens[:count]):
+            return 0  # (a matcher in error: nothing it accepted stays)
+        if count > 1 and self.matcher.is_stopped():  # it may have stopped before the last of them
+            self.matcher.rollback(count)  # (and a token past that is not accepted one by one)
+            count = 0
+            while count < len(tokens) and not self.matcher.is_stopped() and self.accept_token(tokens[count]):
+                count += 1
+        return count
+
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
             self.matcher.rollback(num_tokens)

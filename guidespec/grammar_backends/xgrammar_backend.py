@@ -42,6 +42,14 @@ class XGrammarMatcher:
     def accept_token(self, token: int) -> bool:
         return bool(self.matcher.accept_token(token))
 
+    def advance(self, tokens: Sequence[int]) -> int:
+        matcher, count = self.matcher, 0
+        for token in tokens:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            count += 1
+        return count
+
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
             self.matcher.rollback(num_tokens)

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -32,7 +33,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable, TypeVar
 
 import numpy as np
 
@@ -44,6 +45,7 @@ from guidespec.protocol import GuidedDecoding, backend_order
 from guidespec.scheduler.closing_step import ClosingStep
 
 logger = logging.getLogger(__name__)
+_Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,28 @@ class FillRow:
     max_tokens: int = 1 << 30
 
 
+def _settled(method: _Method) -> _Method:
+    """A GrammarManager method that uses grammars: the draft steps' walk ends first."""
+
+    @functools.wraps(method)
+    def settled(self: GrammarManager, *args: Any, **kwargs: Any) -> Any:
+        if self._walks:
+            self.end_draft_walk()
+        return method(self, *args, **kwargs)
+
+    return settled  # type: ignore[return-value]
+
+
+@dataclass
+class _Walk:
+    """Where a request's grammar is during a step's draft steps: the tokens sent so far, how many
+    of them it accepted, and whether it refused one (then it stays before that token)."""
+
+    tokens: list[int] = field(default_factory=list)
+    accepted: int = 0
+    refused: bool = False
+
+
 @dataclass
 class _Job:
     key: str
@@ -132,6 +156,7 @@ class GrammarManager:
         self.job_of_key: dict[str, int] = {}
         self.pending: dict[str, int] = {}  # request id -> job id
         self.matchers: dict[str, tuple[str, GrammarMatcher]] = {}
+        self._walks: dict[str, _Walk] = {}  # a step's draft steps (fill_after): request -> its walk
         self.fallbacks: dict[
             str, tuple[GuidedDecoding, list[str], list[str]]
         ] = {}  # request -> (spec, backends left, refusals)
@@ -208,6 +233,7 @@ class GrammarManager:
     def has_pending(self) -> bool:
         return bool(self.pending)
 
+    @_settled
     def release(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
         self.fallbacks.pop(request_id, None)
@@ -217,6 +243,7 @@ class GrammarManager:
 
     # ------------------------------------------------------------------ per step
 
+    @_settled
     def fill(self, rows: list[FillRow], out: np.ndarray | None = None) -> np.ndarray:
         """One bitmask row per position to verify, request by request: a request with drafts
         ``d_1..d_k`` gets rows for its current state and after each ``d_j`` (its grammar is
@@ -271,6 +298,7 @@ class GrammarManager:
             self.closing.restore(saved)
         return self.bitmask[: firsts[-1]]
 
+    @_settled
     def prepare(self, request_id: str, max_tokens: int) -> None:
         """Work for the request's first mask that needs only its grammar (the first budget check's
         dry run of closing: ``ClosingStep.check_budget``), done ahead of the step that needs it."""
@@ -283,36 +311,54 @@ class GrammarManager:
 
     def fill_after(self, request_ids: list[str], sequences: list[list[int]]) -> np.ndarray:
         """One mask row per request, for its state after ``sequences[i]`` (tokens past its final
-        ones: a draft step's mask); the grammars are left as they were. A sequence the grammar
-        refuses gets a row that allows nothing; one that ends the grammar allows only a stop token."""
+        ones: a draft step's mask). A sequence the grammar refuses gets a row that allows nothing;
+        one that ends the grammar allows only a stop token.
+
+        A step's draft steps send each request its sequence so far, one token longer each time:
+        the grammar stays where the last call left it and walks only the new tokens (a sequence
+        that does not extend the last one starts again). ``end_draft_walk`` puts every grammar
+        back as it was; every other method that uses a grammar does that first (``_settled``)."""
         if len(request_ids) > self.bitmask.shape[0]:
             self.bitmask = np.zeros((len(request_ids), self.bitmask.shape[1]), dtype=np.int32)
-        accepted = [0] * len(request_ids)
         live: list[int] = []
-        try:
-            for row, (request_id, sequence) in enumerate(zip(request_ids, sequences)):
-                matcher = self.matchers[request_id][1]
-                for token in sequence:
-                    if matcher.is_terminated() or not matcher.accept_token(token):
-                        break
-                    accepted[row] += 1
-                if accepted[row] < len(sequence):
-                    self.bitmask[row] = 0
-                elif matcher.is_terminated():
-                    self.bitmask[row] = self._stop_row
-                else:
-                    live.append(row)
-            self._fill_rows([request_ids[row] for row in live], live)
-        finally:
-            for request_id, count in zip(request_ids, accepted):
-                if count:
-                    self.matchers[request_id][1].rollback(count)
+        for row, (request_id, sequence) in enumerate(zip(request_ids, sequences)):
+            matcher = self.matchers[request_id][1]
+            walked = self._walks.get(request_id)
+            if walked is None or sequence[: len(walked.tokens)] != walked.tokens:
+                if walked is not None:
+                    matcher.rollback(walked.accepted)
+                walked = self._walks[request_id] = _Walk()
+            new = sequence[len(walked.tokens) :]
+            if not walked.refused:  # (past a refused token every sequence is refused)
+                count = matcher.advance(new)
+                walked.accepted += count
+                walked.refused = count < len(new)
+            walked.tokens = list(sequence)
+            if walked.refused:
+                self.bitmask[row] = 0
+            elif matcher.is_terminated():
+                self.bitmask[row] = self._stop_row
+            else:
+                live.append(row)
+        self._fill_rows([request_ids[row] for row in live], live)
         return self.bitmask[: len(request_ids)]
 
+    def end_draft_walk(self) -> None:
+        """Every grammar back where the step's draft steps found it (``fill_after``)."""
+        if not self._walks:
+            return
+        for request_id, walked in self._walks.items():
+            entry = self.matchers.get(request_id)
+            if entry is not None and walked.accepted:
+                entry[1].rollback(walked.accepted)
+        self._walks.clear()
+
+    @_settled
     def forced_tokens(self, request_id: str, limit: int) -> list[int]:
         """The tokens the grammar forces next (the matcher is left as it was)."""
         return self.matchers[request_id][1].forced_tokens(limit)
 
+    @_settled
     def valid_prefix(self, request_id: str, prefix: list[int], tokens: Any) -> int:
         """How many of ``tokens`` the grammar accepts after ``prefix`` (the matcher is left as it was)."""
         matcher = self.matchers[request_id][1]
@@ -330,6 +376,7 @@ class GrammarManager:
         matcher.rollback(accepted + count)
         return count
 
+    @_settled
     def accept(self, request_id: str, token: int) -> bool:
         self.closing.add(request_id, token)
         return self.matchers[request_id][1].accept_token(token)
@@ -340,6 +387,7 @@ class GrammarManager:
     def closing_reason(self, request_id: str) -> str:
         return self.closing.reason(request_id)
 
+    @_settled
     def accept_forced(self, request_id: str, limit: int) -> list[int]:
         """Accept and return the tokens the grammar forces next (jump-forward)."""
         matcher = self.matchers[request_id][1]
@@ -350,6 +398,7 @@ class GrammarManager:
             self.closing.add(request_id, token)
         return forced
 
+    @_settled
     def end_token(self, request_id: str) -> int | None:
         """The stop token, where the grammar allows it and nothing else now (the output is
         complete: the request can end without a step); None otherwise. Checked with a trial
@@ -363,9 +412,11 @@ class GrammarManager:
         self.backends[self.matchers[request_id][0]].fill_bitmasks([matcher], row, [0])
         return stops[0] if allowed_ids(row[0], limit=2).tolist() == [stops[0]] else None
 
+    @_settled
     def is_terminated(self, request_id: str) -> bool:
         return self.matchers[request_id][1].is_terminated()
 
+    @_settled
     def error(self, request_id: str) -> str:
         """The backend's reason if the request's matcher failed (empty otherwise)."""
         backend, matcher = self.matchers[request_id]
@@ -478,12 +529,14 @@ class GrammarManager:
         for backend, (matchers, rows) in by_backend.items():
             self.backends[backend].fill_bitmasks(matchers, self.bitmask, rows)
 
+    @_settled
     def closing_length(self, request_id: str, limit: int) -> int | None:
         """How many tokens closing would take from here to the end of the document (with the stop
         token); None if more than ``limit``."""
         run, ended = self.closing_run(request_id, limit)
         return len(run) if ended or len(run) <= limit else None
 
+    @_settled
     def closing_run(self, request_id: str, limit: int) -> tuple[list[int], bool]:
         """A dry run of closing from the grammar's state (``ClosingStep.dry_run``)."""
         return self.closing.dry_run(request_id, *self._grammar(request_id), limit)

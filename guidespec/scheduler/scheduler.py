@@ -323,6 +323,12 @@ class Scheduler:
     def collect(self, rows: list[ScheduledRow]) -> StepOutputs:
         """Wait for rank 0's outputs for this step, answering its draft steps' mask requests and
         watching the workers while waiting."""
+        try:
+            return self._collect(rows)
+        finally:
+            self.grammar.end_draft_walk()  # (the draft steps' masks walked the grammars)
+
+    def _collect(self, rows: list[ScheduledRow]) -> StepOutputs:
         timer = AwakeTimer(envs.step_timeout_s())  # running time: a pause of the whole engine is no hang
         early = self._serve_drafts(rows, timer) if self._step_drafts else None
         while True:

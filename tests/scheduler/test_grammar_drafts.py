@@ -83,6 +83,72 @@ def test_draft_rows_equal_fresh_replays_and_the_grammar_is_rolled_back(manager: 
     grammar.release("r")
 
 
+class _Counted:
+    """A backend's matcher, counting the tokens ``advance`` is given."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.inner, self.advanced = matcher, 0
+
+    def advance(self, tokens: list[int]) -> int:
+        self.advanced += len(tokens)
+        return int(self.inner.advance(tokens))
+
+    def __getattr__(self, name: str) -> Any:  # (the backend's fill reads its own matcher from ``matcher``)
+        return getattr(self.inner, name)
+
+
+def test_draft_steps_walk_each_grammar_once_and_put_it_back(manager: tuple[GrammarManager, Any]) -> None:
+    """A step's draft steps send each request its sequence one token longer each time: the rows
+    equal those filled from the request's state each time, each token is walked once, a sequence
+    that leaves the walk starts again, a refused token stays refused, and the grammar is back where
+    it was after the walk (and before any other use)."""
+    grammar, text = manager
+    prefix = text.encode('{"name":"')
+    document = text.encode('Ann","age":37}')
+    other = text.encode('Bo","age":5')
+    _matcher(grammar, "w", prefix)
+    # ... then the stop token: it ends the grammar (xgrammar), or the grammar ended at "}" and
+    # refuses it (llguidance)
+    sequences = [document[:j] for j in range(len(document) + 1)] + [document + [2]] + [other[:j] for j in range(4)]
+    reference = []
+    for sequence in sequences:  # each from the request's state
+        reference.append(grammar.fill_after(["w"], [sequence])[0].copy())
+        grammar.end_draft_walk()
+    assert _allowed(reference[len(document)], 2)
+    after_stop = reference[len(document) + 1]
+    assert np.array_equal(after_stop, grammar.stop_rows(1)[0]) or not after_stop.any()
+    backend, matcher = grammar.matchers["w"]
+    counted = _Counted(matcher)
+    grammar.matchers["w"] = (backend, counted)  # type: ignore[assignment]
+    for j, sequence in enumerate(sequences):
+        assert np.array_equal(grammar.fill_after(["w"], [sequence])[0], reference[j]), f"sequence {j}"
+    # the document walked once, the stop token once, then the other sequence from its start
+    assert counted.advanced == len(document) + 1 + 3
+    grammar.end_draft_walk()
+    assert np.array_equal(grammar.fill([FillRow("w")])[0], reference[0])
+    grammar.fill_after(["w"], [document[:3]])
+    assert grammar.accept("w", document[0])  # (the walk ends first)
+    assert np.array_equal(grammar.fill([FillRow("w")])[0], _fresh_row(grammar, prefix + document[:1]))
+    grammar.release("w")
+
+
+def test_advance_accepts_what_accept_token_would(manager: tuple[GrammarManager, Any]) -> None:
+    grammar, text = manager
+    _matcher(grammar, "a", text.encode('{"name":"'))
+    matcher = grammar.matchers["a"][1]
+    for tokens in (text.encode('Ann","age":3'), text.encode('Ann"}'), text.encode('A","age":1}') + [2, 2], []):
+        one_by_one = 0
+        for token in tokens:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            one_by_one += 1
+        matcher.rollback(one_by_one)
+        assert matcher.advance(tokens) == one_by_one, tokens
+        matcher.rollback(one_by_one)
+    assert one_by_one == 0 and not matcher.is_terminated()
+    grammar.release("a")
+
+
 def test_an_unchecked_invalid_draft_is_refused_and_later_rows_allow_nothing(
     manager: tuple[GrammarManager, Any],
 ) -> None:
