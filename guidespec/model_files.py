@@ -10,6 +10,7 @@ and the workers (config, weights) both use this module; the weights themselves a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -19,7 +20,7 @@ import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from guidespec import envs
 from guidespec.config import SUPPORTED_MODEL_TYPES
@@ -72,14 +73,41 @@ def _converted_gguf(gguf: Path, show_progress: bool) -> Path:
         print(f"guidespec: converting {gguf.name} once into {target} ...", flush=True)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with _gguf_work_shared():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     _save_plain(model, tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "DONE").write_text(json.dumps({"source": str(gguf)}))
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     return target
+
+
+@contextlib.contextmanager
+def _gguf_work_shared() -> Iterator[None]:
+    """transformers, converting a GGUF file, reads its metadata three times (for the tokenizer,
+    the config and the tensors: gguf's reader visits each of the tokenizer's ~100k strings, 5 s
+    a time on our machines) and builds the same tensor-name map once per submodule (397 times,
+    13 s): here the reader of a file and the map of an architecture are made once. Both are
+    read-only; where transformers stops reaching them through the ``gguf`` module, the
+    conversion is only slower."""
+    import gguf
+
+    make_reader, make_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = make_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(make_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, make_map
 
 
 def _save_plain(model: Any, folder: Path) -> None:
