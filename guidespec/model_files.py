@@ -94,7 +94,8 @@ def _gguf_work_shared() -> Iterator[None]:
     conversion is only slower."""
     import gguf
 
-    make_reader, make_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    module: Any = gguf  # (its attributes replaced for a while)
+    make_reader, make_map = module.GGUFReader, module.get_tensor_name_map
     readers: dict[tuple[str, str], Any] = {}
 
     def reader(path: Any, mode: str = "r") -> Any:
@@ -103,11 +104,11 @@ def _gguf_work_shared() -> Iterator[None]:
             readers[key] = make_reader(path, mode)
         return readers[key]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(make_map)
+    module.GGUFReader, module.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(make_map)
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, make_map
+        module.GGUFReader, module.get_tensor_name_map = make_reader, make_map
 
 
 def _save_plain(model: Any, folder: Path) -> None:
