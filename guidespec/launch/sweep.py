@@ -11,6 +11,7 @@ A case counts as: a compile error (the backend refused the schema or timed out),
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -226,18 +227,8 @@ def run_sweep(args: Any) -> int:
     cases = load_workload(Path(args.workload) if args.workload else default_workload(), args.prefix, args.limit)
     speculative = speculative_from_args(args)
     results_path = Path(args.results) if args.results else None
-    with LLM(
-        args.model,
-        max_batch_size=args.concurrency,
-        grammar_backend=args.backend,
-        speculative=speculative,
-        grammar_compile_timeout_s=args.compile_timeout,
-        max_model_len=args.max_model_len or _model_limit(args.model),
-        dtype=args.dtype,
-        tensor_parallel_size=args.tensor_parallel_size,
-        enable_prefix_caching=args.enable_prefix_caching,
-        **device_from_args(args),
-    ) as llm:
+    with contextlib.ExitStack() as stack:
+        llm: LLM | None = None  # started once a case is left to run (a finished sweep prints its table alone)
         for temperature in args.temperature:
             config = {
                 "backend": args.backend,
@@ -248,20 +239,39 @@ def run_sweep(args: Any) -> int:
             }
             done = _load_results(results_path, config)
             todo = [c for c in cases if c["id"] not in done]
+            if todo and llm is None:
+                llm = stack.enter_context(
+                    LLM(
+                        args.model,
+                        max_batch_size=args.concurrency,
+                        grammar_backend=args.backend,
+                        speculative=speculative,
+                        grammar_compile_timeout_s=args.compile_timeout,
+                        max_model_len=args.max_model_len or _model_limit(args.model),
+                        dtype=args.dtype,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        enable_prefix_caching=args.enable_prefix_caching,
+                        **device_from_args(args),
+                    )
+                )
             bar = tqdm(total=len(todo), desc=f"{args.backend} T={temperature:g}", unit="case")
             start = time.perf_counter()
-            results = asyncio.run(
-                run_cases(
-                    llm,
-                    todo,
-                    args.backend,
-                    temperature,
-                    args.max_tokens,
-                    args.concurrency,
-                    progress=bar,
-                    repetition_penalty=args.repetition_penalty,
-                    on_result=lambda r: _append_result(results_path, config, r),
+            results = (
+                asyncio.run(
+                    run_cases(
+                        llm,
+                        todo,
+                        args.backend,
+                        temperature,
+                        args.max_tokens,
+                        args.concurrency,
+                        progress=bar,
+                        repetition_penalty=args.repetition_penalty,
+                        on_result=lambda r: _append_result(results_path, config, r),
+                    )
                 )
+                if llm is not None
+                else []
             )
             wall = time.perf_counter() - start
             bar.close()
