@@ -20,11 +20,12 @@ runs replay, as a long-running server has):
 - EAGLE draft-step graphs (issue 23): an EAGLE-3 head (``--eagle-head``, else random weights of
   the model's shape) drafting ``--draft-len`` tokens a step (fixed length), guided and unguided,
   with the draft steps as one captured graph whose grammar waits are host nodes
-  (``graph_grammar=True``) against the same steps one by one (``--no-graph-grammar``), at batch 1
-  and 16: time per engine step, the grammar's share of a step (guided over unguided step time,
-  minus 1), of wall time (unguided runs to the guided outputs' lengths, so both produce the same
-  tokens) and of a decode step (p50 from each engine's step trace, ``--trace-dir``, with the
-  guided steps' parts); a random head's drafts are nearly all
+  (``graph_grammar=True``) against the same steps one by one (``--no-graph-grammar``) and against
+  one graph whose drafts no grammar masks (``constrain_drafts=False``: no round trip to the
+  scheduler while drafting), at batch 1 and 16: time per engine step, the grammar's share of a
+  step (guided over unguided step time, minus 1), of wall time (unguided runs to the guided
+  outputs' lengths, so both produce the same tokens) and of a decode step (p50 from each engine's
+  step trace, ``--trace-dir``, with the guided steps' parts); a random head's drafts are nearly all
   rejected, so its accepted tokens per step say nothing (a trained head and ``--model`` do);
 - bitmask: p50 time per step to copy R = B x (1 + draft length) bitmask rows host-to-device from a
   page-locked arena (``DeviceMasks.upload``), to apply them to fp32 logits [R, vocab] already on the
@@ -449,10 +450,17 @@ def bench_eagle_graphs(
     out: list[dict[str, Any]] = []
     trace_dir = trace_dir or Path(tempfile.mkdtemp(prefix="guidespec-eagle-trace-"))
     trace_dir.mkdir(parents=True, exist_ok=True)
-    for graph in (True, False):
-        label = "eagle graph" if graph else "eagle steps"
-        kw = dict(setup.kwargs(enforce_eager=False), speculative=eagle, graph_grammar=graph)
-        trace = trace_dir / f"{label.replace(' ', '-')}.json"
+    # the draft steps as one graph (grammar waits inside), one by one, and as one graph whose drafts
+    # no grammar masks (``constrain_drafts=False``: no round trip to the scheduler while drafting;
+    # verification still refuses what the grammar does)
+    for variant, graph, masked in (("graph", True, True), ("steps", False, True), ("graph, unmasked", True, False)):
+        label = f"eagle {variant}"
+        kw = dict(
+            setup.kwargs(enforce_eager=False),
+            speculative=dict(eagle, constrain_drafts=masked),
+            graph_grammar=graph,
+        )
+        trace = trace_dir / f"{label.replace(',', '').replace(' ', '-')}.json"
         os.environ["GUIDESPEC_TRACE"] = str(trace)  # the engine's step trace, written at its shutdown
         start = time.perf_counter()
         rows: list[dict[str, Any]] = []
@@ -469,7 +477,7 @@ def bench_eagle_graphs(
                 plain = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
                 run_each(llm, prompts, plain)
                 unguided, _ = measure(lambda: run_each(llm, prompts, plain), setup.repeats)
-                row = {"graph": graph, "batch": b, "guided": guided, "unguided": unguided}
+                row = {"graph": graph, "variant": variant, "batch": b, "guided": guided, "unguided": unguided}
                 for key in ("guided", "unguided"):  # every request runs in every step: steps = request steps / B
                     s = row[key]
                     s["step_ms"] = 1e3 * s["wall_s"] * b / s["steps"] if s["steps"] else None
@@ -492,6 +500,10 @@ def bench_eagle_graphs(
             )
         out.extend(rows)
     return out
+
+
+def _variant(row: dict[str, Any]) -> str:
+    return str(row.get("variant") or ("graph" if row["graph"] else "steps"))
 
 
 def decode_steps(trace: Path, batch: int, draft_len: int) -> dict[str, Any]:
@@ -671,7 +683,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [
             "",
             "EAGLE draft steps (draft length fixed): one captured graph per proposal, grammar waits as host "
-            "nodes (graph) against the same steps one by one (steps); step = wall × batch ÷ request steps. "
+            "nodes (graph) against the same steps one by one (steps), and one graph whose drafts no grammar "
+            "masks (graph, unmasked: no round trip while drafting); step = wall × batch ÷ request steps. "
             "Unguided runs to the guided outputs' lengths, so the wall-time share compares the same tokens; "
             "guided steps carry grammar-forced drafts, so they are fewer and longer.",
             "",
@@ -689,7 +702,7 @@ def markdown(report: dict[str, Any]) -> str:
             dg, du = d.get("guided_ms"), d.get("unguided_ms")
             decode_share = dg / du - 1 if dg and du else None
             lines.append(
-                f"| {e['batch']} | {'graph' if e['graph'] else 'steps'} | {fmt(g, '.2f')} | {fmt(u, '.2f')} | "
+                f"| {e['batch']} | {_variant(e)} | {fmt(g, '.2f')} | {fmt(u, '.2f')} | "
                 f"{fmt(None if share is None else 100 * share, '.1f', '%')} | "
                 f"{fmt(None if wall_share is None else 100 * wall_share, '.1f', '%')} | "
                 f"{fmt(dg, '.2f')} / {fmt(du, '.2f')} | "
@@ -709,7 +722,7 @@ def markdown(report: dict[str, Any]) -> str:
             ]
             for e, p in parts:
                 cells = " | ".join(fmt(p.get(name), ".2f") for name in names)
-                lines.append(f"| {e['batch']} | {'graph' if e['graph'] else 'steps'} | {cells} |")
+                lines.append(f"| {e['batch']} | {_variant(e)} | {cells} |")
     if report["bitmask"]:
         lines += [
             "",
