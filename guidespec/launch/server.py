@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from guidespec.grammar_backends.interface import refusals_in
+from guidespec.launch.tools import MAX_TOOLS, ToolError, ToolPlan, history_content, plan_tools
 from guidespec.llm import LLM, EngineDeadError, GenerationOutput, RequestError, RequestHandle, StreamDelta
 from guidespec.protocol import (
     INT32_MAX,
@@ -63,8 +64,6 @@ _UNSUPPORTED = (
     "logprobs",
     "top_logprobs",
     "logit_bias",
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
     "suffix",
@@ -74,7 +73,7 @@ _UNSUPPORTED = (
     "modalities",
     "prediction",
 )
-_IGNORED = ("user", "store", "metadata", "parallel_tool_calls", "service_tier")  # accepted, without effect
+_IGNORED = ("user", "store", "metadata", "service_tier")  # accepted, without effect
 
 
 _ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -181,11 +180,12 @@ class ChatRequest(_Request):
         minItems=1,
         items={
             "type": "object",
-            "required": ["role", "content"],
+            "required": ["role"],
             "properties": {
                 "role": {"enum": list(_ROLES)},
                 "content": {
                     "anyOf": [
+                        {"type": "null"},  # (an assistant message that made tool calls)
                         {"type": "string"},
                         {
                             "type": "array",
@@ -201,6 +201,10 @@ class ChatRequest(_Request):
         },
     )
     max_completion_tokens: int | None = _documented(minimum=1)
+    # (checked in tools.plan_tools: a 400 naming the field)
+    tools: list[dict[str, Any]] | None = _documented(minItems=1, maxItems=MAX_TOOLS)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class _Metrics:
@@ -385,12 +389,25 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
 
     @app.post("/v1/chat/completions", responses=_GENERATE_RESPONSES)
     async def chat(body: ChatRequest, request: Request) -> Any:
-        messages = [_chat_message(m, i) for i, m in enumerate(body.messages)]
+        try:
+            tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+            messages = [_chat_message(m, i) for i, m in enumerate(body.messages)]
+        except ToolError as e:
+            raise APIError(400, str(e), e.param) from None
+        if tools is not None:
+            messages = tools.prompt(messages)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
-        return await _serve(body, messages, request, chat=True, default_max_tokens=None)
+        return await _serve(body, messages, request, chat=True, default_max_tokens=None, tools=tools)
 
-    async def _serve(body: _Request, prompt: Any, request: Request, chat: bool, default_max_tokens: int | None) -> Any:
+    async def _serve(
+        body: _Request,
+        prompt: Any,
+        request: Request,
+        chat: bool,
+        default_max_tokens: int | None,
+        tools: ToolPlan | None = None,
+    ) -> Any:
         if body.model is not None and body.model != model_name:
             raise APIError(404, f"The model `{body.model}` does not exist; this server serves `{model_name}`", "model")
         extra = sorted(set(body.model_extra or {}) - set(_IGNORED))
@@ -418,7 +435,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
                 "max_tokens",
             )
         max_tokens = body.max_tokens if body.max_tokens is not None else min(default_max_tokens or room, room)
-        params = _sampling_params(body, max_tokens, llm.config.grammar_backend)
+        params = _sampling_params(body, max_tokens, llm.config.grammar_backend, tools)
         try:
             handle = llm.open_stream({"prompt_token_ids": prompt_ids}, params)
         except InvalidRequest as e:
@@ -434,7 +451,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
                 first = await _first_delta(handle)  # a grammar the engine refuses answers 400 before any byte
                 include_usage = bool((body.stream_options or {}).get("include_usage"))
                 return StreamingResponse(
-                    _sse(handle, first, request_id, chat, include_usage, metrics),
+                    _sse(handle, first, request_id, chat, include_usage, metrics, tools),
                     media_type="text/event-stream",
                     headers=_served_by(handle.output),
                 )
@@ -445,22 +462,42 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
         if output is None:  # the client went away: the request was aborted
             return JSONResponse({}, status_code=499)
         metrics.observe(output)
-        return JSONResponse(_response(output, request_id, chat), headers=_served_by(output))
+        return JSONResponse(_response(output, request_id, chat, tools), headers=_served_by(output))
 
     async def _sse(
-        handle: RequestHandle, first: StreamDelta, request_id: str, chat: bool, include_usage: bool, metrics: _Metrics
+        handle: RequestHandle,
+        first: StreamDelta,
+        request_id: str,
+        chat: bool,
+        include_usage: bool,
+        metrics: _Metrics,
+        tools: ToolPlan | None = None,
     ) -> AsyncIterator[str]:
         """Server-sent events; if the client disconnects, the generator is closed and ``deltas()``
-        (closed with it) aborts the request."""
+        (closed with it) aborts the request. With tools, text is held back until the output shows
+        whether it is calls; calls go out whole at the end, in one delta."""
         deltas = handle.deltas()
+        holding = tools is not None and tools.calls_tools  # the output so far may be tool calls
+        held = ""
         try:
             if chat:
                 yield _event(_chunk(request_id, chat, {"role": "assistant", "content": ""}, None))
             delta: StreamDelta | None = first
             while delta is not None:
                 reason = _finish_reason(delta.finish_reason) if delta.finished else None
-                if delta.text or reason:
-                    yield _event(_chunk(request_id, chat, {"content": delta.text} if chat else delta.text, reason))
+                text = delta.text
+                if holding and tools is not None:
+                    held += text
+                    if tools.may_call(held) is False:  # text: what was held goes out, the rest streams
+                        text, holding = held, False
+                    elif delta.finished:
+                        message, reason = tools.reply(held, reason or "stop")
+                        yield _event(_chunk(request_id, chat, _stream_message(message), reason))
+                        break
+                    else:
+                        text = ""
+                if text or reason:
+                    yield _event(_chunk(request_id, chat, {"content": text} if chat else text, reason))
                 if delta.finished:
                     break
                 try:
@@ -532,15 +569,13 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
             "choices": [choice],
         }
 
-    def _response(out: GenerationOutput, request_id: str, chat: bool) -> dict[str, Any]:
+    def _response(out: GenerationOutput, request_id: str, chat: bool, tools: ToolPlan | None) -> dict[str, Any]:
         reason = _finish_reason(out.finish_reason)
         if chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": out.text},
-                "finish_reason": reason,
-                "logprobs": None,
-            }
+            message: dict[str, Any] = {"role": "assistant", "content": out.text}
+            if tools is not None:
+                message, reason = tools.reply(out.text, reason)
+            choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": reason, "logprobs": None}
         else:
             choice = {"index": 0, "text": out.text, "finish_reason": reason, "logprobs": None}
         return {
@@ -555,8 +590,19 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
     return app
 
 
-def _sampling_params(body: _Request, max_tokens: int, default_backend: str) -> SamplingParams:
+def _sampling_params(
+    body: _Request, max_tokens: int, default_backend: str, tools: ToolPlan | None = None
+) -> SamplingParams:
     guided = _guided(body)
+    if tools is not None and tools.calls_tools:
+        if guided is not None:
+            raise APIError(400, "tools (tool_choice other than none) take no other constraint", "tool_choice")
+        guided = tools.guided()
+        assert guided is not None
+        if body.guided_decoding_backend not in (None, "auto"):
+            if guided.backend is not None and guided.backend != body.guided_decoding_backend:
+                raise APIError(400, 'tool_choice "auto" is enforced by llguidance', "guided_decoding_backend")
+            guided = GuidedDecoding(**{**guided.__dict__, "backend": body.guided_decoding_backend})
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     try:
         params = SamplingParams(
@@ -632,7 +678,11 @@ def _guided(body: _Request) -> GuidedDecoding | None:
 def _chat_message(message: dict[str, Any], index: int) -> dict[str, str]:
     role, content = message.get("role"), message.get("content")
     if role not in _ROLES:
-        raise APIError(400, f"messages[{index}].role must be system, user or assistant, got {role!r}", "messages")
+        raise APIError(400, f"messages[{index}].role must be one of {', '.join(_ROLES)}, got {role!r}", "messages")
+    if role == "assistant" and message.get("tool_calls") is not None:
+        if not isinstance(content, (str, type(None))):
+            raise APIError(400, f"messages[{index}].content must be a string or null", "messages")
+        return {"role": role, "content": history_content(message, index)}
     if isinstance(content, list):  # content parts: only text is supported
         texts = []
         for part in content:
@@ -643,6 +693,13 @@ def _chat_message(message: dict[str, Any], index: int) -> dict[str, str]:
     if not isinstance(content, str):
         raise APIError(400, f"messages[{index}].content must be a string or text parts", "messages")
     return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _stream_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A whole assistant message as a stream's delta (tool calls carry their index)."""
+    if message.get("tool_calls") is None:
+        return {"content": message["content"]}
+    return {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
 
 
 def _status(e: Exception) -> int:

@@ -106,6 +106,112 @@ def test_structured_outputs_validate(client: openai.OpenAI) -> None:
     assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 30}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def _valid_calls(calls: list, tools: list[dict]) -> list[str]:
+    """The names of ``calls``, each checked against its function's parameters."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for call in calls:
+        assert call.type == "function" and call.id
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    return [call.function.name for call in calls]
+
+
+def test_tool_calls_follow_their_functions_schemas(client: openai.OpenAI) -> None:
+    """A named function, "required" with one call, "auto" (text or calls), streamed the same, and
+    a conversation that goes on after a call: every call valid under its function's schema."""
+    tools = [WEATHER, TIME]
+    named = client.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER_ASK,  # type: ignore[arg-type]
+        tools=tools,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=40,
+        temperature=0,
+    )
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert _valid_calls(choice.message.tool_calls or [], tools) == ["get_weather"]
+    required = client.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER_ASK,  # type: ignore[arg-type]
+        tools=tools,  # type: ignore[arg-type]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0,
+    )
+    assert required.choices[0].finish_reason == "tool_calls"
+    assert len(_valid_calls(required.choices[0].message.tool_calls or [], tools)) == 1
+    auto = client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=tools, max_tokens=60, temperature=0)  # type: ignore[arg-type]
+    message = auto.choices[0].message
+    if message.tool_calls:
+        assert auto.choices[0].finish_reason == "tool_calls" and _valid_calls(message.tool_calls, tools)
+    else:
+        assert "<tool_call>" not in (message.content or "")
+    streamed = client.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER_ASK,  # type: ignore[arg-type]
+        tools=tools,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+    )
+    chunks = list(streamed)
+    deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(deltas) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert deltas[0][0].function.arguments == (choice.message.tool_calls or [])[0].function.arguments
+    call = (choice.message.tool_calls or [])[0]
+    followed = client.chat.completions.create(
+        model=MODEL,
+        messages=[  # type: ignore[list-item]
+            *WEATHER_ASK,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear", "degrees": 21}'},
+        ],
+        tools=tools,  # type: ignore[arg-type]
+        tool_choice="none",
+        max_tokens=12,
+        temperature=0,
+    )
+    assert followed.choices[0].message.content and not followed.choices[0].message.tool_calls
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=WEATHER_ASK,  # type: ignore[arg-type]
+            tools=tools,  # type: ignore[arg-type]
+            tool_choice={"type": "function", "function": {"name": "nowhere"}},
+        )
+
+
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server: str, client: openai.OpenAI) -> None:
     bad_schema = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
     with pytest.raises(openai.BadRequestError) as e:
