@@ -8,7 +8,7 @@ import json
 import re
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import httpx
 import jsonschema
@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from tests.launch.serving import KEY, start_server, stop_server
+from tests.launch.test_tools import WEATHER
 
 pytestmark = pytest.mark.slow
 PERSON = {
@@ -106,19 +107,6 @@ def test_structured_outputs_validate(client: openai.OpenAI) -> None:
     assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["C", "F"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
 TIME = {
     "type": "function",
     "function": {
@@ -148,44 +136,21 @@ def test_tool_calls_follow_their_functions_schemas(client: openai.OpenAI) -> Non
     """A named function, "required" with one call, "auto" (text or calls), streamed the same, and
     a conversation that goes on after a call: every call valid under its function's schema."""
     tools = [WEATHER, TIME]
-    named = client.chat.completions.create(
-        model=MODEL,
-        messages=WEATHER_ASK,  # type: ignore[arg-type]
-        tools=tools,  # type: ignore[arg-type]
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=40,
-        temperature=0,
-    )
+    weather = {"type": "function", "function": {"name": "get_weather"}}
+    named = _ask_weather(client, tools, tool_choice=weather, max_tokens=40)
     choice = named.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert _valid_calls(choice.message.tool_calls or [], tools) == ["get_weather"]
-    required = client.chat.completions.create(
-        model=MODEL,
-        messages=WEATHER_ASK,  # type: ignore[arg-type]
-        tools=tools,  # type: ignore[arg-type]
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_tokens=60,
-        temperature=0,
-    )
+    required = _ask_weather(client, tools, tool_choice="required", parallel_tool_calls=False)
     assert required.choices[0].finish_reason == "tool_calls"
     assert len(_valid_calls(required.choices[0].message.tool_calls or [], tools)) == 1
-    auto = client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=tools, max_tokens=60, temperature=0)  # type: ignore[arg-type]
+    auto = _ask_weather(client, tools)
     message = auto.choices[0].message
     if message.tool_calls:
         assert auto.choices[0].finish_reason == "tool_calls" and _valid_calls(message.tool_calls, tools)
     else:
         assert "<tool_call>" not in (message.content or "")
-    streamed = client.chat.completions.create(
-        model=MODEL,
-        messages=WEATHER_ASK,  # type: ignore[arg-type]
-        tools=tools,  # type: ignore[arg-type]
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=40,
-        temperature=0,
-        stream=True,
-    )
-    chunks = list(streamed)
+    chunks = list(_ask_weather(client, tools, tool_choice=weather, max_tokens=40, stream=True))
     deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
     assert len(deltas) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
     assert deltas[0][0].function.arguments == (choice.message.tool_calls or [])[0].function.arguments
@@ -204,12 +169,12 @@ def test_tool_calls_follow_their_functions_schemas(client: openai.OpenAI) -> Non
     )
     assert followed.choices[0].message.content and not followed.choices[0].message.tool_calls
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        client.chat.completions.create(
-            model=MODEL,
-            messages=WEATHER_ASK,  # type: ignore[arg-type]
-            tools=tools,  # type: ignore[arg-type]
-            tool_choice={"type": "function", "function": {"name": "nowhere"}},
-        )
+        _ask_weather(client, tools, tool_choice={"type": "function", "function": {"name": "nowhere"}})
+
+
+def _ask_weather(client: openai.OpenAI, tools: list[dict], **kwargs: Any) -> Any:
+    kwargs = {"max_tokens": 60, "temperature": 0, **kwargs}
+    return client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=tools, **kwargs)  # type: ignore[call-overload]
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server: str, client: openai.OpenAI) -> None:

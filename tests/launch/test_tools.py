@@ -19,7 +19,7 @@ WEATHER = {
         "description": "The weather in a city.",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+            "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["C", "F"]}},
             "required": ["city"],
             "additionalProperties": False,
         },
