@@ -1,5 +1,5 @@
 """Every JSONSchemaBench test instance, tokenized, through each backend's matcher: all 470
-schemas byte by byte, every 10th in the model's own tokens.
+schemas byte by byte, every 20th in the model's own tokens.
 
 Valid instances must be accepted as complete outputs and invalid ones rejected, except for
 the backend limitations listed, case by case, in ``known_limitations.json`` (regenerate it with
@@ -62,13 +62,14 @@ def test_instances_match_the_data_set_except_known_limitations(backend_name: str
 @pytest.mark.skipif(not SCHEMAS.exists(), reason="the shared data set is not beside this checkout")
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_instances_in_the_models_tokens_match_too(backend_name: str, real_model_dir: Path) -> None:
-    """Every 10th schema, its instances in SmolLM2's tokens (multi-byte tokens across a string's
+    """Every 20th schema, its instances in SmolLM2's tokens (multi-byte tokens across a string's
     end, a number's digits, a key and its colon): the same verdicts. (From the 6th: the 10th
-    from the 1st take a few of the slowest compiles, 18 s of xgrammar's against the vocabulary.)"""
+    from the 1st take a few of the slowest compiles, 18 s of xgrammar's against the vocabulary;
+    every schema runs byte by byte in the test above.)"""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
     backend = create_backend(backend_name, tokenizer, 49152, (2,))
-    found = disagreements(backend_name, backend, tokenizer, stop_token=2, every=10, first=5)
-    sampled = {name for name, _ in load_cases(10, 5)}
+    found = disagreements(backend_name, backend, tokenizer, stop_token=2, every=20, first=5)
+    sampled = {name for name, _ in load_cases(20, 5)}
     assert found == {name: v for name, v in KNOWN[backend_name].items() if name in sampled}
