@@ -178,6 +178,8 @@ def _embedded(parameters: dict[str, Any], key: str, defs: dict[str, Any]) -> dic
         return parameters
     moved = json.loads(text)
     local = {**moved.pop("definitions", {}), **moved.pop("$defs", {})}
+    for scope in ("$id", "id", "$schema"):  # (an $id would make the rewritten references its own)
+        moved.pop(scope, None)
 
     def rewrite(node: Any) -> Any:
         if isinstance(node, list):

@@ -31,6 +31,7 @@ TREE = {
     "function": {
         "name": "plant",
         "parameters": {
+            "$id": "https://example.com/plant.json",  # (references resolve against it, where it stands)
             "$defs": {"leaf": {"type": "object", "properties": {"size": {"type": "integer"}}, "required": ["size"]}},
             "type": "object",
             "properties": {"leaf": {"$ref": "#/$defs/leaf"}, "child": {"$ref": "#"}},
@@ -132,3 +133,28 @@ def test_past_calls_are_written_back_as_the_model_writes_them() -> None:
     assert text == MARKER + '[{"name": "get_weather", "arguments": {"city": "Rome"}}]'
     with pytest.raises(ToolError, match="JSON text"):
         history_content({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}, 1)
+
+
+def test_functions_with_references_accept_what_they_did_inside_the_calls_schema() -> None:
+    """Every data-set schema with a ``$ref``, as a function's parameters: each of its test
+    instances, as that function's arguments in a call, gets the verdict the schema gives it."""
+    from tests.grammar_backends.dataset import SCHEMAS
+
+    checked = 0
+    for path in sorted(SCHEMAS.glob("*.json")):
+        case = json.loads(path.read_text())
+        if '"$ref"' not in json.dumps(case["schema"]):
+            continue
+        tools = [{"type": "function", "function": {"name": "f", "parameters": case["schema"]}}]
+        plan = plan_tools(tools, "required", None)
+        assert plan is not None
+        calls = _validator(json.loads(plan.guided().json_schema or ""))  # type: ignore[union-attr]
+        alone = _validator(case["schema"])
+        for test in case["tests"]:
+            assert calls.is_valid([{"name": "f", "arguments": test["data"]}]) == alone.is_valid(test["data"]), path.name
+            checked += 1
+    assert checked > 300
+
+
+def _validator(schema: dict[str, Any]) -> Any:
+    return jsonschema.validators.validator_for(schema)(schema)
