@@ -62,6 +62,9 @@ def _launch_host_func() -> Any:
     return fn
 
 
+_TRAMPOLINES = ("gs_cb_graph_publish", "gs_cb_graph_wait", "gs_cb_graph_exchange")
+
+
 class HostFunctions:
     """Enqueue the cuda_ext library's trampolines (``gs_cb_*``) in stream order on ``device``."""
 
@@ -71,7 +74,7 @@ class HostFunctions:
             raise RuntimeError("the cuda_ext host library is not built (no C compiler)")
         self.device = device
         self.cuda = device.type == "cuda"
-        self._functions = {name: ctypes.cast(getattr(lib, name), _p) for name in ("gs_cb_graph_exchange",)}
+        self._functions = {name: ctypes.cast(getattr(lib, name), _p) for name in _TRAMPOLINES}
         self._direct = {name: ctypes.CFUNCTYPE(None, _p)((name, lib)) for name in self._functions}
         if self.cuda:
             _launch_host_func()  # a driver without it fails here, at start, not inside a capture

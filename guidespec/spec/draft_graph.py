@@ -5,15 +5,17 @@ and ``K`` drafts (the most any row wants), as one sequence of operations that ne
 Python between draft steps:
 
     for j in 0..K-1:
+        [guided] [j > 0] copy draft j-1 device-to-host;  publish the drafts so far (C)
         [j > 0] head forward over (its last output, draft j-1) at position p + j
-        [guided] copy draft j-1 device-to-host;  publish (C);  wait for the mask (C);
-                 copy the mask host-to-device;  -inf where the mask forbids
+        [guided] wait for mask j (C);  copy it host-to-device;  -inf where it forbids
         draft j = argmax (as target ids through d2t)
 
-"publish" and "wait" are the draft channel's C trampolines (``gs_cb_graph_publish`` then
-``gs_cb_graph_wait``, called by one host function, ``gs_cb_graph_exchange``, in
-``cuda_ext/draft_channel.c``), enqueued in stream order by
-:class:`~guidespec.cuda_ext.host_functions.HostFunctions`. On CUDA the sequence is captured once
+"publish" and "wait" are the draft channel's C trampolines (``gs_cb_graph_publish`` and
+``gs_cb_graph_wait`` in ``cuda_ext/draft_channel.c``), enqueued in stream order by
+:class:`~guidespec.cuda_ext.host_functions.HostFunctions`. The head forward stands between them:
+it needs draft j-1, not mask j, so the scheduler fills mask j while it runs, and the wait finds
+the mask there or nearly (the grammar work hides behind the head's forward, as the target
+step's masks hide behind the target's). On CUDA the sequence is captured once
 per :class:`DraftGraphKey` into a CUDA graph (host nodes for the trampolines) and replayed; on
 the CPU the same sequence runs eagerly, the trampolines called where they stand, so CI runs the
 protocol, the layouts and the error handling a GPU replays.
@@ -133,16 +135,17 @@ class _DraftGraph:
         owner, key = self.owner, self.key
         out, logits = self.features, self.logits
         for j in range(key.drafts):
-            if j > 0:
+            if key.masked:
+                if j > 0:  # the tokens the publish trampoline sends: draft j-1 of every row
+                    self.host_drafts[j - 1].copy_(self.picks[j - 1].to(torch.int32), non_blocking=True)
+                owner.host_functions.enqueue("gs_cb_graph_publish", self.args[j])
+            if j > 0:  # (the scheduler fills mask j meanwhile)
                 positions = (self.positions + j).clamp(max=owner.max_model_len - 1)
                 out, logits = owner.head.forward_padded(
                     out, self.picks[j - 1], positions, self.slots, owner.kv, key.key_length
                 )
             if key.masked:
-                if j > 0:  # the tokens the publish trampoline sends: draft j-1 of every row
-                    self.host_drafts[j - 1].copy_(self.picks[j - 1].to(torch.int32), non_blocking=True)
-                # publish, then wait: one host node (each node stops the stream and wakes a host thread)
-                owner.host_functions.enqueue("gs_cb_graph_exchange", self.args[j])
+                owner.host_functions.enqueue("gs_cb_graph_wait", self.args[j])
                 self.mask.copy_(self.host_out, non_blocking=True)
                 words = self.mask.index_select(1, owner.mask_word)  # [B, draft vocab]
                 allowed = ((words >> owner.mask_bit) & 1).bool() & owner.mask_inside
