@@ -502,10 +502,6 @@ def bench_eagle_graphs(
     return out
 
 
-def _variant(row: dict[str, Any]) -> str:
-    return str(row.get("variant") or ("graph" if row["graph"] else "steps"))
-
-
 def decode_steps(trace: Path, batch: int, draft_len: int) -> dict[str, Any]:
     """p50 wall ms of the engine's steps of ``batch`` rows and at most ``batch * (1 + draft_len)``
     tokens (decode and verify steps, no prefill chunk), guided and unguided, from its step trace;
@@ -702,7 +698,7 @@ def markdown(report: dict[str, Any]) -> str:
             dg, du = d.get("guided_ms"), d.get("unguided_ms")
             decode_share = dg / du - 1 if dg and du else None
             lines.append(
-                f"| {e['batch']} | {_variant(e)} | {fmt(g, '.2f')} | {fmt(u, '.2f')} | "
+                f"| {e['batch']} | {e['variant']} | {fmt(g, '.2f')} | {fmt(u, '.2f')} | "
                 f"{fmt(None if share is None else 100 * share, '.1f', '%')} | "
                 f"{fmt(None if wall_share is None else 100 * wall_share, '.1f', '%')} | "
                 f"{fmt(dg, '.2f')} / {fmt(du, '.2f')} | "
@@ -722,7 +718,7 @@ def markdown(report: dict[str, Any]) -> str:
             ]
             for e, p in parts:
                 cells = " | ".join(fmt(p.get(name), ".2f") for name in names)
-                lines.append(f"| {e['batch']} | {_variant(e)} | {cells} |")
+                lines.append(f"| {e['batch']} | {e['variant']} | {cells} |")
     if report["bitmask"]:
         lines += [
             "",

@@ -71,3 +71,8 @@ def real_model_dir() -> Path:
     from guidespec.model_files import resolve_model_dir
 
     return resolve_model_dir(None, show_progress=False)
+
+
+def parent_pid(pid: int) -> int:
+    """The parent of process ``pid`` (Linux's /proc)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])

@@ -14,13 +14,10 @@ import pytest
 
 from guidespec import LLM, SamplingParams
 from guidespec.launch import zygote
+from tests.conftest import parent_pid
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
-
-
-def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def _name(pid: int) -> str:
@@ -34,7 +31,7 @@ def test_engine_processes_come_from_a_zygote_of_their_environment(
     with LLM(max_batch_size=2, show_progress=False) as llm:
         forked = llm.generate("The capital of France is", GREEDY)[0].token_ids
         pids = [p.pid for p in llm._processes.processes.values()]
-        (old,) = {_parent(pid) for pid in pids}
+        (old,) = {parent_pid(pid) for pid in pids}
         assert _name(old) == "gs-zygote"
         # each writes where this process writes now (pytest's capture file), as an inherited fd would
         assert {os.readlink(f"/proc/{pid}/fd/2") for pid in pids} == {os.readlink("/proc/self/fd/2")}
@@ -43,13 +40,13 @@ def test_engine_processes_come_from_a_zygote_of_their_environment(
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     with LLM(max_batch_size=2, show_progress=False) as llm:
         assert llm.generate("The capital of France is", GREEDY)[0].token_ids == forked
-        (new,) = {_parent(p.pid) for p in llm._processes.processes.values()}
+        (new,) = {parent_pid(p.pid) for p in llm._processes.processes.values()}
         assert new != old and _name(new) == "gs-zygote"
         assert _gone(old, 10.0)
     monkeypatch.setenv("GUIDESPEC_ZYGOTE", "0")  # every process a new interpreter
     with LLM(max_batch_size=2, show_progress=False) as llm:
         assert llm.generate("The capital of France is", GREEDY)[0].token_ids == forked
-        assert {_parent(p.pid) for p in llm._processes.processes.values()} == {os.getpid()}
+        assert {parent_pid(p.pid) for p in llm._processes.processes.values()} == {os.getpid()}
     assert zygote._zygote is not None and zygote._zygote.process is not None
     assert zygote._zygote.process.pid == new
     capfd.readouterr()

@@ -145,7 +145,7 @@ def test_advance_accepts_what_accept_token_would(manager: tuple[GrammarManager, 
         matcher.rollback(one_by_one)
         assert matcher.advance(tokens) == one_by_one, tokens
         matcher.rollback(one_by_one)
-    assert one_by_one == 0 and not matcher.is_terminated()
+    assert not matcher.is_terminated()  # (every walk rolled back)
     grammar.release("a")
 
 

@@ -27,7 +27,7 @@ from guidespec.protocol import GuidedDecoding
 from guidespec.model_files import load_hf_config
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.tp import TPInfo
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, parent_pid
 
 # GUIDESPEC_TEST_DEVICE=cpu runs these on the CPU (to check the tests themselves where there is no GPU)
 DEVICE = os.environ.get("GUIDESPEC_TEST_DEVICE", "cuda")
@@ -146,10 +146,7 @@ def test_engine_processes_forked_by_the_zygote_equal_new_interpreters(
         monkeypatch.setenv("GUIDESPEC_ZYGOTE", zygote)
         with _fp32_engine(random_model) as llm:
             runs[zygote] = _run(llm, _mixed())
-            parents = {
-                int(Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-                for p in llm._processes.processes.values()
-            }
+            parents = {parent_pid(p.pid) for p in llm._processes.processes.values()}
             assert (parents == {os.getpid()}) == (zygote == "0")
     assert [o.token_ids for o in runs["1"]] == [o.token_ids for o in runs["0"]]
 
