@@ -17,12 +17,14 @@ runs replay, as a long-running server has):
   lengths the guided run produced (same tokens computed, differing only by the guidance);
 - guided + speculative ÷ guided: the same guided requests on an engine with ``speculative="ngram"``;
 - graphs ÷ eager: decode tok/s of the default engine over one with ``enforce_eager=True``;
-- EAGLE draft-step graphs (issue 23): an EAGLE-3 head (``--eagle-head``, else random weights of
-  the model's shape) drafting ``--draft-len`` tokens a step (fixed length), guided and unguided,
-  with the draft steps as one captured graph whose grammar waits are host nodes
-  (``graph_grammar=True``) against the same steps one by one (``--no-graph-grammar``) and against
-  one graph whose drafts no grammar masks (``constrain_drafts=False``: no round trip to the
-  scheduler while drafting), at batch 1 and 16: time per engine step, the grammar's share of a
+- EAGLE graphs (issue 23): an EAGLE-3 head (``--eagle-head``, else random weights of the model's
+  shape) drafting ``--draft-len`` tokens a step (fixed length), guided and unguided, in the
+  variants of ``--eagle-variants``: "fused" (the default engine: each greedy step, verify, masks,
+  acceptance and draft steps, one captured graph whose grammar waits are host nodes,
+  ``spec/step_graph.py``), "draft graph" (only the draft steps as a graph,
+  ``GUIDESPEC_FUSED_STEPS=0``), "steps" (everything one by one, ``--no-graph-grammar``) and "fused,
+  unmasked" (drafts no grammar masks, ``constrain_drafts=False``: no round trip to the scheduler
+  while drafting), at batch 1 and 16: time per engine step, the grammar's share of a
   step (guided over unguided step time, minus 1), of wall time (unguided runs to the guided
   outputs' lengths, so both produce the same tokens) and of a decode step (p50 from each engine's
   step trace, ``--trace-dir``, with the guided steps' parts); a random head's drafts are nearly all
@@ -427,6 +429,15 @@ def bench_speculative(
             )
 
 
+# variant -> (graph_grammar, draft masks, fused steps)
+EAGLE_VARIANTS = {
+    "fused": (True, True, True),
+    "draft graph": (True, True, False),
+    "steps": (False, True, False),
+    "fused, unmasked": (True, False, True),
+}
+
+
 def bench_eagle_graphs(
     setup: Setup,
     cases: list[dict[str, Any]],
@@ -434,6 +445,7 @@ def bench_eagle_graphs(
     max_tokens: int,
     head: Path | None,
     trace_dir: Path | None = None,
+    variants: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """EAGLE draft steps as a graph against step by step, guided and unguided, per batch size;
     with ``trace_dir``, each engine's step trace (``GUIDESPEC_TRACE``) is written there."""
@@ -450,10 +462,10 @@ def bench_eagle_graphs(
     out: list[dict[str, Any]] = []
     trace_dir = trace_dir or Path(tempfile.mkdtemp(prefix="guidespec-eagle-trace-"))
     trace_dir.mkdir(parents=True, exist_ok=True)
-    # the draft steps as one graph (grammar waits inside), one by one, and as one graph whose drafts
-    # no grammar masks (``constrain_drafts=False``: no round trip to the scheduler while drafting;
-    # verification still refuses what the grammar does)
-    for variant, graph, masked in (("graph", True, True), ("steps", False, True), ("graph, unmasked", True, False)):
+    # (verification refuses what the grammar does in every variant, masked drafts or not)
+    for variant in variants or list(EAGLE_VARIANTS):
+        graph, masked, fused = EAGLE_VARIANTS[variant]
+        os.environ["GUIDESPEC_FUSED_STEPS"] = "1" if fused else "0"
         label = f"eagle {variant}"
         kw = dict(
             setup.kwargs(enforce_eager=False),
@@ -490,6 +502,7 @@ def bench_eagle_graphs(
                     flush=True,
                 )
         os.environ.pop("GUIDESPEC_TRACE", None)
+        os.environ.pop("GUIDESPEC_FUSED_STEPS", None)
         for row in rows:  # the trace is complete once the engine has shut down
             row["decode"] = decode_steps(trace, row["batch"], setup.draft_len)
             d = row["decode"]
@@ -826,6 +839,9 @@ def main() -> None:
         help="guided requests take a step per token (isolates the mask's cost from the steps that jump-forward saves)",
     )
     parser.add_argument("--skip", nargs="+", default=[], choices=["eager", "guided", "spec", "eagle", "mask"])
+    parser.add_argument(
+        "--eagle-variants", nargs="+", default=list(EAGLE_VARIANTS), choices=list(EAGLE_VARIANTS), metavar="VARIANT"
+    )
     parser.add_argument("--eagle-head", type=Path, default=None, help="an EAGLE-3 head folder (default: random)")
     parser.add_argument("--trace-dir", type=Path, default=None, help="EAGLE section: each engine's step trace here")
     parser.add_argument("--quick", action="store_true", help="smoke run: batch 1 and 2, 16 tokens, 4 layers")
@@ -943,7 +959,9 @@ def main() -> None:
     section(
         "eagle",
         lambda: eagle.extend(
-            bench_eagle_graphs(setup, cases, eagle_batches, max_tokens, args.eagle_head, args.trace_dir)
+            bench_eagle_graphs(
+                setup, cases, eagle_batches, max_tokens, args.eagle_head, args.trace_dir, args.eagle_variants
+            )
         ),
     )
     print("\n" + (args.output / "gpu.md").read_text())

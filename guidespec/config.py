@@ -203,6 +203,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     draft_channel: ChannelSpec | None = None  # model drafts and their masks with rank 0 (cuda_ext)
     grammar_fill_threads: int = 1  # EngineConfig.grammar_fill_threads
+    fused_steps: bool = False  # verify masks through the draft channel too, for rank 0's fused steps
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,7 @@ class WorkerConfig:
     scheduler_pid: int = 0  # the draft channel's peer: a wait ends at once when it dies
     quantized_weights: bool = False  # EngineConfig.quantized_weights: LlamaModel(quantized=...)
     draft_graphs: bool = False  # rank 0: the EAGLE head's draft steps as fixed-shape graphs (spec/draft_graph.py)
+    fused_steps: bool = False  # rank 0 of one: whole greedy EAGLE steps as one graph each (spec/step_graph.py)
 
 
 def config_to_dict(config: SchedulerConfig | WorkerConfig) -> dict[str, object]:

@@ -88,6 +88,14 @@ def draft_channel() -> str:
     return value if value in ("c", "stream", "python") else "c"
 
 
+def fused_steps() -> bool:
+    """Whether an EAGLE engine on one rank whose draft steps run as graphs (``graph_grammar``)
+    also runs each whole greedy speculative step (verify, acceptance, the head, the drafts) as
+    one graph (``spec/step_graph.py``; ``GUIDESPEC_FUSED_STEPS``, default ``1``): ``0`` keeps the
+    verify step outside (its masks read from the ring in Python), to measure the difference."""
+    return os.environ.get("GUIDESPEC_FUSED_STEPS", "1") != "0"
+
+
 def draft_mask_timeout_s() -> float:
     """How long rank 0 waits for a draft step's mask before drafting no more this step
     (``GUIDESPEC_DRAFT_MASK_TIMEOUT_S``; a dead scheduler ends the wait at once)."""

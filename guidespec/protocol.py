@@ -394,6 +394,7 @@ class StepOutputs:
     draft_tokens: np.ndarray | None = None  # [sum(num_draft_tokens)] int32: the draft model's proposals
     num_draft_tokens: np.ndarray | None = None  # [B] int32, they follow each row's last produced token
     draft_s: float = 0.0  # seconds rank 0 spent proposing (draft model / EAGLE head), not in forward_s
+    fused: bool = False  # the whole step ran as one graph (spec/step_graph.py): forward_s holds its drafting
 
 
 @register_message(27)

@@ -54,6 +54,7 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
         "gs_wait_mask": ([_ptr, _i64, _i32, _i64, _i32, _ptr, _i32], _i32),
         "gs_wait_drafts": ([_ptr, _i64, _i32, _i64, _i32, p32, p32, p32], _i32),
         "gs_publish_mask": ([_ptr, _i64, _i32, _i32], _i32),
+        "gs_publish_verify_mask": ([_ptr, _i64, _ptr, _i32], _i32),
         "gs_last_error": ([_ptr, ctypes.POINTER(_i64), p32], _i32),
         "gs_clear_error": ([_ptr], None),
         "gs_host_stream_create": ([_i32], _ptr),

@@ -19,6 +19,7 @@ from guidespec.cuda_ext import library
 
 OK, TIMEOUT, STALE, PEER_GONE, TOO_LARGE, BAD_CHANNEL = range(6)
 DONE = -1
+VERIFY = -2  # the draft index of a step's verify masks (spec/step_graph.py)
 _WHAT = {
     TIMEOUT: "no answer before the deadline",
     STALE: "an answer for another step or draft",
@@ -67,6 +68,7 @@ class DraftChannel:
         self.lens = np.ndarray(spec.max_rows, np.int32, buf, at[1])
         self.tokens = np.ndarray(spec.max_tokens, np.int32, buf, at[2])
         self.mask = np.ndarray((spec.max_rows, spec.num_words), np.int32, buf, at[3])
+        self.mask_ids = np.ndarray(spec.max_rows, np.int32, buf, lib.gs_channel_offset(self.base, 4))
         self._out = np.zeros((spec.max_rows, spec.num_words), np.int32)  # rank 0's copy of a mask
         self._i = [ctypes.c_int32() for _ in range(3)]
 
@@ -150,6 +152,19 @@ class DraftChannel:
         if code != OK:
             raise DraftChannelError(code, step, draft_index, "publishing a mask")
 
+    def answer_verify(self, step: int, ids: np.ndarray, bitmask: np.ndarray) -> bool:
+        """The step's verify masks for a fused step (spec/step_graph.py): row i for logits row
+        ``ids[i]``. False where they do not fit the channel (rank 0 then runs the step unfused)."""
+        n = len(ids)
+        if n > self.spec.max_rows:
+            return False
+        self.mask[:n] = bitmask
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        code = self.lib.gs_publish_verify_mask(self.base, step, ids.ctypes.data, n)
+        if code != OK:
+            raise DraftChannelError(code, step, VERIFY, "publishing verify masks")
+        return True
+
     # ------------------------------------------------------------------ both
 
     def last_error(self) -> tuple[int, int, int]:
@@ -161,7 +176,7 @@ class DraftChannel:
     def close(self) -> None:
         from guidespec.ipc.shm_ring import close_segment
 
-        self.rows = self.lens = self.tokens = self.mask = None  # type: ignore[assignment]
+        self.rows = self.lens = self.tokens = self.mask = self.mask_ids = None  # type: ignore[assignment]
         del self._anchor
         close_segment(self._shm, self._owner)
 

@@ -43,13 +43,18 @@ static size_t offset_of(int32_t max_rows, int32_t max_tokens, int32_t which) {
     return at;
 }
 
+/* mask_ids after the mask */
+static size_t ids_offset(int32_t max_rows, int32_t max_tokens, int32_t num_words) {
+    return offset_of(max_rows, max_tokens, 3) + round64((size_t)max_rows * (size_t)num_words * 4);
+}
+
 size_t gs_channel_bytes(int32_t max_rows, int32_t max_tokens, int32_t num_words) {
-    return offset_of(max_rows, max_tokens, 3) + (size_t)max_rows * (size_t)num_words * 4;
+    return ids_offset(max_rows, max_tokens, num_words) + (size_t)max_rows * 4;
 }
 
 size_t gs_channel_offset(const void *base, int32_t which) {
     const header *h = (const header *)base;
-    return offset_of(h->max_rows, h->max_tokens, which);
+    return which == 4 ? ids_offset(h->max_rows, h->max_tokens, h->num_words) : offset_of(h->max_rows, h->max_tokens, which);
 }
 
 int gs_channel_init(void *base, int32_t max_rows, int32_t max_tokens, int32_t num_words, int32_t spin_us) {
@@ -68,12 +73,15 @@ int gs_channel_check(const void *base, int32_t max_rows, int32_t max_tokens, int
         && h->num_words == num_words ? GS_OK : GS_BAD_CHANNEL;
 }
 
-/* a tag orders a step's exchanges: (step, draft index + 1), DONE last */
+/* a tag orders a step's exchanges: (step, 0) its verify masks, (step, draft index + 1), DONE last */
 static uint64_t tag(int64_t step, int32_t index) {
-    uint64_t key = index == GS_DRAFTS_DONE ? 255u : (uint64_t)(index + 1);
+    uint64_t key = index == GS_DRAFTS_DONE ? 255u : index == GS_VERIFY ? 0u : (uint64_t)(index + 1);
     return ((uint64_t)step << 8) | key;
 }
-static int32_t index_of(uint64_t t) { return (t & 255u) == 255u ? GS_DRAFTS_DONE : (int32_t)(t & 255u) - 1; }
+static int32_t index_of(uint64_t t) {
+    uint64_t key = t & 255u;
+    return key == 255u ? GS_DRAFTS_DONE : key == 0u ? GS_VERIFY : (int32_t)key - 1;
+}
 
 static void futex_wake(_Atomic uint32_t *word) {
     syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
@@ -204,6 +212,16 @@ int gs_publish_mask(void *base, int64_t step, int32_t draft_index, int32_t num_r
     return GS_OK;
 }
 
+int gs_publish_verify_mask(void *base, int64_t step, const int32_t *ids, int32_t num_rows) {
+    header *h = (header *)base;
+    if (h->magic != GS_MAGIC) return GS_BAD_CHANNEL;
+    if (num_rows < 0 || num_rows > h->max_rows) return GS_TOO_LARGE;
+    memcpy((char *)base + ids_offset(h->max_rows, h->max_tokens, h->num_words), ids, (size_t)num_rows * 4);
+    h->mask_rows = num_rows;
+    publish(&h->mask_seq, &h->mask_bell, tag(step, GS_VERIFY));
+    return GS_OK;
+}
+
 int32_t gs_last_error(const void *base, int64_t *step, int32_t *draft_index) {
     const header *h = (const header *)base;
     int32_t code = atomic_load_explicit(&((header *)base)->error, memory_order_acquire);
@@ -281,6 +299,37 @@ void gs_cb_graph_wait(void *args) {
 void gs_cb_graph_exchange(void *args) {
     gs_cb_graph_publish(args);
     gs_cb_graph_wait(args);
+}
+
+void gs_cb_verify_wait(void *args) {
+    gs_verify_args *a = (gs_verify_args *)args;
+    header *h = (header *)a->channel;
+    size_t row_bytes = (size_t)a->num_words * 4, bytes = (size_t)a->num_rows * row_bytes;
+    int code = h->magic == GS_MAGIC && a->num_words == h->num_words ? GS_OK : GS_BAD_CHANNEL;
+    uint64_t seen = 0;
+    if (code == GS_OK && !*a->enabled) {
+        memset(a->out, 0xff, bytes);
+        *a->status = GS_OK;
+        return;
+    }
+    if (code == GS_OK)
+        code = wait_for(&h->mask_seq, &h->mask_bell, mask_ready, tag(*a->step, GS_VERIFY), a->timeout_us, a->peer_pid,
+                        h->spin_us, &seen);
+    if (code == GS_OK) {
+        const int32_t *ids = (const int32_t *)((char *)a->channel + ids_offset(h->max_rows, h->max_tokens, h->num_words));
+        const char *mask = (const char *)a->channel + offset_of(h->max_rows, h->max_tokens, 3);
+        memset(a->out, 0xff, bytes); /* rows without a mask: unguided */
+        for (int32_t i = 0; i < h->mask_rows && code == GS_OK; i++) {
+            int32_t id = ids[i], row = id >= 0 && id < a->num_ids ? a->padded_of[id] : -1;
+            if (row < 0 || row >= a->num_rows) code = GS_STALE; /* a row this graph does not have */
+            else memcpy((char *)a->out + (size_t)row * row_bytes, mask + (size_t)i * row_bytes, row_bytes);
+        }
+    }
+    if (code != GS_OK) {
+        memset(a->out, 0, bytes); /* forbid every token: the step fails, nothing is accepted */
+        if (h->magic == GS_MAGIC) record_error(h, code, *a->step, GS_VERIFY);
+    }
+    *a->status = code;
 }
 
 /* ------------------------------------------------------------------ the host stream */

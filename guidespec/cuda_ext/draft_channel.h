@@ -36,13 +36,14 @@ enum {
 };
 
 #define GS_DRAFTS_DONE (-1) /* draft index of "rank 0 drafts no more this step" */
+#define GS_VERIFY (-2)      /* draft index of a step's verify masks (before its draft 0) */
 
 size_t gs_channel_bytes(int32_t max_rows, int32_t max_tokens, int32_t num_words);
 int gs_channel_init(void *base, int32_t max_rows, int32_t max_tokens, int32_t num_words, int32_t spin_us);
 int gs_channel_check(const void *base, int32_t max_rows, int32_t max_tokens, int32_t num_words);
 
 /* offsets (bytes from base) of the arrays: rows [max_rows], lens [max_rows], tokens [max_tokens],
- * mask [max_rows][num_words] */
+ * mask [max_rows][num_words], mask_ids [max_rows] (which logits row each verify mask row is for) */
 size_t gs_channel_offset(const void *base, int32_t which);
 
 /* rank 0 */
@@ -57,6 +58,9 @@ int gs_wait_mask(void *base, int64_t step, int32_t draft_index, int64_t timeout_
 int gs_wait_drafts(void *base, int64_t step, int32_t last_index, int64_t timeout_us, int32_t peer_pid,
                    int32_t *draft_index, int32_t *num_rows, int32_t *num_tokens);
 int gs_publish_mask(void *base, int64_t step, int32_t draft_index, int32_t num_rows);
+/* the scheduler, for a fused step (spec/step_graph.py): the step's verify mask rows (already in the
+ * mask array), row i for logits row ids[i], before any draft of the step */
+int gs_publish_verify_mask(void *base, int64_t step, const int32_t *ids, int32_t num_rows);
 
 /* the error slot: the last failed wait (code, step, draft index); cleared by gs_clear_error */
 int32_t gs_last_error(const void *base, int64_t *step, int32_t *draft_index);
@@ -122,6 +126,26 @@ void gs_cb_graph_publish(void *args);
 void gs_cb_graph_wait(void *args);
 /* both, in one host function: one stop of the stream per draft step rather than two */
 void gs_cb_graph_exchange(void *args);
+
+/* The verify masks of a fused step (spec/step_graph.py): wait for the scheduler's (step, GS_VERIFY)
+ * rows, lay them out in `out` [num_rows][W] at the graph row of their logits row (padded_of[id]),
+ * all ones (allow all) in the rows of unguided requests. On a failed wait, or rows that do not
+ * fit the graph (a stale layout), every row is zero (forbid every token) and *status says why. */
+typedef struct {
+    void *channel;
+    const int64_t *step;
+    int64_t timeout_us;
+    int32_t peer_pid;
+    int32_t num_rows;         /* the graph's logits rows: B * n */
+    int32_t num_words;        /* W */
+    int32_t num_ids;          /* entries of padded_of */
+    const int32_t *padded_of; /* [num_ids]: the graph row of each of the step's logits rows (-1: none) */
+    const int32_t *enabled;   /* 0: wait for nothing, allow every row (a graph's warm-up on padding) */
+    int32_t *out;             /* [num_rows][W], page-locked on a GPU */
+    int32_t *status;          /* GS_* */
+} gs_verify_args;
+
+void gs_cb_verify_wait(void *args);
 
 /* a CPU "stream": host functions run in order on one thread */
 typedef struct gs_host_stream gs_host_stream;

@@ -53,6 +53,24 @@ class GraphStepArgs(ctypes.Structure):
     ]
 
 
+class VerifyWaitArgs(ctypes.Structure):
+    """``gs_verify_args``: a fused step's wait for its verify masks (``spec/step_graph.py``)."""
+
+    _fields_ = [
+        ("channel", _p),
+        ("step", _p),
+        ("timeout_us", ctypes.c_int64),
+        ("peer_pid", ctypes.c_int32),
+        ("num_rows", ctypes.c_int32),
+        ("num_words", ctypes.c_int32),
+        ("num_ids", ctypes.c_int32),
+        ("padded_of", _p),
+        ("enabled", _p),
+        ("out", _p),
+        ("status", _p),
+    ]
+
+
 @lru_cache(maxsize=1)
 def _launch_host_func() -> Any:
     """The driver's ``cuLaunchHostFunc(stream, fn, user_data)``."""
@@ -62,7 +80,7 @@ def _launch_host_func() -> Any:
     return fn
 
 
-_TRAMPOLINES = ("gs_cb_graph_publish", "gs_cb_graph_wait", "gs_cb_graph_exchange")
+_TRAMPOLINES = ("gs_cb_graph_publish", "gs_cb_graph_wait", "gs_cb_graph_exchange", "gs_cb_verify_wait")
 
 
 class HostFunctions:

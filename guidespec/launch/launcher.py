@@ -102,6 +102,8 @@ class EngineProcesses:
 
     def start(self) -> None:
         cfg, ep = self.cfg, self.endpoints
+        # whole greedy EAGLE steps as one graph each (spec/step_graph.py): one rank, draft graphs on
+        fused = self.drafts is not None and _draft_graphs(cfg) and cfg.tensor_parallel_size == 1 and envs.fused_steps()
         scheduler_cfg = SchedulerConfig(
             cfg.model_dir,
             cfg.max_batch_size,
@@ -121,6 +123,7 @@ class EngineProcesses:
             cfg.enable_prefix_caching,
             draft_channel=self.drafts.spec if self.drafts is not None else None,
             grammar_fill_threads=cfg.grammar_fill_threads,
+            fused_steps=fused,
         )
         self._spawn("scheduler", "scheduler", scheduler_cfg)
         init_method = self.ray.rank0_rendezvous() if self.ray is not None else f"tcp://127.0.0.1:{_free_port()}"
@@ -149,6 +152,7 @@ class EngineProcesses:
                 scheduler_pid=self.processes["scheduler"].pid,
                 quantized_weights=cfg.quantized_weights,
                 draft_graphs=rank == 0 and self.drafts is not None and _draft_graphs(cfg),
+                fused_steps=fused and rank == 0,
             )
             for rank in range(cfg.tensor_parallel_size)
         ]
@@ -246,7 +250,7 @@ def _channel_spec(cfg: EngineConfig) -> ChannelSpec:
     spin_us = envs.draft_spin_us()
     return ChannelSpec(
         f"guidespec-{uuid.uuid4().hex[:12]}-drafts",
-        cfg.max_batch_size,
+        _arena_spec(cfg).num_rows,  # a draft step's rows, or a fused step's verify masks
         cfg.max_batch_size * 128,
         -(-cfg.vocab_size // 32),
         # beside a GPU the host has cores to spare and a draft step's round trip is the latency

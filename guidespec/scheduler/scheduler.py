@@ -198,6 +198,7 @@ class Scheduler:
                     outputs.draft_s,
                     sum(row.num_new_tokens for row in rows),
                     self.draft_fills,
+                    outputs.fused,
                 )
 
     def send_stats(self) -> None:
@@ -317,6 +318,9 @@ class Scheduler:
         rows_array = np.array(
             [r for first, row in masked for r in range(first, first + row.num_logits)], dtype=np.int32
         )
+        if self.cfg.fused_steps and self._step_drafts:  # rank 0 may run the step as one graph (step_graph.py)
+            assert self.drafts is not None
+            self.drafts.answer_verify(self.step_id, rows_array, bitmask)
         self.broadcaster.write_bitmask(StepBitmask(self.step_id, rows_array, bitmask), timeout=envs.step_timeout_s())
         self.times["mask"] = time.time()
 

@@ -27,6 +27,7 @@ class StepTrace:
     draft_fill_s: float = 0.0
     steps: int = 0
     guided_steps: int = 0
+    fused_steps: int = 0
 
     def record(
         self,
@@ -38,11 +39,13 @@ class StepTrace:
         draft_s: float = 0.0,
         tokens: int = 0,
         draft_fills: Sequence[tuple[int, float, float]] = (),
+        fused: bool = False,
     ) -> None:
         """``t``: scheduler wall times (start, inputs, mask_start, mask, outputs, end); ``worker``:
         rank 0's (forward_start, forward_end, mask_ready, done); ``draft_s``: rank 0's drafter
         proposing the next step's drafts, at the end of its step; ``draft_fills``: the scheduler
-        filling each of those draft steps' masks (draft step, start, end), which rank 0 waits for."""
+        filling each of those draft steps' masks (draft step, start, end), which rank 0 waits for;
+        ``fused``: rank 0 ran the whole step as one graph (spec/step_graph.py), one span."""
         forward_start, forward_end, mask_ready, done = (float(x) for x in worker)
         exposed_fill = max(0.0, t["mask"] - forward_end) if guided_rows else 0.0
         self.step_s += t["end"] - t["start"]
@@ -52,26 +55,43 @@ class StepTrace:
         self.draft_s += draft_s
         self.steps += 1
         self.guided_steps += bool(guided_rows)
+        self.fused_steps += fused
         args: dict[str, object] = {"step": step, "batch": batch, "tokens": tokens, "guided_rows": guided_rows}
         self._span("schedule + write inputs", t["start"], t["inputs"], 1, args)
         if guided_rows:
             self._span("fill + write bitmask", t["mask_start"], t["mask"], 1, args)
         self._span("wait for outputs", t["mask"], t["outputs"], 1, args)
         self._span("emit", t["outputs"], t["end"], 1, args)
+        if fused:
+            self._span("fused step (verify, accept, draft)", forward_start, done, 2, args)
+        else:
+            self._worker_spans(forward_start, forward_end, mask_ready, done, draft_s, guided_rows, args)
+        for index, start, end in draft_fills:
+            self._span(f"fill draft step {index} masks", start, end, 1, args)
+            self.draft_fill_s += end - start
+
+    def _worker_spans(
+        self,
+        forward_start: float,
+        forward_end: float,
+        mask_ready: float,
+        done: float,
+        draft_s: float,
+        guided_rows: int,
+        args: dict[str, object],
+    ) -> None:
         self._span("forward", forward_start, forward_end, 2, args)
         if guided_rows:
             self._span("wait for bitmask", forward_end, max(forward_end, mask_ready), 2, args)
         self._span("mask + sample", max(forward_end, mask_ready), done - draft_s, 2, args)
         if draft_s > 0:
             self._span("propose drafts", done - draft_s, done, 2, args)
-        for index, start, end in draft_fills:
-            self._span(f"fill draft step {index} masks", start, end, 1, args)
-            self.draft_fill_s += end - start
 
     def summary(self) -> dict[str, float]:  # noqa: D401
         return {
             "steps": self.steps,
             "guided_steps": self.guided_steps,
+            "fused_steps": self.fused_steps,
             "mean_step_ms": 1000 * self.step_s / max(1, self.steps),
             "outside_forward_fraction": self.outside_forward_s / self.step_s if self.step_s else 0.0,
             "mean_fill_ms": 1000 * self.fill_s / max(1, self.guided_steps),

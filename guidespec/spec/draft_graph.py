@@ -43,7 +43,7 @@ import torch
 
 from guidespec.cuda_ext.channel import OK, DraftChannel, DraftChannelError
 from guidespec.cuda_ext.host_functions import GraphStepArgs, HostFunctions
-from guidespec.worker.graphs import batch_bucket, key_bucket
+from guidespec.worker.graphs import batch_bucket, capture_graph, key_bucket
 from guidespec.worker.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -156,17 +156,7 @@ class _DraftGraph:
 
     def capture(self) -> None:
         """Warm up (every row padding: the trampolines publish nothing), then capture."""
-        device = self.owner.device
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.steps()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.owner.pool):
-            self.steps()
+        self.graph = capture_graph(self.owner.device, self.owner.pool, self.steps)
         logger.info("captured a draft-step graph for %s (%d graphs)", self.key, len(self.owner.graphs))
 
 

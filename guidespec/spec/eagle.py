@@ -200,17 +200,32 @@ class EagleHead:
         slots: torch.Tensor,
         kv: KVCache,
         key_length: int,
+        tokens_per_row: int = 1,
+        token_slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per row for ``B`` rows, of a fixed shape (``draft_graph.py``): features,
-        token_ids, positions, slots [B]; attends the first ``key_length`` keys of each slot.
-        Returns (output hidden [B, hidden], draft logits [B, draft vocab]), capturable as it is."""
-        b, g = slots.shape[0], self.cfg.num_query_groups
-        mask = torch.arange(key_length, device=positions.device)[None, :] <= positions[:, None]  # [B, L]
-        mask = mask[:, None, None, :].expand(b, 1, g, key_length)
+        """``B`` rows of ``n`` tokens each, of a fixed shape (``draft_graph.py``, ``step_graph.py``):
+        features, token_ids, positions [B * n]; slots [B] (whose keys each row reads);
+        token_slots [B * n] (where each token's keys go; default: its row's slot); attends the
+        first ``key_length`` keys. Returns (output hidden [B * n, hidden], draft logits
+        [B * n, draft vocab]) of every position, capturable as it is."""
+        n, b, g = tokens_per_row, slots.shape[0], self.cfg.num_query_groups
+        allowed = torch.arange(key_length, device=positions.device)[None, None, :] <= positions.view(b, n)[:, :, None]
+        mask = allowed[:, None].repeat(1, 1, g, 1)  # [B, 1, G*n, L], rows ordered (group, token)
         h, x = self._inputs(features, token_ids)
         cos, sin = self.attn.cos[positions], self.attn.sin[positions]
         h = h + self.attn._attention_padded(
-            x, self.layer, kv, 0, positions, slots, slots, 1, key_length, mask, cos, sin
+            x,
+            self.layer,
+            kv,
+            0,
+            positions,
+            slots if token_slots is None else token_slots,
+            slots,
+            n,
+            key_length,
+            mask,
+            cos,
+            sin,
         )
         return self._outputs(h)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -64,6 +64,22 @@ def key_bucket(length: int, max_model_len: int) -> int:
     while bucket < length:
         bucket *= 2
     return min(bucket, max_model_len)
+
+
+def capture_graph(device: torch.device, pool: Any, run: Callable[[], object]) -> Any:
+    """``run`` twice on a side stream (allocations and lazy initialisation outside the graph), then
+    captured into a new ``torch.cuda.CUDAGraph`` in ``pool``."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        run()
+    return graph
 
 
 @dataclass(frozen=True)
@@ -205,15 +221,9 @@ class GraphRunner:
         """Capture ``key``'s graph on padding only (warm-up and capture write the scratch slot),
         then lay the step out again."""
         buffers.fill_padding()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # allocations and lazy initialisation outside the graph
-                self._forward(buffers)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            output = self._forward(buffers)
+        outputs: list[torch.Tensor] = []
+        graph = capture_graph(self.device, self._pool, lambda: outputs.append(self._forward(buffers)))
+        output = outputs[-1]  # (the captured run's)
         features = self.model.captured if self.features is not None else None
         self.graphs[key] = (graph, output, features)
         logger.info("captured a CUDA graph for %s (%d graphs)", key, len(self.graphs))

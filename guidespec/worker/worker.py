@@ -44,6 +44,7 @@ from guidespec.protocol import (
 )
 from guidespec.spec.draft_model import DraftRunner
 from guidespec.spec.eagle import EagleRunner
+from guidespec.spec.step_graph import EagleStepGraphs
 from guidespec.spec.verify import verify
 from guidespec.worker import tp as tp_mod
 from guidespec.model_files import load_hf_config
@@ -110,7 +111,7 @@ class Worker:
         # CUDA graphs pad batches onto a scratch slot: one KV slot more than the batch (an EAGLE
         # head's features come out of the graphs too; a draft model shares the eager cache)
         use_graphs = cuda and not cfg.enforce_eager and (cfg.draft_model is None or cfg.draft_method == "eagle")
-        num_slots = cfg.max_batch_size + (1 if use_graphs else 0)
+        num_slots = cfg.max_batch_size + (1 if use_graphs or cfg.fused_steps else 0)
         check_device_memory(
             model_cfg,
             dtype,
@@ -154,6 +155,9 @@ class Worker:
                     model_cfg.vocab_size,
                     (self.model, self.kv),
                 )
+        self.step_graphs = None  # whole greedy EAGLE steps as one graph each (spec/step_graph.py)
+        if cfg.fused_steps and isinstance(self.drafter, EagleRunner) and self.drafter.graphs is not None:
+            self.step_graphs = EagleStepGraphs(self.drafter, self.model, self.kv, max_rows, envs.step_timeout_s())
         self.graphs = None
         if use_graphs:
             features = self.drafter.capture if self.drafter is not None else None
@@ -184,6 +188,8 @@ class Worker:
                 results.send(outputs)
 
     def step(self, inputs: StepInputs) -> StepOutputs | None:
+        if self.step_graphs is not None and self.step_graphs.fits(inputs):
+            return self._fused_step(inputs)
         start, wall_start = time.perf_counter(), time.time()
         batch = ForwardBatch.create(
             inputs.token_ids, inputs.slots, inputs.start_positions, inputs.num_new_tokens, inputs.num_logits
@@ -249,6 +255,33 @@ class Worker:
         draft_s = time.perf_counter() - verified
         timings = np.array([wall_start, forward_end, mask_ready, time.time()], dtype=np.float64)
         return StepOutputs(inputs.step, tokens_np, counts, verified - start, timings, proposals, draft_counts, draft_s)
+
+    def _fused_step(self, inputs: StepInputs) -> StepOutputs:
+        """A greedy EAGLE step as one graph (spec/step_graph.py): its verify masks come through the
+        draft channel; the ring's copy of them is read after, to keep the ring in order."""
+        assert self.step_graphs is not None
+        start, wall_start = time.perf_counter(), time.time()
+        try:
+            fused = self.step_graphs.run(inputs)
+        finally:
+            if self.drafts is not None:
+                self.drafts.done(inputs.step)
+        if inputs.has_bitmask:
+            self._read_bitmask(inputs.step)
+        end = time.time()
+        timings = np.array([wall_start, end, end, end], dtype=np.float64)
+        proposals, draft_counts = fused.proposals if fused.proposals is not None else (None, None)
+        # (forward_s: the whole step; its draft steps are inside)
+        return StepOutputs(
+            inputs.step,
+            fused.tokens,
+            fused.counts,
+            time.perf_counter() - start,
+            timings,
+            proposals,
+            draft_counts,
+            fused=True,
+        )
 
     def _logits(self, hidden: torch.Tensor, mask: tuple[np.ndarray, np.ndarray] | None) -> torch.Tensor | None:
         """Masked fp32 logits [R, vocab] on rank 0 (None elsewhere). A row whose mask allows one

@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import torch
+
 from guidespec import cuda_ext
 from guidespec.cuda_ext.channel import (
     BAD_CHANNEL,
@@ -23,6 +25,7 @@ from guidespec.cuda_ext.channel import (
     STALE,
     TIMEOUT,
     TOO_LARGE,
+    VERIFY,
     ChannelSpec,
     DraftChannel,
     DraftChannelError,
@@ -173,6 +176,93 @@ def test_limits_and_layouts() -> None:
             DraftChannel.attach(ChannelSpec(spec.name, 3, 4, WORDS))
         assert channel.lib.gs_channel_check(channel.base, 2, 4, WORDS) == 0
         assert channel.lib.gs_channel_check(channel.base, 2, 4, WORDS + 1) == BAD_CHANNEL
+    finally:
+        channel.close()
+
+
+class _VerifyWait:
+    """A fused step's verify-mask wait (``gs_cb_verify_wait``) on 8 graph rows, logits row i at
+    graph row ``PADDED_OF[i]``, called as the CPU's stream order calls it."""
+
+    PADDED_OF = [0, 1, 2, 4, 5, 6]
+
+    def __init__(self, channel: DraftChannel, step: int, timeout_s: float = 0.05, peer_pid: int = 0) -> None:
+        from guidespec.cuda_ext.host_functions import HostFunctions, VerifyWaitArgs
+
+        self.step = np.array([step], np.int64)
+        self.padded_of = np.array(self.PADDED_OF, np.int32)
+        self.enabled = np.ones(1, np.int32)
+        self.out = np.full((8, WORDS), 7, np.int32)
+        self.status = np.full(1, -1, np.int32)
+        address = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
+        self.args = VerifyWaitArgs(
+            channel.base,
+            address(self.step),
+            int(timeout_s * 1e6),
+            peer_pid,
+            8,
+            WORDS,
+            len(self.padded_of),
+            address(self.padded_of),
+            address(self.enabled),
+            address(self.out),
+            address(self.status),
+        )
+        self.functions = HostFunctions(torch.device("cpu"))
+
+    def __call__(self) -> int:
+        self.functions.enqueue("gs_cb_verify_wait", self.args)
+        return int(self.status[0])
+
+
+def test_verify_masks_land_at_their_graph_rows_and_come_before_draft_zero() -> None:
+    channel = DraftChannel.create(_spec(rows=8))
+    try:
+        masks = np.array([[11] * WORDS, [44] * WORDS], np.int32)
+        assert channel.answer_verify(7, np.array([1, 4]), masks)
+        wait = _VerifyWait(channel, 7)
+        assert wait() == 0
+        expected = np.full((8, WORDS), -1, np.int32)  # unguided rows: every token allowed
+        expected[1], expected[5] = masks  # logits rows 1 and 4 sit at graph rows 1 and 5
+        np.testing.assert_array_equal(wait.out, expected)
+        # the step's verify tag is older than its draft 0's: a draft-0 wait goes on waiting
+        with pytest.raises(DraftChannelError) as failure:
+            channel.exchange(7, 0, np.array([0]), [[1]], 0.05, 0)
+        assert failure.value.code == TIMEOUT
+        assert not channel.answer_verify(8, np.arange(9), np.zeros((9, WORDS), np.int32))  # more than it holds
+    finally:
+        channel.close()
+
+
+def test_a_missing_stale_or_misplaced_verify_mask_forbids_every_row() -> None:
+    channel = DraftChannel.create(_spec(rows=8))
+    try:
+        wait = _VerifyWait(channel, 3)
+        start = time.monotonic()
+        assert wait() == TIMEOUT and 0.04 < time.monotonic() - start < 2.0
+        assert not wait.out.any() and channel.last_error() == (TIMEOUT, 3, VERIFY)
+        channel.answer_verify(4, np.array([0]), np.ones((1, WORDS), np.int32))  # the next step's
+        assert wait() == STALE and not wait.out.any()
+        wait.step[0] = 4
+        channel.answer_verify(4, np.array([6]), np.ones((1, WORDS), np.int32))  # a row the graph lacks
+        assert wait() == STALE and not wait.out.any()
+        wait.enabled[0] = 0  # a warm-up on padding waits for nothing and allows everything
+        assert wait() == 0 and (wait.out == -1).all()
+    finally:
+        channel.close()
+
+
+def test_a_killed_scheduler_ends_the_verify_wait_at_once() -> None:
+    spec = _spec(rows=8)
+    channel = DraftChannel.create(spec)
+    try:
+        peer = _start(_silent, spec)
+        os.kill(peer.pid, signal.SIGKILL)
+        peer.join(10)
+        wait = _VerifyWait(channel, 9, timeout_s=30.0, peer_pid=peer.pid)
+        start = time.monotonic()
+        assert wait() == PEER_GONE and time.monotonic() - start < 1.0
+        assert not wait.out.any()
     finally:
         channel.close()
 

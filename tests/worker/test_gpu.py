@@ -171,26 +171,35 @@ def test_speculative_greedy_equals_plain_greedy(random_model: Path) -> None:
     assert sum(o.stats.num_spec_steps for o in runs["ngram"]) > 0
 
 
-def test_eagle_draft_graphs_equal_step_by_step_and_plain_greedy(random_model: Path, tmp_path: Path) -> None:
-    """An EAGLE head's draft steps as captured graphs (grammar waits as host nodes) against the
-    same steps one by one (``graph_grammar=False``) and against no speculation: the same greedy
-    tokens, guided and unguided, with drafts proposed and verified (a random head: few accepted)."""
+def test_eagle_graphs_equal_step_by_step_and_plain_greedy(
+    random_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An EAGLE engine's whole greedy steps as captured graphs (``spec/step_graph.py``: verify,
+    acceptance, head and draft steps, grammar waits as host nodes), its draft steps alone as
+    graphs (``GUIDESPEC_FUSED_STEPS=0``), the same steps one by one (``graph_grammar=False``) and
+    no speculation: the same greedy tokens, guided and unguided, with drafts proposed and
+    verified (a random head: few accepted)."""
     from benchmarks.random_model import build_random_eagle_head
 
     head = build_random_eagle_head(random_model, tmp_path / "head")
     eagle = dict(method="eagle", draft_model=str(head), adaptive=False, max_draft_len=3)
-    runs = {}
-    for label, options in (
-        ("plain", {}),
-        ("graph", dict(speculative=eagle, graph_grammar=True)),
-        ("steps", dict(speculative=eagle, graph_grammar=False)),
+    runs, traces = {}, {}
+    for label, options, fused in (
+        ("plain", {}, "1"),
+        ("fused", dict(speculative=eagle, graph_grammar=True), "1"),
+        ("draft graph", dict(speculative=eagle, graph_grammar=True), "0"),
+        ("steps", dict(speculative=eagle, graph_grammar=False), "1"),
     ):
+        monkeypatch.setenv("GUIDESPEC_FUSED_STEPS", fused)
+        traces[label] = tmp_path / f"trace-{label.replace(' ', '-')}.json"
+        monkeypatch.setenv("GUIDESPEC_TRACE", str(traces[label]))
         with _fp32_engine(random_model, **options) as llm:
             runs[label] = _run(llm, _mixed())
-    assert [o.token_ids for o in runs["graph"]] == [o.token_ids for o in runs["plain"]]
-    assert [o.token_ids for o in runs["steps"]] == [o.token_ids for o in runs["plain"]]
-    assert sum(o.stats.num_draft_tokens for o in runs["graph"]) > 0
-    assert sum(o.stats.num_draft_tokens for o in runs["steps"]) > 0
+    for label in ("fused", "draft graph", "steps"):
+        assert [o.token_ids for o in runs[label]] == [o.token_ids for o in runs["plain"]], label
+        assert sum(o.stats.num_draft_tokens for o in runs[label]) > 0, label
+        fused_steps = json.loads(traces[label].read_text())["summary"]["fused_steps"]
+        assert (fused_steps > 0) == (label == "fused"), (label, fused_steps)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="TP=2 on the GPU needs two GPUs")

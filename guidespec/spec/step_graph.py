@@ -1,0 +1,321 @@
+"""A whole greedy EAGLE speculative step as one fixed-shape graph (rank 0, one rank): the target's
+verify forward, the wait for the step's verify masks, acceptance on the device, the head's
+forward over the step's positions and the next step's draft steps, grammar waits inside.
+
+    target forward over B rows x n tokens (the last accepted token, then the drafts)
+    LM head;  [guided] wait for the verify masks (C);  copy them host-to-device;  -inf where forbidden
+    picks = argmax;  accepted = leading drafts equal to the picks;  count = accepted + 1
+    head forward over the n positions (the target's features, the picks as next tokens)
+    the head's output at each row's last produced position -> the draft steps (draft_graph.py)
+    copy picks, counts and drafts device-to-host
+
+The scheduler fills the verify masks while the target's layers run, as it does for a step that
+is not fused, and writes them into the draft channel as well as the ring (tag (step, VERIFY),
+before the step's draft 0): ``gs_cb_verify_wait`` lays them out at the graph rows of their
+logits rows (all ones for unguided rows). The head runs over every position of a row, the
+rejected ones too, with the target's own picks as the tokens that follow: at an accepted
+position the pick is the draft, at the last produced one it is the bonus token, and what the
+rejected positions write into the head's cache lies past the row's end, rewritten before it is
+read (as the target's rejected keys are). So the head's cache after the step holds what the
+step-by-step path (``EagleRunner.propose``) writes, and its drafts are the same.
+
+A step runs fused when every row is a greedy verify step in the head's steady state (its every
+earlier position already followed: no backlog, no pending prefill position), without penalties,
+drafting at most ``MAX_GRAPH_DRAFTS``; others run step by step. On CUDA each
+:class:`StepGraphKey` is captured once and replayed; on the CPU the same sequence runs eagerly
+with the trampolines called where they stand (the target's ordinary forward, the CPU's own
+kernels, laid out padded: the padded forward is ``graphs.py``'s, tested on its own), so CI checks
+the layouts, the protocol and the outputs against the step-by-step path. A failed verify-mask
+wait (the scheduler died, or sent rows this graph does not have) forbids every token and fails
+the step after the replay; a failed draft-step wait drops the step's proposals, as the draft
+graph does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from guidespec.cuda_ext.channel import OK, VERIFY, DraftChannelError
+from guidespec.cuda_ext.host_functions import VerifyWaitArgs
+from guidespec.protocol import NO_TOKEN, StepInputs
+from guidespec.spec.draft_graph import MAX_GRAPH_DRAFTS, MAX_PRODUCED, DraftGraphKey, EagleDraftGraphs, _DraftGraph
+from guidespec.worker.graphs import (
+    MAX_GRAPH_TOKENS,
+    GraphKey,
+    StaticBuffers,
+    batch_bucket,
+    capture_graph,
+    key_bucket,
+    tokens_bucket,
+)
+from guidespec.worker.kv_cache import KVCache
+from guidespec.worker.model import ForwardBatch, LlamaModel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepGraphKey:
+    verify: GraphKey  # (B, n, L) of the target's forward and the head's
+    drafts: DraftGraphKey  # (B, K, L', masked) of the draft steps
+    guided: bool  # the step has verify masks: the graph waits for them
+
+
+@dataclass
+class FusedOutputs:
+    tokens: np.ndarray  # [sum(counts)] int32: each row's produced tokens
+    counts: np.ndarray  # [rows] int32
+    proposals: tuple[np.ndarray, np.ndarray] | None  # (flat drafts, per-row counts); None: a draft wait failed
+
+
+class _StepGraph:
+    def __init__(self, key: StepGraphKey, owner: EagleStepGraphs) -> None:
+        self.key, self.owner = key, owner
+        b, n = key.verify.batch, key.verify.tokens_per_row
+        device, pin = owner.device, owner.device.type == "cuda"
+        self.buffers = StaticBuffers(key.verify, device, owner.scratch_slot)
+        self.drafts = _DraftGraph(key.drafts, owner.draft_graphs)
+        self.draft_count = torch.zeros(b, dtype=torch.long, device=device)  # real drafts of each row
+        self.produced = torch.zeros(b, MAX_PRODUCED, dtype=torch.int32, device=device)
+        words = owner.draft_graphs.num_words
+        self.mask = torch.zeros(b * n, words, dtype=torch.int32, device=device)
+        self.host_mask = torch.zeros(b * n, words, dtype=torch.int32, pin_memory=pin)
+        self.padded_of = torch.full((owner.max_logits_rows,), -1, dtype=torch.int32, pin_memory=pin)
+        self.verify_status = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
+        self.verify_enabled = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
+        self.out_picks = torch.zeros(b, n, dtype=torch.int32, pin_memory=pin)
+        self.out_counts = torch.zeros(b, dtype=torch.int32, pin_memory=pin)
+        self.out_drafts = torch.zeros(key.drafts.drafts, b, dtype=torch.int32, pin_memory=pin)
+        host = owner.draft_graphs.host
+        self.verify_args = VerifyWaitArgs(
+            owner.draft_graphs.channel.base,
+            host.address("step"),
+            int(owner.verify_timeout_s * 1e6),
+            owner.draft_graphs.peer_pid,
+            b * n,
+            words,
+            owner.max_logits_rows,
+            ctypes.c_void_p(self.padded_of.data_ptr()),
+            ctypes.c_void_p(self.verify_enabled.data_ptr()),
+            ctypes.c_void_p(self.host_mask.data_ptr()),
+            ctypes.c_void_p(self.verify_status.data_ptr()),
+        )
+        self.graph: Any = None
+        self.batch: ForwardBatch | None = None  # eagerly: this step's batch, and where its tokens
+        self.real: torch.Tensor | None = None  # sit in the padded layout
+
+    def steps(self) -> None:
+        """The step, as the graph replays it: writes ``out_picks``, ``out_counts``, ``out_drafts``."""
+        owner, key, buffers = self.owner, self.key, self.buffers
+        b, n = key.verify.batch, key.verify.tokens_per_row
+        head, target = owner.head, owner.target
+        if self.graph is not None or owner.capture:
+            hidden = target.forward_padded(
+                owner.kv,
+                buffers.token_ids,
+                buffers.positions,
+                buffers.token_slots,
+                buffers.row_slots,
+                n,
+                key.verify.key_length,
+                head.capture,
+            )
+            features = target.captured
+        else:  # eagerly: the target's ordinary forward (the CPU's own kernels), laid out padded
+            assert self.batch is not None and self.real is not None
+            real = target.forward(self.batch, owner.kv, head.capture)
+            assert target.captured is not None
+            hidden = real.new_zeros(b * n, real.shape[-1]).index_copy_(0, self.real, real)
+            features = target.captured.new_zeros(b * n, target.captured.shape[-1])
+            features.index_copy_(0, self.real, target.captured)
+        logits = target.compute_logits(hidden)
+        assert logits is not None and features is not None
+        if key.guided:
+            owner.draft_graphs.host_functions.enqueue("gs_cb_verify_wait", self.verify_args)
+            self.mask.copy_(self.host_mask, non_blocking=True)
+            vocab = logits.shape[-1]
+            allowed = ((self.mask[:, :, None] >> owner.bits) & 1).view(b * n, -1)[:, :vocab].bool()
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        best = logits.argmax(dim=-1)
+        dead = torch.isneginf(logits.amax(dim=-1))  # the mask allows nothing: NO_TOKEN, never a match
+        picks = torch.where(dead, torch.full_like(best, NO_TOKEN), best).view(b, n)
+        drafts = buffers.token_ids.view(b, n)[:, 1:]
+        real = torch.arange(n - 1, device=picks.device)[None, :] < self.draft_count[:, None]
+        counts = ((drafts == picks[:, :-1]) & real).long().cumprod(dim=1).sum(dim=1) + 1  # [B]
+        out, draft_logits = head.forward_padded(
+            features,
+            picks.clamp(min=0).view(-1),
+            buffers.positions,
+            buffers.row_slots,
+            owner.head_kv,
+            key.verify.key_length,
+            n,
+            buffers.token_slots,
+        )
+        last = torch.arange(b, device=picks.device) * n + counts - 1  # each row's last produced position
+        graph = self.drafts
+        graph.features.copy_(out.index_select(0, last))
+        graph.logits.copy_(draft_logits.index_select(0, last))
+        graph.positions.copy_(buffers.positions.index_select(0, last))
+        graph.slots.copy_(buffers.row_slots)
+        if key.drafts.masked:  # the produced tokens the publish trampoline sends first
+            host = owner.draft_graphs.host
+            self.produced[:, :n].copy_(picks)
+            host.produced[: b * MAX_PRODUCED].copy_(self.produced.view(-1), non_blocking=True)
+            host.produced_len[:b].copy_(counts.to(torch.int32), non_blocking=True)
+        chains = graph.steps()
+        self.out_picks.copy_(picks, non_blocking=True)
+        self.out_counts.copy_(counts, non_blocking=True)
+        self.out_drafts.copy_(chains, non_blocking=True)
+
+    def capture(self) -> None:
+        """Warm up (every row padding: nothing published or awaited), then capture."""
+        self.graph = capture_graph(self.owner.device, self.owner.draft_graphs.pool, self.steps)
+        logger.info("captured a fused step graph for %s (%d graphs)", self.key, len(self.owner.graphs))
+
+
+class EagleStepGraphs:
+    """Fused greedy EAGLE steps (rank 0 of one rank). ``runner``: the worker's EagleRunner with its
+    draft graphs (``use_graphs``); ``kv``: the target's cache, its last slot the scratch slot."""
+
+    def __init__(
+        self,
+        runner: Any,  # spec/eagle.py's EagleRunner (not imported: eagle.py imports draft_graph)
+        target: LlamaModel,
+        kv: KVCache,
+        max_logits_rows: int,
+        verify_timeout_s: float,
+    ) -> None:
+        draft_graphs: EagleDraftGraphs | None = runner.graphs
+        if draft_graphs is None:
+            raise ValueError("fused steps need the head's draft graphs (EagleRunner.use_graphs)")
+        if target.tp.size != 1:
+            raise ValueError("fused steps run on one rank")
+        if kv.num_slots - 1 != draft_graphs.scratch_slot:
+            raise ValueError(f"scratch slots differ: {kv.num_slots - 1} (target), {draft_graphs.scratch_slot} (head)")
+        self.runner, self.target, self.kv = runner, target, kv
+        self.head, self.head_kv, self.draft_graphs = runner.head, runner.kv, draft_graphs
+        self.device = draft_graphs.device
+        self.scratch_slot = draft_graphs.scratch_slot
+        self.max_batch_size, self.max_model_len = draft_graphs.max_batch_size, target.max_model_len
+        self.max_logits_rows = min(max_logits_rows, draft_graphs.channel.spec.max_rows)
+        self.verify_timeout_s = verify_timeout_s
+        self.capture = draft_graphs.capture
+        self.bits = torch.arange(32, dtype=torch.int32, device=self.device)  # (made here, not in a capture)
+        self.graphs: dict[StepGraphKey, _StepGraph] = {}
+        self.runs = 0
+
+    def fits(self, inputs: StepInputs) -> bool:
+        """Whether this step can run fused: every row a greedy verify step in the head's steady
+        state, no penalties, few enough drafts and tokens."""
+        n_rows = inputs.batch_size
+        if inputs.draft_lens is None or not 0 < n_rows <= self.max_batch_size:
+            return False
+        new, logits = inputs.num_new_tokens, inputs.num_logits
+        if not ((new == logits) & (logits >= 1)).all() or int(logits.sum()) > self.max_logits_rows:
+            return False
+        k, n = int(inputs.draft_lens.max()), tokens_bucket(int(new.max()))
+        b = batch_bucket(n_rows, self.max_batch_size)
+        if not 0 < k <= MAX_GRAPH_DRAFTS or n is None or b is None or b * n > MAX_GRAPH_TOKENS:
+            return False
+        starts = inputs.start_positions
+        if (starts <= 0).any() or int((starts + new).max()) + k + 2 > self.max_model_len:
+            return False
+        if (inputs.temperature > 0).any() or (inputs.penalties != np.array([1.0, 0.0, 0.0])).any():
+            return False
+        runner = self.runner
+        if runner._step is not None:  # an earlier step's positions the head has not followed yet
+            return False
+        slots = inputs.slots.tolist()
+        return not any(s in runner.backlog for s in slots) and not (runner.pending_pos[slots] == starts - 1).any()
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> FusedOutputs:
+        """Run a step that :meth:`fits`. RuntimeError where its verify masks did not come."""
+        n_rows = inputs.batch_size
+        batch = ForwardBatch.create(
+            inputs.token_ids, inputs.slots, inputs.start_positions, inputs.num_new_tokens, inputs.num_logits
+        )
+        n = tokens_bucket(int(inputs.num_new_tokens.max()))
+        b = batch_bucket(n_rows, self.max_batch_size)
+        assert n is not None and b is not None and inputs.draft_lens is not None
+        ends = inputs.start_positions + inputs.num_new_tokens
+        wanted = inputs.draft_lens.astype(np.int32)
+        k = int(wanted.max())
+        masked = inputs.draft_masked.astype(bool) if inputs.draft_masked is not None else np.zeros(n_rows, dtype=bool)
+        key = StepGraphKey(
+            GraphKey(b, n, key_bucket(int(ends.max()), self.max_model_len)),
+            DraftGraphKey(b, k, key_bucket(int(ends.max()) + k, self.max_model_len), bool(masked.any())),
+            inputs.has_bitmask,
+        )
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = _StepGraph(key, self)
+            if self.capture:  # on padding only: nothing published, nothing waited for
+                self._write_padding(graph)
+                graph.capture()
+            else:
+                logger.info("fused steps for %s run eagerly, as a graph would (%d shapes)", key, len(self.graphs))
+        self._write(graph, inputs, batch, wanted, masked)
+        if graph.graph is not None:
+            graph.graph.replay()
+        else:
+            graph.steps()
+        if self.device.type == "cuda":  # (the copies out are asynchronous)
+            torch.cuda.current_stream(self.device).synchronize()
+        self.runs += 1
+        verify_code = int(graph.verify_status[0])
+        if verify_code != OK:
+            raise DraftChannelError(verify_code, inputs.step, VERIFY, "waiting for the step's verify masks")
+        picks, counts = graph.out_picks[:n_rows].numpy(), graph.out_counts[:n_rows].numpy().copy()
+        tokens = np.concatenate([picks[i, : counts[i]] for i in range(n_rows)]).astype(np.int32)
+        publish_code, wait_code = self.draft_graphs.host.status.tolist()
+        proposals = None
+        if publish_code == OK and wait_code == OK:
+            chains = graph.out_drafts[:, :n_rows].numpy()
+            proposals = (
+                np.concatenate([chains[: wanted[i], i] for i in range(n_rows)]).astype(np.int32),
+                wanted.copy(),
+            )
+        else:
+            code, _, index = self.draft_graphs.channel.last_error()
+            error = DraftChannelError(code, inputs.step, index, "drafting")
+            logger.warning("worker rank 0: %s; no drafts this step", error)
+        return FusedOutputs(tokens, counts, proposals)
+
+    def _write(
+        self, graph: _StepGraph, inputs: StepInputs, batch: ForwardBatch, wanted: np.ndarray, masked: np.ndarray
+    ) -> None:
+        n_rows, b = inputs.batch_size, graph.key.verify.batch
+        index, real = graph.buffers.write(batch, self.max_model_len)
+        if not self.capture:  # (the eager path's ordinary forward)
+            graph.batch, graph.real = batch, torch.from_numpy(real).to(self.device)
+        graph.padded_of[:] = -1
+        graph.padded_of[: len(index)] = torch.from_numpy(index.astype(np.int32))
+        draft_count = np.zeros(b, dtype=np.int64)
+        draft_count[:n_rows] = inputs.num_logits - 1
+        graph.draft_count.copy_(torch.from_numpy(draft_count), non_blocking=True)
+        graph.verify_status.zero_()
+        graph.verify_enabled[0] = 1
+        host = self.draft_graphs.host
+        host.step[0] = inputs.step
+        host.status.zero_()
+        host.batch_rows[:n_rows] = torch.arange(n_rows, dtype=torch.int32)
+        host.wanted[:n_rows], host.wanted[n_rows:b] = torch.from_numpy(wanted), 0
+        host.masked[:n_rows], host.masked[n_rows:b] = torch.from_numpy(masked.astype(np.int32)), 0
+
+    def _write_padding(self, graph: _StepGraph) -> None:
+        """Every row padding (what a warm-up and a capture run on): nothing published or awaited."""
+        b = graph.key.verify.batch
+        graph.buffers.fill_padding()
+        graph.verify_enabled[0] = 0
+        graph.draft_count.zero_()
+        host = self.draft_graphs.host
+        host.wanted[:b], host.masked[:b] = 0, 0
+        host.status.zero_()
