@@ -364,10 +364,12 @@ class Scheduler:
         proposals = _split(outputs.draft_tokens, outputs.num_draft_tokens)
         now = time.time()
         if self.speculator is not None:
+            # (a fused step's drafting is inside its forward_s: the drafter's cost learns nothing from it)
+            proposed = outputs.num_draft_tokens if not outputs.fused else None
             self.speculator.observe_step(
                 sum(row.num_new_tokens for row in rows),
                 outputs.forward_s,
-                outputs.num_draft_tokens.tolist() if outputs.num_draft_tokens is not None else None,
+                proposed.tolist() if proposed is not None else None,
                 outputs.draft_s,
             )
         for i, row in enumerate(rows):
