@@ -21,9 +21,9 @@ runs replay, as a long-running server has):
   shape) drafting ``--draft-len`` tokens a step (fixed length), guided and unguided, in the
   variants of ``--eagle-variants``: "fused" (the default engine: each greedy step, verify, masks,
   acceptance and draft steps, one captured graph whose grammar waits are host nodes,
-  ``spec/step_graph.py``), "draft graph" (only the draft steps as a graph,
-  ``GUIDESPEC_FUSED_STEPS=0``), "steps" (everything one by one, ``--no-graph-grammar``) and "fused,
-  unmasked" (drafts no grammar masks, ``constrain_drafts=False``: no round trip to the scheduler
+  ``spec/step_graph.py``), "draft-graph" (only the draft steps as a graph,
+  ``GUIDESPEC_FUSED_STEPS=0``), "steps" (everything one by one, ``--no-graph-grammar``) and
+  "fused-unmasked" (drafts no grammar masks, ``constrain_drafts=False``: no round trip to the scheduler
   while drafting), at batch 1 and 16: time per engine step, the grammar's share of a
   step (guided over unguided step time, minus 1), of wall time (unguided runs to the guided
   outputs' lengths, so both produce the same tokens) and of a decode step (p50 from each engine's
@@ -432,9 +432,9 @@ def bench_speculative(
 # variant -> (graph_grammar, draft masks, fused steps)
 EAGLE_VARIANTS = {
     "fused": (True, True, True),
-    "draft graph": (True, True, False),
+    "draft-graph": (True, True, False),
     "steps": (False, True, False),
-    "fused, unmasked": (True, False, True),
+    "fused-unmasked": (True, False, True),
 }
 
 
