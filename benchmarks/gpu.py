@@ -691,9 +691,10 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("eagle"):
         lines += [
             "",
-            "EAGLE draft steps (draft length fixed): one captured graph per proposal, grammar waits as host "
-            "nodes (graph) against the same steps one by one (steps), and one graph whose drafts no grammar "
-            "masks (graph, unmasked: no round trip while drafting); step = wall × batch ÷ request steps. "
+            "EAGLE steps (draft length fixed): each greedy step (verify, masks, acceptance, draft steps) one "
+            "captured graph, grammar waits as host nodes (fused); only the draft steps as a graph (draft-graph); "
+            "everything one by one (steps); fused with drafts no grammar masks (fused-unmasked: no round trip "
+            "while drafting); step = wall × batch ÷ request steps. "
             "Unguided runs to the guided outputs' lengths, so the wall-time share compares the same tokens; "
             "guided steps carry grammar-forced drafts, so they are fewer and longer.",
             "",
