@@ -93,6 +93,11 @@ class DraftChannel:
     ) -> np.ndarray:
         """Publish the rows' sequences, wait for their mask rows [len(rows), words] (a copy).
         DraftChannelError where no right mask came: the returned rows would be all zero."""
+        self.publish(step, draft_index, rows, sequences)
+        return self.wait(step, draft_index, len(rows), timeout_s, peer_pid)
+
+    def publish(self, step: int, draft_index: int, rows: np.ndarray, sequences: list[list[int]]) -> None:
+        """The first half of :meth:`exchange`: the scheduler starts filling these rows' masks."""
         rows = np.ascontiguousarray(rows, dtype=np.int32)
         lens = np.array([len(s) for s in sequences], dtype=np.int32)
         flat = np.array([t for s in sequences for t in s], dtype=np.int32)
@@ -101,7 +106,9 @@ class DraftChannel:
         )
         if code != OK:
             raise DraftChannelError(code, step, draft_index, "publishing drafts")
-        n = len(rows)
+
+    def wait(self, step: int, draft_index: int, n: int, timeout_s: float, peer_pid: int) -> np.ndarray:
+        """The second half of :meth:`exchange`: the ``n`` published rows' masks (a copy)."""
         code = self.lib.gs_wait_mask(
             self.base, step, draft_index, int(timeout_s * 1e6), peer_pid, self._out.ctypes.data, n
         )
@@ -260,22 +267,31 @@ class StreamExchange:
         self._wait_fn = ctypes.cast(lib.gs_cb_wait_mask, ctypes.c_void_p)
 
     def exchange(self, step: int, draft_index: int, rows: np.ndarray, sequences: list[list[int]]) -> np.ndarray:
+        self.post(step, draft_index, rows, sequences)
+        return self.take(step, draft_index)
+
+    def post(self, step: int, draft_index: int, rows: np.ndarray, sequences: list[list[int]]) -> None:
+        """Enqueue the publish trampoline (it runs while the caller goes on, as on a GPU stream)."""
         if draft_index >= len(self.publish):
             raise DraftChannelError(TOO_LARGE, step, draft_index, "enqueueing a draft step")
         flat = [t for s in sequences for t in s]
         n, m = len(rows), len(flat)
         if n > len(self.rows) or m > len(self.tokens):
             raise DraftChannelError(TOO_LARGE, step, draft_index, "enqueueing a draft step")
+        self.lib.gs_host_stream_synchronize(self.stream)  # (the buffers are free once the stream is idle)
         self.step[0], self.counts[:] = step, (n, m)
         self.rows[:n], self.lens[:n], self.tokens[:m] = rows, [len(s) for s in sequences], flat
         self.status[:] = -1
         self.lib.gs_host_stream_enqueue(self.stream, self._publish_fn, ctypes.byref(self.publish[draft_index]))
+
+    def take(self, step: int, draft_index: int) -> np.ndarray:
+        """Enqueue the wait trampoline after the publish, wait for the stream, and read the statuses."""
         self.lib.gs_host_stream_enqueue(self.stream, self._wait_fn, ctypes.byref(self.wait[draft_index]))
         self.lib.gs_host_stream_synchronize(self.stream)  # (a GPU stream would go on to the mask's copy)
         for code, side in zip(self.status.tolist(), ("publishing drafts", "waiting for the scheduler's mask")):
             if code != OK:
                 raise DraftChannelError(code, step, draft_index, side)
-        return self.out[:n].copy()
+        return self.out[: int(self.counts[0])].copy()
 
     def close(self) -> None:
         if self.stream:

@@ -11,9 +11,10 @@ previous one, ``draft_lens[b]`` times.
 The proposals go back with the step's outputs; the scheduler checks them against the grammar,
 puts them in the next step's row, and the target verifies them there.
 
-Draft steps of guided rows are constrained (``draft_masked``): before choosing draft ``j`` rank 0
-sends the row's tokens past its final ones up to the scheduler, which owns the grammar, and
-waits for that draft step's mask over the ring (``masks``). Greedy rows draft the argmax;
+Draft steps of guided rows are constrained (``draft_masked``): rank 0 sends the row's tokens past
+its final ones up to the scheduler, which owns the grammar, before draft ``j``'s forward (they do
+not depend on it), so the scheduler fills that draft step's masks while the forward runs; rank 0
+takes them before choosing draft ``j`` (``masks``: a :class:`MaskSource`). Greedy rows draft the argmax;
 sampled rows draw each draft from the draft's own masked distribution q' (the request's
 temperature, top-k, top-p) and rank 0 keeps q' until the next step verifies those drafts with
 rejection sampling (``DraftSampling``, ``verify.py``).
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -49,8 +50,34 @@ from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.sampler import _SEED_STRIDE, filtered_probs
 from guidespec.worker.tp import TPInfo
 
-# (draft index, batch rows, each row's tokens past its final ones) -> bitmask rows [R, V/32]
-MaskSource = Callable[[int, np.ndarray, list[list[int]]], np.ndarray]
+
+class MaskSource(Protocol):
+    """A draft step's grammar masks, in two halves: ``post`` sends the step's rows (batch rows)
+    with each one's tokens past its final ones, before the drafter's forward; ``take`` waits for
+    their bitmask rows [R, V/32] after it."""
+
+    def post(self, draft_index: int, rows: np.ndarray, sequences: list[list[int]]) -> None: ...
+
+    def take(self, draft_index: int) -> np.ndarray: ...
+
+
+class Exchange:
+    """A :class:`MaskSource` over one call (draft index, rows, sequences) -> bitmask rows, made at
+    ``take`` (nothing overlaps the forward)."""
+
+    def __init__(self, exchange: Callable[[int, np.ndarray, list[list[int]]], np.ndarray]) -> None:
+        self.exchange = exchange
+        self.posted: tuple[int, np.ndarray, list[list[int]]] | None = None
+
+    def post(self, draft_index: int, rows: np.ndarray, sequences: list[list[int]]) -> None:
+        self.posted = (draft_index, rows, sequences)
+
+    def take(self, draft_index: int) -> np.ndarray:
+        posted, self.posted = self.posted, None
+        assert posted is not None and posted[0] == draft_index, "take without its post"
+        return self.exchange(*posted)
+
+
 # (logits [R, V'], logits rows, bitmask rows [n, ceil(V/32)] over the target vocabulary) -> None, in place
 MaskApply = Callable[[torch.Tensor, np.ndarray, np.ndarray], None]
 
@@ -262,6 +289,8 @@ class DraftRunner:
         self.sampling.start()
         batch = ForwardBatch.create(chunk_ids, slots, starts, lens, np.ones(len(rows), dtype=np.int32))
         current = np.zeros(0, dtype=np.int64)
+        masked = inputs.draft_masked if masks is not None else None
+        produced = [tokens[end - n : end].tolist() for end, n in zip(ends.tolist(), counts.tolist())]
         for step in range(int(wanted.max(initial=0))):
             if step > 0:
                 live = wanted[rows] > step
@@ -273,11 +302,12 @@ class DraftRunner:
                     np.ones(len(rows), dtype=np.int32),
                     np.ones(len(rows), dtype=np.int32),
                 )
+            if masks is not None and masked is not None:  # (the scheduler fills them during the forward)
+                local = post_masks(rows, masked, [p + d for p, d in zip(produced, drafts)], step, masks)
             logits = self.model.compute_logits(self.model.forward(batch, self.kv))
             assert logits is not None
-            if masks is not None and inputs.draft_masked is not None:
-                produced = [tokens[end - n : end].tolist() for end, n in zip(ends.tolist(), counts.tolist())]
-                constrain(logits, rows, inputs.draft_masked, [p + d for p, d in zip(produced, drafts)], step, masks)
+            if masks is not None and masked is not None:
+                apply_masks(logits, local, step, masks)
             current = self.sampling.choose(logits, rows, inputs, counts, step).numpy()
             for b, token in zip(rows.tolist(), current.tolist()):
                 drafts[b].append(int(token))
@@ -292,24 +322,27 @@ def flat_drafts(drafts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
-def constrain(
-    logits: torch.Tensor,
-    rows: np.ndarray,
-    draft_masked: np.ndarray,
-    sequences: list[list[int]],
-    draft_index: int,
-    masks: MaskSource,
-    apply: MaskApply = apply_bitmask,
-) -> None:
-    """Mask the draft logits of the guided rows (``logits[i]`` is batch row ``rows[i]``) with the
-    scheduler's masks for their grammar after ``sequences[b]`` (the row's tokens past its final ones).
-    ``apply`` puts target-vocabulary bitmask rows on logits rows (an EAGLE head with a pruned
-    vocabulary reads them through ``d2t``)."""
+def post_masks(
+    rows: np.ndarray, draft_masked: np.ndarray, sequences: list[list[int]], draft_index: int, masks: MaskSource
+) -> np.ndarray:
+    """Ask for draft step ``draft_index``'s masks of the guided rows among ``rows`` (batch rows, in
+    logits order), each after ``sequences[b]`` (its tokens past its final ones). Returns their
+    logits rows, for :func:`apply_masks`."""
     local = np.flatnonzero(draft_masked[rows])
     if len(local):
         batch_rows = rows[local]
-        bitmask = masks(draft_index, batch_rows.astype(np.int32), [sequences[b] for b in batch_rows.tolist()])
-        apply(logits, local.astype(np.int32), bitmask)
+        masks.post(draft_index, batch_rows.astype(np.int32), [sequences[b] for b in batch_rows.tolist()])
+    return local
+
+
+def apply_masks(
+    logits: torch.Tensor, local: np.ndarray, draft_index: int, masks: MaskSource, apply: MaskApply = apply_bitmask
+) -> None:
+    """Take the masks :func:`post_masks` asked for and put them on their logits rows ``local``.
+    ``apply`` puts target-vocabulary bitmask rows on logits rows (an EAGLE head with a pruned
+    vocabulary reads them through ``d2t``)."""
+    if len(local):
+        apply(logits, local.astype(np.int32), masks.take(draft_index))
 
 
 def _resolve(spec: str, target_dir: Path) -> tuple[Path, int | None, bool]:

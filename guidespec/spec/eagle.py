@@ -40,7 +40,7 @@ from guidespec.config import ModelConfig
 from guidespec.cuda_ext.channel import DraftChannel
 from guidespec.protocol import StepInputs
 from guidespec.spec.draft_graph import EagleDraftGraphs
-from guidespec.spec.draft_model import DraftSampling, MaskSource, constrain, flat_drafts
+from guidespec.spec.draft_model import DraftSampling, MaskSource, apply_masks, flat_drafts, post_masks
 from guidespec.worker.kernels import Weight, embedding, linear, pack
 from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.model import ForwardBatch, LlamaModel, _rms_norm
@@ -403,13 +403,17 @@ class EagleRunner:
             row_of.append(b)
         if not slots:
             return flat_drafts(drafts)
-        follow = ForwardBatch.create(np.array(ids), slots, starts, lens, np.ones(len(slots), dtype=np.int32))
-        out, logits = self.head.forward(torch.cat(feats), follow.token_ids, follow, self.kv)
         rows = np.array(row_of, dtype=np.int64)
         current = torch.zeros(0, dtype=torch.long, device=self.device)
         produced = [tokens[end - n : end].tolist() for end, n in zip(ends.tolist(), counts.tolist())]
         masked = inputs.draft_masked if masks is not None and inputs.draft_masked is not None else None
-        if self.graphs is not None and self.graphs.fits(rows, wanted, inputs.temperature, produced):
+        graph = self.graphs is not None and self.graphs.fits(rows, wanted, inputs.temperature, produced)
+        if masks is not None and masked is not None and not graph:  # draft 0's masks, filled during the follow run
+            local = post_masks(rows, masked, produced, 0, masks)
+        follow = ForwardBatch.create(np.array(ids), slots, starts, lens, np.ones(len(slots), dtype=np.int32))
+        out, logits = self.head.forward(torch.cat(feats), follow.token_ids, follow, self.kv)
+        if graph:
+            assert self.graphs is not None
             # greedy rows: every draft step in one fixed-shape graph, grammar waits included
             chains = self.graphs.run(
                 inputs.step, out, logits, rows, last_position, inputs.slots, wanted, masked, produced
@@ -429,17 +433,11 @@ class EagleRunner:
                     np.ones(len(rows), dtype=np.int32),
                     np.ones(len(rows), dtype=np.int32),
                 )
+                if masks is not None and masked is not None:  # (filled during the head's forward)
+                    local = post_masks(rows, masked, [p + d for p, d in zip(produced, drafts)], step, masks)
                 out, logits = self.head.forward(out, batch_step.token_ids, batch_step, self.kv)
             if masks is not None and masked is not None:
-                constrain(
-                    logits,
-                    rows,
-                    masked,
-                    [p + d for p, d in zip(produced, drafts)],
-                    step,
-                    masks,
-                    self._apply_mask,
-                )
+                apply_masks(logits, local, step, masks, self._apply_mask)
             current = self.sampling.choose(logits, rows, inputs, counts, step, self.head.to_target)
             for b, token in zip(rows.tolist(), current.tolist()):
                 drafts[b].append(int(token))

@@ -243,9 +243,8 @@ class Worker:
         verified = time.perf_counter()
         if self.drafter is not None and inputs.draft_lens is not None:
             try:
-                proposals, draft_counts = self.drafter.propose(
-                    inputs, tokens_np, counts, lambda j, rows, seqs: self._draft_mask(inputs.step, j, rows, seqs)
-                )
+                masks = _DraftMasks(self, inputs.step)
+                proposals, draft_counts = self.drafter.propose(inputs, tokens_np, counts, masks)
             except DraftChannelError as e:  # no mask came: nothing of this step's drafting is used
                 logger.warning("worker rank 0: %s; no drafts this step", e)
                 proposals = draft_counts = None
@@ -322,23 +321,6 @@ class Worker:
         self.masks.apply(logits, rows[masked], bitmask[masked])
         return logits
 
-    def _draft_mask(self, step: int, draft_index: int, rows: np.ndarray, sequences: list[list[int]]) -> np.ndarray:
-        """Send a draft step's tokens up to the scheduler and wait for its mask: through the draft
-        channel (DraftChannelError where none came in time, or the scheduler died), else as a
-        message whose mask comes back over the ring."""
-        if self.stream_exchange is not None:
-            return self.stream_exchange.exchange(step, draft_index, rows, sequences)
-        if self.drafts is not None:
-            return self.drafts.exchange(
-                step, draft_index, rows, sequences, envs.draft_mask_timeout_s(), self.cfg.scheduler_pid
-            )
-        flat = np.array([t for seq in sequences for t in seq], dtype=np.int32)
-        self.results.send(DraftTokens(step, draft_index, rows, flat, np.array([len(s) for s in sequences], np.int32)))
-        message = codec.decode(self.reader.read(timeout=60.0))
-        if not isinstance(message, DraftMask) or (message.step, message.draft_index) != (step, draft_index):
-            raise RuntimeError(f"step {step}: expected the mask of draft {draft_index}, got {type(message).__name__}")
-        return message.bitmask
-
     def _read_bitmask(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """The step's bitmask: (logits rows, bitmask rows), read in place from the mask arena
         where they are there."""
@@ -356,6 +338,40 @@ class Worker:
             except RingTimeout:
                 if not parent_alive(parent_pid):
                     return Shutdown("parent process is gone")
+
+
+class _DraftMasks:
+    """Rank 0's draft steps' masks (a MaskSource): ``post`` sends a draft step's tokens up to the
+    scheduler, ``take`` waits for its mask rows. Through the draft channel's C functions (called
+    directly, or run by the C host stream: DraftChannelError where none came in time, or the
+    scheduler died), else as a message whose mask comes back over the ring."""
+
+    def __init__(self, worker: Worker, step: int) -> None:
+        self.worker, self.step = worker, step
+        self.rows = 0  # rows posted to the draft channel, whose masks ``take`` waits for
+
+    def post(self, draft_index: int, rows: np.ndarray, sequences: list[list[int]]) -> None:
+        w = self.worker
+        if w.stream_exchange is not None:
+            w.stream_exchange.post(self.step, draft_index, rows, sequences)
+        elif w.drafts is not None:
+            w.drafts.publish(self.step, draft_index, rows, sequences)
+            self.rows = len(rows)
+        else:
+            flat = np.array([t for seq in sequences for t in seq], dtype=np.int32)
+            lens = np.array([len(s) for s in sequences], np.int32)
+            w.results.send(DraftTokens(self.step, draft_index, rows, flat, lens))
+
+    def take(self, draft_index: int) -> np.ndarray:
+        w, step = self.worker, self.step
+        if w.stream_exchange is not None:
+            return w.stream_exchange.take(step, draft_index)
+        if w.drafts is not None:
+            return w.drafts.wait(step, draft_index, self.rows, envs.draft_mask_timeout_s(), w.cfg.scheduler_pid)
+        message = codec.decode(w.reader.read(timeout=60.0))
+        if not isinstance(message, DraftMask) or (message.step, message.draft_index) != (step, draft_index):
+            raise RuntimeError(f"step {step}: expected the mask of draft {draft_index}, got {type(message).__name__}")
+        return message.bitmask
 
 
 def _index_on(device: torch.device, array: np.ndarray) -> torch.Tensor:

@@ -24,6 +24,7 @@ from guidespec.config import ModelConfig
 from guidespec.cuda_ext.channel import DONE, PEER_GONE, STALE, TIMEOUT, ChannelSpec, DraftChannel, DraftChannelError
 from guidespec.model_files import load_hf_config
 from guidespec.protocol import StepInputs
+from guidespec.spec.draft_model import Exchange
 from guidespec.spec.eagle import EagleRunner, default_aux_layers, save_head
 from guidespec.spec.train_eagle import head_config
 from guidespec.worker.model import ForwardBatch, LlamaModel
@@ -109,12 +110,12 @@ def test_graph_drafts_equal_step_by_step_drafts_under_the_grammar(setup) -> None
             model,
             wanted,
             masked,
-            lambda j, rows, seqs: channel.exchange(7, j, rows, seqs, 10.0, os.getpid()),
+            Exchange(lambda j, rows, seqs: channel.exchange(7, j, rows, seqs, 10.0, os.getpid())),
         )
     with _channel() as channel:  # (a step's exchanges happen once: a new channel for the second run)
         runner = _runner(setup, channel)
         with _scheduling(channel, logs["graph"]):
-            graph = _propose(runner, model, wanted, masked, lambda *_: pytest.fail("not the graph"))
+            graph = _propose(runner, model, wanted, masked, Exchange(lambda *_: pytest.fail("not the graph")))
     assert runner.graphs is not None and runner.graphs.runs == 1
     assert [list(a) for a in graph] == [list(a) for a in step_by_step]
     assert graph[1].tolist() == wanted
@@ -129,6 +130,33 @@ def test_graph_drafts_equal_step_by_step_drafts_under_the_grammar(setup) -> None
     for b in (0, 2):
         for j, token in enumerate(chains[b].tolist()):
             assert (token + sum(PRODUCED[b]) + sum(chains[b][:j].tolist()) + j) % 3 == 0
+
+
+def test_step_by_step_drafts_ask_for_each_mask_before_the_forward_it_follows(setup) -> None:  # type: ignore[no-untyped-def]
+    """Off the graph, a draft step's tokens go up to the scheduler before the head's forward
+    (draft 0's before the follow run), so the mask is filled while the head runs; the mask is
+    taken after it. The drafts are the one-call exchange's."""
+    _, model, _, _ = setup
+    events: list[tuple[str, int]] = []
+
+    class Recorder:
+        def post(self, draft_index: int, rows: np.ndarray, sequences: list[list[int]]) -> None:
+            events.append(("post", draft_index))
+            self.masks = np.stack([_mask(draft_index, s) for s in sequences])
+
+        def take(self, draft_index: int) -> np.ndarray:
+            events.append(("take", draft_index))
+            return self.masks
+
+    runner = _runner(setup, None)
+    forward = runner.head.forward
+    runner.head.forward = lambda *a: (events.append(("forward", -1)), forward(*a))[1]  # type: ignore[method-assign]
+    got = _propose(runner, model, [2, 1, 2], [True, False, True], Recorder())
+    order = [("post", 0), ("forward", -1), ("take", 0), ("post", 1), ("forward", -1), ("take", 1)]
+    assert events == order
+    one_call = Exchange(lambda j, rows, seqs: np.stack([_mask(j, s) for s in seqs]))
+    expected = _propose(_runner(setup, None), model, [2, 1, 2], [True, False, True], one_call)
+    assert [list(a) for a in got] == [list(a) for a in expected]
 
 
 def test_unguided_graph_drafts_never_touch_the_channel(setup) -> None:  # type: ignore[no-untyped-def]
@@ -157,7 +185,8 @@ def test_a_mask_that_does_not_come_right_fails_the_proposal_and_says_so(setup, f
         with _scheduling(channel, log, answer_step=answer_step) if not peer else contextlib.nullcontext():
             started = time.monotonic()
             with pytest.raises(DraftChannelError) as failure:
-                _propose(runner, model, [3, 1, 2], [True, False, True], lambda *_: pytest.fail("not the graph"))
+                not_called = Exchange(lambda *_: pytest.fail("not the graph"))
+                _propose(runner, model, [3, 1, 2], [True, False, True], not_called)
             assert time.monotonic() - started < 10
         assert failure.value.code == expected and failure.value.step == 7
         assert channel.last_error() == (expected, 7, 0)

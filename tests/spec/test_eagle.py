@@ -13,7 +13,7 @@ import torch
 
 from guidespec.config import ModelConfig
 from guidespec.protocol import StepInputs
-from guidespec.spec.draft_model import constrain
+from guidespec.spec.draft_model import Exchange, apply_masks, post_masks
 from guidespec.spec.eagle import EagleHead, EagleRunner, default_aux_layers, save_head
 from guidespec.spec.train_eagle import TrainableHead, head_config
 from guidespec.model_files import load_hf_config
@@ -139,7 +139,9 @@ def test_d2t_reads_the_target_mask(target, tmp_path: Path) -> None:  # type: ign
     for allowed in (41, 299, 100):  # 100 is outside the draft vocabulary
         bitmask[0, allowed >> 5] |= 1 << (allowed & 31)
     logits = torch.zeros(1, 5)
-    constrain(logits, np.array([0]), np.array([True]), [[]], 0, lambda j, rows, seqs: bitmask, runner._apply_mask)
+    masks = Exchange(lambda j, rows, seqs: bitmask)
+    local = post_masks(np.array([0]), np.array([True]), [[]], 0, masks)
+    apply_masks(logits, local, 0, masks, runner._apply_mask)
     assert torch.isfinite(logits[0]).tolist() == [False, False, False, True, True]
 
 
