@@ -50,6 +50,7 @@ from guidespec.protocol import (
     GenerateRequest,
     InvalidRequest,
     RequestOutput,
+    RequestOutputs,
     SamplingParams,
     SchedulerStats,
     Shutdown,
@@ -433,7 +434,11 @@ class LLM:
 
     def _route(self, message: object) -> None:
         """The receiver thread's handling of one scheduler message (``_Engine.receive_loop``)."""
-        if isinstance(message, RequestOutput):
+        if isinstance(message, RequestOutputs):
+            for output in message.outputs:
+                if isinstance(output, RequestOutput):
+                    self._route(output)
+        elif isinstance(message, RequestOutput):
             stream = self._streams.get(message.request_id)
             if stream is not None:
                 if message.finished:

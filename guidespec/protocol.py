@@ -327,6 +327,14 @@ class RequestOutput:
     grammar_refusal: str = ""  # why the one tried before it (backend "auto") refused, if one did
 
 
+@register_message(18)
+@dataclass(frozen=True)
+class RequestOutputs:
+    """A step's deltas, in one message: one socket send a step rather than one per request."""
+
+    outputs: list[RequestOutput]
+
+
 @register_message(15)
 @dataclass(frozen=True)
 class EngineDead:

@@ -48,6 +48,7 @@ from guidespec.protocol import (
     InvalidRequest,
     MaskWanted,
     RequestOutput,
+    RequestOutputs,
     SchedulerStats,
     Shutdown,
     StepBitmask,
@@ -372,6 +373,22 @@ class Scheduler:
                 proposed.tolist() if proposed is not None else None,
                 outputs.draft_s,
             )
+        deltas: list[RequestOutput] = []  # one message for the step's deltas: one send, not one per request
+        try:
+            self._emit_rows(rows, outputs, offsets, proposals, now, deltas)
+        finally:
+            if deltas:
+                self.client_out.send(RequestOutputs(deltas))
+
+    def _emit_rows(
+        self,
+        rows: list[ScheduledRow],
+        outputs: StepOutputs,
+        offsets: np.ndarray,
+        proposals: list[list[int]] | None,
+        now: float,
+        deltas: list[RequestOutput],
+    ) -> None:
         for i, row in enumerate(rows):
             if row.request.request_id not in self.requests:  # failed during this step
                 continue
@@ -389,13 +406,20 @@ class Scheduler:
                 )
                 continue
             try:
-                self._emit_row(row, new_tokens, proposals[i] if proposals is not None else None, now)
+                self._emit_row(row, new_tokens, proposals[i] if proposals is not None else None, now, deltas)
             except Exception as e:
                 self._fail_internal(row.request, "emitting its tokens", e)
 
-    def _emit_row(self, row: ScheduledRow, new_tokens: list[int], proposal: list[int] | None, now: float) -> None:
+    def _emit_row(
+        self,
+        row: ScheduledRow,
+        new_tokens: list[int],
+        proposal: list[int] | None,
+        now: float,
+        deltas: list[RequestOutput],
+    ) -> None:
         """Append one row's tokens to its request (its grammar, detokenizer, stop checks), then
-        send the request's delta."""
+        add the request's delta to the step's."""
         request = row.request
         num_drafts = row.num_logits - 1 if row.num_logits else 0
         accepted = max(0, len(new_tokens) - 1)
@@ -426,7 +450,7 @@ class Scheduler:
         if reason == "error":
             return
         delta = make_delta(request, reason)
-        self.client_out.send(delta)
+        deltas.append(delta)
         if delta.finished:
             self._forget(request)
 
