@@ -4,6 +4,8 @@
     loop: read StepInputs -> forward [+ draft model or EAGLE head follows] -> [read StepBitmask]
           -> LM head (rows whose mask allows one token skip it) [-> apply the bitmask]
           -> sample or verify drafts (rank 0) -> [draft model proposes next drafts (rank 0)] -> send StepOutputs
+    (one rank, EAGLE with graph_grammar: a greedy step in the head's steady state runs whole as
+    one graph instead, its verify masks through the draft channel: spec/step_graph.py)
 
 Every rank runs the same forward (collectives inside); only rank 0 computes the sampled
 tokens and answers the scheduler. Any exception is reported as a WorkerError naming the rank
