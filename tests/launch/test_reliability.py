@@ -166,11 +166,11 @@ def test_a_grammar_the_vocabulary_cannot_follow_fails_alone(server: Server) -> N
 
 def test_a_small_mixed_load_loses_nothing(server: Server) -> None:
     """The 500-request run is ``benchmarks/load.py``; this one is the same code, smaller."""
-    requests = build_requests(48, max_tokens=48, cases=load_cases("JME_", limit=8))
-    report = asyncio.run(run_load(server.url, KEY, requests, concurrency=48))
+    requests = build_requests(32, max_tokens=32, cases=load_cases("JME_", limit=8))
+    report = asyncio.run(run_load(server.url, KEY, requests, concurrency=32))
     print(report.summary())
     assert report.lost == [] and report.invalid == []
-    assert sum(report.outcomes.values()) == 48 and report.finish_reasons
+    assert sum(report.outcomes.values()) == 32 and report.finish_reasons
 
 
 def _inflight(server: Server, stream: bool, outcome: list[tuple[float, int]]) -> None:
