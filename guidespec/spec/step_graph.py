@@ -21,7 +21,8 @@ step-by-step path (``EagleRunner.propose``) writes, and its drafts are the same.
 
 A step runs fused when every row is a greedy verify step in the head's steady state (its every
 earlier position already followed: no backlog, no pending prefill position), without penalties,
-drafting at most ``MAX_GRAPH_DRAFTS``; others run step by step. On CUDA each
+drafting at most ``MAX_GRAPH_DRAFTS`` (or none: where the adaptive plan drafts for no row, the
+head still follows, so its cache never falls behind); others run step by step. On CUDA each
 :class:`StepGraphKey` is captured once and replayed; on the CPU the same sequence runs eagerly
 with the trampolines called where they stand (the target's ordinary forward, the CPU's own
 kernels, laid out padded: the padded forward is ``graphs.py``'s, tested on its own), so CI checks
@@ -158,6 +159,10 @@ class _StepGraph:
             n,
             buffers.token_slots,
         )
+        self.out_picks.copy_(picks, non_blocking=True)
+        self.out_counts.copy_(counts, non_blocking=True)
+        if key.drafts.drafts == 0:  # no row drafts this step (the adaptive plan): the head only follows
+            return
         last = torch.arange(b, device=picks.device) * n + counts - 1  # each row's last produced position
         graph = self.drafts
         graph.features.copy_(out.index_select(0, last))
@@ -169,10 +174,7 @@ class _StepGraph:
             self.produced[:, :n].copy_(picks)
             host.produced[: b * MAX_PRODUCED].copy_(self.produced.view(-1), non_blocking=True)
             host.produced_len[:b].copy_(counts.to(torch.int32), non_blocking=True)
-        chains = graph.steps()
-        self.out_picks.copy_(picks, non_blocking=True)
-        self.out_counts.copy_(counts, non_blocking=True)
-        self.out_drafts.copy_(chains, non_blocking=True)
+        self.out_drafts.copy_(graph.steps(), non_blocking=True)
 
     def capture(self) -> None:
         """Warm up (every row padding: nothing published or awaited), then capture."""
@@ -222,7 +224,7 @@ class EagleStepGraphs:
             return False
         k, n = int(inputs.draft_lens.max()), tokens_bucket(int(new.max()))
         b = batch_bucket(n_rows, self.max_batch_size)
-        if not 0 < k <= MAX_GRAPH_DRAFTS or n is None or b is None or b * n > MAX_GRAPH_TOKENS:
+        if not 0 <= k <= MAX_GRAPH_DRAFTS or n is None or b is None or b * n > MAX_GRAPH_TOKENS:
             return False
         starts = inputs.start_positions
         if (starts <= 0).any() or int((starts + new).max()) + k + 2 > self.max_model_len:
@@ -279,10 +281,8 @@ class EagleStepGraphs:
         proposals = None
         if publish_code == OK and wait_code == OK:
             chains = graph.out_drafts[:, :n_rows].numpy()
-            proposals = (
-                np.concatenate([chains[: wanted[i], i] for i in range(n_rows)]).astype(np.int32),
-                wanted.copy(),
-            )
+            flat = [chains[: wanted[i], i] for i in range(n_rows)]
+            proposals = (np.concatenate(flat).astype(np.int32), wanted.copy())
         else:
             code, _, index = self.draft_graphs.channel.last_error()
             error = DraftChannelError(code, inputs.step, index, "drafting")
