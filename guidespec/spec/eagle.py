@@ -211,6 +211,8 @@ class EagleHead:
         n, b, g = tokens_per_row, slots.shape[0], self.cfg.num_query_groups
         allowed = torch.arange(key_length, device=positions.device)[None, None, :] <= positions.view(b, n)[:, :, None]
         mask = allowed[:, None].repeat(1, 1, g, 1)  # [B, 1, G*n, L], rows ordered (group, token)
+        if token_slots is None:
+            token_slots = slots if n == 1 else slots.repeat_interleave(n)
         h, x = self._inputs(features, token_ids)
         cos, sin = self.attn.cos[positions], self.attn.sin[positions]
         h = h + self.attn._attention_padded(
@@ -219,7 +221,7 @@ class EagleHead:
             kv,
             0,
             positions,
-            slots if token_slots is None else token_slots,
+            token_slots,
             slots,
             n,
             key_length,
