@@ -296,11 +296,6 @@ void gs_cb_graph_wait(void *args) {
     }
 }
 
-void gs_cb_graph_exchange(void *args) {
-    gs_cb_graph_publish(args);
-    gs_cb_graph_wait(args);
-}
-
 void gs_cb_verify_wait(void *args) {
     gs_verify_args *a = (gs_verify_args *)args;
     header *h = (header *)a->channel;

@@ -124,8 +124,6 @@ typedef struct {
 
 void gs_cb_graph_publish(void *args);
 void gs_cb_graph_wait(void *args);
-/* both, in one host function: one stop of the stream per draft step rather than two */
-void gs_cb_graph_exchange(void *args);
 
 /* The verify masks of a fused step (spec/step_graph.py): wait for the scheduler's (step, GS_VERIFY)
  * rows, lay them out in `out` [num_rows][W] at the graph row of their logits row (padded_of[id]),

@@ -80,7 +80,7 @@ def _launch_host_func() -> Any:
     return fn
 
 
-_TRAMPOLINES = ("gs_cb_graph_publish", "gs_cb_graph_wait", "gs_cb_graph_exchange", "gs_cb_verify_wait")
+_TRAMPOLINES = ("gs_cb_graph_publish", "gs_cb_graph_wait", "gs_cb_verify_wait")
 
 
 class HostFunctions:

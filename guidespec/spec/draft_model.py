@@ -61,23 +61,6 @@ class MaskSource(Protocol):
     def take(self, draft_index: int) -> np.ndarray: ...
 
 
-class Exchange:
-    """A :class:`MaskSource` over one call (draft index, rows, sequences) -> bitmask rows, made at
-    ``take`` (nothing overlaps the forward)."""
-
-    def __init__(self, exchange: Callable[[int, np.ndarray, list[list[int]]], np.ndarray]) -> None:
-        self.exchange = exchange
-        self.posted: tuple[int, np.ndarray, list[list[int]]] | None = None
-
-    def post(self, draft_index: int, rows: np.ndarray, sequences: list[list[int]]) -> None:
-        self.posted = (draft_index, rows, sequences)
-
-    def take(self, draft_index: int) -> np.ndarray:
-        posted, self.posted = self.posted, None
-        assert posted is not None and posted[0] == draft_index, "take without its post"
-        return self.exchange(*posted)
-
-
 # (logits [R, V'], logits rows, bitmask rows [n, ceil(V/32)] over the target vocabulary) -> None, in place
 MaskApply = Callable[[torch.Tensor, np.ndarray, np.ndarray], None]
 

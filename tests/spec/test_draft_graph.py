@@ -24,13 +24,12 @@ from guidespec.config import ModelConfig
 from guidespec.cuda_ext.channel import DONE, PEER_GONE, STALE, TIMEOUT, ChannelSpec, DraftChannel, DraftChannelError
 from guidespec.model_files import load_hf_config
 from guidespec.protocol import StepInputs
-from guidespec.spec.draft_model import Exchange
 from guidespec.spec.eagle import EagleRunner, default_aux_layers, save_head
 from guidespec.spec.train_eagle import head_config
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.tp import TPInfo
 from tests.conftest import make_tiny_model
-from tests.spec.test_eagle import _random_head
+from tests.spec.test_eagle import Exchange, _random_head
 
 pytestmark = pytest.mark.skipif(cuda_ext.library() is None, reason="no C compiler: the host library is not built")
 VOCAB, MAX_LEN = 300, 64

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from guidespec.config import ModelConfig
 from guidespec.protocol import StepInputs
-from guidespec.spec.draft_model import Exchange, apply_masks, post_masks
+from guidespec.spec.draft_model import apply_masks, post_masks
 from guidespec.spec.eagle import EagleHead, EagleRunner, default_aux_layers, save_head
 from guidespec.spec.train_eagle import TrainableHead, head_config
 from guidespec.model_files import load_hf_config
@@ -240,3 +241,20 @@ def _step_inputs(prompt: np.ndarray, draft_lens: list[int], start: int = 0) -> S
         draft_lens=np.array(draft_lens, np.int32),
         draft_masked=np.array([False]),
     )
+
+
+class Exchange:
+    """A MaskSource (spec/draft_model.py) over one call (draft index, rows, sequences) -> bitmask
+    rows, made at ``take`` (nothing overlaps the forward)."""
+
+    def __init__(self, exchange: Callable[[int, np.ndarray, list[list[int]]], np.ndarray]) -> None:
+        self.exchange = exchange
+        self.posted: tuple[int, np.ndarray, list[list[int]]] | None = None
+
+    def post(self, draft_index: int, rows: np.ndarray, sequences: list[list[int]]) -> None:
+        self.posted = (draft_index, rows, sequences)
+
+    def take(self, draft_index: int) -> np.ndarray:
+        posted, self.posted = self.posted, None
+        assert posted is not None and posted[0] == draft_index, "take without its post"
+        return self.exchange(*posted)
