@@ -230,7 +230,7 @@ class WorkerConfig:
     scheduler_pid: int = 0  # the draft channel's peer: a wait ends at once when it dies
     quantized_weights: bool = False  # EngineConfig.quantized_weights: LlamaModel(quantized=...)
     draft_graphs: bool = False  # rank 0: the EAGLE head's draft steps as fixed-shape graphs (spec/draft_graph.py)
-    fused_steps: bool = False  # rank 0 of one: whole greedy EAGLE steps as one graph each (spec/step_graph.py)
+    fused_steps: bool = False  # whole greedy EAGLE steps as one graph each (spec/step_graph.py), every rank
 
 
 def config_to_dict(config: SchedulerConfig | WorkerConfig) -> dict[str, object]:

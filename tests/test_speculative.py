@@ -186,17 +186,29 @@ def eagle_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_eagle_equals_greedy_plain(
-    reference: list[list[int]], tp2_references: dict[str, list[list[int]]], eagle_head: Path, tp: int
+    reference: list[list[int]],
+    tp2_references: dict[str, list[list[int]]],
+    eagle_head: Path,
+    tp: int,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
-    # TP=2 also combines the head with prompt lookup (the longer valid draft wins) and lets the
-    # adaptive plan turn drafting on and off (the head then follows lazily, from a backlog)
+    """TP=2 also combines the head with prompt lookup (the longer valid draft wins), lets the
+    adaptive plan turn drafting on and off (the head then follows lazily, from a backlog) and runs
+    whole greedy steps fused (``graph_grammar``: rank 0 runs the step, rank 1 the target's part of
+    it; a fused step first runs the positions the head held back)."""
+    monkeypatch.setenv("GUIDESPEC_TRACE", str(tmp_path / "trace.json"))
     speculative = dict(method="eagle", draft_model=str(eagle_head), adaptive=tp == 2, combine_ngram=tp == 2)
-    with LLM(max_batch_size=8, show_progress=False, tensor_parallel_size=tp, speculative=speculative) as llm:
+    with LLM(
+        max_batch_size=8, show_progress=False, tensor_parallel_size=tp, speculative=speculative, graph_grammar=tp == 2
+    ) as llm:
         outs = _run(llm, _requests())
     assert [o.token_ids for o in outs] == (reference if tp == 1 else tp2_references["xgrammar"])
     for case, out in zip(_jme_cases(3), outs):
         assert out.finish_reason == "stop" and validate_output(out.text, case["schema"]) is None
     assert sum(o.stats.num_draft_tokens for o in outs) > 0
+    summary = json.loads((tmp_path / "trace.json").read_text())["summary"]
+    assert (summary["fused_steps"] > 0) == (tp == 2), summary
 
 
 @pytest.mark.parametrize("exchange", ["stream", "graph", "python"])

@@ -61,8 +61,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--graph-grammar",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="EAGLE: the head's greedy draft steps as one graph per proposal, grammar waits inside, and on "
-        "one rank each whole greedy step (verify and drafts) as one graph (default: on CUDA with graphs; on "
+        help="EAGLE: the head's greedy draft steps as one graph per proposal, grammar waits inside, and "
+        "each whole greedy step (verify and drafts) as one graph (default: on CUDA with graphs; on "
         "the CPU the same steps run eagerly); --no-graph-grammar: one by one",
     )
     p.add_argument(

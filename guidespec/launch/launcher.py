@@ -102,8 +102,9 @@ class EngineProcesses:
 
     def start(self) -> None:
         cfg, ep = self.cfg, self.endpoints
-        # whole greedy EAGLE steps as one graph each (spec/step_graph.py): one rank, draft graphs on
-        fused = self.drafts is not None and _draft_graphs(cfg) and cfg.tensor_parallel_size == 1 and envs.fused_steps()
+        # whole greedy EAGLE steps as one graph each (spec/step_graph.py): draft graphs on, every
+        # rank local (they decide alike from the same step inputs and mask arena)
+        fused = self.drafts is not None and _draft_graphs(cfg) and not cfg.remote_ranks and envs.fused_steps()
         scheduler_cfg = SchedulerConfig(
             cfg.model_dir,
             cfg.max_batch_size,
@@ -152,7 +153,7 @@ class EngineProcesses:
                 scheduler_pid=self.processes["scheduler"].pid,
                 quantized_weights=cfg.quantized_weights,
                 draft_graphs=rank == 0 and self.drafts is not None and _draft_graphs(cfg),
-                fused_steps=fused and rank == 0,
+                fused_steps=fused,
             )
             for rank in range(cfg.tensor_parallel_size)
         ]

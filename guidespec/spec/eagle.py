@@ -315,17 +315,49 @@ class EagleRunner:
         step that had no logits (prefill chunks only: the worker proposes nothing after it) puts
         its positions in the backlog first."""
         assert features is not None, "the target forward did not keep the features the EAGLE head needs"
-        if self._step is not None:
-            last, last_features = self._step
-            offsets = np.concatenate([[0], np.cumsum(last.num_new_tokens)])
-            ids = last.token_ids.tolist()
-            for b, (slot, start) in enumerate(zip(last.slots, last.start_positions)):
-                chunk = self._final_positions(
-                    slot, start, ids[offsets[b] : offsets[b + 1]], last_features[offsets[b] : offsets[b + 1]], 0
-                )
-                if chunk is not None:
-                    self._hold(slot, *chunk)
+        self._hold_step()
         self._step = batch, features
+
+    def _hold_step(self) -> None:
+        """The kept step had no logits (prefill chunks only: nothing proposed after it): its final
+        positions go to the backlog."""
+        if self._step is None:
+            return
+        (last, last_features), self._step = self._step, None
+        offsets = np.concatenate([[0], np.cumsum(last.num_new_tokens)])
+        ids = last.token_ids.tolist()
+        for b, (slot, start) in enumerate(zip(last.slots, last.start_positions)):
+            chunk = self._final_positions(
+                slot, start, ids[offsets[b] : offsets[b + 1]], last_features[offsets[b] : offsets[b + 1]], 0
+            )
+            if chunk is not None:
+                self._hold(slot, *chunk)
+
+    @torch.inference_mode()
+    def catch_up(self, inputs: StepInputs) -> int:
+        """Before a fused step (``step_graph.py``, which follows only the step's own positions):
+        run the positions of the step's rows the head has not followed yet (an earlier step's
+        without logits, a row the adaptive plan held back, a prefill chunk's last position waiting
+        for this step's first token), as ``propose`` runs them. The number of positions run."""
+        self._hold_step()
+        offsets = np.concatenate([[0], np.cumsum(inputs.num_new_tokens)])
+        feats, ids, slots, starts, lens = [], [], [], [], []
+        for b, (slot, start) in enumerate(zip(inputs.slots.tolist(), inputs.start_positions.tolist())):
+            if self.pending_pos[slot] == start - 1:
+                self._hold(slot, start - 1, self.pending[slot][None], [int(inputs.token_ids[offsets[b]])])
+                self.pending_pos[slot] = -2
+            held = self.backlog.pop(slot, None)
+            if held is None or held[0] + len(held[2]) != start:  # (a gap: dropped, as propose does)
+                continue
+            feats.append(torch.cat(held[1]))
+            ids.extend(held[2])
+            slots.append(slot)
+            starts.append(held[0])
+            lens.append(len(held[2]))
+        if slots:
+            batch = ForwardBatch.create(np.array(ids), slots, starts, lens, np.ones(len(slots), dtype=np.int32))
+            self.head.forward(torch.cat(feats), batch.token_ids, batch, self.kv)
+        return len(ids)
 
     def _final_positions(
         self, slot: int, start: int, true: list[int], features: torch.Tensor, produced: int

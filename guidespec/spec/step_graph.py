@@ -1,6 +1,6 @@
-"""A whole greedy EAGLE speculative step as one fixed-shape graph (rank 0, one rank): the target's
-verify forward, the wait for the step's verify masks, acceptance on the device, the head's
-forward over the step's positions and the next step's draft steps, grammar waits inside.
+"""A whole greedy EAGLE speculative step as one fixed-shape graph (rank 0): the target's verify
+forward, the wait for the step's verify masks, acceptance on the device, the head's forward
+over the step's positions and the next step's draft steps, grammar waits inside.
 
     target forward over B rows x n tokens (the last accepted token, then the drafts)
     LM head;  [guided] wait for the verify masks (C);  copy them host-to-device;  -inf where forbidden
@@ -19,10 +19,13 @@ rejected positions write into the head's cache lies past the row's end, rewritte
 read (as the target's rejected keys are). So the head's cache after the step holds what the
 step-by-step path (``EagleRunner.propose``) writes, and its drafts are the same.
 
-A step runs fused when every row is a greedy verify step in the head's steady state (its every
-earlier position already followed: no backlog, no pending prefill position), without penalties,
-drafting at most ``MAX_GRAPH_DRAFTS`` (or none: where the adaptive plan drafts for no row, the
-head still follows, so its cache never falls behind); others run step by step. On CUDA each
+A step runs fused when every row is a greedy verify step without penalties, drafting at most
+``MAX_GRAPH_DRAFTS`` (or none: where the adaptive plan drafts for no row, the head still
+follows, so its cache never falls behind); others run step by step. Positions of its rows the
+head has not followed yet (a row the adaptive plan held back, a step without logits, a prefill
+chunk's last position) run through the head eagerly first (``EagleRunner.catch_up``). The
+decision reads the step's inputs alone, so tensor-parallel ranks agree: the other ranks run the
+target's part of the graph (:class:`FusedStepFollower`), whose collectives match rank 0's. On CUDA each
 :class:`StepGraphKey` is captured once and replayed; on the CPU the same sequence runs eagerly
 with the trampolines called where they stand (the target's ordinary forward, the CPU's own
 kernels, laid out padded: the padded forward is ``graphs.py``'s, tested on its own), so CI checks
@@ -53,6 +56,7 @@ from guidespec.worker.graphs import (
     batch_bucket,
     capture_graph,
     key_bucket,
+    padded_forward,
     tokens_bucket,
 )
 from guidespec.worker.kv_cache import KVCache
@@ -73,6 +77,40 @@ class FusedOutputs:
     tokens: np.ndarray  # [sum(counts)] int32: each row's produced tokens
     counts: np.ndarray  # [rows] int32
     proposals: tuple[np.ndarray, np.ndarray] | None  # (flat drafts, per-row counts); None: a draft wait failed
+
+
+def fusable(inputs: StepInputs, max_batch_size: int, max_logits_rows: int, max_model_len: int) -> bool:
+    """Whether a step runs fused: every row a greedy verify step (no penalties, its every token's
+    logits wanted), few enough drafts, tokens and rows. Read from the step's inputs alone, so every
+    tensor-parallel rank decides alike: rank 0 runs the whole step, the others its target part
+    (:class:`FusedStepFollower`), and their collectives match."""
+    n_rows = inputs.batch_size
+    if inputs.draft_lens is None or not 0 < n_rows <= max_batch_size:
+        return False
+    new, logits = inputs.num_new_tokens, inputs.num_logits
+    if not ((new == logits) & (logits >= 1)).all() or int(logits.sum()) > max_logits_rows:
+        return False
+    k, n = int(inputs.draft_lens.max()), tokens_bucket(int(new.max()))
+    b = batch_bucket(n_rows, max_batch_size)
+    if not 0 <= k <= MAX_GRAPH_DRAFTS or n is None or b is None or b * n > MAX_GRAPH_TOKENS:
+        return False
+    starts = inputs.start_positions
+    if (starts <= 0).any() or int((starts + new).max()) + k + 2 > max_model_len:
+        return False
+    return not (inputs.temperature > 0).any() and not (inputs.penalties != np.array([1.0, 0.0, 0.0])).any()
+
+
+def step_key(inputs: StepInputs, max_batch_size: int, max_model_len: int) -> StepGraphKey:
+    """The graph a :func:`fusable` step replays (every rank computes the same key)."""
+    n, b = tokens_bucket(int(inputs.num_new_tokens.max())), batch_bucket(inputs.batch_size, max_batch_size)
+    assert n is not None and b is not None and inputs.draft_lens is not None
+    end, k = int((inputs.start_positions + inputs.num_new_tokens).max()), int(inputs.draft_lens.max())
+    masked = inputs.draft_masked is not None and bool(inputs.draft_masked.any())
+    return StepGraphKey(
+        GraphKey(b, n, key_bucket(end, max_model_len)),
+        DraftGraphKey(b, k, key_bucket(end + k, max_model_len), masked),
+        inputs.has_bitmask,
+    )
 
 
 class _StepGraph:
@@ -117,16 +155,7 @@ class _StepGraph:
         b, n = key.verify.batch, key.verify.tokens_per_row
         head, target = owner.head, owner.target
         if self.graph is not None or owner.capture:
-            hidden = target.forward_padded(
-                owner.kv,
-                buffers.token_ids,
-                buffers.positions,
-                buffers.token_slots,
-                buffers.row_slots,
-                n,
-                key.verify.key_length,
-                head.capture,
-            )
+            hidden = padded_forward(target, owner.kv, buffers, head.capture)
             features = target.captured
         else:  # eagerly: the target's ordinary forward (the CPU's own kernels), laid out padded
             assert self.batch is not None and self.real is not None
@@ -183,7 +212,7 @@ class _StepGraph:
 
 
 class EagleStepGraphs:
-    """Fused greedy EAGLE steps (rank 0 of one rank). ``runner``: the worker's EagleRunner with its
+    """Fused greedy EAGLE steps (rank 0). ``runner``: the worker's EagleRunner with its
     draft graphs (``use_graphs``); ``kv``: the target's cache, its last slot the scratch slot."""
 
     def __init__(
@@ -197,8 +226,6 @@ class EagleStepGraphs:
         draft_graphs: EagleDraftGraphs | None = runner.graphs
         if draft_graphs is None:
             raise ValueError("fused steps need the head's draft graphs (EagleRunner.use_graphs)")
-        if target.tp.size != 1:
-            raise ValueError("fused steps run on one rank")
         if kv.num_slots - 1 != draft_graphs.scratch_slot:
             raise ValueError(f"scratch slots differ: {kv.num_slots - 1} (target), {draft_graphs.scratch_slot} (head)")
         self.runner, self.target, self.kv = runner, target, kv
@@ -206,36 +233,20 @@ class EagleStepGraphs:
         self.device = draft_graphs.device
         self.scratch_slot = draft_graphs.scratch_slot
         self.max_batch_size, self.max_model_len = draft_graphs.max_batch_size, target.max_model_len
-        self.max_logits_rows = min(max_logits_rows, draft_graphs.channel.spec.max_rows)
+        if draft_graphs.channel.spec.max_rows < max_logits_rows:  # (every rank must fuse the same steps)
+            raise ValueError(
+                f"the draft channel holds {draft_graphs.channel.spec.max_rows} rows, not {max_logits_rows}"
+            )
+        self.max_logits_rows = max_logits_rows
         self.verify_timeout_s = verify_timeout_s
         self.capture = draft_graphs.capture
         self.bits = torch.arange(32, dtype=torch.int32, device=self.device)  # (made here, not in a capture)
         self.graphs: dict[StepGraphKey, _StepGraph] = {}
         self.runs = 0
+        self.caught_up = 0  # positions the head ran before a fused step (EagleRunner.catch_up)
 
     def fits(self, inputs: StepInputs) -> bool:
-        """Whether this step can run fused: every row a greedy verify step in the head's steady
-        state, no penalties, few enough drafts and tokens."""
-        n_rows = inputs.batch_size
-        if inputs.draft_lens is None or not 0 < n_rows <= self.max_batch_size:
-            return False
-        new, logits = inputs.num_new_tokens, inputs.num_logits
-        if not ((new == logits) & (logits >= 1)).all() or int(logits.sum()) > self.max_logits_rows:
-            return False
-        k, n = int(inputs.draft_lens.max()), tokens_bucket(int(new.max()))
-        b = batch_bucket(n_rows, self.max_batch_size)
-        if not 0 <= k <= MAX_GRAPH_DRAFTS or n is None or b is None or b * n > MAX_GRAPH_TOKENS:
-            return False
-        starts = inputs.start_positions
-        if (starts <= 0).any() or int((starts + new).max()) + k + 2 > self.max_model_len:
-            return False
-        if (inputs.temperature > 0).any() or (inputs.penalties != np.array([1.0, 0.0, 0.0])).any():
-            return False
-        runner = self.runner
-        if runner._step is not None:  # an earlier step's positions the head has not followed yet
-            return False
-        slots = inputs.slots.tolist()
-        return not any(s in runner.backlog for s in slots) and not (runner.pending_pos[slots] == starts - 1).any()
+        return fusable(inputs, self.max_batch_size, self.max_logits_rows, self.max_model_len)
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> FusedOutputs:
@@ -244,18 +255,11 @@ class EagleStepGraphs:
         batch = ForwardBatch.create(
             inputs.token_ids, inputs.slots, inputs.start_positions, inputs.num_new_tokens, inputs.num_logits
         )
-        n = tokens_bucket(int(inputs.num_new_tokens.max()))
-        b = batch_bucket(n_rows, self.max_batch_size)
-        assert n is not None and b is not None and inputs.draft_lens is not None
-        ends = inputs.start_positions + inputs.num_new_tokens
+        assert inputs.draft_lens is not None
         wanted = inputs.draft_lens.astype(np.int32)
-        k = int(wanted.max())
         masked = inputs.draft_masked.astype(bool) if inputs.draft_masked is not None else np.zeros(n_rows, dtype=bool)
-        key = StepGraphKey(
-            GraphKey(b, n, key_bucket(int(ends.max()), self.max_model_len)),
-            DraftGraphKey(b, k, key_bucket(int(ends.max()) + k, self.max_model_len), bool(masked.any())),
-            inputs.has_bitmask,
-        )
+        key = step_key(inputs, self.max_batch_size, self.max_model_len)
+        self.caught_up += self.runner.catch_up(inputs)  # (the graph's head follows the step's positions only)
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = _StepGraph(key, self)
@@ -319,3 +323,52 @@ class EagleStepGraphs:
         host = self.draft_graphs.host
         host.wanted[:b], host.masked[:b] = 0, 0
         host.status.zero_()
+
+
+class FusedStepFollower:
+    """A fused step on a tensor-parallel rank other than 0: the target's part of rank 0's graph,
+    the same padded forward and LM head, so their collectives (the layers' all-reduces, the
+    logits' gather onto rank 0) match; masks, acceptance and the head are rank 0's alone. On CUDA
+    captured per :class:`StepGraphKey`, at the steps where rank 0 captures its graph (the same
+    warm-up runs, the same collectives); on the CPU the ordinary forward laid out padded, as rank
+    0 runs it there."""
+
+    def __init__(
+        self, target: LlamaModel, kv: KVCache, max_batch_size: int, max_logits_rows: int, capture: bool
+    ) -> None:
+        self.target, self.kv = target, kv
+        self.max_batch_size, self.max_logits_rows = max_batch_size, max_logits_rows
+        self.device, self.capture = torch.device(target.device), capture
+        self.scratch_slot = kv.num_slots - 1
+        self.pool: Any = torch.cuda.graph_pool_handle() if capture else None
+        self.buffers: dict[StepGraphKey, StaticBuffers] = {}
+        self.graphs: dict[StepGraphKey, Any] = {}
+        self.runs = 0
+
+    def fits(self, inputs: StepInputs) -> bool:
+        return fusable(inputs, self.max_batch_size, self.max_logits_rows, self.target.max_model_len)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> None:
+        """The target's part of a step that :func:`fusable` says rank 0 runs fused."""
+        batch = ForwardBatch.create(
+            inputs.token_ids, inputs.slots, inputs.start_positions, inputs.num_new_tokens, inputs.num_logits
+        )
+        key = step_key(inputs, self.max_batch_size, self.target.max_model_len)
+        buffers = self.buffers.get(key)
+        if buffers is None:
+            buffers = self.buffers[key] = StaticBuffers(key.verify, self.device, self.scratch_slot)
+            if self.capture:  # on padding, as rank 0 captures its graph
+                self.graphs[key] = capture_graph(self.device, self.pool, lambda: self._padded(buffers))
+        _, real = buffers.write(batch, self.target.max_model_len)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+        else:
+            hidden = self.target.forward(batch, self.kv)
+            padded = hidden.new_zeros(key.verify.batch * key.verify.tokens_per_row, hidden.shape[-1])
+            self.target.compute_logits(padded.index_copy_(0, torch.from_numpy(real).to(self.device), hidden))
+        self.runs += 1
+
+    def _padded(self, buffers: StaticBuffers) -> None:
+        self.target.compute_logits(padded_forward(self.target, self.kv, buffers))

@@ -142,6 +142,23 @@ class StaticBuffers:
         return flat_of_real[batch.logits_indices.cpu().numpy()], flat_of_real
 
 
+def padded_forward(
+    model: LlamaModel, kv: KVCache, buffers: StaticBuffers, features: tuple[int, ...] | str | None = None
+) -> torch.Tensor:
+    """``model.forward_padded`` over the step laid out in ``buffers``: [B * n, hidden]."""
+    key = buffers.key
+    return model.forward_padded(
+        kv,
+        buffers.token_ids,
+        buffers.positions,
+        buffers.token_slots,
+        buffers.row_slots,
+        key.tokens_per_row,
+        key.key_length,
+        features,
+    )
+
+
 class GraphRunner:
     """Runs steps that fit a bucket as replayed graphs (``capture=True``, CUDA) or as the same
     padded forward run eagerly (``capture=False``). ``kv`` must hold one slot more than the
@@ -203,17 +220,7 @@ class GraphRunner:
         return output[torch.from_numpy(index).to(self.device, non_blocking=True)]
 
     def _forward(self, buffers: StaticBuffers) -> torch.Tensor:
-        key = buffers.key
-        return self.model.forward_padded(
-            self.kv,
-            buffers.token_ids,
-            buffers.positions,
-            buffers.token_slots,
-            buffers.row_slots,
-            key.tokens_per_row,
-            key.key_length,
-            self.features,
-        )
+        return padded_forward(self.model, self.kv, buffers, self.features)
 
     def _capture(
         self, key: GraphKey, buffers: StaticBuffers, batch: ForwardBatch

@@ -4,8 +4,8 @@
     loop: read StepInputs -> forward [+ draft model or EAGLE head follows] -> [read StepBitmask]
           -> LM head (rows whose mask allows one token skip it) [-> apply the bitmask]
           -> sample or verify drafts (rank 0) -> [draft model proposes next drafts (rank 0)] -> send StepOutputs
-    (one rank, EAGLE with graph_grammar: a greedy step in the head's steady state runs whole as
-    one graph instead, its verify masks through the draft channel: spec/step_graph.py)
+    (EAGLE with graph_grammar: a greedy verify step runs whole as one graph instead on rank 0,
+    its verify masks through the draft channel, the target's part of it on the others: spec/step_graph.py)
 
 Every rank runs the same forward (collectives inside); only rank 0 computes the sampled
 tokens and answers the scheduler. Any exception is reported as a WorkerError naming the rank
@@ -46,7 +46,7 @@ from guidespec.protocol import (
 )
 from guidespec.spec.draft_model import DraftRunner
 from guidespec.spec.eagle import EagleRunner
-from guidespec.spec.step_graph import EagleStepGraphs
+from guidespec.spec.step_graph import EagleStepGraphs, FusedStepFollower
 from guidespec.spec.verify import verify
 from guidespec.worker import tp as tp_mod
 from guidespec.model_files import load_hf_config
@@ -157,9 +157,16 @@ class Worker:
                     model_cfg.vocab_size,
                     (self.model, self.kv),
                 )
-        self.step_graphs = None  # whole greedy EAGLE steps as one graph each (spec/step_graph.py)
-        if cfg.fused_steps and isinstance(self.drafter, EagleRunner) and self.drafter.graphs is not None:
+        # whole greedy EAGLE steps as one graph each (spec/step_graph.py): rank 0 runs the step, the
+        # other ranks its target part (every rank decides from the step's inputs alone)
+        self.step_graphs: EagleStepGraphs | None = None
+        self.step_follower: FusedStepFollower | None = None
+        if cfg.fused_steps and self.tp.is_driver:
+            if not isinstance(self.drafter, EagleRunner) or self.drafter.graphs is None:
+                raise ValueError("fused steps need an EAGLE head with draft graphs on rank 0")
             self.step_graphs = EagleStepGraphs(self.drafter, self.model, self.kv, max_rows, envs.step_timeout_s())
+        elif cfg.fused_steps:
+            self.step_follower = FusedStepFollower(self.model, self.kv, cfg.max_batch_size, max_rows, use_graphs)
         self.graphs = None
         if use_graphs:
             features = self.drafter.capture if self.drafter is not None else None
@@ -192,6 +199,11 @@ class Worker:
     def step(self, inputs: StepInputs) -> StepOutputs | None:
         if self.step_graphs is not None and self.step_graphs.fits(inputs):
             return self._fused_step(inputs)
+        if self.step_follower is not None and self.step_follower.fits(inputs):
+            self.step_follower.run(inputs)
+            if inputs.has_bitmask:  # (rank 0 applies it; read to keep the ring in order)
+                self._read_bitmask(inputs.step)
+            return None
         start, wall_start = time.perf_counter(), time.time()
         batch = ForwardBatch.create(
             inputs.token_ids, inputs.slots, inputs.start_positions, inputs.num_new_tokens, inputs.num_logits
