@@ -503,6 +503,7 @@ def bench_eagle_graphs(
                 )
         os.environ.pop("GUIDESPEC_TRACE", None)
         os.environ.pop("GUIDESPEC_FUSED_STEPS", None)
+        summary = json.loads(trace.read_text())["summary"] if trace.exists() else {}
         for row in rows:  # the trace is complete once the engine has shut down
             row["decode"] = decode_steps(trace, row["batch"], setup.draft_len)
             d = row["decode"]
@@ -511,6 +512,10 @@ def bench_eagle_graphs(
                 f"({d['guided_steps']}), unguided {fmt(d['unguided_ms'], '.2f')} ms ({d['unguided_steps']})",
                 flush=True,
             )
+        if summary:  # the engine's whole run, warm-ups included: how many steps ran as one graph
+            for row in rows:
+                row["engine_steps"], row["fused_steps"] = summary.get("steps"), summary.get("fused_steps")
+            print(f"[{label}] fused steps: {summary.get('fused_steps')} of {summary.get('steps')}", flush=True)
         out.extend(rows)
     return out
 
