@@ -102,6 +102,10 @@ class SpeculativeConfig:
     is_public_pool: bool = True
     use_forced_tokens: bool = True
     constrain_drafts: bool = True  # cut drafts where the grammar rejects them (off: verification rejects them)
+    # draft_model / eagle, constrain_drafts: how many of a guided row's draft steps wait for its
+    # grammar's mask, from the first (None: all; fewer: fewer round trips to the scheduler in a
+    # draft loop, the later drafts still checked and cut where the grammar rejects them)
+    draft_mask_steps: int | None = None
     adaptive: bool = True
     user_drafter: str | None = None
     draft_model: str | None = (
@@ -138,6 +142,9 @@ class SpeculativeConfig:
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        steps = self.draft_mask_steps
+        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps <= 16):
+            raise ValueError(f"draft_mask_steps must be None or an integer in [0, 16], got {steps!r}")
         if self.method == "user" and not self.user_drafter:
             raise ValueError("method 'user' needs user_drafter='module:Class'")
         if self.method == "draft_model" and not self.draft_model:

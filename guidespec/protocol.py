@@ -370,7 +370,7 @@ class StepInputs:
     penalties: np.ndarray  # [B, 3] float32: repetition, frequency, presence
     has_bitmask: bool = False  # a StepBitmask for this step follows on the ring
     draft_lens: np.ndarray | None = None  # [B] int32: draft-model proposals wanted after this step (None: none)
-    draft_masked: np.ndarray | None = None  # [B] bool: rows whose draft steps wait for a DraftMask
+    draft_masked: np.ndarray | None = None  # [B] int32: a row's draft steps that wait for a DraftMask, from the first
 
     @property
     def batch_size(self) -> int:

@@ -196,9 +196,16 @@ def test_greedy_eagle_equals_greedy_plain(
     """TP=2 also combines the head with prompt lookup (the longer valid draft wins), lets the
     adaptive plan turn drafting on and off (the head then follows lazily, from a backlog) and runs
     whole greedy steps fused (``graph_grammar``: rank 0 runs the step, rank 1 the target's part of
-    it; a fused step first runs the positions the head held back)."""
+    it; a fused step first runs the positions the head held back), masking only each guided row's
+    first draft step (``draft_mask_steps``: one round trip to the scheduler a proposal)."""
     monkeypatch.setenv("GUIDESPEC_TRACE", str(tmp_path / "trace.json"))
-    speculative = dict(method="eagle", draft_model=str(eagle_head), adaptive=tp == 2, combine_ngram=tp == 2)
+    speculative = dict(
+        method="eagle",
+        draft_model=str(eagle_head),
+        adaptive=tp == 2,
+        combine_ngram=tp == 2,
+        draft_mask_steps=1 if tp == 2 else None,
+    )
     with LLM(
         max_batch_size=8, show_progress=False, tensor_parallel_size=tp, speculative=speculative, graph_grammar=tp == 2
     ) as llm:
@@ -207,8 +214,10 @@ def test_greedy_eagle_equals_greedy_plain(
     for case, out in zip(_jme_cases(3), outs):
         assert out.finish_reason == "stop" and validate_output(out.text, case["schema"]) is None
     assert sum(o.stats.num_draft_tokens for o in outs) > 0
-    summary = json.loads((tmp_path / "trace.json").read_text())["summary"]
-    assert (summary["fused_steps"] > 0) == (tp == 2), summary
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert (trace["summary"]["fused_steps"] > 0) == (tp == 2), trace["summary"]
+    fills = {e["name"] for e in trace["traceEvents"] if str(e["name"]).startswith("fill draft step")}
+    assert fills == ({"fill draft step 0 masks"} if tp == 2 else {f"fill draft step {j} masks" for j in range(3)})
 
 
 @pytest.mark.parametrize("exchange", ["stream", "graph", "python"])

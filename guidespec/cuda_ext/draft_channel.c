@@ -251,7 +251,7 @@ void gs_cb_graph_publish(void *args) {
     *a->published = 0;
     if (a->status[0] != GS_OK || a->status[1] != GS_OK) return; /* an earlier draft step failed */
     for (int32_t b = 0; b < a->batch; b++) {
-        if (!a->masked[b] || a->wanted[b] <= j) continue;
+        if (a->masked[b] <= j || a->wanted[b] <= j) continue; /* masked: its first draft steps */
         int32_t produced = a->produced_len[b];
         if (produced < 0 || produced > a->max_produced) produced = 0;
         a->rows[n] = a->batch_rows[b];
@@ -284,7 +284,7 @@ void gs_cb_graph_wait(void *args) {
     int32_t k = 0, j = a->draft_index;
     for (int32_t b = 0; b < a->batch; b++) {
         int32_t *row = a->out + (size_t)b * (size_t)a->num_words;
-        if (!a->masked[b]) {
+        if (a->masked[b] <= j) { /* its grammar does not mask this draft step */
             memset(row, 0xff, row_bytes);
         } else if (n > 0 && a->wanted[b] > j) {
             memcpy(row, a->mask_rows + (size_t)k++ * (size_t)a->num_words, row_bytes);

@@ -93,13 +93,14 @@ void gs_cb_wait_mask(void *args);
 
 /* The draft steps of a fixed-shape graph (spec/draft_graph.py): B rows, each drafting up to K
  * tokens; one argument block per draft index j, read by both callbacks of that draft step.
- * gs_cb_graph_publish publishes the rows that are masked and want more than j drafts, each with
- * its tokens past its final ones: produced[b][:produced_len[b]] then drafts[0..j-1][b] (what the
- * graph copied device-to-host before the callback); gs_cb_graph_wait waits for their mask and
- * lays out one mask row per graph row in `out`: the scheduler's row where it was published, all
- * ones (allow all) for rows not masked. On a failed wait the published rows are all zero (forbid
- * every token), status[1] keeps the first error, and every later draft step of the replay
- * publishes nothing and forbids every token of its masked rows. */
+ * gs_cb_graph_publish publishes the rows whose grammar masks draft step j (masked[b] > j) and
+ * that want more than j drafts, each with its tokens past its final ones:
+ * produced[b][:produced_len[b]] then drafts[0..j-1][b] (what the graph copied device-to-host
+ * before the callback); gs_cb_graph_wait waits for their mask and lays out one mask row per graph
+ * row in `out`: the scheduler's row where it was published, all ones (allow all) for rows not
+ * masked at step j. On a failed wait the published rows are all zero (forbid every token),
+ * status[1] keeps the first error, and every later draft step of the replay publishes nothing
+ * and forbids every token of its masked rows. */
 typedef struct {
     void *channel;
     const int64_t *step;
@@ -111,7 +112,7 @@ typedef struct {
     int32_t peer_pid;
     const int32_t *batch_rows;   /* [B]: the step's batch row of each graph row (what is published) */
     const int32_t *wanted;       /* [B]: drafts the row wants (0: a padding row) */
-    const int32_t *masked;       /* [B]: 1 where the grammar masks the row's drafts */
+    const int32_t *masked;       /* [B]: how many of the row's draft steps its grammar masks, from the first */
     const int32_t *produced;     /* [B][P] */
     const int32_t *produced_len; /* [B] */
     const int32_t *drafts;       /* [K][B]: draft j of every row, as target ids */

@@ -118,6 +118,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not cut drafts where the grammar rejects them (to measure what it gains)",
     )
+    spec.add_argument(
+        "--draft-mask-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with a draft model or EAGLE head: mask only a guided row's first N draft steps with its "
+        "grammar (fewer round trips to the scheduler; later drafts are still checked); default: all",
+    )
     spec.add_argument("--user-drafter", default=None, metavar="MODULE:CLASS")
     spec.add_argument(
         "--combine-ngram",
@@ -149,6 +157,7 @@ def speculative_from_args(args: argparse.Namespace) -> dict[str, object] | None:
         adaptive=not args.no_adaptive_draft,
         use_forced_tokens=not args.no_forced_drafts,
         constrain_drafts=not args.no_constrain_drafts,
+        draft_mask_steps=args.draft_mask_steps,
         user_drafter=args.user_drafter,
         draft_model=args.draft_model,
         combine_ngram=args.combine_ngram,

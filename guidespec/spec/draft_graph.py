@@ -22,7 +22,7 @@ protocol, the layouts and the error handling a GPU replays.
 
 The graph reads fixed buffers: device tensors (the head's output and draft logits at each row's
 last final position, positions, slots) and host buffers the trampolines read (the step number,
-each row's batch row, wanted drafts, grammar flag, tokens produced this step), page-locked on
+each row's batch row, wanted drafts, masked draft steps, tokens produced this step), page-locked on
 CUDA. Rows wanting fewer than ``K`` drafts draft on (their extra picks are cut on the host, and
 the scheduler is asked only for the masks of drafts a row wants); padding rows run on the
 head's scratch slot. A failed wait (timeout, a dead scheduler, a stale mask) forbids every token
@@ -56,7 +56,7 @@ class DraftGraphKey:
     batch: int  # B: rows
     drafts: int  # K: draft steps
     key_length: int  # L: keys attended
-    masked: bool  # any row's drafts masked by its grammar (else no host functions at all)
+    masked_steps: int  # draft steps that wait for a grammar mask, from the first (0: no host functions at all)
 
 
 class _HostBuffers:
@@ -135,7 +135,8 @@ class _DraftGraph:
         owner, key = self.owner, self.key
         out, logits = self.features, self.logits
         for j in range(key.drafts):
-            if key.masked:
+            masked = j < key.masked_steps
+            if masked:
                 if j > 0:  # the tokens the publish trampoline sends: draft j-1 of every row
                     self.host_drafts[j - 1].copy_(self.picks[j - 1].to(torch.int32), non_blocking=True)
                 owner.host_functions.enqueue("gs_cb_graph_publish", self.args[j])
@@ -144,7 +145,7 @@ class _DraftGraph:
                 out, logits = owner.head.forward_padded(
                     out, self.picks[j - 1], positions, self.slots, owner.kv, key.key_length
                 )
-            if key.masked:
+            if masked:
                 owner.host_functions.enqueue("gs_cb_graph_wait", self.args[j])
                 self.mask.copy_(self.host_out, non_blocking=True)
                 words = self.mask.index_select(1, owner.mask_word)  # [B, draft vocab]
@@ -228,14 +229,14 @@ class EagleDraftGraphs:
             last_position[rows].astype(np.int64),
             np.asarray(slots)[rows].astype(np.int64),
             wanted[rows].astype(np.int32),
-            masked[rows].astype(bool) if masked is not None else np.zeros(n, dtype=bool),
+            masked[rows].astype(np.int32) if masked is not None else np.zeros(n, dtype=np.int32),
             [produced[r] for r in rows.tolist()],
         )
         k = int(picked.wanted.max())
         batch = batch_bucket(n, self.max_batch_size)
         assert batch is not None
         end = int((picked.positions + k).max())
-        key = DraftGraphKey(batch, k, key_bucket(end + 1, self.max_model_len), bool(picked.masked.any()))
+        key = DraftGraphKey(batch, k, key_bucket(end + 1, self.max_model_len), min(k, int(picked.masked.max())))
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = _DraftGraph(key, self)
@@ -268,7 +269,7 @@ class EagleDraftGraphs:
         host.status.zero_()
         host.batch_rows[:n] = torch.from_numpy(rows.batch_rows)
         host.wanted[:n], host.wanted[n:b] = torch.from_numpy(rows.wanted), 0
-        host.masked[:n], host.masked[n:b] = torch.from_numpy(rows.masked.astype(np.int32)), 0
+        host.masked[:n], host.masked[n:b] = torch.from_numpy(rows.masked), 0
         lengths = [len(p) for p in rows.produced]
         host.produced_len[:n] = torch.tensor(lengths, dtype=torch.int32)
         grid = np.zeros((n, MAX_PRODUCED), dtype=np.int32)
@@ -288,17 +289,17 @@ class EagleDraftGraphs:
 @dataclass(frozen=True)
 class _Rows:
     """The rows one proposal drafts for, in order: each one's batch row, last final position, KV
-    slot, drafts wanted, whether its grammar masks them, and the tokens it produced this step."""
+    slot, drafts wanted, how many of them its grammar masks, and the tokens it produced this step."""
 
     batch_rows: np.ndarray  # int32
     positions: np.ndarray  # int64
     slots: np.ndarray  # int64
     wanted: np.ndarray  # int32
-    masked: np.ndarray  # bool
+    masked: np.ndarray  # int32: its draft steps that wait for a grammar mask, from the first
     produced: list[list[int]]
 
     @staticmethod
     def none() -> _Rows:
         """No rows: every graph row padding (what a warm-up and a capture run on)."""
         i32, i64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
-        return _Rows(i32, i64, i64, i32, np.zeros(0, bool), [])
+        return _Rows(i32, i64, i64, i32, i32, [])

@@ -309,9 +309,10 @@ def post_masks(
     rows: np.ndarray, draft_masked: np.ndarray, sequences: list[list[int]], draft_index: int, masks: MaskSource
 ) -> np.ndarray:
     """Ask for draft step ``draft_index``'s masks of the guided rows among ``rows`` (batch rows, in
-    logits order), each after ``sequences[b]`` (its tokens past its final ones). Returns their
-    logits rows, for :func:`apply_masks`."""
-    local = np.flatnonzero(draft_masked[rows])
+    logits order) whose grammar masks that step (``draft_masked[b]``: how many draft steps, from
+    the first), each after ``sequences[b]`` (its tokens past its final ones). Returns their logits
+    rows, for :func:`apply_masks`."""
+    local = np.flatnonzero(draft_masked[rows] > draft_index)
     if len(local):
         batch_rows = rows[local]
         masks.post(draft_index, batch_rows.astype(np.int32), [sequences[b] for b in batch_rows.tolist()])

@@ -252,19 +252,21 @@ class Speculator:
 
     def proposal_lengths(self, rows: list[ScheduledRow]) -> tuple[np.ndarray, np.ndarray] | None:
         """With a draft model: how many drafts rank 0 should propose after this step, per row, and
-        which rows' draft steps are masked by their grammar."""
+        how many of each row's draft steps its grammar masks (from the first)."""
         if not isinstance(self.drafter, ModelDrafter):
             return None
         lengths = np.zeros(len(rows), dtype=np.int32)
-        masked = np.zeros(len(rows), dtype=bool)
+        masked = np.zeros(len(rows), dtype=np.int32)
         for i, row in enumerate(rows):
             request = row.request
             if row.num_logits and self.speculates(request):
                 lengths[i] = max(
                     0, min(self._proposal_cap(request), request.params.max_tokens - len(request.output_token_ids) - 2)
                 )
-                masked[i] = request.guided and self.cfg.constrain_drafts
-        return lengths, masked & (lengths > 0)
+                if request.guided and self.cfg.constrain_drafts:
+                    steps = self.cfg.draft_mask_steps
+                    masked[i] = lengths[i] if steps is None else min(int(lengths[i]), steps)
+        return lengths, masked
 
     def _proposal_cap(self, request: Request) -> int:
         """Drafts worth proposing: the cap, or with the adaptive length one more than last planned

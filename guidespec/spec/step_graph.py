@@ -68,7 +68,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class StepGraphKey:
     verify: GraphKey  # (B, n, L) of the target's forward and the head's
-    drafts: DraftGraphKey  # (B, K, L', masked) of the draft steps
+    drafts: DraftGraphKey  # (B, K, L', masked steps) of the draft steps
     guided: bool  # the step has verify masks: the graph waits for them
 
 
@@ -105,7 +105,7 @@ def step_key(inputs: StepInputs, max_batch_size: int, max_model_len: int) -> Ste
     n, b = tokens_bucket(int(inputs.num_new_tokens.max())), batch_bucket(inputs.batch_size, max_batch_size)
     assert n is not None and b is not None and inputs.draft_lens is not None
     end, k = int((inputs.start_positions + inputs.num_new_tokens).max()), int(inputs.draft_lens.max())
-    masked = inputs.draft_masked is not None and bool(inputs.draft_masked.any())
+    masked = min(k, int(inputs.draft_masked.max())) if inputs.draft_masked is not None else 0
     return StepGraphKey(
         GraphKey(b, n, key_bucket(end, max_model_len)),
         DraftGraphKey(b, k, key_bucket(end + k, max_model_len), masked),
@@ -198,7 +198,7 @@ class _StepGraph:
         graph.logits.copy_(draft_logits.index_select(0, last))
         graph.positions.copy_(buffers.positions.index_select(0, last))
         graph.slots.copy_(buffers.row_slots)
-        if key.drafts.masked:  # the produced tokens the publish trampoline sends first
+        if key.drafts.masked_steps:  # the produced tokens the publish trampoline sends first
             host = owner.draft_graphs.host
             self.produced[:, :n].copy_(picks)
             host.produced[: b * MAX_PRODUCED].copy_(self.produced.view(-1), non_blocking=True)
@@ -257,7 +257,7 @@ class EagleStepGraphs:
         )
         assert inputs.draft_lens is not None
         wanted = inputs.draft_lens.astype(np.int32)
-        masked = inputs.draft_masked.astype(bool) if inputs.draft_masked is not None else np.zeros(n_rows, dtype=bool)
+        masked = inputs.draft_masked.astype(np.int32) if inputs.draft_masked is not None else np.zeros(n_rows, np.int32)
         key = step_key(inputs, self.max_batch_size, self.max_model_len)
         self.caught_up += self.runner.catch_up(inputs)  # (the graph's head follows the step's positions only)
         graph = self.graphs.get(key)
@@ -312,7 +312,7 @@ class EagleStepGraphs:
         host.status.zero_()
         host.batch_rows[:n_rows] = torch.arange(n_rows, dtype=torch.int32)
         host.wanted[:n_rows], host.wanted[n_rows:b] = torch.from_numpy(wanted), 0
-        host.masked[:n_rows], host.masked[n_rows:b] = torch.from_numpy(masked.astype(np.int32)), 0
+        host.masked[:n_rows], host.masked[n_rows:b] = torch.from_numpy(masked), 0
 
     def _write_padding(self, graph: _StepGraph) -> None:
         """Every row padding (what a warm-up and a capture run on): nothing published or awaited."""

@@ -3,10 +3,11 @@ forward is compute-bound (large batches), and a probe now and then to notice a c
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from guidespec.config import SpeculativeConfig
-from guidespec.protocol import SamplingParams
+from guidespec.protocol import GuidedDecoding, SamplingParams
 from guidespec.scheduler.batching import ScheduledRow
 from guidespec.scheduler.detokenizer import IncrementalDetokenizer
 from guidespec.scheduler.request import Request
@@ -268,3 +269,25 @@ def test_a_draft_model_that_pays_is_not_replaced_by_lookup() -> None:
     proposals = speculator.proposal_lengths(rows)
     assert proposals is not None and proposals[0].tolist() == [3]
     assert not speculator._lookup_drafted
+
+
+@pytest.mark.parametrize("mask_steps", [None, 0, 1, 5])
+def test_a_guided_rows_first_draft_steps_are_masked(mask_steps: int | None) -> None:
+    """``draft_mask_steps``: how many of a guided row's proposed drafts wait for its grammar's
+    mask (rank 0 asks the scheduler for those alone); unguided rows never wait."""
+    config = SpeculativeConfig(
+        method="draft_model", draft_model="self", max_draft_len=3, adaptive=False, draft_mask_steps=mask_steps
+    )
+    speculator = Speculator(config, grammar=None, max_model_len=1024)
+    rows = _decoding_rows(2)
+    rows[0].request.params = SamplingParams(max_tokens=100, temperature=0.0, guided=GuidedDecoding(regex="[ab]+"))
+    proposals = speculator.proposal_lengths(rows)
+    assert proposals is not None and proposals[0].tolist() == [3, 3]
+    expected = 3 if mask_steps is None else min(3, mask_steps)
+    assert proposals[1].dtype == np.int32 and proposals[1].tolist() == [expected, 0]
+
+
+def test_draft_mask_steps_must_be_a_small_count() -> None:
+    for bad in (-1, 17, 1.5, True):
+        with pytest.raises(ValueError, match="draft_mask_steps"):
+            SpeculativeConfig(method="eagle", draft_model="x", draft_mask_steps=bad).validate()  # type: ignore[arg-type]

@@ -67,9 +67,10 @@ def _runner(setup, channel: DraftChannel | None, timeout_s: float = 10.0, peer: 
     return runner
 
 
-def _propose(runner: EagleRunner, model: LlamaModel, wanted: list[int], masked: list[bool], masks=None):  # type: ignore[no-untyped-def]
+def _propose(runner: EagleRunner, model: LlamaModel, wanted: list[int], masked: list[int], masks=None):  # type: ignore[no-untyped-def]
     """A verify step of three rows (slots 0-2): each runs its prompt and drafts, all accepted
-    (``PRODUCED``: the drafts, then the bonus token); then ``wanted`` drafts are proposed."""
+    (``PRODUCED``: the drafts, then the bonus token); then ``wanted`` drafts are proposed, the
+    first ``masked`` of each row's under its grammar."""
     kv = model.create_kv_cache(4)
     rows = [p + d[:-1] for p, d in zip(PROMPTS, PRODUCED)]
     tokens = np.array([t for r in rows for t in r], dtype=np.int32)
@@ -93,15 +94,17 @@ def _propose(runner: EagleRunner, model: LlamaModel, wanted: list[int], masked: 
         num_prompt_tokens=np.array([len(p) for p in PROMPTS], np.int32),
         penalties=np.ones((n, 3), np.float32),
         draft_lens=np.array(wanted, np.int32),
-        draft_masked=np.array(masked),
+        draft_masked=np.array(masked, np.int32),
     )
     produced = np.array([t for p in PRODUCED for t in p], np.int32)
     return runner.propose(inputs, produced, num_logits, masks)
 
 
-def test_graph_drafts_equal_step_by_step_drafts_under_the_grammar(setup) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("mask_steps", ["all", "first"])
+def test_graph_drafts_equal_step_by_step_drafts_under_the_grammar(setup, mask_steps: str) -> None:  # type: ignore[no-untyped-def]
+    """Every draft step masked, or only the first (``draft_mask_steps=1``: one round trip)."""
     _, model, _, _ = setup
-    wanted, masked = [3, 1, 2], [True, False, True]
+    wanted, masked = [3, 1, 2], ([3, 0, 2] if mask_steps == "all" else [1, 0, 1])
     logs: dict[str, list] = {"steps": [], "graph": []}
     with _channel() as channel, _scheduling(channel, logs["steps"]):
         step_by_step = _propose(
@@ -121,13 +124,14 @@ def test_graph_drafts_equal_step_by_step_drafts_under_the_grammar(setup) -> None
     # the scheduler saw the same draft steps: rows 0 and 2 at draft 0 and 1, row 0 alone at 2,
     # each with its tokens past the final ones (this step's produced tokens, then its drafts)
     assert logs["graph"] == logs["steps"]
-    assert [(index, rows) for index, rows, _ in logs["graph"]] == [(0, [0, 2]), (1, [0, 2]), (2, [0])]
+    served = [(0, [0, 2]), (1, [0, 2]), (2, [0])] if mask_steps == "all" else [(0, [0, 2])]
+    assert [(index, rows) for index, rows, _ in logs["graph"]] == served
     assert logs["graph"][0][2] == [PRODUCED[0], PRODUCED[2]]
     # every masked draft is one the fake grammar allows after the tokens before it
     flat, counts = graph
     chains = np.split(flat, np.cumsum(counts)[:-1])
     for b in (0, 2):
-        for j, token in enumerate(chains[b].tolist()):
+        for j, token in enumerate(chains[b].tolist()[: masked[b]]):
             assert (token + sum(PRODUCED[b]) + sum(chains[b][:j].tolist()) + j) % 3 == 0
 
 
@@ -150,20 +154,20 @@ def test_step_by_step_drafts_ask_for_each_mask_before_the_forward_it_follows(set
     runner = _runner(setup, None)
     forward = runner.head.forward
     runner.head.forward = lambda *a: (events.append(("forward", -1)), forward(*a))[1]  # type: ignore[method-assign]
-    got = _propose(runner, model, [2, 1, 2], [True, False, True], Recorder())
+    got = _propose(runner, model, [2, 1, 2], [2, 0, 2], Recorder())
     order = [("post", 0), ("forward", -1), ("take", 0), ("post", 1), ("forward", -1), ("take", 1)]
     assert events == order
     one_call = Exchange(lambda j, rows, seqs: np.stack([_mask(j, s) for s in seqs]))
-    expected = _propose(_runner(setup, None), model, [2, 1, 2], [True, False, True], one_call)
+    expected = _propose(_runner(setup, None), model, [2, 1, 2], [2, 0, 2], one_call)
     assert [list(a) for a in got] == [list(a) for a in expected]
 
 
 def test_unguided_graph_drafts_never_touch_the_channel(setup) -> None:  # type: ignore[no-untyped-def]
     _, model, _, _ = setup
-    expected = _propose(_runner(setup, None), model, [2, 3, 1], [False] * 3)
+    expected = _propose(_runner(setup, None), model, [2, 3, 1], [0] * 3)
     with _channel() as channel:
         runner = _runner(setup, channel, timeout_s=0.05)  # no scheduler: a wait would time out
-        got = _propose(runner, model, [2, 3, 1], [False] * 3)
+        got = _propose(runner, model, [2, 3, 1], [0] * 3)
         assert channel.last_error()[0] == 0
     assert [list(a) for a in got] == [list(a) for a in expected]
     assert runner.graphs is not None and runner.graphs.runs == 1
@@ -185,7 +189,7 @@ def test_a_mask_that_does_not_come_right_fails_the_proposal_and_says_so(setup, f
             started = time.monotonic()
             with pytest.raises(DraftChannelError) as failure:
                 not_called = Exchange(lambda *_: pytest.fail("not the graph"))
-                _propose(runner, model, [3, 1, 2], [True, False, True], not_called)
+                _propose(runner, model, [3, 1, 2], [3, 0, 2], not_called)
             assert time.monotonic() - started < 10
         assert failure.value.code == expected and failure.value.step == 7
         assert channel.last_error() == (expected, 7, 0)

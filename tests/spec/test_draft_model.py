@@ -56,7 +56,7 @@ def _step_inputs(tokens: np.ndarray, start: int, draft_len: int) -> StepInputs:
         num_prompt_tokens=one(np.int32, 7),
         penalties=np.ones((1, 3), np.float32),
         draft_lens=np.array([draft_len], np.int32),
-        draft_masked=np.array([False]),
+        draft_masked=np.zeros(1, np.int32),
     )
 
 

@@ -141,7 +141,7 @@ def test_d2t_reads_the_target_mask(target, tmp_path: Path) -> None:  # type: ign
         bitmask[0, allowed >> 5] |= 1 << (allowed & 31)
     logits = torch.zeros(1, 5)
     masks = Exchange(lambda j, rows, seqs: bitmask)
-    local = post_masks(np.array([0]), np.array([True]), [[]], 0, masks)
+    local = post_masks(np.array([0]), np.array([1]), [[]], 0, masks)
     apply_masks(logits, local, 0, masks, runner._apply_mask)
     assert torch.isfinite(logits[0]).tolist() == [False, False, False, True, True]
 
@@ -239,7 +239,7 @@ def _step_inputs(prompt: np.ndarray, draft_lens: list[int], start: int = 0) -> S
         num_prompt_tokens=one(np.int32, len(prompt)),
         penalties=np.ones((1, 3), np.float32),
         draft_lens=np.array(draft_lens, np.int32),
-        draft_masked=np.array([False]),
+        draft_masked=np.zeros(1, np.int32),
     )
 
 
