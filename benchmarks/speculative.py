@@ -79,6 +79,19 @@ BATCH1 = {
     "EAGLE-3 head + n-gram (longer valid draft wins), masked": dict(
         method="eagle", draft_model=EAGLE_HEAD, combine_ngram=True
     ),
+    # which draft steps' masks pay (draft_mask_steps): the head alone, always 3 drafts
+    **{
+        f"EAGLE-3 head, 3 drafts, {label}": dict(
+            method="eagle", draft_model=EAGLE_HEAD, adaptive=False, ngram_fallback=False, **options
+        )
+        for label, options in {
+            "every draft step masked": {},
+            "first 2 draft steps masked": dict(draft_mask_steps=2),
+            "first draft step masked": dict(draft_mask_steps=1),
+            "no draft step masked, drafts checked": dict(draft_mask_steps=0),
+            "drafts unchecked": dict(constrain_drafts=False),
+        }.items()
+    },
 }
 CONCURRENT = {
     "guided alone (jump-forward)": None,
