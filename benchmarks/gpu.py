@@ -22,9 +22,10 @@ runs replay, as a long-running server has):
   variants of ``--eagle-variants``: "fused" (the default engine: each greedy step, verify, masks,
   acceptance and draft steps, one captured graph whose grammar waits are host nodes,
   ``spec/step_graph.py``), "draft-graph" (only the draft steps as a graph,
-  ``GUIDESPEC_FUSED_STEPS=0``), "steps" (everything one by one, ``--no-graph-grammar``) and
+  ``GUIDESPEC_FUSED_STEPS=0``), "steps" (everything one by one, ``--no-graph-grammar``),
   "fused-unmasked" (drafts no grammar masks, ``constrain_drafts=False``: no round trip to the scheduler
-  while drafting), at batch 1 and 16: time per engine step, the grammar's share of a
+  while drafting) and "fused-first-mask" (only draft step 0 masked, ``draft_mask_steps=1``: one round
+  trip), at batch 1 and 16: time per engine step, the grammar's share of a
   step (guided over unguided step time, minus 1), of wall time (unguided runs to the guided
   outputs' lengths, so both produce the same tokens) and of a decode step (p50 from each engine's
   step trace, ``--trace-dir``, with the guided steps' parts); a random head's drafts are nearly all
@@ -429,12 +430,13 @@ def bench_speculative(
             )
 
 
-# variant -> (graph_grammar, draft masks, fused steps)
-EAGLE_VARIANTS = {
-    "fused": (True, True, True),
-    "draft-graph": (True, True, False),
-    "steps": (False, True, False),
-    "fused-unmasked": (True, False, True),
+# variant -> (graph_grammar, masked draft steps (None: all, 0: drafts unchecked), fused steps)
+EAGLE_VARIANTS: dict[str, tuple[bool, int | None, bool]] = {
+    "fused": (True, None, True),
+    "draft-graph": (True, None, False),
+    "steps": (False, None, False),
+    "fused-unmasked": (True, 0, True),
+    "fused-first-mask": (True, 1, True),
 }
 
 
@@ -469,7 +471,7 @@ def bench_eagle_graphs(
         label = f"eagle {variant}"
         kw = dict(
             setup.kwargs(enforce_eager=False),
-            speculative=dict(eagle, constrain_drafts=masked),
+            speculative=dict(eagle, constrain_drafts=masked != 0, draft_mask_steps=masked or None),
             graph_grammar=graph,
         )
         trace = trace_dir / f"{label.replace(',', '').replace(' ', '-')}.json"
@@ -699,7 +701,8 @@ def markdown(report: dict[str, Any]) -> str:
             "EAGLE steps (draft length fixed): each greedy step (verify, masks, acceptance, draft steps) one "
             "captured graph, grammar waits as host nodes (fused); only the draft steps as a graph (draft-graph); "
             "everything one by one (steps); fused with drafts no grammar masks (fused-unmasked: no round trip "
-            "while drafting); step = wall × batch ÷ request steps. "
+            "while drafting) or only the first draft step masked (fused-first-mask: one); "
+            "step = wall × batch ÷ request steps. "
             "Unguided runs to the guided outputs' lengths, so the wall-time share compares the same tokens; "
             "guided steps carry grammar-forced drafts, so they are fewer and longer.",
             "",
