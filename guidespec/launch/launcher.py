@@ -103,8 +103,15 @@ class EngineProcesses:
     def start(self) -> None:
         cfg, ep = self.cfg, self.endpoints
         # whole greedy EAGLE steps as one graph each (spec/step_graph.py): draft graphs on, every
-        # rank local (they decide alike from the same step inputs and mask arena)
-        fused = self.drafts is not None and _draft_graphs(cfg) and not cfg.remote_ranks and envs.fused_steps()
+        # rank local (they decide alike from the same step inputs and mask arena, whose rows the
+        # draft channel holds too)
+        fused = (
+            self.drafts is not None
+            and self.arena is not None
+            and _draft_graphs(cfg)
+            and not cfg.remote_ranks
+            and envs.fused_steps()
+        )
         scheduler_cfg = SchedulerConfig(
             cfg.model_dir,
             cfg.max_batch_size,
