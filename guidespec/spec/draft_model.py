@@ -11,13 +11,14 @@ previous one, ``draft_lens[b]`` times.
 The proposals go back with the step's outputs; the scheduler checks them against the grammar,
 puts them in the next step's row, and the target verifies them there.
 
-Draft steps of guided rows are constrained (``draft_masked``): rank 0 sends the row's tokens past
-its final ones up to the scheduler, which owns the grammar, before draft ``j``'s forward (they do
-not depend on it), so the scheduler fills that draft step's masks while the forward runs; rank 0
-takes them before choosing draft ``j`` (``masks``: a :class:`MaskSource`). Greedy rows draft the argmax;
-sampled rows draw each draft from the draft's own masked distribution q' (the request's
-temperature, top-k, top-p) and rank 0 keeps q' until the next step verifies those drafts with
-rejection sampling (``DraftSampling``, ``verify.py``).
+Draft steps of guided rows are constrained (``draft_masked``: how many of a row's, from the
+first): rank 0 sends the row's tokens past its final ones up to the scheduler, which owns the
+grammar, before draft ``j``'s forward (they do not depend on it), so the scheduler fills that
+draft step's masks while the forward runs; rank 0 takes them before choosing draft ``j``
+(``masks``: a :class:`MaskSource`). Greedy rows draft the argmax; sampled rows draw each draft
+from the draft's own masked distribution q' (the request's temperature, top-k, top-p) and rank 0
+keeps q' until the next step verifies those drafts with rejection sampling (``DraftSampling``,
+``verify.py``).
 
 Draft models: ``"int8"`` (the target's weights rounded to int8 with a scale per output row: a
 quarter of the bytes to read per draft step with the CPU kernel, and drafts that nearly always
