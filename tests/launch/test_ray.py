@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import pytest
 
 from guidespec import LLM, SamplingParams
+from guidespec.llm import GenerationOutput
 from guidespec.launch.ray_executor import RayRanks
 from guidespec.launch.sweep import validate_output
 from guidespec.protocol import GuidedDecoding
@@ -101,8 +102,8 @@ def _requests() -> list[tuple[Any, SamplingParams]]:
     ]
 
 
-def _generate(llm: LLM) -> list[list[int]]:
-    return [llm.generate(prompt, params)[0].token_ids for prompt, params in _requests()]
+def _generate(llm: LLM) -> list[GenerationOutput]:
+    return [llm.generate(prompt, params)[0] for prompt, params in _requests()]
 
 
 def test_tensor_parallel_under_ray_equals_the_plain_launcher(address: str) -> None:
@@ -111,8 +112,8 @@ def test_tensor_parallel_under_ray_equals_the_plain_launcher(address: str) -> No
     with LLM(tensor_parallel_size=2, show_progress=False, distributed_executor="ray", ray_address=address) as llm:
         assert llm.config.distributed_executor == "ray"
         under_ray = _generate(llm)
-        guided_text = llm.generate(*_requests()[1])[0].text
-    assert under_ray == plain
+    assert [o.token_ids for o in under_ray] == [o.token_ids for o in plain]
+    guided_text = under_ray[1].text
     case = next(json.loads(line) for line in WORKLOAD.read_text().splitlines() if line.startswith('{"id": "JME_'))
     assert validate_output(guided_text, case["schema"]) is None
 
