@@ -157,7 +157,8 @@ def test_bad_head_folders_are_refused(target, tmp_path: Path) -> None:  # type: 
 
 def test_lazy_following_drafts_what_eager_following_drafts(target, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A row not asked for drafts keeps its positions in a backlog; when it is asked, the head runs
-    them in one batch and drafts exactly what a head that followed every step drafts."""
+    them in one batch and drafts exactly what a head that followed every step drafts. So it does
+    when a fused step (step_graph.py) catches the head up first (``catch_up``, before the step)."""
     folder, model, hf = target
     trained = _random_head(model, hf, torch.arange(0, 300, 2))
     save_head(
@@ -173,11 +174,14 @@ def test_lazy_following_drafts_what_eager_following_drafts(target, tmp_path: Pat
         (np.array([42], np.int32), 9, 43),
     ]
     results = {}
-    for mode in ("eager", "lazy"):
+    for mode in ("eager", "lazy", "caught up"):
         runner = EagleRunner(tmp_path / "head", model, folder, hf, max_batch_size=1, max_model_len=64)
         kv = model.create_kv_cache(1)
         for i, (tokens, start, produced) in enumerate(steps):
             wanted = 3 if mode == "eager" or i == len(steps) - 1 else 0
+            if mode == "caught up" and i == len(steps) - 1:  # the held positions: the prompt's, then two
+                assert runner.catch_up(_step_inputs(tokens, [wanted], start)) == len(prompt) + 2
+                assert runner.backlog == {} and runner.catch_up(_step_inputs(tokens, [wanted], start)) == 0
             batch = ForwardBatch.create(tokens, [0], [start], [len(tokens)], [1])
             model.forward(batch, kv, capture=runner.capture)
             runner.follow(batch, model.captured)
@@ -187,13 +191,14 @@ def test_lazy_following_drafts_what_eager_following_drafts(target, tmp_path: Pat
             assert counts.tolist() == [wanted]
         assert mode == "eager" or runner.backlog == {}
         results[mode] = drafts.tolist()
-    assert results["lazy"] == results["eager"] and len(results["lazy"]) == 3
+    assert results["lazy"] == results["eager"] == results["caught up"] and len(results["lazy"]) == 3
 
 
 def test_a_prefill_step_without_logits_still_reaches_the_head(target, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A step of prefill chunks only has no logits, so the worker proposes nothing after it; the
     head still gets its positions (from the backlog) and drafts what it drafts for the prompt run
-    in one step."""
+    in one step; so it does when ``catch_up`` runs them first (the held positions, the pending
+    last position of a chunk with the next chunk's first token)."""
     folder, model, hf = target
     trained = _random_head(model, hf, torch.arange(0, 300, 2))
     save_head(
@@ -203,12 +208,15 @@ def test_a_prefill_step_without_logits_still_reaches_the_head(target, tmp_path: 
     )
     prompt = np.array([5, 9, 13, 7, 3, 11, 2, 17, 4], dtype=np.int32)
     results = []
-    for chunks in ([prompt], [prompt[:4], prompt[4:7], prompt[7:]]):
+    chunked = [prompt[:4], prompt[4:7], prompt[7:]]
+    for chunks, catch_up in (([prompt], False), (chunked, False), (chunked, True)):
         runner = EagleRunner(tmp_path / "head", model, folder, hf, max_batch_size=1, max_model_len=64)
         kv = model.create_kv_cache(1)
         start = 0
         for i, tokens in enumerate(chunks):
             last = i == len(chunks) - 1
+            if last and catch_up:  # (as before a fused step) the earlier chunks, their last position pending
+                assert runner.catch_up(_step_inputs(tokens, [3], start)) == start
             batch = ForwardBatch.create(tokens, [0], [start], [len(tokens)], [int(last)])
             model.forward(batch, kv, capture=runner.capture)
             runner.follow(batch, model.captured)
@@ -218,7 +226,7 @@ def test_a_prefill_step_without_logits_still_reaches_the_head(target, tmp_path: 
         )
         assert runner.backlog == {}
         results.append(drafts.tolist())
-    assert results[0] == results[1] and len(results[0]) == 3
+    assert results[0] == results[1] == results[2] and len(results[0]) == 3
 
 
 def _step_inputs(prompt: np.ndarray, draft_lens: list[int], start: int = 0) -> StepInputs:
