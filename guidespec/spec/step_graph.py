@@ -242,15 +242,13 @@ class EagleStepGraphs:
         self.capture = draft_graphs.capture
         self.bits = torch.arange(32, dtype=torch.int32, device=self.device)  # (made here, not in a capture)
         self.graphs: dict[StepGraphKey, _StepGraph] = {}
-        self.runs = 0
-        self.caught_up = 0  # positions the head ran before a fused step (EagleRunner.catch_up)
 
     def fits(self, inputs: StepInputs) -> bool:
         return fusable(inputs, self.max_batch_size, self.max_logits_rows, self.max_model_len)
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> FusedOutputs:
-        """Run a step that :meth:`fits`. RuntimeError where its verify masks did not come."""
+        """Run a step that :meth:`fits`. DraftChannelError where its verify masks did not come."""
         n_rows = inputs.batch_size
         batch = ForwardBatch.create(
             inputs.token_ids, inputs.slots, inputs.start_positions, inputs.num_new_tokens, inputs.num_logits
@@ -259,7 +257,7 @@ class EagleStepGraphs:
         wanted = inputs.draft_lens.astype(np.int32)
         masked = inputs.draft_masked.astype(np.int32) if inputs.draft_masked is not None else np.zeros(n_rows, np.int32)
         key = step_key(inputs, self.max_batch_size, self.max_model_len)
-        self.caught_up += self.runner.catch_up(inputs)  # (the graph's head follows the step's positions only)
+        self.runner.catch_up(inputs)  # (the graph's head follows the step's positions only)
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = _StepGraph(key, self)
@@ -275,7 +273,6 @@ class EagleStepGraphs:
             graph.steps()
         if self.device.type == "cuda":  # (the copies out are asynchronous)
             torch.cuda.current_stream(self.device).synchronize()
-        self.runs += 1
         verify_code = int(graph.verify_status[0])
         if verify_code != OK:
             raise DraftChannelError(verify_code, inputs.step, VERIFY, "waiting for the step's verify masks")
@@ -343,7 +340,6 @@ class FusedStepFollower:
         self.pool: Any = torch.cuda.graph_pool_handle() if capture else None
         self.buffers: dict[StepGraphKey, StaticBuffers] = {}
         self.graphs: dict[StepGraphKey, Any] = {}
-        self.runs = 0
 
     def fits(self, inputs: StepInputs) -> bool:
         return fusable(inputs, self.max_batch_size, self.max_logits_rows, self.target.max_model_len)
@@ -368,7 +364,6 @@ class FusedStepFollower:
             hidden = self.target.forward(batch, self.kv)
             padded = hidden.new_zeros(key.verify.batch * key.verify.tokens_per_row, hidden.shape[-1])
             self.target.compute_logits(padded.index_copy_(0, torch.from_numpy(real).to(self.device), hidden))
-        self.runs += 1
 
     def _padded(self, buffers: StaticBuffers) -> None:
         self.target.compute_logits(padded_forward(self.target, self.kv, buffers))
