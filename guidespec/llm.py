@@ -239,11 +239,6 @@ class LLM:
             tuple(remote_ranks),
         )
         spec_config = _speculative_config(speculative)
-        if resolved_device == "cuda" and spec_config is not None and spec_config.method == "draft_model":
-            raise ValueError(
-                "speculative method 'draft_model' runs on CPU workers only so far: use --device cpu, "
-                "an EAGLE head (eagle), or a drafter of the scheduler (ngram, forced, user)"
-            )
         self.config = dataclasses.replace(
             config,
             quantized_weights=gguf_blocks,

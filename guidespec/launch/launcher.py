@@ -109,6 +109,8 @@ class EngineProcesses:
             self.drafts is not None
             and self.arena is not None
             and _draft_graphs(cfg)
+            and cfg.speculative is not None
+            and cfg.speculative.method == "eagle"
             and not cfg.remote_ranks
             and envs.fused_steps()
         )
@@ -229,9 +231,10 @@ def _arena_spec(cfg: EngineConfig) -> ArenaSpec:
 
 
 def _draft_graphs(cfg: EngineConfig) -> bool:
-    """An EAGLE head's draft steps as graphs: by default on CUDA with graphs; ``graph_grammar``
-    True or False decides (on the CPU the same steps run eagerly; --enforce-eager wins on CUDA)."""
-    if cfg.speculative is None or cfg.speculative.method != "eagle":
+    """A model drafter's (EAGLE head, draft model) draft steps as graphs: by default on CUDA with
+    graphs; ``graph_grammar`` True or False decides (on the CPU the same steps run eagerly;
+    --enforce-eager wins on CUDA)."""
+    if cfg.speculative is None or cfg.speculative.method not in MODEL_DRAFTERS:
         return False
     if cfg.device == "cuda" and cfg.enforce_eager:
         return False

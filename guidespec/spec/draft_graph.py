@@ -1,4 +1,4 @@
-"""Greedy EAGLE draft steps as one fixed-shape graph, grammar waits inside (rank 0).
+"""Greedy draft steps of a model drafter as one fixed-shape graph, grammar waits inside (rank 0).
 
 A proposal's draft steps run, for ``B`` rows (the rows drafting, rounded up to a batch bucket)
 and ``K`` drafts (the most any row wants), as one sequence of operations that never returns to
@@ -6,9 +6,15 @@ Python between draft steps:
 
     for j in 0..K-1:
         [guided] [j > 0] copy draft j-1 device-to-host;  publish the drafts so far (C)
-        [j > 0] head forward over (its last output, draft j-1) at position p + j
+        [j > 0, or a draft model] drafter forward over token j at position p + j
         [guided] wait for mask j (C);  copy it host-to-device;  -inf where it forbids
-        draft j = argmax (as target ids through d2t)
+        draft j = argmax (as target ids, through d2t for a pruned EAGLE vocabulary)
+
+The drafter (:class:`GraphDrafter`) is an EAGLE head (``eagle.py``: its forward reads its own
+last output and the token; draft 0 comes from the follow run's output at the row's last final
+position ``p``, so step 0 runs no forward) or a draft model (``draft_model.py``: token 0 is the
+row's newest token, at position ``p``, whose forward gives draft 0 — so draft 0's mask is filled
+while that forward runs too; token j > 0 is draft j-1).
 
 "publish" and "wait" are the draft channel's C trampolines (``gs_cb_graph_publish`` and
 ``gs_cb_graph_wait`` in ``cuda_ext/draft_channel.c``), enqueued in stream order by
@@ -36,7 +42,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -49,6 +55,32 @@ from guidespec.worker.kv_cache import KVCache
 logger = logging.getLogger(__name__)
 MAX_GRAPH_DRAFTS = 8  # more drafts per row run step by step
 MAX_PRODUCED = 64  # tokens a row produced this step, at most, for a graph (more: step by step)
+
+
+class GraphDrafter(Protocol):
+    """What the draft graphs run: one draft step over ``B`` rows of one token each."""
+
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    feature_width: int  # the state one draft step hands the next (an EAGLE head's output hidden)
+    logits_width: int  # the draft vocabulary
+    forwards_first: bool  # draft 0 needs a forward (a draft model's newest token), not the follow run's output
+
+    def draft_step(
+        self,
+        features: torch.Tensor,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        kv: KVCache,
+        key_length: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features [B, feature_width], draft logits [B, logits_width]) after ``token_ids`` [B] at
+        ``positions`` [B] of ``slots`` [B], attending the first ``key_length`` keys; capturable."""
+        ...
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -84,11 +116,12 @@ class _HostBuffers:
 class _DraftGraph:
     """The buffers, argument blocks and (on CUDA) the captured graph of one key."""
 
-    def __init__(self, key: DraftGraphKey, owner: EagleDraftGraphs) -> None:
+    def __init__(self, key: DraftGraphKey, owner: DraftGraphs) -> None:
         self.key, self.owner = key, owner
-        head, device, b = owner.head, owner.device, key.batch
-        self.features = torch.zeros(b, head.cfg.hidden_size, dtype=head.dtype, device=device)
-        self.logits = torch.zeros(b, head.draft_vocab_size, dtype=torch.float32, device=device)
+        drafter, device, b = owner.drafter, owner.device, key.batch
+        self.features = torch.zeros(b, drafter.feature_width, dtype=drafter.dtype, device=device)
+        self.logits = torch.zeros(b, drafter.logits_width, dtype=torch.float32, device=device)
+        self.first = torch.zeros(b, dtype=torch.long, device=device)  # token 0 (a drafter that forwards first)
         self.positions = torch.zeros(b, dtype=torch.long, device=device)
         self.slots = torch.full((b,), owner.scratch_slot, dtype=torch.long, device=device)
         self.mask = torch.zeros(b, owner.num_words, dtype=torch.int32, device=device)
@@ -132,7 +165,7 @@ class _DraftGraph:
 
     def steps(self) -> torch.Tensor:
         """The draft steps, as the graph replays them: writes and returns ``picks`` [K, B]."""
-        owner, key = self.owner, self.key
+        owner, key, drafter = self.owner, self.key, self.owner.drafter
         out, logits = self.features, self.logits
         for j in range(key.drafts):
             masked = j < key.masked_steps
@@ -140,11 +173,10 @@ class _DraftGraph:
                 if j > 0:  # the tokens the publish trampoline sends: draft j-1 of every row
                     self.host_drafts[j - 1].copy_(self.picks[j - 1].to(torch.int32), non_blocking=True)
                 owner.host_functions.enqueue("gs_cb_graph_publish", self.args[j])
-            if j > 0:  # (the scheduler fills mask j meanwhile)
+            if j > 0 or drafter.forwards_first:  # (the scheduler fills mask j meanwhile)
                 positions = (self.positions + j).clamp(max=owner.max_model_len - 1)
-                out, logits = owner.head.forward_padded(
-                    out, self.picks[j - 1], positions, self.slots, owner.kv, key.key_length
-                )
+                token = self.picks[j - 1] if j > 0 else self.first
+                out, logits = drafter.draft_step(out, token, positions, self.slots, owner.kv, key.key_length)
             if masked:
                 owner.host_functions.enqueue("gs_cb_graph_wait", self.args[j])
                 self.mask.copy_(self.host_out, non_blocking=True)
@@ -152,7 +184,7 @@ class _DraftGraph:
                 allowed = ((words >> owner.mask_bit) & 1).bool() & owner.mask_inside
                 logits = logits.masked_fill(~allowed, float("-inf"))
             pick = logits.argmax(dim=-1)
-            self.picks[j].copy_(owner.head.to_target(pick))
+            self.picks[j].copy_(drafter.to_target(pick))
         return self.picks
 
     def capture(self) -> None:
@@ -161,14 +193,14 @@ class _DraftGraph:
         logger.info("captured a draft-step graph for %s (%d graphs)", self.key, len(self.owner.graphs))
 
 
-class EagleDraftGraphs:
-    """Greedy draft steps of an EAGLE head as fixed-shape graphs (rank 0). ``kv``: the head's
-    cache, one slot more than ``max_batch_size`` (the scratch slot padding rows write);
+class DraftGraphs:
+    """Greedy draft steps of a model drafter as fixed-shape graphs (rank 0). ``kv``: the
+    drafter's cache, one slot more than ``max_batch_size`` (the scratch slot padding rows write);
     ``mask_tables``: (word, bit, inside) of each draft id in a target bitmask row."""
 
     def __init__(
         self,
-        head: Any,  # spec/eagle.py's EagleHead (not imported: eagle.py imports this module)
+        drafter: GraphDrafter,
         kv: KVCache,
         max_batch_size: int,
         channel: DraftChannel,
@@ -179,9 +211,9 @@ class EagleDraftGraphs:
     ) -> None:
         if kv.num_slots < max_batch_size + 1:
             raise ValueError(f"draft graphs need a scratch slot: {kv.num_slots} slots for a batch of {max_batch_size}")
-        self.head, self.kv, self.max_batch_size = head, kv, max_batch_size
-        self.device = torch.device(head.attn.device)
-        self.max_model_len = head.attn.max_model_len
+        self.drafter, self.kv, self.max_batch_size = drafter, kv, max_batch_size
+        self.device = drafter.device
+        self.max_model_len = drafter.max_model_len
         self.scratch_slot = kv.num_slots - 1
         self.channel, self.timeout_s, self.peer_pid = channel, timeout_s, peer_pid
         self.num_words = channel.spec.num_words
@@ -211,22 +243,22 @@ class EagleDraftGraphs:
     def run(
         self,
         step: int,
-        out: torch.Tensor,
-        logits: torch.Tensor,
         rows: np.ndarray,
-        last_position: np.ndarray,
+        positions: np.ndarray,
         slots: np.ndarray,
         wanted: np.ndarray,
         masked: np.ndarray | None,
         produced: list[list[int]],
+        start: tuple[torch.Tensor, torch.Tensor] | np.ndarray,
     ) -> np.ndarray:
-        """Drafts [K, n] (target ids) for batch rows ``rows`` (n of them, in order), from the head's
-        output and draft logits at their last final positions (``out``, ``logits`` [n, ...]).
-        DraftChannelError where a grammar mask did not come."""
+        """Drafts [K, n] (target ids) for batch rows ``rows`` (n of them, in order). ``start``: an
+        EAGLE head's output and draft logits at their last final positions (``positions``), [n, ...]
+        each; for a drafter that forwards first, token 0 of every batch row (its newest token, at
+        ``positions``). DraftChannelError where a grammar mask did not come."""
         n = len(rows)
         picked = _Rows(
             rows.astype(np.int32),
-            last_position[rows].astype(np.int64),
+            positions[rows].astype(np.int64),
             np.asarray(slots)[rows].astype(np.int64),
             wanted[rows].astype(np.int32),
             masked[rows].astype(np.int32) if masked is not None else np.zeros(n, dtype=np.int32),
@@ -241,11 +273,11 @@ class EagleDraftGraphs:
         if graph is None:
             graph = self.graphs[key] = _DraftGraph(key, self)
             if self.capture:  # on padding only: the trampolines publish nothing
-                self._write(graph, step, graph.features[:0], graph.logits[:0], _Rows.none())
+                self._write(graph, step, _Rows.none(), np.zeros(0, np.int64))
                 graph.capture()
             else:
                 logger.info("draft steps for %s run eagerly, as a graph would (%d shapes)", key, len(self.graphs))
-        self._write(graph, step, out, logits, picked)
+        self._write(graph, step, picked, start if isinstance(start, tuple) else start[rows])
         if graph.graph is not None:
             graph.graph.replay()
             picks = graph.picks
@@ -261,8 +293,11 @@ class EagleDraftGraphs:
             raise DraftChannelError(wait_code, step, index, "waiting for the scheduler's mask")
         return chains
 
-    def _write(self, graph: _DraftGraph, step: int, out: torch.Tensor, logits: torch.Tensor, rows: _Rows) -> None:
-        """Lay ``rows`` out in the graph's first rows and the host buffers; the rest is padding."""
+    def _write(
+        self, graph: _DraftGraph, step: int, rows: _Rows, start: tuple[torch.Tensor, torch.Tensor] | np.ndarray
+    ) -> None:
+        """Lay ``rows`` out in the graph's first rows and the host buffers; the rest is padding.
+        ``start``: the rows' (output, draft logits), or their first tokens."""
         n, b = len(rows.batch_rows), graph.key.batch
         host = self.host
         host.step[0] = step
@@ -276,10 +311,14 @@ class EagleDraftGraphs:
         for i, tokens in enumerate(rows.produced):
             grid[i, : lengths[i]] = tokens
         host.produced[: n * MAX_PRODUCED] = torch.from_numpy(grid.ravel())
-        graph.features[:n].copy_(out)
-        graph.logits[:n].copy_(logits)
-        graph.features[n:].zero_()
-        graph.logits[n:].zero_()
+        graph.features.zero_()
+        graph.logits.zero_()
+        graph.first.zero_()
+        if isinstance(start, tuple):
+            graph.features[:n].copy_(start[0])
+            graph.logits[:n].copy_(start[1])
+        else:
+            graph.first[:n].copy_(torch.from_numpy(start.astype(np.int64)))
         graph.positions[:n].copy_(torch.from_numpy(rows.positions))
         graph.positions[n:] = 0
         graph.slots[:n].copy_(torch.from_numpy(rows.slots))

@@ -20,16 +20,23 @@ from the draft's own masked distribution q' (the request's temperature, top-k, t
 keeps q' until the next step verifies those drafts with rejection sampling (``DraftSampling``,
 ``verify.py``).
 
+With ``graph_grammar`` (``use_graphs``), greedy rows run the newest token's forward and every
+draft step as one fixed-shape graph, grammar waits inside (``draft_graph.py``; captured on CUDA,
+the same sequence eagerly on the CPU); a draft model with a cache of its own runs the final
+tokens before the newest first.
+
 Draft models: ``"int8"`` (the target's weights rounded to int8 with a scale per output row: a
 quarter of the bytes to read per draft step with the CPU kernel, and drafts that nearly always
 agree with the target), ``"self"`` (the target's own weights: every greedy draft is accepted; a
 test of the mechanics, not a speed-up), ``"layers:N"`` (the target's first N layers with its
 final norm and LM head: weak drafts without training), or a folder holding a smaller model with
-the same tokenizer. Where the target is whole on rank 0 (TP=1), ``"int8"``, ``"self"`` and
-``"layers:N"`` use the target's KV cache (``shared``; ``"self"`` and ``"layers:N"`` its weights too),
-which the target's forward has already filled for every final token — so nothing is followed or held back, a
-proposal runs only the newest token and the drafts, and a request costs the draft model
-nothing before its first proposal (no prefill of its prompt). Draft steps write the cache
+the same tokenizer (on CUDA, ``"int8"`` keeps the rounded values at the model's dtype: there is
+no int8 kernel there yet, so it saves nothing). Where the target is whole on rank 0 (TP=1),
+``"int8"``, ``"self"`` and ``"layers:N"`` use the target's KV cache (``shared``; ``"self"`` and
+``"layers:N"`` its weights too), which the target's forward has already filled for every final
+token — so nothing is followed or held back, a proposal runs only the newest token and the
+drafts, and a request costs the draft model nothing before its first proposal (no prefill of its
+prompt). Draft steps write the cache
 past the final positions, which the target's next forward overwrites before reading.
 """
 
@@ -43,8 +50,10 @@ import numpy as np
 import torch
 
 from guidespec.config import ModelConfig
+from guidespec.cuda_ext.channel import DraftChannel
 from guidespec.protocol import StepInputs
 from guidespec.model_files import load_hf_config
+from guidespec.spec.draft_graph import DraftGraphs
 from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.mask import apply_bitmask
 from guidespec.worker.model import ForwardBatch, LlamaModel
@@ -169,6 +178,7 @@ class DraftRunner:
         max_model_len: int,
         target_vocab_size: int,
         target: tuple[LlamaModel, KVCache] | None = None,
+        device: str = "cpu",
     ) -> None:
         model_dir, num_layers, int8 = _resolve(spec, target_dir)
         hf_config = load_hf_config(model_dir)
@@ -191,14 +201,33 @@ class DraftRunner:
             self.model = target[0].first_layers(cfg.num_layers)
             self.kv = target[1].first_layers(cfg.num_layers)
         else:
-            self.model = LlamaModel(cfg, TPInfo(), dtype, max_model_len)  # whole, on rank 0 alone
+            self.model = LlamaModel(cfg, TPInfo(), dtype, max_model_len, device)  # whole, on rank 0 alone
             self.model.load(model_dir, hf_config, show_progress=False)
-            self.kv = self.model.create_kv_cache(max_batch_size)
+            self.kv = self.model.create_kv_cache(max_batch_size + 1)  # (the last: the draft graphs' scratch slot)
         if int8:
             self.model = self.model.int8_copy()
         self.sampling = DraftSampling(target_vocab_size)
         self.backlog: dict[int, tuple[int, list[int]]] = {}  # slot -> (first position, final tokens not yet run)
         self._unproposed: list[tuple[int, int, list[int]]] | None = None  # the last step's rows, until propose
+        self.max_batch_size, self.vocab_size = max_batch_size, target_vocab_size
+        self.graphs: DraftGraphs | None = None  # fixed-shape draft steps, set by use_graphs
+
+    def use_graphs(self, channel: DraftChannel, timeout_s: float, peer_pid: int, capture: bool) -> None:
+        """Run greedy draft steps as fixed-shape graphs whose grammar waits are the draft channel's
+        C trampolines in stream order (captured CUDA graphs, or on the CPU the same steps eagerly).
+        The cache needs a scratch slot: a shared one is the target's, which has one where the
+        worker runs graphs."""
+        ids = torch.arange(self.vocab_size)
+        self.graphs = DraftGraphs(
+            ModelDraftSteps(self.model),
+            self.kv,
+            self.max_batch_size,
+            channel,
+            timeout_s,
+            peer_pid,
+            capture,
+            (ids >> 5, ids & 31, torch.ones(self.vocab_size, dtype=torch.bool)),
+        )
 
     capture = None  # no target features needed (an EAGLE head needs them: eagle.py)
 
@@ -243,8 +272,8 @@ class DraftRunner:
         positions = first_logits + counts
         wanted = np.minimum(inputs.draft_lens, self.max_model_len - 1 - positions)
         wanted[counts == 0] = 0
-        chunk_ids: list[int] = []
-        slots, starts, lens, proposing = [], [], [], []
+        chunks: list[list[int]] = []
+        slots, starts, proposing = [], [], []
         for b in range(inputs.batch_size):
             slot, start = int(inputs.slots[b]), int(inputs.start_positions[b])
             m = int(inputs.num_new_tokens[b]) - max(int(inputs.num_logits[b]), 1) + 1  # the row's non-draft tokens
@@ -261,20 +290,44 @@ class DraftRunner:
                 held = self.backlog.pop(slot, None)
                 if start > 0 and held is not None and held[0] + len(held[1]) == start:
                     start, final = held[0], held[1] + final
-            chunk_ids.extend(final)
+            chunks.append(final)
             slots.append(slot)
             starts.append(start)
-            lens.append(len(final))
             proposing.append(b)
         drafts: list[list[int]] = [[] for _ in range(inputs.batch_size)]
         if not proposing:
             return flat_drafts(drafts)
         rows = np.array(proposing, dtype=np.int64)
-        self.sampling.start()
-        batch = ForwardBatch.create(chunk_ids, slots, starts, lens, np.ones(len(rows), dtype=np.int32))
-        current = np.zeros(0, dtype=np.int64)
         masked = inputs.draft_masked if masks is not None else None
         produced = [tokens[end - n : end].tolist() for end, n in zip(ends.tolist(), counts.tolist())]
+        if self.graphs is not None and self.graphs.fits(rows, wanted, inputs.temperature, produced):
+            # greedy rows: the newest token's forward and every draft step in one fixed-shape graph,
+            # grammar waits included; final tokens before the newest (a cache of its own) run first
+            before = [i for i, chunk in enumerate(chunks) if len(chunk) > 1]
+            if before:
+                batch = ForwardBatch.create(
+                    [t for i in before for t in chunks[i][:-1]],
+                    [slots[i] for i in before],
+                    [starts[i] for i in before],
+                    [len(chunks[i]) - 1 for i in before],
+                    np.ones(len(before), dtype=np.int32),
+                )
+                self.model.forward(batch, self.kv)
+            newest = np.zeros(inputs.batch_size, dtype=np.int64)
+            newest[rows] = [chunk[-1] for chunk in chunks]
+            chains = self.graphs.run(inputs.step, rows, positions, inputs.slots, wanted, masked, produced, newest)
+            for i, b in enumerate(rows.tolist()):
+                drafts[b] = chains[: wanted[b], i].tolist()
+            return flat_drafts(drafts)
+        self.sampling.start()
+        batch = ForwardBatch.create(
+            [t for chunk in chunks for t in chunk],
+            slots,
+            starts,
+            [len(chunk) for chunk in chunks],
+            np.ones(len(rows), dtype=np.int32),
+        )
+        current = np.zeros(0, dtype=np.int64)
         for step in range(int(wanted.max(initial=0))):
             if step > 0:
                 live = wanted[rows] > step
@@ -292,10 +345,40 @@ class DraftRunner:
             assert logits is not None
             if masks is not None and masked is not None:
                 apply_masks(logits, local, step, masks)
-            current = self.sampling.choose(logits, rows, inputs, counts, step).numpy()
+            current = self.sampling.choose(logits, rows, inputs, counts, step).cpu().numpy()
             for b, token in zip(rows.tolist(), current.tolist()):
                 drafts[b].append(int(token))
         return flat_drafts(drafts)
+
+
+class ModelDraftSteps:
+    """A draft model's draft step for the fixed-shape draft graphs (``draft_graph.GraphDrafter``):
+    one token per row through the whole model, no state carried between steps but the cache."""
+
+    forwards_first = True  # draft 0 comes from the newest token's forward, in the graph
+    feature_width = 1  # (nothing: the graphs' feature buffer stays unread)
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
+        self.device, self.dtype = torch.device(model.device), model.dtype
+        self.max_model_len, self.logits_width = model.max_model_len, model.cfg.vocab_size
+
+    def draft_step(
+        self,
+        features: torch.Tensor,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        kv: KVCache,
+        key_length: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model.forward_padded(kv, token_ids, positions, slots, slots, 1, key_length)
+        logits = self.model.compute_logits(hidden)
+        assert logits is not None  # (a draft model is whole on rank 0)
+        return features, logits
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
 
 
 def flat_drafts(drafts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -39,7 +39,7 @@ import torch
 from guidespec.config import ModelConfig
 from guidespec.cuda_ext.channel import DraftChannel
 from guidespec.protocol import StepInputs
-from guidespec.spec.draft_graph import EagleDraftGraphs
+from guidespec.spec.draft_graph import DraftGraphs
 from guidespec.spec.draft_model import DraftSampling, MaskSource, apply_masks, flat_drafts, post_masks
 from guidespec.worker.kernels import Weight, embedding, linear, pack
 from guidespec.worker.kv_cache import KVCache
@@ -169,6 +169,23 @@ class EagleHead:
         # attention and rotary: our decoder's own code, on a one-layer model of the head's shape
         self.attn = LlamaModel(head_cfg, TPInfo(), dtype, max_model_len, device)
         self.attn._init_rotary(_rotary_config(target_hf_config, head_cfg))
+        # what the draft graphs read (draft_graph.GraphDrafter)
+        self.device, self.max_model_len = torch.device(device), max_model_len
+        self.feature_width, self.logits_width = head_cfg.hidden_size, self.draft_vocab_size
+
+    forwards_first = False  # draft 0 comes from the follow run's output
+
+    def draft_step(
+        self,
+        features: torch.Tensor,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        kv: KVCache,
+        key_length: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step of ``B`` rows: :meth:`forward_padded` of one token each."""
+        return self.forward_padded(features, token_ids, positions, slots, kv, key_length)
 
     @property
     def capture(self) -> tuple[int, ...] | str:
@@ -290,12 +307,12 @@ class EagleRunner:
         self._mask_inside = ids < self.vocab_size
         ids = ids.clamp(max=self.vocab_size - 1)
         self._mask_word, self._mask_bit = ids >> 5, ids & 31
-        self.graphs: EagleDraftGraphs | None = None  # fixed-shape draft steps, set by use_graphs
+        self.graphs: DraftGraphs | None = None  # fixed-shape draft steps, set by use_graphs
 
     def use_graphs(self, channel: DraftChannel, timeout_s: float, peer_pid: int, capture: bool) -> None:
         """Run greedy draft steps as fixed-shape graphs whose grammar waits are the draft channel's
         C trampolines in stream order (captured CUDA graphs, or on the CPU the same steps eagerly)."""
-        self.graphs = EagleDraftGraphs(
+        self.graphs = DraftGraphs(
             self.head,
             self.kv,
             self.max_batch_size,
@@ -450,7 +467,7 @@ class EagleRunner:
             assert self.graphs is not None
             # greedy rows: every draft step in one fixed-shape graph, grammar waits included
             chains = self.graphs.run(
-                inputs.step, out, logits, rows, last_position, inputs.slots, wanted, masked, produced
+                inputs.step, rows, last_position, inputs.slots, wanted, masked, produced, (out, logits)
             )
             for i, b in enumerate(rows.tolist()):
                 drafts[b] = chains[: wanted[b], i].tolist()

@@ -48,7 +48,7 @@ import torch
 from guidespec.cuda_ext.channel import OK, VERIFY, DraftChannelError
 from guidespec.cuda_ext.host_functions import VerifyWaitArgs
 from guidespec.protocol import NO_TOKEN, StepInputs
-from guidespec.spec.draft_graph import MAX_GRAPH_DRAFTS, MAX_PRODUCED, DraftGraphKey, EagleDraftGraphs, _DraftGraph
+from guidespec.spec.draft_graph import MAX_GRAPH_DRAFTS, MAX_PRODUCED, DraftGraphKey, DraftGraphs, _DraftGraph
 from guidespec.worker.graphs import (
     MAX_GRAPH_TOKENS,
     GraphKey,
@@ -223,7 +223,7 @@ class EagleStepGraphs:
         max_logits_rows: int,
         verify_timeout_s: float,
     ) -> None:
-        draft_graphs: EagleDraftGraphs | None = runner.graphs
+        draft_graphs: DraftGraphs | None = runner.graphs
         if draft_graphs is None:
             raise ValueError("fused steps need the head's draft graphs (EagleRunner.use_graphs)")
         if kv.num_slots - 1 != draft_graphs.scratch_slot:

@@ -111,9 +111,9 @@ class Worker:
         arena = cfg.broadcast.arena
         max_rows = arena.num_rows if arena is not None else cfg.max_batch_size * _ROWS_PER_REQUEST
         # CUDA graphs pad batches onto a scratch slot: one KV slot more than the batch (an EAGLE
-        # head's features come out of the graphs too; a draft model shares the eager cache)
-        use_graphs = cuda and not cfg.enforce_eager and (cfg.draft_model is None or cfg.draft_method == "eagle")
-        num_slots = cfg.max_batch_size + (1 if use_graphs or cfg.fused_steps else 0)
+        # head's features come out of the graphs too; a draft model sharing the cache pads onto it)
+        use_graphs = cuda and not cfg.enforce_eager
+        num_slots = cfg.max_batch_size + (1 if use_graphs or cfg.fused_steps or cfg.draft_graphs else 0)
         check_device_memory(
             model_cfg,
             dtype,
@@ -156,7 +156,10 @@ class Worker:
                     cfg.max_model_len,
                     model_cfg.vocab_size,
                     (self.model, self.kv),
+                    cfg.device,
                 )
+                if cfg.draft_graphs and self.drafts is not None:  # draft steps as graphs, grammar waits inside
+                    self.drafter.use_graphs(self.drafts, envs.draft_mask_timeout_s(), cfg.scheduler_pid, capture=cuda)
         # whole greedy EAGLE steps as one graph each (spec/step_graph.py): rank 0 runs the step, the
         # other ranks its target part (every rank decides from the step's inputs alone)
         self.step_graphs: EagleStepGraphs | None = None

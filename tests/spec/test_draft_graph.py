@@ -1,8 +1,8 @@
-"""EAGLE draft steps as one fixed-shape graph (spec/draft_graph.py), run on the CPU the way a CUDA
-graph replays them: the draft channel's C trampolines publish each draft step and wait for its
-mask in stream order, against a scheduler on another thread of the real channel. The drafts equal
-the step-by-step path's; a missing, stale or dead scheduler's mask forbids acceptance, reports
-the error, and never hangs."""
+"""Draft steps of an EAGLE head or a draft model as one fixed-shape graph (spec/draft_graph.py),
+run on the CPU the way a CUDA graph replays them: the draft channel's C trampolines publish each
+draft step and wait for its mask in stream order, against a scheduler on another thread of the
+real channel. The drafts equal the step-by-step path's; a missing, stale or dead scheduler's mask
+forbids acceptance, reports the error, and never hangs."""
 
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ from guidespec.config import ModelConfig
 from guidespec.cuda_ext.channel import DONE, PEER_GONE, STALE, TIMEOUT, ChannelSpec, DraftChannel, DraftChannelError
 from guidespec.model_files import load_hf_config
 from guidespec.protocol import StepInputs
+from guidespec.spec.draft_model import DraftRunner
 from guidespec.spec.eagle import EagleRunner, default_aux_layers, save_head
 from guidespec.spec.train_eagle import head_config
+from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.tp import TPInfo
 from tests.conftest import make_tiny_model
@@ -67,11 +69,32 @@ def _runner(setup, channel: DraftChannel | None, timeout_s: float = 10.0, peer: 
     return runner
 
 
-def _propose(runner: EagleRunner, model: LlamaModel, wanted: list[int], masked: list[int], masks=None):  # type: ignore[no-untyped-def]
+def _draft_model(  # type: ignore[no-untyped-def]
+    setup, spec: str, shared: bool, channel: DraftChannel | None, timeout_s: float = 10.0, peer: int = 0
+) -> tuple[DraftRunner, KVCache]:
+    """A draft model and the target's cache (one slot more than the batch: the scratch slot),
+    which it shares (``shared``: the target's own layers at TP=1) or not (a cache of its own)."""
+    folder, model, _, _ = setup
+    kv = model.create_kv_cache(5)
+    runner = DraftRunner(spec, folder, torch.float32, 4, MAX_LEN, VOCAB, (model, kv) if shared else None)
+    assert runner.shared == shared
+    if channel is not None:
+        runner.use_graphs(channel, timeout_s, peer or os.getpid(), capture=False)
+    return runner, kv
+
+
+def _propose(  # type: ignore[no-untyped-def]
+    runner: EagleRunner | DraftRunner,
+    model: LlamaModel,
+    wanted: list[int],
+    masked: list[int],
+    masks=None,
+    kv: KVCache | None = None,
+):
     """A verify step of three rows (slots 0-2): each runs its prompt and drafts, all accepted
     (``PRODUCED``: the drafts, then the bonus token); then ``wanted`` drafts are proposed, the
     first ``masked`` of each row's under its grammar."""
-    kv = model.create_kv_cache(4)
+    kv = kv if kv is not None else model.create_kv_cache(4)
     rows = [p + d[:-1] for p, d in zip(PROMPTS, PRODUCED)]
     tokens = np.array([t for r in rows for t in r], dtype=np.int32)
     n = len(rows)
@@ -100,24 +123,40 @@ def _propose(runner: EagleRunner, model: LlamaModel, wanted: list[int], masked: 
     return runner.propose(inputs, produced, num_logits, masks)
 
 
+DRAFTERS = ["eagle", "draft model, shared cache", "int8 draft model, own cache"]
+
+
+def _drafter(setup, drafter: str, channel: DraftChannel | None, timeout_s: float = 10.0, peer: int = 0):  # type: ignore[no-untyped-def]
+    """(runner, the target's cache for the step) of one of ``DRAFTERS``."""
+    if drafter == "eagle":
+        return _runner(setup, channel, timeout_s, peer), None
+    spec = "layers:1" if "shared" in drafter else "int8"
+    return _draft_model(setup, spec, "shared" in drafter, channel, timeout_s, peer)
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
 @pytest.mark.parametrize("mask_steps", ["all", "first"])
-def test_graph_drafts_equal_step_by_step_drafts_under_the_grammar(setup, mask_steps: str) -> None:  # type: ignore[no-untyped-def]
-    """Every draft step masked, or only the first (``draft_mask_steps=1``: one round trip)."""
+def test_graph_drafts_equal_step_by_step_drafts_under_the_grammar(setup, mask_steps: str, drafter: str) -> None:  # type: ignore[no-untyped-def]
+    """Every draft step masked, or only the first (``draft_mask_steps=1``: one round trip); an
+    EAGLE head (draft 0 from its follow run) or a draft model (the newest token's forward inside
+    the graph, with its own cache or the target's)."""
     _, model, _, _ = setup
     wanted, masked = [3, 1, 2], ([3, 0, 2] if mask_steps == "all" else [1, 0, 1])
     logs: dict[str, list] = {"steps": [], "graph": []}
     with _channel() as channel, _scheduling(channel, logs["steps"]):
+        runner, kv = _drafter(setup, drafter, None)
         step_by_step = _propose(
-            _runner(setup, None),
+            runner,
             model,
             wanted,
             masked,
             Exchange(lambda j, rows, seqs: channel.exchange(7, j, rows, seqs, 10.0, os.getpid())),
+            kv,
         )
     with _channel() as channel:  # (a step's exchanges happen once: a new channel for the second run)
-        runner = _runner(setup, channel)
+        runner, kv = _drafter(setup, drafter, channel)
         with _scheduling(channel, logs["graph"]):
-            graph = _propose(runner, model, wanted, masked, Exchange(lambda *_: pytest.fail("not the graph")))
+            graph = _propose(runner, model, wanted, masked, Exchange(lambda *_: pytest.fail("not the graph")), kv)
     assert runner.graphs is not None and runner.graphs.runs == 1
     assert [list(a) for a in graph] == [list(a) for a in step_by_step]
     assert graph[1].tolist() == wanted
@@ -162,19 +201,22 @@ def test_step_by_step_drafts_ask_for_each_mask_before_the_forward_it_follows(set
     assert [list(a) for a in got] == [list(a) for a in expected]
 
 
-def test_unguided_graph_drafts_never_touch_the_channel(setup) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_unguided_graph_drafts_never_touch_the_channel(setup, drafter: str) -> None:  # type: ignore[no-untyped-def]
     _, model, _, _ = setup
-    expected = _propose(_runner(setup, None), model, [2, 3, 1], [0] * 3)
+    runner, kv = _drafter(setup, drafter, None)
+    expected = _propose(runner, model, [2, 3, 1], [0] * 3, None, kv)
     with _channel() as channel:
-        runner = _runner(setup, channel, timeout_s=0.05)  # no scheduler: a wait would time out
-        got = _propose(runner, model, [2, 3, 1], [0] * 3)
+        runner, kv = _drafter(setup, drafter, channel, timeout_s=0.05)  # no scheduler: a wait would time out
+        got = _propose(runner, model, [2, 3, 1], [0] * 3, None, kv)
         assert channel.last_error()[0] == 0
     assert [list(a) for a in got] == [list(a) for a in expected]
     assert runner.graphs is not None and runner.graphs.runs == 1
 
 
+@pytest.mark.parametrize("drafter", DRAFTERS)
 @pytest.mark.parametrize("fault", ["missing", "stale", "dead scheduler"])
-def test_a_mask_that_does_not_come_right_fails_the_proposal_and_says_so(setup, fault: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_mask_that_does_not_come_right_fails_the_proposal_and_says_so(setup, fault: str, drafter: str) -> None:  # type: ignore[no-untyped-def]
     _, model, _, _ = setup
     expected = {"missing": TIMEOUT, "stale": STALE, "dead scheduler": PEER_GONE}[fault]
     log: list = []
@@ -184,12 +226,12 @@ def test_a_mask_that_does_not_come_right_fails_the_proposal_and_says_so(setup, f
             process = subprocess.Popen(["true"])
             process.wait()
             peer = process.pid  # gone: the wait ends at once, not at its 30 s deadline
-        runner = _runner(setup, channel, timeout_s=30.0 if peer else 0.3, peer=peer)
+        runner, kv = _drafter(setup, drafter, channel, timeout_s=30.0 if peer else 0.3, peer=peer)
         with _scheduling(channel, log, answer_step=answer_step) if not peer else contextlib.nullcontext():
             started = time.monotonic()
             with pytest.raises(DraftChannelError) as failure:
                 not_called = Exchange(lambda *_: pytest.fail("not the graph"))
-                _propose(runner, model, [3, 1, 2], [3, 0, 2], not_called)
+                _propose(runner, model, [3, 1, 2], [3, 0, 2], not_called, kv)
             assert time.monotonic() - started < 10
         assert failure.value.code == expected and failure.value.step == 7
         assert channel.last_error() == (expected, 7, 0)
@@ -235,8 +277,8 @@ def _scheduling(channel: DraftChannel, log: list, answer_step: int | None = 7) -
 
 def test_where_draft_steps_run_as_graphs() -> None:
     """``graph_grammar``: None (the default) is on where CUDA graphs are; True or False decides,
-    also on the CPU; --enforce-eager wins on CUDA; only an EAGLE head drafts in graphs. The CLI
-    flag reaches the engine's arguments."""
+    also on the CPU; --enforce-eager wins on CUDA; only model drafters (an EAGLE head, a draft
+    model) draft in graphs. The CLI flag reaches the engine's arguments."""
     import argparse
 
     from guidespec.config import EngineConfig, SpeculativeConfig
@@ -264,6 +306,7 @@ def test_where_draft_steps_run_as_graphs() -> None:
         device="cuda", graph_grammar=True, enforce_eager=True
     )
     assert not graphs(device="cuda", speculative=SpeculativeConfig(method="ngram"))
+    assert graphs(device="cuda", speculative=SpeculativeConfig(method="draft_model", draft_model="int8"))
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     for flags, expected in (([], None), (["--graph-grammar"], True), (["--no-graph-grammar"], False)):

@@ -202,6 +202,26 @@ def test_eagle_graphs_equal_step_by_step_and_plain_greedy(
         assert (fused_steps > 0) == (label == "fused"), (label, fused_steps)
 
 
+@pytest.mark.parametrize("draft", ["int8", "layers:2"])
+def test_draft_model_graphs_equal_step_by_step_and_plain_greedy(random_model: Path, draft: str) -> None:
+    """A draft model sharing the target's weights and cache on the GPU (``int8``: its weights
+    rounded; ``layers:2``: its first layers), its draft steps as captured graphs (the newest
+    token's forward and each draft step, grammar waits as host nodes) and one by one: the same
+    greedy tokens as no speculation, with drafts proposed and verified."""
+    speculative = dict(method="draft_model", draft_model=draft, adaptive=False, max_draft_len=3)
+    runs = {}
+    for label, options in (
+        ("plain", {}),
+        ("graphs", dict(speculative=speculative, graph_grammar=True)),
+        ("steps", dict(speculative=speculative, graph_grammar=False)),
+    ):
+        with _fp32_engine(random_model, **options) as llm:
+            runs[label] = _run(llm, _mixed())
+    for label in ("graphs", "steps"):
+        assert [o.token_ids for o in runs[label]] == [o.token_ids for o in runs["plain"]], label
+        assert sum(o.stats.num_draft_tokens for o in runs[label]) > 0, label
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="TP=2 on the GPU needs two GPUs")
 def test_tp2_equals_tp1(random_model: Path) -> None:
     runs = {}

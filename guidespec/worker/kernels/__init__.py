@@ -173,6 +173,10 @@ def quantize(weight: Weight) -> Weight:
     without the saving). A GGUF weight is already smaller: it stays as it is."""
     if isinstance(weight, GGUFWeight):
         return weight
+    if isinstance(weight, torch.Tensor) and weight.device.type != "cpu":  # no int8 kernel there: the values
+        w = weight.float()
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+        return (torch.round(w / scale).clamp(-127, 127) * scale).to(weight.dtype)
     quantized = QuantizedWeight(dense(weight))
     return quantized if _library() is not None else quantized.dequantize()
 
