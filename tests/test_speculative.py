@@ -120,16 +120,22 @@ def test_requests_that_do_not_speculate_still_jump_forward(references: dict[str,
 
 
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
-def test_greedy_speculative_equals_greedy_plain(references: dict[str, list[list[int]]], drafter: str) -> None:
+def test_greedy_speculative_equals_greedy_plain(
+    references: dict[str, list[list[int]]], drafter: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """Every drafter on xgrammar's requests; n-gram and the int8 draft model on llguidance's too
-    (the same engine: a request picks its backend); the int8 draft model with its draft
-    steps as graphs (``graph_grammar``)."""
+    (the same engine: a request picks its backend); the int8 draft model with its draft steps as
+    graphs and its greedy steps fused (``graph_grammar``: verify, acceptance and the draft steps in
+    one sequence, the draft model sharing the target's cache)."""
     backends = BACKENDS if drafter in ("ngram", "draft-model-int8") else BACKENDS[:1]
     options = ENGINE_OPTIONS.get(drafter, {})
+    monkeypatch.setenv("GUIDESPEC_TRACE", str(tmp_path / "trace.json"))
     with LLM(max_batch_size=8, show_progress=False, speculative=DRAFTERS[drafter], **options) as llm:
         runs = {backend: _run(llm, _requests(backend)) for backend in backends}
     for backend, outs in runs.items():
         assert [o.token_ids for o in outs] == references[backend], backend
+    fused_steps = json.loads((tmp_path / "trace.json").read_text())["summary"]["fused_steps"]
+    assert (fused_steps > 0) == bool(options.get("graph_grammar")), fused_steps
     outs = runs["xgrammar"]
     assert sum(o.stats.num_spec_steps for o in outs) > 0
     accepted, drafted = (sum(getattr(o.stats, f) for o in outs) for f in ("num_accepted_tokens", "num_draft_tokens"))
@@ -141,9 +147,14 @@ def test_greedy_speculative_equals_greedy_plain(references: dict[str, list[list[
         assert accepted > 0.2 * drafted
 
 
-def test_tensor_parallel_speculative_equals_plain_and_llguidance(tp2_references: dict[str, list[list[int]]]) -> None:
+def test_tensor_parallel_speculative_equals_plain_and_llguidance(
+    tp2_references: dict[str, list[list[int]]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """TP=2: the draft model (on rank 0 alone) keeps its own cache and follows the target; prompt
-    lookup drafts beside it (the longer valid draft wins)."""
+    lookup drafts beside it (the longer valid draft wins). With ``graph_grammar`` (as on CUDA by
+    default) greedy steps run fused: rank 0 the whole step, its draft model following the step's
+    tokens in its own cache, rank 1 the target's part."""
+    monkeypatch.setenv("GUIDESPEC_TRACE", str(tmp_path / "trace.json"))
     speculative = {"method": "draft_model", "draft_model": "int8", "combine_ngram": True}
     with LLM(
         max_batch_size=8,
@@ -151,9 +162,11 @@ def test_tensor_parallel_speculative_equals_plain_and_llguidance(tp2_references:
         tensor_parallel_size=2,
         grammar_backend="llguidance",
         speculative=speculative,
+        graph_grammar=True,
     ) as llm:
         outs = _run(llm, _requests(backend="llguidance"))
     assert [o.token_ids for o in outs] == tp2_references["llguidance"]
+    assert json.loads((tmp_path / "trace.json").read_text())["summary"]["fused_steps"] > 0
     for case, out in zip(_jme_cases(3), outs):
         assert out.finish_reason == "stop" and validate_output(out.text, case["schema"]) is None
     assert sum(o.stats.num_accepted_tokens for o in outs) > 0

@@ -109,8 +109,6 @@ class EngineProcesses:
             self.drafts is not None
             and self.arena is not None
             and _draft_graphs(cfg)
-            and cfg.speculative is not None
-            and cfg.speculative.method == "eagle"
             and not cfg.remote_ranks
             and envs.fused_steps()
         )

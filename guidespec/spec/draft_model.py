@@ -54,6 +54,7 @@ from guidespec.cuda_ext.channel import DraftChannel
 from guidespec.protocol import StepInputs
 from guidespec.model_files import load_hf_config
 from guidespec.spec.draft_graph import DraftGraphs
+from guidespec.worker.graphs import GraphKey, StaticBuffers, padded_forward
 from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.mask import apply_bitmask
 from guidespec.worker.model import ForwardBatch, LlamaModel
@@ -254,6 +255,39 @@ class DraftRunner:
             self.backlog[slot] = (start, list(ids))  # (a gap only weakens drafts: the cache keeps older values)
         else:
             held[1].extend(ids)
+
+    @torch.inference_mode()
+    def catch_up(self, inputs: StepInputs) -> int:
+        """Before a fused step (``step_graph.py``, which follows only the step's own positions):
+        run the final tokens of the step's rows held back before it (a row the adaptive plan did
+        not draft for, a step without logits), as ``propose`` runs them. The number of tokens run;
+        none where the cache is the target's."""
+        if self.shared:
+            return 0
+        if self._unproposed is not None:  # a step that proposed nothing (no logits)
+            for slot, start, ids in self._unproposed:
+                self._hold(slot, start, ids)
+            self._unproposed = None
+        ids, slots, starts, lens = [], [], [], []
+        for slot, start in zip(inputs.slots.tolist(), inputs.start_positions.tolist()):
+            held = self.backlog.pop(slot, None)
+            if held is None or held[0] + len(held[1]) != start:  # (a gap: dropped, as propose does)
+                continue
+            ids.extend(held[1])
+            slots.append(slot)
+            starts.append(held[0])
+            lens.append(len(held[1]))
+        if slots:
+            self.model.forward(ForwardBatch.create(ids, slots, starts, lens, np.ones(len(slots), np.int32)), self.kv)
+        return len(ids)
+
+    def follow_padded(
+        self, features: torch.Tensor | None, picks: torch.Tensor, buffers: StaticBuffers, key: GraphKey
+    ) -> None:
+        """A fused step's follow (``step_graph.py``): a cache of its own takes the step's tokens
+        (rejected drafts write past the row's end); a shared one has them from the target's forward."""
+        if not self.shared:
+            padded_forward(self.model, self.kv, buffers)
 
     @torch.inference_mode()
     def propose(

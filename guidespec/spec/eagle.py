@@ -41,6 +41,7 @@ from guidespec.cuda_ext.channel import DraftChannel
 from guidespec.protocol import StepInputs
 from guidespec.spec.draft_graph import DraftGraphs
 from guidespec.spec.draft_model import DraftSampling, MaskSource, apply_masks, flat_drafts, post_masks
+from guidespec.worker.graphs import GraphKey, StaticBuffers
 from guidespec.worker.kernels import Weight, embedding, linear, pack
 from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.model import ForwardBatch, LlamaModel, _rms_norm
@@ -375,6 +376,24 @@ class EagleRunner:
             batch = ForwardBatch.create(np.array(ids), slots, starts, lens, np.ones(len(slots), dtype=np.int32))
             self.head.forward(torch.cat(feats), batch.token_ids, batch, self.kv)
         return len(ids)
+
+    def follow_padded(
+        self, features: torch.Tensor | None, picks: torch.Tensor, buffers: StaticBuffers, key: GraphKey
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fused step's follow (``step_graph.py``): the head over every position of the step laid
+        out padded, the target's picks as the tokens that follow (rejected positions write past
+        the row's end). Its (output, draft logits) of every position."""
+        assert features is not None, "the target forward did not keep the features the EAGLE head needs"
+        return self.head.forward_padded(
+            features,
+            picks,
+            buffers.positions,
+            buffers.row_slots,
+            self.kv,
+            key.key_length,
+            key.tokens_per_row,
+            buffers.token_slots,
+        )
 
     def _final_positions(
         self, slot: int, start: int, true: list[int], features: torch.Tensor, produced: int

@@ -1,12 +1,15 @@
-"""A whole greedy EAGLE speculative step as one fixed-shape graph (rank 0): the target's verify
-forward, the wait for the step's verify masks, acceptance on the device, the head's forward
-over the step's positions and the next step's draft steps, grammar waits inside.
+"""A whole greedy speculative step of a model drafter as one fixed-shape graph (rank 0): the
+target's verify forward, the wait for the step's verify masks, acceptance on the device, the
+drafter following the step's positions and the next step's draft steps, grammar waits inside.
 
     target forward over B rows x n tokens (the last accepted token, then the drafts)
     LM head;  [guided] wait for the verify masks (C);  copy them host-to-device;  -inf where forbidden
     picks = argmax;  accepted = leading drafts equal to the picks;  count = accepted + 1
-    head forward over the n positions (the target's features, the picks as next tokens)
-    the head's output at each row's last produced position -> the draft steps (draft_graph.py)
+    follow:  EAGLE: head forward over the n positions (the target's features, the picks as next tokens)
+             draft model with a cache of its own: its forward over the step's n tokens
+             draft model sharing the target's cache: nothing (the target's forward wrote it)
+    the draft steps (draft_graph.py), from each row's last produced position (EAGLE: the head's
+        output there) or its newest token, the last pick, one position further (a draft model)
     copy picks, counts and drafts device-to-host
 
 The scheduler fills the verify masks while the target's layers run, as it does for a step that
@@ -17,13 +20,14 @@ rejected ones too, with the target's own picks as the tokens that follow: at an 
 position the pick is the draft, at the last produced one it is the bonus token, and what the
 rejected positions write into the head's cache lies past the row's end, rewritten before it is
 read (as the target's rejected keys are). So the head's cache after the step holds what the
-step-by-step path (``EagleRunner.propose``) writes, and its drafts are the same.
+step-by-step path (``EagleRunner.propose``) writes, and its drafts are the same; a draft model's
+cache likewise (``DraftRunner.propose``).
 
 A step runs fused when every row is a greedy verify step without penalties, drafting at most
 ``MAX_GRAPH_DRAFTS`` (or none: where the adaptive plan drafts for no row, the head still
 follows, so its cache never falls behind); others run step by step. Positions of its rows the
 head has not followed yet (a row the adaptive plan held back, a step without logits, a prefill
-chunk's last position) run through the head eagerly first (``EagleRunner.catch_up``). The
+chunk's last position) run through the drafter eagerly first (``catch_up``). The
 decision reads the step's inputs alone, so tensor-parallel ranks agree: the other ranks run the
 target's part of the graph (:class:`FusedStepFollower`), whose collectives match rank 0's. On CUDA each
 :class:`StepGraphKey` is captured once and replayed; on the CPU the same sequence runs eagerly
@@ -40,7 +44,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -65,9 +69,31 @@ from guidespec.worker.model import ForwardBatch, LlamaModel
 logger = logging.getLogger(__name__)
 
 
+class FusedDrafter(Protocol):
+    """What a fused step needs of rank 0's model drafter (``EagleRunner``, ``DraftRunner``)."""
+
+    graphs: DraftGraphs | None  # its draft steps as graphs (``use_graphs``)
+
+    @property
+    def capture(self) -> tuple[int, ...] | str | None:
+        """The target features it reads (None: none)."""
+        ...
+
+    def catch_up(self, inputs: StepInputs) -> int:
+        """Run the positions of the step's rows it has not followed yet; their number."""
+        ...
+
+    def follow_padded(
+        self, features: torch.Tensor | None, picks: torch.Tensor, buffers: StaticBuffers, key: GraphKey
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Follow the step laid out padded in ``buffers`` (``picks`` [B * n]: the target's pick at
+        each position); an EAGLE head returns its (output, draft logits) of every position."""
+        ...
+
+
 @dataclass(frozen=True)
 class StepGraphKey:
-    verify: GraphKey  # (B, n, L) of the target's forward and the head's
+    verify: GraphKey  # (B, n, L) of the target's forward and the drafter's follow
     drafts: DraftGraphKey  # (B, K, L', masked steps) of the draft steps
     guided: bool  # the step has verify masks: the graph waits for them
 
@@ -114,7 +140,7 @@ def step_key(inputs: StepInputs, max_batch_size: int, max_model_len: int) -> Ste
 
 
 class _StepGraph:
-    def __init__(self, key: StepGraphKey, owner: EagleStepGraphs) -> None:
+    def __init__(self, key: StepGraphKey, owner: StepGraphs) -> None:
         self.key, self.owner = key, owner
         b, n = key.verify.batch, key.verify.tokens_per_row
         device, pin = owner.device, owner.device.type == "cuda"
@@ -153,19 +179,20 @@ class _StepGraph:
         """The step, as the graph replays it: writes ``out_picks``, ``out_counts``, ``out_drafts``."""
         owner, key, buffers = self.owner, self.key, self.buffers
         b, n = key.verify.batch, key.verify.tokens_per_row
-        head, target = owner.head, owner.target
+        runner, target = owner.runner, owner.target
         if self.graph is not None or owner.capture:
-            hidden = padded_forward(target, owner.kv, buffers, head.capture)
+            hidden = padded_forward(target, owner.kv, buffers, runner.capture)
             features = target.captured
         else:  # eagerly: the target's ordinary forward (the CPU's own kernels), laid out padded
             assert self.batch is not None and self.real is not None
-            real = target.forward(self.batch, owner.kv, head.capture)
-            assert target.captured is not None
+            real = target.forward(self.batch, owner.kv, runner.capture)
             hidden = real.new_zeros(b * n, real.shape[-1]).index_copy_(0, self.real, real)
-            features = target.captured.new_zeros(b * n, target.captured.shape[-1])
-            features.index_copy_(0, self.real, target.captured)
+            features = None
+            if target.captured is not None:
+                features = target.captured.new_zeros(b * n, target.captured.shape[-1])
+                features.index_copy_(0, self.real, target.captured)
         logits = target.compute_logits(hidden)
-        assert logits is not None and features is not None
+        assert logits is not None
         if key.guided:
             owner.draft_graphs.host_functions.enqueue("gs_cb_verify_wait", self.verify_args)
             self.mask.copy_(self.host_mask, non_blocking=True)
@@ -178,25 +205,20 @@ class _StepGraph:
         drafts = buffers.token_ids.view(b, n)[:, 1:]
         real = torch.arange(n - 1, device=picks.device)[None, :] < self.draft_count[:, None]
         counts = ((drafts == picks[:, :-1]) & real).long().cumprod(dim=1).sum(dim=1) + 1  # [B]
-        out, draft_logits = head.forward_padded(
-            features,
-            picks.clamp(min=0).view(-1),
-            buffers.positions,
-            buffers.row_slots,
-            owner.head_kv,
-            key.verify.key_length,
-            n,
-            buffers.token_slots,
-        )
+        followed = runner.follow_padded(features, picks.clamp(min=0).view(-1), buffers, key.verify)
         self.out_picks.copy_(picks, non_blocking=True)
         self.out_counts.copy_(counts, non_blocking=True)
-        if key.drafts.drafts == 0:  # no row drafts this step (the adaptive plan): the head only follows
+        if key.drafts.drafts == 0:  # no row drafts this step (the adaptive plan): the drafter only follows
             return
         last = torch.arange(b, device=picks.device) * n + counts - 1  # each row's last produced position
         graph = self.drafts
-        graph.features.copy_(out.index_select(0, last))
-        graph.logits.copy_(draft_logits.index_select(0, last))
-        graph.positions.copy_(buffers.positions.index_select(0, last))
+        if followed is None:  # a draft model: the graph runs the newest token, one position further
+            graph.first.copy_(picks.clamp(min=0).view(-1).index_select(0, last))
+            graph.positions.copy_(buffers.positions.index_select(0, last) + 1)
+        else:  # an EAGLE head: its output at the last produced position gives draft 0
+            graph.features.copy_(followed[0].index_select(0, last))
+            graph.logits.copy_(followed[1].index_select(0, last))
+            graph.positions.copy_(buffers.positions.index_select(0, last))
         graph.slots.copy_(buffers.row_slots)
         if key.drafts.masked_steps:  # the produced tokens the publish trampoline sends first
             host = owner.draft_graphs.host
@@ -211,13 +233,14 @@ class _StepGraph:
         logger.info("captured a fused step graph for %s (%d graphs)", self.key, len(self.owner.graphs))
 
 
-class EagleStepGraphs:
-    """Fused greedy EAGLE steps (rank 0). ``runner``: the worker's EagleRunner with its
-    draft graphs (``use_graphs``); ``kv``: the target's cache, its last slot the scratch slot."""
+class StepGraphs:
+    """Fused greedy steps of a model drafter (rank 0). ``runner``: the worker's EagleRunner or
+    DraftRunner with its draft graphs (``use_graphs``); ``kv``: the target's cache, its last slot
+    the scratch slot."""
 
     def __init__(
         self,
-        runner: Any,  # spec/eagle.py's EagleRunner (not imported: eagle.py imports draft_graph)
+        runner: FusedDrafter,
         target: LlamaModel,
         kv: KVCache,
         max_logits_rows: int,
@@ -225,11 +248,11 @@ class EagleStepGraphs:
     ) -> None:
         draft_graphs: DraftGraphs | None = runner.graphs
         if draft_graphs is None:
-            raise ValueError("fused steps need the head's draft graphs (EagleRunner.use_graphs)")
+            raise ValueError("fused steps need the drafter's draft graphs (use_graphs)")
         if kv.num_slots - 1 != draft_graphs.scratch_slot:
-            raise ValueError(f"scratch slots differ: {kv.num_slots - 1} (target), {draft_graphs.scratch_slot} (head)")
-        self.runner, self.target, self.kv = runner, target, kv
-        self.head, self.head_kv, self.draft_graphs = runner.head, runner.kv, draft_graphs
+            scratch = draft_graphs.scratch_slot
+            raise ValueError(f"scratch slots differ: {kv.num_slots - 1} (target), {scratch} (drafter)")
+        self.runner, self.target, self.kv, self.draft_graphs = runner, target, kv, draft_graphs
         self.device = draft_graphs.device
         self.scratch_slot = draft_graphs.scratch_slot
         self.max_batch_size, self.max_model_len = draft_graphs.max_batch_size, target.max_model_len
@@ -257,7 +280,7 @@ class EagleStepGraphs:
         wanted = inputs.draft_lens.astype(np.int32)
         masked = inputs.draft_masked.astype(np.int32) if inputs.draft_masked is not None else np.zeros(n_rows, np.int32)
         key = step_key(inputs, self.max_batch_size, self.max_model_len)
-        self.runner.catch_up(inputs)  # (the graph's head follows the step's positions only)
+        self.runner.catch_up(inputs)  # (the graph's drafter follows the step's positions only)
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = _StepGraph(key, self)
@@ -325,7 +348,7 @@ class EagleStepGraphs:
 class FusedStepFollower:
     """A fused step on a tensor-parallel rank other than 0: the target's part of rank 0's graph,
     the same padded forward and LM head, so their collectives (the layers' all-reduces, the
-    logits' gather onto rank 0) match; masks, acceptance and the head are rank 0's alone. On CUDA
+    logits' gather onto rank 0) match; masks, acceptance and the drafter are rank 0's alone. On CUDA
     captured per :class:`StepGraphKey`, at the steps where rank 0 captures its graph (the same
     warm-up runs, the same collectives); on the CPU the ordinary forward laid out padded, as rank
     0 runs it there."""

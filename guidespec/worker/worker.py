@@ -46,7 +46,7 @@ from guidespec.protocol import (
 )
 from guidespec.spec.draft_model import DraftRunner
 from guidespec.spec.eagle import EagleRunner
-from guidespec.spec.step_graph import EagleStepGraphs, FusedStepFollower
+from guidespec.spec.step_graph import FusedStepFollower, StepGraphs
 from guidespec.spec.verify import verify
 from guidespec.worker import tp as tp_mod
 from guidespec.model_files import load_hf_config
@@ -162,12 +162,12 @@ class Worker:
                     self.drafter.use_graphs(self.drafts, envs.draft_mask_timeout_s(), cfg.scheduler_pid, capture=cuda)
         # whole greedy EAGLE steps as one graph each (spec/step_graph.py): rank 0 runs the step, the
         # other ranks its target part (every rank decides from the step's inputs alone)
-        self.step_graphs: EagleStepGraphs | None = None
+        self.step_graphs: StepGraphs | None = None
         self.step_follower: FusedStepFollower | None = None
         if cfg.fused_steps and self.tp.is_driver:
-            if not isinstance(self.drafter, EagleRunner) or self.drafter.graphs is None:
-                raise ValueError("fused steps need an EAGLE head with draft graphs on rank 0")
-            self.step_graphs = EagleStepGraphs(self.drafter, self.model, self.kv, max_rows, envs.step_timeout_s())
+            if self.drafter is None or self.drafter.graphs is None:
+                raise ValueError("fused steps need a model drafter with draft graphs on rank 0")
+            self.step_graphs = StepGraphs(self.drafter, self.model, self.kv, max_rows, envs.step_timeout_s())
         elif cfg.fused_steps:
             self.step_follower = FusedStepFollower(self.model, self.kv, cfg.max_batch_size, max_rows, use_graphs)
         self.graphs = None

@@ -62,24 +62,30 @@ def _step_inputs(tokens: np.ndarray, start: int, draft_len: int) -> StepInputs:
 
 @torch.inference_mode()
 def test_lazy_following_drafts_the_targets_greedy_continuation(target) -> None:  # type: ignore[no-untyped-def]
+    """So it does when a fused step (step_graph.py) catches the draft model up first
+    (``catch_up``, before the step, which follows only the step's own tokens)."""
     folder, model = target
     prompt = [5, 9, 13, 7, 3, 11, 2]
     # (tokens, start, the token the step produced; None: a prefill chunk without logits)
     steps = [(prompt[:4], 0, None), (prompt[4:], 4, 40), ([40], 7, 41), ([41], 8, 42), ([42], 9, 43)]
     expected = _greedy(model, prompt + [40, 41, 42, 43], 3)
-    for mode in ("eager", "lazy"):
+    for mode in ("eager", "lazy", "caught up"):
         runner = DraftRunner("self", folder, torch.float32, max_batch_size=1, max_model_len=64, target_vocab_size=300)
         for i, (tokens, start, produced) in enumerate(steps):
             ids = np.array(tokens, np.int32)
+            last = i == len(steps) - 1
+            wanted = 3 if mode == "eager" or last else 0
+            if mode == "caught up" and last:  # the held tokens: the prompt's, then 40 and 41
+                assert runner.catch_up(_step_inputs(ids, start, wanted)) == len(prompt) + 2
+                assert runner.backlog == {} and runner.catch_up(_step_inputs(ids, start, wanted)) == 0
             runner.follow(ForwardBatch.create(ids, [0], [start], [len(ids)], [0 if produced is None else 1]))
             if produced is None:
                 continue  # the worker returns before proposing when a step has no logits
-            wanted = 3 if mode == "eager" or i == len(steps) - 1 else 0
             drafts, counts = runner.propose(
                 _step_inputs(ids, start, wanted), np.array([produced], np.int32), np.array([1], np.int32)
             )
             assert counts.tolist() == [wanted]
-            if mode == "lazy" and wanted == 0:
+            if mode != "eager" and wanted == 0:
                 assert runner.backlog[0] == (0, prompt + [40, 41, 42][: i - 1])  # held back, not run
         assert runner.backlog == {} and drafts.tolist() == expected, mode
 

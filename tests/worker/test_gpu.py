@@ -171,53 +171,56 @@ def test_speculative_greedy_equals_plain_greedy(random_model: Path) -> None:
     assert sum(o.stats.num_spec_steps for o in runs["ngram"]) > 0
 
 
-def test_eagle_graphs_equal_step_by_step_and_plain_greedy(
-    random_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An EAGLE engine's whole greedy steps as captured graphs (``spec/step_graph.py``: verify,
-    acceptance, head and draft steps, grammar waits as host nodes), its draft steps alone as
-    graphs (``GUIDESPEC_FUSED_STEPS=0``), the same steps one by one (``graph_grammar=False``) and
-    no speculation: the same greedy tokens, guided and unguided, with drafts proposed and
-    verified (a random head: few accepted)."""
-    from benchmarks.random_model import build_random_eagle_head
-
-    head = build_random_eagle_head(random_model, tmp_path / "head")
-    eagle = dict(method="eagle", draft_model=str(head), adaptive=False, max_draft_len=3)
+def _graph_runs(
+    model: Path, speculative: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, list[GenerationOutput]]:
+    """A model drafter's engine with whole greedy steps as captured graphs (``spec/step_graph.py``:
+    verify, acceptance, the drafter and its draft steps, grammar waits as host nodes), its draft
+    steps alone as graphs (``GUIDESPEC_FUSED_STEPS=0``), the same steps one by one
+    (``graph_grammar=False``), and no speculation; only the first runs fused steps."""
     runs, traces = {}, {}
     for label, options, fused in (
         ("plain", {}, "1"),
-        ("fused", dict(speculative=eagle, graph_grammar=True), "1"),
-        ("draft graph", dict(speculative=eagle, graph_grammar=True), "0"),
-        ("steps", dict(speculative=eagle, graph_grammar=False), "1"),
+        ("fused", dict(speculative=speculative, graph_grammar=True), "1"),
+        ("draft graph", dict(speculative=speculative, graph_grammar=True), "0"),
+        ("steps", dict(speculative=speculative, graph_grammar=False), "1"),
     ):
         monkeypatch.setenv("GUIDESPEC_FUSED_STEPS", fused)
         traces[label] = tmp_path / f"trace-{label.replace(' ', '-')}.json"
         monkeypatch.setenv("GUIDESPEC_TRACE", str(traces[label]))
-        with _fp32_engine(random_model, **options) as llm:
+        with _fp32_engine(model, **options) as llm:
             runs[label] = _run(llm, _mixed())
+    for label in ("fused", "draft graph", "steps"):
+        fused_steps = json.loads(traces[label].read_text())["summary"]["fused_steps"]
+        assert (fused_steps > 0) == (label == "fused"), (label, fused_steps)
+    return runs
+
+
+def test_eagle_graphs_equal_step_by_step_and_plain_greedy(
+    random_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An EAGLE engine fused, with draft graphs and step by step: the same greedy tokens as no
+    speculation, guided and unguided, with drafts proposed and verified (a random head: few
+    accepted)."""
+    from benchmarks.random_model import build_random_eagle_head
+
+    head = build_random_eagle_head(random_model, tmp_path / "head")
+    eagle = dict(method="eagle", draft_model=str(head), adaptive=False, max_draft_len=3)
+    runs = _graph_runs(random_model, eagle, tmp_path, monkeypatch)
     for label in ("fused", "draft graph", "steps"):
         assert [o.token_ids for o in runs[label]] == [o.token_ids for o in runs["plain"]], label
         assert sum(o.stats.num_draft_tokens for o in runs[label]) > 0, label
-        fused_steps = json.loads(traces[label].read_text())["summary"]["fused_steps"]
-        assert (fused_steps > 0) == (label == "fused"), (label, fused_steps)
 
 
-@pytest.mark.parametrize("draft", ["int8", "layers:2"])
-def test_draft_model_graphs_equal_step_by_step_and_plain_greedy(random_model: Path, draft: str) -> None:
-    """A draft model sharing the target's weights and cache on the GPU (``int8``: its weights
-    rounded; ``layers:2``: its first layers), its draft steps as captured graphs (the newest
-    token's forward and each draft step, grammar waits as host nodes) and one by one: the same
-    greedy tokens as no speculation, with drafts proposed and verified."""
-    speculative = dict(method="draft_model", draft_model=draft, adaptive=False, max_draft_len=3)
-    runs = {}
-    for label, options in (
-        ("plain", {}),
-        ("graphs", dict(speculative=speculative, graph_grammar=True)),
-        ("steps", dict(speculative=speculative, graph_grammar=False)),
-    ):
-        with _fp32_engine(random_model, **options) as llm:
-            runs[label] = _run(llm, _mixed())
-    for label in ("graphs", "steps"):
+def test_draft_model_graphs_equal_step_by_step_and_plain_greedy(
+    random_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A draft model sharing the target's weights and cache on the GPU (its first 2 layers: many
+    drafts rejected) fused (the newest token's forward before the draft steps), with draft graphs
+    and step by step: the same greedy tokens as no speculation."""
+    speculative = dict(method="draft_model", draft_model="layers:2", adaptive=False, max_draft_len=3)
+    runs = _graph_runs(random_model, speculative, tmp_path, monkeypatch)
+    for label in ("fused", "draft graph", "steps"):
         assert [o.token_ids for o in runs[label]] == [o.token_ids for o in runs["plain"]], label
         assert sum(o.stats.num_draft_tokens for o in runs[label]) > 0, label
 
