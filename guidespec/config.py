@@ -178,8 +178,9 @@ class EngineConfig:
     hf_config: dict[str, Any] | None = None  # the model's config as data (model_files.config_data)
     device: str = "cpu"  # "cpu" or "cuda" (resolved from "auto": worker/device.py)
     enforce_eager: bool = False  # CUDA: no graphs (worker/graphs.py)
-    # an EAGLE head's greedy draft steps as one graph each, grammar waits inside (spec/draft_graph.py):
-    # None: on CUDA with graphs; True on the CPU runs the same steps eagerly
+    # a model drafter's (EAGLE head, draft model) greedy draft steps as one graph each, grammar
+    # waits inside (spec/draft_graph.py): None: on CUDA with graphs; True on the CPU runs the
+    # same steps eagerly
     graph_grammar: bool | None = None
     # threads filling a step's grammar masks in the scheduler (GrammarSettings.fill_threads)
     grammar_fill_threads: int = 1
@@ -236,8 +237,10 @@ class WorkerConfig:
     draft_channel: ChannelSpec | None = None  # rank 0's draft/mask exchange with the scheduler (cuda_ext)
     scheduler_pid: int = 0  # the draft channel's peer: a wait ends at once when it dies
     quantized_weights: bool = False  # EngineConfig.quantized_weights: LlamaModel(quantized=...)
-    draft_graphs: bool = False  # rank 0: the EAGLE head's draft steps as fixed-shape graphs (spec/draft_graph.py)
-    fused_steps: bool = False  # whole greedy EAGLE steps as one graph each (spec/step_graph.py), every rank
+    draft_graphs: bool = False  # rank 0: a model drafter's draft steps as fixed-shape graphs (spec/draft_graph.py)
+    fused_steps: bool = (
+        False  # whole greedy steps of a model drafter as one graph each (spec/step_graph.py), every rank
+    )
 
 
 def config_to_dict(config: SchedulerConfig | WorkerConfig) -> dict[str, object]:

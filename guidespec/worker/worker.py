@@ -4,7 +4,7 @@
     loop: read StepInputs -> forward [+ draft model or EAGLE head follows] -> [read StepBitmask]
           -> LM head (rows whose mask allows one token skip it) [-> apply the bitmask]
           -> sample or verify drafts (rank 0) -> [draft model proposes next drafts (rank 0)] -> send StepOutputs
-    (EAGLE with graph_grammar: a greedy verify step runs whole as one graph instead on rank 0,
+    (a model drafter with graph_grammar: a greedy verify step runs whole as one graph instead on rank 0,
     its verify masks through the draft channel, the target's part of it on the others: spec/step_graph.py)
 
 Every rank runs the same forward (collectives inside); only rank 0 computes the sampled
@@ -160,7 +160,7 @@ class Worker:
                 )
                 if cfg.draft_graphs and self.drafts is not None:  # draft steps as graphs, grammar waits inside
                     self.drafter.use_graphs(self.drafts, envs.draft_mask_timeout_s(), cfg.scheduler_pid, capture=cuda)
-        # whole greedy EAGLE steps as one graph each (spec/step_graph.py): rank 0 runs the step, the
+        # whole greedy steps of a model drafter as one graph each (spec/step_graph.py): rank 0 runs the step, the
         # other ranks its target part (every rank decides from the step's inputs alone)
         self.step_graphs: StepGraphs | None = None
         self.step_follower: FusedStepFollower | None = None
@@ -273,7 +273,7 @@ class Worker:
         return StepOutputs(inputs.step, tokens_np, counts, verified - start, timings, proposals, draft_counts, draft_s)
 
     def _fused_step(self, inputs: StepInputs) -> StepOutputs:
-        """A greedy EAGLE step as one graph (spec/step_graph.py): its verify masks come through the
+        """A greedy step of a model drafter as one graph (spec/step_graph.py): its verify masks come through the
         draft channel; the ring's copy of them is read after, to keep the ring in order."""
         assert self.step_graphs is not None
         start, wall_start = time.perf_counter(), time.time()
