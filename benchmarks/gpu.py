@@ -24,8 +24,9 @@ runs replay, as a long-running server has):
   ``spec/step_graph.py``), "draft-graph" (only the draft steps as a graph,
   ``GUIDESPEC_FUSED_STEPS=0``), "steps" (everything one by one, ``--no-graph-grammar``),
   "fused-unmasked" (drafts no grammar masks, ``constrain_drafts=False``: no round trip to the scheduler
-  while drafting) and "fused-first-mask" (only draft step 0 masked, ``draft_mask_steps=1``: one round
-  trip), at batch 1 and 16: time per engine step, the grammar's share of a
+  while drafting), "fused-first-mask" (only draft step 0 masked, ``draft_mask_steps=1``: one round
+  trip), and a draft model (the target's first 2 layers, sharing its cache) "draft-model-fused" and
+  "draft-model-steps", at batch 1 and 16: time per engine step, the grammar's share of a
   step (guided over unguided step time, minus 1), of wall time (unguided runs to the guided
   outputs' lengths, so both produce the same tokens) and of a decode step (p50 from each engine's
   step trace, ``--trace-dir``, with the guided steps' parts); a random head's drafts are nearly all
@@ -430,13 +431,16 @@ def bench_speculative(
             )
 
 
-# variant -> (graph_grammar, masked draft steps (None: all, 0: drafts unchecked), fused steps)
-EAGLE_VARIANTS: dict[str, tuple[bool, int | None, bool]] = {
-    "fused": (True, None, True),
-    "draft-graph": (True, None, False),
-    "steps": (False, None, False),
-    "fused-unmasked": (True, 0, True),
-    "fused-first-mask": (True, 1, True),
+# variant -> (graph_grammar, masked draft steps (None: all, 0: drafts unchecked), fused steps,
+# drafter: the EAGLE head, or a draft model spec)
+EAGLE_VARIANTS: dict[str, tuple[bool, int | None, bool, str]] = {
+    "fused": (True, None, True, "eagle"),
+    "draft-graph": (True, None, False, "eagle"),
+    "steps": (False, None, False, "eagle"),
+    "fused-unmasked": (True, 0, True, "eagle"),
+    "fused-first-mask": (True, 1, True, "eagle"),
+    "draft-model-fused": (True, None, True, "layers:2"),
+    "draft-model-steps": (False, None, False, "layers:2"),
 }
 
 
@@ -466,12 +470,13 @@ def bench_eagle_graphs(
     trace_dir.mkdir(parents=True, exist_ok=True)
     # (verification refuses what the grammar does in every variant, masked drafts or not)
     for variant in variants or list(EAGLE_VARIANTS):
-        graph, masked, fused = EAGLE_VARIANTS[variant]
+        graph, masked, fused, drafter = EAGLE_VARIANTS[variant]
         os.environ["GUIDESPEC_FUSED_STEPS"] = "1" if fused else "0"
         label = f"eagle {variant}"
+        model_drafter = eagle if drafter == "eagle" else dict(eagle, method="draft_model", draft_model=drafter)
         kw = dict(
             setup.kwargs(enforce_eager=False),
-            speculative=dict(eagle, constrain_drafts=masked != 0, draft_mask_steps=masked or None),
+            speculative=dict(model_drafter, constrain_drafts=masked != 0, draft_mask_steps=masked or None),
             graph_grammar=graph,
         )
         trace = trace_dir / f"{label.replace(',', '').replace(' ', '-')}.json"
@@ -701,7 +706,8 @@ def markdown(report: dict[str, Any]) -> str:
             "EAGLE steps (draft length fixed): each greedy step (verify, masks, acceptance, draft steps) one "
             "captured graph, grammar waits as host nodes (fused); only the draft steps as a graph (draft-graph); "
             "everything one by one (steps); fused with drafts no grammar masks (fused-unmasked: no round trip "
-            "while drafting) or only the first draft step masked (fused-first-mask: one); "
+            "while drafting) or only the first draft step masked (fused-first-mask: one); draft-model-*: "
+            "the target's first 2 layers drafting instead of the head; "
             "step = wall × batch ÷ request steps. "
             "Unguided runs to the guided outputs' lengths, so the wall-time share compares the same tokens; "
             "guided steps carry grammar-forced drafts, so they are fewer and longer.",
