@@ -54,6 +54,7 @@ from guidespec.cuda_ext.channel import DraftChannel
 from guidespec.protocol import StepInputs
 from guidespec.model_files import load_hf_config
 from guidespec.spec.draft_graph import DraftGraphs
+from guidespec.worker.device import memory_plan
 from guidespec.worker.graphs import GraphKey, StaticBuffers, padded_forward
 from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.mask import apply_bitmask
@@ -445,6 +446,29 @@ def apply_masks(
     vocabulary reads them through ``d2t``)."""
     if len(local):
         apply(logits, local.astype(np.int32), masks.take(draft_index))
+
+
+def draft_model_bytes(
+    spec: str,
+    target_dir: Path,
+    target_cfg: ModelConfig,
+    dtype: torch.dtype,
+    tp_size: int,
+    num_slots: int,
+    max_model_len: int,
+) -> int:
+    """What a draft model adds to rank 0's memory: its weights, unless they are the target's
+    (``self``, ``layers:N`` at TP=1; ``int8`` keeps a rounded copy), and its cache, unless it is the
+    target's (TP=1 and the target's folder)."""
+    model_dir, num_layers, int8 = _resolve(spec, target_dir)
+    shared = model_dir == target_dir and tp_size == 1
+    if shared and not int8:
+        return 0
+    cfg = target_cfg if model_dir == target_dir else ModelConfig.from_hf(load_hf_config(model_dir))
+    if num_layers is not None:
+        cfg = dataclasses.replace(cfg, num_layers=max(1, min(num_layers, cfg.num_layers)))
+    plan = memory_plan(cfg, dtype, 1, 0 if shared else num_slots, max_model_len, 0)
+    return plan.weights + plan.kv_cache
 
 
 def _resolve(spec: str, target_dir: Path) -> tuple[Path, int | None, bool]:

@@ -525,6 +525,22 @@ class EagleRunner:
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
+def head_bytes(
+    head_dir: Path, target_cfg: ModelConfig, dtype: torch.dtype, tp_size: int, num_slots: int, max_model_len: int
+) -> int:
+    """What an EAGLE head adds to rank 0's memory, at most: its weight file, its one layer's
+    cache, and at TP > 1 the whole embedding and LM head it reads (rank 0 holds a shard of the
+    target's)."""
+    path, config = check_head_dir(head_dir)
+    cfg = _head_model_config(config, target_cfg)
+    item = torch.empty((), dtype=dtype).element_size()
+    kv = 2 * num_slots * cfg.num_kv_heads * max_model_len * cfg.head_dim * item
+    whole = 0
+    if tp_size > 1:
+        whole = target_cfg.vocab_size * target_cfg.hidden_size * item * (1 if target_cfg.tie_word_embeddings else 2)
+    return path.stat().st_size + kv + whole
+
+
 def _head_model_config(config: dict[str, Any], target: ModelConfig) -> ModelConfig:
     """The head's attention/MLP shape: its config.json where it says, else the target's."""
     heads = int(config.get("num_attention_heads", target.num_heads))

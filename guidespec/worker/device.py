@@ -9,6 +9,7 @@ bfloat16 on CUDA and float32 on the CPU (whose kernels are fp32).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -66,10 +67,11 @@ class MemoryPlan:
     weights: int
     kv_cache: int
     activations: int
+    drafter: int = 0  # rank 0's model drafter (draft model or EAGLE head): its weights and cache
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.activations
+        return self.weights + self.kv_cache + self.activations + self.drafter
 
 
 def memory_plan(
@@ -107,10 +109,11 @@ def check_fits(
     if plan.total <= budget:
         return
     gib = 1 << 30
-    room_for_kv = budget - plan.weights - plan.activations
+    room_for_kv = budget - plan.weights - plan.activations - plan.drafter
+    drafter = f" (the drafter: {plan.drafter / gib:.2f} GiB more)" if plan.drafter else ""
     if room_for_kv <= 0:
         raise ValueError(
-            f"the model does not fit {device_name}: its weights take {plan.weights / gib:.2f} GiB and a "
+            f"the model does not fit {device_name}: its weights take {plan.weights / gib:.2f} GiB{drafter} and a "
             f"step ~{plan.activations / gib:.2f} GiB, of {budget / gib:.2f} GiB usable "
             f"({utilization:.0%} of {total_bytes / gib:.1f} GiB, {free_bytes / gib:.1f} GiB free); use more "
             "tensor-parallel ranks, a smaller dtype, or a larger GPU"
@@ -119,7 +122,7 @@ def check_fits(
     fitting = room_for_kv // max(1, per_slot)
     raise ValueError(
         f"the KV cache does not fit {device_name}: {num_slots} slots x {max_model_len} positions take "
-        f"{plan.kv_cache / gib:.2f} GiB beside {plan.weights / gib:.2f} GiB of weights, of "
+        f"{plan.kv_cache / gib:.2f} GiB beside {plan.weights / gib:.2f} GiB of weights{drafter}, of "
         f"{budget / gib:.2f} GiB usable ({utilization:.0%} of {total_bytes / gib:.1f} GiB); "
         f"--max-batch-size {max(1, fitting - 1)} fits at this --max-model-len (or lower --max-model-len, "
         "or raise --gpu-memory-utilization)"
@@ -135,9 +138,13 @@ def check_device_memory(
     max_step_rows: int,
     device: str,
     utilization: float,
+    drafter_bytes: int = 0,
 ) -> MemoryPlan:
-    """On CUDA, :func:`check_fits` against the device's free memory before anything is loaded."""
-    plan = memory_plan(cfg, dtype, tp_size, num_slots, max_model_len, max_step_rows)
+    """On CUDA, :func:`check_fits` against the device's free memory before anything is loaded
+    (``drafter_bytes``: what rank 0's model drafter adds)."""
+    plan = dataclasses.replace(
+        memory_plan(cfg, dtype, tp_size, num_slots, max_model_len, max_step_rows), drafter=drafter_bytes
+    )
     if torch.device(device).type == "cuda":
         free, total = torch.cuda.mem_get_info(torch.device(device))
         check_fits(plan, free, total, utilization, num_slots, max_model_len, torch.cuda.get_device_name(device))

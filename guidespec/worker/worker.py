@@ -44,8 +44,8 @@ from guidespec.protocol import (
     WorkerError,
     WorkerReady,
 )
-from guidespec.spec.draft_model import DraftRunner
-from guidespec.spec.eagle import EagleRunner
+from guidespec.spec.draft_model import DraftRunner, draft_model_bytes
+from guidespec.spec.eagle import EagleRunner, head_bytes
 from guidespec.spec.step_graph import FusedStepFollower, StepGraphs
 from guidespec.spec.verify import verify
 from guidespec.worker import tp as tp_mod
@@ -114,6 +114,14 @@ class Worker:
         # head's features come out of the graphs too; a draft model sharing the cache pads onto it)
         use_graphs = cuda and not cfg.enforce_eager
         num_slots = cfg.max_batch_size + (1 if use_graphs or cfg.fused_steps or cfg.draft_graphs else 0)
+        drafter_bytes = 0
+        if cfg.draft_model is not None and self.tp.is_driver:  # (counted on CUDA only; computed everywhere)
+            # (as the drafter allocates them: the head's cache and a draft model's own have a scratch slot)
+            size = (self.tp.size, cfg.max_batch_size + 1, cfg.max_model_len)
+            if cfg.draft_method == "eagle":
+                drafter_bytes = head_bytes(Path(cfg.draft_model), model_cfg, dtype, *size)
+            else:
+                drafter_bytes = draft_model_bytes(cfg.draft_model, cfg.model_dir, model_cfg, dtype, *size)
         check_device_memory(
             model_cfg,
             dtype,
@@ -123,6 +131,7 @@ class Worker:
             max_rows,
             cfg.device,
             cfg.gpu_memory_utilization,
+            drafter_bytes,
         )
         self.model = LlamaModel(
             model_cfg, self.tp, dtype, cfg.max_model_len, cfg.device, quantized=cfg.quantized_weights

@@ -13,7 +13,7 @@ import torch
 
 from guidespec.config import ModelConfig
 from guidespec.protocol import StepInputs
-from guidespec.spec.draft_model import DraftRunner
+from guidespec.spec.draft_model import DraftRunner, draft_model_bytes
 from guidespec.model_files import load_hf_config
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.tp import TPInfo
@@ -140,3 +140,19 @@ def test_a_view_of_the_target_drafts_what_its_own_copy_drafts(target, spec: str)
     assert produced == _greedy(model, prompt, len(produced))  # greedy verification kept the target's text
     assert (rejected == 0) == (spec == "self")  # the whole model's drafts are all accepted, one layer's not
     assert shared.backlog == {}  # nothing held back: the target's cache has it all
+
+
+def test_draft_model_memory_is_what_it_loads(target) -> None:  # type: ignore[no-untyped-def]
+    """What rank 0's memory check counts for a draft model (``draft_model_bytes``): nothing for a
+    view of the target sharing its cache (TP=1), else the weights and cache it really loads."""
+    folder, model = target
+    assert draft_model_bytes("self", folder, model.cfg, torch.float32, 1, 5, 64) == 0
+    assert draft_model_bytes("layers:1", folder, model.cfg, torch.float32, 1, 5, 64) == 0
+    own = DraftRunner("layers:1", folder, torch.float32, max_batch_size=4, max_model_len=64, target_vocab_size=300)
+    tensors = [own.model.embed, own.model.final_norm] + [w for layer in own.model.layers for w in layer.values()]
+    if own.model.lm_head is not own.model.embed:
+        tensors.append(own.model.lm_head)
+    loaded = sum(int(np.prod(t.shape)) * 4 for t in tensors) + sum(t.numel() * 4 for t in own.kv.k + own.kv.v)
+    assert draft_model_bytes("layers:1", folder, model.cfg, torch.float32, 2, 5, 64) == loaded  # (TP=2: its own)
+    int8 = draft_model_bytes("int8", folder, model.cfg, torch.float32, 1, 5, 64)  # a rounded copy, the target's cache
+    assert int8 == draft_model_bytes("self", folder, model.cfg, torch.float32, 2, 0, 64) > 0

@@ -15,7 +15,7 @@ import torch
 from guidespec.config import ModelConfig
 from guidespec.protocol import StepInputs
 from guidespec.spec.draft_model import apply_masks, post_masks
-from guidespec.spec.eagle import EagleHead, EagleRunner, default_aux_layers, save_head
+from guidespec.spec.eagle import EagleHead, EagleRunner, default_aux_layers, head_bytes, save_head
 from guidespec.spec.train_eagle import TrainableHead, head_config
 from guidespec.model_files import load_hf_config
 from guidespec.worker.kernels import dense
@@ -266,3 +266,17 @@ class Exchange:
         posted, self.posted = self.posted, None
         assert posted is not None and posted[0] == draft_index, "take without its post"
         return self.exchange(*posted)
+
+
+def test_head_memory_is_its_file_and_its_cache(target, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """What rank 0's memory check counts for an EAGLE head (``head_bytes``): its weight file and
+    the cache it allocates; at TP > 1 also the whole embedding it reads."""
+    folder, model, hf = target
+    trained = _random_head(model, hf, torch.arange(0, 300, 2))
+    save_head(tmp_path / "head", trained.state_for_checkpoint(300), head_config(trained.cfg, 300, 150, (0, 1, 1), {}))
+    runner = EagleRunner(tmp_path / "head", model, folder, hf, max_batch_size=4, max_model_len=64)
+    cache = sum(t.numel() * 4 for t in runner.kv.k + runner.kv.v)
+    file = (tmp_path / "head" / "model.safetensors").stat().st_size
+    assert head_bytes(tmp_path / "head", model.cfg, torch.float32, 1, 5, 64) == file + cache
+    embedding = model.cfg.vocab_size * model.cfg.hidden_size * 4 * (1 if model.cfg.tie_word_embeddings else 2)
+    assert head_bytes(tmp_path / "head", model.cfg, torch.float32, 2, 5, 64) == file + cache + embedding

@@ -87,6 +87,9 @@ def test_what_does_not_fit_is_said_with_numbers() -> None:
             max_model_len=4096,
             device_name="H100",
         )
+    with_drafter = MemoryPlan(weights=2 * GIB, kv_cache=8 * GIB, activations=1 * GIB, drafter=2 * GIB)
+    with pytest.raises(ValueError, match=r"weights \(the drafter: 2.00 GiB more\).*--max-batch-size 9 fits"):
+        check_fits(with_drafter, 10 * GIB, 80 * GIB, 0.9, 16, 4096, "H100")
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         check_fits(plan, 80 * GIB, 80 * GIB, 1.5, 16, 4096, "H100")
 
