@@ -335,6 +335,7 @@ class DraftRunner:
         rows = np.array(proposing, dtype=np.int64)
         masked = inputs.draft_masked if masks is not None else None
         produced = [tokens[end - n : end].tolist() for end, n in zip(ends.tolist(), counts.tolist())]
+        self.sampling.start()
         if self.graphs is not None and self.graphs.fits(rows, wanted, inputs.temperature, produced):
             # greedy rows: the newest token's forward and every draft step in one fixed-shape graph,
             # grammar waits included; final tokens before the newest (a cache of its own) run first
@@ -354,7 +355,6 @@ class DraftRunner:
             for i, b in enumerate(rows.tolist()):
                 drafts[b] = chains[: wanted[b], i].tolist()
             return flat_drafts(drafts)
-        self.sampling.start()
         batch = ForwardBatch.create(
             [t for chunk in chunks for t in chunk],
             slots,
