@@ -266,6 +266,8 @@ def test_every_draft_exchange_gives_the_same_greedy_eagle_output(
     fused = [e for e in trace["traceEvents"] if str(e["name"]).startswith("fused step")]
     assert (len(fused) > 0) == (exchange == "graph")
     assert trace["summary"]["fused_steps"] == len(fused)
+    # a fused step times its draft steps apart (the adaptive plan's draft cost learns from them)
+    assert (any(e["name"] == "draft steps" for e in trace["traceEvents"])) == (exchange == "graph")
 
 
 def test_sampled_drafts_of_the_target_itself_are_all_accepted_with_their_q() -> None:

@@ -365,8 +365,7 @@ class Scheduler:
         proposals = _split(outputs.draft_tokens, outputs.num_draft_tokens)
         now = time.time()
         if self.speculator is not None:
-            # (a fused step's drafting is inside its forward_s: the drafter's cost learns nothing from it)
-            proposed = outputs.num_draft_tokens if not outputs.fused else None
+            proposed = outputs.num_draft_tokens  # (a fused step times its draft steps apart too)
             self.speculator.observe_step(
                 sum(row.num_new_tokens for row in rows),
                 outputs.forward_s,

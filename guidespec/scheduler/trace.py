@@ -64,6 +64,8 @@ class StepTrace:
         self._span("emit", t["outputs"], t["end"], 1, args)
         if fused:
             self._span("fused step (verify, accept, draft)", forward_start, done, 2, args)
+            if draft_s > 0:  # its draft steps, timed apart (nested in it)
+                self._span("draft steps", done - draft_s, done, 2, args)
         else:
             self._worker_spans(forward_start, forward_end, mask_ready, done, draft_s, guided_rows, args)
         for index, start, end in draft_fills:

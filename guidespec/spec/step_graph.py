@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -103,6 +104,7 @@ class FusedOutputs:
     tokens: np.ndarray  # [sum(counts)] int32: each row's produced tokens
     counts: np.ndarray  # [rows] int32
     proposals: tuple[np.ndarray, np.ndarray] | None  # (flat drafts, per-row counts); None: a draft wait failed
+    draft_s: float  # the draft steps' part of the step (the adaptive plan's draft cost learns from it)
 
 
 def fusable(inputs: StepInputs, max_batch_size: int, max_logits_rows: int, max_model_len: int) -> bool:
@@ -171,12 +173,19 @@ class _StepGraph:
             ctypes.c_void_p(self.host_mask.data_ptr()),
             ctypes.c_void_p(self.verify_status.data_ptr()),
         )
-        self.graph: Any = None
+        self.graph: Any = None  # the verify part (CUDA); the draft steps are a second graph, replayed
+        self.draft_graph: Any = None  # right after it, so a timing event can stand between them
         self.batch: ForwardBatch | None = None  # eagerly: this step's batch, and where its tokens
         self.real: torch.Tensor | None = None  # sit in the padded layout
 
     def steps(self) -> None:
-        """The step, as the graph replays it: writes ``out_picks``, ``out_counts``, ``out_drafts``."""
+        """The step, as the graphs replay it: writes ``out_picks``, ``out_counts``, ``out_drafts``."""
+        self.verify_steps()
+        self.draft_steps()
+
+    def verify_steps(self) -> None:
+        """The first part: the target's verify forward, its masks, acceptance, the drafter's follow,
+        and the draft steps' inputs."""
         owner, key, buffers = self.owner, self.key, self.buffers
         b, n = key.verify.batch, key.verify.tokens_per_row
         runner, target = owner.runner, owner.target
@@ -225,11 +234,18 @@ class _StepGraph:
             self.produced[:, :n].copy_(picks)
             host.produced[: b * MAX_PRODUCED].copy_(self.produced.view(-1), non_blocking=True)
             host.produced_len[:b].copy_(counts.to(torch.int32), non_blocking=True)
-        self.out_drafts.copy_(graph.steps(), non_blocking=True)
+
+    def draft_steps(self) -> None:
+        """The second part: the draft steps (``draft_graph.py``), where a row drafts."""
+        if self.key.drafts.drafts:
+            self.out_drafts.copy_(self.drafts.steps(), non_blocking=True)
 
     def capture(self) -> None:
-        """Warm up (every row padding: nothing published or awaited), then capture."""
-        self.graph = capture_graph(self.owner.device, self.owner.draft_graphs.pool, self.steps)
+        """Warm up (every row padding: nothing published or awaited), then capture both parts."""
+        device, pool = self.owner.device, self.owner.draft_graphs.pool
+        self.graph = capture_graph(device, pool, self.verify_steps)
+        if self.key.drafts.drafts:
+            self.draft_graph = capture_graph(device, pool, self.draft_steps)
         logger.info("captured a fused step graph for %s (%d graphs)", self.key, len(self.owner.graphs))
 
 
@@ -264,6 +280,8 @@ class StepGraphs:
         self.verify_timeout_s = verify_timeout_s
         self.capture = draft_graphs.capture
         self.bits = torch.arange(32, dtype=torch.int32, device=self.device)  # (made here, not in a capture)
+        # around a replay: its verify part, then its draft steps (the adaptive plan's two costs)
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.capture else []
         self.graphs: dict[StepGraphKey, _StepGraph] = {}
 
     def fits(self, inputs: StepInputs) -> bool:
@@ -291,11 +309,22 @@ class StepGraphs:
                 logger.info("fused steps for %s run eagerly, as a graph would (%d shapes)", key, len(self.graphs))
         self._write(graph, inputs, batch, wanted, masked)
         if graph.graph is not None:
+            start, middle, end = self.events
+            start.record()
             graph.graph.replay()
+            middle.record()
+            if graph.draft_graph is not None:
+                graph.draft_graph.replay()
+            end.record()
+            torch.cuda.current_stream(self.device).synchronize()  # (the copies out are asynchronous)
+            draft_s = middle.elapsed_time(end) / 1e3
         else:
-            graph.steps()
-        if self.device.type == "cuda":  # (the copies out are asynchronous)
-            torch.cuda.current_stream(self.device).synchronize()
+            graph.verify_steps()
+            drafting = time.perf_counter()
+            graph.draft_steps()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            draft_s = time.perf_counter() - drafting
         verify_code = int(graph.verify_status[0])
         if verify_code != OK:
             raise DraftChannelError(verify_code, inputs.step, VERIFY, "waiting for the step's verify masks")
@@ -311,7 +340,7 @@ class StepGraphs:
             code, _, index = self.draft_graphs.channel.last_error()
             error = DraftChannelError(code, inputs.step, index, "drafting")
             logger.warning("worker rank 0: %s; no drafts this step", error)
-        return FusedOutputs(tokens, counts, proposals)
+        return FusedOutputs(tokens, counts, proposals, draft_s)
 
     def _write(
         self, graph: _StepGraph, inputs: StepInputs, batch: ForwardBatch, wanted: np.ndarray, masked: np.ndarray
