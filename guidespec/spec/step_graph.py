@@ -281,7 +281,8 @@ class StepGraphs:
         self.capture = draft_graphs.capture
         self.bits = torch.arange(32, dtype=torch.int32, device=self.device)  # (made here, not in a capture)
         # around a replay: its verify part, then its draft steps (the adaptive plan's two costs)
-        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.capture else []
+        cuda = self.device.type == "cuda"
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.capture and cuda else []
         self.graphs: dict[StepGraphKey, _StepGraph] = {}
 
     def fits(self, inputs: StepInputs) -> bool:
@@ -309,15 +310,7 @@ class StepGraphs:
                 logger.info("fused steps for %s run eagerly, as a graph would (%d shapes)", key, len(self.graphs))
         self._write(graph, inputs, batch, wanted, masked)
         if graph.graph is not None:
-            start, middle, end = self.events
-            start.record()
-            graph.graph.replay()
-            middle.record()
-            if graph.draft_graph is not None:
-                graph.draft_graph.replay()
-            end.record()
-            torch.cuda.current_stream(self.device).synchronize()  # (the copies out are asynchronous)
-            draft_s = middle.elapsed_time(end) / 1e3
+            draft_s = self._replay(graph)
         else:
             graph.verify_steps()
             drafting = time.perf_counter()
@@ -341,6 +334,25 @@ class StepGraphs:
             error = DraftChannelError(code, inputs.step, index, "drafting")
             logger.warning("worker rank 0: %s; no drafts this step", error)
         return FusedOutputs(tokens, counts, proposals, draft_s)
+
+    def _replay(self, graph: _StepGraph) -> float:
+        """Replay the step's two graphs; the seconds of the draft steps' one, between timing events
+        (the clock where the graphs are the tests' stand-ins on the CPU)."""
+        if self.device.type != "cuda":
+            graph.graph.replay()
+            started = time.perf_counter()
+            if graph.draft_graph is not None:
+                graph.draft_graph.replay()
+            return time.perf_counter() - started
+        start, middle, end = self.events
+        start.record()
+        graph.graph.replay()
+        middle.record()
+        if graph.draft_graph is not None:
+            graph.draft_graph.replay()
+        end.record()
+        torch.cuda.current_stream(self.device).synchronize()  # (the copies out are asynchronous)
+        return float(middle.elapsed_time(end)) / 1e3
 
     def _write(
         self, graph: _StepGraph, inputs: StepInputs, batch: ForwardBatch, wanted: np.ndarray, masked: np.ndarray

@@ -42,7 +42,11 @@ PRODUCED = [[40, 41], [42], [43, 44, 45]]  # this step's accepted tokens and bon
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LlamaModel, object, Path]:
-    root = tmp_path_factory.mktemp("draft-graph")
+    return make_setup(tmp_path_factory.mktemp("draft-graph"))
+
+
+def make_setup(root: Path) -> tuple[Path, LlamaModel, object, Path]:
+    """A tiny target (its folder, the model, its HF config) and a random EAGLE-3 head's folder."""
     folder = make_tiny_model(root / "llama", "llama")
     hf = load_hf_config(folder)
     model = LlamaModel(ModelConfig.from_hf(hf), TPInfo(), torch.float32, MAX_LEN)

@@ -1,0 +1,142 @@
+"""Fused steps (spec/step_graph.py) the way CUDA runs them, on the CPU: with stand-in graphs for
+``capture_graph`` (its two warm-ups and the captured run call the step's code, a replay calls it
+again), a fused step takes its capture-mode branches: the target's padded forward, two graphs per
+key with padding-only warm-ups, the draft graphs inside. Over three greedy verify steps, for an
+EAGLE head (a random one: drafts rejected) and a draft model sharing the target's cache (the
+target itself: every draft accepted), it gives what the eager fused step gives
+(what the CPU runs, and the engine tests check against plain greedy), and both give the target's
+greedy continuation."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+
+from guidespec import cuda_ext
+from guidespec.cuda_ext.channel import ChannelSpec, DraftChannel
+from guidespec.protocol import StepInputs
+from guidespec.spec import draft_graph, step_graph
+from guidespec.spec.draft_model import DraftRunner
+from guidespec.spec.eagle import EagleRunner
+from guidespec.spec.step_graph import StepGraphs
+from guidespec.worker.model import ForwardBatch, LlamaModel
+from tests.spec.test_draft_graph import MAX_LEN, PROMPTS, VOCAB, WORDS, make_setup
+from tests.spec.test_draft_model import _greedy
+
+pytestmark = pytest.mark.skipif(cuda_ext.library() is None, reason="no C compiler: the host library is not built")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LlamaModel, object, Path]:
+    return make_setup(tmp_path_factory.mktemp("fused"))
+
+
+class _StandIn:
+    """A captured graph, as the CPU can have one: replay runs the step's code again."""
+
+    def __init__(self, run: Callable[[], object]) -> None:
+        self.run = run
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.run()
+
+
+def _capture(device: torch.device, pool: Any, run: Callable[[], object]) -> _StandIn:
+    for _ in range(3):  # two warm-ups and the captured run, as capture_graph does (on padding)
+        run()
+    return _StandIn(run)
+
+
+def _inputs(step: int, rows: list[list[int]], starts: list[int], logits: list[int], k: int) -> StepInputs:
+    n = len(rows)
+    return StepInputs(
+        step=step,
+        slots=np.arange(n, dtype=np.int32),
+        start_positions=np.array(starts, np.int32),
+        num_new_tokens=np.array([len(r) for r in rows], np.int32),
+        token_ids=np.array([t for r in rows for t in r], np.int32),
+        num_logits=np.array(logits, np.int32),
+        temperature=np.zeros(n, np.float32),
+        top_k=np.zeros(n, np.int32),
+        top_p=np.ones(n, np.float32),
+        seeds=np.full(n, -1, np.int64),
+        sample_index=np.zeros(n, np.int32),
+        num_prompt_tokens=np.array([len(p) for p in PROMPTS], np.int32),
+        penalties=np.tile(np.array([1.0, 0.0, 0.0], np.float32), (n, 1)),  # (none)
+        draft_lens=np.full(n, k, np.int32),
+        draft_masked=np.zeros(n, np.int32),
+    )
+
+
+def _fused_steps(setup, drafter: str, captured: bool) -> tuple[list[list[int]], list[Any]]:  # type: ignore[no-untyped-def]
+    """The prompts' prefill (and first proposals), then three fused steps: each row's produced
+    tokens, and each step's (tokens, counts, proposals)."""
+    folder, model, hf, head = setup
+    kv = model.create_kv_cache(5)  # (4 rows and the scratch slot)
+    channel = DraftChannel.create(ChannelSpec(f"gs-fused-{uuid.uuid4().hex[:8]}", 16, 512, WORDS))
+    try:
+        runner: EagleRunner | DraftRunner
+        if drafter == "eagle":
+            runner = EagleRunner(head, model, folder, hf, max_batch_size=4, max_model_len=MAX_LEN)
+        else:
+            runner = DraftRunner("self", folder, torch.float32, 4, MAX_LEN, VOCAB, (model, kv))
+        runner.use_graphs(channel, 10.0, os.getpid(), capture=False)
+        assert runner.graphs is not None
+        runner.graphs.capture = captured  # (CUDA's branches, with stand-in graphs)
+        fused = StepGraphs(runner, model, kv, max_logits_rows=16, verify_timeout_s=10.0)
+        batch = ForwardBatch.create(
+            np.array([t for p in PROMPTS for t in p]), [0, 1, 2], [0, 0, 0], [len(p) for p in PROMPTS], [1, 1, 1]
+        )
+        logits = model.compute_logits(model.forward(batch, kv, runner.capture))
+        assert logits is not None
+        runner.follow(batch, model.captured)
+        newest = logits.argmax(dim=-1).numpy().astype(np.int32)
+        prefill = _inputs(1, PROMPTS, [0, 0, 0], [1, 1, 1], 3)
+        flat, counts = runner.propose(prefill, newest, np.ones(3, np.int32))
+        drafts = np.split(flat, np.cumsum(counts)[:-1])
+        produced = [[int(t)] for t in newest]
+        starts = [len(p) for p in PROMPTS]
+        history = []
+        for step in range(2, 5):
+            rows = [[produced[b][-1], *drafts[b].tolist()] for b in range(3)]
+            inputs = _inputs(step, rows, starts, [len(r) for r in rows], 3)
+            assert fused.fits(inputs)
+            out = fused.run(inputs)
+            assert out.proposals is not None
+            history.append((out.tokens.tolist(), out.counts.tolist(), [a.tolist() for a in out.proposals]))
+            tokens = np.split(out.tokens, np.cumsum(out.counts)[:-1])
+            for b in range(3):
+                produced[b] += tokens[b].tolist()
+                starts[b] += int(out.counts[b])
+            drafts = np.split(out.proposals[0], np.cumsum(out.proposals[1])[:-1])
+        graphs = list(fused.graphs.values())
+        if captured:  # every key captured (two graphs each) and replayed
+            assert graphs and all(g.graph.replays > 0 and g.draft_graph.replays > 0 for g in graphs)
+        else:
+            assert graphs and all(g.graph is None for g in graphs)
+        return produced, history
+    finally:
+        channel.close()
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "draft model"])
+def test_captured_fused_steps_equal_eager_ones_and_plain_greedy(setup, drafter: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    _, model, _, _ = setup
+    eager = _fused_steps(setup, drafter, captured=False)
+    monkeypatch.setattr(step_graph, "capture_graph", _capture)
+    monkeypatch.setattr(draft_graph, "capture_graph", _capture)
+    captured = _fused_steps(setup, drafter, captured=True)
+    assert captured == eager
+    produced, history = captured
+    for prompt, tokens in zip(PROMPTS, produced):
+        assert tokens == _greedy(model, prompt, len(tokens))
+    # the target drafting for itself: every draft accepted; a random head: few (rejections tested)
+    assert all(counts == [4, 4, 4] for _, counts, _ in history) == (drafter == "draft model")
