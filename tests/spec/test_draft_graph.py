@@ -253,14 +253,14 @@ def _channel() -> Iterator[DraftChannel]:
 
 
 @contextlib.contextmanager
-def _scheduling(channel: DraftChannel, log: list, answer_step: int | None = 7) -> Iterator[None]:
-    """A scheduler thread answering step 7's draft steps (as ``answer_step``; None: never) until
+def _scheduling(channel: DraftChannel, log: list, answer_step: int | None = 7, step: int = 7) -> Iterator[None]:
+    """A scheduler thread answering ``step``'s draft steps (as ``answer_step``; None: never) until
     rank 0's DONE, which leaving the block sends (as the worker does after a proposal)."""
 
     def run() -> None:
         last = -1
         while True:
-            got = channel.next_drafts(7, last, 10.0, os.getpid())
+            got = channel.next_drafts(step, last, 10.0, os.getpid())
             if got is None or got[0] == DONE:
                 return
             index, rows, sequences = got
@@ -274,7 +274,7 @@ def _scheduling(channel: DraftChannel, log: list, answer_step: int | None = 7) -
     try:
         yield
     finally:
-        channel.done(7)
+        channel.done(step)
         thread.join(15)
         assert not thread.is_alive()
 

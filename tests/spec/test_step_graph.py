@@ -3,9 +3,10 @@
 again), a fused step takes its capture-mode branches: the target's padded forward, two graphs per
 key with padding-only warm-ups, the draft graphs inside. Over three greedy verify steps, for an
 EAGLE head (a random one: drafts rejected) and a draft model sharing the target's cache (the
-target itself: every draft accepted), it gives what the eager fused step gives
-(what the CPU runs, and the engine tests check against plain greedy), and both give the target's
-greedy continuation."""
+target itself: every draft accepted), unguided and guided (verify masks and draft-step masks
+from a scheduler thread through the real draft channel), it gives what the eager fused step gives
+(what the CPU runs, and the engine tests check against plain greedy): the target's greedy
+continuation, or tokens the fake grammar allows."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from guidespec.spec.draft_model import DraftRunner
 from guidespec.spec.eagle import EagleRunner
 from guidespec.spec.step_graph import StepGraphs
 from guidespec.worker.model import ForwardBatch, LlamaModel
-from tests.spec.test_draft_graph import MAX_LEN, PROMPTS, VOCAB, WORDS, make_setup
+from tests.spec.test_draft_graph import MAX_LEN, PROMPTS, VOCAB, WORDS, _mask, _scheduling, make_setup
+from tests.spec.test_eagle import Exchange
 from tests.spec.test_draft_model import _greedy
 
 pytestmark = pytest.mark.skipif(cuda_ext.library() is None, reason="no C compiler: the host library is not built")
@@ -55,8 +57,15 @@ def _capture(device: torch.device, pool: Any, run: Callable[[], object]) -> _Sta
     return _StandIn(run)
 
 
-def _inputs(step: int, rows: list[list[int]], starts: list[int], logits: list[int], k: int) -> StepInputs:
+GUIDED = [0, 2]  # the guided rows (the others unguided), where a test guides
+VERIFY_INDEX = 50  # the fake grammar's index for the verify masks (draft steps': 0, 1, ...)
+
+
+def _inputs(step: int, rows: list[list[int]], starts: list[int], logits: list[int], k: int, guided: bool) -> StepInputs:
     n = len(rows)
+    masked = np.zeros(n, np.int32)
+    if guided:
+        masked[GUIDED] = k
     return StepInputs(
         step=step,
         slots=np.arange(n, dtype=np.int32),
@@ -72,13 +81,15 @@ def _inputs(step: int, rows: list[list[int]], starts: list[int], logits: list[in
         num_prompt_tokens=np.array([len(p) for p in PROMPTS], np.int32),
         penalties=np.tile(np.array([1.0, 0.0, 0.0], np.float32), (n, 1)),  # (none)
         draft_lens=np.full(n, k, np.int32),
-        draft_masked=np.zeros(n, np.int32),
+        has_bitmask=guided,
+        draft_masked=masked,
     )
 
 
-def _fused_steps(setup, drafter: str, captured: bool) -> tuple[list[list[int]], list[Any]]:  # type: ignore[no-untyped-def]
+def _fused_steps(setup, drafter: str, captured: bool, guided: bool) -> tuple[list[list[int]], list[Any]]:  # type: ignore[no-untyped-def]
     """The prompts' prefill (and first proposals), then three fused steps: each row's produced
-    tokens, and each step's (tokens, counts, proposals)."""
+    tokens, and each step's (tokens, counts, proposals). ``guided``: rows 0 and 2 under the fake
+    grammar, their verify masks and draft-step masks served by a scheduler thread."""
     folder, model, hf, head = setup
     kv = model.create_kv_cache(5)  # (4 rows and the scratch slot)
     channel = DraftChannel.create(ChannelSpec(f"gs-fused-{uuid.uuid4().hex[:8]}", 16, 512, WORDS))
@@ -99,17 +110,24 @@ def _fused_steps(setup, drafter: str, captured: bool) -> tuple[list[list[int]], 
         assert logits is not None
         runner.follow(batch, model.captured)
         newest = logits.argmax(dim=-1).numpy().astype(np.int32)
-        prefill = _inputs(1, PROMPTS, [0, 0, 0], [1, 1, 1], 3)
-        flat, counts = runner.propose(prefill, newest, np.ones(3, np.int32))
+        prefill = _inputs(1, PROMPTS, [0, 0, 0], [1, 1, 1], 3, guided)
+        served: list = []  # the draft steps the scheduler thread served: (index, rows, sequences)
+        with _scheduling(channel, served, answer_step=1, step=1):
+            flat, counts = runner.propose(prefill, newest, np.ones(3, np.int32), Exchange(_not_called))
         drafts = np.split(flat, np.cumsum(counts)[:-1])
         produced = [[int(t)] for t in newest]
         starts = [len(p) for p in PROMPTS]
         history = []
         for step in range(2, 5):
             rows = [[produced[b][-1], *drafts[b].tolist()] for b in range(3)]
-            inputs = _inputs(step, rows, starts, [len(r) for r in rows], 3)
+            inputs = _inputs(step, rows, starts, [len(r) for r in rows], 3, guided)
             assert fused.fits(inputs)
-            out = fused.run(inputs)
+            if guided:  # the scheduler's verify masks (sent while the target runs), logits row by row
+                ids = [4 * b + j for b in GUIDED for j in range(4)]
+                masks = [_mask(VERIFY_INDEX, produced[b] + rows[b][1 : 1 + j]) for b in GUIDED for j in range(4)]
+                assert channel.answer_verify(step, np.array(ids), np.stack(masks))
+            with _scheduling(channel, served, answer_step=step, step=step):  # (leaving it: DONE, as the worker sends)
+                out = fused.run(inputs)
             assert out.proposals is not None
             history.append((out.tokens.tolist(), out.counts.tolist(), [a.tolist() for a in out.proposals]))
             tokens = np.split(out.tokens, np.cumsum(out.counts)[:-1])
@@ -117,6 +135,8 @@ def _fused_steps(setup, drafter: str, captured: bool) -> tuple[list[list[int]], 
                 produced[b] += tokens[b].tolist()
                 starts[b] += int(out.counts[b])
             drafts = np.split(out.proposals[0], np.cumsum(out.proposals[1])[:-1])
+        # only the guided rows' draft steps asked for masks, each of them (4 proposals of 3 drafts)
+        assert [(index, rows) for index, rows, _ in served] == ([(j, GUIDED) for j in range(3)] * 4 if guided else [])
         graphs = list(fused.graphs.values())
         if captured:  # every key captured (two graphs each) and replayed
             assert graphs and all(g.graph.replays > 0 and g.draft_graph.replays > 0 for g in graphs)
@@ -127,16 +147,29 @@ def _fused_steps(setup, drafter: str, captured: bool) -> tuple[list[list[int]], 
         channel.close()
 
 
+def _not_called(*_: object) -> np.ndarray:
+    raise AssertionError("the graphs exchange masks through the channel's trampolines, not this")
+
+
+@pytest.mark.parametrize("guided", [False, True], ids=["unguided", "guided"])
 @pytest.mark.parametrize("drafter", ["eagle", "draft model"])
-def test_captured_fused_steps_equal_eager_ones_and_plain_greedy(setup, drafter: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_captured_fused_steps_equal_eager_ones_and_plain_greedy(setup, drafter: str, guided: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Guided: the capture's padding-only runs wait for no mask; every token a guided row produced
+    in a fused step is one its verify mask allowed; the unguided rows stay plain greedy."""
     _, model, _, _ = setup
-    eager = _fused_steps(setup, drafter, captured=False)
+    eager = _fused_steps(setup, drafter, captured=False, guided=guided)
     monkeypatch.setattr(step_graph, "capture_graph", _capture)
     monkeypatch.setattr(draft_graph, "capture_graph", _capture)
-    captured = _fused_steps(setup, drafter, captured=True)
+    captured = _fused_steps(setup, drafter, captured=True, guided=guided)
     assert captured == eager
     produced, history = captured
-    for prompt, tokens in zip(PROMPTS, produced):
-        assert tokens == _greedy(model, prompt, len(tokens))
+    for b, (prompt, tokens) in enumerate(zip(PROMPTS, produced)):
+        if guided and b in GUIDED:
+            for i in range(1, len(tokens)):  # (the first came from the prefill, unmasked here)
+                assert (tokens[i] + sum(tokens[:i]) + VERIFY_INDEX) % 3 == 0
+        else:
+            assert tokens == _greedy(model, prompt, len(tokens))
+    if guided:
+        return
     # the target drafting for itself: every draft accepted; a random head: few (rejections tested)
     assert all(counts == [4, 4, 4] for _, counts, _ in history) == (drafter == "draft model")
