@@ -34,7 +34,8 @@ the scheduler is asked only for the masks of drafts a row wants); padding rows r
 head's scratch slot. A failed wait (timeout, a dead scheduler, a stale mask) forbids every token
 of the rows it concerns, and every later draft step of the replay asks for nothing and forbids
 every token of its guided rows; the error is read after the replay and the proposal dropped, as
-the step-by-step path does. Sampled rows keep that path (their draws and q' are host-side).
+the step-by-step path does. Sampled rows keep that path (their draws and q' are host-side),
+except where steps fuse: there every row drafts its argmax (``DraftSampling.greedy``), in graphs.
 """
 
 from __future__ import annotations

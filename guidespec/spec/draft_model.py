@@ -93,6 +93,13 @@ class DraftSampling:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.kept: dict[int, tuple[list[int], list[torch.Tensor]]] = {}  # slot -> (drafts, q' rows [V])
+        # every row drafts its argmax, sampled ones too (q' one-hot: nothing kept), where steps
+        # fuse: a fused step verifies sampled rows on the device with one-hot q' (step_graph.py)
+        self.greedy = False
+
+    def draws(self, temperature: np.ndarray) -> np.ndarray:
+        """Each row's temperature as drafting sees it: 0 (argmax) for every row when ``greedy``."""
+        return np.zeros_like(temperature) if self.greedy else temperature
 
     def start(self) -> None:
         self.kept = {}
@@ -108,7 +115,7 @@ class DraftSampling:
     ) -> torch.Tensor:
         """Draft number ``step`` of batch rows ``rows`` from their logits [R, draft vocab]: target ids."""
         chosen = logits.argmax(dim=-1)
-        temperature = inputs.temperature[rows]
+        temperature = self.draws(inputs.temperature)[rows]
         sampled = np.flatnonzero(temperature > 0)
         q_rows: dict[int, torch.Tensor] = {}
         if len(sampled):
@@ -138,7 +145,7 @@ class DraftSampling:
                 q_rows[local] = q if ids is None else torch.zeros(self.vocab_size).index_add_(0, ids, q)
         targets = to_target(chosen) if to_target is not None else chosen
         for local, b in enumerate(rows.tolist()):
-            if inputs.temperature[b] <= 0:
+            if temperature[local] <= 0:
                 continue
             slot = int(inputs.slots[b])
             drafts, qs = self.kept.setdefault(slot, ([], []))
@@ -336,8 +343,9 @@ class DraftRunner:
         masked = inputs.draft_masked if masks is not None else None
         produced = [tokens[end - n : end].tolist() for end, n in zip(ends.tolist(), counts.tolist())]
         self.sampling.start()
-        if self.graphs is not None and self.graphs.fits(rows, wanted, inputs.temperature, produced):
-            # greedy rows: the newest token's forward and every draft step in one fixed-shape graph,
+        draws = self.sampling.draws(inputs.temperature)
+        if self.graphs is not None and self.graphs.fits(rows, wanted, draws, produced):
+            # greedy draws: the newest token's forward and every draft step in one fixed-shape graph,
             # grammar waits included; final tokens before the newest (a cache of its own) run first
             before = [i for i, chunk in enumerate(chunks) if len(chunk) > 1]
             if before:

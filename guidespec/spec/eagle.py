@@ -477,7 +477,8 @@ class EagleRunner:
         current = torch.zeros(0, dtype=torch.long, device=self.device)
         produced = [tokens[end - n : end].tolist() for end, n in zip(ends.tolist(), counts.tolist())]
         masked = inputs.draft_masked if masks is not None and inputs.draft_masked is not None else None
-        graph = self.graphs is not None and self.graphs.fits(rows, wanted, inputs.temperature, produced)
+        draws = self.sampling.draws(inputs.temperature)
+        graph = self.graphs is not None and self.graphs.fits(rows, wanted, draws, produced)
         if masks is not None and masked is not None and not graph:  # draft 0's masks, filled during the follow run
             local = post_masks(rows, masked, produced, 0, masks)
         follow = ForwardBatch.create(np.array(ids), slots, starts, lens, np.ones(len(slots), dtype=np.int32))

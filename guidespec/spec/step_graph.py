@@ -23,7 +23,9 @@ read (as the target's rejected keys are). So the head's cache after the step hol
 step-by-step path (``EagleRunner.propose``) writes, and its drafts are the same; a draft model's
 cache likewise (``DraftRunner.propose``).
 
-A step runs fused when every row is a greedy verify step without penalties, drafting at most
+A step runs fused when every row is a verify step without penalties, greedy or sampled without a
+seed (rejection sampling on the device, ``verify.verify_padded``: where steps fuse the drafters
+draft their argmax for every row, so a sampled row's q' is one-hot), drafting at most
 ``MAX_GRAPH_DRAFTS`` (or none: where the adaptive plan drafts for no row, the head still
 follows, so its cache never falls behind); others run step by step. Positions of its rows the
 head has not followed yet (a row the adaptive plan held back, a step without logits, a prefill
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -52,8 +55,9 @@ import torch
 
 from guidespec.cuda_ext.channel import OK, VERIFY, DraftChannelError
 from guidespec.cuda_ext.host_functions import VerifyWaitArgs
-from guidespec.protocol import NO_TOKEN, StepInputs
+from guidespec.protocol import StepInputs
 from guidespec.spec.draft_graph import MAX_GRAPH_DRAFTS, MAX_PRODUCED, DraftGraphKey, DraftGraphs, _DraftGraph
+from guidespec.spec.verify import verify_padded
 from guidespec.worker.graphs import (
     MAX_GRAPH_TOKENS,
     GraphKey,
@@ -97,6 +101,7 @@ class StepGraphKey:
     verify: GraphKey  # (B, n, L) of the target's forward and the drafter's follow
     drafts: DraftGraphKey  # (B, K, L', masked steps) of the draft steps
     guided: bool  # the step has verify masks: the graph waits for them
+    sampled: bool  # a row samples (unseeded): rejection sampling on the device (spec/verify.py)
 
 
 @dataclass
@@ -108,8 +113,9 @@ class FusedOutputs:
 
 
 def fusable(inputs: StepInputs, max_batch_size: int, max_logits_rows: int, max_model_len: int) -> bool:
-    """Whether a step runs fused: every row a greedy verify step (no penalties, its every token's
-    logits wanted), few enough drafts, tokens and rows. Read from the step's inputs alone, so every
+    """Whether a step runs fused: every row a verify step (no penalties, its every token's logits
+    wanted), greedy or sampled without a seed (a seeded row's draws follow its own generators),
+    few enough drafts, tokens and rows. Read from the step's inputs alone, so every
     tensor-parallel rank decides alike: rank 0 runs the whole step, the others its target part
     (:class:`FusedStepFollower`), and their collectives match."""
     n_rows = inputs.batch_size
@@ -125,7 +131,8 @@ def fusable(inputs: StepInputs, max_batch_size: int, max_logits_rows: int, max_m
     starts = inputs.start_positions
     if (starts <= 0).any() or int((starts + new).max()) + k + 2 > max_model_len:
         return False
-    return not (inputs.temperature > 0).any() and not (inputs.penalties != np.array([1.0, 0.0, 0.0])).any()
+    seeded = (inputs.temperature > 0) & (inputs.seeds >= 0)  # (their draws follow per-request generators)
+    return not seeded.any() and not (inputs.penalties != np.array([1.0, 0.0, 0.0])).any()
 
 
 def step_key(inputs: StepInputs, max_batch_size: int, max_model_len: int) -> StepGraphKey:
@@ -138,6 +145,7 @@ def step_key(inputs: StepInputs, max_batch_size: int, max_model_len: int) -> Ste
         GraphKey(b, n, key_bucket(end, max_model_len)),
         DraftGraphKey(b, k, key_bucket(end + k, max_model_len), masked),
         inputs.has_bitmask,
+        bool((inputs.temperature > 0).any()),
     )
 
 
@@ -149,6 +157,9 @@ class _StepGraph:
         self.buffers = StaticBuffers(key.verify, device, owner.scratch_slot)
         self.drafts = _DraftGraph(key.drafts, owner.draft_graphs)
         self.draft_count = torch.zeros(b, dtype=torch.long, device=device)  # real drafts of each row
+        self.temperature = torch.zeros(b, dtype=torch.float32, device=device)  # (sampled keys: each row's)
+        self.top_k = torch.zeros(b, dtype=torch.long, device=device)
+        self.top_p = torch.ones(b, dtype=torch.float32, device=device)
         self.produced = torch.zeros(b, MAX_PRODUCED, dtype=torch.int32, device=device)
         words = owner.draft_graphs.num_words
         self.mask = torch.zeros(b * n, words, dtype=torch.int32, device=device)
@@ -208,12 +219,12 @@ class _StepGraph:
             vocab = logits.shape[-1]
             allowed = ((self.mask[:, :, None] >> owner.bits) & 1).view(b * n, -1)[:, :vocab].bool()
             logits = logits.masked_fill(~allowed, float("-inf"))
-        best = logits.argmax(dim=-1)
-        dead = torch.isneginf(logits.amax(dim=-1))  # the mask allows nothing: NO_TOKEN, never a match
-        picks = torch.where(dead, torch.full_like(best, NO_TOKEN), best).view(b, n)
-        drafts = buffers.token_ids.view(b, n)[:, 1:]
-        real = torch.arange(n - 1, device=picks.device)[None, :] < self.draft_count[:, None]
-        counts = ((drafts == picks[:, :-1]) & real).long().cumprod(dim=1).sum(dim=1) + 1  # [B]
+        sampling = None
+        if key.sampled:  # (uniforms drawn in the graph: each replay draws new ones)
+            uniforms = torch.rand(b, n + 1, device=logits.device, generator=owner.generator)
+            sampling = (self.temperature, self.top_k, self.top_p, uniforms)
+        # picks: each row's produced tokens first (its accepted drafts, then its own token)
+        picks, counts = verify_padded(logits, buffers.token_ids.view(b, n)[:, 1:], self.draft_count, sampling)
         followed = runner.follow_padded(features, picks.clamp(min=0).view(-1), buffers, key.verify)
         self.out_picks.copy_(picks, non_blocking=True)
         self.out_counts.copy_(counts, non_blocking=True)
@@ -280,6 +291,15 @@ class StepGraphs:
         self.verify_timeout_s = verify_timeout_s
         self.capture = draft_graphs.capture
         self.bits = torch.arange(32, dtype=torch.int32, device=self.device)  # (made here, not in a capture)
+        # sampled rows' uniforms: on CUDA the default generator (graph-safe: a replay draws anew),
+        # seeded here from the OS; on the CPU one of the step's own
+        seed = int.from_bytes(os.urandom(7), "little")
+        self.generator: torch.Generator | None = None
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                torch.cuda.manual_seed(seed)
+        else:
+            self.generator = torch.Generator().manual_seed(seed)
         # around a replay: its verify part, then its draft steps (the adaptive plan's two costs)
         cuda = self.device.type == "cuda"
         self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.capture and cuda else []
@@ -366,6 +386,13 @@ class StepGraphs:
         draft_count = np.zeros(b, dtype=np.int64)
         draft_count[:n_rows] = inputs.num_logits - 1
         graph.draft_count.copy_(torch.from_numpy(draft_count), non_blocking=True)
+        if graph.key.sampled:
+            params = np.zeros((3, b), dtype=np.float32)
+            params[:, :n_rows] = inputs.temperature, inputs.top_k, inputs.top_p
+            params[2, n_rows:] = 1.0
+            graph.temperature.copy_(torch.from_numpy(params[0]), non_blocking=True)
+            graph.top_k.copy_(torch.from_numpy(params[1]).long(), non_blocking=True)
+            graph.top_p.copy_(torch.from_numpy(params[2]), non_blocking=True)
         graph.verify_status.zero_()
         graph.verify_enabled[0] = 1
         host = self.draft_graphs.host

@@ -16,6 +16,8 @@ A draft the mask forbids has p'(d_j) = 0 and is never accepted: masks fail close
 mask allows no token at all (a grammar the vocabulary cannot follow) yields ``NO_TOKEN``: the
 scheduler fails that request alone.
 Everything runs on the logits' device; only the chosen tokens (and argmaxes) travel back.
+``verify_padded`` is the same for a fused step's fixed-shape rows (``step_graph.py``), on the
+device without a host synchronisation: greedy rows, and sampled rows whose drafts are one-hot.
 Seeded rows draw position ``j``'s randomness from a generator seeded by (seed, output index).
 """
 
@@ -97,6 +99,62 @@ def verify(
     counts = np.array([len(t) for t in out], dtype=np.int32)
     flat = np.array([t for tokens in out for t in tokens], dtype=np.int32)
     return flat, counts
+
+
+def verify_padded(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    draft_count: torch.Tensor,
+    sampling: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify` for ``B`` rows of ``n`` logits rows each, of fixed shapes and without a host
+    synchronisation (a fused step's graph, ``step_graph.py``): logits [B * n, V] (masked), drafts
+    [B, n - 1] (each row's first ``draft_count[b]`` real). Returns (tokens [B, n]: each row's
+    produced tokens first, NO_TOKEN where its mask allowed nothing; counts [B]).
+
+    ``sampling``: (temperature [B] (0: greedy), top_k [B], top_p [B], uniforms [B, n + 1] in
+    [0, 1)) where some row samples. A sampled row's drafts are deterministic (one-hot q': the
+    model drafters draft greedily for every row where steps fuse), so draft ``j`` is accepted with
+    probability p'(d_j), the first rejected one is replaced by a draw from p' without it, and a
+    row whose drafts are all accepted draws its bonus token from its last row: the masked target
+    distribution, exactly (uniform ``j`` decides draft ``j``; uniform ``n`` draws the last token)."""
+    b, n = drafts.shape[0], drafts.shape[1] + 1
+    dead = torch.isneginf(logits.amax(dim=-1)).view(b, n)  # the mask allows nothing: NO_TOKEN, never a match
+    best = torch.where(dead, NO_TOKEN, logits.argmax(dim=-1).view(b, n))
+    real = torch.arange(n - 1, device=logits.device)[None, :] < draft_count[:, None]
+    accepted = (drafts == best[:, :-1]) & real
+    tokens = best
+    if sampling is not None:
+        temperature, top_k, top_p, uniforms = sampling
+        safe = logits.masked_fill(dead.view(-1, 1), 0.0)  # (dead rows: finite, replaced below)
+        probs = filtered_probs(
+            safe,
+            temperature.repeat_interleave(n),
+            top_k.repeat_interleave(n),
+            top_p.repeat_interleave(n),
+            always_filter=True,
+        ).view(b, n, -1)
+        sampled = temperature > 0
+        p_draft = probs[:, :-1].gather(-1, drafts.clamp(min=0)[..., None]).squeeze(-1)  # [B, n - 1]
+        drawn_accept = (uniforms[:, : n - 1] < p_draft) & real & ~dead[:, :-1]
+        accepted = torch.where(sampled[:, None], drawn_accept, accepted)
+    count = accepted.long().cumprod(dim=1).sum(dim=1)  # accepted drafts
+    rows = torch.arange(b, device=logits.device)
+    if sampling is not None:
+        last = probs[rows, count]  # [B, V]: the distribution of the token after the accepted drafts
+        padded = torch.cat([drafts, drafts.new_zeros(b, 1)], dim=1).clamp(min=0)
+        rejected = (count < draft_count)[:, None]
+        residual = torch.where(rejected, last.scatter(1, padded[rows, count][:, None], 0.0), last)
+        total = residual.sum(dim=-1, keepdim=True)
+        residual = torch.where(total > 0, residual, last)  # (nothing left: draw from p')
+        cdf = residual.cumsum(dim=-1)
+        point = uniforms[:, n : n + 1] * cdf[:, -1:]  # in [0, total): the first token whose cdf passes it
+        drawn = torch.searchsorted(cdf, point, right=True).clamp(max=cdf.shape[-1] - 1)
+        own = padded.scatter(1, count[:, None], drawn)  # the accepted drafts, then the drawn token
+        tokens = torch.where(sampled[:, None], own, best)
+    final_dead = dead[rows, count]
+    tokens = tokens.scatter(1, count[:, None], torch.where(final_dead, NO_TOKEN, tokens[rows, count])[:, None])
+    return tokens, count + 1
 
 
 def _argmax_and_dead(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

@@ -37,13 +37,19 @@ def sample(
 
 
 def filtered_probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    always_filter: bool = False,
 ) -> torch.Tensor:
+    """Each row's distribution under its temperature, top-k and top-p. ``always_filter`` sorts
+    every row whatever its parameters (no host synchronisation: capturable in a CUDA graph)."""
     device = logits.device
     temperature, top_k, top_p = temperature.to(device), top_k.to(device), top_p.to(device)
     logits = logits / temperature.clamp(min=_MIN_TEMPERATURE)[:, None]
     vocab = logits.shape[-1]
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if always_filter or bool((top_k > 0).any()) or bool((top_p < 1).any()):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
         ranks = torch.arange(vocab, device=device)[None]

@@ -176,6 +176,7 @@ class Worker:
         if cfg.fused_steps and self.tp.is_driver:
             if self.drafter is None or self.drafter.graphs is None:
                 raise ValueError("fused steps need a model drafter with draft graphs on rank 0")
+            self.drafter.sampling.greedy = True  # (sampled rows too: a fused step verifies them with one-hot q')
             self.step_graphs = StepGraphs(self.drafter, self.model, self.kv, max_rows, envs.step_timeout_s())
         elif cfg.fused_steps:
             self.step_follower = FusedStepFollower(self.model, self.kv, cfg.max_batch_size, max_rows, use_graphs)

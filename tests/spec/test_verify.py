@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from guidespec.spec.verify import verify
+from guidespec.protocol import NO_TOKEN
+from guidespec.spec.verify import verify, verify_padded
 
 V = 6
 MASKED = 4  # a token the grammar forbids at every position
@@ -200,3 +201,88 @@ def test_drafts_sampled_by_a_model_drafter_and_verified_with_their_q_keep_the_di
     q0 = q[1][0].numpy()  # type: ignore[index]
     expected_acceptance = np.minimum(target, q0).sum()  # sum min(p', q'): higher than any one-hot draft's
     assert abs((counts == 2).mean() - expected_acceptance) < 0.02
+
+
+def _padded(tokens: np.ndarray, counts: np.ndarray) -> list[list[int]]:
+    return [row[:c].tolist() for row, c in zip(tokens, counts)]
+
+
+@pytest.mark.parametrize("drafts", [[0, 2], [2, 0], [MASKED, 1], [3, 3]])
+def test_padded_verification_keeps_the_masked_distribution(drafts: list[int]) -> None:
+    """verify_padded (a fused step's, on the device): each row's first token follows p' at its
+    first position, and after an accepted first draft its second follows p' at the second; a
+    forbidden draft is never accepted, a forbidden token never drawn; top-k narrows p'."""
+    n = 40000
+    torch.manual_seed(len(drafts) + drafts[0])
+    base = torch.randn(3, V) * 1.5
+    base[:, MASKED] = float("-inf")
+    logits = base.repeat(n, 1)  # [n * 3, V]: every row the same three positions
+    draft_rows = torch.tensor([drafts]).repeat(n, 1)
+    for top_k in (0, 3):
+        temperature = torch.full((n,), 0.8)
+        uniforms = torch.rand(n, 4, generator=torch.Generator().manual_seed(7 + top_k))
+        sampling = (temperature, torch.full((n,), top_k), torch.ones(n), uniforms)
+        tokens, counts = verify_padded(logits, draft_rows, torch.full((n,), 2), sampling)
+        produced = _padded(tokens.numpy(), counts.numpy())
+        p = torch.softmax(base / 0.8, -1)
+        if top_k:
+            p = torch.where(p >= p.topk(top_k, dim=-1).values[:, -1:], p, 0.0)
+            p = p / p.sum(-1, keepdim=True)
+        first = np.array([row[0] for row in produced])
+        assert _chi_square_p_value(np.bincount(first, minlength=V), p[0].numpy()) > 1e-3
+        second = np.array([row[1] for row in produced if len(row) > 1])  # after d1 was accepted
+        if drafts[0] != MASKED and len(second) > 500:
+            assert _chi_square_p_value(np.bincount(second, minlength=V), p[1].numpy()) > 1e-3
+        accepted = (counts >= 2).float().mean().item()  # draft 1 accepted with probability p'(d1)
+        expected = float(p[0, drafts[0]])
+        assert abs(accepted - expected) < 4 * np.sqrt(max(expected * (1 - expected), 1e-6) / n) + 1e-9
+
+
+def test_padded_verification_of_greedy_rows_and_dead_rows_is_verifys() -> None:
+    """Greedy rows (beside a sampled one, or alone) give what verify gives; a row whose mask
+    allows nothing at its last position gives NO_TOKEN there, and no draft is accepted into it."""
+    torch.manual_seed(3)
+    b, k = 5, 3
+    logits = torch.randn(b * (k + 1), V)
+    logits[(k + 1) * 4 + 1] = float("-inf")  # row 4's second position: nothing allowed
+    best = logits.argmax(-1).view(b, k + 1)
+    drafts = torch.stack([best[0, :k], best[1, :k], torch.tensor([best[2, 0], 5, 5]), best[3, :k], best[4, :k]])
+    drafts[1, 2] = (drafts[1, 2] + 1) % V  # row 1: its third draft rejected
+    drafts[4, 1] = 1  # (a draft other than the argmax of a dead row: 0)
+    counts_in = torch.tensor([3, 3, 3, 2, 3])
+    p = _rows(b, k, 0.0)
+    expected = verify(
+        logits.clone(),
+        p["num_logits"],
+        [d[:c].numpy() for d, c in zip(drafts, counts_in.tolist())],
+        p["temperature"],
+        p["top_k"],
+        p["top_p"],
+        p["seeds"],
+        p["sample_index"],
+    )
+    for sampling in (None, "with a sampled row"):
+        args = None
+        if sampling:
+            temperature = torch.zeros(b)  # (greedy rows: the sampling branch leaves them alone)
+            args = (temperature, torch.zeros(b, dtype=torch.long), torch.ones(b), torch.rand(b, k + 2))
+        tokens, counts = verify_padded(logits, drafts, counts_in, args)
+        flat = [t for row in _padded(tokens.numpy(), counts.numpy()) for t in row]
+        assert flat == expected[0].tolist() and counts.tolist() == expected[1].tolist()
+    assert _padded(tokens.numpy(), counts.numpy())[4] == [int(best[4, 0]), NO_TOKEN]
+
+
+def test_padded_verification_without_drafts_samples_or_picks() -> None:
+    """One logits row per row (a decode step without drafts): the argmax, or a draw."""
+    logits = torch.tensor([[0.0, 9, 0, 0, 0, 0], [0, 0, 0, 9, 0, 0]])
+    none = torch.zeros(2, 0, dtype=torch.long)
+    tokens, counts = verify_padded(logits, none, torch.zeros(2, dtype=torch.long))
+    assert tokens.tolist() == [[1], [3]] and counts.tolist() == [1, 1]
+    sampling = (
+        torch.tensor([0.0, 1.0]),
+        torch.zeros(2, dtype=torch.long),
+        torch.ones(2),
+        torch.tensor([[0.5, 0.5], [0.0, 0.0]]),
+    )
+    tokens, counts = verify_padded(logits, none, torch.zeros(2, dtype=torch.long), sampling)
+    assert tokens[0].tolist() == [1] and counts.tolist() == [1, 1] and 0 <= int(tokens[1, 0]) < V
