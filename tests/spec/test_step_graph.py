@@ -61,7 +61,12 @@ GUIDED = [0, 2]  # the guided rows (the others unguided), where a test guides
 VERIFY_INDEX = 50  # the fake grammar's index for the verify masks (draft steps': 0, 1, ...)
 
 
-def _inputs(step: int, rows: list[list[int]], starts: list[int], logits: list[int], k: int, guided: bool) -> StepInputs:
+SAMPLED = 1  # the row that samples (at temperature 1, unseeded), where a test samples
+
+
+def _inputs(
+    step: int, rows: list[list[int]], starts: list[int], logits: list[int], k: int, guided: bool, sampled: bool = False
+) -> StepInputs:
     n = len(rows)
     masked = np.zeros(n, np.int32)
     if guided:
@@ -73,7 +78,7 @@ def _inputs(step: int, rows: list[list[int]], starts: list[int], logits: list[in
         num_new_tokens=np.array([len(r) for r in rows], np.int32),
         token_ids=np.array([t for r in rows for t in r], np.int32),
         num_logits=np.array(logits, np.int32),
-        temperature=np.zeros(n, np.float32),
+        temperature=np.array([float(sampled and b == SAMPLED) for b in range(n)], np.float32),
         top_k=np.zeros(n, np.int32),
         top_p=np.ones(n, np.float32),
         seeds=np.full(n, -1, np.int64),
@@ -86,7 +91,9 @@ def _inputs(step: int, rows: list[list[int]], starts: list[int], logits: list[in
     )
 
 
-def _fused_steps(setup, drafter: str, captured: bool, guided: bool) -> tuple[list[list[int]], list[Any]]:  # type: ignore[no-untyped-def]
+def _fused_steps(  # type: ignore[no-untyped-def]
+    setup, drafter: str, captured: bool, guided: bool, sampled: bool = False
+) -> tuple[list[list[int]], list[Any]]:
     """The prompts' prefill (and first proposals), then three fused steps: each row's produced
     tokens, and each step's (tokens, counts, proposals). ``guided``: rows 0 and 2 under the fake
     grammar, their verify masks and draft-step masks served by a scheduler thread."""
@@ -102,6 +109,7 @@ def _fused_steps(setup, drafter: str, captured: bool, guided: bool) -> tuple[lis
         runner.use_graphs(channel, 10.0, os.getpid(), capture=False)
         assert runner.graphs is not None
         runner.graphs.capture = captured  # (CUDA's branches, with stand-in graphs)
+        runner.sampling.greedy = True  # (as the worker sets it where steps fuse)
         fused = StepGraphs(runner, model, kv, max_logits_rows=16, verify_timeout_s=10.0)
         batch = ForwardBatch.create(
             np.array([t for p in PROMPTS for t in p]), [0, 1, 2], [0, 0, 0], [len(p) for p in PROMPTS], [1, 1, 1]
@@ -110,7 +118,7 @@ def _fused_steps(setup, drafter: str, captured: bool, guided: bool) -> tuple[lis
         assert logits is not None
         runner.follow(batch, model.captured)
         newest = logits.argmax(dim=-1).numpy().astype(np.int32)
-        prefill = _inputs(1, PROMPTS, [0, 0, 0], [1, 1, 1], 3, guided)
+        prefill = _inputs(1, PROMPTS, [0, 0, 0], [1, 1, 1], 3, guided, sampled)
         served: list = []  # the draft steps the scheduler thread served: (index, rows, sequences)
         with _scheduling(channel, served, answer_step=1, step=1):
             flat, counts = runner.propose(prefill, newest, np.ones(3, np.int32), Exchange(_not_called))
@@ -120,7 +128,7 @@ def _fused_steps(setup, drafter: str, captured: bool, guided: bool) -> tuple[lis
         history = []
         for step in range(2, 5):
             rows = [[produced[b][-1], *drafts[b].tolist()] for b in range(3)]
-            inputs = _inputs(step, rows, starts, [len(r) for r in rows], 3, guided)
+            inputs = _inputs(step, rows, starts, [len(r) for r in rows], 3, guided, sampled)
             assert fused.fits(inputs)
             if guided:  # the scheduler's verify masks (sent while the target runs), logits row by row
                 ids = [4 * b + j for b in GUIDED for j in range(4)]
@@ -173,3 +181,20 @@ def test_captured_fused_steps_equal_eager_ones_and_plain_greedy(setup, drafter: 
         return
     # the target drafting for itself: every draft accepted; a random head: few (rejections tested)
     assert all(counts == [4, 4, 4] for _, counts, _ in history) == (drafter == "draft model")
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
+def test_a_sampled_row_beside_greedy_ones_fuses(setup, captured: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An unseeded sampled row in the fused steps (its drafts the drafter's argmax, verified by
+    rejection sampling on the device): the greedy rows beside it stay the target's greedy
+    continuation, and it produces tokens of the vocabulary, eagerly and captured."""
+    _, model, _, _ = setup
+    if captured:
+        monkeypatch.setattr(step_graph, "capture_graph", _capture)
+        monkeypatch.setattr(draft_graph, "capture_graph", _capture)
+    produced, history = _fused_steps(setup, "draft model", captured, guided=False, sampled=True)
+    for b, (prompt, tokens) in enumerate(zip(PROMPTS, produced)):
+        if b != SAMPLED:
+            assert tokens == _greedy(model, prompt, len(tokens))
+    assert len(produced[SAMPLED]) >= 4 and all(0 <= t < VOCAB for t in produced[SAMPLED])
+    assert all(counts[SAMPLED] >= 1 for _, counts, _ in history)
