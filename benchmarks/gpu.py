@@ -25,8 +25,9 @@ runs replay, as a long-running server has):
   ``GUIDESPEC_FUSED_STEPS=0``), "steps" (everything one by one, ``--no-graph-grammar``),
   "fused-unmasked" (drafts no grammar masks, ``constrain_drafts=False``: no round trip to the scheduler
   while drafting), "fused-first-mask" (only draft step 0 masked, ``draft_mask_steps=1``: one round
-  trip), and a draft model (the target's first 2 layers, sharing its cache) "draft-model-fused" and
-  "draft-model-steps", at batch 1 and 16: time per engine step, the grammar's share of a
+  trip), "fused-sampled" and "steps-sampled" (temperature 1, unseeded: fused steps verify them by
+  rejection sampling on the device), and a draft model (the target's first 2 layers, sharing its
+  cache) "draft-model-fused" and "draft-model-steps", at batch 1 and 16: time per engine step, the grammar's share of a
   step (guided over unguided step time, minus 1), of wall time (unguided runs to the guided
   outputs' lengths, so both produce the same tokens) and of a decode step (p50 from each engine's
   step trace, ``--trace-dir``, with the guided steps' parts); a random head's drafts are nearly all
@@ -313,12 +314,13 @@ def valid_json(text: str, schema: Any) -> bool:
     return True
 
 
-def guided_params(schemas: list[Any], max_tokens: int) -> list[Any]:
+def guided_params(schemas: list[Any], max_tokens: int, temperature: float = 0.0) -> list[Any]:
     from guidespec import SamplingParams
     from guidespec.protocol import GuidedDecoding
 
     return [
-        SamplingParams(max_tokens=max_tokens, temperature=0.0, guided=GuidedDecoding(json_schema=s)) for s in schemas
+        SamplingParams(max_tokens=max_tokens, temperature=temperature, guided=GuidedDecoding(json_schema=s))
+        for s in schemas
     ]
 
 
@@ -432,15 +434,17 @@ def bench_speculative(
 
 
 # variant -> (graph_grammar, masked draft steps (None: all, 0: drafts unchecked), fused steps,
-# drafter: the EAGLE head, or a draft model spec)
-EAGLE_VARIANTS: dict[str, tuple[bool, int | None, bool, str]] = {
-    "fused": (True, None, True, "eagle"),
-    "draft-graph": (True, None, False, "eagle"),
-    "steps": (False, None, False, "eagle"),
-    "fused-unmasked": (True, 0, True, "eagle"),
-    "fused-first-mask": (True, 1, True, "eagle"),
-    "draft-model-fused": (True, None, True, "layers:2"),
-    "draft-model-steps": (False, None, False, "layers:2"),
+# drafter: the EAGLE head, or a draft model spec; temperature, unseeded)
+EAGLE_VARIANTS: dict[str, tuple[bool, int | None, bool, str, float]] = {
+    "fused": (True, None, True, "eagle", 0.0),
+    "draft-graph": (True, None, False, "eagle", 0.0),
+    "steps": (False, None, False, "eagle", 0.0),
+    "fused-unmasked": (True, 0, True, "eagle", 0.0),
+    "fused-first-mask": (True, 1, True, "eagle", 0.0),
+    "fused-sampled": (True, None, True, "eagle", 1.0),
+    "steps-sampled": (False, None, False, "eagle", 1.0),
+    "draft-model-fused": (True, None, True, "layers:2", 0.0),
+    "draft-model-steps": (False, None, False, "layers:2", 0.0),
 }
 
 
@@ -470,7 +474,7 @@ def bench_eagle_graphs(
     trace_dir.mkdir(parents=True, exist_ok=True)
     # (verification refuses what the grammar does in every variant, masked drafts or not)
     for variant in variants or list(EAGLE_VARIANTS):
-        graph, masked, fused, drafter = EAGLE_VARIANTS[variant]
+        graph, masked, fused, drafter, temperature = EAGLE_VARIANTS[variant]
         os.environ["GUIDESPEC_FUSED_STEPS"] = "1" if fused else "0"
         label = f"eagle {variant}"
         model_drafter = eagle if drafter == "eagle" else dict(eagle, method="draft_model", draft_model=drafter)
@@ -488,12 +492,12 @@ def bench_eagle_graphs(
             for b in batch_sizes:
                 pairs = requests(cases, b)
                 prompts, schemas = [p for p, _ in pairs], [s for _, s in pairs]
-                run_each(llm, prompts, guided_params(schemas, max_tokens))  # warm-up, captures
+                run_each(llm, prompts, guided_params(schemas, max_tokens, temperature))  # warm-up, captures
                 guided, outs = measure(
-                    lambda: run_each(llm, prompts, guided_params(schemas, max_tokens)), setup.repeats
+                    lambda: run_each(llm, prompts, guided_params(schemas, max_tokens, temperature)), setup.repeats
                 )
                 lengths = [len(o.token_ids) if o is not None else max_tokens for o in outs]
-                plain = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+                plain = [SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True) for n in lengths]
                 run_each(llm, prompts, plain)
                 unguided, _ = measure(lambda: run_each(llm, prompts, plain), setup.repeats)
                 row = {"graph": graph, "variant": variant, "batch": b, "guided": guided, "unguided": unguided}
@@ -706,7 +710,8 @@ def markdown(report: dict[str, Any]) -> str:
             "EAGLE steps (draft length fixed): each greedy step (verify, masks, acceptance, draft steps) one "
             "captured graph, grammar waits as host nodes (fused); only the draft steps as a graph (draft-graph); "
             "everything one by one (steps); fused with drafts no grammar masks (fused-unmasked: no round trip "
-            "while drafting) or only the first draft step masked (fused-first-mask: one); draft-model-*: "
+            "while drafting) or only the first draft step masked (fused-first-mask: one); *-sampled: temperature 1, "
+            "unseeded; draft-model-*: "
             "the target's first 2 layers drafting instead of the head; "
             "step = wall × batch ÷ request steps. "
             "Unguided runs to the guided outputs' lengths, so the wall-time share compares the same tokens; "
