@@ -1,10 +1,11 @@
-"""A whole greedy speculative step of a model drafter as one fixed-shape graph (rank 0): the
+"""A whole speculative step of a model drafter as one fixed-shape graph (rank 0): the
 target's verify forward, the wait for the step's verify masks, acceptance on the device, the
 drafter following the step's positions and the next step's draft steps, grammar waits inside.
 
     target forward over B rows x n tokens (the last accepted token, then the drafts)
     LM head;  [guided] wait for the verify masks (C);  copy them host-to-device;  -inf where forbidden
-    picks = argmax;  accepted = leading drafts equal to the picks;  count = accepted + 1
+    greedy rows: picks = argmax;  accepted = leading drafts equal to the picks;  count = accepted + 1
+    sampled rows: rejection sampling of their one-hot drafts (verify.verify_padded)
     follow:  EAGLE: head forward over the n positions (the target's features, the picks as next tokens)
              draft model with a cache of its own: its forward over the step's n tokens
              draft model sharing the target's cache: nothing (the target's forward wrote it)
@@ -261,9 +262,9 @@ class _StepGraph:
 
 
 class StepGraphs:
-    """Fused greedy steps of a model drafter (rank 0). ``runner``: the worker's EagleRunner or
-    DraftRunner with its draft graphs (``use_graphs``); ``kv``: the target's cache, its last slot
-    the scratch slot."""
+    """Fused steps of a model drafter, greedy and unseeded sampled rows (rank 0). ``runner``: the
+    worker's EagleRunner or DraftRunner with its draft graphs (``use_graphs``); ``kv``: the
+    target's cache, its last slot the scratch slot."""
 
     def __init__(
         self,
