@@ -307,6 +307,26 @@ def test_unseeded_sampled_requests_run_fused_steps(monkeypatch: pytest.MonkeyPat
     assert among.token_ids == alone.token_ids
 
 
+def test_a_request_with_penalties_fuses_with_speculating_ones(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A request with repetition, frequency and presence penalties does not speculate, yet its
+    steps fuse beside speculating ones (its token history recorded and applied on the device):
+    every output, its own included, is what the engine without fused steps gives (greedy)."""
+    penalties = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3)
+    penalized = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, **penalties)
+    requests = _requests()[:2] + [(UNGUIDED[0], penalized)]
+    speculative = dict(method="draft_model", draft_model="int8", adaptive=False)
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setenv("GUIDESPEC_TRACE", str(tmp_path / f"trace-{fused}.json"))
+        with LLM(max_batch_size=8, show_progress=False, speculative=speculative, graph_grammar=fused) as llm:
+            runs[fused] = _run(llm, requests)
+    assert [o.token_ids for o in runs[True]] == [o.token_ids for o in runs[False]]
+    assert runs[True][2].stats.num_draft_tokens == 0 and len(runs[True][2].token_ids) == 40
+    events = json.loads((tmp_path / "trace-True.json").read_text())["traceEvents"]
+    # steps of all three rows (the penalized one among them) ran fused
+    assert any(str(e["name"]).startswith("fused step") and e["args"]["batch"] == 3 for e in events)
+
+
 def test_sampled_guided_outputs_stay_valid_and_switches_work() -> None:
     with LLM(max_batch_size=8, show_progress=False, speculative="ngram") as llm:
         outs = _run(llm, _requests(temperature=1.0))

@@ -24,7 +24,8 @@ read (as the target's rejected keys are). So the head's cache after the step hol
 step-by-step path (``EagleRunner.propose``) writes, and its drafts are the same; a draft model's
 cache likewise (``DraftRunner.propose``).
 
-A step runs fused when every row is a verify step without penalties, greedy or sampled without a
+A step runs fused when every row is a verify step (a row with penalties too: its token history is
+recorded and applied on the device, ``TokenHistory.update_padded``), greedy or sampled without a
 seed (rejection sampling on the device, ``verify.verify_padded``: where steps fuse the drafters
 draft their argmax for every row, so a sampled row's q' is one-hot), drafting at most
 ``MAX_GRAPH_DRAFTS`` (or none: where the adaptive plan drafts for no row, the head still
@@ -70,6 +71,7 @@ from guidespec.worker.graphs import (
     tokens_bucket,
 )
 from guidespec.worker.kv_cache import KVCache
+from guidespec.worker.penalties import TokenHistory
 from guidespec.worker.model import ForwardBatch, LlamaModel
 
 logger = logging.getLogger(__name__)
@@ -103,6 +105,7 @@ class StepGraphKey:
     drafts: DraftGraphKey  # (B, K, L', masked steps) of the draft steps
     guided: bool  # the step has verify masks: the graph waits for them
     sampled: bool  # a row samples (unseeded): rejection sampling on the device (spec/verify.py)
+    penalized: bool  # a row asks for penalties: its token history recorded and applied on the device
 
 
 @dataclass
@@ -114,9 +117,9 @@ class FusedOutputs:
 
 
 def fusable(inputs: StepInputs, max_batch_size: int, max_logits_rows: int, max_model_len: int) -> bool:
-    """Whether a step runs fused: every row a verify step (no penalties, its every token's logits
-    wanted), greedy or sampled without a seed (a seeded row's draws follow its own generators),
-    few enough drafts, tokens and rows. Read from the step's inputs alone, so every
+    """Whether a step runs fused: every row a verify step (its every token's logits wanted),
+    greedy or sampled without a seed (a seeded row's draws follow its own generators), penalties
+    or not, few enough drafts, tokens and rows. Read from the step's inputs alone, so every
     tensor-parallel rank decides alike: rank 0 runs the whole step, the others its target part
     (:class:`FusedStepFollower`), and their collectives match."""
     n_rows = inputs.batch_size
@@ -133,7 +136,7 @@ def fusable(inputs: StepInputs, max_batch_size: int, max_logits_rows: int, max_m
     if (starts <= 0).any() or int((starts + new).max()) + k + 2 > max_model_len:
         return False
     seeded = (inputs.temperature > 0) & (inputs.seeds >= 0)  # (their draws follow per-request generators)
-    return not seeded.any() and not (inputs.penalties != np.array([1.0, 0.0, 0.0])).any()
+    return not seeded.any()
 
 
 def step_key(inputs: StepInputs, max_batch_size: int, max_model_len: int) -> StepGraphKey:
@@ -147,7 +150,13 @@ def step_key(inputs: StepInputs, max_batch_size: int, max_model_len: int) -> Ste
         DraftGraphKey(b, k, key_bucket(end + k, max_model_len), masked),
         inputs.has_bitmask,
         bool((inputs.temperature > 0).any()),
+        bool(_penalized(inputs).any()),
     )
+
+
+def _penalized(inputs: StepInputs) -> np.ndarray:
+    """[B] bool: the rows that ask for a repetition, frequency or presence penalty."""
+    return (inputs.penalties != np.array([1.0, 0.0, 0.0], np.float32)).any(axis=1)
 
 
 class _StepGraph:
@@ -161,6 +170,8 @@ class _StepGraph:
         self.temperature = torch.zeros(b, dtype=torch.float32, device=device)  # (sampled keys: each row's)
         self.top_k = torch.zeros(b, dtype=torch.long, device=device)
         self.top_p = torch.ones(b, dtype=torch.float32, device=device)
+        self.penalties = torch.zeros(b, 3, dtype=torch.float32, device=device)  # (penalized keys: each row's,
+        self.prompt_lens = torch.zeros(b, dtype=torch.long, device=device)  # 0 for a row without)
         self.produced = torch.zeros(b, MAX_PRODUCED, dtype=torch.int32, device=device)
         words = owner.draft_graphs.num_words
         self.mask = torch.zeros(b * n, words, dtype=torch.int32, device=device)
@@ -220,6 +231,14 @@ class _StepGraph:
             vocab = logits.shape[-1]
             allowed = ((self.mask[:, :, None] >> owner.bits) & 1).view(b * n, -1)[:, :vocab].bool()
             logits = logits.masked_fill(~allowed, float("-inf"))
+        if key.penalized:  # (after the masks, as the unfused step: -inf stays -inf)
+            history = owner.history
+            assert history is not None, "a penalized step fused without the worker's token history"
+            history.update_padded(
+                buffers.token_ids, buffers.token_slots, buffers.positions, self.prompt_lens.repeat_interleave(n)
+            )
+            penalties = self.penalties.repeat_interleave(n, dim=0)
+            logits = history.apply_padded(logits, buffers.row_slots.repeat_interleave(n), *penalties.unbind(1))
         sampling = None
         if key.sampled:  # (uniforms drawn in the graph: each replay draws new ones)
             uniforms = torch.rand(b, n + 1, device=logits.device, generator=owner.generator)
@@ -273,6 +292,7 @@ class StepGraphs:
         kv: KVCache,
         max_logits_rows: int,
         verify_timeout_s: float,
+        history: TokenHistory | None = None,
     ) -> None:
         draft_graphs: DraftGraphs | None = runner.graphs
         if draft_graphs is None:
@@ -281,6 +301,9 @@ class StepGraphs:
             scratch = draft_graphs.scratch_slot
             raise ValueError(f"scratch slots differ: {kv.num_slots - 1} (target), {scratch} (drafter)")
         self.runner, self.target, self.kv, self.draft_graphs = runner, target, kv, draft_graphs
+        if history is not None and history.seen.shape[0] != kv.num_slots:
+            raise ValueError(f"the token history holds {history.seen.shape[0]} slots, not {kv.num_slots}")
+        self.history = history  # penalties (rank 0's, the worker's): its last slot the scratch slot
         self.device = draft_graphs.device
         self.scratch_slot = draft_graphs.scratch_slot
         self.max_batch_size, self.max_model_len = draft_graphs.max_batch_size, target.max_model_len
@@ -387,6 +410,14 @@ class StepGraphs:
         draft_count = np.zeros(b, dtype=np.int64)
         draft_count[:n_rows] = inputs.num_logits - 1
         graph.draft_count.copy_(torch.from_numpy(draft_count), non_blocking=True)
+        if graph.key.penalized:
+            penalized = _penalized(inputs)
+            penalties = np.tile(np.array([1.0, 0.0, 0.0], np.float32), (b, 1))
+            penalties[:n_rows] = inputs.penalties
+            prompt_lens = np.zeros(b, dtype=np.int64)
+            prompt_lens[:n_rows] = np.where(penalized, inputs.num_prompt_tokens, 0)
+            graph.penalties.copy_(torch.from_numpy(penalties), non_blocking=True)
+            graph.prompt_lens.copy_(torch.from_numpy(prompt_lens), non_blocking=True)
         if graph.key.sampled:
             params = np.zeros((3, b), dtype=np.float32)
             params[:, :n_rows] = inputs.temperature, inputs.top_k, inputs.top_p

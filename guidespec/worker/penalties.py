@@ -6,6 +6,9 @@ output: Hugging Face's repetition penalty) and how often each occurred in the ou
 (OpenAI's frequency and presence penalties), on the logits' device. A row starting at position 0 resets its slot.
 Only requests that ask for a penalty are recorded: they always start at position 0 (the
 scheduler gives them no cached prefix), so their history is complete, and the others cost nothing.
+A fused step (``spec/step_graph.py``) records and applies them on its fixed-shape rows
+(``update_padded``, ``apply_padded``: no host synchronisation), its padding on the scratch slot,
+the last one.
 """
 
 from __future__ import annotations
@@ -42,6 +45,35 @@ class TokenHistory:
             output_tokens = tokens[max(0, prompt_len - start) :]
             if len(output_tokens):
                 self.output_counts[slot].index_add_(0, output_tokens, torch.ones_like(output_tokens, dtype=torch.int32))
+
+    def update_padded(
+        self, token_ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, prompt_lens: torch.Tensor
+    ) -> None:
+        """:meth:`update` for a fused step's tokens [T] (each one's slot, position and its row's
+        prompt length, 0 for rows not recorded), none of them at position 0: rows not recorded
+        write the scratch slot (the last), which nothing reads."""
+        scratch = self.seen.shape[0] - 1
+        recorded = prompt_lens > 0
+        self.seen.index_put_((torch.where(recorded, slots, scratch), token_ids), torch.ones_like(recorded))
+        output = recorded & (positions >= prompt_lens)
+        ones = torch.ones_like(token_ids, dtype=torch.int32)
+        self.output_counts.index_put_((torch.where(output, slots, scratch), token_ids), ones, accumulate=True)
+
+    def apply_padded(
+        self,
+        logits: torch.Tensor,
+        slots: torch.Tensor,
+        repetition: torch.Tensor,
+        frequency: torch.Tensor,
+        presence: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`apply` on every row of a fused step (a row without penalties unchanged), as a new
+        tensor; the same arithmetic, in the same order."""
+        seen = self.seen.index_select(0, slots) & (repetition != 1)[:, None]
+        rep = repetition[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        counts = self.output_counts.index_select(0, slots).to(logits.dtype)
+        return logits - (frequency[:, None] * counts + presence[:, None] * (counts > 0).to(logits.dtype))
 
     def apply(
         self,

@@ -138,7 +138,8 @@ class Worker:
         )
         self.model.load(cfg.model_dir, hf_config, show_progress=self.tp.is_driver and cfg.show_progress)
         self.kv = self.model.create_kv_cache(num_slots)
-        self.history = TokenHistory(cfg.max_batch_size, model_cfg.vocab_size, self.device)
+        # (as the cache: its last slot the scratch slot a fused step's padding writes)
+        self.history = TokenHistory(num_slots, model_cfg.vocab_size, self.device)
         self.reader = create_step_reader(cfg.broadcast, cfg.ring_index, ctx)
         self.masks = DeviceMasks(self.device, max_rows, -(-model_cfg.vocab_size // 32), self.reader.arena_buffers())
         self.generator = torch.Generator(device=self.device).manual_seed(int.from_bytes(os.urandom(7), "little"))
@@ -177,7 +178,9 @@ class Worker:
             if self.drafter is None or self.drafter.graphs is None:
                 raise ValueError("fused steps need a model drafter with draft graphs on rank 0")
             self.drafter.sampling.greedy = True  # (sampled rows too: a fused step verifies them with one-hot q')
-            self.step_graphs = StepGraphs(self.drafter, self.model, self.kv, max_rows, envs.step_timeout_s())
+            self.step_graphs = StepGraphs(
+                self.drafter, self.model, self.kv, max_rows, envs.step_timeout_s(), self.history
+            )
         elif cfg.fused_steps:
             self.step_follower = FusedStepFollower(self.model, self.kv, cfg.max_batch_size, max_rows, use_graphs)
         self.graphs = None
