@@ -10,6 +10,7 @@ continuation, or tokens the fake grammar allows."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from pathlib import Path
@@ -198,3 +199,25 @@ def test_a_sampled_row_beside_greedy_ones_fuses(setup, captured: bool, monkeypat
             assert tokens == _greedy(model, prompt, len(tokens))
     assert len(produced[SAMPLED]) >= 4 and all(0 <= t < VOCAB for t in produced[SAMPLED])
     assert all(counts[SAMPLED] >= 1 for _, counts, _ in history)
+
+
+def test_which_steps_fuse() -> None:
+    """Verify steps fuse, greedy or sampled without a seed, penalties or not; a seeded sampled
+    row, a prefill chunk (logits for its last token only) or a row at position 0 keeps the step
+    unfused; the key says which rows sample or ask for penalties."""
+    rows = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14]]
+    base = _inputs(3, rows, [6, 4, 7], [4, 4, 2], 3, guided=False)
+    fits = lambda inputs: step_graph.fusable(inputs, 4, 16, MAX_LEN)  # noqa: E731
+    assert fits(base)
+    key = step_graph.step_key(base, 4, MAX_LEN)
+    assert not key.sampled and not key.penalized and key.verify.tokens_per_row == 4 and key.drafts.drafts == 3
+    sampled = dataclasses.replace(base, temperature=np.array([0.0, 0.7, 0.0], np.float32))
+    assert fits(sampled) and step_graph.step_key(sampled, 4, MAX_LEN).sampled
+    seeded = dataclasses.replace(sampled, seeds=np.array([-1, 3, -1], np.int64))
+    assert not fits(seeded)
+    penalties = base.penalties.copy()
+    penalties[2] = [1.2, 0.0, 0.0]
+    penalized = dataclasses.replace(base, penalties=penalties)
+    assert fits(penalized) and step_graph.step_key(penalized, 4, MAX_LEN).penalized
+    assert not fits(dataclasses.replace(base, num_logits=np.array([4, 1, 2], np.int32)))  # a prefill chunk
+    assert not fits(dataclasses.replace(base, start_positions=np.array([6, 0, 7], np.int32)))
