@@ -238,9 +238,8 @@ class WorkerConfig:
     scheduler_pid: int = 0  # the draft channel's peer: a wait ends at once when it dies
     quantized_weights: bool = False  # EngineConfig.quantized_weights: LlamaModel(quantized=...)
     draft_graphs: bool = False  # rank 0: a model drafter's draft steps as fixed-shape graphs (spec/draft_graph.py)
-    fused_steps: bool = (
-        False  # whole greedy steps of a model drafter as one graph each (spec/step_graph.py), every rank
-    )
+    # a model drafter's whole speculative steps as one graph each (spec/step_graph.py), every rank
+    fused_steps: bool = False
 
 
 def config_to_dict(config: SchedulerConfig | WorkerConfig) -> dict[str, object]:

@@ -102,7 +102,7 @@ class EngineProcesses:
 
     def start(self) -> None:
         cfg, ep = self.cfg, self.endpoints
-        # whole greedy steps of a model drafter as one graph each (spec/step_graph.py): draft graphs on, every
+        # whole steps of a model drafter as one graph each (spec/step_graph.py): draft graphs on, every
         # rank local (they decide alike from the same step inputs and mask arena, whose rows the
         # draft channel holds too)
         fused = (

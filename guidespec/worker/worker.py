@@ -4,8 +4,9 @@
     loop: read StepInputs -> forward [+ draft model or EAGLE head follows] -> [read StepBitmask]
           -> LM head (rows whose mask allows one token skip it) [-> apply the bitmask]
           -> sample or verify drafts (rank 0) -> [draft model proposes next drafts (rank 0)] -> send StepOutputs
-    (a model drafter with graph_grammar: a greedy verify step runs whole as one graph instead on rank 0,
-    its verify masks through the draft channel, the target's part of it on the others: spec/step_graph.py)
+    (a model drafter with graph_grammar: a verify step of greedy or unseeded sampled rows runs whole
+    as one graph instead on rank 0, its verify masks through the draft channel, the target's part of
+    it on the others: spec/step_graph.py)
 
 Every rank runs the same forward (collectives inside); only rank 0 computes the sampled
 tokens and answers the scheduler. Any exception is reported as a WorkerError naming the rank
@@ -170,7 +171,7 @@ class Worker:
                 )
                 if cfg.draft_graphs and self.drafts is not None:  # draft steps as graphs, grammar waits inside
                     self.drafter.use_graphs(self.drafts, envs.draft_mask_timeout_s(), cfg.scheduler_pid, capture=cuda)
-        # whole greedy steps of a model drafter as one graph each (spec/step_graph.py): rank 0 runs the step, the
+        # whole steps of a model drafter as one graph each (spec/step_graph.py): rank 0 runs the step, the
         # other ranks its target part (every rank decides from the step's inputs alone)
         self.step_graphs: StepGraphs | None = None
         self.step_follower: FusedStepFollower | None = None
