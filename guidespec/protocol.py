@@ -376,6 +376,11 @@ class StepInputs:
     def batch_size(self) -> int:
         return int(self.slots.shape[0])
 
+    @property
+    def penalized(self) -> np.ndarray:
+        """[B] bool: the rows that ask for a repetition, frequency or presence penalty."""
+        return (self.penalties != np.array([1.0, 0.0, 0.0], np.float32)).any(axis=1)
+
 
 @register_message(21)
 @dataclass(frozen=True)

@@ -150,13 +150,8 @@ def step_key(inputs: StepInputs, max_batch_size: int, max_model_len: int) -> Ste
         DraftGraphKey(b, k, key_bucket(end + k, max_model_len), masked),
         inputs.has_bitmask,
         bool((inputs.temperature > 0).any()),
-        bool(_penalized(inputs).any()),
+        bool(inputs.penalized.any()),
     )
-
-
-def _penalized(inputs: StepInputs) -> np.ndarray:
-    """[B] bool: the rows that ask for a repetition, frequency or presence penalty."""
-    return (inputs.penalties != np.array([1.0, 0.0, 0.0], np.float32)).any(axis=1)
 
 
 class _StepGraph:
@@ -167,11 +162,11 @@ class _StepGraph:
         self.buffers = StaticBuffers(key.verify, device, owner.scratch_slot)
         self.drafts = _DraftGraph(key.drafts, owner.draft_graphs)
         self.draft_count = torch.zeros(b, dtype=torch.long, device=device)  # real drafts of each row
-        self.temperature = torch.zeros(b, dtype=torch.float32, device=device)  # (sampled keys: each row's)
-        self.top_k = torch.zeros(b, dtype=torch.long, device=device)
-        self.top_p = torch.ones(b, dtype=torch.float32, device=device)
-        self.penalties = torch.zeros(b, 3, dtype=torch.float32, device=device)  # (penalized keys: each row's,
-        self.prompt_lens = torch.zeros(b, dtype=torch.long, device=device)  # 0 for a row without)
+        # sampled keys: each row's (temperature, top-k, top-p); penalized keys: each row's
+        # (repetition, frequency, presence) and prompt length (0: a row without); padding neutral
+        self.sampling = torch.tensor([0.0, 0.0, 1.0], device=device)[:, None].repeat(1, b)
+        self.penalties = torch.tensor([1.0, 0.0, 0.0], device=device).repeat(b, 1)
+        self.prompt_lens = torch.zeros(b, dtype=torch.long, device=device)
         self.produced = torch.zeros(b, MAX_PRODUCED, dtype=torch.int32, device=device)
         words = owner.draft_graphs.num_words
         self.mask = torch.zeros(b * n, words, dtype=torch.int32, device=device)
@@ -242,7 +237,8 @@ class _StepGraph:
         sampling = None
         if key.sampled:  # (uniforms drawn in the graph: each replay draws new ones)
             uniforms = torch.rand(b, n + 1, device=logits.device, generator=owner.generator)
-            sampling = (self.temperature, self.top_k, self.top_p, uniforms)
+            temperature, top_k, top_p = self.sampling
+            sampling = (temperature, top_k.long(), top_p, uniforms)
         # picks: each row's produced tokens first (its accepted drafts, then its own token)
         picks, counts = verify_padded(logits, buffers.token_ids.view(b, n)[:, 1:], self.draft_count, sampling)
         followed = runner.follow_padded(features, picks.clamp(min=0).view(-1), buffers, key.verify)
@@ -410,21 +406,13 @@ class StepGraphs:
         draft_count = np.zeros(b, dtype=np.int64)
         draft_count[:n_rows] = inputs.num_logits - 1
         graph.draft_count.copy_(torch.from_numpy(draft_count), non_blocking=True)
-        if graph.key.penalized:
-            penalized = _penalized(inputs)
-            penalties = np.tile(np.array([1.0, 0.0, 0.0], np.float32), (b, 1))
-            penalties[:n_rows] = inputs.penalties
-            prompt_lens = np.zeros(b, dtype=np.int64)
-            prompt_lens[:n_rows] = np.where(penalized, inputs.num_prompt_tokens, 0)
-            graph.penalties.copy_(torch.from_numpy(penalties), non_blocking=True)
-            graph.prompt_lens.copy_(torch.from_numpy(prompt_lens), non_blocking=True)
+        if graph.key.penalized:  # (padding rows keep their neutral values)
+            graph.penalties[:n_rows].copy_(torch.from_numpy(inputs.penalties), non_blocking=True)
+            prompt_lens = np.where(inputs.penalized, inputs.num_prompt_tokens, 0)
+            graph.prompt_lens[:n_rows].copy_(torch.from_numpy(prompt_lens), non_blocking=True)
         if graph.key.sampled:
-            params = np.zeros((3, b), dtype=np.float32)
-            params[:, :n_rows] = inputs.temperature, inputs.top_k, inputs.top_p
-            params[2, n_rows:] = 1.0
-            graph.temperature.copy_(torch.from_numpy(params[0]), non_blocking=True)
-            graph.top_k.copy_(torch.from_numpy(params[1]).long(), non_blocking=True)
-            graph.top_p.copy_(torch.from_numpy(params[2]), non_blocking=True)
+            params = np.stack([inputs.temperature, inputs.top_k, inputs.top_p]).astype(np.float32)
+            graph.sampling[:, :n_rows].copy_(torch.from_numpy(params), non_blocking=True)
         graph.verify_status.zero_()
         graph.verify_enabled[0] = 1
         host = self.draft_graphs.host

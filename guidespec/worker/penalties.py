@@ -67,8 +67,8 @@ class TokenHistory:
         frequency: torch.Tensor,
         presence: torch.Tensor,
     ) -> torch.Tensor:
-        """:meth:`apply` on every row of a fused step (a row without penalties unchanged), as a new
-        tensor; the same arithmetic, in the same order."""
+        """The penalties on every row of ``logits`` [R, V] (a row without penalties unchanged), as a
+        new tensor, without a host synchronisation: a fused step's rows, and :meth:`apply`'s."""
         seen = self.seen.index_select(0, slots) & (repetition != 1)[:, None]
         rep = repetition[:, None]
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
@@ -83,13 +83,12 @@ class TokenHistory:
         frequency: torch.Tensor,
         presence: torch.Tensor,
     ) -> None:
-        """Penalize ``logits`` [R, V] in place; row r belongs to slot ``slots[r]``."""
+        """Penalize ``logits`` [R, V] in place; row r belongs to slot ``slots[r]`` (per-row
+        parameters on any device: the rows asking for a penalty go through :meth:`apply_padded`)."""
         active = ((repetition != 1) | (frequency != 0) | (presence != 0)).nonzero().flatten()
-        for r in active.tolist():
-            row, slot = logits[r], int(slots[r])
-            rep, freq, pres = float(repetition[r]), float(frequency[r]), float(presence[r])
-            if rep != 1:
-                seen = self.seen[slot]
-                row[seen] = torch.where(row[seen] > 0, row[seen] / rep, row[seen] * rep)
-            counts = self.output_counts[slot].to(row.dtype)
-            row -= freq * counts + pres * (counts > 0).to(row.dtype)
+        if len(active) == 0:
+            return
+        device = logits.device
+        rows = active.to(device)
+        picked = [x[active].to(device) for x in (slots, repetition, frequency, presence)]
+        logits[rows] = self.apply_padded(logits[rows], *picked)

@@ -61,7 +61,6 @@ from guidespec.worker.penalties import TokenHistory
 _IDLE_READ_TIMEOUT_S = 1.0
 _ROWS_PER_REQUEST = 9  # logits rows a request has in a step (1 + drafts), without a mask arena to say
 _FEW_TOKENS = 4  # a mask allowing at most vocab / 4 tokens: their logits alone cost less than all
-_NO_PENALTY = np.array([1.0, 0.0, 0.0], dtype=np.float32)  # (repetition, frequency, presence) that change nothing
 logger = logging.getLogger(__name__)
 
 
@@ -156,8 +155,6 @@ class Worker:
                 self.drafter = EagleRunner(
                     Path(cfg.draft_model), self.model, cfg.model_dir, hf_config, cfg.max_batch_size, cfg.max_model_len
                 )
-                if cfg.draft_graphs and self.drafts is not None:  # draft steps as graphs, grammar waits inside
-                    self.drafter.use_graphs(self.drafts, envs.draft_mask_timeout_s(), cfg.scheduler_pid, capture=cuda)
             else:
                 self.drafter = DraftRunner(
                     cfg.draft_model,
@@ -169,8 +166,8 @@ class Worker:
                     (self.model, self.kv),
                     cfg.device,
                 )
-                if cfg.draft_graphs and self.drafts is not None:  # draft steps as graphs, grammar waits inside
-                    self.drafter.use_graphs(self.drafts, envs.draft_mask_timeout_s(), cfg.scheduler_pid, capture=cuda)
+            if cfg.draft_graphs and self.drafts is not None:  # draft steps as graphs, grammar waits inside
+                self.drafter.use_graphs(self.drafts, envs.draft_mask_timeout_s(), cfg.scheduler_pid, capture=cuda)
         # whole steps of a model drafter as one graph each (spec/step_graph.py): rank 0 runs the step, the
         # other ranks its target part (every rank decides from the step's inputs alone)
         self.step_graphs: StepGraphs | None = None
@@ -242,7 +239,7 @@ class Worker:
         logits = self._logits(hidden, bitmask)
         if logits is None:
             return None
-        penalized = (inputs.penalties != _NO_PENALTY).any(axis=1)  # [B]: requests that ask for one
+        penalized = inputs.penalized  # [B]: requests that ask for one
         if penalized.any():
             self.history.update(
                 batch.slots,
@@ -287,8 +284,8 @@ class Worker:
         return StepOutputs(inputs.step, tokens_np, counts, verified - start, timings, proposals, draft_counts, draft_s)
 
     def _fused_step(self, inputs: StepInputs) -> StepOutputs:
-        """A greedy step of a model drafter as one graph (spec/step_graph.py): its verify masks come through the
-        draft channel; the ring's copy of them is read after, to keep the ring in order."""
+        """A step of a model drafter as one graph (spec/step_graph.py): its verify masks come through
+        the draft channel; the ring's copy of them is read after, to keep the ring in order."""
         assert self.step_graphs is not None
         start, wall_start = time.perf_counter(), time.time()
         try:

@@ -1,6 +1,7 @@
 """The token history behind repetition, frequency and presence penalties: a fused step's
-fixed-shape update and apply (``update_padded``, ``apply_padded``) leave the history and the
-logits exactly as the per-row ones do, padding and rows without penalties untouched."""
+fixed-shape update (``update_padded``) leaves the history as the per-row one does, and the
+penalties (``apply_padded``, and ``apply`` in place) are those computed row by row, padding and
+rows without penalties untouched."""
 
 from __future__ import annotations
 
@@ -32,8 +33,17 @@ def test_padded_update_and_apply_equal_the_per_row_ones() -> None:
     logits[0, 7] = float("-inf")  # (a masked token stays masked)
     penalties = torch.tensor([[1.3, 0.5, 0.2]] * 2 + [[1.0, 0.0, 0.0]] * 2 + [[0.8, 0.0, 0.7]] * 2)
     row_slots = torch.tensor([0, 0, 1, 1, 2, 2])
-    expected = logits.clone()
-    rows.apply(expected, row_slots, *penalties.unbind(1))
+    expected = logits.clone()  # the penalties row by row (HF's repetition, OpenAI's frequency and presence)
+    for r in range(6):
+        rep, freq, pres = penalties[r].tolist()
+        row, slot = expected[r], int(row_slots[r])
+        seen = rows.seen[slot]
+        row[seen] = torch.where(row[seen] > 0, row[seen] / rep, row[seen] * rep)
+        counts = rows.output_counts[slot].float()
+        row -= freq * counts + pres * (counts > 0).float()
     got = padded.apply_padded(logits, row_slots, *penalties.unbind(1))
     assert torch.equal(got, expected) and not torch.equal(got, logits)
     assert torch.equal(got[2:4], logits[2:4])  # a row without penalties: unchanged
+    in_place = logits.clone()  # the unfused step's call: in place, per-row parameters on the host
+    rows.apply(in_place, row_slots, *penalties.unbind(1))
+    assert torch.equal(in_place, expected)
