@@ -286,25 +286,30 @@ def test_sampled_drafts_of_the_target_itself_are_all_accepted_with_their_q() -> 
     assert drafted > 50 and accepted > 0.95 * drafted
 
 
-def test_unseeded_sampled_requests_run_fused_steps(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_sampled_requests_run_fused_steps(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """With ``graph_grammar`` the model drafter drafts its argmax for sampled rows too (one-hot
-    q'), so a step of greedy and unseeded sampled rows runs fused, verified by rejection sampling
-    on the device (``verify_padded``, whose distribution a unit test checks): guided outputs stay
-    valid and drafts are accepted. A seeded row keeps its steps unfused (its draws follow its own
-    generators), and draws the same tokens as on an engine without fused steps."""
-    monkeypatch.setenv("GUIDESPEC_TRACE", str(tmp_path / "trace.json"))
+    q'), so steps of sampled rows run fused, verified by rejection sampling on the device
+    (``verify_padded``, whose distribution a unit test checks): guided outputs stay valid and
+    drafts are accepted. A seeded row fuses too (its numbers are its seed's, copied into the
+    graph's inputs) and draws the same tokens alone and among other requests."""
     unseeded = [(p, dataclasses.replace(sp, seed=None)) for p, sp in _requests(temperature=1.0)]
     seeded = _requests(temperature=1.0)[1]
     speculative = dict(method="draft_model", draft_model="self", adaptive=False)
-    with LLM(max_batch_size=8, show_progress=False, speculative=speculative, graph_grammar=True) as llm:
-        outs = _run(llm, unseeded)
-        alone = llm.generate(*seeded)[0]
-        among = _run(llm, [seeded, *unseeded[3:]])[0]  # (its steps unfused, and so its batch-mates')
+    runs = []
+    for name in ("alone", "among"):
+        monkeypatch.setenv("GUIDESPEC_TRACE", str(tmp_path / f"trace-{name}.json"))
+        with LLM(max_batch_size=8, show_progress=False, speculative=speculative, graph_grammar=True) as llm:
+            if name == "alone":
+                runs.append(llm.generate(*seeded)[0])
+            else:
+                outs = _run(llm, unseeded)
+                runs.append(_run(llm, [seeded, *unseeded[3:]])[0])
+        assert json.loads((tmp_path / f"trace-{name}.json").read_text())["summary"]["fused_steps"] > 0
     for case, out in zip(_jme_cases(3), outs):
         assert out.finish_reason == "stop" and validate_output(out.text, case["schema"]) is None, out.text
     assert sum(o.stats.num_accepted_tokens for o in outs) > 0
-    assert json.loads((tmp_path / "trace.json").read_text())["summary"]["fused_steps"] > 0
-    assert among.token_ids == alone.token_ids
+    alone, among = runs
+    assert among.token_ids == alone.token_ids and alone.stats.num_accepted_tokens > 0
 
 
 def test_a_request_with_penalties_fuses_with_speculating_ones(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

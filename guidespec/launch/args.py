@@ -62,7 +62,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="EAGLE head or draft model: its greedy draft steps as one graph per proposal, grammar waits "
-        "inside, and each whole step of greedy and unseeded sampled rows (verify and drafts) as one graph "
+        "inside, and each whole step of greedy and sampled rows (verify and drafts) as one graph "
         "(default: on CUDA with graphs; on the CPU the same steps run eagerly); --no-graph-grammar: one by one",
     )
     p.add_argument(

@@ -59,7 +59,7 @@ from guidespec.worker.graphs import GraphKey, StaticBuffers, padded_forward
 from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.mask import apply_bitmask
 from guidespec.worker.model import ForwardBatch, LlamaModel
-from guidespec.worker.sampler import _SEED_STRIDE, filtered_probs
+from guidespec.worker.sampler import DRAFT, counter_uniforms, filtered_probs, inverse_cdf
 from guidespec.worker.tp import TPInfo
 
 
@@ -77,9 +77,6 @@ class MaskSource(Protocol):
 MaskApply = Callable[[torch.Tensor, np.ndarray, np.ndarray], None]
 
 
-_DRAFT_SALT = 0x5DEECE66D  # draft draws of seeded requests use other random numbers than verification's
-
-
 class DraftSampling:
     """How rank 0's drafters choose drafts, and the q' they keep for verification.
 
@@ -87,7 +84,7 @@ class DraftSampling:
     request's temperature, top-k and top-p; q' is kept per KV slot over the target vocabulary,
     and the next step's verification uses it for the rows whose drafts are exactly those tokens
     (the scheduler may cut or replace proposals: other drafts count as one-hot, which is exact
-    for them too). Seeded requests draw from generators seeded by (seed, output index).
+    for them too). Seeded requests draw with `counter_uniforms` of (seed, output index, DRAFT).
     """
 
     def __init__(self, vocab_size: int) -> None:
@@ -132,15 +129,16 @@ class DraftSampling:
             )
             for i, local in enumerate(sampled.tolist()):
                 b = int(rows[local])
-                q = probs[i].cpu()  # drawn with a CPU generator, kept on the host until verification
+                q = probs[i].cpu()  # drawn on the host, kept there until verification
                 if not bool(torch.isfinite(q).all()) or float(q.sum()) <= 0:  # nothing allowed: a fixed draft
                     continue
                 seed = int(inputs.seeds[b])
-                generator = None
-                if seed >= 0:
+                if seed >= 0:  # (the numbers of its own purpose: verification's are others)
                     index = int(inputs.sample_index[b]) + int(counts[b]) + step
-                    generator = torch.Generator().manual_seed(((seed * _SEED_STRIDE + index) ^ _DRAFT_SALT) % 2**63)
-                token = int(torch.multinomial(q, 1, generator=generator))
+                    u = torch.from_numpy(counter_uniforms(np.array([seed]), np.array([index]), DRAFT))
+                    token = int(inverse_cdf(q[None], u)[0])
+                else:
+                    token = int(torch.multinomial(q, 1))
                 chosen[local] = token
                 q_rows[local] = q if ids is None else torch.zeros(self.vocab_size).index_add_(0, ids, q)
         targets = to_target(chosen) if to_target is not None else chosen

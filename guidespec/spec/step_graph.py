@@ -25,9 +25,11 @@ step-by-step path (``EagleRunner.propose``) writes, and its drafts are the same;
 cache likewise (``DraftRunner.propose``).
 
 A step runs fused when every row is a verify step (a row with penalties too: its token history is
-recorded and applied on the device, ``TokenHistory.update_padded``), greedy or sampled without a
-seed (rejection sampling on the device, ``verify.verify_padded``: where steps fuse the drafters
-draft their argmax for every row, so a sampled row's q' is one-hot), drafting at most
+recorded and applied on the device, ``TokenHistory.update_padded``), greedy or sampled
+(rejection sampling on the device, ``verify.verify_padded``: where steps fuse the drafters
+draft their argmax for every row, so a sampled row's q' is one-hot; the uniforms are drawn in the
+graph, a seeded row's computed on the host from its seed and copied in, so it draws what a step
+by step would), drafting at most
 ``MAX_GRAPH_DRAFTS`` (or none: where the adaptive plan drafts for no row, the head still
 follows, so its cache never falls behind); others run step by step. Positions of its rows the
 head has not followed yet (a row the adaptive plan held back, a step without logits, a prefill
@@ -59,7 +61,7 @@ from guidespec.cuda_ext.channel import OK, VERIFY, DraftChannelError
 from guidespec.cuda_ext.host_functions import VerifyWaitArgs
 from guidespec.protocol import StepInputs
 from guidespec.spec.draft_graph import MAX_GRAPH_DRAFTS, MAX_PRODUCED, DraftGraphKey, DraftGraphs, _DraftGraph
-from guidespec.spec.verify import verify_padded
+from guidespec.spec.verify import seeded_uniforms, verify_padded
 from guidespec.worker.graphs import (
     MAX_GRAPH_TOKENS,
     GraphKey,
@@ -104,7 +106,7 @@ class StepGraphKey:
     verify: GraphKey  # (B, n, L) of the target's forward and the drafter's follow
     drafts: DraftGraphKey  # (B, K, L', masked steps) of the draft steps
     guided: bool  # the step has verify masks: the graph waits for them
-    sampled: bool  # a row samples (unseeded): rejection sampling on the device (spec/verify.py)
+    sampled: bool  # a row samples: rejection sampling on the device (spec/verify.py)
     penalized: bool  # a row asks for penalties: its token history recorded and applied on the device
 
 
@@ -118,8 +120,7 @@ class FusedOutputs:
 
 def fusable(inputs: StepInputs, max_batch_size: int, max_logits_rows: int, max_model_len: int) -> bool:
     """Whether a step runs fused: every row a verify step (its every token's logits wanted),
-    greedy or sampled without a seed (a seeded row's draws follow its own generators), penalties
-    or not, few enough drafts, tokens and rows. Read from the step's inputs alone, so every
+    greedy or sampled, penalties or not, few enough drafts, tokens and rows. Read from the step's inputs alone, so every
     tensor-parallel rank decides alike: rank 0 runs the whole step, the others its target part
     (:class:`FusedStepFollower`), and their collectives match."""
     n_rows = inputs.batch_size
@@ -135,8 +136,7 @@ def fusable(inputs: StepInputs, max_batch_size: int, max_logits_rows: int, max_m
     starts = inputs.start_positions
     if (starts <= 0).any() or int((starts + new).max()) + k + 2 > max_model_len:
         return False
-    seeded = (inputs.temperature > 0) & (inputs.seeds >= 0)  # (their draws follow per-request generators)
-    return not seeded.any()
+    return True
 
 
 def step_key(inputs: StepInputs, max_batch_size: int, max_model_len: int) -> StepGraphKey:
@@ -167,6 +167,9 @@ class _StepGraph:
         self.sampling = torch.tensor([0.0, 0.0, 1.0], device=device)[:, None].repeat(1, b)
         self.penalties = torch.tensor([1.0, 0.0, 0.0], device=device).repeat(b, 1)
         self.prompt_lens = torch.zeros(b, dtype=torch.long, device=device)
+        # seeded sampled rows: their numbers (counter-based, computed on the host) replace the draws
+        self.seeded = torch.zeros(b, dtype=torch.bool, device=device)
+        self.seeded_uniforms = torch.zeros(b, 2, n, device=device)
         self.produced = torch.zeros(b, MAX_PRODUCED, dtype=torch.int32, device=device)
         words = owner.draft_graphs.num_words
         self.mask = torch.zeros(b * n, words, dtype=torch.int32, device=device)
@@ -235,8 +238,9 @@ class _StepGraph:
             penalties = self.penalties.repeat_interleave(n, dim=0)
             logits = history.apply_padded(logits, buffers.row_slots.repeat_interleave(n), *penalties.unbind(1))
         sampling = None
-        if key.sampled:  # (uniforms drawn in the graph: each replay draws new ones)
-            uniforms = torch.rand(b, n + 1, device=logits.device, generator=owner.generator)
+        if key.sampled:  # (uniforms drawn in the graph: each replay draws new ones; a seeded row's its own)
+            uniforms = torch.rand(b, 2, n, device=logits.device, generator=owner.generator)
+            uniforms = torch.where(self.seeded[:, None, None], self.seeded_uniforms, uniforms)
             temperature, top_k, top_p = self.sampling
             sampling = (temperature, top_k.long(), top_p, uniforms)
         # picks: each row's produced tokens first (its accepted drafts, then its own token)
@@ -277,7 +281,7 @@ class _StepGraph:
 
 
 class StepGraphs:
-    """Fused steps of a model drafter, greedy and unseeded sampled rows (rank 0). ``runner``: the
+    """Fused steps of a model drafter, greedy and sampled rows (rank 0). ``runner``: the
     worker's EagleRunner or DraftRunner with its draft graphs (``use_graphs``); ``kv``: the
     target's cache, its last slot the scratch slot."""
 
@@ -413,6 +417,13 @@ class StepGraphs:
         if graph.key.sampled:
             params = np.stack([inputs.temperature, inputs.top_k, inputs.top_p]).astype(np.float32)
             graph.sampling[:, :n_rows].copy_(torch.from_numpy(params), non_blocking=True)
+            seeded = (inputs.temperature > 0) & (inputs.seeds >= 0)
+            graph.seeded[:n_rows].copy_(torch.from_numpy(seeded), non_blocking=True)
+            if seeded.any():
+                n = graph.key.verify.tokens_per_row
+                numbers = seeded_uniforms(inputs.seeds[seeded], inputs.sample_index[seeded], n)
+                rows = torch.from_numpy(np.flatnonzero(seeded)).to(self.device)
+                graph.seeded_uniforms.index_copy_(0, rows, torch.from_numpy(numbers).to(self.device))
         graph.verify_status.zero_()
         graph.verify_enabled[0] = 1
         host = self.draft_graphs.host

@@ -18,7 +18,9 @@ scheduler fails that request alone.
 Everything runs on the logits' device; only the chosen tokens (and argmaxes) travel back.
 ``verify_padded`` is the same for a fused step's fixed-shape rows (``step_graph.py``), on the
 device without a host synchronisation: greedy rows, and sampled rows whose drafts are one-hot.
-Seeded rows draw position ``j``'s randomness from a generator seeded by (seed, output index).
+A seeded row's numbers are ``counter_uniforms`` of (seed, output index, purpose) in both: the
+draft at output index ``i`` is accepted with ``ACCEPT``'s number at ``i``, and the token drawn at
+``i`` uses ``DRAW``'s, so a seeded row gives the same tokens step by step or fused.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 import torch
 
 from guidespec.protocol import NO_TOKEN
-from guidespec.worker.sampler import _SEED_STRIDE, filtered_probs, sample
+from guidespec.worker.sampler import ACCEPT, DRAW, counter_uniforms, filtered_probs, inverse_cdf, sample
 
 
 def verify(
@@ -112,12 +114,13 @@ def verify_padded(
     [B, n - 1] (each row's first ``draft_count[b]`` real). Returns (tokens [B, n]: each row's
     produced tokens first, NO_TOKEN where its mask allowed nothing; counts [B]).
 
-    ``sampling``: (temperature [B] (0: greedy), top_k [B], top_p [B], uniforms [B, n + 1] in
+    ``sampling``: (temperature [B] (0: greedy), top_k [B], top_p [B], uniforms [B, 2, n] in
     [0, 1)) where some row samples. A sampled row's drafts are deterministic (one-hot q': the
     model drafters draft greedily for every row where steps fuse), so draft ``j`` is accepted with
     probability p'(d_j), the first rejected one is replaced by a draw from p' without it, and a
     row whose drafts are all accepted draws its bonus token from its last row: the masked target
-    distribution, exactly (uniform ``j`` decides draft ``j``; uniform ``n`` draws the last token)."""
+    distribution, exactly. ``uniforms[:, 0, j]`` decides draft ``j``; ``uniforms[:, 1, j]`` draws
+    the token at position ``j`` (a seeded row's: :func:`seeded_uniforms`)."""
     b, n = drafts.shape[0], drafts.shape[1] + 1
     dead = torch.isneginf(logits.amax(dim=-1)).view(b, n)  # the mask allows nothing: NO_TOKEN, never a match
     best = torch.where(dead, NO_TOKEN, logits.argmax(dim=-1).view(b, n))
@@ -136,7 +139,7 @@ def verify_padded(
         ).view(b, n, -1)
         sampled = temperature > 0
         p_draft = probs[:, :-1].gather(-1, drafts.clamp(min=0)[..., None]).squeeze(-1)  # [B, n - 1]
-        drawn_accept = (uniforms[:, : n - 1] < p_draft) & real & ~dead[:, :-1]
+        drawn_accept = (uniforms[:, 0, : n - 1] < p_draft) & real & ~dead[:, :-1]
         accepted = torch.where(sampled[:, None], drawn_accept, accepted)
     count = accepted.long().cumprod(dim=1).sum(dim=1)  # accepted drafts
     rows = torch.arange(b, device=logits.device)
@@ -147,10 +150,8 @@ def verify_padded(
         residual = torch.where(rejected, last.scatter(1, padded[rows, count][:, None], 0.0), last)
         total = residual.sum(dim=-1, keepdim=True)
         residual = torch.where(total > 0, residual, last)  # (nothing left: draw from p')
-        cdf = residual.cumsum(dim=-1)
-        point = uniforms[:, n : n + 1] * cdf[:, -1:]  # in [0, total): the first token whose cdf passes it
-        drawn = torch.searchsorted(cdf, point, right=True).clamp(max=cdf.shape[-1] - 1)
-        own = padded.scatter(1, count[:, None], drawn)  # the accepted drafts, then the drawn token
+        drawn = inverse_cdf(residual, uniforms[:, 1].gather(1, count[:, None]).squeeze(1))
+        own = padded.scatter(1, count[:, None], drawn[:, None])  # the accepted drafts, then the drawn token
         tokens = torch.where(sampled[:, None], own, best)
     final_dead = dead[rows, count]
     tokens = tokens.scatter(1, count[:, None], torch.where(final_dead, NO_TOKEN, tokens[rows, count])[:, None])
@@ -175,6 +176,14 @@ def _verify_greedy(best: np.ndarray, drafts: np.ndarray) -> list[int]:
     return [int(t) for t in drafts[:accepted]] + [int(best[accepted])]
 
 
+def seeded_uniforms(seeds: np.ndarray, first_index: np.ndarray, n: int) -> np.ndarray:
+    """The numbers of :func:`verify_padded`'s ``uniforms`` for seeded rows, [R, 2, n] float32:
+    (``ACCEPT``, ``DRAW``) at output indices ``first_index + j``, as :func:`verify` uses them."""
+    index = first_index.astype(np.int64)[:, None] + np.arange(n)
+    seeds = seeds.astype(np.int64)[:, None]
+    return np.stack([counter_uniforms(seeds, index, ACCEPT), counter_uniforms(seeds, index, DRAW)], axis=1)
+
+
 def _verify_sampled(
     probs: torch.Tensor,
     drafts: np.ndarray,
@@ -185,10 +194,9 @@ def _verify_sampled(
 ) -> list[int]:
     tokens: list[int] = []
     for j, draft in enumerate(drafts.tolist()):
-        g = _generator(seed, first_index + j, generator, probs.device)
         p = probs[j]
         q_draft = float(q[j, draft]) if q is not None else 1.0
-        u = float(torch.rand(1, generator=g, device=p.device))
+        u = _uniform(seed, first_index + j, ACCEPT, generator, p.device)
         if q_draft > 0 and u * q_draft < float(p[draft]):  # u < p'/q', without dividing
             tokens.append(draft)
             continue
@@ -197,16 +205,20 @@ def _verify_sampled(
             residual[draft] = 0
         if float(residual.sum()) <= 0:  # p' == q': nothing left to correct, draw from p'
             residual = p
-        tokens.append(int(torch.multinomial(residual, 1, generator=g)))
+        tokens.append(_draw_one(residual, seed, first_index + j, generator))
         return tokens
-    g = _generator(seed, first_index + len(drafts), generator, probs.device)
-    tokens.append(int(torch.multinomial(probs[len(drafts)], 1, generator=g)))
+    tokens.append(_draw_one(probs[len(drafts)], seed, first_index + len(drafts), generator))
     return tokens
 
 
-def _generator(
-    seed: int, index: int, shared: torch.Generator | None, device: torch.device | None = None
-) -> torch.Generator | None:
+def _uniform(seed: int, index: int, stream: int, shared: torch.Generator | None, device: torch.device) -> float:
     if seed < 0:
-        return shared
-    return torch.Generator(device=device or "cpu").manual_seed((seed * _SEED_STRIDE + index) % 2**63)
+        return float(torch.rand(1, generator=shared, device=device))
+    return float(counter_uniforms(np.array([seed]), np.array([index]), stream)[0])
+
+
+def _draw_one(weights: torch.Tensor, seed: int, index: int, shared: torch.Generator | None) -> int:
+    if seed < 0:
+        return int(torch.multinomial(weights, 1, generator=shared))
+    u = torch.from_numpy(counter_uniforms(np.array([seed]), np.array([index]), DRAW))
+    return int(inverse_cdf(weights[None], u)[0])

@@ -4,7 +4,7 @@
     loop: read StepInputs -> forward [+ draft model or EAGLE head follows] -> [read StepBitmask]
           -> LM head (rows whose mask allows one token skip it) [-> apply the bitmask]
           -> sample or verify drafts (rank 0) -> [draft model proposes next drafts (rank 0)] -> send StepOutputs
-    (a model drafter with graph_grammar: a verify step of greedy or unseeded sampled rows runs whole
+    (a model drafter with graph_grammar: a verify step of greedy or sampled rows runs whole
     as one graph instead on rank 0, its verify masks through the draft channel, the target's part of
     it on the others: spec/step_graph.py)
 

@@ -62,13 +62,26 @@ GUIDED = [0, 2]  # the guided rows (the others unguided), where a test guides
 VERIFY_INDEX = 50  # the fake grammar's index for the verify masks (draft steps': 0, 1, ...)
 
 
-SAMPLED = 1  # the row that samples (at temperature 1, unseeded), where a test samples
+SAMPLED = 1  # the row that samples (at temperature 1), where a test samples
+SEED = 1234  # its seed, where a test seeds it
 
 
 def _inputs(
-    step: int, rows: list[list[int]], starts: list[int], logits: list[int], k: int, guided: bool, sampled: bool = False
+    step: int,
+    rows: list[list[int]],
+    starts: list[int],
+    logits: list[int],
+    k: int,
+    guided: bool,
+    sampled: bool | str = False,
+    produced: list[int] | None = None,
 ) -> StepInputs:
+    """``sampled``: row SAMPLED samples, seeded with SEED where it is "seeded"; ``produced``:
+    each row's output tokens so far (the seeded draws' output indices)."""
     n = len(rows)
+    seeds = np.full(n, -1, np.int64)
+    if sampled == "seeded":
+        seeds[SAMPLED] = SEED
     masked = np.zeros(n, np.int32)
     if guided:
         masked[GUIDED] = k
@@ -82,8 +95,8 @@ def _inputs(
         temperature=np.array([float(sampled and b == SAMPLED) for b in range(n)], np.float32),
         top_k=np.zeros(n, np.int32),
         top_p=np.ones(n, np.float32),
-        seeds=np.full(n, -1, np.int64),
-        sample_index=np.zeros(n, np.int32),
+        seeds=seeds,
+        sample_index=np.array(produced or [0] * n, np.int32),
         num_prompt_tokens=np.array([len(p) for p in PROMPTS], np.int32),
         penalties=np.tile(np.array([1.0, 0.0, 0.0], np.float32), (n, 1)),  # (none)
         draft_lens=np.full(n, k, np.int32),
@@ -93,7 +106,7 @@ def _inputs(
 
 
 def _fused_steps(  # type: ignore[no-untyped-def]
-    setup, drafter: str, captured: bool, guided: bool, sampled: bool = False
+    setup, drafter: str, captured: bool, guided: bool, sampled: bool | str = False
 ) -> tuple[list[list[int]], list[Any]]:
     """The prompts' prefill (and first proposals), then three fused steps: each row's produced
     tokens, and each step's (tokens, counts, proposals). ``guided``: rows 0 and 2 under the fake
@@ -129,7 +142,7 @@ def _fused_steps(  # type: ignore[no-untyped-def]
         history = []
         for step in range(2, 5):
             rows = [[produced[b][-1], *drafts[b].tolist()] for b in range(3)]
-            inputs = _inputs(step, rows, starts, [len(r) for r in rows], 3, guided, sampled)
+            inputs = _inputs(step, rows, starts, [len(r) for r in rows], 3, guided, sampled, [len(p) for p in produced])
             assert fused.fits(inputs)
             if guided:  # the scheduler's verify masks (sent while the target runs), logits row by row
                 ids = [4 * b + j for b in GUIDED for j in range(4)]
@@ -200,10 +213,22 @@ def test_a_sampled_row_beside_greedy_ones_fuses(setup, captured: bool, monkeypat
     assert len(produced[SAMPLED]) >= 4 and all(0 <= t < VOCAB for t in produced[SAMPLED])
 
 
+@pytest.mark.parametrize("drafter", ["eagle", "draft model"])
+def test_a_seeded_row_draws_alike_eager_and_captured(setup, drafter: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A seeded sampled row's numbers come from its seed (copied into the graph's inputs), so
+    the captured steps give what the eager ones give, token for token, guided and not."""
+    eager = [_fused_steps(setup, drafter, False, guided, sampled="seeded") for guided in (False, True)]
+    monkeypatch.setattr(step_graph, "capture_graph", _capture)
+    monkeypatch.setattr(draft_graph, "capture_graph", _capture)
+    captured = [_fused_steps(setup, drafter, True, guided, sampled="seeded") for guided in (False, True)]
+    assert captured == eager
+    assert len(eager[0][0][SAMPLED]) >= 4
+
+
 def test_which_steps_fuse() -> None:
-    """Verify steps fuse, greedy or sampled without a seed, penalties or not; a seeded sampled
-    row, a prefill chunk (logits for its last token only) or a row at position 0 keeps the step
-    unfused; the key says which rows sample or ask for penalties."""
+    """Verify steps fuse, greedy or sampled (seeded or not), penalties or not; a prefill chunk
+    (logits for its last token only) or a row at position 0 keeps the step unfused; the key says
+    which rows sample or ask for penalties."""
     rows = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14]]
     base = _inputs(3, rows, [6, 4, 7], [4, 4, 2], 3, guided=False)
     fits = lambda inputs: step_graph.fusable(inputs, 4, 16, MAX_LEN)  # noqa: E731
@@ -213,7 +238,7 @@ def test_which_steps_fuse() -> None:
     sampled = dataclasses.replace(base, temperature=np.array([0.0, 0.7, 0.0], np.float32))
     assert fits(sampled) and step_graph.step_key(sampled, 4, MAX_LEN).sampled
     seeded = dataclasses.replace(sampled, seeds=np.array([-1, 3, -1], np.int64))
-    assert not fits(seeded)
+    assert fits(seeded) and step_graph.step_key(seeded, 4, MAX_LEN).sampled
     penalties = base.penalties.copy()
     penalties[2] = [1.2, 0.0, 0.0]
     penalized = dataclasses.replace(base, penalties=penalties)

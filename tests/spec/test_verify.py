@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from guidespec.protocol import NO_TOKEN
-from guidespec.spec.verify import verify, verify_padded
+from guidespec.spec.verify import seeded_uniforms, verify, verify_padded
 
 V = 6
 MASKED = 4  # a token the grammar forbids at every position
@@ -220,7 +220,7 @@ def test_padded_verification_keeps_the_masked_distribution(drafts: list[int]) ->
     draft_rows = torch.tensor([drafts]).repeat(n, 1)
     for top_k in (0, 3):
         temperature = torch.full((n,), 0.8)
-        uniforms = torch.rand(n, 4, generator=torch.Generator().manual_seed(7 + top_k))
+        uniforms = torch.rand(n, 2, 3, generator=torch.Generator().manual_seed(7 + top_k))
         sampling = (temperature, torch.full((n,), top_k), torch.ones(n), uniforms)
         tokens, counts = verify_padded(logits, draft_rows, torch.full((n,), 2), sampling)
         produced = _padded(tokens.numpy(), counts.numpy())
@@ -265,7 +265,7 @@ def test_padded_verification_of_greedy_rows_and_dead_rows_is_verifys() -> None:
         args = None
         if sampling:
             temperature = torch.zeros(b)  # (greedy rows: the sampling branch leaves them alone)
-            args = (temperature, torch.zeros(b, dtype=torch.long), torch.ones(b), torch.rand(b, k + 2))
+            args = (temperature, torch.zeros(b, dtype=torch.long), torch.ones(b), torch.rand(b, 2, k + 1))
         tokens, counts = verify_padded(logits, drafts, counts_in, args)
         flat = [t for row in _padded(tokens.numpy(), counts.numpy()) for t in row]
         assert flat == expected[0].tolist() and counts.tolist() == expected[1].tolist()
@@ -282,7 +282,43 @@ def test_padded_verification_without_drafts_samples_or_picks() -> None:
         torch.tensor([0.0, 1.0]),
         torch.zeros(2, dtype=torch.long),
         torch.ones(2),
-        torch.tensor([[0.5, 0.5], [0.0, 0.0]]),
+        torch.tensor([[[0.5], [0.5]], [[0.0], [0.0]]]),
     )
     tokens, counts = verify_padded(logits, none, torch.zeros(2, dtype=torch.long), sampling)
     assert tokens[0].tolist() == [1] and counts.tolist() == [1, 1] and 0 <= int(tokens[1, 0]) < V
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (3, 1.0), (0, 0.8)])
+def test_seeded_rows_verify_alike_step_by_step_and_padded(top_k: int, top_p: float) -> None:
+    """A seeded row's numbers are its seed's (``seeded_uniforms``): ``verify`` (step by step) and
+    ``verify_padded`` (fused) give it the same tokens, over rows that accept all, some or none of
+    their drafts, forbidden drafts and rows without drafts among them."""
+    torch.manual_seed(11)
+    b, k = 300, 3
+    base = torch.randn(4, V)  # (a peaked row: drafts often accepted; a flat one: often rejected)
+    base[1] *= 4.0
+    base[:, MASKED] = float("-inf")
+    logits = base.repeat(b, 1)
+    drafts = torch.randint(0, V, (b, k))
+    drafts[::3] = base[:k].argmax(-1)  # every third row drafts the argmaxes
+    counts_in = torch.randint(0, k + 1, (b,))
+    seeds, first = np.arange(b, dtype=np.int64) * 7919, np.arange(b, dtype=np.int32) % 50
+    p = _rows(b, k, 0.9)
+    p["top_k"][:], p["top_p"][:] = top_k, top_p
+    real = torch.cat([logits.view(b, k + 1, V)[i, : c + 1] for i, c in enumerate(counts_in.tolist())])
+    flat, counts = verify(
+        real,
+        (counts_in + 1).numpy().astype(np.int32),
+        [d[:c].numpy() for d, c in zip(drafts, counts_in.tolist())],
+        p["temperature"],
+        p["top_k"],
+        p["top_p"],
+        seeds,
+        first,
+    )
+    uniforms = torch.from_numpy(seeded_uniforms(seeds, first, k + 1))
+    sampling = (torch.full((b,), 0.9), torch.full((b,), top_k), torch.full((b,), top_p), uniforms)
+    tokens, padded_counts = verify_padded(logits, drafts, counts_in, sampling)
+    assert padded_counts.tolist() == counts.tolist()
+    assert [t for row in _padded(tokens.numpy(), padded_counts.numpy()) for t in row] == flat.tolist()
+    assert len(set(counts.tolist())) == k + 1  # (every number of accepted drafts occurred)

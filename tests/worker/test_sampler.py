@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from guidespec.worker.mask import apply_bitmask, only_allowed
-from guidespec.worker.sampler import sample
+from guidespec.worker.sampler import ACCEPT, DRAW, counter_uniforms, inverse_cdf, sample
 
 
 def _params(rows: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = -1):  # type: ignore[no-untyped-def]
@@ -97,3 +97,43 @@ def test_rows_whose_mask_allows_one_token_are_found() -> None:
     for row, token in enumerate(found.tolist()):  # where one token is allowed, the masked argmax is it
         if token >= 0:
             assert logits[row].argmax().item() == token and torch.isinf(logits[row]).sum() == vocab - 1
+
+
+def test_counter_uniforms_are_uniform_and_a_function_of_seed_index_and_stream() -> None:
+    """Over indices of one seed, and over seeds at one index: in [0, 1), evenly spread (a
+    chi-square over 50 bins), uncorrelated with the next index; the same arguments give the same
+    numbers, another stream other ones."""
+    n = 100_000
+    along = counter_uniforms(np.full(n, 42), np.arange(n), DRAW)
+    across = counter_uniforms(np.arange(n) * 3 + 2**40, np.full(n, 9), DRAW)
+    for u in (along, across):
+        assert u.dtype == np.float32 and 0 <= u.min() and u.max() < 1
+        counts = np.histogram(u, bins=50, range=(0, 1))[0]
+        statistic = float(((counts - n / 50) ** 2 / (n / 50)).sum())
+        assert statistic < 90, statistic  # (49 degrees of freedom: P(> 90) < 0.001)
+        assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.02
+    assert np.array_equal(counter_uniforms(np.full(n, 42), np.arange(n), DRAW), along)
+    assert np.mean(counter_uniforms(np.full(n, 42), np.arange(n), ACCEPT) == along) < 1e-3
+
+
+def test_seeded_draws_follow_the_softmax_across_seeds() -> None:
+    """Rows of one distribution, each its own seed: the draws' frequencies are the softmax (the
+    counter-based numbers through inverse_cdf)."""
+    rows = 20000
+    logits = torch.tensor([[1.0, 0.5, 0.0, -1.0, 2.0]]).repeat(rows, 1)
+    tokens = sample(
+        logits,
+        torch.full((rows,), 0.7),
+        torch.zeros(rows, dtype=torch.long),
+        torch.ones(rows),
+        torch.arange(rows) * 13 + 5,
+        torch.full((rows,), 3),
+    )
+    freq = torch.bincount(tokens, minlength=5).float() / rows
+    torch.testing.assert_close(freq, (logits[0] / 0.7).softmax(-1), atol=0.015, rtol=0)
+
+
+def test_inverse_cdf_picks_the_token_whose_cumulative_weight_passes_u() -> None:
+    weights = torch.tensor([[0.0, 2.0, 0.0, 1.0, 1.0]]).repeat(5, 1)  # (not normalised)
+    uniforms = torch.tensor([0.0, 0.49, 0.5, 0.74, 0.9999])
+    assert inverse_cdf(weights, uniforms).tolist() == [1, 1, 3, 3, 4]
