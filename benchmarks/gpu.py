@@ -535,15 +535,26 @@ def decode_steps(trace: Path, batch: int, draft_len: int) -> dict[str, Any]:
     """p50 wall ms of the engine's steps of ``batch`` rows and at most ``batch * (1 + draft_len)``
     tokens (decode and verify steps, no prefill chunk), guided and unguided, from its step trace;
     and the guided steps' parts (p50 ms of each span: the scheduler's fills, rank 0's forward,
-    mask + sample, drafting)."""
+    mask + sample, drafting, its waits for masks), and the p50 share of a guided step rank 0
+    spent waiting for masks (inside a fused step's graph, timed by the trampolines while the
+    device stood still; an unfused step's bitmask wait is the host's, which on a GPU may overlap
+    the forward still running)."""
     if not trace.exists():
-        return {"guided_ms": None, "unguided_ms": None, "guided_steps": 0, "unguided_steps": 0, "parts": {}}
+        return {
+            "guided_ms": None,
+            "unguided_ms": None,
+            "guided_steps": 0,
+            "unguided_steps": 0,
+            "parts": {},
+            "mask_wait_share": None,
+        }
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
     steps: dict[int, list[dict[str, Any]]] = {}
     for e in events:
         steps.setdefault(int(e["args"]["step"]), []).append(e)
     times: dict[bool, list[float]] = {True: [], False: []}
     parts: dict[str, list[float]] = {}
+    wait_shares: list[float] = []
     for spans in steps.values():
         args = spans[0]["args"]
         if args["batch"] != batch or args["tokens"] > batch * (1 + draft_len):
@@ -555,6 +566,8 @@ def decode_steps(trace: Path, batch: int, draft_len: int) -> dict[str, Any]:
         if guided:
             for e in spans:
                 parts.setdefault(e["name"], []).append(e["dur"] / 1e3)
+            waited = sum(e["dur"] for e in spans if e["pid"] == 2 and str(e["name"]).startswith("wait for "))
+            wait_shares.append(waited / max(end - begin, 1e-9))
     p50 = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     return {
         "guided_ms": p50(times[True]),
@@ -562,6 +575,7 @@ def decode_steps(trace: Path, batch: int, draft_len: int) -> dict[str, Any]:
         "guided_steps": len(times[True]),
         "unguided_steps": len(times[False]),
         "parts": {name: p50(xs) for name, xs in sorted(parts.items())},
+        "mask_wait_share": p50(wait_shares),
     }
 
 
@@ -719,8 +733,8 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             "| batch | draft steps | guided step ms | unguided step ms | grammar's share of a step | "
             "grammar's share of wall time | decode step p50 ms, guided / unguided | grammar's share of a decode step | "
-            "tokens / step | valid JSON |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
+            "rank 0 waiting for masks, p50 share of a guided decode step | tokens / step | valid JSON |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for e in report["eagle"]:
             g, u = e["guided"]["step_ms"], e["unguided"]["step_ms"]
@@ -730,12 +744,14 @@ def markdown(report: dict[str, Any]) -> str:
             d = e.get("decode") or {}
             dg, du = d.get("guided_ms"), d.get("unguided_ms")
             decode_share = dg / du - 1 if dg and du else None
+            waiting = d.get("mask_wait_share")
             lines.append(
                 f"| {e['batch']} | {e['variant']} | {fmt(g, '.2f')} | {fmt(u, '.2f')} | "
                 f"{fmt(None if share is None else 100 * share, '.1f', '%')} | "
                 f"{fmt(None if wall_share is None else 100 * wall_share, '.1f', '%')} | "
                 f"{fmt(dg, '.2f')} / {fmt(du, '.2f')} | "
                 f"{fmt(None if decode_share is None else 100 * decode_share, '.1f', '%')} | "
+                f"{fmt(None if waiting is None else 100 * waiting, '.1f', '%')} | "
                 f"{fmt(e['guided']['tokens_per_spec_step'], '.2f')} | {e['valid_json']}/{e['batch']} |"
             )
         parts = [(e, (e.get("decode") or {}).get("parts") or {}) for e in report["eagle"]]
@@ -744,7 +760,7 @@ def markdown(report: dict[str, Any]) -> str:
             lines += [
                 "",
                 "Guided decode steps, p50 ms of each span of the step trace (scheduler: fills, emit; rank 0: "
-                "forward with the head's follow run, mask + sample, propose drafts):",
+                "forward with the head's follow run, mask + sample, propose drafts, waits for masks):",
                 "",
                 "| batch | draft steps | " + " | ".join(names) + " |",
                 "|---:|---|" + "---:|" * len(names),

@@ -408,6 +408,10 @@ class StepOutputs:
     num_draft_tokens: np.ndarray | None = None  # [B] int32, they follow each row's last produced token
     draft_s: float = 0.0  # seconds rank 0 spent proposing (draft model / EAGLE head), not in forward_s
     fused: bool = False  # the whole step ran as one graph (spec/step_graph.py): forward_s holds its drafting
+    # rank 0's waits for grammar masks beyond the bitmask's (timings): [m, 3] float64 rows of (draft
+    # index, -2 for a fused step's verify masks; wait start; wait end), wall times; inside graphs the
+    # trampolines time them (the device stood still meanwhile)
+    mask_waits: np.ndarray | None = None
 
 
 @register_message(27)

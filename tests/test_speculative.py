@@ -245,7 +245,8 @@ def test_every_draft_exchange_gives_the_same_greedy_eagle_output(
     the fixed-shape sequence a CUDA graph replays (``graph_grammar``: run eagerly here, the
     trampolines in stream order), or as messages over ZeroMQ and the ring give what the default
     (the C channel, called directly) gives: plain greedy output. The step trace shows the
-    scheduler filling each draft step's masks, where the channel serves them."""
+    scheduler filling each draft step's masks, where the channel serves them, and rank 0 waiting
+    for them."""
     monkeypatch.setenv("GUIDESPEC_DRAFT_CHANNEL", "c" if exchange == "graph" else exchange)
     monkeypatch.setenv("GUIDESPEC_TRACE", str(tmp_path / "trace.json"))
     # (the graph engine plans its draft lengths adaptively: its fused steps meet draft lengths that
@@ -268,6 +269,12 @@ def test_every_draft_exchange_gives_the_same_greedy_eagle_output(
     assert trace["summary"]["fused_steps"] == len(fused)
     # a fused step times its draft steps apart (the adaptive plan's draft cost learns from them)
     assert (any(e["name"] == "draft steps" for e in trace["traceEvents"])) == (exchange == "graph")
+    # rank 0's waits for masks, whichever way they come (in graphs: timed by the trampolines)
+    waits = {e["name"] for e in trace["traceEvents"] if e["pid"] == 2 and str(e["name"]).startswith("wait for ")}
+    assert {"wait for draft 0 masks", "wait for bitmask"} <= waits
+    assert waits <= {"wait for bitmask", "wait for verify masks"} | {f"wait for draft {j} masks" for j in range(8)}
+    assert ("wait for verify masks" in waits) == (exchange == "graph")
+    assert trace["summary"]["mask_wait_fraction"] > 0
 
 
 def test_sampled_drafts_of_the_target_itself_are_all_accepted_with_their_q() -> None:

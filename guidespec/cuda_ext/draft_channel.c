@@ -98,6 +98,12 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+static int64_t wall_ns(void) { /* the trace's clock: Python's time.time() */
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
 static int peer_gone(int32_t pid) { return pid > 0 && kill(pid, 0) != 0 && errno == ESRCH; }
 
 static void publish(_Atomic uint64_t *seq, _Atomic uint32_t *bell, uint64_t t) {
@@ -268,6 +274,7 @@ void gs_cb_graph_publish(void *args) {
         return;
     }
     *a->published = n;
+    if (a->times != NULL) a->times[0] = wall_ns();
 }
 
 void gs_cb_graph_wait(void *args) {
@@ -275,7 +282,9 @@ void gs_cb_graph_wait(void *args) {
     size_t row_bytes = (size_t)a->num_words * 4;
     int32_t n = *a->published, failed = a->status[0] != GS_OK || a->status[1] != GS_OK;
     if (n > 0) {
+        if (a->times != NULL) a->times[1] = wall_ns();
         int code = gs_wait_mask(a->channel, *a->step, a->draft_index, a->timeout_us, a->peer_pid, a->mask_rows, n);
+        if (a->times != NULL) a->times[2] = wall_ns();
         if (code != GS_OK) { /* the rows are zero: every token forbidden */
             if (a->status[1] == GS_OK) a->status[1] = code;
             failed = 1;
@@ -307,9 +316,11 @@ void gs_cb_verify_wait(void *args) {
         *a->status = GS_OK;
         return;
     }
+    if (a->times != NULL) a->times[0] = wall_ns();
     if (code == GS_OK)
         code = wait_for(&h->mask_seq, &h->mask_bell, mask_ready, tag(*a->step, GS_VERIFY), a->timeout_us, a->peer_pid,
                         h->spin_us, &seen);
+    if (a->times != NULL) a->times[1] = wall_ns();
     if (code == GS_OK) {
         const int32_t *ids = (const int32_t *)((char *)a->channel + ids_offset(h->max_rows, h->max_tokens, h->num_words));
         const char *mask = (const char *)a->channel + offset_of(h->max_rows, h->max_tokens, 3);

@@ -91,6 +91,10 @@ typedef struct {
 void gs_cb_publish_drafts(void *args);
 void gs_cb_wait_mask(void *args);
 
+/* Where a stream reaches a host function is when the device has done the work before it, so
+ * the times a trampoline records are the step's timeline inside a graph: how long the device
+ * stood still waiting for the grammar. */
+
 /* The draft steps of a fixed-shape graph (spec/draft_graph.py): B rows, each drafting up to K
  * tokens; one argument block per draft index j, read by both callbacks of that draft step.
  * gs_cb_graph_publish publishes the rows whose grammar masks draft step j (masked[b] > j) and
@@ -121,6 +125,8 @@ typedef struct {
     int32_t *out;                  /* [B][W] */
     int32_t *published;            /* rows published at this draft index */
     int32_t *status;               /* [2]: the first failed publish, the first failed wait (GS_*) */
+    int64_t *times;                /* [3]: when rows were published, the mask's wait began and ended
+                                      (CLOCK_REALTIME ns; left as they are where nothing is published) */
 } gs_graph_step_args;
 
 void gs_cb_graph_publish(void *args);
@@ -142,6 +148,8 @@ typedef struct {
     const int32_t *enabled;   /* 0: wait for nothing, allow every row (a graph's warm-up on padding) */
     int32_t *out;             /* [num_rows][W], page-locked on a GPU */
     int32_t *status;          /* GS_* */
+    int64_t *times;           /* [2]: when the wait began and ended (CLOCK_REALTIME ns; left as they
+                                 are where it waits for nothing) */
 } gs_verify_args;
 
 void gs_cb_verify_wait(void *args);

@@ -50,6 +50,7 @@ class GraphStepArgs(ctypes.Structure):
         ("out", _p),
         ("published", _p),
         ("status", _p),
+        ("times", _p),
     ]
 
 
@@ -68,6 +69,7 @@ class VerifyWaitArgs(ctypes.Structure):
         ("enabled", _p),
         ("out", _p),
         ("status", _p),
+        ("times", _p),
     ]
 
 

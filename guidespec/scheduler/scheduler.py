@@ -200,6 +200,7 @@ class Scheduler:
                     sum(row.num_new_tokens for row in rows),
                     self.draft_fills,
                     outputs.fused,
+                    outputs.mask_waits,
                 )
 
     def send_stats(self) -> None:

@@ -1,9 +1,13 @@
 """Per-step timings, as a Chrome trace (chrome://tracing, Perfetto) and as summary figures.
 
-The scheduler records its own phases; rank 0 reports when its forward ran and when the
-bitmask was in hand. "Scheduler time outside the forward" is the scheduler work the workers
-wait for: building and writing the inputs, emitting the outputs, and any mask filling that
-outlasts the forward (filling that overlaps the forward costs nothing).
+The scheduler records its own phases; rank 0 reports when its forward ran, when the bitmask
+was in hand, and how long it waited for its other masks (draft steps', a fused step's verify
+masks: inside a graph the trampolines time those waits, while the device stands still).
+"Scheduler time outside the forward" is the scheduler work the workers wait for: building and
+writing the inputs, emitting the outputs, and any mask filling that outlasts the forward
+(filling that overlaps the forward costs nothing). "Mask wait" is rank 0's waiting for grammar
+masks, all of it: the grammar's cost on the step (an unfused step's bitmask wait is the host's:
+on a GPU the forward may still be running meanwhile).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
+from guidespec.cuda_ext.channel import VERIFY
+
 
 @dataclass
 class StepTrace:
@@ -25,6 +31,7 @@ class StepTrace:
     forward_s: float = 0.0
     draft_s: float = 0.0
     draft_fill_s: float = 0.0
+    mask_wait_s: float = 0.0
     steps: int = 0
     guided_steps: int = 0
     fused_steps: int = 0
@@ -40,12 +47,15 @@ class StepTrace:
         tokens: int = 0,
         draft_fills: Sequence[tuple[int, float, float]] = (),
         fused: bool = False,
+        mask_waits: np.ndarray | None = None,
     ) -> None:
         """``t``: scheduler wall times (start, inputs, mask_start, mask, outputs, end); ``worker``:
         rank 0's (forward_start, forward_end, mask_ready, done); ``draft_s``: rank 0's drafter
         proposing the next step's drafts, at the end of its step; ``draft_fills``: the scheduler
         filling each of those draft steps' masks (draft step, start, end), which rank 0 waits for;
-        ``fused``: rank 0 ran the whole step as one graph (spec/step_graph.py), one span."""
+        ``fused``: rank 0 ran the whole step as one graph (spec/step_graph.py), one span;
+        ``mask_waits``: rank 0's other waits for masks, rows of (draft index or -2 for a fused
+        step's verify masks, start, end), nested in its spans."""
         forward_start, forward_end, mask_ready, done = (float(x) for x in worker)
         exposed_fill = max(0.0, t["mask"] - forward_end) if guided_rows else 0.0
         self.step_s += t["end"] - t["start"]
@@ -53,6 +63,8 @@ class StepTrace:
         self.fill_s += t["mask"] - t["mask_start"]
         self.forward_s += forward_end - forward_start
         self.draft_s += draft_s
+        if guided_rows and not fused:
+            self.mask_wait_s += max(0.0, mask_ready - forward_end)
         self.steps += 1
         self.guided_steps += bool(guided_rows)
         self.fused_steps += fused
@@ -68,6 +80,10 @@ class StepTrace:
                 self._span("draft steps", done - draft_s, done, 2, args)
         else:
             self._worker_spans(forward_start, forward_end, mask_ready, done, draft_s, guided_rows, args)
+        for index, start, end in mask_waits if mask_waits is not None else ():
+            name = "wait for verify masks" if index == VERIFY else f"wait for draft {int(index)} masks"
+            self._span(name, start, end, 2, args)
+            self.mask_wait_s += max(0.0, end - start)
         for index, start, end in draft_fills:
             self._span(f"fill draft step {index} masks", start, end, 1, args)
             self.draft_fill_s += end - start
@@ -100,6 +116,7 @@ class StepTrace:
             "mean_forward_ms": 1000 * self.forward_s / max(1, self.steps),
             "draft_fraction": self.draft_s / self.step_s if self.step_s else 0.0,
             "draft_fill_fraction": self.draft_fill_s / self.step_s if self.step_s else 0.0,
+            "mask_wait_fraction": self.mask_wait_s / self.step_s if self.step_s else 0.0,
         }
 
     def write(self, path: Path) -> None:

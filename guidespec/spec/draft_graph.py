@@ -109,6 +109,8 @@ class _HostBuffers:
         self.tokens = make(b * (MAX_PRODUCED + MAX_GRAPH_DRAFTS))
         self.mask_rows, self.out = make(b * w), make(b * w)
         self.published, self.status = make(1), make(2)
+        # per draft step: when it published, when its mask's wait began and ended (wall ns; 0: none)
+        self.times = make(MAX_GRAPH_DRAFTS, 3, dtype=torch.int64)
 
     def address(self, name: str) -> ctypes.c_void_p:
         return ctypes.c_void_p(getattr(self, name).data_ptr())
@@ -159,6 +161,7 @@ class _DraftGraph:
                         "status",
                     )
                 ),
+                ctypes.c_void_p(host.times[j].data_ptr()),
             )
             for j in range(key.drafts)
         ]
@@ -228,6 +231,7 @@ class DraftGraphs:
         self.graphs: dict[DraftGraphKey, _DraftGraph] = {}
         self.pool: Any = torch.cuda.graph_pool_handle() if self.capture else None
         self.runs = 0
+        self._waits: list[tuple[float, float, float]] = []
 
     def fits(self, rows: np.ndarray, wanted: np.ndarray, temperature: np.ndarray, produced: list[list[int]]) -> bool:
         """Whether these rows' draft steps can run as a graph: greedy, few enough drafts."""
@@ -286,6 +290,7 @@ class DraftGraphs:
             picks = graph.steps()
         chains = picks[:, :n].cpu().numpy().copy()  # (waits for the replay)
         self.runs += 1
+        self._waits += self.waits(k)
         publish_code, wait_code = self.host.status.tolist()
         if publish_code != OK:
             raise DraftChannelError(publish_code, step, -1, "publishing drafts")
@@ -293,6 +298,17 @@ class DraftGraphs:
             _, _, index = self.channel.last_error()
             raise DraftChannelError(wait_code, step, index, "waiting for the scheduler's mask")
         return chains
+
+    def waits(self, drafts: int) -> list[tuple[float, float, float]]:
+        """The grammar waits the trampolines timed in the last run of ``drafts`` draft steps:
+        (draft index, wait start, wait end), wall-clock seconds."""
+        times = self.host.times[:drafts].numpy()
+        return [(float(j), times[j, 1] / 1e9, times[j, 2] / 1e9) for j in range(drafts) if times[j, 2] > 0]
+
+    def take_waits(self) -> list[tuple[float, float, float]]:
+        """The waits of :meth:`run` since the last call (rank 0's step timeline)."""
+        waits, self._waits = self._waits, []
+        return waits
 
     def _write(
         self, graph: _DraftGraph, step: int, rows: _Rows, start: tuple[torch.Tensor, torch.Tensor] | np.ndarray
@@ -303,6 +319,7 @@ class DraftGraphs:
         host = self.host
         host.step[0] = step
         host.status.zero_()
+        host.times.zero_()
         host.batch_rows[:n] = torch.from_numpy(rows.batch_rows)
         host.wanted[:n], host.wanted[n:b] = torch.from_numpy(rows.wanted), 0
         host.masked[:n], host.masked[n:b] = torch.from_numpy(rows.masked), 0

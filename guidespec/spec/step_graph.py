@@ -116,6 +116,7 @@ class FusedOutputs:
     counts: np.ndarray  # [rows] int32
     proposals: tuple[np.ndarray, np.ndarray] | None  # (flat drafts, per-row counts); None: a draft wait failed
     draft_s: float  # the draft steps' part of the step (the adaptive plan's draft cost learns from it)
+    mask_waits: np.ndarray  # [m, 3] float64: (VERIFY or draft index, wait start, wait end), wall seconds
 
 
 def fusable(inputs: StepInputs, max_batch_size: int, max_logits_rows: int, max_model_len: int) -> bool:
@@ -176,6 +177,7 @@ class _StepGraph:
         self.host_mask = torch.zeros(b * n, words, dtype=torch.int32, pin_memory=pin)
         self.padded_of = torch.full((owner.max_logits_rows,), -1, dtype=torch.int32, pin_memory=pin)
         self.verify_status = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
+        self.verify_times = torch.zeros(2, dtype=torch.int64, pin_memory=pin)  # the wait's start, end (wall ns)
         self.verify_enabled = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
         self.out_picks = torch.zeros(b, n, dtype=torch.int32, pin_memory=pin)
         self.out_counts = torch.zeros(b, dtype=torch.int32, pin_memory=pin)
@@ -193,6 +195,7 @@ class _StepGraph:
             ctypes.c_void_p(self.verify_enabled.data_ptr()),
             ctypes.c_void_p(self.host_mask.data_ptr()),
             ctypes.c_void_p(self.verify_status.data_ptr()),
+            ctypes.c_void_p(self.verify_times.data_ptr()),
         )
         self.graph: Any = None  # the verify part (CUDA); the draft steps are a second graph, replayed
         self.draft_graph: Any = None  # right after it, so a timing event can stand between them
@@ -377,7 +380,10 @@ class StepGraphs:
             code, _, index = self.draft_graphs.channel.last_error()
             error = DraftChannelError(code, inputs.step, index, "drafting")
             logger.warning("worker rank 0: %s; no drafts this step", error)
-        return FusedOutputs(tokens, counts, proposals, draft_s)
+        start, end = (int(t) for t in graph.verify_times)
+        waits = [(float(VERIFY), start / 1e9, end / 1e9)] if end > 0 else []
+        waits += self.draft_graphs.waits(graph.key.drafts.drafts)
+        return FusedOutputs(tokens, counts, proposals, draft_s, np.array(waits, dtype=np.float64).reshape(-1, 3))
 
     def _replay(self, graph: _StepGraph) -> float:
         """Replay the step's two graphs; the seconds of the draft steps' one, between timing events
@@ -425,10 +431,12 @@ class StepGraphs:
                 rows = torch.from_numpy(np.flatnonzero(seeded)).to(self.device)
                 graph.seeded_uniforms.index_copy_(0, rows, torch.from_numpy(numbers).to(self.device))
         graph.verify_status.zero_()
+        graph.verify_times.zero_()
         graph.verify_enabled[0] = 1
         host = self.draft_graphs.host
         host.step[0] = inputs.step
         host.status.zero_()
+        host.times.zero_()
         host.batch_rows[:n_rows] = torch.arange(n_rows, dtype=torch.int32)
         host.wanted[:n_rows], host.wanted[n_rows:b] = torch.from_numpy(wanted), 0
         host.masked[:n_rows], host.masked[n_rows:b] = torch.from_numpy(masked), 0

@@ -269,9 +269,10 @@ class Worker:
         )
         proposals = draft_counts = None
         verified = time.perf_counter()
+        waits: list[tuple[float, float, float]] = []
         if self.drafter is not None and inputs.draft_lens is not None:
+            masks = _DraftMasks(self, inputs.step, waits)
             try:
-                masks = _DraftMasks(self, inputs.step)
                 proposals, draft_counts = self.drafter.propose(inputs, tokens_np, counts, masks)
             except DraftChannelError as e:  # no mask came: nothing of this step's drafting is used
                 logger.warning("worker rank 0: %s; no drafts this step", e)
@@ -279,9 +280,21 @@ class Worker:
             finally:
                 if self.drafts is not None:
                     self.drafts.done(inputs.step)
+                if self.drafter.graphs is not None:  # (draft steps as a graph: their trampolines timed the waits)
+                    waits += self.drafter.graphs.take_waits()
         draft_s = time.perf_counter() - verified
         timings = np.array([wall_start, forward_end, mask_ready, time.time()], dtype=np.float64)
-        return StepOutputs(inputs.step, tokens_np, counts, verified - start, timings, proposals, draft_counts, draft_s)
+        return StepOutputs(
+            inputs.step,
+            tokens_np,
+            counts,
+            verified - start,
+            timings,
+            proposals,
+            draft_counts,
+            draft_s,
+            mask_waits=np.array(waits, dtype=np.float64).reshape(-1, 3) if waits else None,
+        )
 
     def _fused_step(self, inputs: StepInputs) -> StepOutputs:
         """A step of a model drafter as one graph (spec/step_graph.py): its verify masks come through
@@ -310,6 +323,7 @@ class Worker:
             draft_counts,
             draft_s,
             fused=True,
+            mask_waits=fused.mask_waits if len(fused.mask_waits) else None,
         )
 
     def _logits(self, hidden: torch.Tensor, mask: tuple[np.ndarray, np.ndarray] | None) -> torch.Tensor | None:
@@ -376,9 +390,10 @@ class _DraftMasks:
     directly, or run by the C host stream: DraftChannelError where none came in time, or the
     scheduler died), else as a message whose mask comes back over the ring."""
 
-    def __init__(self, worker: Worker, step: int) -> None:
+    def __init__(self, worker: Worker, step: int, waits: list[tuple[float, float, float]]) -> None:
         self.worker, self.step = worker, step
         self.rows = 0  # rows posted to the draft channel, whose masks ``take`` waits for
+        self.waits = waits  # (draft index, start, end) of each ``take``, wall times
 
     def post(self, draft_index: int, rows: np.ndarray, sequences: list[list[int]]) -> None:
         w = self.worker
@@ -393,6 +408,13 @@ class _DraftMasks:
             w.results.send(DraftTokens(self.step, draft_index, rows, flat, lens))
 
     def take(self, draft_index: int) -> np.ndarray:
+        started = time.time()
+        try:
+            return self._take(draft_index)
+        finally:
+            self.waits.append((float(draft_index), started, time.time()))
+
+    def _take(self, draft_index: int) -> np.ndarray:
         w, step = self.worker, self.step
         if w.stream_exchange is not None:
             return w.stream_exchange.take(step, draft_index)

@@ -194,6 +194,7 @@ class _VerifyWait:
         self.enabled = np.ones(1, np.int32)
         self.out = np.full((8, WORDS), 7, np.int32)
         self.status = np.full(1, -1, np.int32)
+        self.times = np.zeros(2, np.int64)
         address = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
         self.args = VerifyWaitArgs(
             channel.base,
@@ -207,6 +208,7 @@ class _VerifyWait:
             address(self.enabled),
             address(self.out),
             address(self.status),
+            address(self.times),
         )
         self.functions = HostFunctions(torch.device("cpu"))
 
@@ -238,8 +240,10 @@ def test_a_missing_stale_or_misplaced_verify_mask_forbids_every_row() -> None:
     channel = DraftChannel.create(_spec(rows=8))
     try:
         wait = _VerifyWait(channel, 3)
-        start = time.monotonic()
+        start, wall = time.monotonic(), time.time()
         assert wait() == TIMEOUT and 0.04 < time.monotonic() - start < 2.0
+        began, ended = wait.times / 1e9  # (the trampoline times its wait, on time.time()'s clock)
+        assert wall - 0.01 <= began and 0.04 < ended - began < 2.0 and ended <= time.time() + 0.01
         assert not wait.out.any() and channel.last_error() == (TIMEOUT, 3, VERIFY)
         channel.answer_verify(4, np.array([0]), np.ones((1, WORDS), np.int32))  # the next step's
         assert wait() == STALE and not wait.out.any()

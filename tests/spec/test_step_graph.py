@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from guidespec import cuda_ext
-from guidespec.cuda_ext.channel import ChannelSpec, DraftChannel
+from guidespec.cuda_ext.channel import VERIFY, ChannelSpec, DraftChannel
 from guidespec.protocol import StepInputs
 from guidespec.spec import draft_graph, step_graph
 from guidespec.spec.draft_model import DraftRunner
@@ -151,6 +151,9 @@ def _fused_steps(  # type: ignore[no-untyped-def]
             with _scheduling(channel, served, answer_step=step, step=step):  # (leaving it: DONE, as the worker sends)
                 out = fused.run(inputs)
             assert out.proposals is not None
+            # the trampolines timed their waits: the verify masks', then each masked draft step's
+            assert out.mask_waits[:, 0].tolist() == ([VERIFY, 0, 1, 2] if guided else [])
+            assert (out.mask_waits[:, 1] <= out.mask_waits[:, 2]).all()
             history.append((out.tokens.tolist(), out.counts.tolist(), [a.tolist() for a in out.proposals]))
             tokens = np.split(out.tokens, np.cumsum(out.counts)[:-1])
             for b in range(3):
