@@ -133,7 +133,7 @@ class DraftSampling:
                 if not bool(torch.isfinite(q).all()) or float(q.sum()) <= 0:  # nothing allowed: a fixed draft
                     continue
                 seed = int(inputs.seeds[b])
-                if seed >= 0:  # (the numbers of its own purpose: verification's are others)
+                if seed >= 0:  # (DRAFT: numbers apart from verification's)
                     index = int(inputs.sample_index[b]) + int(counts[b]) + step
                     u = torch.from_numpy(counter_uniforms(np.array([seed]), np.array([index]), DRAFT))
                     token = int(inverse_cdf(q[None], u)[0])

@@ -121,9 +121,9 @@ class FusedOutputs:
 
 def fusable(inputs: StepInputs, max_batch_size: int, max_logits_rows: int, max_model_len: int) -> bool:
     """Whether a step runs fused: every row a verify step (its every token's logits wanted),
-    greedy or sampled, penalties or not, few enough drafts, tokens and rows. Read from the step's inputs alone, so every
-    tensor-parallel rank decides alike: rank 0 runs the whole step, the others its target part
-    (:class:`FusedStepFollower`), and their collectives match."""
+    greedy or sampled, penalties or not, few enough drafts, tokens and rows. Read from the step's
+    inputs alone, so every tensor-parallel rank decides alike: rank 0 runs the whole step, the
+    others its target part (:class:`FusedStepFollower`), and their collectives match."""
     n_rows = inputs.batch_size
     if inputs.draft_lens is None or not 0 < n_rows <= max_batch_size:
         return False
@@ -135,9 +135,7 @@ def fusable(inputs: StepInputs, max_batch_size: int, max_logits_rows: int, max_m
     if not 0 <= k <= MAX_GRAPH_DRAFTS or n is None or b is None or b * n > MAX_GRAPH_TOKENS:
         return False
     starts = inputs.start_positions
-    if (starts <= 0).any() or int((starts + new).max()) + k + 2 > max_model_len:
-        return False
-    return True
+    return not ((starts <= 0).any() or int((starts + new).max()) + k + 2 > max_model_len)
 
 
 def step_key(inputs: StepInputs, max_batch_size: int, max_model_len: int) -> StepGraphKey:
