@@ -169,6 +169,27 @@ def test_each_instruction_set_builds_and_matches(monkeypatch: pytest.MonkeyPatch
         torch.testing.assert_close(kernels.linear(x, weight), emulated_linear(x, w), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or "avx512_vnni" not in open("/proc/cpuinfo").read(), reason="a CPU with VNNI"
+)
+def test_vnni_products_give_the_maddubs_kernels_results_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dpbusd sums a block's products in int32 as the maddubs tree does (which never saturates
+    there): the same bits for every format and tile size, so no output moves with the CPU's ISA."""
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(2))
+    results = []
+    for arch in ("-march=x86-64-v4", "-march=native"):  # maddubs, then dpbusd
+        path = kernels.build([arch])
+        assert path is not None
+        monkeypatch.setattr(kernels, "_library", lambda path=path: kernels.load(path))
+        outs = []
+        for type_name in FORMATS:
+            weight = from_gguf(quantized_rows(type_name, 37, 512), type_name, 512)
+            assert weight is not None
+            outs += [kernels.linear(x[:m], weight) for m in (1, 4, 40)]
+        results.append(outs)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 # ---------------------------------------------------------------- a tiny model written as a GGUF file
 
 TINY = dict(
