@@ -271,7 +271,8 @@ def test_every_draft_exchange_gives_the_same_greedy_eagle_output(
     assert (any(e["name"] == "draft steps" for e in trace["traceEvents"])) == (exchange == "graph")
     # rank 0's waits for masks, whichever way they come (in graphs: timed by the trampolines)
     waits = {e["name"] for e in trace["traceEvents"] if e["pid"] == 2 and str(e["name"]).startswith("wait for ")}
-    assert {"wait for draft 0 masks", "wait for bitmask"} <= waits
+    assert "wait for draft 0 masks" in waits  # (unfused steps wait for their bitmask: where every
+    assert ("wait for bitmask" in waits) or exchange == "graph"  # guided step fused, none did)
     assert waits <= {"wait for bitmask", "wait for verify masks"} | {f"wait for draft {j} masks" for j in range(8)}
     assert ("wait for verify masks" in waits) == (exchange == "graph")
     assert trace["summary"]["mask_wait_fraction"] > 0
