@@ -414,7 +414,7 @@ class StepGraphs:
         draft_count = np.zeros(b, dtype=np.int64)
         draft_count[:n_rows] = inputs.num_logits - 1
         graph.draft_count.copy_(torch.from_numpy(draft_count), non_blocking=True)
-        if graph.key.penalized:  # (padding rows keep their neutral values)
+        if graph.key.penalized:  # (padding rows: neutral at first, later stale; their results are never read)
             graph.penalties[:n_rows].copy_(torch.from_numpy(inputs.penalties), non_blocking=True)
             prompt_lens = np.where(inputs.penalized, inputs.num_prompt_tokens, 0)
             graph.prompt_lens[:n_rows].copy_(torch.from_numpy(prompt_lens), non_blocking=True)
