@@ -487,31 +487,35 @@ def bench_eagle_graphs(
         os.environ["GUIDESPEC_TRACE"] = str(trace)  # the engine's step trace, written at its shutdown
         start = time.perf_counter()
         rows: list[dict[str, Any]] = []
-        with LLM(**kw) as llm:
-            print(f"[{label}] engine started in {time.perf_counter() - start:.1f} s", flush=True)
-            for b in batch_sizes:
-                pairs = requests(cases, b)
-                prompts, schemas = [p for p, _ in pairs], [s for _, s in pairs]
-                run_each(llm, prompts, guided_params(schemas, max_tokens, temperature))  # warm-up, captures
-                guided, outs = measure(
-                    lambda: run_each(llm, prompts, guided_params(schemas, max_tokens, temperature)), setup.repeats
-                )
-                lengths = [len(o.token_ids) if o is not None else max_tokens for o in outs]
-                plain = [SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True) for n in lengths]
-                run_each(llm, prompts, plain)
-                unguided, _ = measure(lambda: run_each(llm, prompts, plain), setup.repeats)
-                row = {"graph": graph, "variant": variant, "batch": b, "guided": guided, "unguided": unguided}
-                for key in ("guided", "unguided"):  # every request runs in every step: steps = request steps / B
-                    s = row[key]
-                    s["step_ms"] = 1e3 * s["wall_s"] * b / s["steps"] if s["steps"] else None
-                row["valid_json"] = sum(o is not None and valid_json(o.text, s) for o, s in zip(outs, schemas))
-                rows.append(row)
-                print(
-                    f"[{label}] batch {b}: guided step {fmt(guided['step_ms'], '.2f')} ms, unguided step "
-                    f"{fmt(unguided['step_ms'], '.2f')} ms, tokens/step {fmt(guided['tokens_per_spec_step'], '.2f')}, "
-                    f"wall guided {guided['wall_s']:.3f} s, unguided {unguided['wall_s']:.3f} s",
-                    flush=True,
-                )
+        try:  # a variant that fails is reported, and the next one still runs
+            with LLM(**kw) as llm:
+                print(f"[{label}] engine started in {time.perf_counter() - start:.1f} s", flush=True)
+                for b in batch_sizes:
+                    pairs = requests(cases, b)
+                    prompts, schemas = [p for p, _ in pairs], [s for _, s in pairs]
+                    run_each(llm, prompts, guided_params(schemas, max_tokens, temperature))  # warm-up, captures
+                    guided, outs = measure(
+                        lambda: run_each(llm, prompts, guided_params(schemas, max_tokens, temperature)), setup.repeats
+                    )
+                    lengths = [len(o.token_ids) if o is not None else max_tokens for o in outs]
+                    plain = [SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True) for n in lengths]
+                    run_each(llm, prompts, plain)
+                    unguided, _ = measure(lambda: run_each(llm, prompts, plain), setup.repeats)
+                    row = {"graph": graph, "variant": variant, "batch": b, "guided": guided, "unguided": unguided}
+                    for key in ("guided", "unguided"):  # every request runs in every step: steps = request steps / B
+                        s = row[key]
+                        s["step_ms"] = 1e3 * s["wall_s"] * b / s["steps"] if s["steps"] else None
+                    row["valid_json"] = sum(o is not None and valid_json(o.text, s) for o, s in zip(outs, schemas))
+                    rows.append(row)
+                    print(
+                        f"[{label}] batch {b}: guided step {fmt(guided['step_ms'], '.2f')} ms, unguided step "
+                        f"{fmt(unguided['step_ms'], '.2f')} ms, "
+                        f"tokens/step {fmt(guided['tokens_per_spec_step'], '.2f')}, "
+                        f"wall guided {guided['wall_s']:.3f} s, unguided {unguided['wall_s']:.3f} s",
+                        flush=True,
+                    )
+        except Exception:
+            print(f"[{label}] FAILED:\n{traceback.format_exc()}", flush=True)
         os.environ.pop("GUIDESPEC_TRACE", None)
         os.environ.pop("GUIDESPEC_FUSED_STEPS", None)
         summary = json.loads(trace.read_text())["summary"] if trace.exists() else {}
@@ -874,7 +878,9 @@ def main() -> None:
         action="store_true",
         help="guided requests take a step per token (isolates the mask's cost from the steps that jump-forward saves)",
     )
-    parser.add_argument("--skip", nargs="+", default=[], choices=["eager", "guided", "spec", "eagle", "mask"])
+    parser.add_argument(
+        "--skip", nargs="+", default=[], choices=["default", "eager", "guided", "spec", "eagle", "mask"]
+    )
     parser.add_argument(
         "--eagle-variants", nargs="+", default=list(EAGLE_VARIANTS), choices=list(EAGLE_VARIANTS), metavar="VARIANT"
     )

@@ -6,6 +6,7 @@
 # tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json). Writes the
 # logs and the benchmark's report under $OUT (default /tmp/out).
 #   TEST_S, BENCH_S: time limits of the two parts, seconds (default 210 and 330; 0 skips the part)
+#   TEST_ARGS: what pytest runs, in order (default: tests/worker)
 #   BENCH_ARGS: extra arguments for benchmarks/gpu.py; default: issue 23's open figure, the
 #     grammar's share of a batch-16 EAGLE step, fused / first draft step masked / draft steps only
 #     (the whole call fits a 15-minute device budget; BENCH_ARGS="" runs every section)
@@ -20,9 +21,9 @@ BENCH_ARGS=${BENCH_ARGS-"--skip eager guided spec mask --batch-sizes 16 --eagle-
 mkdir -p "$OUT"
 set -o pipefail
 if [ "${TEST_S:-210}" != 0 ]; then
-    echo "=== pytest -m gpu tests/worker"
+    echo "=== pytest -m gpu ${TEST_ARGS:-tests/worker}"
     start=$SECONDS
-    timeout -k 5 "${TEST_S:-210}" python3 -m pytest -m gpu -rs -v -p no:cacheprovider -o timeout=180 tests/worker 2>&1 \
+    timeout -k 5 "${TEST_S:-210}" python3 -m pytest -m gpu -rs -v -p no:cacheprovider -o timeout=180 ${TEST_ARGS:-tests/worker} 2>&1 \
         | tee "$OUT/pytest.log" | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" | tail -20
     echo "pytest rc=$? in $((SECONDS - start)) s"
 fi
