@@ -89,10 +89,18 @@ class _ReadsRecorded(os._Environ):  # type: ignore[type-arg]
         return {self.decodekey(k): self.decodevalue(v) for k, v in self._data.items()}.items()  # type: ignore[attr-defined]
 
 
+# torch.cuda.is_available() asks NVML rather than the CUDA runtime with this set: it then starts
+# no CUDA driver and leaves forks usable (xgrammar's tvm_ffi calls it as it is imported)
+_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
 def _preload() -> list[str]:
     """Import everything an engine process imports on its way to ready, without running any of
     it; the environment variables those imports read."""
     environ: Any = os.environ
+    added = _NVML_CHECK not in environ
+    if added:
+        environ[_NVML_CHECK] = "1"
     recorded = _ReadsRecorded(
         environ._data, environ.encodekey, environ.decodekey, environ.encodevalue, environ.decodevalue
     )
@@ -101,7 +109,24 @@ def _preload() -> list[str]:
         _import_engine()
     finally:
         os.environ = environ
+        if added:
+            del environ[_NVML_CHECK]
+            recorded.read.discard(_NVML_CHECK)
     return sorted(recorded.read)
+
+
+def _forks_can_start_cuda() -> bool:
+    """Whether a fork of this process can start CUDA: torch refuses in a child once the parent
+    has asked the CUDA runtime anything (``torch.cuda.device_count()`` without NVML, say), so
+    a fork tells."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda._is_compiled():
+        return True
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
 
 
 def _import_engine() -> None:
@@ -126,6 +151,8 @@ def main() -> None:
         return  # the client died before the line above
     try:
         read = _preload()
+        if not _forks_can_start_cuda():
+            raise RuntimeError("its imports started the CUDA runtime: a fork could not use CUDA")
         # Python threads; native ones are OpenBLAS's pool (numpy), which stops itself around a fork
         _send(sock, {"ready": os.getpid(), "threads": threading.active_count(), "read": read})
     except BaseException as e:
