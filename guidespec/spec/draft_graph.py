@@ -6,6 +6,7 @@ Python between draft steps:
 
     for j in 0..K-1:
         [guided] [j > 0] copy draft j-1 device-to-host;  publish the drafts so far (C)
+                 (a fused step publishes draft 0 earlier, before the drafter follows the step)
         [j > 0, or a draft model] drafter forward over token j at position p + j
         [guided] wait for mask j (C);  copy it host-to-device;  -inf where it forbids
         draft j = argmax (as target ids, through d2t for a pruned EAGLE vocabulary)
@@ -117,10 +118,12 @@ class _HostBuffers:
 
 
 class _DraftGraph:
-    """The buffers, argument blocks and (on CUDA) the captured graph of one key."""
+    """The buffers, argument blocks and (on CUDA) the captured graph of one key. ``first_published``:
+    draft step 0's publish is enqueued before these steps run (a fused step does it as soon as the
+    step's produced tokens are known, so the scheduler fills mask 0 while the drafter follows)."""
 
-    def __init__(self, key: DraftGraphKey, owner: DraftGraphs) -> None:
-        self.key, self.owner = key, owner
+    def __init__(self, key: DraftGraphKey, owner: DraftGraphs, first_published: bool = False) -> None:
+        self.key, self.owner, self.first_published = key, owner, first_published
         drafter, device, b = owner.drafter, owner.device, key.batch
         self.features = torch.zeros(b, drafter.feature_width, dtype=drafter.dtype, device=device)
         self.logits = torch.zeros(b, drafter.logits_width, dtype=torch.float32, device=device)
@@ -176,7 +179,8 @@ class _DraftGraph:
             if masked:
                 if j > 0:  # the tokens the publish trampoline sends: draft j-1 of every row
                     self.host_drafts[j - 1].copy_(self.picks[j - 1].to(torch.int32), non_blocking=True)
-                owner.host_functions.enqueue("gs_cb_graph_publish", self.args[j])
+                if j > 0 or not self.first_published:
+                    owner.host_functions.enqueue("gs_cb_graph_publish", self.args[j])
             if j > 0 or drafter.forwards_first:  # (the scheduler fills mask j meanwhile)
                 positions = (self.positions + j).clamp(max=owner.max_model_len - 1)
                 token = self.picks[j - 1] if j > 0 else self.first

@@ -159,7 +159,7 @@ class _StepGraph:
         b, n = key.verify.batch, key.verify.tokens_per_row
         device, pin = owner.device, owner.device.type == "cuda"
         self.buffers = StaticBuffers(key.verify, device, owner.scratch_slot)
-        self.drafts = _DraftGraph(key.drafts, owner.draft_graphs)
+        self.drafts = _DraftGraph(key.drafts, owner.draft_graphs, first_published=True)
         self.draft_count = torch.zeros(b, dtype=torch.long, device=device)  # real drafts of each row
         # sampled keys: each row's (temperature, top-k, top-p); penalized keys: each row's
         # (repetition, frequency, presence) and prompt length (0: a row without); padding neutral
@@ -246,6 +246,14 @@ class _StepGraph:
             sampling = (temperature, top_k.long(), top_p, uniforms)
         # picks: each row's produced tokens first (its accepted drafts, then its own token)
         picks, counts = verify_padded(logits, buffers.token_ids.view(b, n)[:, 1:], self.draft_count, sampling)
+        if key.drafts.drafts and key.drafts.masked_steps:
+            # draft step 0's publish (the produced tokens) goes out now: the scheduler fills mask 0
+            # while the drafter follows, where after the follow the device would stand waiting for it
+            host = owner.draft_graphs.host
+            self.produced[:, :n].copy_(picks)
+            host.produced[: b * MAX_PRODUCED].copy_(self.produced.view(-1), non_blocking=True)
+            host.produced_len[:b].copy_(counts.to(torch.int32), non_blocking=True)
+            owner.draft_graphs.host_functions.enqueue("gs_cb_graph_publish", self.drafts.args[0])
         followed = runner.follow_padded(features, picks.clamp(min=0).view(-1), buffers, key.verify)
         self.out_picks.copy_(picks, non_blocking=True)
         self.out_counts.copy_(counts, non_blocking=True)
@@ -261,11 +269,6 @@ class _StepGraph:
             graph.logits.copy_(followed[1].index_select(0, last))
             graph.positions.copy_(buffers.positions.index_select(0, last))
         graph.slots.copy_(buffers.row_slots)
-        if key.drafts.masked_steps:  # the produced tokens the publish trampoline sends first
-            host = owner.draft_graphs.host
-            self.produced[:, :n].copy_(picks)
-            host.produced[: b * MAX_PRODUCED].copy_(self.produced.view(-1), non_blocking=True)
-            host.produced_len[:b].copy_(counts.to(torch.int32), non_blocking=True)
 
     def draft_steps(self) -> None:
         """The second part: the draft steps (``draft_graph.py``), where a row drafts."""

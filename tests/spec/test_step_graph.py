@@ -248,3 +248,34 @@ def test_which_steps_fuse() -> None:
     assert fits(penalized) and step_graph.step_key(penalized, 4, MAX_LEN).penalized
     assert not fits(dataclasses.replace(base, num_logits=np.array([4, 1, 2], np.int32)))  # a prefill chunk
     assert not fits(dataclasses.replace(base, start_positions=np.array([6, 0, 7], np.int32)))
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "draft model"])
+def test_draft_step_0_is_published_before_the_drafter_follows(setup, drafter: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A guided fused step sends the scheduler its produced tokens (draft step 0's publish) as
+    soon as acceptance has them, so mask 0 is filled while the drafter follows the step: in
+    stream order, the verify masks' wait, draft 0's publish, the follow run, draft 0's wait."""
+    from guidespec.cuda_ext.host_functions import HostFunctions
+
+    order: list[str] = []
+    enqueue = HostFunctions.enqueue
+    runner_class = EagleRunner if drafter == "eagle" else DraftRunner
+    follow = runner_class.follow_padded
+
+    def enqueued(self: HostFunctions, name: str, args: Any) -> None:
+        order.append(name.removeprefix("gs_cb_"))
+        enqueue(self, name, args)
+
+    def followed(self: Any, *args: Any) -> Any:
+        order.append("follow")
+        return follow(self, *args)
+
+    monkeypatch.setattr(HostFunctions, "enqueue", enqueued)
+    monkeypatch.setattr(runner_class, "follow_padded", followed)
+    produced, _ = _fused_steps(setup, drafter, captured=False, guided=True)
+    steps = " ".join(order).split("verify_wait")[1:]  # each fused step, from its verify wait on
+    assert len(steps) == 3
+    for step in steps:
+        assert step.split() == ["graph_publish", "follow", "graph_wait"] + ["graph_publish", "graph_wait"] * 2
+    for b in GUIDED:
+        assert all((produced[b][i] + sum(produced[b][:i]) + VERIFY_INDEX) % 3 == 0 for i in range(1, len(produced[b])))
