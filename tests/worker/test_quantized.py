@@ -174,19 +174,26 @@ def test_each_instruction_set_builds_and_matches(monkeypatch: pytest.MonkeyPatch
 )
 def test_vnni_products_give_the_maddubs_kernels_results_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
     """dpbusd sums a block's products in int32 as the maddubs tree does (which never saturates
-    there): the same bits for every format and tile size, so no output moves with the CPU's ISA."""
-    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(2))
+    there), and 512-bit products of two rows at once (a 4-bit format's groups, 2 rows or more;
+    an odd count padded) add each row's lanes in the same order: the same bits for every format,
+    tile size and row count, so no output moves with the CPU's ISA. 576 inputs end in a pair of
+    blocks outside the whole groups (the default model's width)."""
     results = []
-    for arch in ("-march=x86-64-v4", "-march=native"):  # maddubs, then dpbusd
+    for arch in ("-march=x86-64-v4", "-march=native"):  # maddubs, then dpbusd (and 512-bit pairs)
         path = kernels.build([arch])
         assert path is not None
         monkeypatch.setattr(kernels, "_library", lambda path=path: kernels.load(path))
         outs = []
-        for type_name in FORMATS:
-            weight = from_gguf(quantized_rows(type_name, 37, 512), type_name, 512)
-            assert weight is not None
-            outs += [kernels.linear(x[:m], weight) for m in (1, 4, 40)]
+        for k in (512, 576):
+            x = torch.randn(41, k, generator=torch.Generator().manual_seed(2))
+            for type_name in FORMATS:
+                if k % (256 if type_name.endswith("_K") else 32):  # (K-quants: super-blocks of 256)
+                    continue
+                weight = from_gguf(quantized_rows(type_name, 37, k), type_name, k)
+                assert weight is not None
+                outs += [kernels.linear(x[:m], weight) for m in (1, 2, 4, 5, 17, 41)]
         results.append(outs)
+    assert len(results[0]) == len(results[1]) > 0
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 

@@ -29,8 +29,14 @@
  *   as int16 without saturating (8 * 2 * 15 * 127 = 30480 < 32767) and widen once: no
  *   horizontal adds (one layer's linear layers at 176 rows: 1.3x faster than pairs on a Zen 3);
  *   with VNNI, 8 dpbusd in two chains give the same int32 sums without the adds (a layer's
- *   linear layers at 4 to 160 rows 5-13% faster on a Xeon with AVX-512 VNNI; 512-bit ones,
- *   tried, were not: the CPU clocks down and shares ports for them);
+ *   linear layers at 4 to 160 rows 5-13% faster on a Xeon with AVX-512 VNNI). Where the build
+ *   has AVX-512 VNNI and a call 2 rows or more, the activation rows are laid out in pairs
+ *   (act_t.paired: each 32-byte vector of row 2p, then row 2p + 1's), so one 512-bit dpbusd
+ *   takes both rows against the weight's vector broadcast to both halves, and the scaling runs
+ *   512-bit too (group8_pairs): lane for lane the same operations, so the same bits. A layer's
+ *   linear layers on a Zen 5 EPYC, 1 thread: 4 rows 1.10x, 8 rows 1.49x, 16 to 160 rows
+ *   1.16-1.21x (a 512-bit group8 as a drop-in, inserting two rows' vectors per product, was not
+ *   faster on a Xeon);
  * - pairs (8-bit formats, and a row's last group where it is not whole): 4 pairs of blocks,
  *   each pair two 256-bit products (a pair's low halves, then its high halves, 32 bytes each:
  *   one load of 4-bit quants feeds both), whose lanes hold 4 partial sums of each block; two
@@ -53,6 +59,9 @@
 #if defined(__AVX2__) && defined(__F16C__)
 #define QUANT_AVX2 1
 #include <immintrin.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define QUANT_ZMM 1  /* 4-bit groups of two activation rows at once (tile_pairs) */
+#endif
 #endif
 
 enum { QK = 32, GROUP = 8, ROWS_PER_GROUP = 16 };
@@ -106,7 +115,34 @@ typedef struct {
     float* s;   /* [M][nbp]: d * the sum of the block's q, the same order */
     int nbp;
     int full;   /* blocks in interleaved groups: a 4-bit format's whole groups, else 0 */
+    int paired; /* rows in pairs (M rounded up to even, the last padding zero): each 32-byte vector
+                   of row 2p then the same of row 2p + 1, each 8 lanes of d and s likewise, so one
+                   64-byte load holds both rows' (tile_pairs' 512-bit products) */
 } act_t;
+
+/* one activation row as the tiles read it: its vector k (32 bytes) at q + k * 32 (paired: k * 64),
+   its lanes 8g..8g+7 of d and s at d + g * 8 and s + g * 8 (paired: g * 16) */
+typedef struct {
+    const int8_t* q;
+    const float *d, *s;
+} row_t;
+
+static inline row_t row_of(const act_t* a, int r) {
+    int h = a->paired ? r & 1 : 0, p = a->paired ? r / 2 : r, width = a->paired ? 2 : 1;
+    size_t q0 = (size_t)p * a->nbp * QK * width + (size_t)h * 32, l0 = (size_t)p * a->nbp * width + (size_t)h * 8;
+    row_t v = {a->q + q0, a->d + l0, a->s + l0};
+    return v;
+}
+
+/* where byte `at` of row r (as one row lays out alone) and lane `lane` of it sit */
+static inline size_t q_at(const act_t* a, int r, size_t at) {
+    if (!a->paired) return (size_t)r * a->nbp * QK + at;
+    return (size_t)(r / 2) * a->nbp * QK * 2 + at / 32 * 64 + (size_t)(r & 1) * 32 + at % 32;
+}
+static inline size_t lane_in(const act_t* a, int r, size_t lane) {
+    if (!a->paired) return (size_t)r * a->nbp + lane;
+    return (size_t)(r / 2) * a->nbp * 2 + lane / 8 * 16 + (size_t)(r & 1) * 8 + lane % 8;
+}
 
 /* where block i of a paired group sits in the group's lanes, and its halves in the group's bytes */
 static inline int lane_of(int i) { return (i & 1) * 4 + i / 2; }
@@ -170,21 +206,31 @@ static void quantize_block(const float* xb, int8_t* lo, int8_t* hi, float* d_out
 
 static void quantize_rows(const float* x, int M, int K, act_t* a, int threads) {
     int nb = K / QK, nbp = a->nbp, last = nb / GROUP * GROUP;
+    if (a->paired) {  /* every padding quant, scale and sum zero, the padding row's too */
+        int pairs = (M + 1) / 2;
+        memset(a->q, 0, (size_t)pairs * 2 * nbp * QK);
+        memset(a->d, 0, sizeof(float) * (size_t)pairs * 2 * nbp);
+        memset(a->s, 0, sizeof(float) * (size_t)pairs * 2 * nbp);
+    }
     #pragma omp parallel for schedule(static) num_threads(threads) if (M >= 16)
     for (int r = 0; r < M; r++) {
-        int8_t* q = a->q + (size_t)r * nbp * QK;
-        float *d = a->d + (size_t)r * nbp, *s = a->s + (size_t)r * nbp;
-        /* the last group's padding: zero quants, scales and sums (a zero weight block times NaN is NaN) */
-        memset(q + (size_t)last * QK, 0, (size_t)(nbp - last) * QK);
-        memset(d + last, 0, sizeof(float) * (size_t)(nbp - last));
-        memset(s + last, 0, sizeof(float) * (size_t)(nbp - last));
+        int8_t* q = a->q;
+        float *d = a->d, *s = a->s;
+        if (!a->paired) {
+            /* the last group's padding: zero quants, scales and sums (a zero weight block times NaN is NaN) */
+            memset(q + q_at(a, r, (size_t)last * QK), 0, (size_t)(nbp - last) * QK);
+            memset(d + lane_in(a, r, last), 0, sizeof(float) * (size_t)(nbp - last));
+            memset(s + lane_in(a, r, last), 0, sizeof(float) * (size_t)(nbp - last));
+        }
         for (int b = 0; b < nb; b++) {
-            int8_t *lo = q + act_at(a->full, b, 0), tmp[QK];
+            int8_t tmp[QK];
+            size_t at = act_at(a->full, b, 0), lane = lane_in(a, r, lane_at(a->full, b));
+            quantize_block(x + (size_t)r * K + b * QK, tmp, tmp + 16, d + lane, s + lane);
             if (b < a->full) {  /* interleaved: the block's 8 words, a vector apart */
-                quantize_block(x + (size_t)r * K + b * QK, tmp, tmp + 16, d + b, s + b);
-                for (int w = 0; w < 8; w++) memcpy(lo + 32 * w, tmp + 4 * w, 4);
-            } else {
-                quantize_block(x + (size_t)r * K + b * QK, lo, lo + 32, d + lane_at(0, b), s + lane_at(0, b));
+                for (int w = 0; w < 8; w++) memcpy(q + q_at(a, r, at + 32 * w), tmp + 4 * w, 4);
+            } else {  /* a pair's low half, its high half 32 bytes on */
+                memcpy(q + q_at(a, r, at), tmp, 16);
+                memcpy(q + q_at(a, r, at + 32), tmp + 16, 16);
             }
         }
     }
@@ -237,9 +283,11 @@ static inline __m256 blocks_of(const __m256i t[4]) {
 }
 
 /* pairs (1 to 4) pairs of blocks of one weight row (quants wq, scales already in lane order)
-   by mc activation rows: acc[c] += the group's sums */
+   by mc activation rows, group g of each: acc[c] += the group's sums */
 static inline __attribute__((always_inline)) void group(const format_t* f, const uint8_t* wq, __m256 ws0, __m256 ws1,
-                                                        int pairs, const act_t* a, size_t at0, int mc, __m256* acc) {
+                                                        int pairs, const row_t* rows, int g, int mc, int paired,
+                                                        __m256* acc) {
+    const size_t vs = paired ? 64 : 32, ds = paired ? 16 : 8;  /* (a constant where it is inlined) */
     const __m256i mask = _mm256_set1_epi8(15);
     __m256i lo[4], hi[4];  /* pair j's quants as unsigned bytes (8-bit: signed) */
     for (int j = 0; j < 4; j++) {
@@ -256,17 +304,17 @@ static inline __attribute__((always_inline)) void group(const format_t* f, const
         }
     }
     for (int c = 0; c < mc; c++) {
-        size_t at = at0 + (size_t)c * a->nbp;
-        const int8_t* xq = a->q + at * QK;
-        __m256 dx = _mm256_loadu_ps(a->d + at);
+        const row_t* x = rows + c;
+        const int8_t* xq = x->q + (size_t)g * GROUP * vs;
+        __m256 dx = _mm256_loadu_ps(x->d + (size_t)g * ds);
         __m256i t[4], u[4];
         for (int j = 0; j < 4; j++) {
             if (j >= pairs) {  /* a row's last group: pairs is a constant there (tile's switch) */
                 t[j] = u[j] = _mm256_setzero_si256();
                 continue;
             }
-            __m256i xl = _mm256_loadu_si256((const __m256i*)(xq + 64 * j));
-            __m256i xh = _mm256_loadu_si256((const __m256i*)(xq + 64 * j + 32));
+            __m256i xl = _mm256_loadu_si256((const __m256i*)(xq + (size_t)(2 * j) * vs));
+            __m256i xh = _mm256_loadu_si256((const __m256i*)(xq + (size_t)(2 * j + 1) * vs));
             if (f->qs_bytes == 16) {
                 t[j] = dot2_u4s8(lo[j], xl, hi[j], xh);
             } else {  /* signed weights: |w| times x with w's sign */
@@ -282,14 +330,14 @@ static inline __attribute__((always_inline)) void group(const format_t* f, const
         }
         acc[c] = _mm256_fmadd_ps(blocks_of(t), _mm256_mul_ps(ws0, dx), acc[c]);
         if (f->halves) acc[c] = _mm256_fmadd_ps(blocks_of(u), _mm256_mul_ps(ws1, dx), acc[c]);
-        if (f->has_offset) acc[c] = _mm256_fmadd_ps(ws1, _mm256_loadu_ps(a->s + at), acc[c]);
+        if (f->has_offset) acc[c] = _mm256_fmadd_ps(ws1, _mm256_loadu_ps(x->s + (size_t)g * ds), acc[c]);
     }
 }
 
 /* an interleaved group (4-bit quants wq, scales in block order) of one weight row by mc activation
-   rows: acc[c] += the group's sums */
-static inline __attribute__((always_inline)) void group8(const uint8_t* wq, __m256 ws0, __m256 ws1, const act_t* a,
-                                                         size_t at0, int mc, __m256* acc) {
+   rows, group g of each: acc[c] += the group's sums */
+static inline __attribute__((always_inline)) void group8(const uint8_t* wq, __m256 ws0, __m256 ws1, const row_t* rows,
+                                                         int g, int mc, __m256* acc) {
     const __m256i mask = _mm256_set1_epi8(15);
     __m256i w[8];  /* w[r] pairs with the activation's vector r */
     for (int p = 0; p < 4; p++) {
@@ -298,45 +346,92 @@ static inline __attribute__((always_inline)) void group8(const uint8_t* wq, __m2
         w[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
     }
     for (int c = 0; c < mc; c++) {
-        size_t at = at0 + (size_t)c * a->nbp;
-        const __m256i* x = (const __m256i*)(a->q + at * QK);
+        const __m256i* x = (const __m256i*)(rows[c].q + (size_t)g * GROUP * 32);  /* (unpaired) */
+#define X(r) _mm256_loadu_si256(x + (r))
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
         /* dpbusd: the same int32 sums as the maddubs tree below, without its adds (two chains) */
         __m256i e = _mm256_setzero_si256(), o = _mm256_setzero_si256();
         for (int r = 0; r < 8; r += 2) {
-            e = _mm256_dpbusd_epi32(e, w[r], _mm256_loadu_si256(x + r));
-            o = _mm256_dpbusd_epi32(o, w[r + 1], _mm256_loadu_si256(x + r + 1));
+            e = _mm256_dpbusd_epi32(e, w[r], X(r));
+            o = _mm256_dpbusd_epi32(o, w[r + 1], X(r + 1));
         }
         __m256 sums = _mm256_cvtepi32_ps(_mm256_add_epi32(e, o));
 #else
         __m256i p[8];
-        for (int r = 0; r < 8; r++) p[r] = _mm256_maddubs_epi16(w[r], _mm256_loadu_si256(x + r));
+        for (int r = 0; r < 8; r++) p[r] = _mm256_maddubs_epi16(w[r], X(r));
         __m256i sum16 = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
                                          _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])));
         __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, _mm256_set1_epi16(1)));
 #endif
-        acc[c] = _mm256_fmadd_ps(sums, _mm256_mul_ps(ws0, _mm256_loadu_ps(a->d + at)), acc[c]);
-        acc[c] = _mm256_fmadd_ps(ws1, _mm256_loadu_ps(a->s + at), acc[c]);
+#undef X
+        acc[c] = _mm256_fmadd_ps(sums, _mm256_mul_ps(ws0, _mm256_loadu_ps(rows[c].d + (size_t)g * 8)), acc[c]);
+        acc[c] = _mm256_fmadd_ps(ws1, _mm256_loadu_ps(rows[c].s + (size_t)g * 8), acc[c]);
     }
 }
 
-/* one weight row of nbw blocks (its qs, s0, s1 at the row's start) by mc activation rows from m0 */
+#if QUANT_ZMM
+/* group8 for row pairs (the paired layout): each 512-bit product holds both rows' 8 lanes, the
+   weight's vectors broadcast to both halves; the same int32 sums and float operations, lane by
+   lane, as group8's dpbusd: accp[p] (row 2p low, 2p + 1 high) += the group's sums */
+static inline __attribute__((always_inline)) void group8_pairs(const uint8_t* wq, __m256 ws0, __m256 ws1,
+                                                               const row_t* rows, int g, int pairs, __m512* accp) {
+    const __m512i mask = _mm512_set1_epi8(15);
+    const __m512 w0 = _mm512_broadcast_f32x8(ws0), w1 = _mm512_broadcast_f32x8(ws1);
+    __m512i w[8];
+    for (int p = 0; p < 4; p++) {
+        __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(wq + 32 * p)));
+        w[p] = _mm512_and_si512(v, mask);
+        w[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    }
+    for (int p = 0; p < pairs; p++) {
+        const row_t* x = rows + 2 * p;  /* its vectors 64 bytes apart, the odd row's 32 bytes on */
+        const int8_t* xq = x->q + (size_t)g * GROUP * 64;
+        __m512i e = _mm512_setzero_si512(), o = _mm512_setzero_si512();
+        for (int r = 0; r < 8; r += 2) {
+            e = _mm512_dpbusd_epi32(e, w[r], _mm512_loadu_si512(xq + 64 * r));
+            o = _mm512_dpbusd_epi32(o, w[r + 1], _mm512_loadu_si512(xq + 64 * (r + 1)));
+        }
+        __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(e, o));
+        accp[p] = _mm512_fmadd_ps(sums, _mm512_mul_ps(w0, _mm512_loadu_ps(x->d + (size_t)g * 16)), accp[p]);
+        accp[p] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x->s + (size_t)g * 16), accp[p]);
+    }
+}
+#endif
+
+/* one weight row of nbw blocks (its qs, s0, s1 at the row's start) by mc activation rows (their
+   views, row_of); with `paired` (the activation paired, the first row even, mc even), the whole
+   groups two rows at a time */
 static inline __attribute__((always_inline)) void tile(const format_t* f, const uint8_t* qs, const void* s0,
-                                                       const void* s1, int nbw, const act_t* a, int m0, int mc,
-                                                       float* out) {
+                                                       const void* s1, int nbw, const act_t* a, const row_t* rows,
+                                                       int mc, int paired, float* out) {
     const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     const int ss = f->f16 ? 2 : 4, two = f->has_offset || f->halves;
     __m256 acc[MAX_TILE];
-    for (int c = 0; c < mc; c++) acc[c] = _mm256_setzero_ps();
     int g = 0;
-    for (; g < a->full / GROUP; g++)  /* 4-bit formats' whole groups: their scales in block order */
-        group8(qs + (size_t)g * GROUP * 16, load8((const char*)s0 + (size_t)g * GROUP * ss, f->f16),
-               load8((const char*)s1 + (size_t)g * GROUP * ss, f->f16), a, (size_t)m0 * a->nbp + g * GROUP, mc, acc);
+#if QUANT_ZMM
+    if (paired) {  /* the whole groups' sums in pairs of rows, then each row's own accumulator */
+        __m512 accp[MAX_TILE / 2];
+        for (int p = 0; p < mc / 2; p++) accp[p] = _mm512_setzero_ps();
+        for (; g < a->full / GROUP; g++)
+            group8_pairs(qs + (size_t)g * GROUP * 16, load8((const char*)s0 + (size_t)g * GROUP * ss, f->f16),
+                         load8((const char*)s1 + (size_t)g * GROUP * ss, f->f16), rows, g, mc / 2, accp);
+        for (int p = 0; p < mc / 2; p++) {
+            acc[2 * p] = _mm512_castps512_ps256(accp[p]);
+            acc[2 * p + 1] = _mm512_extractf32x8_ps(accp[p], 1);
+        }
+    } else
+#endif
+    {
+        for (int c = 0; c < mc; c++) acc[c] = _mm256_setzero_ps();
+        for (; g < a->full / GROUP; g++)  /* 4-bit formats' whole groups: their scales in block order */
+            group8(qs + (size_t)g * GROUP * 16, load8((const char*)s0 + (size_t)g * GROUP * ss, f->f16),
+                   load8((const char*)s1 + (size_t)g * GROUP * ss, f->f16), rows, g, mc, acc);
+    }
     for (; g < nbw / GROUP; g++) {
         __m256 ws0 = _mm256_permutevar8x32_ps(load8((const char*)s0 + (size_t)g * GROUP * ss, f->f16), perm);
         __m256 ws1 = two ? _mm256_permutevar8x32_ps(load8((const char*)s1 + (size_t)g * GROUP * ss, f->f16), perm)
                          : _mm256_setzero_ps();
-        group(f, qs + (size_t)g * GROUP * f->qs_bytes, ws0, ws1, 4, a, (size_t)m0 * a->nbp + g * GROUP, mc, acc);
+        group(f, qs + (size_t)g * GROUP * f->qs_bytes, ws0, ws1, 4, rows, g, mc, paired, acc);
     }
     int rest = nbw - g * GROUP;  /* an even number of blocks: the row's last pairs */
     if (rest) {
@@ -347,11 +442,10 @@ static inline __attribute__((always_inline)) void tile(const format_t* f, const 
         }
         const uint8_t* wq = qs + (size_t)g * GROUP * f->qs_bytes;
         __m256 ws0 = _mm256_loadu_ps(w0), ws1 = _mm256_loadu_ps(w1);
-        size_t at0 = (size_t)m0 * a->nbp + g * GROUP;
         switch (rest / 2) {  /* each count its own code: the missing pairs cost nothing */
-            case 1: group(f, wq, ws0, ws1, 1, a, at0, mc, acc); break;
-            case 2: group(f, wq, ws0, ws1, 2, a, at0, mc, acc); break;
-            default: group(f, wq, ws0, ws1, 3, a, at0, mc, acc); break;
+            case 1: group(f, wq, ws0, ws1, 1, rows, g, mc, paired, acc); break;
+            case 2: group(f, wq, ws0, ws1, 2, rows, g, mc, paired, acc); break;
+            default: group(f, wq, ws0, ws1, 3, rows, g, mc, paired, acc); break;
         }
     }
     int c = 0;
@@ -359,25 +453,37 @@ static inline __attribute__((always_inline)) void tile(const format_t* f, const 
     for (; c < mc; c++) out[c] = hsum(acc[c]);
 }
 
-/* the compiler specializes each format and row count (the format's branches fold away) */
+/* the compiler specializes each format and row count (the format's branches fold away), paired
+   (even counts) or not */
 #define TILE_FOR(FMT)                                                                                     \
-    static void tile_##FMT(const uint8_t* qs, const void* s0, const void* s1, int nbw, const act_t* a, int m0,  \
-                           int mc, float* out) {                                                          \
+    static void tile_##FMT(const uint8_t* qs, const void* s0, const void* s1, int nbw, const act_t* a,         \
+                           const row_t* rows, int mc, float* out) {                                       \
+        const format_t* f = &FORMATS[FMT];                                                                \
+        if (a->paired) {                                                                                  \
+            switch (mc) {                                                                                 \
+                case 2: tile(f, qs, s0, s1, nbw, a, rows, 2, 1, out); break;                                \
+                case 4: tile(f, qs, s0, s1, nbw, a, rows, 4, 1, out); break;                                \
+                case 8: tile(f, qs, s0, s1, nbw, a, rows, 8, 1, out); break;                                \
+                case 16: tile(f, qs, s0, s1, nbw, a, rows, 16, 1, out); break;                              \
+                default: tile(f, qs, s0, s1, nbw, a, rows, mc, 1, out); break;                              \
+            }                                                                                             \
+            return;                                                                                       \
+        }                                                                                                 \
         switch (mc) {                                                                                     \
-            case 1: tile(&FORMATS[FMT], qs, s0, s1, nbw, a, m0, 1, out); break;                                \
-            case 2: tile(&FORMATS[FMT], qs, s0, s1, nbw, a, m0, 2, out); break;                                \
-            case 3: tile(&FORMATS[FMT], qs, s0, s1, nbw, a, m0, 3, out); break;                                \
-            case 4: tile(&FORMATS[FMT], qs, s0, s1, nbw, a, m0, 4, out); break;                                \
-            case 8: tile(&FORMATS[FMT], qs, s0, s1, nbw, a, m0, 8, out); break;                                \
-            case 16: tile(&FORMATS[FMT], qs, s0, s1, nbw, a, m0, 16, out); break;                              \
-            default: tile(&FORMATS[FMT], qs, s0, s1, nbw, a, m0, mc, out); break;                              \
+            case 1: tile(f, qs, s0, s1, nbw, a, rows, 1, 0, out); break;                                    \
+            case 2: tile(f, qs, s0, s1, nbw, a, rows, 2, 0, out); break;                                    \
+            case 3: tile(f, qs, s0, s1, nbw, a, rows, 3, 0, out); break;                                    \
+            case 4: tile(f, qs, s0, s1, nbw, a, rows, 4, 0, out); break;                                    \
+            case 8: tile(f, qs, s0, s1, nbw, a, rows, 8, 0, out); break;                                    \
+            case 16: tile(f, qs, s0, s1, nbw, a, rows, 16, 0, out); break;                                  \
+            default: tile(f, qs, s0, s1, nbw, a, rows, mc, 0, out); break;                                  \
         }                                                                                                 \
     }
 TILE_FOR(FMT_Q4_1)
 TILE_FOR(FMT_Q4F)
 TILE_FOR(FMT_Q8_0)
 TILE_FOR(FMT_Q8H)
-typedef void (*tile_fn)(const uint8_t*, const void*, const void*, int, const act_t*, int, int, float*);
+typedef void (*tile_fn)(const uint8_t*, const void*, const void*, int, const act_t*, const row_t*, int, float*);
 static const tile_fn TILES[] = {tile_FMT_Q4_1, tile_FMT_Q4F, tile_FMT_Q8_0, tile_FMT_Q8H};
 #endif
 
@@ -396,24 +502,22 @@ static inline int quant(const format_t* f, const uint8_t* qs, int full, int b, i
 
 __attribute__((unused)) static void scalar_tile(const format_t* f, const uint8_t* qs, const void* s0, const void* s1,
                                                 int nbw, const act_t* a, int m0, int mc, float* out) {
-    int nbp = a->nbp;
     for (int c = 0; c < mc; c++) {
         float sum = 0.f;
+        int r = m0 + c;
         for (int b = 0; b < nbw; b++) {
-            int lane = lane_at(a->full, b);
-            size_t row = (size_t)(m0 + c) * nbp;
-            const int8_t* xq = a->q + row * QK;
+            size_t lane = lane_in(a, r, lane_at(a->full, b));
             int d0 = 0, d1 = 0;
             for (int j = 0; j < 16; j++) {
-                d0 += quant(f, qs, a->full, b, j) * xq[act_at(a->full, b, j)];
-                d1 += quant(f, qs, a->full, b, j + 16) * xq[act_at(a->full, b, j + 16)];
+                d0 += quant(f, qs, a->full, b, j) * a->q[q_at(a, r, act_at(a->full, b, j))];
+                d1 += quant(f, qs, a->full, b, j + 16) * a->q[q_at(a, r, act_at(a->full, b, j + 16))];
             }
-            float w0 = scale_at(s0, f->f16, b), dx = a->d[row + lane];
+            float w0 = scale_at(s0, f->f16, b), dx = a->d[lane];
             if (f->halves) {
                 sum += w0 * dx * (float)d0 + scale_at(s1, f->f16, b) * dx * (float)d1;
             } else {
                 sum += w0 * dx * (float)(d0 + d1);
-                if (f->has_offset) sum += scale_at(s1, f->f16, b) * a->s[row + lane];
+                if (f->has_offset) sum += scale_at(s1, f->f16, b) * a->s[lane];
             }
         }
         out[c] = sum;
@@ -440,15 +544,23 @@ static void linear_rows(const float* x, const uint8_t* qs, const void* s0, const
     act_t a;
     a.nbp = nbp;
     a.full = interleaved_blocks(f, nbw);
-    a.q = malloc((size_t)M * nbp * QK);
-    a.d = malloc(sizeof(float) * (size_t)M * nbp);
-    a.s = malloc(sizeof(float) * (size_t)M * nbp);
+#if QUANT_ZMM
+    a.paired = a.full > 0 && M >= 2;  /* 4-bit groups: two rows a product */
+#else
+    a.paired = 0;
+#endif
+    int m_rows = a.paired ? (M + 1) / 2 * 2 : M;  /* (paired: a zero row pads an odd M) */
+    a.q = malloc((size_t)m_rows * nbp * QK);
+    a.d = malloc(sizeof(float) * (size_t)m_rows * nbp);
+    a.s = malloc(sizeof(float) * (size_t)m_rows * nbp);
     quantize_rows(x, M, K, &a, threads);
+    row_t* views = malloc(sizeof(row_t) * (size_t)m_rows);  /* each row's, once */
+    for (int r = 0; r < m_rows; r++) views[r] = row_of(&a, r);
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int g = 0; g < groups; g++) {
         int n0 = g * ROWS_PER_GROUP, n1 = n0 + ROWS_PER_GROUP < N ? n0 + ROWS_PER_GROUP : N;
         for (int m0 = 0; m0 < M; m0 += rows) {
-            int mc = M - m0 < rows ? M - m0 : rows;
+            int mc = m_rows - m0 < rows ? m_rows - m0 : rows;
             for (int n = n0; n < n1; n++) {
                 float out[MAX_TILE];
                 size_t w = ids ? (size_t)ids[n] : (size_t)n;
@@ -456,14 +568,15 @@ static void linear_rows(const float* x, const uint8_t* qs, const void* s0, const
                 const char* row_s0 = (const char*)s0 + w * s_row;
                 const char* row_s1 = s1 ? (const char*)s1 + w * s_row : 0;
 #if QUANT_AVX2
-                TILES[format](row_qs, row_s0, row_s1, nbw, &a, m0, mc, out);
+                TILES[format](row_qs, row_s0, row_s1, nbw, &a, views + m0, mc, out);
 #else
                 scalar_tile(f, row_qs, row_s0, row_s1, nbw, &a, m0, mc, out);
 #endif
-                for (int c = 0; c < mc; c++) y[(size_t)(m0 + c) * N + n] = out[c] + (bias ? bias[w] : 0.f);
+                for (int c = 0; c < mc && m0 + c < M; c++) y[(size_t)(m0 + c) * N + n] = out[c] + (bias ? bias[w] : 0.f);
             }
         }
     }
+    free(views);
     free(a.q);
     free(a.d);
     free(a.s);
