@@ -165,3 +165,23 @@ def test_detokenizer_handles_multibyte_characters(real_model_dir: Path) -> None:
     pieces = [detok.add(t) for t in ids]
     assert "".join(pieces) == tok.decode(ids)
     assert not any("\ufffd" in p for p in pieces)
+
+
+def test_the_decode_stream_and_the_window_give_the_same_text(real_model_dir: Path) -> None:
+    """A fast tokenizer detokenizes through ``tokenizers``' DecodeStream, any other through the
+    decode window: the same pieces, special tokens skipped, a character split over tokens held
+    back until it is whole."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(real_model_dir)
+
+    class DecodeOnly:  # what a tokenizer without a Rust backend offers
+        decode = staticmethod(tok.decode)
+
+    ids = tok.encode('{"city": "Kraków", "note": "雪 ☃"}') + [tok.eos_token_id] + tok.encode(" tail 🌍.")
+    prompt = tok.encode("<|im_start|>assistant\n")
+    stream, window = IncrementalDetokenizer(tok, prompt), IncrementalDetokenizer(DecodeOnly(), prompt)
+    assert stream._stream is not None and window._stream is None
+    pieces = [stream.add(t) for t in ids]
+    assert pieces == [window.add(t) for t in ids]
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
