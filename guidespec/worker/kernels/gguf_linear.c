@@ -60,7 +60,7 @@
 #define QUANT_AVX2 1
 #include <immintrin.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
-#define QUANT_ZMM 1  /* 4-bit groups of two activation rows at once (tile_pairs) */
+#define QUANT_ZMM 1  /* 4-bit groups of two activation rows at once (group8_pairs) */
 #endif
 #endif
 
@@ -117,7 +117,7 @@ typedef struct {
     int full;   /* blocks in interleaved groups: a 4-bit format's whole groups, else 0 */
     int paired; /* rows in pairs (M rounded up to even, the last padding zero): each 32-byte vector
                    of row 2p then the same of row 2p + 1, each 8 lanes of d and s likewise, so one
-                   64-byte load holds both rows' (tile_pairs' 512-bit products) */
+                   64-byte load holds both rows' (group8_pairs' 512-bit products) */
 } act_t;
 
 /* one activation row as the tiles read it: its vector k (32 bytes) at q + k * 32 (paired: k * 64),
