@@ -319,7 +319,7 @@ class RequestOutput:
     error: str | None = None
     num_prompt_tokens: int = 0
     first_token_time: float = 0.0  # scheduler clock (time.time()) of the first output token
-    stats: DecodeStats | None = None  # so far (a copy)
+    stats: DecodeStats | None = None  # the request's, with its finishing delta (a copy)
     # with an error: whose fault, as an HTTP status: BAD_REQUEST (the request's), INTERNAL_ERROR
     # (ours, this request alone), ENGINE_UNAVAILABLE (the engine died; retry after its restart)
     error_status: int = 0

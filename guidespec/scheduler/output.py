@@ -73,7 +73,10 @@ def _delta(request: Request, reason: str | None) -> RequestOutput:
         finish_reason=reason,
         num_prompt_tokens=request.num_prompt_tokens,
         first_token_time=request.first_token_time,
-        stats=dataclasses.replace(request.stats, accepted_histogram=list(request.stats.accepted_histogram)),
+        # (with the finishing delta alone: a step's message then carries no stats for every row)
+        stats=None
+        if reason is None
+        else dataclasses.replace(request.stats, accepted_histogram=list(request.stats.accepted_histogram)),
         grammar_backend=request.grammar_backend,
         grammar_refusal=request.grammar_refusal,
     )
