@@ -551,12 +551,15 @@ def decode_steps(trace: Path, batch: int, draft_len: int) -> dict[str, Any]:
             "unguided_steps": 0,
             "parts": {},
             "mask_wait_share": None,
+            "full_guided_ms": None,
+            "full_unguided_ms": None,
         }
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
     steps: dict[int, list[dict[str, Any]]] = {}
     for e in events:
         steps.setdefault(int(e["args"]["step"]), []).append(e)
     times: dict[bool, list[float]] = {True: [], False: []}
+    full: dict[bool, list[float]] = {True: [], False: []}  # steps of every row's whole shape: alike in work
     parts: dict[str, list[float]] = {}
     wait_shares: list[float] = []
     for spans in steps.values():
@@ -567,6 +570,8 @@ def decode_steps(trace: Path, batch: int, draft_len: int) -> dict[str, Any]:
         begin, end = min(e["ts"] for e in mine), max(e["ts"] + e["dur"] for e in mine)
         guided = bool(args["guided_rows"])
         times[guided].append((end - begin) / 1e3)
+        if args["tokens"] == batch * (1 + draft_len):
+            full[guided].append((end - begin) / 1e3)
         if guided:
             for e in spans:
                 parts.setdefault(e["name"], []).append(e["dur"] / 1e3)
@@ -580,6 +585,9 @@ def decode_steps(trace: Path, batch: int, draft_len: int) -> dict[str, Any]:
         "unguided_steps": len(times[False]),
         "parts": {name: p50(xs) for name, xs in sorted(parts.items())},
         "mask_wait_share": p50(wait_shares),
+        "full_guided_ms": p50(full[True]),
+        "full_unguided_ms": p50(full[False]),
+        "full_steps": (len(full[True]), len(full[False])),
     }
 
 
@@ -737,8 +745,9 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             "| batch | draft steps | guided step ms | unguided step ms | grammar's share of a step | "
             "grammar's share of wall time | decode step p50 ms, guided / unguided | grammar's share of a decode step | "
-            "rank 0 waiting for masks, p50 share of a guided decode step | tokens / step | valid JSON |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            "rank 0 waiting for masks, p50 share of a guided decode step | decode steps of B × (1 + k) tokens, "
+            "p50 ms, guided / unguided (steps) | grammar's share there | tokens / step | valid JSON |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for e in report["eagle"]:
             g, u = e["guided"]["step_ms"], e["unguided"]["step_ms"]
@@ -749,6 +758,9 @@ def markdown(report: dict[str, Any]) -> str:
             dg, du = d.get("guided_ms"), d.get("unguided_ms")
             decode_share = dg / du - 1 if dg and du else None
             waiting = d.get("mask_wait_share")
+            fg, fu = d.get("full_guided_ms"), d.get("full_unguided_ms")
+            full_share = fg / fu - 1 if fg and fu else None
+            fn = d.get("full_steps") or (0, 0)
             lines.append(
                 f"| {e['batch']} | {e['variant']} | {fmt(g, '.2f')} | {fmt(u, '.2f')} | "
                 f"{fmt(None if share is None else 100 * share, '.1f', '%')} | "
@@ -756,6 +768,8 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{fmt(dg, '.2f')} / {fmt(du, '.2f')} | "
                 f"{fmt(None if decode_share is None else 100 * decode_share, '.1f', '%')} | "
                 f"{fmt(None if waiting is None else 100 * waiting, '.1f', '%')} | "
+                f"{fmt(fg, '.2f')} / {fmt(fu, '.2f')} ({fn[0]} / {fn[1]}) | "
+                f"{fmt(None if full_share is None else 100 * full_share, '.1f', '%')} | "
                 f"{fmt(e['guided']['tokens_per_spec_step'], '.2f')} | {e['valid_json']}/{e['batch']} |"
             )
         parts = [(e, (e.get("decode") or {}).get("parts") or {}) for e in report["eagle"]]
