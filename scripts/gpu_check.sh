@@ -7,8 +7,11 @@
 # logs and the benchmark's report under $OUT (default /tmp/out).
 #   TEST_S, BENCH_S: time limits of the two parts, seconds (default 210 and 330; 0 skips the part)
 #   TEST_ARGS: what pytest runs, in order (default: tests/worker)
-#   BENCH_ARGS: extra arguments for benchmarks/gpu.py; default: issue 23's open figure, the
-#     grammar's share of a batch-16 EAGLE step, fused / first draft step masked / draft steps only
+#   PROFILE_S: with a time limit (seconds), torch's profiler on rank 0 over batch-16 guided and
+#     unguided fused EAGLE steps first (scripts/gpu_profile_eagle.py; gzipped traces in $OUT/prof;
+#     the device tool brings back 8 files at most: with it, BENCH_S=0 or fewer variants)
+#   BENCH_ARGS: extra arguments for benchmarks/gpu.py; default: the grammar's share of a
+#     batch-16 EAGLE step, fused / fused with unmasked drafts / draft steps only
 #     (the whole call fits a 15-minute device budget; BENCH_ARGS="" runs every section)
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -17,9 +20,17 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONUNBUFFERED=1 GUIDESPEC_TOKENIZER_DIR=${GUIDESPEC_TOKENIZER_DIR:-$PWD/.gpu/tok}
 OUT=${OUT:-/tmp/out}
-BENCH_ARGS=${BENCH_ARGS-"--skip eager guided spec mask --batch-sizes 16 --eagle-variants fused fused-first-mask draft-graph"}
+BENCH_ARGS=${BENCH_ARGS-"--skip default eager guided spec mask --batch-sizes 16 --eagle-variants fused fused-unmasked draft-graph"}
 mkdir -p "$OUT"
 set -o pipefail
+if [ "${PROFILE_S:-0}" != 0 ]; then
+    echo "=== scripts/gpu_profile_eagle.py"
+    start=$SECONDS
+    GUIDESPEC_TORCH_PROFILER_DIR=/tmp/wprof OUT="$OUT/prof" timeout -k 5 "$PROFILE_S" python3 scripts/gpu_profile_eagle.py \
+        >"$OUT/profile.log" 2>&1
+    echo "profile rc=$? in $((SECONDS - start)) s"
+    tail -5 "$OUT/profile.log"
+fi
 if [ "${TEST_S:-210}" != 0 ]; then
     echo "=== pytest -m gpu ${TEST_ARGS:-tests/worker}"
     start=$SECONDS
