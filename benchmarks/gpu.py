@@ -553,6 +553,7 @@ def decode_steps(trace: Path, batch: int, draft_len: int) -> dict[str, Any]:
             "mask_wait_share": None,
             "full_guided_ms": None,
             "full_unguided_ms": None,
+            "full_steps": (0, 0),
         }
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
     steps: dict[int, list[dict[str, Any]]] = {}
@@ -760,7 +761,7 @@ def markdown(report: dict[str, Any]) -> str:
             waiting = d.get("mask_wait_share")
             fg, fu = d.get("full_guided_ms"), d.get("full_unguided_ms")
             full_share = fg / fu - 1 if fg and fu else None
-            fn = d.get("full_steps") or (0, 0)
+            fn = d.get("full_steps", (0, 0))
             lines.append(
                 f"| {e['batch']} | {e['variant']} | {fmt(g, '.2f')} | {fmt(u, '.2f')} | "
                 f"{fmt(None if share is None else 100 * share, '.1f', '%')} | "

@@ -127,13 +127,6 @@ typedef struct {
     const float *d, *s;
 } row_t;
 
-static inline row_t row_of(const act_t* a, int r) {
-    int h = a->paired ? r & 1 : 0, p = a->paired ? r / 2 : r, width = a->paired ? 2 : 1;
-    size_t q0 = (size_t)p * a->nbp * QK * width + (size_t)h * 32, l0 = (size_t)p * a->nbp * width + (size_t)h * 8;
-    row_t v = {a->q + q0, a->d + l0, a->s + l0};
-    return v;
-}
-
 /* where byte `at` of row r (as one row lays out alone) and lane `lane` of it sit */
 static inline size_t q_at(const act_t* a, int r, size_t at) {
     if (!a->paired) return (size_t)r * a->nbp * QK + at;
@@ -142,6 +135,11 @@ static inline size_t q_at(const act_t* a, int r, size_t at) {
 static inline size_t lane_in(const act_t* a, int r, size_t lane) {
     if (!a->paired) return (size_t)r * a->nbp + lane;
     return (size_t)(r / 2) * a->nbp * 2 + lane / 8 * 16 + (size_t)(r & 1) * 8 + lane % 8;
+}
+
+static inline row_t row_of(const act_t* a, int r) {
+    row_t v = {a->q + q_at(a, r, 0), a->d + lane_in(a, r, 0), a->s + lane_in(a, r, 0)};
+    return v;
 }
 
 /* where block i of a paired group sits in the group's lanes, and its halves in the group's bytes */
@@ -205,23 +203,16 @@ static void quantize_block(const float* xb, int8_t* lo, int8_t* hi, float* d_out
 }
 
 static void quantize_rows(const float* x, int M, int K, act_t* a, int threads) {
-    int nb = K / QK, nbp = a->nbp, last = nb / GROUP * GROUP;
-    if (a->paired) {  /* every padding quant, scale and sum zero, the padding row's too */
-        int pairs = (M + 1) / 2;
-        memset(a->q, 0, (size_t)pairs * 2 * nbp * QK);
-        memset(a->d, 0, sizeof(float) * (size_t)pairs * 2 * nbp);
-        memset(a->s, 0, sizeof(float) * (size_t)pairs * 2 * nbp);
-    }
+    int nb = K / QK, nbp = a->nbp, rows = a->paired ? (M + 1) / 2 * 2 : M;
+    /* the padding's quants, scales and sums zero (a zero weight block times NaN is NaN): the last
+       group's blocks past the row's end, and a paired layout's padding row */
+    memset(a->q, 0, (size_t)rows * nbp * QK);
+    memset(a->d, 0, sizeof(float) * (size_t)rows * nbp);
+    memset(a->s, 0, sizeof(float) * (size_t)rows * nbp);
     #pragma omp parallel for schedule(static) num_threads(threads) if (M >= 16)
     for (int r = 0; r < M; r++) {
         int8_t* q = a->q;
         float *d = a->d, *s = a->s;
-        if (!a->paired) {
-            /* the last group's padding: zero quants, scales and sums (a zero weight block times NaN is NaN) */
-            memset(q + q_at(a, r, (size_t)last * QK), 0, (size_t)(nbp - last) * QK);
-            memset(d + lane_in(a, r, last), 0, sizeof(float) * (size_t)(nbp - last));
-            memset(s + lane_in(a, r, last), 0, sizeof(float) * (size_t)(nbp - last));
-        }
         for (int b = 0; b < nb; b++) {
             int8_t tmp[QK];
             size_t at = act_at(a->full, b, 0), lane = lane_in(a, r, lane_at(a->full, b));
@@ -407,6 +398,7 @@ static inline __attribute__((always_inline)) void tile(const format_t* f, const 
     const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     const int ss = f->f16 ? 2 : 4, two = f->has_offset || f->halves;
     __m256 acc[MAX_TILE];
+    for (int c = 0; c < mc; c++) acc[c] = _mm256_setzero_ps();
     int g = 0;
 #if QUANT_ZMM
     if (paired) {  /* the whole groups' sums in pairs of rows, then each row's own accumulator */
@@ -422,7 +414,6 @@ static inline __attribute__((always_inline)) void tile(const format_t* f, const 
     } else
 #endif
     {
-        for (int c = 0; c < mc; c++) acc[c] = _mm256_setzero_ps();
         for (; g < a->full / GROUP; g++)  /* 4-bit formats' whole groups: their scales in block order */
             group8(qs + (size_t)g * GROUP * 16, load8((const char*)s0 + (size_t)g * GROUP * ss, f->f16),
                    load8((const char*)s1 + (size_t)g * GROUP * ss, f->f16), rows, g, mc, acc);
@@ -453,30 +444,27 @@ static inline __attribute__((always_inline)) void tile(const format_t* f, const 
     for (; c < mc; c++) out[c] = hsum(acc[c]);
 }
 
-/* the compiler specializes each format and row count (the format's branches fold away), paired
-   (even counts) or not */
+/* the compiler specializes each format, row count and layout (the format's branches fold away;
+   a paired call's counts are even) */
+#define TILE_CASE(N)                                                                                      \
+    case N:                                                                                               \
+        if (a->paired)                                                                                    \
+            tile(f, qs, s0, s1, nbw, a, rows, N, 1, out);                                                 \
+        else                                                                                              \
+            tile(f, qs, s0, s1, nbw, a, rows, N, 0, out);                                                 \
+        break;
 #define TILE_FOR(FMT)                                                                                     \
     static void tile_##FMT(const uint8_t* qs, const void* s0, const void* s1, int nbw, const act_t* a,         \
                            const row_t* rows, int mc, float* out) {                                       \
         const format_t* f = &FORMATS[FMT];                                                                \
-        if (a->paired) {                                                                                  \
-            switch (mc) {                                                                                 \
-                case 2: tile(f, qs, s0, s1, nbw, a, rows, 2, 1, out); break;                                \
-                case 4: tile(f, qs, s0, s1, nbw, a, rows, 4, 1, out); break;                                \
-                case 8: tile(f, qs, s0, s1, nbw, a, rows, 8, 1, out); break;                                \
-                case 16: tile(f, qs, s0, s1, nbw, a, rows, 16, 1, out); break;                              \
-                default: tile(f, qs, s0, s1, nbw, a, rows, mc, 1, out); break;                              \
-            }                                                                                             \
-            return;                                                                                       \
-        }                                                                                                 \
         switch (mc) {                                                                                     \
-            case 1: tile(f, qs, s0, s1, nbw, a, rows, 1, 0, out); break;                                    \
-            case 2: tile(f, qs, s0, s1, nbw, a, rows, 2, 0, out); break;                                    \
-            case 3: tile(f, qs, s0, s1, nbw, a, rows, 3, 0, out); break;                                    \
-            case 4: tile(f, qs, s0, s1, nbw, a, rows, 4, 0, out); break;                                    \
-            case 8: tile(f, qs, s0, s1, nbw, a, rows, 8, 0, out); break;                                    \
-            case 16: tile(f, qs, s0, s1, nbw, a, rows, 16, 0, out); break;                                  \
-            default: tile(f, qs, s0, s1, nbw, a, rows, mc, 0, out); break;                                  \
+            TILE_CASE(1)                                                                                  \
+            TILE_CASE(2)                                                                                  \
+            TILE_CASE(3)                                                                                  \
+            TILE_CASE(4)                                                                                  \
+            TILE_CASE(8)                                                                                  \
+            TILE_CASE(16)                                                                                 \
+            default: tile(f, qs, s0, s1, nbw, a, rows, mc, a->paired, out); break;                       \
         }                                                                                                 \
     }
 TILE_FOR(FMT_Q4_1)
