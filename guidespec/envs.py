@@ -116,3 +116,17 @@ def crash_loop() -> tuple[int, float]:
         int(os.environ.get("GUIDESPEC_CRASH_LOOP_DEATHS", "3")),
         float(os.environ.get("GUIDESPEC_CRASH_LOOP_WINDOW_S", "60")),
     )
+
+
+def llguidance_lexer_fuel() -> int:
+    """llguidance's lexer fuel for one mask (``GUIDESPEC_LLGUIDANCE_LEXER_FUEL``; default 1,000,000,
+    llguidance's own 200,000): a grammar whose lexer needs more gives up mid-way, and its request
+    fails (``grammar_backends/llguidance_backend.py`` says why this value)."""
+    return max(1, int(os.environ.get("GUIDESPEC_LLGUIDANCE_LEXER_FUEL", "1000000")))
+
+
+def auto_backends() -> tuple[str, ...] | None:
+    """The order backend "auto" tries the grammar backends in (``GUIDESPEC_AUTO_BACKENDS``, e.g.
+    ``llguidance,xgrammar``); unset: ``protocol.AUTO_BACKEND_ORDER``."""
+    value = os.environ.get("GUIDESPEC_AUTO_BACKENDS")
+    return tuple(name.strip() for name in value.split(",") if name.strip()) if value else None

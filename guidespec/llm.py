@@ -74,11 +74,15 @@ class EngineRestartingError(EngineDeadError):
 
 
 class RequestError(RuntimeError):
-    """The engine refused (``status`` 400) or failed (500) one request; the others go on."""
+    """The engine refused (``status`` 400) or failed (500) one request; the others go on.
+    ``code``: the failure's kind where it has one of its own: ``"grammar_failed"`` (500), its
+    grammar stopped before the output was complete (a backend's limit met mid-way), so there is
+    no valid answer to give."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, code: str = "") -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
 
 
 @dataclass
@@ -155,7 +159,9 @@ class _RequestStream:
         if delta.error and delta.finish_reason == "error":
             if delta.error_status == ENGINE_UNAVAILABLE:
                 raise EngineDeadError(delta.error)
-            raise RequestError(f"request {delta.request_id}: {delta.error}", delta.error_status or INTERNAL_ERROR)
+            raise RequestError(
+                f"request {delta.request_id}: {delta.error}", delta.error_status or INTERNAL_ERROR, delta.error_code
+            )
         out.text += delta.new_text
         out.token_ids.extend(delta.new_token_ids)
         out.first_token_time = out.first_token_time or delta.first_token_time
@@ -288,7 +294,7 @@ class LLM:
     ) -> list[GenerationOutput]:
         """Generate for one or several prompts (strings, chat message lists, or {"prompt_token_ids": [...]})."""
         params = sampling_params or SamplingParams()
-        streams = [self._submit(p, params) for p in _as_prompt_list(prompts)]
+        streams = [self._submit(p, params, stream=False) for p in _as_prompt_list(prompts)]
         try:
             bar = _progress(len(streams)) if use_tqdm else None
             for stream in streams:
@@ -316,7 +322,9 @@ class LLM:
                 self.abort(stream.output.request_id)
 
     async def agenerate(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> GenerationOutput:
-        stream = self._submit(prompt, sampling_params or SamplingParams(), loop=asyncio.get_running_loop())
+        stream = self._submit(
+            prompt, sampling_params or SamplingParams(), loop=asyncio.get_running_loop(), stream=False
+        )
         async for _ in self._follow(stream):
             pass
         return stream.output
@@ -328,12 +336,18 @@ class LLM:
         async for delta in self._follow(stream):
             yield delta
 
-    def open_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestHandle:
+    def open_stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, stream: bool = True
+    ) -> RequestHandle:
         """Submit a request from a running event loop (the server's way in): ``handle.output``
         holds its output so far (prompt ids, text, figures), ``handle.deltas()`` yields its
-        deltas. Bad input raises here; leaving the iteration early aborts the request."""
-        stream = self._submit(prompt, sampling_params or SamplingParams(), loop=asyncio.get_running_loop())
-        return RequestHandle(stream.output, self._follow(stream))
+        deltas. Bad input raises here; leaving the iteration early aborts the request. With
+        ``stream=False`` the one delta is the finished output (until then the engine may start
+        the request again on another grammar backend: ``RequestError``)."""
+        request = self._submit(
+            prompt, sampling_params or SamplingParams(), loop=asyncio.get_running_loop(), stream=stream
+        )
+        return RequestHandle(request.output, self._follow(request))
 
     def abort(self, request_id: str) -> None:
         if self._dead_reason is None and self._restarting is None and not self._closed:
@@ -386,7 +400,11 @@ class LLM:
     # ------------------------------------------------------------------ internals
 
     def _submit(
-        self, prompt: Prompt, params: SamplingParams, loop: asyncio.AbstractEventLoop | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        loop: asyncio.AbstractEventLoop | None = None,
+        stream: bool = True,
     ) -> _RequestStream:
         """Validate (``validate_request``: the one check of the API and the server), then send."""
         self._check_alive()
@@ -399,13 +417,13 @@ class LLM:
         validate_request(ids, params, self.config.vocab_size, self.config.max_model_len)
         request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         now = time.time()
-        stream = _RequestStream(GenerationOutput(request_id, ids, arrival_time=now), loop)
+        request = _RequestStream(GenerationOutput(request_id, ids, arrival_time=now), loop)
         with self._state_lock:  # a death after this fails the stream; one before it refuses it
             self._check_alive()
-            self._streams[request_id] = stream
+            self._streams[request_id] = request
             engine = self._engine
-        engine.send(GenerateRequest(request_id, np.array(ids, dtype=np.int32), params, now))
-        return stream
+        engine.send(GenerateRequest(request_id, np.array(ids, dtype=np.int32), params, now, stream))
+        return request
 
     async def _follow(self, stream: _RequestStream) -> AsyncIterator[StreamDelta]:
         """A request's deltas on the event loop; leaving early aborts the request."""

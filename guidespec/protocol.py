@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from guidespec import envs
 from guidespec.ipc.codec import register_message
 
 GREEDY = 0.0
@@ -29,8 +30,17 @@ AUTO_BACKEND_ORDER = ("xgrammar", "llguidance")
 
 
 def backend_order(backend: str) -> tuple[str, ...]:
-    """The backends a choice stands for, in the order they are tried ("auto": each in turn)."""
-    return AUTO_BACKEND_ORDER if backend == "auto" else (backend,)
+    """The backends a choice stands for, in the order they are tried ("auto": each in turn, as
+    ``GUIDESPEC_AUTO_BACKENDS`` orders them where it is set)."""
+    if backend != "auto":
+        return (backend,)
+    order = envs.auto_backends()
+    if order is None:
+        return AUTO_BACKEND_ORDER
+    unknown = [name for name in order if name not in GRAMMAR_BACKENDS]
+    if unknown or len(set(order)) != len(order):
+        raise ValueError(f"GUIDESPEC_AUTO_BACKENDS={','.join(order)}: name each of {', '.join(GRAMMAR_BACKENDS)} once")
+    return order
 
 
 BACKEND_CHOICES = ("auto", *GRAMMAR_BACKENDS)
@@ -39,6 +49,9 @@ BACKEND_CHOICES = ("auto", *GRAMMAR_BACKENDS)
 # arrays and keeps its maths finite; sizes bound the scheduler's per-step work per request.
 INT32_MAX = 2**31 - 1
 BAD_REQUEST, INTERNAL_ERROR, ENGINE_UNAVAILABLE = 400, 500, 503  # RequestOutput.error_status
+# RequestOutput.error_code of a request whose grammar stopped before its output was complete (a
+# backend's limit met mid-way): a 500 of its own, never an answer that ends with "stop"
+GRAMMAR_FAILED = "grammar_failed"
 MAX_TEMPERATURE = 100.0  # float32 logits / temperature stay finite and masked rows stay -inf
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-4, 1e4
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 64, 1024, 1024
@@ -234,6 +247,9 @@ class GenerateRequest:
     prompt_token_ids: np.ndarray  # [num_prompt_tokens] int32
     params: SamplingParams
     arrival_time: float
+    # whether the client takes deltas as they come; without, the scheduler sends the finished
+    # output alone, and until then may start the request again (``Scheduler._grammar_failed``)
+    stream: bool = True
 
 
 @register_message(11)
@@ -279,6 +295,8 @@ class DecodeStats:
     num_accepted_tokens: int = 0
     accepted_histogram: list[int] = field(default_factory=list)  # [n]: spec steps that accepted n drafts
     num_cached_tokens: int = 0  # prompt tokens whose KV a free slot still held (prefix caching): not computed
+    # times it started again on the next backend of "auto" after its grammar failed mid-way
+    grammar_restarts: int = 0
 
     def record_step(self, num_drafts: int, num_accepted: int) -> None:
         self.num_steps += 1
@@ -325,6 +343,7 @@ class RequestOutput:
     error_status: int = 0
     grammar_backend: str = ""  # the backend that enforces the request's grammar
     grammar_refusal: str = ""  # why the one tried before it (backend "auto") refused, if one did
+    error_code: str = ""  # with an error, its kind where it has one of its own (GRAMMAR_FAILED)
 
 
 @register_message(18)

@@ -1,11 +1,18 @@
 r"""llguidance behind the grammar interface. Fills use llguidance's parallel executor
 (``fill_next_token_bitmask_par``, GIL released); forced tokens come from its own
 ``compute_ff_tokens``. JSON is compact (no whitespace), as with xgrammar. Note: llguidance's
-regex ``\d`` is Unicode-aware (any decimal digit), unlike xgrammar's."""
+regex ``\d`` is Unicode-aware (any decimal digit), unlike xgrammar's.
+
+A matcher that meets one of llguidance's limits mid-way (a lexer or parser that grows too
+complex) stops in an error state: it then allows only EOS, as if it had finished. Here that
+is never an end: ``is_terminated`` is a normal stop only, ``error`` says why it failed, and the
+scheduler fails (or restarts) the request. ``parser_limits`` raises the limit issue 45's schema met (the lexer's fuel),
+and ``compile`` walks a grammar's first lexemes to refuse one that gives up there anyway."""
 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Sequence
 
 import llguidance as llg
@@ -13,10 +20,13 @@ import llguidance.hf
 import llguidance.numpy
 import numpy as np
 
+from guidespec import envs
 from guidespec.grammar_backends.interface import (
     COUNTED_OPEN_OBJECT,
     GrammarError,
     GrammarMatcher,
+    allowed_ids,
+    bitmask_width,
     find_counted_open_object,
 )
 from guidespec.protocol import GuidedDecoding
@@ -26,14 +36,33 @@ from guidespec.protocol import GuidedDecoding
 _COMPACT_JSON: Any = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
+# llguidance's limits, as chosen here (its defaults otherwise). The lexer's fuel for one mask
+# (default 200,000, ~14 ms) ran out on a string of a pattern and an anyOf of six more (issue 45:
+# "too many expressions constructed" after the opening quote, which then read as a finished
+# answer); 500,000 sufficed, 1,000,000 (``envs.llguidance_lexer_fuel``) leaves room. Only a
+# grammar that needs the fuel spends it: at ~14,000 a millisecond, its own masks can take up to
+# ~70 ms (that request's, and the step it shares with others); every other grammar's masks are
+# unchanged. Errors are kept short (``verbose_errors``): a client sees the reason, not the
+# parser's state and grammar.
+def parser_limits() -> llg.LLParserLimits:
+    return llg.LLParserLimits(step_lexer_fuel=envs.llguidance_lexer_fuel(), verbose_errors=False)
+
+
+# the compile-time walk (``_walk_first_lexemes``): how many single-character tokens it tries at
+# each state, how deep, and for how long at most
+_PROBE_WIDTH, _PROBE_DEPTH, _PROBE_BUDGET_S = 6, 3, 0.5
+
+
 class LLGuidanceMatcher:
     def __init__(self, matcher: llg.LLMatcher) -> None:
         self.matcher = matcher
 
     def accept_token(self, token: int) -> bool:
-        if self.matcher.validate_tokens([token]) != 1:
+        """(A matcher in error still takes EOS: here it takes nothing.)"""
+        matcher = self.matcher
+        if matcher.is_error() or matcher.validate_tokens([token]) != 1:
             return False
-        return bool(self.matcher.consume_token(token))
+        return bool(matcher.consume_token(token)) and not matcher.is_error()
 
     def advance(self, tokens: Sequence[int]) -> int:
         tokens = list(tokens)
@@ -54,13 +83,26 @@ class LLGuidanceMatcher:
             self.matcher.rollback(num_tokens)
 
     def is_terminated(self) -> bool:
-        return bool(self.matcher.is_stopped())
+        """A normal end (the grammar is complete, or took EOS); a matcher in error is not ended."""
+        matcher = self.matcher
+        return bool(matcher.is_stopped()) and not matcher.is_error()
 
     def forced_tokens(self, limit: int) -> list[int]:
         return list(self.matcher.compute_ff_tokens())[:limit]
 
     def error(self) -> str:
-        return str(self.matcher.get_error()) if self.matcher.is_error() else ""
+        return matcher_error(self.matcher)
+
+
+def matcher_error(matcher: llg.LLMatcher) -> str:
+    """Why an llguidance matcher failed ("" if it did not): its stop reason and the first line
+    of its message (the rest is its parser's state)."""
+    if not matcher.is_error():
+        return ""
+    reason = str(matcher.stop_reason())
+    message = str(matcher.get_error()).strip().splitlines()
+    first = message[0] if message else "unknown error"
+    return first if reason in ("InternalError", "NotStopped") else f"{reason}: {first}"
 
 
 class LLGuidanceBackend:
@@ -72,6 +114,9 @@ class LLGuidanceBackend:
             tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids) or None
         )
         self.executor = llg.LLExecutor(num_threads)
+        self.limits = parser_limits()  # (read when the engine starts, not when a zygote imported this)
+        # single-character tokens, by character: what the compile-time walk tries
+        self._chars = _single_char_tokens(tokenizer, vocab_size)
 
     def compile(self, spec: GuidedDecoding) -> Any:
         kind = spec.kind
@@ -92,15 +137,54 @@ class LLGuidanceBackend:
                 )
         except Exception as e:
             raise GrammarError(f"llguidance cannot compile this {kind}: {e}") from None
-        error = llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        error = llg.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=self.limits)
         if error:
             raise GrammarError(f"llguidance cannot compile this {kind}: {error}")
         # Build once here, in the compile thread: it checks the grammar against the tokenizer
         # and warms llguidance's caches, so matchers made later start at once.
-        probe = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        probe = llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
         if probe.is_error():
-            raise GrammarError(f"llguidance cannot compile this {kind}: {probe.get_error()}")
+            raise GrammarError(f"llguidance cannot compile this {kind}: {matcher_error(probe)}")
+        gave_up = self._walk_first_lexemes(probe)
+        if gave_up:
+            raise GrammarError(f"llguidance cannot enforce this {kind}: it gives up {gave_up}")
         return grammar
+
+    def _walk_first_lexemes(self, matcher: llg.LLMatcher) -> str:
+        """Where the grammar's matcher fails in its first few tokens, or "": a walk over the
+        single-character tokens each state allows (a string's quote and first characters, a
+        number's sign and digits, a bracket), ``_PROBE_WIDTH`` of them at each state,
+        ``_PROBE_DEPTH`` deep, within ``_PROBE_BUDGET_S``. llguidance builds its lexer lazily,
+        so a grammar too complex for its limits fails at the first mask after such a token: a
+        failure there is found here, before a request meets it."""
+        deadline = time.monotonic() + _PROBE_BUDGET_S
+        width = bitmask_width(self.vocab_size)
+        row = np.zeros((1, width), dtype=np.int32)
+
+        def walk(path: list[str], depth: int) -> str:
+            llguidance.numpy.fill_next_token_bitmask(matcher, row)
+            if matcher.is_error():
+                where = "at the start" if not path else "after " + json.dumps("".join(path))
+                return f"{where}: {matcher_error(matcher)}"
+            if depth == _PROBE_DEPTH or matcher.is_stopped():
+                return ""
+            allowed = set(allowed_ids(row[0], self.vocab_size).tolist())
+            tried = 0
+            for char, token in self._chars:
+                if tried == _PROBE_WIDTH or time.monotonic() > deadline:
+                    break
+                if token not in allowed:
+                    continue
+                tried += 1
+                if not matcher.consume_token(token):
+                    return f"after {json.dumps(''.join(path + [char]))}: {matcher_error(matcher)}"
+                found = walk(path + [char], depth + 1)
+                if found:
+                    return found
+                matcher.rollback(1)
+            return ""
+
+        return walk([], 0)
 
     def text_cost_s(self, compiled: Any) -> float | None:
         return None  # its serialized grammar is the grammar's own small text
@@ -112,8 +196,24 @@ class LLGuidanceBackend:
         return text
 
     def create_matcher(self, compiled: Any) -> GrammarMatcher:
-        return LLGuidanceMatcher(llg.LLMatcher(self.tokenizer, compiled, log_level=0))
+        return LLGuidanceMatcher(llg.LLMatcher(self.tokenizer, compiled, log_level=0, limits=self.limits))
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: np.ndarray, rows: Sequence[int]) -> None:
         pairs = [(m.matcher, row) for m, row in zip(matchers, rows)]  # type: ignore[attr-defined]
         llguidance.numpy.fill_next_token_bitmask_par(self.executor, pairs, bitmask)
+
+
+# the characters a walk tries first: those that open a JSON value or a string's usual text
+_PROBE_ORDER = '"{[-0123456789tfnaAzZ_ .:/,}]'
+
+
+def _single_char_tokens(tokenizer: Any, vocab_size: int) -> list[tuple[str, int]]:
+    """(character, token) for each printable ASCII character that is one token, in
+    ``_PROBE_ORDER`` first, then the rest."""
+    chars = list(dict.fromkeys(_PROBE_ORDER + "".join(chr(c) for c in range(33, 127))))
+    out = []
+    for char in chars:
+        ids = tokenizer.encode(char, add_special_tokens=False)
+        if len(ids) == 1 and 0 <= ids[0] < vocab_size:
+            out.append((char, int(ids[0])))
+    return out

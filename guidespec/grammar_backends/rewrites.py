@@ -4,10 +4,18 @@ exact it does nothing, and the backend refuses as before.
 
 - **Double negation**: ``{"not": {"not": S}}`` is ``S``.
 - **A finite set of values**: a schema node with ``enum`` or ``const`` (or an ``allOf`` with such
-  a branch) and other keywords beside it (``not``, ``pattern``, ``minLength``, ...) accepts
-  exactly those of its values that the whole node accepts: it becomes ``enum`` of those, each
-  checked by the ``jsonschema`` library against the node (nodes with a ``$ref``, or a keyword whose
-  meaning depends on the draft, or ``format``, are left alone).
+  a branch) and other keywords beside it (``type``, ``not``, ``pattern``, ``minLength``, ...)
+  accepts exactly those of its values that the whole node accepts: it becomes ``enum`` of those,
+  each checked by the ``jsonschema`` library against the node (nodes with a ``$ref``, or a keyword
+  whose meaning depends on the draft, or ``format``, are left alone). xgrammar enforces an enum
+  and drops a ``type`` beside it (``{"enum": ["M"], "type": "object"}`` accepted ``"M"``: issue 45).
+  Where no value is left the node is ``false``.
+- **Nothing matches**: a node that holds a part no value matches is ``false`` where that makes it
+  match nothing: an object node that requires a property whose schema is ``false``, an ``allOf``
+  with a ``false`` branch, an array node whose ``items`` is ``false`` and ``minItems`` positive; a
+  ``false`` branch leaves an ``anyOf`` / ``oneOf`` (``false`` where none is left). A ``false``
+  property that is not required stays, and the backends leave the name out. A whole schema that
+  is ``false`` is refused (GrammarError, a 400) with the reason.
 - **Dependencies**: ``dependencies`` / ``dependentRequired`` / ``dependentSchemas`` become, per
   name, an ``anyOf`` of "absent" (``properties: {name: false}``) and "present with what it needs"
   (xgrammar still refuses the result; llguidance enforces it, so backend ``auto`` serves it).
@@ -48,6 +56,7 @@ from typing import Any
 import jsonschema
 
 from guidespec.grammar_backends.disjoint import disjoint
+from guidespec.grammar_backends.interface import GrammarError
 from guidespec.grammar_backends.negation import VALIDATION, any_of, conjoin, conjoin_all, negate
 
 _TYPES = ("null", "boolean", "object", "array", "string", "number")
@@ -130,6 +139,7 @@ REWRITES = (
     "bounded integers",
     "min/maxProperties of a closed object",
     "finite values",
+    "nothing matches",
 )
 
 
@@ -143,7 +153,12 @@ def rewrite_schema(schema: Any, disabled: frozenset[str] = frozenset()) -> tuple
     for key in ("definitions", "$defs"):  # first, so that a "$ref" resolves to a rewritten target
         if isinstance(root.get(key), dict):
             root[key] = {name: _walk(s, context) for name, s in root[key].items()}
-    return _walk(root, context, skip=("definitions", "$defs")), context.applied
+    out = _walk(root, context, skip=("definitions", "$defs"))
+    if out is False:
+        raise GrammarError(
+            "no JSON value can match this json_schema: " + "; ".join(dict.fromkeys(context.impossible))[:500]
+        )
+    return out, context.applied
 
 
 @dataclasses.dataclass
@@ -153,6 +168,7 @@ class _Context:
     root: Any
     applied: list[str]
     disabled: frozenset[str] = frozenset()
+    impossible: list[str] = dataclasses.field(default_factory=list)  # why nodes match nothing, for the refusal
 
     def use(self, rewrite: str) -> bool:
         """Whether to apply ``rewrite`` (not disabled); if so, it is recorded as applied."""
@@ -230,7 +246,9 @@ def _walk(node: Any, context: _Context, skip: tuple[str, ...] = ()) -> Any:
     for rewrite in (_one_of, _unknown_format, _ref_siblings, _bounded_integers, _counted_properties):
         if isinstance(node, dict):
             node = rewrite(node, context)
-    return _finite_values(node, context) if isinstance(node, dict) else node
+    if isinstance(node, dict):
+        node = _finite_values(node, context)
+    return _nothing_matches(node, context) if isinstance(node, dict) else node
 
 
 def _double_negation(node: dict[str, Any], context: _Context) -> dict[str, Any]:
@@ -564,24 +582,69 @@ def _ref_siblings(node: dict[str, Any], context: _Context) -> dict[str, Any]:
     return out
 
 
-def _finite_values(node: dict[str, Any], context: _Context) -> dict[str, Any]:
+def _finite_values(node: dict[str, Any], context: _Context) -> Any:
     values = _values_of(node)
     if values is None or _contains(node, _REFS | _SENSITIVE):
         return node
-    if not _VALIDATION & set(node):  # (an enum beside its type needs nothing: every backend enforces both)
+    if not (_VALIDATION | {"type"}) & set(node):
         return node
     try:
-        validator = jsonschema.validators.validator_for(node, default=jsonschema.Draft202012Validator)(node)
-        kept = [v for v in values if validator.is_valid(v)]
+        kept = [v for v in values if context.is_valid(node, v)]
     except Exception:  # a schema jsonschema cannot evaluate: leave it to the backend
         return node
-    if not kept:
-        return node
+    if not kept:  # no value fits what is beside them: the node matches nothing
+        if not context.use("finite values"):
+            return node
+        beside = sorted(k for k in node if k not in _ANNOTATIONS and k not in ("enum", "const"))
+        context.impossible.append(f"none of the values {_short(values)} fits the {', '.join(beside)} beside them")
+        return False
+    if len(kept) == len(values) and not _VALIDATION & set(node):
+        return node  # (every value has the type beside them: every backend enforces the enum)
     out = {k: v for k, v in node.items() if k in _ANNOTATIONS}
     out["enum"] = kept
     if not context.use("finite values"):
         return node
     return out
+
+
+def _nothing_matches(node: dict[str, Any], context: _Context) -> Any:
+    """``false`` for a node that no value can match because a part of it matches nothing (see
+    "Nothing matches" above); the node without its ``false`` branches of ``anyOf`` / ``oneOf``."""
+    out = node
+    for key in ("anyOf", "oneOf"):
+        branches = out.get(key)
+        if isinstance(branches, list) and any(b is False for b in branches):
+            if not context.use("nothing matches"):
+                return node
+            kept = [b for b in branches if b is not False]
+            if not kept:
+                context.impossible.append(f"no branch of an {key} can match")
+                return False
+            out = {**out, key: kept}
+    why = None
+    only = out.get("type")
+    if isinstance(out.get("allOf"), list) and any(b is False for b in out["allOf"]):
+        why = "a branch of an allOf matches nothing"
+    elif only in ("object", ["object"]) and isinstance(out.get("properties"), dict):
+        required: list[Any] = out["required"] if isinstance(out.get("required"), list) else []
+        blocked = [n for n in required if isinstance(n, str) and out["properties"].get(n, True) is False]
+        if blocked:
+            why = f"required property {blocked[0]!r} can have no value"
+    elif only in ("array", ["array"]) and out.get("items") is False:
+        low = out.get("minItems", 0)
+        if isinstance(low, (int, float)) and low > 0:
+            why = "items matches nothing and minItems is positive"
+    if why is None:
+        return out
+    if not context.use("nothing matches"):
+        return node
+    context.impossible.append(why)
+    return False
+
+
+def _short(values: list[Any]) -> str:
+    text = json.dumps(values)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _values_of(node: dict[str, Any]) -> list[Any] | None:

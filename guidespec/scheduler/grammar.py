@@ -12,6 +12,10 @@
 - One matcher per guided request: filled in batches per backend (the backends' multi-threaded
   fills), advanced by exactly the accepted tokens, asked for forced tokens (jump-forward).
 - JSON requests that loop or near ``max_tokens`` are steered to close (``closing.py``).
+- A matcher that stops without finishing (a backend's limit met mid-way) is never an end: a
+  fill finds it, its rows allow only a stop token that is never used, and ``take_failures``
+  hands it to the scheduler, which fails the request or starts it again on another backend
+  (``alternatives``).
 """
 
 from __future__ import annotations
@@ -161,6 +165,10 @@ class GrammarManager:
             str, tuple[GuidedDecoding, list[str], list[str]]
         ] = {}  # request -> (spec, backends left, refusals)
         self.refusals: dict[str, str] = {}  # request -> why a backend before the one serving it refused
+        # request -> (spec, the backends "auto" has left after the one serving it, why the ones
+        # before it refused): where it starts again if its grammar fails mid-way
+        self.alternatives: dict[str, tuple[GuidedDecoding, list[str], list[str]]] = {}
+        self.failures: dict[str, str] = {}  # request -> why its matcher failed (found by a fill)
         self.closing = ClosingStep(tokenizer, settings.vocab_size, settings.stop_token_ids)
         self._job_ids = itertools.count()
         self.bitmask = np.zeros((settings.max_rows, bitmask_width(settings.vocab_size)), dtype=np.int32)
@@ -168,13 +176,21 @@ class GrammarManager:
 
     # ------------------------------------------------------------------ compile
 
-    def submit(self, request_id: str, spec: GuidedDecoding) -> bool:
+    def submit(
+        self,
+        request_id: str,
+        spec: GuidedDecoding,
+        backends: list[str] | None = None,
+        refusals: list[str] | None = None,
+    ) -> bool:
         """Start (or join) the compile; True if the matcher is ready now. Raises GrammarError.
         With backend "auto", a backend that refuses the grammar (it cannot enforce it exactly)
-        hands it to the next one; GrammarError says why each refused."""
+        hands it to the next one; GrammarError says why each refused. ``backends`` (and why
+        others refused or failed) where a request starts again on the ones left to it."""
         self.closing.track(request_id, spec)
         try:
-            return self._try(request_id, spec, list(self._order(spec.backend)), [])
+            order = list(self._order(spec.backend)) if backends is None else list(backends)
+            return self._try(request_id, spec, order, list(refusals or []))
         except GrammarError:
             self.closing.forget(request_id)
             raise
@@ -238,6 +254,8 @@ class GrammarManager:
         self.pending.pop(request_id, None)
         self.fallbacks.pop(request_id, None)
         self.refusals.pop(request_id, None)
+        self.alternatives.pop(request_id, None)
+        self.failures.pop(request_id, None)
         self.matchers.pop(request_id, None)
         self.closing.forget(request_id)
 
@@ -296,7 +314,18 @@ class GrammarManager:
                 if accepted[i]:
                     self.matchers[r.request_id][1].rollback(accepted[i])
             self.closing.restore(saved)
+        for i, r in enumerate(rows):  # a matcher that failed (at any depth: it stays failed) ends nothing
+            reason = self._error(r.request_id)
+            if reason:
+                self.failures[r.request_id] = reason
+                self.bitmask[firsts[i] : firsts[i + 1]] = self._stop_row  # (its token is never used)
         return self.bitmask[: firsts[-1]]
+
+    def take_failures(self) -> list[tuple[str, str]]:
+        """(request, why) for each request whose matcher a fill found failed since the last call."""
+        failures = list(self.failures.items())
+        self.failures.clear()
+        return failures
 
     @_settled
     def prepare(self, request_id: str, max_tokens: int) -> None:
@@ -419,9 +448,12 @@ class GrammarManager:
     @_settled
     def error(self, request_id: str) -> str:
         """The backend's reason if the request's matcher failed (empty otherwise)."""
+        return self._error(request_id)
+
+    def _error(self, request_id: str) -> str:
         backend, matcher = self.matchers[request_id]
         reason = matcher.error()
-        return f"{backend} failed: {reason}" if reason else ""
+        return f"{backend} gave up: {reason}" if reason else ""
 
     def wait_started(self, timeout_s: float) -> bool:
         """Wait until the compile process has its backend ready (at the engine's start: its imports
@@ -559,9 +591,11 @@ class GrammarManager:
 
     def _create_matcher(self, request_id: str, backend: str, compiled: Any) -> None:
         self.matchers[request_id] = (backend, self._backend(backend).create_matcher(compiled))
-        _, _, refusals = self.fallbacks.pop(request_id, (None, [], []))
+        spec, backends, refusals = self.fallbacks.pop(request_id, (None, [], []))
         if refusals:
             self.refusals[request_id] = "; ".join(refusals)
+        if spec is not None and backends:
+            self.alternatives[request_id] = (spec, list(backends), list(refusals))
 
     def _remember(self, cache: OrderedDict[str, Any], key: str, value: Any) -> None:
         cache[key] = value

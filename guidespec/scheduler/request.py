@@ -44,6 +44,7 @@ class Request:
     grammar_backend: str = ""  # the backend enforcing its grammar, once ready
     grammar_refusal: str = ""  # why a backend before it refused (backend "auto"), if one did
     draft_tokens: list[int] = field(default_factory=list)  # this step's drafts, after the known tokens
+    stream: bool = True  # the client takes its deltas as they come (else only the finished output)
     stats: DecodeStats = field(default_factory=DecodeStats)
 
     @property

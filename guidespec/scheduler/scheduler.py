@@ -11,7 +11,9 @@ it, and the scheduler tells the client the engine is dead instead of hanging.
 
 Failures that concern one request (its input, its grammar, its drafter, its detokenizer) fail
 that request alone, with a one-line message and a status saying whose fault it is; the
-traceback goes to this process's log.
+traceback goes to this process's log. A grammar that stops before its output is complete (a
+backend's limit met mid-way) fails its request with ``GRAMMAR_FAILED``, or starts it again on
+the next backend of "auto" while none of its output has reached the client.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,7 @@ from guidespec.grammar_backends import GrammarError
 from guidespec.protocol import (
     BAD_REQUEST,
     ENGINE_UNAVAILABLE,
+    GRAMMAR_FAILED,
     INTERNAL_ERROR,
     NO_TOKEN,
     AbortRequest,
@@ -45,6 +49,7 @@ from guidespec.protocol import (
     EngineDead,
     EngineReady,
     GenerateRequest,
+    GuidedDecoding,
     InvalidRequest,
     MaskWanted,
     RequestOutput,
@@ -126,6 +131,7 @@ class Scheduler:
         self.trace = StepTrace()
         self.draft_fills: list[tuple[int, float, float]] = []  # this step's draft masks: (draft step, start, end)
         self._failed_compiles: list[tuple[str, str]] = []  # (request, error) seen while a step ran
+        self._restarts: list[_Restart] = []  # requests whose grammar failed, to start again after the step
         # this step's guided rows while its bitmask waits for a grammar that compiles (``broadcast``)
         self._late_mask: list[tuple[int, ScheduledRow]] | None = None
         self._late_timer = AwakeTimer(_LATE_MASK_MAX_S)
@@ -251,6 +257,9 @@ class Scheduler:
         for request_id, error in failed:
             if request_id in self.requests:
                 self._fail(self.requests[request_id], error, BAD_REQUEST)
+        restarts, self._restarts = self._restarts, []
+        for restart in restarts:
+            self._start_again(restart)
 
     def _take_compiled(self) -> None:
         """Ready the requests whose grammar compiled (``collect`` calls it too: a compile that ends
@@ -317,6 +326,9 @@ class Scheduler:
             ],
             self.broadcaster.reserve_bitmask(),
         )
+        for request_id, reason in self.grammar.take_failures():  # (their rows allow only a stop token)
+            if request_id in self.requests:
+                self._grammar_failed(self.requests[request_id], reason)
         rows_array = np.array(
             [r for first, row in masked for r in range(first, first + row.num_logits)], dtype=np.int32
         )
@@ -390,7 +402,7 @@ class Scheduler:
         deltas: list[RequestOutput],
     ) -> None:
         for i, row in enumerate(rows):
-            if row.request.request_id not in self.requests:  # failed during this step
+            if self.requests.get(row.request.request_id) is not row.request:  # failed during this step
                 continue
             if row.request.request_id in self._dropped:  # sampled without its mask: that token runs again
                 row.request.advance_computed(row.num_new_tokens - row.num_logits)
@@ -447,7 +459,7 @@ class Scheduler:
             end = self.grammar.end_token(request.request_id)  # a complete output ends here, not in a step
             if end is not None:
                 reason = self._append(request, end)
-        if reason == "error":
+        if reason == "error" or (reason is None and not request.stream):  # (the finished output comes whole)
             return
         delta = make_delta(request, reason)
         deltas.append(delta)
@@ -511,8 +523,11 @@ class Scheduler:
         grammar_done = False
         if request.guided:
             if not self.grammar.accept(request.request_id, token):
-                reason = self.grammar.error(request.request_id) or f"the grammar rejected sampled token {token}"
-                self._fail(request, f"internal error: {reason}")
+                failure = self.grammar.error(request.request_id)
+                if failure:
+                    self._grammar_failed(request, failure)
+                else:
+                    self._fail(request, f"internal error: the grammar rejected sampled token {token}")
                 return "error"
             grammar_done = self.grammar.is_terminated(request.request_id)
             self.grammar.near_budget(
@@ -610,6 +625,7 @@ class Scheduler:
             message.params,
             message.arrival_time,
             IncrementalDetokenizer(self.tokenizer, prompt),
+            stream=message.stream,
         )
         if message.params.guided is not None:
             try:
@@ -643,15 +659,72 @@ class Scheduler:
             self.speculator.release(request.request_id)
         self.requests.pop(request.request_id, None)
 
-    def _fail(self, request: Request, error: str, status: int = INTERNAL_ERROR) -> None:
+    def _fail(self, request: Request, error: str, status: int = INTERNAL_ERROR, code: str = "") -> None:
         """End one request with an error; the others carry on."""
         try:
-            output = _error_output(request, error, status)
+            output = _error_output(request, error, status, code)
         except Exception:  # its detokenizer is what failed: end it without the last text
             logger.exception("request %s: its last output could not be made", request.request_id)
-            output = RequestOutput(request.request_id, [], "", True, "error", error, error_status=status)
+            output = RequestOutput(
+                request.request_id, [], "", True, "error", error, error_status=status, error_code=code
+            )
         self.client_out.send(output)
         self._forget(request)
+
+    def _grammar_failed(self, request: Request, reason: str) -> None:
+        """The request's grammar stopped before its output was complete (``reason`` names the
+        backend and why): never an end. With backend "auto" and another backend left, a request
+        none of whose output has reached the client (it does not stream, or nothing went out
+        yet) starts again on that backend, after this step; any other fails with
+        ``GRAMMAR_FAILED``. The rest of the batch is not touched."""
+        spec, backends, refusals = self.grammar.alternatives.get(request.request_id, (None, [], []))
+        sent = request.sent_token_count > 0 or request.sent_text_len > 0
+        logger.warning(
+            "request %s: its grammar failed after %d tokens (%s)%s",
+            request.request_id,
+            len(request.output_token_ids),
+            reason,
+            f"; it starts again on {backends[0]}" if spec is not None and backends and not sent else "",
+        )
+        if spec is None or not backends or sent:
+            self._fail(
+                request,
+                f"the grammar stopped before the output was complete ({reason}); no valid answer was produced",
+                INTERNAL_ERROR,
+                GRAMMAR_FAILED,
+            )
+            return
+        self._forget(request)  # (its rows of this step are dropped: ``_emit_rows``)
+        self._restarts.append(_Restart(request, spec, backends, [*refusals, reason]))
+
+    def _start_again(self, restart: _Restart) -> None:
+        """A request whose grammar failed, from its prompt on the next backend (``_grammar_failed``)."""
+        old = restart.request
+        request = Request(
+            old.request_id,
+            old.prompt_token_ids,
+            old.params,
+            old.arrival_time,
+            IncrementalDetokenizer(self.tokenizer, old.prompt_token_ids),
+            stream=old.stream,
+        )
+        request.stats.grammar_restarts = old.stats.grammar_restarts + 1
+        try:
+            request.compiling_since = time.monotonic()
+            request.grammar_ready = self.grammar.submit(
+                request.request_id, restart.spec, restart.backends, restart.refusals
+            )
+        except GrammarError as e:
+            self.client_out.send(
+                _error_output(
+                    request, f"the grammar stopped before the output was complete: {e}", INTERNAL_ERROR, GRAMMAR_FAILED
+                )
+            )
+            return
+        if request.grammar_ready:
+            request.grammar_backend, request.grammar_refusal = self.grammar.served(request.request_id)
+        self.requests[request.request_id] = request
+        self.batcher.add(request)
 
     def _fail_internal(self, request: Request, doing: str, e: Exception) -> None:
         """A bug met while serving one request: its traceback to the log, a one-line 500 to it."""
@@ -716,7 +789,7 @@ class Scheduler:
         time.sleep(0.1)  # let the frames leave
 
 
-def _error_output(request: Request, error: str, status: int) -> RequestOutput:
+def _error_output(request: Request, error: str, status: int, code: str = "") -> RequestOutput:
     """The request's last delta, ending it with ``error``."""
     output = finish_output(request, "error")
     return RequestOutput(
@@ -728,7 +801,18 @@ def _error_output(request: Request, error: str, status: int) -> RequestOutput:
         error,
         output.num_prompt_tokens,
         error_status=status,
+        error_code=code,
     )
+
+
+@dataclass(frozen=True)
+class _Restart:
+    """A request whose grammar failed mid-way, to start again on the backends left to it."""
+
+    request: Request
+    spec: GuidedDecoding
+    backends: list[str]
+    refusals: list[str]
 
 
 def _worker_failure(message: WorkerError) -> str:

@@ -31,6 +31,21 @@ HAND = {  # (schema, what it becomes, the rewrites applied)
         {"type": "string", "allOf": [{"maxLength": 3}]},
         ["double negation"],
     ),
+    "an enum beside a type none of its values has: the optional property is left out": (
+        {"type": "object", "properties": {"a": {"type": "string"}, "b": {"enum": ["M", "D"], "type": "object"}}},
+        {"type": "object", "properties": {"a": {"type": "string"}, "b": False}},
+        ["finite values"],
+    ),
+    "a const beside a type it does not have, in an anyOf": (
+        {"anyOf": [{"type": "integer", "const": "x"}, {"type": "string", "maxLength": 3}]},
+        {"anyOf": [{"type": "string", "maxLength": 3}]},
+        ["finite values", "nothing matches"],
+    ),
+    "an enum narrowed by its type": (
+        {"type": "string", "enum": ["a", 1, None]},
+        {"enum": ["a"]},
+        ["finite values"],
+    ),
     "enum narrowed by a pattern": (
         {"enum": ["ab", "b", "abc"], "pattern": "^a"},
         {"enum": ["ab", "abc"]},
@@ -256,7 +271,6 @@ LEFT_ALONE = {  # no exact rewrite: left for the backend to refuse
     "an enum beside its type": {"type": "string", "enum": ["a", "b"]},
     "an enum with a $ref": {"enum": ["a"], "allOf": [{"$ref": "#/definitions/x"}], "definitions": {"x": {}}},
     "an enum with a format": {"enum": ["a"], "format": "email", "minLength": 1},
-    "no value left": {"enum": ["a"], "minLength": 2},
     "keywords beside $ref in draft 7": {
         "$schema": "http://json-schema.org/draft-07/schema#",
         "$ref": "#/definitions/x",
@@ -336,6 +350,39 @@ def test_each_rewrite_gives_what_it_should(name: str) -> None:
 @pytest.mark.parametrize("name", list(LEFT_ALONE))
 def test_what_cannot_be_rewritten_exactly_is_left_alone(name: str) -> None:
     assert rewrite_schema(LEFT_ALONE[name]) == (LEFT_ALONE[name], [])
+
+
+MATCH_NOTHING = {  # (schema, what the refusal says)
+    "no value left": ({"enum": ["a"], "minLength": 2}, 'none of the values ["a"] fits the minLength'),
+    "a required property whose enum contradicts its type": (
+        {
+            "type": "object",
+            "properties": {"builtin": {"enum": ["MODIFIABLE", "DELETABLE", "IMMUTABLE"], "type": "object"}},
+            "required": ["builtin"],
+        },
+        "required property 'builtin' can have no value",
+    ),
+    "an allOf with a branch of no value": (
+        {"allOf": [{"type": "string"}, {"const": 3, "type": "string"}]},
+        "a branch of an allOf matches nothing",
+    ),
+    "an array that needs an item of no value": (
+        {"type": "array", "items": {"enum": [1], "type": "string"}, "minItems": 1},
+        "items matches nothing",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MATCH_NOTHING))
+def test_a_schema_no_value_matches_is_refused_with_the_reason(name: str) -> None:
+    from guidespec.grammar_backends import GrammarError
+    from guidespec.grammar_backends.interface import is_refusal
+
+    schema, reason = MATCH_NOTHING[name]
+    with pytest.raises(GrammarError) as raised:
+        rewrite_schema(schema)
+    assert str(raised.value).startswith("no JSON value can match this json_schema") and reason in str(raised.value)
+    assert not is_refusal(str(raised.value))  # (no other backend is tried: the schema is at fault)
 
 
 @pytest.mark.skipif(not SCHEMAS.exists(), reason="the shared data set is not beside this checkout")
