@@ -3,9 +3,13 @@ each output validated with ``jsonschema``; a table per category.
 
     guidespec sweep --backend xgrammar --temperature 0 1
 
-A case counts as: a compile error (the backend refused the schema or timed out), valid
-(parses and validates), or invalid (does not parse, does not validate, or was cut at
-``max_tokens``). Cases run concurrently, as a server would see them.
+A case counts as: a compile error (the backend refused the schema or timed out); valid
+(finished, parses and validates); invalid (finished, and does not parse or does not validate:
+an invalid answer reported as a success, which must never happen); cut (ended at
+``max_tokens``: reported as ``length``, not as a success); grammar failed (the backend's matcher
+gave up mid-way, reported as an error: ``GRAMMAR_FAILED``); a validator error (the ``jsonschema``
+library could not judge the output: counted apart, neither valid nor invalid); another error.
+Cases run concurrently, as a server would see them.
 """
 
 from __future__ import annotations
@@ -15,19 +19,21 @@ import contextlib
 import json
 import os
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
+from decimal import Decimal, localcontext
 from pathlib import Path
 from typing import Any
 
-from guidespec.protocol import GuidedDecoding, SamplingParams
+from guidespec.protocol import GRAMMAR_FAILED, GuidedDecoding, SamplingParams
 
 
 @dataclass
 class CaseResult:
     case_id: str
     category: str
-    status: str  # "valid" | "invalid" | "compile_error" | "error"
+    # "valid" | "invalid" | "cut" | "compile_error" | "grammar_failed" | "validator_error" | "error" | "skipped"
+    status: str
     detail: str
     num_tokens: int
     latency_s: float
@@ -58,34 +64,52 @@ def category(case_id: str) -> str:
 
 
 def validate_output(text: str, schema: Any) -> str | None:
-    """None if ``text`` is JSON valid against ``schema``, else why not."""
+    """None if ``text`` is JSON valid against ``schema``, else why not (or why it could not be
+    judged: ``judge_output`` tells the two apart)."""
+    verdict, detail = judge_output(text, schema)
+    return None if verdict == "valid" else detail
+
+
+def judge_output(text: str, schema: Any) -> tuple[str, str]:
+    """("valid", ""), ("invalid", why) or ("validator_error", why the validator could not judge it:
+    an unresolvable ``$ref``, a keyword it fails on: the schema's or the library's fault, not the
+    output's). Integers are read exactly (Python ints, whatever their length)."""
     import jsonschema
 
     try:
         instance = json.loads(text)
     except json.JSONDecodeError as e:
-        return f"not JSON: {e}"
+        return "invalid", f"not JSON: {e}"
     try:
         validator_cls = jsonschema.validators.extend(
             jsonschema.validators.validator_for(schema), {"multipleOf": _decimal_multiple_of}
         )
         errors = sorted(validator_cls(schema).iter_errors(instance), key=str)
-    except Exception as e:  # unresolvable $ref and the like: the schema, not the output
-        return f"cannot validate: {type(e).__name__}: {e}"
-    return None if not errors else f"schema violation: {errors[0].message[:200]}"
+    except Exception as e:
+        return "validator_error", f"cannot validate: {type(e).__name__}: {e}"
+    return ("valid", "") if not errors else ("invalid", f"schema violation: {errors[0].message[:200]}")
 
 
 def _decimal_multiple_of(validator: Any, divisor: Any, instance: Any, schema: Any) -> Any:
-    """``multipleOf`` in decimal, as JSON numbers are written: jsonschema divides floats, so it
-    finds 1283.34 not a multiple of 0.01 (1283.34 / 0.01 = 128333.99999999999); the backends
-    (llguidance) enforce it on the digits."""
-    from decimal import Decimal
-
+    """``multipleOf`` exactly, as JSON numbers are written: jsonschema divides floats, so it finds
+    1283.34 not a multiple of 0.01 (1283.34 / 0.01 = 128333.99999999999), and a 167-digit integer
+    under ``multipleOf: 3`` raised ``decimal.DivisionImpossible`` (28 digits of precision); the
+    backends (llguidance) enforce it on the digits. Integers divide as Python ints; other numbers
+    as ``Decimal`` with as many digits as both have."""
     import jsonschema
 
     if not validator.is_type(instance, "number") or isinstance(instance, bool):
         return
-    if Decimal(repr(instance)) % Decimal(repr(divisor)) != 0:
+    if isinstance(instance, int) and isinstance(divisor, int):
+        remainder_zero = instance % divisor == 0
+    else:
+        value, step = Decimal(repr(instance)), Decimal(repr(divisor))
+        digits = len(value.as_tuple().digits) + len(step.as_tuple().digits)
+        exponent = abs(int(value.as_tuple().exponent)) + abs(int(step.as_tuple().exponent))  # type: ignore[arg-type]
+        with localcontext() as context:
+            context.prec = digits + exponent + 8
+            remainder_zero = value % step == 0
+    if not remainder_zero:
         yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor!r}")
 
 
@@ -122,18 +146,22 @@ async def run_cases(
             except ValueError as e:  # the prompt does not fit the model length: not run, said so
                 result = CaseResult(case["id"], category(case["id"]), "skipped", str(e)[:300], 0, 0.0)
             except RequestError as e:
-                status = "compile_error" if is_grammar_refusal(str(e)) else "error"
+                if e.code == GRAMMAR_FAILED:
+                    status = "grammar_failed"
+                else:
+                    status = "compile_error" if is_grammar_refusal(str(e)) else "error"
                 result = CaseResult(case["id"], category(case["id"]), status, str(e)[:300], 0, 0.0)
             else:
                 latency = time.perf_counter() - start
-                problem = (
-                    "cut at max_tokens" if out.finish_reason == "length" else validate_output(out.text, case["schema"])
-                )
+                if out.finish_reason == "length":
+                    status, problem = "cut", "cut at max_tokens"
+                else:
+                    status, problem = judge_output(out.text, case["schema"])
                 result = CaseResult(
                     case["id"],
                     category(case["id"]),
-                    "valid" if problem is None else "invalid",
-                    problem or "",
+                    status,
+                    problem,
                     len(out.token_ids),
                     latency,
                     out.text[:4000],
@@ -175,9 +203,9 @@ def summarize(results: list[CaseResult], wall_s: float, timed: list[CaseResult] 
         row["tokens"] += r.num_tokens
         row["latency"] += r.latency_s
     lines = [
-        "| category | cases | compiled | compile errors | valid | invalid | other errors | prompt too long "
-        "| tok/s per request |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| category | cases | compiled | compile errors | valid | invalid | cut at max_tokens | grammar failed "
+        "| validator errors | other errors | prompt too long | tok/s per request |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     total: dict[str, float] = defaultdict(float)
     for name in sorted(rows):
@@ -189,6 +217,11 @@ def summarize(results: list[CaseResult], wall_s: float, timed: list[CaseResult] 
     compiled = total["valid"] + total["invalid"]
     valid_pct = 100.0 * total["valid"] / compiled if compiled else 0.0
     lines.append("")
+    failures = Counter(failure_reason(r.detail) for r in results if r.status == "grammar_failed")
+    if failures:
+        lines.append(
+            "grammar failures by reason: " + "; ".join(f"{reason} ({n})" for reason, n in failures.most_common())
+        )
     throughput = (
         f"; throughput {_tokens(timed if timed is not None else results) / wall_s:.1f} output tok/s over {wall_s:.0f} s"
         if wall_s > 0
@@ -206,12 +239,20 @@ def _tokens(results: list[CaseResult]) -> int:
     return sum(r.num_tokens for r in results)
 
 
+def failure_reason(detail: str) -> str:
+    """A grammar failure's backend and reason, from its message ("llguidance gave up: lexer error: ...")."""
+    start = detail.find("(")
+    inner = detail[start + 1 :] if start >= 0 else detail
+    return inner.split("); ", 1)[0].rstrip(")")
+
+
 def _line(name: str, row: dict[str, float]) -> str:
-    compiled = row["valid"] + row["invalid"]
+    compiled = row["cases"] - row["compile_error"] - row["skipped"]
     rate = row["tokens"] / row["latency"] if row["latency"] else 0.0
     return (
         f"| {name} | {int(row['cases'])} | {int(compiled)} | {int(row['compile_error'])} | {int(row['valid'])} | "
-        f"{int(row['invalid'])} | {int(row['error'])} | {int(row['skipped'])} | {rate:.1f} |"
+        f"{int(row['invalid'])} | {int(row['cut'])} | {int(row['grammar_failed'])} | {int(row['validator_error'])} "
+        f"| {int(row['error'])} | {int(row['skipped'])} | {rate:.1f} |"
     )
 
 
@@ -282,9 +323,12 @@ def run_sweep(args: Any) -> int:
                 f"repetition_penalty {args.repetition_penalty:g}, speculative {speculative}\n"
             )
             print(summarize(everything, wall, results))
-            for r in [r for r in everything if r.status in ("invalid", "error")][:40]:
+            for r in [r for r in everything if r.status in _REPORTED][:40]:
                 print(f"  {r.status}: {r.case_id}: {r.detail}")
     return 0
+
+
+_REPORTED = ("invalid", "grammar_failed", "validator_error", "error")  # listed by case under the table
 
 
 def _model_limit(model: str | None) -> int:
@@ -304,7 +348,7 @@ def print_saved_results(path: Path) -> int:
     for config, results in by_config.items():
         print(f"\n### {config}\n")
         print(summarize(results, wall_s=0.0, timed=[]))
-        for r in [r for r in results if r.status in ("invalid", "error")]:
+        for r in [r for r in results if r.status in _REPORTED]:
             print(f"  {r.status}: {r.case_id}: {r.detail}")
     return 0
 
