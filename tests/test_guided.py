@@ -9,6 +9,7 @@ import re
 import time
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from guidespec import LLM, RequestError, SamplingParams
@@ -278,3 +279,49 @@ def test_json_output_closes_before_the_model_length_ends(llm: LLM) -> None:
         )[0]
     assert out.finish_reason == "stop", out.text
     assert validate_output(out.text, case["schema"]) is None, out.text
+
+
+def test_an_enum_beside_a_type_it_contradicts_is_exact(llm: LLM) -> None:
+    """No string is an object: a valid answer leaves the property out; required, it is a 400."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "builtin": {"enum": ["MODIFIABLE", "DELETABLE", "IMMUTABLE"], "type": "object"},
+        },
+        "required": ["name"],
+    }
+    prompt = [{"role": "user", "content": 'As JSON: name "disk", builtin "MODIFIABLE".'}]
+    for backend in BACKENDS:
+        out = llm.generate([prompt], _params(backend, schema, max_tokens=40))[0]
+        assert out.finish_reason == "stop" and "builtin" not in json.loads(out.text)
+        jsonschema.validate(json.loads(out.text), schema)
+    with pytest.raises(RequestError) as raised:
+        llm.generate([prompt], _params("auto", {**schema, "required": ["name", "builtin"]}))
+    assert raised.value.status == 400
+    assert "no JSON value can match this json_schema" in str(raised.value)
+    assert "required property 'builtin' can have no value" in str(raised.value)
+
+
+# issue 45's: xgrammar refuses it (a pattern beside minLength); llguidance gave up after the
+# opening quote with its own lexer fuel, and the error read as a finished answer ("", "stop")
+ISSUE_45_SCHEMA = {
+    "type": "string",
+    "pattern": "[aA][12].*[zZ]",
+    "minLength": 10,
+    "maxLength": 90,
+    "anyOf": [{"pattern": p} for p in ("ab1", "b12", "bc1", "c12", "ca1", "a12")],
+}
+
+
+def test_issue_45s_string_schema_gives_a_valid_answer(llm: LLM) -> None:
+    prompt = [{"role": "user", "content": "Give a code that starts with a12 and ends with z, as a JSON string."}]
+    out = llm.generate([prompt], _params("auto", ISSUE_45_SCHEMA, max_tokens=60))[0]
+    assert out.finish_reason == "stop" and out.grammar_backend == "llguidance"
+    jsonschema.validate(json.loads(out.text), ISSUE_45_SCHEMA)
+
+
+def _params(backend: str, schema: dict, max_tokens: int = 40) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, guided=GuidedDecoding(json_schema=json.dumps(schema), backend=backend)
+    )

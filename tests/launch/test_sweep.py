@@ -1,0 +1,52 @@
+"""The validity sweep (``guidespec sweep``): its judgement of outputs, and a bounded slice of the
+whole sweep of ``docs/benchmarks.md`` (every 94th workload case, both backends, greedy and T=1,
+n-gram drafts), where no invalid output may be reported as a success."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from guidespec.launch.sweep import default_workload, judge_output, load_workload, run_cases, validate_output
+
+
+def test_big_integers_are_judged_exactly() -> None:
+    """A 167-digit integer under multipleOf 3 (a valid answer) raised decimal.DivisionImpossible,
+    and the sweep called the output invalid."""
+    schema = {"type": "integer", "multipleOf": 3}
+    assert judge_output("9" * 167, schema) == ("valid", "")
+    verdict, detail = judge_output("9" * 166 + "8", schema)
+    assert verdict == "invalid" and "is not a multiple of 3" in detail
+    assert judge_output("1" + "0" * 80 + ".5", {"multipleOf": 0.5}) == ("valid", "")
+
+
+def test_a_validator_failure_is_not_an_invalid_output() -> None:
+    verdict, detail = judge_output('{"a": 1}', {"$ref": "#/definitions/missing"})
+    assert verdict == "validator_error" and detail.startswith("cannot validate")
+    assert judge_output("{", {"type": "object"})[0] == "invalid"
+    assert validate_output('{"a": 1}', {"type": "object"}) is None
+
+
+@pytest.mark.slow
+def test_a_slice_of_the_sweep_reports_no_invalid_output_as_a_success() -> None:
+    from guidespec import LLM
+
+    try:
+        workload = default_workload()
+    except FileNotFoundError:
+        pytest.skip("the shared data set is not beside this checkout")
+    cases = load_workload(workload)[::94]
+    counts: Counter[str] = Counter()
+    with LLM(max_batch_size=8, speculative="ngram", show_progress=False) as llm:
+        for backend in ("xgrammar", "llguidance"):
+            for temperature in (0.0, 1.0):
+                results = asyncio.run(run_cases(llm, cases, backend, temperature, max_tokens=192, concurrency=8))
+                for r in results:
+                    counts[r.status] += 1
+                    assert r.status != "invalid", (backend, temperature, r.case_id, r.detail, r.text)
+                    assert r.status != "error", (backend, temperature, r.case_id, r.detail)
+                    if r.status == "grammar_failed":  # surfaced as an error that names the backend
+                        assert f"{backend} gave up" in r.detail
+    assert counts["valid"] >= 0.6 * sum(counts.values()), counts
