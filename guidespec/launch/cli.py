@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--workload", default=None, help="workload.jsonl (default: ../shared/data/jsonschemabench)")
     sweep.add_argument("--prefix", default=None, help="only cases whose id starts with this (e.g. JME_)")
     sweep.add_argument("--limit", type=int, default=None)
+    sweep.add_argument("--every", type=int, default=1, metavar="N", help="every Nth case only (a spread-out sample)")
     sweep.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
     sweep.add_argument("--max-tokens", type=int, default=1024)
     sweep.add_argument("--concurrency", type=int, default=16)

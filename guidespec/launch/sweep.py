@@ -266,6 +266,7 @@ def run_sweep(args: Any) -> int:
     from guidespec.launch.args import device_from_args, speculative_from_args
 
     cases = load_workload(Path(args.workload) if args.workload else default_workload(), args.prefix, args.limit)
+    cases = cases[:: max(1, args.every)]
     speculative = speculative_from_args(args)
     results_path = Path(args.results) if args.results else None
     with contextlib.ExitStack() as stack:
