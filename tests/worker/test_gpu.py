@@ -116,13 +116,29 @@ def test_greedy_output_equals_hf_generate(random_model: Path) -> None:
     assert [o.token_ids for o in outs] == expected
 
 
+# PERSON's longest compact JSON is 168 characters (a name of 12 characters, each a surrogate
+# pair's two \uXXXX escapes), so at most 168 tokens: given more, a guided output ends by its grammar
+_GUIDED_MAX_TOKENS = 256
+
+
 def _mixed(backend: str = "xgrammar") -> list[tuple[Any, SamplingParams]]:
     guided = SamplingParams(
-        max_tokens=64, temperature=0.0, guided=GuidedDecoding(json_schema=json.dumps(PERSON), backend=backend)
+        max_tokens=_GUIDED_MAX_TOKENS,
+        temperature=0.0,
+        guided=GuidedDecoding(json_schema=json.dumps(PERSON), backend=backend),
     )
     return [({"prompt_token_ids": p}, _greedy()) for p in PROMPTS] + [
         ([{"role": "user", "content": "A person as JSON."}], guided)
     ] * 2
+
+
+def _assert_people(outputs: list[GenerationOutput]) -> None:
+    """``_mixed``'s guided outputs: each a complete PERSON, ended by its grammar (stop), never cut
+    off by length (which would leave nothing checked)."""
+    guided = outputs[len(PROMPTS) :]
+    assert len(guided) == 2 and [o.finish_reason for o in guided] == ["stop", "stop"], guided
+    for out in guided:
+        jsonschema.validate(json.loads(out.text), PERSON)
 
 
 def test_cuda_graphs_equal_eager_and_guided_outputs_are_valid(random_model: Path) -> None:
@@ -131,9 +147,7 @@ def test_cuda_graphs_equal_eager_and_guided_outputs_are_valid(random_model: Path
         with _fp32_engine(random_model, enforce_eager=eager) as llm:
             outputs[eager] = _run(llm, _mixed())
     assert [o.token_ids for o in outputs[False]] == [o.token_ids for o in outputs[True]]
-    for out in outputs[False][len(PROMPTS) :]:
-        if out.finish_reason != "length":
-            jsonschema.validate(json.loads(out.text), PERSON)
+    _assert_people(outputs[False])
 
 
 def test_engine_processes_forked_by_the_zygote_equal_new_interpreters(
@@ -156,9 +170,7 @@ def test_bf16_default_serves_guided_json(random_model: Path) -> None:
         assert llm.config.dtype == ("bfloat16" if DEVICE == "cuda" else "float32")
         outs = _run(llm, _mixed("llguidance"))
     assert all(len(o.token_ids) > 0 for o in outs)
-    for out in outs[len(PROMPTS) :]:
-        if out.finish_reason != "length":
-            jsonschema.validate(json.loads(out.text), PERSON)
+    _assert_people(outs)
 
 
 def test_speculative_greedy_equals_plain_greedy(random_model: Path) -> None:
