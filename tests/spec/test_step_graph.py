@@ -1,12 +1,14 @@
 """Fused steps (spec/step_graph.py) the way CUDA runs them, on the CPU: with stand-in graphs for
-``capture_graph`` (its two warm-ups and the captured run call the step's code, a replay calls it
-again), a fused step takes its capture-mode branches: the target's padded forward, two graphs per
-key with padding-only warm-ups, the draft graphs inside. Over three greedy verify steps, for an
-EAGLE head (a random one: drafts rejected) and a draft model sharing the target's cache (the
-target itself: every draft accepted), unguided and guided (verify masks and draft-step masks
-from a scheduler thread through the real draft channel), it gives what the eager fused step gives
-(what the CPU runs, and the engine tests check against plain greedy): the target's greedy
-continuation, or tokens the fake grammar allows."""
+``capture_graph`` (its two warm-ups and the captured run call the step's code, the captured run
+recording the ops it launches; a replay calls the code again and fails where it launches
+anything else, as a host value read at replay would: ``_Launches``), a fused step takes its
+capture-mode branches: the target's padded forward, two graphs per key with padding-only
+warm-ups, the draft graphs inside. Over three greedy verify steps, for an EAGLE head (a random
+one: drafts rejected) and a draft model sharing the target's cache (the target itself: every
+draft accepted), unguided and guided (verify masks and draft-step masks from a scheduler thread
+through the real draft channel), it gives what the eager fused step gives (what the CPU runs,
+and the engine tests check against plain greedy): the target's greedy continuation, or tokens
+the fake grammar allows."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from guidespec import cuda_ext
 from guidespec.cuda_ext.channel import VERIFY, ChannelSpec, DraftChannel
@@ -27,6 +31,7 @@ from guidespec.spec import draft_graph, step_graph
 from guidespec.spec.draft_model import DraftRunner
 from guidespec.spec.eagle import EagleRunner
 from guidespec.spec.step_graph import StepGraphs
+from guidespec.spec.verify import verify_padded
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from tests.spec.test_draft_graph import MAX_LEN, PROMPTS, VOCAB, WORDS, _mask, _scheduling, make_setup
 from tests.spec.test_eagle import Exchange
@@ -41,21 +46,77 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LlamaModel, o
 
 
 class _StandIn:
-    """A captured graph, as the CPU can have one: replay runs the step's code again."""
+    """A captured graph, as the CPU can have one: a replay runs the step's code again and fails
+    where that run would launch anything else than the capture did (see :class:`_Launches`):
+    a host value read at replay instead of a device buffer."""
 
-    def __init__(self, run: Callable[[], object]) -> None:
-        self.run = run
+    def __init__(self, run: Callable[[], object], launches: list[tuple[object, ...]]) -> None:
+        self.run, self.launches = run, launches
         self.replays = 0
 
     def replay(self) -> None:
         self.replays += 1
-        self.run()
+        again = _Launches.of(self.run)
+        for i, (captured, replayed) in enumerate(zip(self.launches, again)):
+            assert captured == replayed, f"launch {i} differs from the capture's:\n  {captured}\n  {replayed}"
+        assert len(again) == len(self.launches), f"{len(again)} launches, the capture had {len(self.launches)}"
 
 
 def _capture(device: torch.device, pool: Any, run: Callable[[], object]) -> _StandIn:
-    for _ in range(3):  # two warm-ups and the captured run, as capture_graph does (on padding)
+    for _ in range(2):  # two warm-ups, then the captured run, as capture_graph does (on padding)
         run()
-    return _StandIn(run)
+    return _StandIn(run, _Launches.of(run))
+
+
+class _Launches(TorchDispatchMode):
+    """The ops a run of the step's code launches, as a CUDA graph keeps them: each op with its
+    host arguments (Python numbers, shapes, dtypes: fixed in the kernel at capture) and its
+    tensors' addresses (a replay reads and writes the same memory: a device buffer the step
+    writes before the replay is seen, a host value the code turned into a tensor or a number is
+    the capture's). A tensor made by the run itself is named by the op that made it (a graph
+    allocates it once, from its pool; run again here it lands elsewhere). A device value read on
+    the host (``.item()``) fails at once: CUDA refuses the synchronisation inside a capture.
+    (The CPU kernels' C calls are not ops: what they take besides tensors goes unchecked.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launches: list[tuple[object, ...]] = []
+        self.made: dict[int, int] = {}  # storage address -> the launch that made it
+        self.kept: list[torch.Tensor] = []  # (alive to the end of the run: no address reused in it)
+
+    @classmethod
+    def of(cls, run: Callable[[], object]) -> list[tuple[object, ...]]:
+        with cls() as mode:
+            run()
+        return mode.launches
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default):
+            raise AssertionError(f"{func}: a device value read on the host inside a captured graph")
+        out = func(*args, **(kwargs or {}))
+        inputs = tree_flatten((args, kwargs or {}))[0]
+        read = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
+        if func is torch.ops.aten.lift_fresh.default:  # host data made a tensor: its values, as captured
+            self.launches.append((str(func), args[0].dtype, tuple(args[0].shape), args[0].tolist()))
+            read = set()
+        else:
+            self.launches.append((str(func), *(self._describe(a) for a in inputs)))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in read:
+                self.made.setdefault(t.untyped_storage().data_ptr(), len(self.launches) - 1)
+                self.kept.append(t)
+        return out
+
+    def _describe(self, value: object) -> object:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage().data_ptr()
+            where = ("made by", self.made[storage]) if storage in self.made else ("at", storage)
+            return (*where, value.storage_offset(), tuple(value.shape), value.stride(), value.dtype)
+        if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.layout)):
+            return repr(value)
+        if isinstance(value, torch.Generator):  # (a new Python object at each op: named by its seed)
+            return f"generator {value.device} seeded {value.initial_seed()}"
+        return f"{type(value).__name__} {id(value):x}"
 
 
 GUIDED = [0, 2]  # the guided rows (the others unguided), where a test guides
@@ -226,6 +287,61 @@ def test_a_seeded_row_draws_alike_eager_and_captured(setup, drafter: str, monkey
     captured = [_fused_steps(setup, drafter, True, guided, sampled="seeded") for guided in (False, True)]
     assert captured == eager
     assert len(eager[0][0][SAMPLED]) >= 4
+
+
+def test_the_stand_in_fails_a_host_value_read_at_replay() -> None:
+    """What a replay of a real graph would not see, the stand-in refuses: a Python number or a
+    host array the code reads again, a device value read on the host; what the step writes into
+    a device buffer before the replay is seen."""
+    x, out, device_scale = torch.arange(3.0), torch.zeros(3), torch.ones(1)
+    host: dict[str, Any] = {"scale": 1.0, "array": np.ones(3, np.float32)}
+    for reads_the_host in (
+        lambda: out.copy_(x * host["scale"]),
+        lambda: out.copy_(x * torch.from_numpy(host["array"])),
+    ):
+        graph = _capture(torch.device("cpu"), None, reads_the_host)
+        host["scale"], host["array"] = 2.0, np.full(3, 2.0, np.float32)
+        with pytest.raises(AssertionError, match="differs from the capture's"):
+            graph.replay()
+        host["scale"], host["array"] = 1.0, np.ones(3, np.float32)
+        graph.replay()  # (the capture's values again: the same launches)
+    with pytest.raises(AssertionError, match="read on the host inside a captured graph"):
+        _capture(torch.device("cpu"), None, lambda: out.fill_(float(device_scale)))
+    graph = _capture(torch.device("cpu"), None, lambda: torch.mul(x, device_scale, out=out))
+    device_scale.fill_(2.0)
+    graph.replay()
+    assert out.tolist() == [0.0, 2.0, 4.0]
+
+
+def test_a_fused_step_reading_its_draft_counts_from_the_host_is_caught(setup, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The classic graph bug, made on purpose: acceptance reads each row's draft count from the
+    host (the step's inputs) instead of the device buffer the step writes. Eagerly nothing
+    changes; a real graph would keep the capture's counts (padding: 0) at every replay, and the
+    stand-in fails at the first replay (a stand-in that only ran the code again did not)."""
+    expected = _fused_steps(setup, "draft model", captured=False, guided=False)
+    known: dict[str, np.ndarray] = {}
+    write, write_padding = StepGraphs._write, StepGraphs._write_padding
+
+    def write_known(self: StepGraphs, graph: Any, inputs: StepInputs, *rest: Any) -> None:
+        known["draft_count"] = np.zeros(graph.key.verify.batch, np.int64)
+        known["draft_count"][: inputs.batch_size] = inputs.num_logits - 1
+        write(self, graph, inputs, *rest)
+
+    def write_padding_known(self: StepGraphs, graph: Any) -> None:
+        known["draft_count"] = np.zeros(graph.key.verify.batch, np.int64)
+        write_padding(self, graph)
+
+    def verify_reading_the_host(logits: torch.Tensor, drafts: torch.Tensor, _: torch.Tensor, sampling: Any) -> Any:
+        return verify_padded(logits, drafts, torch.from_numpy(known["draft_count"]), sampling)
+
+    monkeypatch.setattr(StepGraphs, "_write", write_known)
+    monkeypatch.setattr(StepGraphs, "_write_padding", write_padding_known)
+    monkeypatch.setattr(step_graph, "verify_padded", verify_reading_the_host)
+    assert _fused_steps(setup, "draft model", captured=False, guided=False) == expected
+    monkeypatch.setattr(step_graph, "capture_graph", _capture)
+    monkeypatch.setattr(draft_graph, "capture_graph", _capture)
+    with pytest.raises(AssertionError, match="differs from the capture's"):
+        _fused_steps(setup, "draft model", captured=True, guided=False)
 
 
 def test_which_steps_fuse() -> None:
