@@ -1,7 +1,7 @@
 """The token history behind repetition, frequency and presence penalties: a fused step's
-fixed-shape update (``update_padded``) leaves the history as the per-row one does, and the
-penalties (``apply_padded``, and ``apply`` in place) are those computed row by row, padding and
-rows without penalties untouched."""
+fixed-shape update (``update_padded``) and the per-row one leave the history the token lists
+say, and the penalties (``apply_padded``, and ``apply`` in place) are those computed row by row
+from the token lists, padding and rows without penalties untouched."""
 
 from __future__ import annotations
 
@@ -26,9 +26,13 @@ def test_padded_update_and_apply_equal_the_per_row_ones() -> None:
     prompt_lens = torch.tensor([4, 4, 0, 0, 3, 3])  # (0: a row not recorded)
     rows.update([0, 1, 2], [4, 2, 3], [1, 1, 1], torch.tensor([2, 5, 3]), [4, 2, 3], [True, False, True])
     padded.update_padded(new, slots, positions, prompt_lens)
-    assert torch.equal(rows.seen[:3], padded.seen[:3])
-    assert torch.equal(rows.output_counts[:3], padded.output_counts[:3])
-    assert int(rows.output_counts[0, 2]) == 1 and not bool(rows.seen[1, 5] and rows.output_counts[1, 5])
+    # what each slot should hold, from the token lists alone: every recorded token seen, the
+    # output's counted (row 1 not penalized: its new token 5 not recorded)
+    outputs = [[2], [], [3]]
+    seen = torch.tensor([[v in prompt + output for v in range(V)] for prompt, output in zip(prompts, outputs)])
+    counts = torch.tensor([[output.count(v) for v in range(V)] for output in outputs], dtype=torch.int32)
+    for history in (rows, padded):
+        assert torch.equal(history.seen[:3], seen) and torch.equal(history.output_counts[:3], counts)
     logits = torch.randn(6, V) * 3
     logits[0, 7] = float("-inf")  # (a masked token stays masked)
     penalties = torch.tensor([[1.3, 0.5, 0.2]] * 2 + [[1.0, 0.0, 0.0]] * 2 + [[0.8, 0.0, 0.7]] * 2)
@@ -37,10 +41,8 @@ def test_padded_update_and_apply_equal_the_per_row_ones() -> None:
     for r in range(6):
         rep, freq, pres = penalties[r].tolist()
         row, slot = expected[r], int(row_slots[r])
-        seen = rows.seen[slot]
-        row[seen] = torch.where(row[seen] > 0, row[seen] / rep, row[seen] * rep)
-        counts = rows.output_counts[slot].float()
-        row -= freq * counts + pres * (counts > 0).float()
+        row[seen[slot]] = torch.where(row[seen[slot]] > 0, row[seen[slot]] / rep, row[seen[slot]] * rep)
+        row -= freq * counts[slot].float() + pres * (counts[slot] > 0).float()
     got = padded.apply_padded(logits, row_slots, *penalties.unbind(1))
     assert torch.equal(got, expected) and not torch.equal(got, logits)
     assert torch.equal(got[2:4], logits[2:4])  # a row without penalties: unchanged
