@@ -49,6 +49,19 @@ def torch_profiler_dir() -> str | None:
     return os.environ.get("GUIDESPEC_TORCH_PROFILER_DIR") or None
 
 
+def tp_backend() -> str | None:
+    """The collective backend of tensor-parallel ranks (``GUIDESPEC_TP_BACKEND``): unset, NCCL on
+    CUDA and gloo on the CPU (``worker.collective_backend``). ``gloo`` on CUDA passes the ranks'
+    CUDA tensors through host memory, so ranks may share a GPU, which NCCL refuses: rank i on
+    ``cuda:(i mod GPUs)``, eagerly (gloo's collectives wait on the host, which a CUDA graph cannot
+    hold). It is the stand-in for NCCL that runs the GPU's tensor-parallel path (placement,
+    sharded weights, collectives of CUDA tensors) on one GPU, slowly; ``nccl`` needs CUDA ranks."""
+    value = os.environ.get("GUIDESPEC_TP_BACKEND") or None
+    if value not in (None, "nccl", "gloo"):
+        raise ValueError(f"GUIDESPEC_TP_BACKEND must be nccl or gloo, got {value!r}")
+    return value
+
+
 def worker_threads() -> int | None:
     """``GUIDESPEC_WORKER_THREADS=N``: torch threads per worker rank (default: the cores split
     over the ranks on the CPU, 1 on a GPU). Set it to 1 when several engines share a small machine: oversubscribed

@@ -227,7 +227,7 @@ class LLM:
 
         # Ray places its ranks itself: only a local launch needs the GPUs here
         local = 0 if distributed_executor == "ray" else tensor_parallel_size
-        resolved_device = resolve_device(device, local)
+        resolved_device = resolve_device(device, local, share_gpus=envs.tp_backend() == "gloo")
         zygote.warm_up(resolved_device)
         # a GGUF model's own quantized blocks (where the model is a GGUF file's conversion), with fp32
         # arithmetic around them: what "auto" means on the CPU; "float32" dequantizes them

@@ -2,7 +2,8 @@
 to, and whether the model and its KV cache fit the device's memory.
 
 ``device="auto"`` is CUDA where torch sees a GPU, else the CPU. A local launch puts rank ``i``
-on ``cuda:i`` of the GPUs ``CUDA_VISIBLE_DEVICES`` leaves visible; a Ray rank gets one GPU from
+on ``cuda:i`` of the GPUs ``CUDA_VISIBLE_DEVICES`` leaves visible (ranks sharing GPUs over gloo,
+``GUIDESPEC_TP_BACKEND=gloo``: ``cuda:(i mod GPUs)``); a Ray rank gets one GPU from
 Ray, which sets its ``CUDA_VISIBLE_DEVICES``, so it runs on ``cuda:0``. ``dtype="auto"`` is
 bfloat16 on CUDA and float32 on the CPU (whose kernels are fp32).
 """
@@ -26,21 +27,22 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def resolve_device(device: str, num_local_ranks: int, num_gpus: int | None = None) -> str:
+def resolve_device(device: str, num_local_ranks: int, num_gpus: int | None = None, share_gpus: bool = False) -> str:
     """``"cuda"`` or ``"cpu"`` for ``device`` (auto, cuda, cpu); ValueError where CUDA is asked
-    for and this machine has fewer GPUs than local ranks. Ranks under Ray are not local: Ray
-    places them (``num_local_ranks`` 0)."""
+    for and this machine has fewer GPUs than local ranks (``share_gpus``: than one; the ranks'
+    collectives over gloo, ``envs.tp_backend``, let them share). Ranks under Ray are not local:
+    Ray places them (``num_local_ranks`` 0)."""
     if device not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     gpus = cuda_device_count() if num_gpus is None else num_gpus
     if device == "auto":
         device = "cuda" if gpus > 0 else "cpu"
-    if device == "cuda" and gpus < num_local_ranks:
+    if device == "cuda" and gpus < (min(num_local_ranks, 1) if share_gpus else num_local_ranks):
         seen = "no GPU" if gpus == 0 else f"{gpus} GPU{'s' if gpus > 1 else ''}"
         raise ValueError(
             f"device 'cuda' with {num_local_ranks} local rank{'s' if num_local_ranks > 1 else ''} needs "
-            f"as many GPUs; torch sees {seen} (check CUDA_VISIBLE_DEVICES and the driver, lower "
-            "--tensor-parallel-size, or use --device cpu)"
+            f"{'a GPU' if share_gpus else 'as many GPUs'}; torch sees {seen} (check CUDA_VISIBLE_DEVICES and "
+            "the driver, lower --tensor-parallel-size, or use --device cpu)"
         )
     return device
 
@@ -52,12 +54,16 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return dtype
 
 
-def rank_device(device: str, local_index: int | None) -> str:
-    """The torch device of a rank: ``cuda:<its index among the local ranks>`` (a Ray rank, whose
-    index is None, has its one GPU as ``cuda:0``), or ``cpu``."""
+def rank_device(device: str, local_index: int | None, num_gpus: int | None = None) -> str:
+    """The torch device of a rank: ``cuda:<its index among the local ranks>``, modulo the GPUs
+    where the ranks outnumber them (ranks sharing GPUs over gloo: ``envs.tp_backend``); a Ray
+    rank, whose index is None, has its one GPU as ``cuda:0``; or ``cpu``."""
     if device == "cpu":
         return "cpu"
-    return f"cuda:{local_index or 0}"
+    if local_index is None:
+        return "cuda:0"
+    gpus = cuda_device_count() if num_gpus is None else num_gpus
+    return f"cuda:{local_index % gpus if gpus else local_index}"
 
 
 @dataclass(frozen=True)

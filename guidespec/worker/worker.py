@@ -96,6 +96,22 @@ def run_worker(cfg: WorkerConfig, parent_pid: int) -> None:
         tp_mod.destroy_distributed()
 
 
+def collective_backend(device_type: str, requested: str | None, captured: bool = False) -> str:
+    """The torch.distributed backend of a rank on ``device_type``: ``requested``
+    (``envs.tp_backend``) where set, else NCCL on CUDA and gloo on the CPU. ValueError for NCCL off
+    CUDA, and for gloo where CUDA graphs would hold the collectives (``captured``): gloo's wait on
+    the host, which a graph cannot hold."""
+    backend = requested or ("nccl" if device_type == "cuda" else "gloo")
+    if backend == "nccl" and device_type != "cuda":
+        raise ValueError(f"NCCL (GUIDESPEC_TP_BACKEND=nccl) needs CUDA ranks, not {device_type}")
+    if backend == "gloo" and device_type == "cuda" and captured:
+        raise ValueError(
+            "tensor-parallel CUDA ranks over gloo (GUIDESPEC_TP_BACKEND=gloo) run eagerly: a CUDA graph "
+            "cannot hold gloo's collectives; pass enforce_eager=True"
+        )
+    return backend
+
+
 class Worker:
     def __init__(self, cfg: WorkerConfig, ctx: zmq.Context) -> None:
         self.cfg = cfg
@@ -104,7 +120,9 @@ class Worker:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.set_device(self.device)  # before NCCL: its communicator binds the current device
-        tp_mod.init_distributed(self.tp, cfg.dist_init_method, "nccl" if cuda else "gloo")
+        captured = cuda and not cfg.enforce_eager and self.tp.size > 1  # (collectives inside CUDA graphs)
+        backend = collective_backend(self.device.type, envs.tp_backend(), captured)
+        tp_mod.init_distributed(self.tp, cfg.dist_init_method, backend)
         hf_config = load_hf_config(cfg.model_dir, cfg.hf_config)
         model_cfg = ModelConfig.from_hf(hf_config)
         dtype = getattr(torch, cfg.dtype)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from guidespec import envs
 from guidespec.config import ModelConfig
 from guidespec.launch.ray_executor import placement_bundle, placement_problem, placement_strategy
 from guidespec.model_files import load_hf_config
@@ -16,6 +17,7 @@ from guidespec.worker.device import MemoryPlan, check_fits, memory_plan, rank_de
 from guidespec.worker.mask import DeviceMasks, apply_bitmask, unpack_bitmask
 from guidespec.worker.model import LlamaModel
 from guidespec.worker.tp import TPInfo
+from guidespec.worker.worker import collective_backend
 from tests.conftest import make_tiny_model
 
 GIB = 1 << 30
@@ -34,8 +36,40 @@ def test_device_resolution() -> None:
         resolve_device("tpu", 1, num_gpus=0)
     assert [resolve_dtype("auto", d) for d in ("cuda", "cpu")] == ["bfloat16", "float32"]
     assert resolve_dtype("float16", "cuda") == "float16"
-    assert [rank_device("cuda", i) for i in (0, 3, None)] == ["cuda:0", "cuda:3", "cuda:0"]
+    assert [rank_device("cuda", i, num_gpus=4) for i in (0, 3, None)] == ["cuda:0", "cuda:3", "cuda:0"]
     assert rank_device("cpu", 1) == "cpu"
+
+
+def test_ranks_share_one_gpu_where_their_collectives_run_over_gloo() -> None:
+    """Two local ranks and one GPU: refused unless the ranks share it (GUIDESPEC_TP_BACKEND=gloo),
+    and then both on cuda:0 (four ranks on two GPUs: 0, 1, 0, 1)."""
+    with pytest.raises(ValueError, match="needs as many GPUs"):
+        resolve_device("cuda", 2, num_gpus=1)
+    assert resolve_device("cuda", 2, num_gpus=1, share_gpus=True) == "cuda"
+    assert resolve_device("auto", 2, num_gpus=1, share_gpus=True) == "cuda"
+    with pytest.raises(ValueError, match="needs a GPU; torch sees no GPU"):
+        resolve_device("cuda", 2, num_gpus=0, share_gpus=True)
+    assert [rank_device("cuda", i, num_gpus=1) for i in range(2)] == ["cuda:0", "cuda:0"]
+    assert [rank_device("cuda", i, num_gpus=2) for i in range(4)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+
+
+def test_the_collective_backend_of_a_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL for a CUDA rank, gloo for a CPU rank; GUIDESPEC_TP_BACKEND=gloo puts CUDA ranks on gloo
+    (eagerly: a CUDA graph cannot hold its collectives); NCCL never on the CPU."""
+    monkeypatch.delenv("GUIDESPEC_TP_BACKEND", raising=False)
+    assert envs.tp_backend() is None
+    assert [collective_backend(d, envs.tp_backend(), captured=True) for d in ("cuda", "cpu")] == ["nccl", "gloo"]
+    monkeypatch.setenv("GUIDESPEC_TP_BACKEND", "gloo")
+    assert [collective_backend(d, envs.tp_backend()) for d in ("cuda", "cpu")] == ["gloo", "gloo"]
+    with pytest.raises(ValueError, match="run eagerly"):
+        collective_backend("cuda", envs.tp_backend(), captured=True)
+    monkeypatch.setenv("GUIDESPEC_TP_BACKEND", "nccl")
+    assert collective_backend("cuda", envs.tp_backend(), captured=True) == "nccl"
+    with pytest.raises(ValueError, match="needs CUDA ranks"):
+        collective_backend("cpu", envs.tp_backend())
+    monkeypatch.setenv("GUIDESPEC_TP_BACKEND", "mpi")
+    with pytest.raises(ValueError, match="must be nccl or gloo"):
+        envs.tp_backend()
 
 
 def test_memory_plan_counts_the_shard(tmp_path: Path) -> None:
