@@ -8,8 +8,10 @@ template), both streaming over server-sent events; ``response_format`` (``json_s
 
 Errors are OpenAI-style bodies (``{"error": {"message", "type", "param", "code"}}``) whose status
 says whose fault it is: 400 for a request the engine refuses (invalid schema, context overflow,
-bad or unsupported parameter), 401 for a wrong API key, 404 for an unknown model or route, 413
-for a body over ``MAX_BODY_BYTES``, 422 for a body of the wrong shape; 500 for a bug of ours
+bad or unsupported parameter), 401 for a wrong or missing API key (``--api-key`` guards the
+``/v1`` routes, as vLLM's: ``/health`` and ``/metrics`` stay open), 404 for an unknown model or
+route, 413 for a body over ``MAX_BODY_BYTES`` (by its ``Content-Length``, or counted as a chunked
+upload arrives), 422 for a body of the wrong shape; 500 for a bug of ours
 (its traceback in this server's log, never in the response); 503 with ``Retry-After`` while the
 engine is restarting after a death, or while the server drains for shutdown. A stream that
 fails after its first byte ends with an error event of the same status. The engine keeps
@@ -24,12 +26,13 @@ requests get 503, those in flight finish (up to ``shutdown_timeout_s``), then th
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import signal
 import time
 import uuid
-from typing import Any, AsyncIterator, Iterator, Literal
+from typing import Any, AsyncIterator, Callable, Iterator, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from guidespec.grammar_backends.interface import refusals_in
 from guidespec.launch.tools import MAX_TOOLS, ToolError, ToolPlan, history_content, plan_tools
@@ -290,6 +294,41 @@ class _RestartCollector:
         )
 
 
+class _BodyLimit:
+    """ASGI middleware: reads each request's body as it arrives, counting its bytes, and answers
+    413 as soon as they pass ``max_bytes`` (a chunked upload has no ``Content-Length`` to check
+    up front); the rest is not read. A body within the limit reaches the app as one message."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, on_refused: Callable[[], None]) -> None:
+        self.app, self.max_bytes, self.on_refused = app, max_bytes, on_refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before its body was whole: nobody to answer
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                self.on_refused()
+                refusal = _error(413, f"the request body passed {self.max_bytes} bytes (the limit)")
+                await refusal(scope, receive, send)
+                return
+            more = message.get("more_body", False)
+        pending: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Message:  # the body, then the connection's own messages (a disconnect)
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+
 def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``llm`` under the name ``model_name``."""
     app = FastAPI(title="guidespec", docs_url=None, redoc_url=None)
@@ -319,11 +358,17 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
         metrics.failed.labels(status="500").inc()
         return _error(500, f"internal server error ({type(e).__name__}); the details are in the server's log")
 
+    # (added first, so it runs inside _admit: a body is read only once its request is admitted)
+    app.add_middleware(
+        _BodyLimit, max_bytes=MAX_BODY_BYTES, on_refused=lambda: metrics.failed.labels(status="413").inc()
+    )
+
     @app.middleware("http")
     async def _admit(request: Request, call_next: Any) -> Any:
-        """Authentication, the body size limit, and 503 while the server drains for shutdown."""
+        """Authentication (the ``/v1`` routes), a ``Content-Length`` over the body size limit, and
+        503 while the server drains for shutdown."""
         if request.url.path.startswith("/v1"):
-            if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            if api_key and not _authorized(request.headers.get("authorization", ""), api_key):
                 metrics.failed.labels(status="401").inc()
                 return _error(401, "invalid or missing API key (send Authorization: Bearer <key>)")
             if app.state.draining:
@@ -700,6 +745,13 @@ def _stream_message(message: dict[str, Any]) -> dict[str, Any]:
     if message.get("tool_calls") is None:
         return {"content": message["content"]}
     return {"tool_calls": [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]}
+
+
+def _authorized(header: str, api_key: str) -> bool:
+    """``Authorization: Bearer <key>`` as vLLM checks it: the scheme in any case (RFC 9110 11.1),
+    the key compared in constant time."""
+    scheme, _, key = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(key.encode(), api_key.encode())
 
 
 def _status(e: Exception) -> int:

@@ -1,11 +1,13 @@
 """``guidespec serve`` as a real process, driven by the official ``openai`` client: chat and
-completion, streaming, structured output that validates, OpenAI-style errors, and a client that
+completion, streaming, structured output that validates, OpenAI-style errors, the API key and the
+body size limit (a chunked upload too), every documented /metrics series, and a client that
 disconnects mid-stream freeing its slot (seen in /metrics)."""
 
 from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -14,8 +16,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.launch.serving import KEY, start_server, stop_server
+from guidespec.launch.server import MAX_BODY_BYTES
+from tests.launch.serving import AUTH, KEY, ROOT, start_server, stop_server
 from tests.launch.test_tools import WEATHER
 
 pytestmark = pytest.mark.slow
@@ -29,6 +33,17 @@ PERSON = {
     "additionalProperties": False,
 }
 ASK = [{"role": "user", "content": "Give me a person as JSON."}]
+# a schema whose long property names the grammar forces: every guided request under it drafts them
+# (speculating or not: jump-forward), so its tokens per speculative step are surely above 1
+FORCED = {
+    "type": "object",
+    "properties": {
+        "the_name_of_the_largest_city_in_the_country": {"type": "string", "maxLength": 12},
+        "its_population_in_millions_of_inhabitants": {"type": "integer"},
+    },
+    "required": ["the_name_of_the_largest_city_in_the_country", "its_population_in_millions_of_inhabitants"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +228,158 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server: str
     assert ok.choices[0].message.content is not None
 
 
+def _assert_error(response: httpx.Response, status: int, kind: str) -> None:
+    """An OpenAI-style error body of ``status``."""
+    assert response.status_code == status, response.text[:300]
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    assert error["code"] == status and error["type"] == kind, error
+
+
+def test_the_api_key_guards_the_v1_routes_as_vllms_does(server: str) -> None:
+    """No key, a wrong one, another scheme: 401 with OpenAI's error body, on every /v1 route. The
+    scheme is case-insensitive (RFC 9110; vLLM's check). /health and /metrics need no key (vLLM's
+    --api-key guards /v1 only; docs/usage.md says so)."""
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEY}"}, {"Authorization": KEY}):
+        _assert_error(httpx.get(f"{server}/v1/models", headers=headers, timeout=30), 401, "AuthenticationError")
+        chat = httpx.post(
+            f"{server}/v1/chat/completions", headers=headers, json={"messages": ASK, "max_tokens": 2}, timeout=30
+        )
+        _assert_error(chat, 401, "AuthenticationError")
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        models = httpx.get(f"{server}/v1/models", headers={"Authorization": f"{scheme} {KEY}"}, timeout=30)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
+    assert httpx.get(f"{server}/health", timeout=30).status_code == 200
+    assert "guidespec_num_requests_running" in httpx.get(f"{server}/metrics", timeout=30).text
+
+
+def _padded(head: bytes, size: int) -> Iterator[bytes]:
+    """``head``, then spaces to ``size`` bytes in all, 64 KiB at a time: JSON allows trailing
+    whitespace, so the body is a valid request of any size (httpx sends a generator chunked)."""
+    yield head
+    sent = len(head)
+    while sent < size:
+        piece = min(1 << 16, size - sent)
+        yield b" " * piece
+        sent += piece
+
+
+def _answer_to_an_unfinished_upload(server: str, size: int) -> bytes:
+    """The start of the server's answer to a chunked upload of ``size`` bytes whose last chunk
+    never comes (a server that reads a body whole before it checks its size never answers)."""
+    url = httpx.URL(server)
+    with socket.create_connection((url.host, url.port or 80), timeout=30) as sock:
+        sock.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.host}\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+        )
+        chunk = b" " * (1 << 20)
+        for _ in range(-(-size // len(chunk))):
+            sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        return sock.recv(1 << 16)
+
+
+def test_a_chunked_body_past_the_limit_is_refused_as_it_arrives(server: str) -> None:
+    """A chunked upload has no Content-Length to check up front: the server counts its bytes as
+    they arrive and answers 413 once they pass MAX_BODY_BYTES, without waiting for the rest. The
+    body is a request that would be served if read whole; one under the limit is, chunked too."""
+    head = json.dumps({"messages": ASK, "max_tokens": 2}).encode()
+    url, headers = f"{server}/v1/chat/completions", {**AUTH, "Content-Type": "application/json"}
+    small = httpx.post(url, headers=headers, content=_padded(head, 1 << 20), timeout=120)
+    assert small.request.headers["transfer-encoding"] == "chunked" and "content-length" not in small.request.headers
+    assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] <= 2, small.text[:300]
+    big = httpx.post(url, headers=headers, content=_padded(head, MAX_BODY_BYTES + (1 << 20)), timeout=120)
+    _assert_error(big, 413, "RequestTooLargeError")
+    assert str(MAX_BODY_BYTES) in big.json()["error"]["message"]
+    assert _answer_to_an_unfinished_upload(server, MAX_BODY_BYTES + (1 << 20)).startswith(b"HTTP/1.1 413 ")
+    assert httpx.get(f"{server}/health", timeout=5).status_code == 200
+
+
+def _scrape(server: str) -> tuple[set[str], dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
+    """/metrics: its series' names (counters with _total, as queried; not prometheus_client's
+    _created timestamps), and every sample's value by name and labels."""
+    text = httpx.get(f"{server}/metrics", timeout=5).text
+    names = {name for name in re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE) if not name.endswith("_created")}
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    return names, samples
+
+
+def _documented_series() -> set[str]:
+    usage = (ROOT / "docs" / "usage.md").read_text()
+    server_section = usage.split("## OpenAI-compatible server", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"`(guidespec_\w+)", server_section))
+
+
+def test_every_documented_metric_is_served_and_moves_with_traffic(server: str, client: openai.OpenAI) -> None:
+    """The series docs/usage.md lists are the ones /metrics serves; after unguided, guided and
+    speculating requests, a grammar one backend refuses, and refusals of three kinds, each counter
+    and histogram moved by exactly what they were, and the gauges are back at rest."""
+    names, before = _scrape(server)
+    assert names == _documented_series()
+    usages = [
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0).usage,
+        client.completions.create(
+            model=MODEL, prompt="France as JSON:", max_tokens=24, temperature=0, extra_body={"guided_json": FORCED}
+        ).usage,
+        list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=ASK,
+                max_tokens=24,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                response_format={"type": "json_schema", "json_schema": {"name": "forced", "schema": FORCED}},
+            )
+        )[-1].usage,
+    ]
+    refused_by_xgrammar = {"type": "string", "pattern": "^[a-z]+$", "minLength": 2}  # llguidance serves it
+    served = httpx.post(
+        f"{server}/v1/completions",
+        headers=AUTH,
+        json={"prompt": "A word:", "max_tokens": 6, "guided_json": refused_by_xgrammar},
+        timeout=120,
+    )
+    assert served.status_code == 200 and served.json()["usage"]["grammar_backend"] == "llguidance"
+    figures = [u.model_dump() for u in usages if u is not None] + [served.json()["usage"]]
+    assert len(figures) == 4 and figures[1]["spec_steps"] > 0 and figures[2]["spec_steps"] > 0
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=ASK, temperature=-1)
+    assert httpx.get(f"{server}/v1/models", timeout=30).status_code == 401
+    big = _padded(b"{}", MAX_BODY_BYTES + 1)
+    assert httpx.post(f"{server}/v1/completions", headers=AUTH, content=big, timeout=120).status_code == 413
+    deadline = time.monotonic() + 5  # (the queue's gauges follow the scheduler's reports, every 0.1 s at most)
+    while _metric(server, "guidespec_num_requests_in_server") or _metric(server, "guidespec_num_requests_running"):
+        assert time.monotonic() < deadline, "requests still counted as in the server or running"
+        time.sleep(0.05)
+    names, after = _scrape(server)
+
+    def moved(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    assert names == _documented_series()
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert moved(f"guidespec_{histogram}_count") == 4
+    assert moved("guidespec_inter_token_latency_seconds_count") == sum(f["completion_tokens"] > 1 for f in figures)
+    spec = [f["accepted_tokens_per_step"] for f in figures if f["spec_steps"]]
+    assert moved("guidespec_accepted_tokens_per_step_count") == len(spec) >= 2
+    assert moved("guidespec_accepted_tokens_per_step_sum") == pytest.approx(sum(spec), abs=1e-3)
+    successes = [key for key in after if key[0] == "guidespec_request_success_total"]
+    assert sum(after[key] - before.get(key, 0.0) for key in successes) == 4
+    assert [moved("guidespec_request_failure_total", status=s) for s in ("400", "401", "413")] == [1, 1, 1]
+    assert moved("guidespec_grammar_refusals_total", backend="xgrammar", keyword="minLength") == 1
+    assert moved("guidespec_prompt_tokens_total") == sum(f["prompt_tokens"] for f in figures)
+    assert moved("guidespec_generation_tokens_total") == sum(f["completion_tokens"] for f in figures)
+    assert after[("guidespec_engine_restarts_total", ())] == 0
+    for gauge in ("in_server", "running", "waiting", "waiting_for_grammar"):
+        assert after[(f"guidespec_num_requests_{gauge}", ())] == 0
+
+
 def test_the_backend_that_served_is_named_and_refusals_are_counted(server: str) -> None:
     """Backend auto (the default): xgrammar refuses 'minLength' beside a 'pattern', llguidance
     enforces it; the response names it, the metrics count xgrammar's refusal. A schema both
@@ -309,8 +476,25 @@ def test_bench_against_the_server_writes_its_table_and_plot(server: str, tmp_pat
     ]
     assert all(lv["errors"] == 0 and lv["output_tokens"] > 0 and lv["ttft_p50_s"] > 0 for lv in levels)
     assert all(lv["valid_fraction"] is not None for lv in levels if lv["config"] != "unguided")
-    # the per-request speculative switch: configurations without speculation never draft
+    # the per-request speculative switch: configurations without speculation never draft (these
+    # prompts' outputs, "{}", have no forced tokens, which a guided request drafts even without it)
     assert all(lv["accepted_per_step"] == 1.0 for lv in levels if lv["config"] != "guided+spec")
     table = (tmp_path / "bench.md").read_text()
     assert table.count("| guided+spec |") == 2
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    # the figure is the server's, not bench's default of 1.0: a schema whose long property names
+    # the grammar forces surely drafts (and has its drafts accepted) with speculation on
+    workload = tmp_path / "forced.jsonl"
+    case = {"id": "forced", "messages": [{"role": "user", "content": "France, as JSON."}], "schema": FORCED}
+    workload.write_text(json.dumps(case) + "\n")
+    forced_dir = tmp_path / "forced"
+    code = main(
+        ["bench", "--url", server, "--api-key", KEY, "--workload", str(workload), "--num-prompts", "1"]
+        + ["--configs", "unguided", "guided+spec", "--concurrency", "1", "2", "--max-tokens", "24"]
+        + ["--output-dir", str(forced_dir)]
+    )
+    assert code == 0
+    levels = json.loads((forced_dir / "bench.json").read_text())["levels"]
+    assert [(lv["config"], lv["errors"]) for lv in levels] == [("unguided", 0)] * 2 + [("guided+spec", 0)] * 2
+    assert [lv["accepted_per_step"] for lv in levels[:2]] == [1.0, 1.0], levels
+    assert all(lv["accepted_per_step"] > 1.0 for lv in levels[2:]), levels
