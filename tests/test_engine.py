@@ -18,6 +18,9 @@ import pytest
 import torch
 
 from guidespec import LLM, EngineDeadError, SamplingParams
+from guidespec.ipc import codec
+from guidespec.llm import GenerationOutput, _RequestStream
+from guidespec.protocol import BAD_REQUEST, GenerateRequest, RequestOutput
 
 pytestmark = pytest.mark.slow
 
@@ -181,17 +184,54 @@ def test_rank_reading_steps_over_zeromq_tcp_equals_tp_1(llm: LLM) -> None:
         assert [o.token_ids for o in mixed.generate(CHATS[:2], GREEDY)] == expected
 
 
-def test_scheduler_survives_malformed_frames(llm: LLM) -> None:
+def _chunks_to_workers(llm: LLM) -> int:
+    """Chunks the scheduler has written into the ring its workers read (every step's inputs go
+    through it): a message that reached a worker moved it."""
+    ring = llm._processes.ring
+    assert ring is not None  # (local workers)
+    return int(ring.slot_seq.max()) + 1
+
+
+def _listen(llm: LLM, request_id: str) -> _RequestStream:
+    """Where the LLM routes the scheduler's replies to ``request_id``, a request sent past it (the
+    way it routes those of its own requests)."""
+    stream = _RequestStream(GenerationOutput(request_id, []))
+    llm._streams[request_id] = stream
+    return stream
+
+
+def _send_raw(llm: LLM, frames: list[bytes]) -> None:
+    """Frames straight onto the scheduler's client socket, in order (one ZeroMQ connection keeps it)."""
     import zmq
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.connect(llm._processes.endpoints.client_in)
-    for frame in (b"", b"garbage", b"\x10\x00\x00\x00" + b"\xc1" * 16):
+    for frame in frames:
         sock.send(frame)
     sock.close(linger=1000)
     ctx.term()
+
+
+def _assert_refused(stream: _RequestStream, message: str) -> None:
+    reply = stream.queue.get(timeout=30)  # type: ignore[call-arg]  # (a thread's queue: no event loop)
+    assert isinstance(reply, RequestOutput) and reply.finished and reply.finish_reason == "error", reply
+    assert reply.error_status == BAD_REQUEST and message in (reply.error or ""), reply
+    assert not reply.new_token_ids
+
+
+def test_scheduler_survives_malformed_frames(llm: LLM) -> None:
+    """Frames that decode to no message are dropped where they arrive, and nothing reaches a worker:
+    a refused request sent after them shows the scheduler read past them, and the ring to the
+    workers has not moved."""
+    marker = _listen(llm, "raw-after-garbage")
+    written = _chunks_to_workers(llm)
+    after = GenerateRequest("raw-after-garbage", np.array([60000], dtype=np.int64), GREEDY, time.time())
+    _send_raw(llm, [b"", b"garbage", b"\x10\x00\x00\x00" + b"\xc1" * 16, codec.encode(after)])
+    _assert_refused(marker, "vocabulary")
+    assert _chunks_to_workers(llm) == written
     assert llm.generate("Hi", SamplingParams(max_tokens=3, temperature=0.0))[0].finished
+    assert _chunks_to_workers(llm) > written  # (the measure: a request that does reach the workers moves it)
 
 
 def test_abort_frees_the_slot() -> None:
@@ -325,27 +365,25 @@ def test_a_restarting_llm_serves_again_after_its_scheduler_dies() -> None:
 
 def test_the_scheduler_refuses_what_a_client_did_not_check(llm: LLM) -> None:
     """A GenerateRequest straight onto the scheduler's socket, past the client's validation: the
-    scheduler's own ``validate_request`` refuses it; nothing reaches a worker."""
-    import zmq
-
-    from guidespec.ipc import codec
-    from guidespec.protocol import GenerateRequest
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    sock.connect(llm._processes.endpoints.client_in)
-    for ids, params in (
-        ([60000, 1, 2], GREEDY),
-        ([1, 2], SamplingParams(max_tokens=4, top_k=2**40)),
-        ([1], SamplingParams(max_tokens=4, temperature=float("inf"))),
-    ):
-        sock.send(
-            codec.encode(
-                GenerateRequest(f"raw-{len(ids)}-{params.top_k}", np.array(ids, dtype=np.int64), params, time.time())
-            )
-        )
-    sock.close(linger=1000)
-    ctx.term()
+    scheduler's own ``validate_request`` refuses it with a 400 naming the problem, and nothing
+    reaches a worker (the ring to the workers does not move)."""
+    raw = {
+        "raw-vocabulary": ([60000, 1, 2], GREEDY, "vocabulary"),
+        "raw-top-k": ([1, 2], SamplingParams(max_tokens=4, top_k=2**40), "top_k"),
+        "raw-temperature": ([1], SamplingParams(max_tokens=4, temperature=float("inf")), "temperature"),
+    }
+    streams = {request_id: _listen(llm, request_id) for request_id in raw}
+    written = _chunks_to_workers(llm)
+    _send_raw(
+        llm,
+        [
+            codec.encode(GenerateRequest(request_id, np.array(ids, dtype=np.int64), params, time.time()))
+            for request_id, (ids, params, _) in raw.items()
+        ],
+    )
+    for request_id, (_, _, message) in raw.items():
+        _assert_refused(streams[request_id], message)
+    assert _chunks_to_workers(llm) == written
     assert llm.is_healthy and llm.generate("Hi", SamplingParams(max_tokens=3, temperature=0.0))[0].finished
 
 
