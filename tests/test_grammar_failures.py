@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 from typing import Iterator
 
+import httpx
 import jsonschema
 import pytest
 
@@ -113,3 +115,75 @@ def test_issue_45s_schema_is_refused_where_every_backend_would_give_up(llm: LLM)
     assert raised.value.status == 400 and "no grammar backend can enforce this exactly" in message
     assert "xgrammar cannot enforce 'minLength' beside a 'pattern'" in message
     assert 'llguidance cannot enforce this json_schema: it gives up after "\\""' in message
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    from tests.launch.serving import start_server, stop_server
+
+    saved = {name: os.environ.get(name) for name in ENV}
+    os.environ.update(ENV)
+    try:
+        running = start_server("--max-batch-size", "4")
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    try:
+        yield running.url
+    finally:
+        stop_server(running)
+
+
+def _body(backend: str, stream: bool = False) -> dict:
+    return {
+        "model": "SmolLM2-135M-Instruct",
+        "messages": PROMPT,
+        "max_tokens": 48,
+        "temperature": 0,
+        "stream": stream,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
+        "guided_decoding_backend": backend,
+    }
+
+
+def test_the_server_answers_a_grammar_that_gives_up_with_grammar_failed(server: str) -> None:
+    from tests.launch.serving import AUTH
+
+    answer = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, json=_body("llguidance"), timeout=120)
+    assert answer.status_code == 500
+    error = answer.json()["error"]
+    assert error["code"] == GRAMMAR_FAILED and "llguidance gave up" in error["message"]
+
+    events = []
+    with httpx.stream(
+        "POST", f"{server}/v1/chat/completions", headers=AUTH, json=_body("llguidance", stream=True), timeout=120
+    ) as streamed:
+        if streamed.status_code == 200:  # (the failure may come before the first byte: then a 500 as above)
+            events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+            assert events[-1]["error"]["code"] == GRAMMAR_FAILED
+        else:
+            streamed.read()
+            assert streamed.status_code == 500 and streamed.json()["error"]["code"] == GRAMMAR_FAILED
+    assert not any(c.get("finish_reason") for e in events for c in e.get("choices", []))
+
+
+def test_the_server_says_a_request_started_again_on_another_backend(server: str) -> None:
+    from tests.launch.serving import AUTH
+
+    answer = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, json=_body("auto"), timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["X-Guidespec-Grammar-Backend"] == "xgrammar"
+    assert answer.headers["X-Guidespec-Grammar-Restarts"] == "1"
+    body = answer.json()
+    assert body["usage"]["grammar_backend"] == "xgrammar" and body["usage"]["grammar_restarts"] == 1
+    assert body["choices"][0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), SCHEMA)
+    metrics = httpx.get(f"{server}/metrics", timeout=10).text
+    assert 'guidespec_grammar_failures_total{backend="llguidance",outcome="restarted"} 1.0' in metrics
+    failed = re.search(
+        r'^guidespec_grammar_failures_total\{backend="llguidance",outcome="failed"\} (\S+)', metrics, re.M
+    )
+    assert failed is not None and float(failed.group(1)) >= 2  # (the test above: its answer and its stream)

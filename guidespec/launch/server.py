@@ -12,11 +12,14 @@ bad or unsupported parameter), 401 for a wrong or missing API key (``--api-key``
 ``/v1`` routes, as vLLM's: ``/health`` and ``/metrics`` stay open), 404 for an unknown model or
 route, 413 for a body over ``MAX_BODY_BYTES`` (by its ``Content-Length``, or counted as a chunked
 upload arrives), 422 for a body of the wrong shape; 500 for a bug of ours
-(its traceback in this server's log, never in the response); 503 with ``Retry-After`` while the
-engine is restarting after a death, or while the server drains for shutdown. A stream that
-fails after its first byte ends with an error event of the same status. The engine keeps
-serving the others. A client that disconnects aborts its request, which frees its slot
-(``guidespec_num_requests_running`` in ``/metrics``).
+(its traceback in this server's log, never in the response), and 500 with ``code``
+``"grammar_failed"`` where the grammar stopped before the output was complete (a backend's limit
+met mid-way: there is no valid answer to give; ``X-Guidespec-Grammar-Restarts`` and
+``usage.grammar_restarts`` count the times a request started again on the next backend
+instead); 503 with ``Retry-After`` while the engine is restarting after a death, or while the
+server drains for shutdown. A stream that fails after its first byte ends with an error event
+of the same status (and code). The engine keeps serving the others. A client that disconnects
+aborts its request, which frees its slot (``guidespec_num_requests_running`` in ``/metrics``).
 
 The engine restarts itself (``LLM(restart_on_failure=True)``); if it dies in a crash loop the
 server exits with a non-zero status, for its supervisor. SIGTERM (or Ctrl-C) drains: new
@@ -29,6 +32,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import signal
 import time
 import uuid
@@ -48,6 +52,7 @@ from guidespec.grammar_backends.interface import refusals_in
 from guidespec.launch.tools import MAX_TOOLS, ToolError, ToolPlan, history_content, plan_tools
 from guidespec.llm import LLM, EngineDeadError, GenerationOutput, RequestError, RequestHandle, StreamDelta
 from guidespec.protocol import (
+    GRAMMAR_FAILED,
     INT32_MAX,
     MAX_CHOICES,
     MAX_REPETITION_PENALTY,
@@ -90,16 +95,16 @@ def _documented(default: Any = None, **schema: Any) -> Any:
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str = "") -> None:
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 class ErrorDetail(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: int
+    code: int | str  # the HTTP status, or the failure's own kind ("grammar_failed")
 
 
 class ErrorResponse(BaseModel):
@@ -249,6 +254,14 @@ class _Metrics:
             ["backend", "keyword"],
             registry=r,
         )
+        self.grammar_failures = Counter(
+            "guidespec_grammar_failures",
+            "Grammars that stopped before their output was complete (a backend's limit met "
+            "mid-way), by backend and outcome: the request failed (grammar_failed) or started "
+            "again on the next backend of auto (restarted)",
+            ["backend", "outcome"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("guidespec_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("guidespec_generation_tokens", "Generated tokens", registry=r)
         self.in_server = Gauge("guidespec_num_requests_in_server", "HTTP requests being served", registry=r)
@@ -264,8 +277,16 @@ class _Metrics:
         for backend, keyword in refusals_in(message):
             self.refusals.labels(backend=backend, keyword=keyword).inc()
 
+    def count_grammar_failure(self, e: Exception) -> None:
+        """A request that failed with ``grammar_failed``, by the backend its message names."""
+        if isinstance(e, RequestError) and e.code == GRAMMAR_FAILED:
+            for backend in _GAVE_UP.findall(str(e))[-1:]:
+                self.grammar_failures.labels(backend=backend, outcome="failed").inc()
+
     def observe(self, out: GenerationOutput) -> None:
         self.count_refusals(out.grammar_refusal)
+        for backend in _GAVE_UP.findall(out.grammar_refusal)[: out.stats.grammar_restarts]:
+            self.grammar_failures.labels(backend=backend, outcome="restarted").inc()
         self.finished.labels(finished_reason=out.finish_reason or "unknown").inc()
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.generation_tokens.inc(len(out.token_ids))
@@ -276,6 +297,9 @@ class _Metrics:
         self.e2e.observe(out.latency_s)
         if out.stats.num_spec_steps:
             self.accepted.observe(out.stats.mean_accepted_tokens_per_step)
+
+
+_GAVE_UP = re.compile(r"\b(xgrammar|llguidance) gave up:")  # a grammar failure's backend (GrammarManager.error)
 
 
 def _stat_reader(llm: LLM, field: str) -> Any:
@@ -339,7 +363,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         metrics.failed.labels(status=str(e.status)).inc()
-        return _error(e.status, e.message, e.param)
+        return _error(e.status, e.message, e.param, e.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -482,7 +506,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
         max_tokens = body.max_tokens if body.max_tokens is not None else min(default_max_tokens or room, room)
         params = _sampling_params(body, max_tokens, llm.config.grammar_backend, tools)
         try:
-            handle = llm.open_stream({"prompt_token_ids": prompt_ids}, params)
+            # (not streamed: the output comes whole, so the engine may start it again on another backend)
+            handle = llm.open_stream({"prompt_token_ids": prompt_ids}, params, stream=body.stream)
         except InvalidRequest as e:
             raise APIError(400, str(e), e.param) from None
         except (ValueError, TypeError) as e:
@@ -550,6 +575,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
                 except StopAsyncIteration:
                     delta = None
                 except Exception as e:  # the stream has begun: its status went out; end with an error event
+                    metrics.count_grammar_failure(e)
                     yield _error_event(e)
                     return
             out = handle.output
@@ -577,7 +603,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
             await handle.deltas().aclose()  # type: ignore[attr-defined]
             metrics.in_server.dec()
             metrics.count_refusals(_engine_message(e))
-            raise APIError(_status(e), _engine_message(e)) from None
+            metrics.count_grammar_failure(e)
+            raise APIError(_status(e), _engine_message(e), code=_code(e)) from None
 
     async def _collect(handle: RequestHandle, request: Request) -> GenerationOutput | None:
         """The whole output; None if the client disconnected first (the request is then aborted)."""
@@ -596,7 +623,8 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
             task.result()
         except (RequestError, EngineDeadError) as e:
             metrics.count_refusals(_engine_message(e))
-            raise APIError(_status(e), _engine_message(e)) from None
+            metrics.count_grammar_failure(e)
+            raise APIError(_status(e), _engine_message(e), code=_code(e)) from None
         return handle.output
 
     def _chunk(request_id: str, chat: bool, content: Any, reason: str | None) -> dict[str, Any]:
@@ -770,8 +798,20 @@ def _error_event(e: Exception) -> str:
         message = _engine_message(e)
     status = _status(e)
     return _event(
-        {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "param": None, "code": status}}
+        {
+            "error": {
+                "message": message,
+                "type": _ERROR_TYPES.get(status, "APIError"),
+                "param": None,
+                "code": _code(e) or status,
+            }
+        }
     )
+
+
+def _code(e: Exception) -> str:
+    """An engine error's own kind (``"grammar_failed"``), or ""."""
+    return e.code if isinstance(e, RequestError) else ""
 
 
 def _engine_message(e: Exception) -> str:
@@ -791,8 +831,14 @@ def _object(chat: bool, stream: bool) -> str:
 
 
 def _served_by(out: GenerationOutput) -> dict[str, str] | None:
-    """The response header naming the grammar backend that enforced a guided request."""
-    return {"X-Guidespec-Grammar-Backend": out.grammar_backend} if out.grammar_backend else None
+    """The response headers naming the grammar backend that enforced a guided request, and how
+    many times it started again on the next one after a grammar failed mid-way (where it did)."""
+    if not out.grammar_backend:
+        return None
+    headers = {"X-Guidespec-Grammar-Backend": out.grammar_backend}
+    if out.stats.grammar_restarts:
+        headers["X-Guidespec-Grammar-Restarts"] = str(out.stats.grammar_restarts)
+    return headers
 
 
 def _usage(out: GenerationOutput) -> dict[str, Any]:
@@ -809,6 +855,7 @@ def _usage(out: GenerationOutput) -> dict[str, Any]:
         "spec_steps": stats.num_spec_steps,
         "accepted_tokens_per_step": round(stats.mean_accepted_tokens_per_step, 4),
         **({"grammar_backend": out.grammar_backend} if out.grammar_backend else {}),
+        **({"grammar_restarts": stats.grammar_restarts} if stats.grammar_restarts else {}),
     }
 
 
@@ -827,10 +874,17 @@ _ERROR_TYPES = {
 }
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+def _error(status: int, message: str, param: str | None = None, code: str = "") -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
     return JSONResponse(
-        {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "param": param, "code": status}},
+        {
+            "error": {
+                "message": message,
+                "type": _ERROR_TYPES.get(status, "APIError"),
+                "param": param,
+                "code": code or status,
+            }
+        },
         status_code=status,
         headers=headers,
     )

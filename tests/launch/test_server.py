@@ -498,3 +498,34 @@ def test_bench_against_the_server_writes_its_table_and_plot(server: str, tmp_pat
     assert [(lv["config"], lv["errors"]) for lv in levels] == [("unguided", 0)] * 2 + [("guided+spec", 0)] * 2
     assert [lv["accepted_per_step"] for lv in levels[:2]] == [1.0, 1.0], levels
     assert all(lv["accepted_per_step"] > 1.0 for lv in levels[2:]), levels
+
+
+def test_issue_45s_string_schema_is_a_valid_answer_never_an_empty_stop(server: str) -> None:
+    """xgrammar refuses it; llguidance's matcher gave up after the opening quote and the server
+    answered 200, finish_reason "stop", content "" (issue 45). Now: a valid answer, streamed too."""
+    schema = {
+        "type": "string",
+        "pattern": "[aA][12].*[zZ]",
+        "minLength": 10,
+        "maxLength": 90,
+        "anyOf": [{"pattern": p} for p in ("ab1", "b12", "bc1", "c12", "ca1", "a12")],
+    }
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "A code that starts with a12 and ends with z, as a JSON string."}],
+        "max_tokens": 60,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "code", "schema": schema}},
+    }
+    answer = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, json=body, timeout=300)
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and answer.headers["X-Guidespec-Grammar-Backend"] == "llguidance"
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    with httpx.stream(
+        "POST", f"{server}/v1/chat/completions", headers=AUTH, json={**body, "stream": True}, timeout=300
+    ) as streamed:
+        events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+    text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    assert [c["finish_reason"] for e in events for c in e["choices"]][-1] == "stop"
+    jsonschema.validate(json.loads(text), schema)
