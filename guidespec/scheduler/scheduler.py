@@ -602,6 +602,10 @@ class Scheduler:
             if request is not None:
                 self.client_out.send(finish_output(request, "abort"))
                 self._forget(request)
+            restarting = [r for r in self._restarts if r.request.request_id == message.request_id]
+            for restart in restarting:  # (between its grammar's failure and its new start)
+                self._restarts.remove(restart)
+                self.client_out.send(finish_output(restart.request, "abort"))
         elif isinstance(message, Shutdown):
             self.stopping = True
             try:
