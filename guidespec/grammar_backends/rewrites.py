@@ -215,9 +215,16 @@ class _Context:
 
     def is_valid(self, schema: Any, value: Any) -> bool:
         """Whether ``value`` is valid against ``schema`` (a part of the root), in the root's draft."""
+        return bool(self.validator(schema).is_valid(value))
+
+    def validator(self, schema: Any) -> Any:
+        """A ``jsonschema`` validator of ``schema`` (a part of the root), in the root's draft."""
+        return self._root_validator.evolve(schema=schema)
+
+    @functools.cached_property
+    def _root_validator(self) -> Any:
         default = jsonschema.Draft7Validator if self.legacy_refs else jsonschema.Draft202012Validator
-        validator = jsonschema.validators.validator_for(self.root, default=default)(self.root)
-        return bool(validator.evolve(schema=schema).is_valid(value))
+        return jsonschema.validators.validator_for(self.root, default=default)(self.root)
 
 
 def _walk(node: Any, context: _Context, skip: tuple[str, ...] = ()) -> Any:
@@ -589,7 +596,12 @@ def _finite_values(node: dict[str, Any], context: _Context) -> Any:
     if not (_VALIDATION | {"type"}) & set(node):
         return node
     try:
-        kept = [v for v in values if context.is_valid(node, v)]
+        if _VALIDATION & set(node):  # (the list the values came from need not check them again)
+            listed = "enum" if isinstance(node.get("enum"), list) else "const" if "const" in node else None
+            validator = context.validator({k: v for k, v in node.items() if k != listed})
+            kept = [v for v in values if validator.is_valid(v)]
+        else:  # a type alone: each value's own JSON type (a 20000-value enum in milliseconds)
+            kept = [v for v in values if _has_type(v, node["type"], context.draft_4_integers)]
     except Exception:  # a schema jsonschema cannot evaluate: leave it to the backend
         return node
     if not kept:  # no value fits what is beside them: the node matches nothing
@@ -605,6 +617,31 @@ def _finite_values(node: dict[str, Any], context: _Context) -> Any:
     if not context.use("finite values"):
         return node
     return out
+
+
+def _has_type(value: Any, types: Any, draft_4: bool) -> bool:
+    """Whether a JSON value has one of ``types`` (a type name or a list of them), as JSON Schema
+    reads it: 5.0 is an integer except in drafts 3 and 4; ``true`` is no number. An unknown type
+    name raises (the caller leaves the node alone)."""
+    names = [types] if isinstance(types, str) else list(types)
+    for name in names:
+        if name not in _TYPES and name != "integer":
+            raise ValueError(f"unknown type {name!r}")
+        if (
+            (name == "null" and value is None)
+            or (name == "boolean" and isinstance(value, bool))
+            or (name == "object" and isinstance(value, dict))
+            or (name == "array" and isinstance(value, list))
+            or (name == "string" and isinstance(value, str))
+            or (name == "number" and isinstance(value, (int, float)) and not isinstance(value, bool))
+            or (
+                name == "integer"
+                and not isinstance(value, bool)
+                and (isinstance(value, int) or (isinstance(value, float) and value.is_integer() and not draft_4))
+            )
+        ):
+            return True
+    return False
 
 
 def _nothing_matches(node: dict[str, Any], context: _Context) -> Any:
