@@ -54,25 +54,48 @@ _PROBE_WIDTH, _PROBE_DEPTH, _PROBE_BUDGET_S = 6, 3, 0.5
 
 
 class LLGuidanceMatcher:
-    def __init__(self, matcher: llg.LLMatcher) -> None:
-        self.matcher = matcher
+    """An llguidance matcher whose masks stay right across rollbacks.
+
+    llguidance (1.5.1 to at least 1.9.1) keeps the last mask it computed, keyed by the lexer's
+    state and the parser's row index, and a rollback does not drop it. A state on a branch a
+    rollback discarded can thus answer for a later state with the same key but other rows: after
+    ``{"k":["`` was filled, rolled back by one token and followed by ``{"``, the mask still
+    allows ``","`` (an array item's end, not a key's). Here a rollback past the last fill marks
+    the cache stale, and the matcher refreshes it at the rollback's target (a fill there is
+    right: same row index there means the same rows) before it walks on: the next fill does it
+    at no cost if it comes first, else one fill into a scratch row before the next token."""
+
+    def __init__(self, matcher: llg.LLMatcher, width: int) -> None:
+        self.matcher, self.width = matcher, width
+        self.position = 0  # tokens consumed, net of rollbacks
+        self._filled_at = -1  # the position of the last fill: the state llguidance's cache holds
+        self._stale = False  # that state was rolled back: the cache must be refreshed before a walk
+        self._scratch: np.ndarray | None = None
 
     def accept_token(self, token: int) -> bool:
         """(A matcher in error still takes EOS: here it takes nothing.)"""
         matcher = self.matcher
         if matcher.is_error() or matcher.validate_tokens([token]) != 1:
             return False
-        return bool(matcher.consume_token(token)) and not matcher.is_error()
+        self._refresh()
+        if not matcher.consume_token(token):
+            return False
+        self.position += 1
+        return not matcher.is_error()
 
     def advance(self, tokens: Sequence[int]) -> int:
         tokens = list(tokens)
         if not tokens or self.matcher.is_stopped():
             return 0
         count = self.matcher.validate_tokens(tokens)
-        if count and not self.matcher.consume_tokens(tokens[:count]):
-            return 0  # (a matcher in error: nothing it accepted stays)
+        if not count:
+            return 0
+        self._refresh()
+        if not self.matcher.consume_tokens(tokens[:count]):
+            return 0  # (a matcher in error: it stays in error, whatever it took)
+        self.position += count
         if count > 1 and self.matcher.is_stopped():  # it may have stopped before the last of them
-            self.matcher.rollback(count)  # (and a token past that is not accepted one by one)
+            self.rollback(count)  # (and a token past that is not accepted one by one)
             count = 0
             while count < len(tokens) and not self.matcher.is_stopped() and self.accept_token(tokens[count]):
                 count += 1
@@ -81,6 +104,21 @@ class LLGuidanceMatcher:
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
             self.matcher.rollback(num_tokens)
+            self.position -= num_tokens
+            if self._filled_at > self.position:
+                self._stale = True
+
+    def filled(self) -> None:
+        """A fill at the current state: llguidance's cache now holds it (and is right)."""
+        self._filled_at, self._stale = self.position, False
+
+    def _refresh(self) -> None:
+        if not self._stale:
+            return
+        if self._scratch is None:
+            self._scratch = np.zeros((1, self.width), dtype=np.int32)
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, self._scratch)
+        self.filled()
 
     def is_terminated(self) -> bool:
         """A normal end (the grammar is complete, or took EOS); a matcher in error is not ended."""
@@ -145,12 +183,12 @@ class LLGuidanceBackend:
         probe = llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
         if probe.is_error():
             raise GrammarError(f"llguidance cannot compile this {kind}: {matcher_error(probe)}")
-        gave_up = self._walk_first_lexemes(probe)
+        gave_up = self._walk_first_lexemes(LLGuidanceMatcher(probe, bitmask_width(self.vocab_size)))
         if gave_up:
             raise GrammarError(f"llguidance cannot enforce this {kind}: it gives up {gave_up}")
         return grammar
 
-    def _walk_first_lexemes(self, matcher: llg.LLMatcher) -> str:
+    def _walk_first_lexemes(self, walker: LLGuidanceMatcher) -> str:
         """Where the grammar's matcher fails in its first few tokens, or "": a walk over the
         single-character tokens each state allows (a string's quote and first characters, a
         number's sign and digits, a bracket), ``_PROBE_WIDTH`` of them at each state,
@@ -162,11 +200,11 @@ class LLGuidanceBackend:
         row = np.zeros((1, width), dtype=np.int32)
 
         def walk(path: list[str], depth: int) -> str:
-            llguidance.numpy.fill_next_token_bitmask(matcher, row)
-            if matcher.is_error():
+            self.fill_bitmasks([walker], row, [0])
+            if walker.error():
                 where = "at the start" if not path else "after " + json.dumps("".join(path))
-                return f"{where}: {matcher_error(matcher)}"
-            if depth == _PROBE_DEPTH or matcher.is_stopped():
+                return f"{where}: {walker.error()}"
+            if depth == _PROBE_DEPTH or walker.matcher.is_stopped():
                 return ""
             allowed = set(allowed_ids(row[0], self.vocab_size).tolist())
             tried = 0
@@ -176,12 +214,13 @@ class LLGuidanceBackend:
                 if token not in allowed:
                     continue
                 tried += 1
-                if not matcher.consume_token(token):
-                    return f"after {json.dumps(''.join(path + [char]))}: {matcher_error(matcher)}"
+                if not walker.accept_token(token):
+                    reason = walker.error() or "it refused a token its mask allowed"
+                    return f"after {json.dumps(''.join(path + [char]))}: {reason}"
                 found = walk(path + [char], depth + 1)
                 if found:
                     return found
-                matcher.rollback(1)
+                walker.rollback(1)
             return ""
 
         return walk([], 0)
@@ -196,11 +235,15 @@ class LLGuidanceBackend:
         return text
 
     def create_matcher(self, compiled: Any) -> GrammarMatcher:
-        return LLGuidanceMatcher(llg.LLMatcher(self.tokenizer, compiled, log_level=0, limits=self.limits))
+        return LLGuidanceMatcher(
+            llg.LLMatcher(self.tokenizer, compiled, log_level=0, limits=self.limits), bitmask_width(self.vocab_size)
+        )
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: np.ndarray, rows: Sequence[int]) -> None:
         pairs = [(m.matcher, row) for m, row in zip(matchers, rows)]  # type: ignore[attr-defined]
         llguidance.numpy.fill_next_token_bitmask_par(self.executor, pairs, bitmask)
+        for m in matchers:
+            m.filled()  # type: ignore[attr-defined]
 
 
 # the characters a walk tries first: those that open a JSON value or a string's usual text

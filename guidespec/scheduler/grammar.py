@@ -286,24 +286,19 @@ class GrammarManager:
             self.closing.check_budget(r.request_id, r.output_len, r.max_tokens, *self._grammar(r.request_id))
         saved = self.closing.snapshot([r.request_id for r in rows if r.drafts])
         depths = [len(r.drafts) for r in rows]  # how deep each request's grammar can follow its drafts
+        drafting = [i for i in range(len(rows)) if depths[i]]
         accepted = [0] * len(rows)
         try:
             for depth in range(max(depths, default=0) + 1):
                 active = [i for i in range(len(rows)) if depths[i] >= depth]
-                ended = [i for i in active if self.matchers[rows[i].request_id][1].is_terminated()]
-                live = [i for i in active if i not in ended]
-                self._fill_rows([rows[i].request_id for i in live], [firsts[i] + depth for i in live])
-                for i in ended:  # a draft ended the grammar: only a stop token may follow
-                    self.bitmask[firsts[i] + depth] = self._stop_row
-                for i in live:  # early closing, as its own step after the backend's fill
-                    r = rows[i]
-                    out_row = self.bitmask[firsts[i] + depth]
-                    self.closing.restrict(
-                        r.request_id, r.output_len + depth, r.max_tokens, out_row, *self._grammar(r.request_id)
-                    )
-                for i in live:
-                    if depth == depths[i]:
-                        continue
+                # a drafting request's own row comes last, once its drafts are rolled back: the
+                # last fill of its grammar is then where it stands (llguidance_backend.py: a
+                # mask kept from a rolled-back state costs a fill to refresh otherwise)
+                filled = [i for i in active if depth or not rows[i].drafts]
+                self._fill_depth(rows, firsts, depth, filled)
+                for i in active:
+                    if depth == depths[i] or self.matchers[rows[i].request_id][1].is_terminated():
+                        continue  # (a draft that ended the grammar: its rows after allow only a stop token)
                     if self._accept_draft(rows[i].request_id, rows[i].drafts[depth]):
                         accepted[i] += 1
                     else:  # an unchecked draft the grammar rejects: verification refuses it at this
@@ -314,12 +309,28 @@ class GrammarManager:
                 if accepted[i]:
                     self.matchers[r.request_id][1].rollback(accepted[i])
             self.closing.restore(saved)
+        self._fill_depth(rows, firsts, 0, drafting)
         for i, r in enumerate(rows):  # a matcher that failed (at any depth: it stays failed) ends nothing
             reason = self._error(r.request_id)
             if reason:
                 self.failures[r.request_id] = reason
                 self.bitmask[firsts[i] : firsts[i + 1]] = self._stop_row  # (its token is never used)
         return self.bitmask[: firsts[-1]]
+
+    def _fill_depth(self, rows: list[FillRow], firsts: list[int], depth: int, which: list[int]) -> None:
+        """The rows at ``depth`` of requests ``which`` (their grammars there): filled by their
+        backends, a stop token where a draft ended the grammar, then narrowed by early closing."""
+        ended = [i for i in which if self.matchers[rows[i].request_id][1].is_terminated()]
+        live = [i for i in which if i not in ended]
+        self._fill_rows([rows[i].request_id for i in live], [firsts[i] + depth for i in live])
+        for i in ended:  # a draft ended the grammar: only a stop token may follow
+            self.bitmask[firsts[i] + depth] = self._stop_row
+        for i in live:  # early closing, as its own step after the backend's fill
+            r = rows[i]
+            out_row = self.bitmask[firsts[i] + depth]
+            self.closing.restrict(
+                r.request_id, r.output_len + depth, r.max_tokens, out_row, *self._grammar(r.request_id)
+            )
 
     def take_failures(self) -> list[tuple[str, str]]:
         """(request, why) for each request whose matcher a fill found failed since the last call."""

@@ -29,6 +29,11 @@ def test_a_validator_failure_is_not_an_invalid_output() -> None:
     assert validate_output('{"a": 1}', {"type": "object"}) is None
 
 
+# cases the whole sweep found wrong once: llguidance + n-gram, greedy, answered "the grammar
+# rejected sampled token" (its mask cache outlived a rollback: test_rollback_masks.py)
+FOUND_BY_THE_SWEEP = ("JME_60", "Glaiveai2K---generate_invoice_214a7c51")
+
+
 @pytest.mark.slow
 def test_a_slice_of_the_sweep_reports_no_invalid_output_as_a_success() -> None:
     from guidespec import LLM
@@ -37,7 +42,8 @@ def test_a_slice_of_the_sweep_reports_no_invalid_output_as_a_success() -> None:
         workload = default_workload()
     except FileNotFoundError:
         pytest.skip("the shared data set is not beside this checkout")
-    cases = load_workload(workload)[::94]
+    everything = load_workload(workload)
+    cases = everything[::94] + [c for c in everything if c["id"] in FOUND_BY_THE_SWEEP]
     counts: Counter[str] = Counter()
     with LLM(max_batch_size=8, speculative="ngram", show_progress=False) as llm:
         for backend in ("xgrammar", "llguidance"):
