@@ -63,7 +63,11 @@ class LLGuidanceMatcher:
     allows ``","`` (an array item's end, not a key's). Here a rollback past the last fill marks
     the cache stale, and the matcher refreshes it at the rollback's target (a fill there is
     right: same row index there means the same rows) before it walks on: the next fill does it
-    at no cost if it comes first, else one fill into a scratch row before the next token."""
+    at no cost if it comes first, else one fill into a scratch row before the next token.
+
+    The usual walk needs no refresh: a copy of the matcher taken where it was last filled, as it
+    walks on from there (``deep_copy``, microseconds), is what a rollback to there restores, its
+    cache right. Closing's lookaheads try many tokens from one filled state, one fill each."""
 
     def __init__(self, matcher: llg.LLMatcher, width: int) -> None:
         self.matcher, self.width = matcher, width
@@ -71,13 +75,16 @@ class LLGuidanceMatcher:
         self._filled_at = -1  # the position of the last fill: the state llguidance's cache holds
         self._stale = False  # that state was rolled back: the cache must be refreshed before a walk
         self._scratch: np.ndarray | None = None
+        self._saved: llg.LLMatcher | None = None  # a copy at ``_saved_at``, where it was last filled
+        self._saved_at = -1
 
     def accept_token(self, token: int) -> bool:
         """(A matcher in error still takes EOS: here it takes nothing.)"""
         matcher = self.matcher
         if matcher.is_error() or matcher.validate_tokens([token]) != 1:
             return False
-        self._refresh()
+        self._before_walk()
+        matcher = self.matcher
         if not matcher.consume_token(token):
             return False
         self.position += 1
@@ -90,7 +97,7 @@ class LLGuidanceMatcher:
         count = self.matcher.validate_tokens(tokens)
         if not count:
             return 0
-        self._refresh()
+        self._before_walk()
         if not self.matcher.consume_tokens(tokens[:count]):
             return 0  # (a matcher in error: it stays in error, whatever it took)
         self.position += count
@@ -102,19 +109,35 @@ class LLGuidanceMatcher:
         return count
 
     def rollback(self, num_tokens: int) -> None:
-        if num_tokens:
-            self.matcher.rollback(num_tokens)
-            self.position -= num_tokens
-            if self._filled_at > self.position:
-                self._stale = True
+        if not num_tokens:
+            return
+        target = self.position - num_tokens
+        # back where it was filled (a matcher in error stays so: the request fails, as it should)
+        if self._saved is not None and target == self._saved_at and not self.matcher.is_error():
+            self.matcher, self._saved = self._saved, None
+            self.position = self._filled_at = target
+            self._stale = False
+            return
+        self.matcher.rollback(num_tokens)
+        self.position = target
+        if self._saved_at > target:
+            self._saved = None
+        if self._filled_at > target:
+            self._stale = True
 
     def filled(self) -> None:
         """A fill at the current state: llguidance's cache now holds it (and is right)."""
         self._filled_at, self._stale = self.position, False
 
+    def _before_walk(self) -> None:
+        """Before the matcher takes tokens: its cache made right, and a copy kept where it was
+        filled (what a rollback to there restores)."""
+        if self._stale:
+            self._refresh()
+        if self.position == self._filled_at and (self._saved is None or self._saved_at != self.position):
+            self._saved, self._saved_at = self.matcher.deep_copy(), self.position
+
     def _refresh(self) -> None:
-        if not self._stale:
-            return
         if self._scratch is None:
             self._scratch = np.zeros((1, self.width), dtype=np.int32)
         llguidance.numpy.fill_next_token_bitmask(self.matcher, self._scratch)
