@@ -443,7 +443,14 @@ class LLM:
             try:
                 return stream.queue.get(timeout=0.1)  # type: ignore[call-arg, return-value]
             except queue.Empty:
-                self._check_alive()
+                with self._state_lock:  # a death queues this stream's error before it marks the engine down
+                    try:
+                        self._check_alive()
+                    except EngineDeadError:
+                        try:
+                            return stream.queue.get_nowait()  # type: ignore[return-value]
+                        except queue.Empty:
+                            raise
 
     def _route(self, message: object) -> None:
         """The receiver thread's handling of one scheduler message (``_Engine.receive_loop``)."""
@@ -484,18 +491,21 @@ class LLM:
             self._streams.clear()
             logger.error("the engine died: %s", reason)
             gave_up = self._record_death(reason)
+            message = f"the engine died ({reason}); " + (
+                "it is restarting: retry shortly" if not gave_up else "it will not be restarted"
+            )
+            # under the lock: a stream that then sees the engine down finds its own error queued
+            for stream in streams:
+                stream.put(
+                    RequestOutput(
+                        stream.output.request_id, [], "", True, "error", message, error_status=ENGINE_UNAVAILABLE
+                    )
+                )
             if not gave_up:
                 self._restarting = reason
                 if self._restarter is None:
                     self._restarter = threading.Thread(target=self._restart_loop, daemon=True, name="guidespec-restart")
                     self._restarter.start()
-        message = f"the engine died ({reason}); " + (
-            "it is restarting: retry shortly" if not gave_up else "it will not be restarted"
-        )
-        for stream in streams:
-            stream.put(
-                RequestOutput(stream.output.request_id, [], "", True, "error", message, error_status=ENGINE_UNAVAILABLE)
-            )
         if gave_up:
             engine.close(_RESTART_GRACE_S)
             if self.on_gave_up is not None:
