@@ -23,6 +23,9 @@ from guidespec.model_files import text_encoder
 from guidespec.scheduler.closing import MAX_STEPS, ClosingTokens, EarlyCloser
 
 MAX_CLOSING_RUN = 2048  # the longest dry run of closing (``dry_run``)
+# the grammar fills a dry run's lookahead may cost; past them it goes on without one (a lexer-heavy
+# grammar's fill costs ~1 ms, and a lookahead row up to 64 of them: 4 s a dry run without a bound)
+MAX_DRY_RUN_FILLS = 512
 _SCRIPT_MARGIN = 8  # a dry run of closing this near the budget's end is written as it is
 
 
@@ -132,12 +135,14 @@ class ClosingStep:
         id allowed (a one-character token). Returns its tokens (ending with the stop token) and
         whether they end the document: False if more than ``limit`` were needed (``limit + 1``
         tokens returned) or where the dry run cannot go on (a forced token that does not replay:
-        the length is a lower bound). Everything is rolled back."""
+        the length is a lower bound). Past ``MAX_DRY_RUN_FILLS`` trial fills, rows are narrowed
+        without the grammar's view (no lookahead). Everything is rolled back."""
         closer = self.closers[request_id]
         closing = self._closing_tokens()
         saved = closer.snapshot()
         row = np.zeros((1, self._stop_row.shape[0]), dtype=np.int32)
         run: list[int] = []
+        fills = 0  # the lookahead's, bounded by MAX_DRY_RUN_FILLS
         closer.closing = True
         try:
             while len(run) <= limit:
@@ -155,8 +160,9 @@ class ClosingStep:
                 stops = allowed_ids(row[0] & self._stop_row)
                 if len(stops):
                     return run + [int(stops[0])], True
-                view = _GrammarView(backend, matcher, row[0], self.encode)
+                view = _GrammarView(backend, matcher, row[0], self.encode) if fills < MAX_DRY_RUN_FILLS else None
                 narrowed = closer.restrict(row[0], closing, self.tokenizer, view)
+                fills += view.fills if view is not None else 0
                 allowed = allowed_ids(row[0], limit=MAX_STEPS)  # the first is taken, or the longest of these
                 if not len(allowed):
                     return run, False
@@ -189,6 +195,7 @@ class _GrammarView:
         self.backend, self.matcher, self.current, self.encode = backend, matcher, current, encode
         self.scratch = np.zeros((1, current.shape[0]), dtype=np.int32)
         self._accepted = False  # whether the last trial's tokens were all accepted
+        self.fills = 0  # the trial fills made
 
     def lookahead(self, candidates: Sequence[int], target: np.ndarray) -> tuple[list[int], list[int]]:
         reaching: list[int] = []
@@ -220,6 +227,7 @@ class _GrammarView:
             if not self._accepted:
                 return False
             self.backend.fill_bitmasks([self.matcher], self.scratch, [0])
+            self.fills += 1
             return bool((self.scratch[0] & target).any())
         finally:
             self.matcher.rollback(accepted)
