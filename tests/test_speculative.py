@@ -310,8 +310,8 @@ def test_sampled_requests_run_fused_steps(monkeypatch: pytest.MonkeyPatch, tmp_p
             if name == "alone":
                 runs.append(llm.generate(*seeded)[0])
             else:
-                outs = _run(llm, unseeded)
-                runs.append(_run(llm, [seeded, *unseeded[3:]])[0])
+                *outs, among = _run(llm, [*unseeded, seeded])
+                runs.append(among)
         assert json.loads((tmp_path / f"trace-{name}.json").read_text())["summary"]["fused_steps"] > 0
     for case, out in zip(_jme_cases(3), outs):
         assert out.finish_reason == "stop" and validate_output(out.text, case["schema"]) is None, out.text

