@@ -15,7 +15,7 @@ from typing import Any
 
 from guidespec.grammar_backends import GrammarError, create_backend
 from guidespec.grammar_backends.rewrites import rewrite_schema
-from guidespec.launch.sweep import default_workload, load_workload
+from guidespec.entrypoints.sweep import default_workload, load_workload
 from guidespec.model_files import load_tokenizer, resolve_model_dir
 from guidespec.protocol import GuidedDecoding
 

@@ -31,7 +31,7 @@ from benchmarks.common import machine  # noqa: E402
 
 
 def load_cases(n: int) -> list[dict]:
-    from guidespec.launch.sweep import default_workload, load_workload
+    from guidespec.entrypoints.sweep import default_workload, load_workload
 
     return load_workload(default_workload(), "JME_", n)
 

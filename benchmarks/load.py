@@ -10,7 +10,7 @@ guided request may get a 400 too: a schema its backend refuses to enforce (never
 Every request is sent at once (up to ``--concurrency`` in flight). Reported: requests by kind
 and outcome, wall time, lost (no answer, a transport error, or a 5xx), and invalid (a guided
 200 whose output fails its schema although it finished with ``stop``; one cut by
-``max_tokens`` must say ``finish_reason: "length"``). ``tests/launch/test_reliability.py``
+``max_tokens`` must say ``finish_reason: "length"``). ``tests/entrypoints/test_reliability.py``
 runs a small load through the same code.
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from guidespec.launch.sweep import validate_output  # noqa: E402
+from guidespec.entrypoints.sweep import validate_output  # noqa: E402
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench" / "workload.jsonl"
 KINDS = ("guided", "guided_nospec", "unguided", "streamed", "cancelled", "bad")
@@ -155,7 +155,7 @@ def main() -> int:
     server = None
     url = args.url
     if url is None:
-        from tests.launch.serving import KEY, start_server
+        from tests.entrypoints.serving import KEY, start_server
 
         server = start_server("--max-batch-size", str(args.max_batch_size), "--speculative", "ngram")
         url, args.api_key = server.url, KEY
@@ -163,7 +163,7 @@ def main() -> int:
         report = asyncio.run(run_load(url, args.api_key, requests, args.concurrency))
     finally:
         if server is not None:
-            from tests.launch.serving import stop_server
+            from tests.entrypoints.serving import stop_server
 
             stop_server(server)
     print(report.summary())

@@ -208,7 +208,7 @@ def measure_each(runs: dict[Any, Run], cases: list[dict[str, Any]], guided: dict
     """Each mode of ``runs`` on every case, case by case (case 1 in every mode, then case 2, ...):
     modes compared with each other, whatever system runs them, meet the same moments of a noisy
     machine."""
-    from guidespec.launch.sweep import validate_output
+    from guidespec.entrypoints.sweep import validate_output
 
     for run in runs.values():
         run(cases[0])  # warm-up (grammar compiler caches, first-call costs)

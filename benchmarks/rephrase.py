@@ -54,7 +54,7 @@ _PROSE = (  # a fact in prose: {name} and {value}
 
 def jme_cases(n: int) -> list[dict[str, Any]]:
     """The first ``n`` JME cases of the workload, as the benchmarks pick them."""
-    from guidespec.launch.sweep import default_workload, load_workload
+    from guidespec.entrypoints.sweep import default_workload, load_workload
 
     return load_workload(default_workload(), "JME_", n)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.launch.serving import (
+from tests.entrypoints.serving import (
     AUTH,
     alive,
     engine_processes,

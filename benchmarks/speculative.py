@@ -109,7 +109,7 @@ CONCURRENT = {
 
 
 def load_cases(n: int) -> list[dict[str, Any]]:
-    from guidespec.launch.sweep import default_workload, load_workload
+    from guidespec.entrypoints.sweep import default_workload, load_workload
 
     return load_workload(default_workload(), "JME_", n)
 

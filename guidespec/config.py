@@ -83,8 +83,8 @@ MODEL_DRAFTERS = ("draft_model", "eagle")  # run by rank 0 of the workers
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (``guidespec/spec``). ``method``: ``ngram`` (prompt lookup, in the
-    scheduler), ``forced`` (grammar-forced tokens only), ``user`` (``user_drafter``, a
+    """Speculative decoding (``scheduler/speculation``, ``worker/drafting``). ``method``:
+    ``ngram`` (prompt lookup, in the scheduler), ``forced`` (grammar-forced tokens only), ``user`` (``user_drafter``, a
     ``module:Class`` path), ``draft_model`` (a smaller model with the target's tokenizer, run by
     rank 0 after each step to propose the next step's drafts: ``draft_model``) or ``eagle`` (an
     EAGLE / EAGLE-3 head folder in ``draft_model``, run by rank 0 on the target's hidden states).

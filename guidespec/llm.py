@@ -739,14 +739,14 @@ def _speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None) 
         value = SpeculativeConfig(**value)
     value.validate()
     if value.method == "user":  # fail here, with the import error, not in the scheduler process
-        from guidespec.spec.drafters import UserDrafter
+        from guidespec.scheduler.speculation.drafters import UserDrafter
 
         UserDrafter(value.user_drafter or "")
     draft = value.draft_model
     if value.method == "draft_model" and draft and draft not in ("self", "int8") and not draft.startswith("layers:"):
         value = dataclasses.replace(value, draft_model=str(model_files.resolve_model_dir(draft, show_progress=False)))
     if value.method == "eagle" and draft:
-        from guidespec.spec.eagle import check_head_dir
+        from guidespec.worker.drafting.eagle import check_head_dir
 
         check_head_dir(Path(draft))  # a missing head fails here, in the client
         value = dataclasses.replace(value, draft_model=str(Path(draft).resolve()))

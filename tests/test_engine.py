@@ -439,7 +439,7 @@ def test_the_gguf_files_own_blocks_serve_guided_requests() -> None:
     """The default on the CPU (``dtype="auto"``, as ``"gguf"``): the default model's linear weights
     stay the file's Q4_1 blocks (``worker/kernels/gguf_weights.py``; their arithmetic is tested in
     ``tests/worker/test_quantized.py``); tensor parallel ranks cut them and give TP=1's output."""
-    from guidespec.launch.sweep import validate_output
+    from guidespec.entrypoints.sweep import validate_output
     from guidespec.protocol import GuidedDecoding
 
     schema = {

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from guidespec import LLM, RequestError, SamplingParams
-from guidespec.launch.sweep import is_grammar_refusal, validate_output
+from guidespec.entrypoints.sweep import is_grammar_refusal, validate_output
 from guidespec.protocol import GuidedDecoding, RequestOutput
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from guidespec import LLM, RequestError, SamplingParams
-from guidespec.launch.sweep import validate_output
+from guidespec.entrypoints.sweep import validate_output
 from guidespec.llm import GenerationOutput
 from guidespec.protocol import GuidedDecoding
 
@@ -27,7 +27,7 @@ DRAFTERS = {
     "ngram": dict(method="ngram"),
     "ngram-fixed-length": dict(method="ngram", adaptive=False, max_draft_len=4),
     "forced": dict(method="forced"),
-    "user": dict(method="user", user_drafter="tests.spec.test_drafters:_Echo"),
+    "user": dict(method="user", user_drafter="tests.scheduler.speculation.test_drafters:_Echo"),
     "draft-model-self": dict(method="draft_model", draft_model="self", adaptive=False),  # every draft right
     "draft-model-layers": dict(method="draft_model", draft_model="layers:8"),  # many drafts wrong
     "draft-model-int8": dict(method="draft_model", draft_model="int8", adaptive=False),  # nearly every draft right
@@ -177,7 +177,7 @@ def eagle_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny EAGLE-3 head for the default model, trained for a few seconds by ``train-eagle``'s
     own code on the target's generations in the committed sweep results (JME cases left out). The
     features' time budget of 0 keeps the first 2 of the 8 generations."""
-    from guidespec.spec.train_eagle import TrainConfig, train
+    from guidespec.entrypoints.train_eagle import TrainConfig, train
 
     results = sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob("sweep-*.jsonl"))
     folder = tmp_path_factory.mktemp("eagle") / "head"
@@ -405,7 +405,9 @@ def test_a_drafter_that_fails_fails_its_request_alone() -> None:
     with LLM(
         max_batch_size=4,
         show_progress=False,
-        speculative=dict(method="user", user_drafter="tests.spec.test_drafters:_Faulty", adaptive=False),
+        speculative=dict(
+            method="user", user_drafter="tests.scheduler.speculation.test_drafters:_Faulty", adaptive=False
+        ),
     ) as llm:
 
         async def run() -> list[GenerationOutput | BaseException]:

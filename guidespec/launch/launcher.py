@@ -33,7 +33,7 @@ from guidespec.ipc.broadcast import BroadcastSpec
 from guidespec.ipc.mask_arena import ArenaSpec, MaskArena
 from guidespec.ipc.shm_ring import ShmRing
 from guidespec.ipc.zmq_channel import new_ipc_endpoint
-from guidespec.launch.process_utils import kill_group
+from guidespec.process_utils import kill_group
 from guidespec.launch.zygote import EngineProcess, spawn_engine_process
 from guidespec.worker.device import rank_device
 

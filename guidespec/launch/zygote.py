@@ -37,7 +37,7 @@ import traceback
 from typing import Any
 
 from guidespec import envs
-from guidespec.launch.process_utils import die_with_parent, kill_group, set_process_name
+from guidespec.process_utils import die_with_parent, kill_group, set_process_name
 
 logger = logging.getLogger(__name__)
 _MAX_MESSAGE = 1 << 20

@@ -726,7 +726,7 @@ def fork_compile_process(settings: GrammarSettings) -> ForkedCompileProcess:
                 os.close(fd)
             sys.stdin = open(0, encoding="utf-8", closefd=False)
             sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)
-            from guidespec.launch.process_utils import setup_child_process
+            from guidespec.process_utils import setup_child_process
             from guidespec.scheduler import compile_worker
 
             setup_child_process("compile")

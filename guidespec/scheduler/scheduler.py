@@ -35,7 +35,7 @@ from guidespec.ipc.broadcast import StepBroadcaster
 from guidespec.ipc.shm_ring import RingTimeout
 from guidespec.ipc.waiting import AwakeTimer
 from guidespec.ipc.zmq_channel import Channel
-from guidespec.launch.process_utils import parent_alive, setup_child_process
+from guidespec.process_utils import parent_alive, setup_child_process
 from guidespec.grammar_backends import GrammarError
 from guidespec.protocol import (
     BAD_REQUEST,
@@ -72,7 +72,7 @@ from guidespec.scheduler.output import append_token, finish_output, make_delta
 from guidespec.scheduler.request import Request
 from guidespec.scheduler.trace import StepTrace
 from guidespec.model_files import load_tokenizer
-from guidespec.spec.proposer import Speculator
+from guidespec.scheduler.speculation.proposer import Speculator
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.25

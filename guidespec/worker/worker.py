@@ -33,7 +33,7 @@ from guidespec.ipc import codec
 from guidespec.ipc.broadcast import create_step_reader
 from guidespec.ipc.shm_ring import RingTimeout
 from guidespec.ipc.zmq_channel import Channel
-from guidespec.launch.process_utils import parent_alive, setup_child_process
+from guidespec.process_utils import parent_alive, setup_child_process
 from guidespec.protocol import (
     DraftMask,
     DraftTokens,
@@ -45,10 +45,10 @@ from guidespec.protocol import (
     WorkerError,
     WorkerReady,
 )
-from guidespec.spec.draft_model import DraftRunner, draft_model_bytes
-from guidespec.spec.eagle import EagleRunner, head_bytes
-from guidespec.spec.step_graph import FusedStepFollower, StepGraphs
-from guidespec.spec.verify import verify
+from guidespec.worker.drafting.draft_model import DraftRunner, draft_model_bytes
+from guidespec.worker.drafting.eagle import EagleRunner, head_bytes
+from guidespec.worker.drafting.step_graph import FusedStepFollower, StepGraphs
+from guidespec.worker.verify import verify
 from guidespec.worker import tp as tp_mod
 from guidespec.model_files import load_hf_config
 from guidespec.worker.device import check_device_memory

@@ -23,7 +23,7 @@ import pytest
 from guidespec import LLM, SamplingParams
 from guidespec.llm import GenerationOutput
 from guidespec.launch.ray_executor import RayRanks
-from guidespec.launch.sweep import validate_output
+from guidespec.entrypoints.sweep import validate_output
 from guidespec.protocol import GuidedDecoding
 
 pytestmark = pytest.mark.slow

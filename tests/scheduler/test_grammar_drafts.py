@@ -198,7 +198,7 @@ def test_forced_tokens_are_drafted_beyond_the_draft_length(manager: tuple[Gramma
     from guidespec.scheduler.batching import ScheduledRow
     from guidespec.scheduler.detokenizer import IncrementalDetokenizer
     from guidespec.scheduler.request import Request
-    from guidespec.spec.proposer import Speculator
+    from guidespec.scheduler.speculation.proposer import Speculator
 
     grammar, text = manager
     schema = {

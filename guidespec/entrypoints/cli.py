@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from guidespec.launch.args import add_engine_args, engine_from_args
+from guidespec.entrypoints.args import add_engine_args, engine_from_args
 
 if TYPE_CHECKING:
     from guidespec.llm import GenerationOutput
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "train-eagle":
-            from guidespec.spec.train_eagle import TrainConfig, train as train_head
+            from guidespec.entrypoints.train_eagle import TrainConfig, train as train_head
 
             train_head(
                 TrainConfig(
@@ -179,13 +179,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 0
         if args.command == "bench":
-            from guidespec.launch.bench import run_bench
+            from guidespec.entrypoints.bench import run_bench
 
             return run_bench(args)
         if args.command == "serve":
             return _serve(args)
         if args.command == "sweep":
-            from guidespec.launch.sweep import print_saved_results, run_sweep
+            from guidespec.entrypoints.sweep import print_saved_results, run_sweep
 
             return print_saved_results(Path(args.summarize)) if args.summarize else run_sweep(args)
         return _generate(args)
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from guidespec import LLM
-    from guidespec.launch.server import run_server
+    from guidespec.entrypoints.server import run_server
 
     with LLM(args.model, restart_on_failure=not args.no_restart, **engine_from_args(args)) as llm:
         name = args.served_model_name or (args.model and Path(args.model).name) or "SmolLM2-135M-Instruct"

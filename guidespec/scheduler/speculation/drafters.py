@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from guidespec.config import MODEL_DRAFTERS, SpeculativeConfig
 from guidespec.model_files import text_encoder
-from guidespec.spec.prompt_text import (
+from guidespec.scheduler.speculation.prompt_text import (
     TEXT_CANDIDATES,
     TEXT_CLOSINGS,
     TEXT_SEARCH,

@@ -14,9 +14,9 @@ import torch
 
 from guidespec.config import ModelConfig
 from guidespec.protocol import StepInputs
-from guidespec.spec.draft_model import apply_masks, post_masks
-from guidespec.spec.eagle import EagleHead, EagleRunner, default_aux_layers, head_bytes, save_head
-from guidespec.spec.train_eagle import TrainableHead, head_config
+from guidespec.worker.drafting.draft_model import apply_masks, post_masks
+from guidespec.worker.drafting.eagle import EagleHead, EagleRunner, default_aux_layers, head_bytes, save_head
+from guidespec.entrypoints.train_eagle import TrainableHead, head_config
 from guidespec.model_files import load_hf_config
 from guidespec.worker.kernels import dense
 from guidespec.worker.model import ForwardBatch, LlamaModel

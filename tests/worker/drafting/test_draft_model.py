@@ -13,7 +13,7 @@ import torch
 
 from guidespec.config import ModelConfig
 from guidespec.protocol import StepInputs
-from guidespec.spec.draft_model import DraftRunner, draft_model_bytes
+from guidespec.worker.drafting.draft_model import DraftRunner, draft_model_bytes
 from guidespec.model_files import load_hf_config
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.tp import TPInfo

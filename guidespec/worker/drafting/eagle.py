@@ -39,8 +39,8 @@ import torch
 from guidespec.config import ModelConfig
 from guidespec.cuda_ext.channel import DraftChannel
 from guidespec.protocol import StepInputs
-from guidespec.spec.draft_graph import DraftGraphs
-from guidespec.spec.draft_model import DraftSampling, MaskSource, apply_masks, flat_drafts, post_masks
+from guidespec.worker.drafting.draft_graph import DraftGraphs
+from guidespec.worker.drafting.draft_model import DraftSampling, MaskSource, apply_masks, flat_drafts, post_masks
 from guidespec.worker.graphs import GraphKey, StaticBuffers
 from guidespec.worker.kernels import Weight, embedding, linear, pack
 from guidespec.worker.kv_cache import KVCache

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from guidespec.protocol import NO_TOKEN
-from guidespec.spec.verify import seeded_uniforms, verify, verify_padded
+from guidespec.worker.verify import seeded_uniforms, verify, verify_padded
 
 V = 6
 MASKED = 4  # a token the grammar forbids at every position
@@ -148,7 +148,7 @@ def test_drafts_sampled_by_a_model_drafter_and_verified_with_their_q_keep_the_di
     tempered, top-k distribution over a pruned vocabulary (draft id i is target id [0, 1, 2, 3, 5][i]),
     keeps q', and verification with that q' yields p' exactly."""
     from guidespec.protocol import StepInputs
-    from guidespec.spec.draft_model import DraftSampling
+    from guidespec.worker.drafting.draft_model import DraftSampling
 
     n = 20000
     ids = torch.tensor([0, 1, 2, 3, 5])  # the draft vocabulary misses the masked token 4

@@ -53,7 +53,7 @@ from guidespec.config import ModelConfig
 from guidespec.cuda_ext.channel import DraftChannel
 from guidespec.protocol import StepInputs
 from guidespec.model_files import load_hf_config
-from guidespec.spec.draft_graph import DraftGraphs
+from guidespec.worker.drafting.draft_graph import DraftGraphs
 from guidespec.worker.device import memory_plan
 from guidespec.worker.graphs import GraphKey, StaticBuffers, padded_forward
 from guidespec.worker.kv_cache import KVCache

@@ -11,7 +11,7 @@ from guidespec.protocol import GuidedDecoding, SamplingParams
 from guidespec.scheduler.batching import ScheduledRow
 from guidespec.scheduler.detokenizer import IncrementalDetokenizer
 from guidespec.scheduler.request import Request
-from guidespec.spec.proposer import _MODEL_PROBE_EVERY, CostModel, DraftCost, Speculator
+from guidespec.scheduler.speculation.proposer import _MODEL_PROBE_EVERY, CostModel, DraftCost, Speculator
 
 
 class _Tokenizer:

@@ -263,7 +263,7 @@ def run_sweep(args: Any) -> int:
     from tqdm import tqdm
 
     from guidespec import LLM
-    from guidespec.launch.args import device_from_args, speculative_from_args
+    from guidespec.entrypoints.args import device_from_args, speculative_from_args
 
     cases = load_workload(Path(args.workload) if args.workload else default_workload(), args.prefix, args.limit)
     cases = cases[:: max(1, args.every)]

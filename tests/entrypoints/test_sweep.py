@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from guidespec.launch.sweep import default_workload, judge_output, load_workload, run_cases, validate_output
+from guidespec.entrypoints.sweep import default_workload, judge_output, load_workload, run_cases, validate_output
 
 
 def test_big_integers_are_judged_exactly() -> None:

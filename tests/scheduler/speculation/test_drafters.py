@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 import pytest
 
 from guidespec.config import SpeculativeConfig
-from guidespec.spec.drafters import NGramDrafter, UserDrafter, create_drafter
+from guidespec.scheduler.speculation.drafters import NGramDrafter, UserDrafter, create_drafter
 
 
 def _all(tokens: Sequence[int]) -> int:
@@ -106,7 +106,7 @@ def test_anchored_lookup_copies_a_value_from_where_its_name_is_in_the_prompt(rea
     ("productName is "Glen Oak"" in the prompt, "productName": "..." in the output)."""
     from guidespec.grammar_backends import create_backend
     from guidespec.protocol import GuidedDecoding
-    from guidespec.spec.drafters import ngram_drafter
+    from guidespec.scheduler.speculation.drafters import ngram_drafter
     from guidespec.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(real_model_dir)
@@ -140,7 +140,7 @@ def test_a_value_after_its_key_comes_from_the_keys_next_mention_in_the_prompt(re
     second item's name is the prompt's second name."""
     from guidespec.grammar_backends import create_backend
     from guidespec.protocol import GuidedDecoding
-    from guidespec.spec.drafters import ngram_drafter
+    from guidespec.scheduler.speculation.drafters import ngram_drafter
     from guidespec.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(real_model_dir)
@@ -201,7 +201,7 @@ def test_a_lists_next_item_is_the_prompts_next_string_closed_the_outputs_way(rea
     becomes the output's ``",``; the prompt's last item, closed by its period, closes the list."""
     from guidespec.grammar_backends import create_backend
     from guidespec.protocol import GuidedDecoding
-    from guidespec.spec.drafters import ngram_drafter
+    from guidespec.scheduler.speculation.drafters import ngram_drafter
     from guidespec.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(real_model_dir)
@@ -235,7 +235,7 @@ def test_a_values_end_closes_it_the_jsons_way_and_the_next_key_follows(real_mode
     (``"patientID":``); where the prompt opens a string and the grammar wants a list, `` ["``."""
     from guidespec.grammar_backends import create_backend
     from guidespec.protocol import GuidedDecoding
-    from guidespec.spec.drafters import ngram_drafter
+    from guidespec.scheduler.speculation.drafters import ngram_drafter
     from guidespec.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(real_model_dir)
@@ -276,7 +276,7 @@ def test_text_lookup_drafts_values_the_prompt_writes_in_prose(real_model_dir) ->
     any case), its end closed as JSON does, a number, a list's next line and its end."""
     from guidespec.grammar_backends import create_backend
     from guidespec.protocol import GuidedDecoding
-    from guidespec.spec.drafters import ngram_drafter
+    from guidespec.scheduler.speculation.drafters import ngram_drafter
     from guidespec.model_files import load_tokenizer
 
     tokenizer = load_tokenizer(real_model_dir)
@@ -318,7 +318,7 @@ def test_text_lookup_reads_where_a_value_starts_and_ends_in_the_prompt() -> None
     the value after a copula or a colon (past the names of the fields around it), a quoted word
     first; a value's end and whether more follows, in a list or in the record; how a value opens
     (a list first where the prompt lists items; without the space for a compact grammar)."""
-    from guidespec.spec.prompt_text import PromptText, json_state, openings, places
+    from guidespec.scheduler.speculation.prompt_text import PromptText, json_state, openings, places
 
     def prompt_of(text: str) -> PromptText:
         pieces = text.split(" ")

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 def test_cli_generate_prints_output_and_figures() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "guidespec.launch.cli", "generate", "--prompt", "Say hello.", "--max-tokens", "8"],
+        [sys.executable, "-m", "guidespec.entrypoints.cli", "generate", "--prompt", "Say hello.", "--max-tokens", "8"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -33,7 +33,7 @@ def test_main_job_guided_speculative_output_validates_and_prints_figures() -> No
         [
             sys.executable,
             "-m",
-            "guidespec.launch.cli",
+            "guidespec.entrypoints.cli",
             "generate",
             "--json-schema",
             str(schema_path),
@@ -52,7 +52,7 @@ def test_main_job_guided_speculative_output_validates_and_prints_figures() -> No
 
 def test_cli_rejects_bad_parameters_with_a_message() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "guidespec.launch.cli", "generate", "--top-p", "1.5"],
+        [sys.executable, "-m", "guidespec.entrypoints.cli", "generate", "--top-p", "1.5"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -80,7 +80,7 @@ def test_sweep_validates_outputs_and_resumes(tmp_path: Path) -> None:
     command = [
         sys.executable,
         "-m",
-        "guidespec.launch.cli",
+        "guidespec.entrypoints.cli",
         "sweep",
         "--prefix",
         "JME_",
@@ -107,7 +107,7 @@ def test_sweep_validates_outputs_and_resumes(tmp_path: Path) -> None:
 def test_sweep_counts_a_backends_refusal_as_a_compile_error() -> None:
     """Refusals seen in the sweep (the xgrammar backend's own, with no "compile" in them) are
     compile errors, not engine errors."""
-    from guidespec.launch.sweep import is_grammar_refusal
+    from guidespec.entrypoints.sweep import is_grammar_refusal
 
     for message in (
         "request req-56: xgrammar cannot combine 'if' of a composition with the 'if' beside it",
@@ -122,7 +122,7 @@ def test_sweep_counts_a_backends_refusal_as_a_compile_error() -> None:
 def test_sweep_checks_multiple_of_on_the_decimal_digits() -> None:
     """jsonschema divides floats and calls 1283.34 not a multiple of 0.01 (a sampled llguidance
     output, Snowplow sp_32); the sweep checks multipleOf on the digits as written."""
-    from guidespec.launch.sweep import validate_output
+    from guidespec.entrypoints.sweep import validate_output
 
     schema = {
         "type": "object",

@@ -60,8 +60,14 @@ import torch
 from guidespec.cuda_ext.channel import OK, VERIFY, DraftChannelError
 from guidespec.cuda_ext.host_functions import VerifyWaitArgs
 from guidespec.protocol import StepInputs
-from guidespec.spec.draft_graph import MAX_GRAPH_DRAFTS, MAX_PRODUCED, DraftGraphKey, DraftGraphs, _DraftGraph
-from guidespec.spec.verify import seeded_uniforms, verify_padded
+from guidespec.worker.drafting.draft_graph import (
+    MAX_GRAPH_DRAFTS,
+    MAX_PRODUCED,
+    DraftGraphKey,
+    DraftGraphs,
+    _DraftGraph,
+)
+from guidespec.worker.verify import seeded_uniforms, verify_padded
 from guidespec.worker.graphs import (
     MAX_GRAPH_TOKENS,
     GraphKey,

@@ -39,7 +39,7 @@ def start_server(*args: str, timeout_s: float = 240) -> Server:
     """``guidespec serve --api-key KEY <args>`` on a free port, once ``/health`` answers 200."""
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "guidespec.launch.cli", "serve", "--port", str(port), "--api-key", KEY, *args],
+        [sys.executable, "-m", "guidespec.entrypoints.cli", "serve", "--port", str(port), "--api-key", KEY, *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -93,7 +93,7 @@ def load_cases(workload: Path | None, num: int, synthetic: bool, input_len: int,
             )
             for _ in range(num)
         ]
-    from guidespec.launch.sweep import default_workload, load_workload
+    from guidespec.entrypoints.sweep import default_workload, load_workload
 
     cases = load_workload(workload or default_workload())
     rng.shuffle(cases)
@@ -145,7 +145,7 @@ async def run_level(
 
 
 def _validate(text: str, schema: Any) -> bool:
-    from guidespec.launch.sweep import validate_output
+    from guidespec.entrypoints.sweep import validate_output
 
     return validate_output(text, schema) is None
 
@@ -276,7 +276,7 @@ def plot(levels: list[Level], path: Path, title: str) -> None:
 def run_bench(args: Any) -> int:
     from tqdm import tqdm
 
-    from guidespec.launch.args import device_from_args, speculative_from_args
+    from guidespec.entrypoints.args import device_from_args, speculative_from_args
 
     configs = args.configs
     unknown = [c for c in configs if c not in CONFIGS]

@@ -1,4 +1,4 @@
-"""Tool calling's plan (``guidespec/launch/tools.py``), without an engine: what a request may send,
+"""Tool calling's plan (``guidespec/entrypoints/tools.py``), without an engine: what a request may send,
 the schema its calls are written under, and how an output becomes ``tool_calls``. The server
 runs it end to end in ``test_server.py``."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from guidespec.launch.tools import MARKER, ToolError, history_content, plan_tools
+from guidespec.entrypoints.tools import MARKER, ToolError, history_content, plan_tools
 
 WEATHER = {
     "type": "function",

@@ -49,7 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from guidespec.grammar_backends.interface import refusals_in
-from guidespec.launch.tools import MAX_TOOLS, ToolError, ToolPlan, history_content, plan_tools
+from guidespec.entrypoints.tools import MAX_TOOLS, ToolError, ToolPlan, history_content, plan_tools
 from guidespec.llm import LLM, EngineDeadError, GenerationOutput, RequestError, RequestHandle, StreamDelta
 from guidespec.protocol import (
     GRAMMAR_FAILED,

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from guidespec.config import ModelConfig
-from guidespec.spec.eagle import default_aux_layers, save_head
+from guidespec.worker.drafting.eagle import default_aux_layers, save_head
 from guidespec.worker.model import rotary_tables
 
 
@@ -76,7 +76,7 @@ class Sequence:
 
 
 def load_generations(cfg: TrainConfig, tokenizer: Any, model_dir: Path, eos: int, log: Any = print) -> list[Sequence]:
-    from guidespec.launch.sweep import default_workload, load_workload
+    from guidespec.entrypoints.sweep import default_workload, load_workload
 
     workload = load_workload(cfg.workload or default_workload())
     by_id = {case["id"]: case for case in workload}
@@ -114,7 +114,7 @@ def _generate(cases: list[dict[str, Any]], model_dir: Path, log: Any) -> dict[st
     from tqdm import tqdm
 
     from guidespec import LLM
-    from guidespec.launch.sweep import run_cases
+    from guidespec.entrypoints.sweep import run_cases
 
     log(f"train-eagle: generating {len(cases)} outputs with the target (greedy, guided by each case's schema)")
     with (

@@ -24,14 +24,14 @@ from guidespec.config import ModelConfig
 from guidespec.cuda_ext.channel import DONE, PEER_GONE, STALE, TIMEOUT, ChannelSpec, DraftChannel, DraftChannelError
 from guidespec.model_files import load_hf_config
 from guidespec.protocol import StepInputs
-from guidespec.spec.draft_model import DraftRunner
-from guidespec.spec.eagle import EagleRunner, default_aux_layers, save_head
-from guidespec.spec.train_eagle import head_config
+from guidespec.worker.drafting.draft_model import DraftRunner
+from guidespec.worker.drafting.eagle import EagleRunner, default_aux_layers, save_head
+from guidespec.entrypoints.train_eagle import head_config
 from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.tp import TPInfo
 from tests.conftest import make_tiny_model
-from tests.spec.test_eagle import Exchange, _random_head
+from tests.worker.drafting.test_eagle import Exchange, _random_head
 
 pytestmark = pytest.mark.skipif(cuda_ext.library() is None, reason="no C compiler: the host library is not built")
 VOCAB, MAX_LEN = 300, 64
@@ -286,7 +286,7 @@ def test_where_draft_steps_run_as_graphs() -> None:
     import argparse
 
     from guidespec.config import EngineConfig, SpeculativeConfig
-    from guidespec.launch.args import add_engine_args, device_from_args
+    from guidespec.entrypoints.args import add_engine_args, device_from_args
     from guidespec.launch.launcher import _draft_graphs
 
     eagle = SpeculativeConfig(method="eagle", draft_model="head")

@@ -27,15 +27,15 @@ from torch.utils._pytree import tree_flatten
 from guidespec import cuda_ext
 from guidespec.cuda_ext.channel import VERIFY, ChannelSpec, DraftChannel
 from guidespec.protocol import StepInputs
-from guidespec.spec import draft_graph, step_graph
-from guidespec.spec.draft_model import DraftRunner
-from guidespec.spec.eagle import EagleRunner
-from guidespec.spec.step_graph import StepGraphs
-from guidespec.spec.verify import verify_padded
+from guidespec.worker.drafting import draft_graph, step_graph
+from guidespec.worker.drafting.draft_model import DraftRunner
+from guidespec.worker.drafting.eagle import EagleRunner
+from guidespec.worker.drafting.step_graph import StepGraphs
+from guidespec.worker.verify import verify_padded
 from guidespec.worker.model import ForwardBatch, LlamaModel
-from tests.spec.test_draft_graph import MAX_LEN, PROMPTS, VOCAB, WORDS, _mask, _scheduling, make_setup
-from tests.spec.test_eagle import Exchange
-from tests.spec.test_draft_model import _greedy
+from tests.worker.drafting.test_draft_graph import MAX_LEN, PROMPTS, VOCAB, WORDS, _mask, _scheduling, make_setup
+from tests.worker.drafting.test_eagle import Exchange
+from tests.worker.drafting.test_draft_model import _greedy
 
 pytestmark = pytest.mark.skipif(cuda_ext.library() is None, reason="no C compiler: the host library is not built")
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from benchmarks.load import build_requests, load_cases, run_load
-from tests.launch.serving import (
+from tests.entrypoints.serving import (
     AUTH,
     KEY,
     Server,

@@ -18,9 +18,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from guidespec.launch.server import MAX_BODY_BYTES
-from tests.launch.serving import AUTH, KEY, ROOT, start_server, stop_server
-from tests.launch.test_tools import WEATHER
+from guidespec.entrypoints.server import MAX_BODY_BYTES
+from tests.entrypoints.serving import AUTH, KEY, ROOT, start_server, stop_server
+from tests.entrypoints.test_tools import WEATHER
 
 pytestmark = pytest.mark.slow
 PERSON = {
@@ -446,7 +446,7 @@ def test_a_disconnect_mid_stream_frees_the_slot(server: str) -> None:
 
 
 def test_bench_against_the_server_writes_its_table_and_plot(server: str, tmp_path: Path) -> None:
-    from guidespec.launch.cli import main
+    from guidespec.entrypoints.cli import main
 
     code = main(
         [
