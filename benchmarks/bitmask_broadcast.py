@@ -25,8 +25,8 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from guidespec.ipc import codec  # noqa: E402
-from guidespec.ipc.broadcast import BroadcastSpec, StepBroadcaster, create_step_reader  # noqa: E402
-from guidespec.ipc.mask_arena import ArenaSpec, MaskArena  # noqa: E402
+from guidespec.ipc.broadcast import BroadcastLayout, StepBroadcaster, create_step_reader  # noqa: E402
+from guidespec.ipc.mask_arena import ArenaLayout, MaskArena  # noqa: E402
 from guidespec.ipc.shm_ring import ShmRing  # noqa: E402
 from guidespec.protocol import StepBitmask  # noqa: E402
 
@@ -37,10 +37,12 @@ def measure(
     words = -(-vocab // 32)
     ring = ShmRing.create(f"guidespec-bench-{uuid.uuid4().hex[:8]}", readers, 16, 1 << 20)
     arena = (
-        MaskArena.create(ArenaSpec(f"guidespec-bench-{uuid.uuid4().hex[:8]}-masks", rows, words)) if use_arena else None
+        MaskArena.create(ArenaLayout(f"guidespec-bench-{uuid.uuid4().hex[:8]}-masks", rows, words))
+        if use_arena
+        else None
     )
     ctx = zmq.Context()
-    spec = BroadcastSpec(ring.spec, arena=arena.spec if arena is not None else None)
+    spec = BroadcastLayout(ring.layout, arena=arena.layout if arena is not None else None)
     writer = StepBroadcaster(spec, ctx)
     step_readers = [create_step_reader(spec, i, ctx) for i in range(readers)]
     bitmask = np.random.default_rng(0).integers(0, 2**31, (rows, words), dtype=np.int64).astype(np.int32)

@@ -29,14 +29,14 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from guidespec.cuda_ext.channel import DONE, ChannelSpec, DraftChannel, StreamExchange  # noqa: E402
+from guidespec.cuda_ext.channel import DONE, ChannelLayout, DraftChannel, StreamExchange  # noqa: E402
 from guidespec.ipc import codec  # noqa: E402
-from guidespec.ipc.shm_ring import RingSpec, ShmRing  # noqa: E402
+from guidespec.ipc.shm_ring import RingLayout, ShmRing  # noqa: E402
 from guidespec.ipc.zmq_channel import Channel, new_ipc_endpoint  # noqa: E402
 from guidespec.protocol import DraftMask, DraftTokens  # noqa: E402
 
 
-def _answer_channel(spec: ChannelSpec, steps: int, ready: mp.Event, acks: Any) -> None:
+def _answer_channel(spec: ChannelLayout, steps: int, ready: mp.Event, acks: Any) -> None:
     """The scheduler's side: every draft step of each step, until rank 0's DONE; then the ack that
     stands for the next step's broadcast (rank 0 drafts a step only after it was broadcast)."""
     channel = DraftChannel.attach(spec)
@@ -59,7 +59,7 @@ _DRAFTS_PER_STEP = 20  # draft steps per step (a StreamExchange holds 32 argumen
 
 
 def _answer_messages(
-    ring_spec: RingSpec, endpoint: str, rows: int, words: int, iterations: int, ready: mp.Event
+    ring_spec: RingLayout, endpoint: str, rows: int, words: int, iterations: int, ready: mp.Event
 ) -> None:
     ring = ShmRing.attach(ring_spec)
     writer = ring.writer()
@@ -88,7 +88,7 @@ def run(rows: int, vocab: int, iterations: int) -> dict[str, tuple[float, float]
     spawn = mp.get_context("spawn")
     results = {}
     for path in ("c", "host stream"):
-        spec = ChannelSpec(f"gs-bench-{uuid.uuid4().hex[:8]}", rows, rows * 16, words)
+        spec = ChannelLayout(f"gs-bench-{uuid.uuid4().hex[:8]}", rows, rows * 16, words)
         channel = DraftChannel.create(spec)
         ready = spawn.Event()
         acks, peer_acks = spawn.Pipe(duplex=False)
@@ -118,7 +118,7 @@ def run(rows: int, vocab: int, iterations: int) -> dict[str, tuple[float, float]
     endpoint = new_ipc_endpoint("bench")
     ready = spawn.Event()
     peer = spawn.Process(
-        target=_answer_messages, args=(ring.spec, endpoint, rows, words, iterations, ready), daemon=True
+        target=_answer_messages, args=(ring.layout, endpoint, rows, words, iterations, ready), daemon=True
     )
     peer.start()
     ready.wait(60)

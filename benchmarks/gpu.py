@@ -21,7 +21,7 @@ runs replay, as a long-running server has):
   shape) drafting ``--draft-len`` tokens a step (fixed length), guided and unguided, in the
   variants of ``--eagle-variants``: "fused" (the default engine: each greedy step, verify, masks,
   acceptance and draft steps, one captured graph whose grammar waits are host nodes,
-  ``spec/step_graph.py``), "draft-graph" (only the draft steps as a graph,
+  ``worker/drafting/step_graph.py``), "draft-graph" (only the draft steps as a graph,
   ``GUIDESPEC_FUSED_STEPS=0``), "steps" (everything one by one, ``--no-graph-grammar``),
   "fused-unmasked" (drafts no grammar masks, ``constrain_drafts=False``: no round trip to the scheduler
   while drafting), "fused-first-mask" (only draft step 0 masked, ``draft_mask_steps=1``: one round

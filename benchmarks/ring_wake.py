@@ -35,7 +35,7 @@ def _wait_as(way: str) -> None:
         shm_ring._SPIN_S = 1e9
 
 
-def _echo(way: str, into: shm_ring.RingSpec, back: shm_ring.RingSpec, count: int) -> None:
+def _echo(way: str, into: shm_ring.RingLayout, back: shm_ring.RingLayout, count: int) -> None:
     _wait_as(way)
     reader, writer = shm_ring.ShmRing.attach(into).reader(0), shm_ring.ShmRing.attach(back).writer()
     for _ in range(count):
@@ -45,7 +45,7 @@ def _echo(way: str, into: shm_ring.RingSpec, back: shm_ring.RingSpec, count: int
 def round_trips(way: str, count: int, gap_s: float) -> np.ndarray:
     into = shm_ring.ShmRing.create(f"guidespec-wake-{uuid.uuid4().hex[:8]}", 1, 8, 4096)
     back = shm_ring.ShmRing.create(f"guidespec-wake-{uuid.uuid4().hex[:8]}", 1, 8, 4096)
-    child = mp.get_context("spawn").Process(target=_echo, args=(way, into.spec, back.spec, count))
+    child = mp.get_context("spawn").Process(target=_echo, args=(way, into.layout, back.layout, count))
     child.start()
     try:
         writer, reader = into.writer(), back.reader(0)

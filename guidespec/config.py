@@ -2,7 +2,7 @@
 
 ``ModelConfig`` is what the model code needs, read once from a Hugging Face config.
 ``EngineConfig`` holds the engine's limits and layout; every "auto" is decided by
-``create_engine_config`` before the dataclass is frozen. Each process gets only the part it
+``llm._create_engine_config`` before the dataclass is frozen. Each process gets only the part it
 uses (``SchedulerConfig``, ``WorkerConfig``).
 """
 
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from guidespec.cuda_ext.channel import ChannelSpec
-from guidespec.ipc.broadcast import BroadcastSpec
-from guidespec.ipc.mask_arena import ArenaSpec
-from guidespec.ipc.shm_ring import RingSpec
+from guidespec.cuda_ext.channel import ChannelLayout
+from guidespec.ipc.broadcast import BroadcastLayout
+from guidespec.ipc.mask_arena import ArenaLayout
+from guidespec.ipc.shm_ring import RingLayout
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -179,7 +179,7 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" or "cuda" (resolved from "auto": worker/device.py)
     enforce_eager: bool = False  # CUDA: no graphs (worker/graphs.py)
     # a model drafter's (EAGLE head, draft model) greedy draft steps as one graph each, grammar
-    # waits inside (spec/draft_graph.py): None: on CUDA with graphs; True on the CPU runs the
+    # waits inside (worker/drafting/draft_graph.py): None: on CUDA with graphs; True on the CPU runs the
     # same steps eagerly
     graph_grammar: bool | None = None
     # threads filling a step's grammar masks in the scheduler (GrammarSettings.fill_threads)
@@ -199,7 +199,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     eos_token_ids: tuple[int, ...]
     num_workers: int
-    broadcast: BroadcastSpec
+    broadcast: BroadcastLayout
     client_in: str  # client -> scheduler (PULL, bound by the scheduler)
     client_out: str  # scheduler -> client (PUSH, connected to the client's PULL)
     worker_results: str  # workers -> scheduler (PULL, bound by the scheduler)
@@ -209,7 +209,7 @@ class SchedulerConfig:
     jump_forward: str  # JUMP_FORWARD_MODES
     speculative: SpeculativeConfig | None = None
     enable_prefix_caching: bool = True
-    draft_channel: ChannelSpec | None = None  # model drafts and their masks with rank 0 (cuda_ext)
+    draft_channel: ChannelLayout | None = None  # model drafts and their masks with rank 0 (cuda_ext)
     grammar_fill_threads: int = 1  # EngineConfig.grammar_fill_threads
     fused_steps: bool = False  # verify masks through the draft channel too, for rank 0's fused steps
 
@@ -222,7 +222,7 @@ class WorkerConfig:
     tensor_parallel_size: int
     max_batch_size: int
     max_model_len: int
-    broadcast: BroadcastSpec
+    broadcast: BroadcastLayout
     ring_index: int | None  # this rank's ring reader, None: it reads the remote stream
     worker_results: str
     dist_init_method: str
@@ -234,16 +234,18 @@ class WorkerConfig:
     hf_config: dict[str, Any] | None = None  # the model's config as the main process read it (model_files.config_data)
     enforce_eager: bool = False  # CUDA: no graphs
     gpu_memory_utilization: float = 0.9
-    draft_channel: ChannelSpec | None = None  # rank 0's draft/mask exchange with the scheduler (cuda_ext)
+    draft_channel: ChannelLayout | None = None  # rank 0's draft/mask exchange with the scheduler (cuda_ext)
     scheduler_pid: int = 0  # the draft channel's peer: a wait ends at once when it dies
     quantized_weights: bool = False  # EngineConfig.quantized_weights: LlamaModel(quantized=...)
-    draft_graphs: bool = False  # rank 0: a model drafter's draft steps as fixed-shape graphs (spec/draft_graph.py)
-    # a model drafter's whole speculative steps as one graph each (spec/step_graph.py), every rank
+    draft_graphs: bool = (
+        False  # rank 0: a model drafter's draft steps as fixed-shape graphs (worker/drafting/draft_graph.py)
+    )
+    # a model drafter's whole speculative steps as one graph each (worker/drafting/step_graph.py), every rank
     fused_steps: bool = False
 
 
 def config_to_dict(config: SchedulerConfig | WorkerConfig) -> dict[str, object]:
-    """A JSON-ready dict of a process config (paths as strings, the ring spec as a dict)."""
+    """A JSON-ready dict of a process config (paths as strings, the ring layout as a dict)."""
     out = dataclasses.asdict(config)
     out["model_dir"] = str(config.model_dir)
     return out
@@ -253,13 +255,13 @@ def config_from_dict(cls: type[_C], data: dict[str, Any]) -> _C:
     fields = dict(data)
     fields["model_dir"] = Path(str(fields["model_dir"]))
     broadcast = dict(fields["broadcast"])
-    broadcast["ring"] = RingSpec(**broadcast["ring"]) if broadcast["ring"] is not None else None
-    broadcast["arena"] = ArenaSpec(**broadcast["arena"]) if broadcast.get("arena") is not None else None
-    fields["broadcast"] = BroadcastSpec(**broadcast)
+    broadcast["ring"] = RingLayout(**broadcast["ring"]) if broadcast["ring"] is not None else None
+    broadcast["arena"] = ArenaLayout(**broadcast["arena"]) if broadcast.get("arena") is not None else None
+    fields["broadcast"] = BroadcastLayout(**broadcast)
     if "eos_token_ids" in fields:
         fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
     if fields.get("draft_channel") is not None:
-        fields["draft_channel"] = ChannelSpec(**fields["draft_channel"])
+        fields["draft_channel"] = ChannelLayout(**fields["draft_channel"])
     if fields.get("speculative") is not None:
         fields["speculative"] = SpeculativeConfig(**fields["speculative"])
     return cls(**fields)

@@ -105,7 +105,7 @@ def draft_channel() -> str:
 def fused_steps() -> bool:
     """Whether an engine whose model drafter's draft steps run as graphs (``graph_grammar``, every rank
     local) also runs each whole greedy speculative step (verify, acceptance, the drafter, the drafts) as
-    one graph (``spec/step_graph.py``; ``GUIDESPEC_FUSED_STEPS``, default ``1``): ``0`` keeps the
+    one graph (``worker/drafting/step_graph.py``; ``GUIDESPEC_FUSED_STEPS``, default ``1``): ``0`` keeps the
     verify step outside (its masks read from the ring in Python), to measure the difference."""
     return os.environ.get("GUIDESPEC_FUSED_STEPS", "1") != "0"
 

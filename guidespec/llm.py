@@ -453,7 +453,7 @@ class LLM:
                             raise
 
     def _route(self, message: object) -> None:
-        """The receiver thread's handling of one scheduler message (``_Engine.receive_loop``)."""
+        """The receiver thread's handling of one scheduler message (``_Engine._receive_loop``)."""
         if isinstance(message, RequestOutputs):
             for output in message.outputs:
                 if isinstance(output, RequestOutput):

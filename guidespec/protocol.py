@@ -275,7 +275,7 @@ class EngineReady:
 @register_message(17)
 @dataclass(frozen=True)
 class SchedulerStats:
-    """Scheduler -> client, when they change (at most every ``stats_interval``): the queue as the
+    """Scheduler -> client, when they change (at most every ``_STATS_INTERVAL_S`` of ``scheduler.py``): the queue as the
     server's /metrics shows it."""
 
     running: int  # requests holding a slot
@@ -426,7 +426,7 @@ class StepOutputs:
     draft_tokens: np.ndarray | None = None  # [sum(num_draft_tokens)] int32: the draft model's proposals
     num_draft_tokens: np.ndarray | None = None  # [B] int32, they follow each row's last produced token
     draft_s: float = 0.0  # seconds rank 0 spent proposing (draft model / EAGLE head), not in forward_s
-    fused: bool = False  # the whole step ran as one graph (spec/step_graph.py): forward_s holds its drafting
+    fused: bool = False  # the whole step ran as one graph (worker/drafting/step_graph.py): forward_s holds its drafting
     # rank 0's waits for grammar masks beyond the bitmask's (timings): [m, 3] float64 rows of (draft
     # index, -2 for a fused step's verify masks; wait start; wait end), wall times; inside graphs the
     # trampolines time them (the device stood still meanwhile)

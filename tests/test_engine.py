@@ -258,7 +258,7 @@ def test_shutdown_leaves_no_process_and_no_shared_memory() -> None:
     engine.generate("Hi", SamplingParams(max_tokens=2))
     pids = [p.pid for p in engine._processes.processes.values()]
     p = engine._processes
-    names = [f"/dev/shm/{p.ring.spec.name}", f"/dev/shm/{p.arena.spec.name}"] + [
+    names = [f"/dev/shm/{p.ring.layout.name}", f"/dev/shm/{p.arena.layout.name}"] + [
         e.removeprefix("ipc://") for e in vars(engine._processes.endpoints).values()
     ]
     assert _leftovers(names, pids) != ([], [])
@@ -293,7 +293,7 @@ def test_ctrl_c_leaves_no_process_and_no_shared_memory(tmp_path: Path) -> None:
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks where it hangs, if it does
         with LLM(max_batch_size=2, show_progress=False) as llm:
             p = llm._processes
-            names = [f"/dev/shm/{p.ring.spec.name}", f"/dev/shm/{p.arena.spec.name}"]
+            names = [f"/dev/shm/{p.ring.layout.name}", f"/dev/shm/{p.arena.layout.name}"]
             names += [e.removeprefix("ipc://") for e in vars(p.endpoints).values()]
             print(json.dumps({"pids": [x.pid for x in p.processes.values()], "names": names}), flush=True)
             llm.generate("Tell me a long story.", SamplingParams(max_tokens=5000, ignore_eos=True))
@@ -343,7 +343,7 @@ def test_a_restarting_llm_serves_again_after_its_scheduler_dies() -> None:
         expected = engine.generate("Hi", GREEDY)[0].token_ids
         old = engine._processes
         pids = [p.pid for p in old.processes.values()]
-        names = [f"/dev/shm/{old.ring.spec.name}", f"/dev/shm/{old.arena.spec.name}"] + [
+        names = [f"/dev/shm/{old.ring.layout.name}", f"/dev/shm/{old.arena.layout.name}"] + [
             e.removeprefix("ipc://") for e in vars(old.endpoints).values()
         ]
         stream = engine.stream("Tell me a long story.", SamplingParams(max_tokens=5000, ignore_eos=True))

@@ -263,7 +263,7 @@ def test_every_draft_exchange_gives_the_same_greedy_eagle_output(
     assert (len(fills) > 0) == (exchange != "python")
     assert {e["name"] for e in fills} <= {f"fill draft step {j} masks" for j in range(8)}
     assert (trace["summary"]["draft_fill_fraction"] > 0) == (exchange != "python")
-    # graph_grammar on one rank: steady-state steps ran whole as one graph (spec/step_graph.py)
+    # graph_grammar on one rank: steady-state steps ran whole as one graph (worker/drafting/step_graph.py)
     fused = [e for e in trace["traceEvents"] if str(e["name"]).startswith("fused step")]
     assert (len(fused) > 0) == (exchange == "graph")
     assert trace["summary"]["fused_steps"] == len(fused)

@@ -6,7 +6,7 @@
   fixed-shape draft steps of a graph), and a CPU "host stream" that runs enqueued host
   functions in order on a thread (what ``cudaLaunchHostFunc`` does on a CUDA stream);
 - ``host_functions.py``: the trampolines enqueued in stream order from Python: on CUDA with the
-  driver's ``cuLaunchHostFunc`` (captured into CUDA graphs as host nodes: ``spec/draft_graph.py``),
+  driver's ``cuLaunchHostFunc`` (captured into CUDA graphs as host nodes: ``worker/drafting/draft_graph.py``),
   on the CPU called where they stand;
 - ``host_callbacks.cu`` (CUDA): the same enqueueing as C++ entry points (``cudaLaunchHostFunc``,
   the mask's host-to-device copy, page-locking), for a build that links the runtime. The tests

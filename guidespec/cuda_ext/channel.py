@@ -19,7 +19,7 @@ from guidespec.cuda_ext import library
 
 OK, TIMEOUT, STALE, PEER_GONE, TOO_LARGE, BAD_CHANNEL = range(6)
 DONE = -1
-VERIFY = -2  # the draft index of a step's verify masks (spec/step_graph.py)
+VERIFY = -2  # the draft index of a step's verify masks (layout/step_graph.py)
 _WHAT = {
     TIMEOUT: "no answer before the deadline",
     STALE: "an answer for another step or draft",
@@ -36,7 +36,7 @@ class DraftChannelError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class ChannelSpec:
+class ChannelLayout:
     name: str
     max_rows: int  # rows a draft step can carry (the max batch size)
     max_tokens: int  # tokens of all rows' sequences together
@@ -49,42 +49,42 @@ def available() -> bool:
 
 
 class DraftChannel:
-    def __init__(self, shm: shared_memory.SharedMemory, spec: ChannelSpec, owner: bool) -> None:
+    def __init__(self, shm: shared_memory.SharedMemory, layout: ChannelLayout, owner: bool) -> None:
         lib = library()
         if lib is None:
             raise RuntimeError("the cuda_ext host library is not built (no C compiler)")
-        self.lib, self.spec, self._shm, self._owner = lib, spec, shm, owner
+        self.lib, self.layout, self._shm, self._owner = lib, layout, shm, owner
         buf = shm.buf
         assert buf is not None
         self._anchor = ctypes.c_char.from_buffer(buf)  # the mapping stays exported while base is in use
         self.base = ctypes.c_void_p(ctypes.addressof(self._anchor))
-        args = (spec.max_rows, spec.max_tokens, spec.num_words)
+        args = (layout.max_rows, layout.max_tokens, layout.num_words)
         if owner:
-            lib.gs_channel_init(self.base, *args, spec.spin_us)
+            lib.gs_channel_init(self.base, *args, layout.spin_us)
         elif lib.gs_channel_check(self.base, *args) != OK:
-            raise RuntimeError(f"shared memory {spec.name!r} is not a draft channel of this layout")
+            raise RuntimeError(f"shared memory {layout.name!r} is not a draft channel of this layout")
         at = [lib.gs_channel_offset(self.base, i) for i in range(4)]
-        self.rows = np.ndarray(spec.max_rows, np.int32, buf, at[0])
-        self.lens = np.ndarray(spec.max_rows, np.int32, buf, at[1])
-        self.tokens = np.ndarray(spec.max_tokens, np.int32, buf, at[2])
-        self.mask = np.ndarray((spec.max_rows, spec.num_words), np.int32, buf, at[3])
-        self.mask_ids = np.ndarray(spec.max_rows, np.int32, buf, lib.gs_channel_offset(self.base, 4))
-        self._out = np.zeros((spec.max_rows, spec.num_words), np.int32)  # rank 0's copy of a mask
+        self.rows = np.ndarray(layout.max_rows, np.int32, buf, at[0])
+        self.lens = np.ndarray(layout.max_rows, np.int32, buf, at[1])
+        self.tokens = np.ndarray(layout.max_tokens, np.int32, buf, at[2])
+        self.mask = np.ndarray((layout.max_rows, layout.num_words), np.int32, buf, at[3])
+        self.mask_ids = np.ndarray(layout.max_rows, np.int32, buf, lib.gs_channel_offset(self.base, 4))
+        self._out = np.zeros((layout.max_rows, layout.num_words), np.int32)  # rank 0's copy of a mask
         self._i = [ctypes.c_int32() for _ in range(3)]
 
     @classmethod
-    def create(cls, spec: ChannelSpec) -> DraftChannel:
+    def create(cls, layout: ChannelLayout) -> DraftChannel:
         lib = library()
         if lib is None:
             raise RuntimeError("the cuda_ext host library is not built (no C compiler)")
-        size = int(lib.gs_channel_bytes(spec.max_rows, spec.max_tokens, spec.num_words))
-        return cls(shared_memory.SharedMemory(name=spec.name, create=True, size=size), spec, owner=True)
+        size = int(lib.gs_channel_bytes(layout.max_rows, layout.max_tokens, layout.num_words))
+        return cls(shared_memory.SharedMemory(name=layout.name, create=True, size=size), layout, owner=True)
 
     @classmethod
-    def attach(cls, spec: ChannelSpec) -> DraftChannel:
+    def attach(cls, layout: ChannelLayout) -> DraftChannel:
         from guidespec.ipc.shm_ring import _open_untracked
 
-        return cls(_open_untracked(spec.name), spec, owner=False)
+        return cls(_open_untracked(layout.name), layout, owner=False)
 
     # ------------------------------------------------------------------ rank 0
 
@@ -160,10 +160,10 @@ class DraftChannel:
             raise DraftChannelError(code, step, draft_index, "publishing a mask")
 
     def answer_verify(self, step: int, ids: np.ndarray, bitmask: np.ndarray) -> bool:
-        """The step's verify masks for a fused step (spec/step_graph.py): row i for logits row
+        """The step's verify masks for a fused step (layout/step_graph.py): row i for logits row
         ``ids[i]``. False where they do not fit the channel (rank 0 then runs the step unfused)."""
         n = len(ids)
-        if n > self.spec.max_rows:
+        if n > self.layout.max_rows:
             return False
         self.mask[:n] = bitmask
         ids = np.ascontiguousarray(ids, dtype=np.int32)
@@ -223,7 +223,7 @@ class StreamExchange:
     reads the statuses the callbacks left. What a CUDA stream replays, run on a CPU thread."""
 
     def __init__(self, channel: DraftChannel, timeout_s: float, peer_pid: int, max_draft_steps: int = 32) -> None:
-        lib, spec = channel.lib, channel.spec
+        lib, layout = channel.lib, channel.layout
         self.channel, self.lib = channel, lib
         self.stream = lib.gs_host_stream_create(8)
         if not self.stream:
@@ -231,10 +231,10 @@ class StreamExchange:
         self.step = np.zeros(1, np.int64)
         self.counts = np.zeros(2, np.int32)  # rows, tokens
         self.status = np.zeros(2, np.int32)  # publish, wait
-        self.rows = np.zeros(spec.max_rows, np.int32)
-        self.lens = np.zeros(spec.max_rows, np.int32)
-        self.tokens = np.zeros(spec.max_tokens, np.int32)
-        self.out = np.zeros((spec.max_rows, spec.num_words), np.int32)
+        self.rows = np.zeros(layout.max_rows, np.int32)
+        self.lens = np.zeros(layout.max_rows, np.int32)
+        self.tokens = np.zeros(layout.max_tokens, np.int32)
+        self.out = np.zeros((layout.max_rows, layout.num_words), np.int32)
         c = lambda a, offset=0: ctypes.c_void_p(a.ctypes.data + offset)  # noqa: E731
         self.publish = [
             _PublishArgs(

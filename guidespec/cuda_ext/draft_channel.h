@@ -58,7 +58,7 @@ int gs_wait_mask(void *base, int64_t step, int32_t draft_index, int64_t timeout_
 int gs_wait_drafts(void *base, int64_t step, int32_t last_index, int64_t timeout_us, int32_t peer_pid,
                    int32_t *draft_index, int32_t *num_rows, int32_t *num_tokens);
 int gs_publish_mask(void *base, int64_t step, int32_t draft_index, int32_t num_rows);
-/* the scheduler, for a fused step (spec/step_graph.py): the step's verify mask rows (already in the
+/* the scheduler, for a fused step (worker/drafting/step_graph.py): the step's verify mask rows (already in the
  * mask array), row i for logits row ids[i], before any draft of the step */
 int gs_publish_verify_mask(void *base, int64_t step, const int32_t *ids, int32_t num_rows);
 
@@ -95,7 +95,7 @@ void gs_cb_wait_mask(void *args);
  * the times a trampoline records are the step's timeline inside a graph: how long the device
  * stood still waiting for the grammar. */
 
-/* The draft steps of a fixed-shape graph (spec/draft_graph.py): B rows, each drafting up to K
+/* The draft steps of a fixed-shape graph (worker/drafting/draft_graph.py): B rows, each drafting up to K
  * tokens; one argument block per draft index j, read by both callbacks of that draft step.
  * gs_cb_graph_publish publishes the rows whose grammar masks draft step j (masked[b] > j) and
  * that want more than j drafts, each with its tokens past its final ones:
@@ -132,7 +132,7 @@ typedef struct {
 void gs_cb_graph_publish(void *args);
 void gs_cb_graph_wait(void *args);
 
-/* The verify masks of a fused step (spec/step_graph.py): wait for the scheduler's (step, GS_VERIFY)
+/* The verify masks of a fused step (worker/drafting/step_graph.py): wait for the scheduler's (step, GS_VERIFY)
  * rows, lay them out in `out` [num_rows][W] at the graph row of their logits row (padded_of[id]),
  * all ones (allow all) in the rows of unguided requests. On a failed wait, or rows that do not
  * fit the graph (a stale layout), every row is zero (forbid every token) and *status says why. */

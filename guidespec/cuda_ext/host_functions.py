@@ -11,7 +11,7 @@ them, with no Python in between.
   the point it is enqueued is stream order: :class:`HostFunctions` calls it there.
 
 ``GraphStepArgs`` is ``gs_graph_step_args`` of ``draft_channel.h``: one block per draft step of
-a fixed-shape graph (``spec/draft_graph.py``).
+a fixed-shape graph (``worker/drafting/draft_graph.py``).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class GraphStepArgs(ctypes.Structure):
 
 
 class VerifyWaitArgs(ctypes.Structure):
-    """``gs_verify_args``: a fused step's wait for its verify masks (``spec/step_graph.py``)."""
+    """``gs_verify_args``: a fused step's wait for its verify masks (``worker/drafting/step_graph.py``)."""
 
     _fields_ = [
         ("channel", _p),

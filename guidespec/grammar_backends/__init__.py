@@ -1,7 +1,8 @@
 """Grammar backends behind one small interface (``interface.py``): xgrammar and llguidance.
 
-The scheduler is the only user: it compiles grammars, keeps one matcher per guided request,
-advances and rolls matchers back, and fills bitmask rows. Backends are imported lazily and
+The scheduler owns every grammar: it compiles them (in its compile process), keeps one matcher
+per guided request, advances and rolls matchers back, and fills bitmask rows. The server reads
+refusals through ``interface.py`` to answer them as 400s. Backends are imported lazily and
 created once per engine; a request may pick the other one.
 """
 

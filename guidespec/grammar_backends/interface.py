@@ -1,6 +1,5 @@
 """The grammar interface: compile, make a matcher, accept, fill a bitmask row, roll back,
-forced tokens, termination. Bitmasks are int32 [rows, ceil(vocab / 32)], bit j of word w set
-meaning token 32*w + j is allowed."""
+forced tokens, termination. Bitmasks are laid out as ``guidespec/bitmask.py`` says."""
 
 from __future__ import annotations
 
@@ -41,7 +40,7 @@ class GrammarBackend(Protocol):
     name: str
     vocab_size: int
 
-    def compile(self, spec: GuidedDecoding) -> Any:
+    def compile(self, guided: GuidedDecoding) -> Any:
         """A compiled grammar (thread-safe, shareable); raises GrammarError."""
 
     def text_cost_s(self, compiled: Any) -> float | None:
@@ -58,39 +57,6 @@ class GrammarBackend(Protocol):
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: np.ndarray, rows: Sequence[int]) -> None:
         """Fill ``bitmask[rows[i]]`` for ``matchers[i]``, batched (and multi-threaded where the backend can)."""
-
-
-def bitmask_width(vocab_size: int) -> int:
-    return (vocab_size + 31) // 32
-
-
-def bitmask_row(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
-    """A packed bitmask row (bit i of word i // 32) allowing exactly ``token_ids``."""
-    bits = np.zeros(bitmask_width(vocab_size) * 32, dtype=np.uint8)
-    bits[list(token_ids)] = 1
-    return np.packbits(bits, bitorder="little").view(np.int32).copy()
-
-
-_SPARSE_WORDS = 48  # rows with more nonzero words than this are unpacked whole
-
-
-def allowed_ids(row: np.ndarray, vocab_size: int | None = None, limit: int | None = None) -> np.ndarray:
-    """The token ids a packed bitmask row allows, ascending (below ``vocab_size`` where given; the
-    first ``limit`` of them where given). Only the row's nonzero words are unpacked: a grammar's
-    row is often a few tokens (a name, a closing bracket), and then this costs a few µs."""
-    words = np.ascontiguousarray(row).view(np.uint32)
-    nonzero = np.flatnonzero(words)
-    if limit is not None:
-        nonzero = nonzero[:limit]  # every nonzero word holds at least one id
-    if len(nonzero) > _SPARSE_WORDS:
-        ids = np.flatnonzero(np.unpackbits(words[: nonzero[-1] + 1].view(np.uint8), bitorder="little"))
-    else:
-        bits = np.unpackbits(words[nonzero].view(np.uint8), bitorder="little").reshape(len(nonzero), 32)
-        word, bit = np.nonzero(bits)
-        ids = nonzero[word] * 32 + bit
-    if vocab_size is not None:
-        ids = ids[ids < vocab_size]
-    return ids if limit is None else ids[:limit]
 
 
 DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values in a JSON schema, not schemas

@@ -21,12 +21,11 @@ import llguidance.numpy
 import numpy as np
 
 from guidespec import envs
+from guidespec.bitmask import allowed_ids, bitmask_width
 from guidespec.grammar_backends.interface import (
     COUNTED_OPEN_OBJECT,
     GrammarError,
     GrammarMatcher,
-    allowed_ids,
-    bitmask_width,
     find_counted_open_object,
 )
 from guidespec.protocol import GuidedDecoding
@@ -179,22 +178,22 @@ class LLGuidanceBackend:
         # single-character tokens, by character: what the compile-time walk tries
         self._chars = _single_char_tokens(tokenizer, vocab_size)
 
-    def compile(self, spec: GuidedDecoding) -> Any:
-        kind = spec.kind
-        if kind == "json_schema" and find_counted_open_object(json.loads(spec.json_schema)):  # type: ignore[arg-type]
+    def compile(self, guided: GuidedDecoding) -> Any:
+        kind = guided.kind
+        if kind == "json_schema" and find_counted_open_object(json.loads(guided.json_schema)):  # type: ignore[arg-type]
             raise GrammarError(f"llguidance {COUNTED_OPEN_OBJECT}")
         try:
             if kind == "json_schema":
-                grammar = llg.LLMatcher.grammar_from_json_schema(spec.json_schema, overrides=_COMPACT_JSON)  # type: ignore[arg-type]
+                grammar = llg.LLMatcher.grammar_from_json_schema(guided.json_schema, overrides=_COMPACT_JSON)  # type: ignore[arg-type]
             elif kind == "json_object":
                 grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_COMPACT_JSON)
             elif kind == "regex":
-                grammar = llg.LLMatcher.grammar_from_regex(spec.regex)  # type: ignore[arg-type]
+                grammar = llg.LLMatcher.grammar_from_regex(guided.regex)  # type: ignore[arg-type]
             elif kind == "grammar":
-                grammar = llg.LLMatcher.grammar_from_lark(spec.grammar)  # type: ignore[arg-type]
+                grammar = llg.LLMatcher.grammar_from_lark(guided.grammar)  # type: ignore[arg-type]
             else:
                 grammar = llg.LLMatcher.grammar_from_lark(
-                    "start: " + " | ".join(json.dumps(c) for c in spec.choice or ())
+                    "start: " + " | ".join(json.dumps(c) for c in guided.choice or ())
                 )
         except Exception as e:
             raise GrammarError(f"llguidance cannot compile this {kind}: {e}") from None

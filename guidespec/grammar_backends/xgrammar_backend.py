@@ -87,11 +87,11 @@ class XGrammarBackend:
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=num_threads, cache_enabled=False)
         self.batch = xgr.BatchGrammarMatcher(max_threads=num_threads)
 
-    def compile(self, spec: GuidedDecoding) -> Any:
-        kind = spec.kind
+    def compile(self, guided: GuidedDecoding) -> Any:
+        kind = guided.kind
         try:
             if kind == "json_schema":
-                original = json.loads(spec.json_schema)  # type: ignore[arg-type]
+                original = json.loads(guided.json_schema)  # type: ignore[arg-type]
                 _refuse_ignored_keywords(original)
                 if find_counted_open_object(original):
                     raise GrammarError(f"xgrammar {COUNTED_OPEN_OBJECT}")
@@ -110,7 +110,7 @@ class XGrammarBackend:
                 others = [line for line in lines if line is not approximation]
                 if others:  # other threads' output, written while fd 2 was captured
                     print("\n".join(others), file=sys.stderr)
-                if approximation is not None and not _one_ofs_disjoint_by_type(json.loads(spec.json_schema)):  # type: ignore[arg-type]
+                if approximation is not None and not _one_ofs_disjoint_by_type(json.loads(guided.json_schema)):  # type: ignore[arg-type]
                     raise GrammarError(
                         "xgrammar cannot enforce this json_schema exactly (outputs could violate it): "
                         + approximation.split("Warning: ", 1)[-1]
@@ -121,10 +121,10 @@ class XGrammarBackend:
                     '{"type": "object"}', any_whitespace=False, separators=(", ", ": ")
                 )
             if kind == "regex":
-                return self.compiler.compile_regex(optional_groups_as_alternations(spec.regex))  # type: ignore[arg-type]
+                return self.compiler.compile_regex(optional_groups_as_alternations(guided.regex))  # type: ignore[arg-type]
             if kind == "grammar":
-                return self.compiler.compile_grammar(spec.grammar)  # type: ignore[arg-type]
-            return self.compiler.compile_grammar(_choice_ebnf(spec.choice or ()))
+                return self.compiler.compile_grammar(guided.grammar)  # type: ignore[arg-type]
+            return self.compiler.compile_grammar(_choice_ebnf(guided.choice or ()))
         except GrammarError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses with its message

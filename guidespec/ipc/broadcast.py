@@ -2,13 +2,14 @@
 
 Local ranks read the shared-memory ring; ranks on other hosts (Ray placements) read the
 signed ZeroMQ stream of ``remote.py``. The scheduler writes each message to both. Which rank
-reads what is decided once by the launcher and frozen in ``BroadcastSpec``. A step's bitmask
+reads what is decided once by the launcher and frozen in ``BroadcastLayout``. A step's bitmask
 reaches local ranks through the mask arena (``mask_arena.py``: the ring carries its header
 only) and remote ranks whole.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,19 +19,31 @@ import numpy as np
 
 from guidespec.ipc import codec
 from guidespec.ipc.codec import MalformedMessage
-from guidespec.ipc.mask_arena import ArenaSpec, MaskArena
+from guidespec.ipc.mask_arena import ArenaLayout, MaskArena
 from guidespec.ipc.remote import RemoteReader, RemoteWriter
-from guidespec.ipc.shm_ring import RingReader, RingSpec, ShmRing
-from guidespec.protocol import StepBitmask
+from guidespec.ipc.shm_ring import RingReader, RingLayout, ShmRing
+
+
+class StepBitmask(Protocol):
+    """What the broadcast needs of ``protocol.StepBitmask`` (ipc sits below the messages)."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def rows(self) -> np.ndarray: ...
+    @property
+    def bitmask(self) -> np.ndarray | None: ...
+    @property
+    def arena_buffer(self) -> int: ...
 
 
 @dataclass(frozen=True)
-class BroadcastSpec:
-    ring: RingSpec | None  # None: no rank reads locally (every rank a Ray actor)
+class BroadcastLayout:
+    ring: RingLayout | None  # None: no rank reads locally (every rank a Ray actor)
     remote_endpoint: str | None = None  # tcp://ADDR:PORT the scheduler binds for remote ranks
     remote_key: str = ""  # hex HMAC key shared with remote ranks
     num_remote_readers: int = 0
-    arena: ArenaSpec | None = None  # the bitmask arena local ranks map (None: masks through the ring)
+    arena: ArenaLayout | None = None  # the bitmask arena local ranks map (None: masks through the ring)
 
 
 class StepReader(Protocol):
@@ -52,19 +65,19 @@ class StepReader(Protocol):
 
 
 class StepBroadcaster:
-    def __init__(self, spec: BroadcastSpec, ctx: zmq.Context) -> None:
-        self.spec = spec
-        self.ring = ShmRing.attach(spec.ring) if spec.ring is not None else None
+    def __init__(self, layout: BroadcastLayout, ctx: zmq.Context) -> None:
+        self.layout = layout
+        self.ring = ShmRing.attach(layout.ring) if layout.ring is not None else None
         self.ring_writer = self.ring.writer() if self.ring is not None else None
-        self.arena = MaskArena.attach(spec.arena) if spec.arena is not None and self.ring is not None else None
+        self.arena = MaskArena.attach(layout.arena) if layout.arena is not None and self.ring is not None else None
         self.remote = None
-        if spec.num_remote_readers:
-            assert spec.remote_endpoint is not None
-            self.remote = RemoteWriter(ctx, spec.remote_endpoint, bytes.fromhex(spec.remote_key))
+        if layout.num_remote_readers:
+            assert layout.remote_endpoint is not None
+            self.remote = RemoteWriter(ctx, layout.remote_endpoint, bytes.fromhex(layout.remote_key))
 
     def wait_for_readers(self, timeout: float) -> None:
         if self.remote is not None:
-            self.remote.wait_for_readers(self.spec.num_remote_readers, timeout)
+            self.remote.wait_for_readers(self.layout.num_remote_readers, timeout)
 
     def write(self, payload: bytes, timeout: float) -> None:
         if self.remote is not None:
@@ -88,7 +101,7 @@ class StepBroadcaster:
             buffer = self.arena.index_of(message.bitmask)  # filled in place (``reserve_bitmask``)
             if buffer is None:
                 buffer = self.arena.put(message.bitmask)
-            message = StepBitmask(message.step, message.rows, None, arena_buffer=buffer)
+            message = dataclasses.replace(message, bitmask=None, arena_buffer=buffer)  # type: ignore[type-var]
         self.ring_writer.write(codec.encode(message), timeout=timeout)
 
     def close(self) -> None:
@@ -140,13 +153,13 @@ def _rows_in(message: StepBitmask) -> np.ndarray:
     return message.bitmask
 
 
-def create_step_reader(spec: BroadcastSpec, ring_index: int | None, ctx: zmq.Context) -> StepReader:
+def create_step_reader(layout: BroadcastLayout, ring_index: int | None, ctx: zmq.Context) -> StepReader:
     """The ring reader ``ring_index``, or the remote stream when ``ring_index`` is None."""
     if ring_index is None:
-        if spec.remote_endpoint is None:
+        if layout.remote_endpoint is None:
             raise ValueError("this rank reads remotely but the broadcast has no remote endpoint")
-        return _RemoteStepReader(ctx, spec.remote_endpoint, bytes.fromhex(spec.remote_key))
-    assert spec.ring is not None, "a local rank needs the ring"
-    ring = ShmRing.attach(spec.ring)
-    arena = MaskArena.attach(spec.arena) if spec.arena is not None else None
+        return _RemoteStepReader(ctx, layout.remote_endpoint, bytes.fromhex(layout.remote_key))
+    assert layout.ring is not None, "a local rank needs the ring"
+    ring = ShmRing.attach(layout.ring)
+    arena = MaskArena.attach(layout.arena) if layout.arena is not None else None
     return _RingStepReader(ring, ring.reader(ring_index), arena)

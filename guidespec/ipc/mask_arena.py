@@ -25,7 +25,7 @@ from guidespec.ipc.shm_ring import _open_untracked, close_segment
 
 
 @dataclass(frozen=True)
-class ArenaSpec:
+class ArenaLayout:
     """What a process needs to attach: the segment's name and shape."""
 
     name: str
@@ -35,37 +35,41 @@ class ArenaSpec:
 
 
 class MaskArena:
-    def __init__(self, shm: shared_memory.SharedMemory, spec: ArenaSpec, owner: bool) -> None:
-        self.spec = spec
+    def __init__(self, shm: shared_memory.SharedMemory, layout: ArenaLayout, owner: bool) -> None:
+        self.layout = layout
         self._shm = shm
         self._owner = owner
-        self.buffers = np.ndarray((spec.num_buffers, spec.num_rows, spec.num_words), dtype=np.int32, buffer=shm.buf)
-        self._addresses = [self.buffers[i].__array_interface__["data"][0] for i in range(spec.num_buffers)]
+        self.buffers = np.ndarray(
+            (layout.num_buffers, layout.num_rows, layout.num_words), dtype=np.int32, buffer=shm.buf
+        )
+        self._addresses = [self.buffers[i].__array_interface__["data"][0] for i in range(layout.num_buffers)]
         self._next = 0
 
     @classmethod
-    def create(cls, spec: ArenaSpec) -> MaskArena:
-        if spec.num_rows < 1 or spec.num_words < 1 or spec.num_buffers < 2:
+    def create(cls, layout: ArenaLayout) -> MaskArena:
+        if layout.num_rows < 1 or layout.num_words < 1 or layout.num_buffers < 2:
             raise ValueError("an arena needs >= 1 row of >= 1 word and >= 2 buffers")
-        size = spec.num_buffers * spec.num_rows * spec.num_words * 4
-        return cls(shared_memory.SharedMemory(name=spec.name, create=True, size=size), spec, owner=True)
+        size = layout.num_buffers * layout.num_rows * layout.num_words * 4
+        return cls(shared_memory.SharedMemory(name=layout.name, create=True, size=size), layout, owner=True)
 
     @classmethod
-    def attach(cls, spec: ArenaSpec) -> MaskArena:
-        return cls(_open_untracked(spec.name), spec, owner=False)
+    def attach(cls, layout: ArenaLayout) -> MaskArena:
+        return cls(_open_untracked(layout.name), layout, owner=False)
 
     def fits(self, bitmask: np.ndarray) -> bool:
-        return bitmask.ndim == 2 and bitmask.shape[0] <= self.spec.num_rows and bitmask.shape[1] == self.spec.num_words
+        return (
+            bitmask.ndim == 2 and bitmask.shape[0] <= self.layout.num_rows and bitmask.shape[1] == self.layout.num_words
+        )
 
     def reserve(self) -> tuple[int, np.ndarray]:
         """The next buffer, whole [num_rows, num_words], to fill in place; and its index."""
         index = self._next
-        self._next = (index + 1) % self.spec.num_buffers
+        self._next = (index + 1) % self.layout.num_buffers
         return index, self.buffers[index]
 
     def index_of(self, bitmask: np.ndarray) -> int | None:
         """The buffer ``bitmask`` is the first rows of, if it is one (filled in place)."""
-        if bitmask.ndim != 2 or bitmask.shape[1] != self.spec.num_words:
+        if bitmask.ndim != 2 or bitmask.shape[1] != self.layout.num_words:
             return None
         address = bitmask.__array_interface__["data"][0]
         return next((i for i, start in enumerate(self._addresses) if start == address), None)
@@ -75,7 +79,7 @@ class MaskArena:
         if not self.fits(bitmask):
             raise ValueError(
                 f"a bitmask of shape {bitmask.shape} does not fit the arena "
-                f"({self.spec.num_rows} rows of {self.spec.num_words} words)"
+                f"({self.layout.num_rows} rows of {self.layout.num_words} words)"
             )
         index, buffer = self.reserve()
         buffer[: bitmask.shape[0]] = bitmask
@@ -83,7 +87,7 @@ class MaskArena:
 
     def view(self, index: int, num_rows: int) -> np.ndarray:
         """The first ``num_rows`` rows of buffer ``index``, in place (read-only)."""
-        if not (0 <= index < self.spec.num_buffers and 0 <= num_rows <= self.spec.num_rows):
+        if not (0 <= index < self.layout.num_buffers and 0 <= num_rows <= self.layout.num_rows):
             raise ValueError(f"no rows [0, {num_rows}) in arena buffer {index}")
         rows = self.buffers[index, :num_rows]
         rows.flags.writeable = False

@@ -57,7 +57,7 @@ class RingCorrupt(RuntimeError):
 
 
 @dataclass(frozen=True)
-class RingSpec:
+class RingLayout:
     """What a process needs to attach to a ring: picklable, tiny."""
 
     name: str
@@ -69,11 +69,11 @@ class RingSpec:
 class ShmRing:
     """One shared-memory segment; use ``create`` (owner), then ``writer``/``reader`` handles."""
 
-    def __init__(self, shm: shared_memory.SharedMemory, spec: RingSpec, owner: bool) -> None:
-        self.spec = spec
+    def __init__(self, shm: shared_memory.SharedMemory, layout: RingLayout, owner: bool) -> None:
+        self.layout = layout
         self._shm = shm
         self._owner = owner
-        n, s = spec.num_readers, spec.num_slots
+        n, s = layout.num_readers, layout.num_slots
         buf = shm.buf
         words = _CTRL_WORDS + 3 * s + _CURSOR_STRIDE * n + n
         ints = np.ndarray((words,), dtype=np.int64, buffer=buf)
@@ -87,15 +87,15 @@ class ShmRing:
         self.cursors = ints[base : base + _CURSOR_STRIDE * n : _CURSOR_STRIDE]
         self.reader_dead = ints[base + _CURSOR_STRIDE * n : base + _CURSOR_STRIDE * n + n]
         data_start = _round_up(words * 8, 64)
-        self.data = np.ndarray((s, spec.slot_size), dtype=np.uint8, buffer=buf, offset=data_start)
+        self.data = np.ndarray((s, layout.slot_size), dtype=np.uint8, buffer=buf, offset=data_start)
 
     @classmethod
     def create(cls, name: str, num_readers: int, num_slots: int = 64, slot_size: int = 1 << 20) -> ShmRing:
         if num_readers < 1 or num_slots < 2 or slot_size < 64:
             raise ValueError("a ring needs >= 1 reader, >= 2 slots of >= 64 bytes")
-        spec = RingSpec(name, num_readers, num_slots, slot_size)
-        shm = shared_memory.SharedMemory(name=name, create=True, size=_segment_size(spec))
-        ring = cls(shm, spec, owner=True)
+        layout = RingLayout(name, num_readers, num_slots, slot_size)
+        shm = shared_memory.SharedMemory(name=name, create=True, size=_segment_size(layout))
+        ring = cls(shm, layout, owner=True)
         ring.slot_seq[:] = -1
         ring.cursors[:] = 0
         ring.reader_dead[:] = 0
@@ -103,19 +103,19 @@ class ShmRing:
         return ring
 
     @classmethod
-    def attach(cls, spec: RingSpec) -> ShmRing:
-        shm = _open_untracked(spec.name)
-        ring = cls(shm, spec, owner=False)
+    def attach(cls, layout: RingLayout) -> ShmRing:
+        shm = _open_untracked(layout.name)
+        ring = cls(shm, layout, owner=False)
         if int(ring.ctrl[3]) != _MAGIC:
-            raise RuntimeError(f"shared memory {spec.name!r} is not a guidespec ring")
+            raise RuntimeError(f"shared memory {layout.name!r} is not a guidespec ring")
         return ring
 
     def writer(self) -> RingWriter:
         return RingWriter(self)
 
     def reader(self, index: int) -> RingReader:
-        if not 0 <= index < self.spec.num_readers:
-            raise ValueError(f"reader index {index} out of range [0, {self.spec.num_readers})")
+        if not 0 <= index < self.layout.num_readers:
+            raise ValueError(f"reader index {index} out of range [0, {self.layout.num_readers})")
         return RingReader(self, index)
 
     def mark_reader_dead(self, index: int) -> None:
@@ -137,17 +137,17 @@ class RingWriter:
         """Write one message; blocks while the ring is full, up to ``timeout`` seconds."""
         ring = self.ring
         view = memoryview(payload).cast("B")
-        size, slot_size = view.nbytes, ring.spec.slot_size
+        size, slot_size = view.nbytes, ring.layout.slot_size
         if size > MAX_MESSAGE_SIZE:
             raise ValueError(
-                f"ring {ring.spec.name}: a message of {size} bytes is over the limit of {MAX_MESSAGE_SIZE}"
+                f"ring {ring.layout.name}: a message of {size} bytes is over the limit of {MAX_MESSAGE_SIZE}"
             )
         timer = AwakeTimer(timeout)
         sent = 0
         while sent < size or sent == 0:
             chunk = self._next_chunk
             self._wait_free(chunk, timer)
-            slot = chunk % ring.spec.num_slots
+            slot = chunk % ring.layout.num_slots
             n = min(slot_size, size - sent)
             ring.data[slot, :n] = np.frombuffer(view[sent : sent + n], dtype=np.uint8)
             ring.slot_nbytes[slot] = n
@@ -162,17 +162,20 @@ class RingWriter:
 
     def _wait_free(self, chunk: int, timer: AwakeTimer) -> None:
         ring = self.ring
-        oldest_allowed = chunk - ring.spec.num_slots
+        oldest_allowed = chunk - ring.layout.num_slots
         backoff = _Backoff(timer)
         while True:
             lagging = [
-                r for r in range(ring.spec.num_readers) if not ring.reader_dead[r] and ring.cursors[r] <= oldest_allowed
+                r
+                for r in range(ring.layout.num_readers)
+                if not ring.reader_dead[r] and ring.cursors[r] <= oldest_allowed
             ]
             if not lagging:
                 return
             if not backoff.wait():
                 raise RingTimeout(
-                    f"ring {ring.spec.name}: reader(s) {lagging} did not free a slot in time (a dead or stuck reader?)"
+                    f"ring {ring.layout.name}: reader(s) {lagging} did not free a slot in time"
+                    " (a dead or stuck reader?)"
                 )
 
 
@@ -194,7 +197,7 @@ class RingReader:
         chunks: list[bytes] = []
         remaining = total
         while True:
-            if n != min(remaining, ring.spec.slot_size):
+            if n != min(remaining, ring.layout.slot_size):
                 raise self._corrupt(f"a chunk of {n} bytes with {remaining} of {total} bytes to come")
             chunks.append(ring.data[slot, :n].tobytes())
             self._advance()
@@ -208,19 +211,19 @@ class RingReader:
     def poll(self) -> bool:
         """True if a message is waiting."""
         cursor = int(self.ring.cursors[self.index])
-        return int(self.ring.slot_seq[cursor % self.ring.spec.num_slots]) == cursor
+        return int(self.ring.slot_seq[cursor % self.ring.layout.num_slots]) == cursor
 
     def _wait_chunk(self, timer: AwakeTimer) -> tuple[int, int, int]:
         ring = self.ring
         cursor = int(ring.cursors[self.index])
-        slot = cursor % ring.spec.num_slots
+        slot = cursor % ring.layout.num_slots
         backoff = _Backoff(timer, ring)
         while True:
             bell = int(ring.bell[0])  # before the check: a chunk published after it rings a new value
             if int(ring.slot_seq[slot]) == cursor:
                 break
             if not backoff.wait(bell):
-                raise RingTimeout(f"ring {ring.spec.name}: reader {self.index} got no message in time")
+                raise RingTimeout(f"ring {ring.layout.name}: reader {self.index} got no message in time")
         return slot, int(ring.slot_nbytes[slot]), int(ring.slot_total[slot])
 
     def _advance(self) -> None:
@@ -228,7 +231,7 @@ class RingReader:
 
     def _corrupt(self, what: str) -> RingCorrupt:
         cursor = int(self.ring.cursors[self.index])
-        return RingCorrupt(f"ring {self.ring.spec.name}: reader {self.index} found {what} at chunk {cursor}")
+        return RingCorrupt(f"ring {self.ring.layout.name}: reader {self.index} found {what} at chunk {cursor}")
 
 
 class _Backoff:
@@ -297,9 +300,9 @@ def _open_untracked(name: str) -> shared_memory.SharedMemory:
         resource_tracker.register = register  # type: ignore[assignment]
 
 
-def _segment_size(spec: RingSpec) -> int:
-    words = _CTRL_WORDS + 3 * spec.num_slots + _CURSOR_STRIDE * spec.num_readers + spec.num_readers
-    return _round_up(words * 8, 64) + spec.num_slots * spec.slot_size
+def _segment_size(layout: RingLayout) -> int:
+    words = _CTRL_WORDS + 3 * layout.num_slots + _CURSOR_STRIDE * layout.num_readers + layout.num_readers
+    return _round_up(words * 8, 64) + layout.num_slots * layout.slot_size
 
 
 def _round_up(x: int, multiple: int) -> int:

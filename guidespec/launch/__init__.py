@@ -1,1 +1,4 @@
-"""How guidespec is started: the process launcher, the command line (later the server, Ray)."""
+"""The engine's processes: the launcher that creates their shared resources and starts them, the
+zygote they are forked from, the entry point each runs (``child.py``), and the Ray executor
+that places ranks as actors. ``guidespec.llm`` uses this; what a user starts is in
+``guidespec.entrypoints``."""

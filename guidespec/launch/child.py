@@ -19,25 +19,25 @@ from guidespec.config import SchedulerConfig, WorkerConfig, config_from_dict
 
 
 def main() -> None:
-    spec = json.loads(sys.stdin.read())
-    run(spec, int(spec["parent_pid"]))
+    job = json.loads(sys.stdin.read())
+    run(job, int(job["parent_pid"]))
 
 
-def run(spec: dict[str, Any], parent_pid: int) -> None:
-    """Run the loop of ``spec``'s role; the process exits with its parent ``parent_pid``."""
-    role = spec["role"]
+def run(job: dict[str, Any], parent_pid: int) -> None:
+    """Run the loop of ``job``'s role; the process exits with its parent ``parent_pid``."""
+    role = job["role"]
     if role == "scheduler":
         from guidespec.scheduler.grammar import fork_compile_process, grammar_settings
         from guidespec.scheduler.scheduler import run_scheduler
 
-        config = config_from_dict(SchedulerConfig, spec["config"])
+        config = config_from_dict(SchedulerConfig, job["config"])
         # forked once the scheduler's imports are done, before any of its threads starts
         compile_process = fork_compile_process(grammar_settings(config))
         run_scheduler(config, parent_pid, compile_process)
     elif role == "worker":
         from guidespec.worker.worker import run_worker
 
-        run_worker(config_from_dict(WorkerConfig, spec["config"]), parent_pid)
+        run_worker(config_from_dict(WorkerConfig, job["config"]), parent_pid)
     else:
         raise SystemExit(f"unknown role {role!r}")
 

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from guidespec import envs
+from guidespec.bitmask import bitmask_width
 from guidespec.config import MODEL_DRAFTERS, EngineConfig, SchedulerConfig, WorkerConfig, config_to_dict
-from guidespec.cuda_ext.channel import ChannelSpec, DraftChannel
+from guidespec.cuda_ext.channel import ChannelLayout, DraftChannel
 from guidespec.cuda_ext.channel import available as channel_available
-from guidespec.ipc.broadcast import BroadcastSpec
-from guidespec.ipc.mask_arena import ArenaSpec, MaskArena
+from guidespec.ipc.broadcast import BroadcastLayout
+from guidespec.ipc.mask_arena import ArenaLayout, MaskArena
 from guidespec.ipc.shm_ring import ShmRing
 from guidespec.ipc.zmq_channel import new_ipc_endpoint
 from guidespec.process_utils import kill_group
@@ -87,12 +88,12 @@ class EngineProcesses:
         )
         remote = f"tcp://{host}:{_free_port(host)}" if num_remote else None
         self.arena = MaskArena.create(_arena_spec(cfg)) if self.local_ranks and cfg.vocab_size else None
-        self.broadcast = BroadcastSpec(
-            self.ring.spec if self.ring is not None else None,
+        self.broadcast = BroadcastLayout(
+            self.ring.layout if self.ring is not None else None,
             remote,
             secrets.token_hex(32),
             num_remote,
-            self.arena.spec if self.arena is not None else None,
+            self.arena.layout if self.arena is not None else None,
         )
         # model drafts and their masks between rank 0 and the scheduler (cuda_ext), where rank 0 is local
         self.drafts = DraftChannel.create(_channel_spec(cfg)) if _uses_channel(cfg, self.local_ranks) else None
@@ -102,7 +103,7 @@ class EngineProcesses:
 
     def start(self) -> None:
         cfg, ep = self.cfg, self.endpoints
-        # whole steps of a model drafter as one graph each (spec/step_graph.py): draft graphs on, every
+        # whole steps of a model drafter as one graph each (worker/drafting/step_graph.py): draft graphs on, every
         # rank local (they decide alike from the same step inputs and mask arena, whose rows the
         # draft channel holds too)
         fused = (
@@ -129,7 +130,7 @@ class EngineProcesses:
             cfg.jump_forward,
             cfg.speculative,
             cfg.enable_prefix_caching,
-            draft_channel=self.drafts.spec if self.drafts is not None else None,
+            draft_channel=self.drafts.layout if self.drafts is not None else None,
             grammar_fill_threads=cfg.grammar_fill_threads,
             fused_steps=fused,
         )
@@ -156,7 +157,7 @@ class EngineProcesses:
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
                 # rank i on cuda:i locally; a Ray rank on the one GPU Ray gave it
                 device=rank_device(cfg.device, None if self.ray is not None else rank),
-                draft_channel=self.drafts.spec if self.drafts is not None and rank == 0 else None,
+                draft_channel=self.drafts.layout if self.drafts is not None and rank == 0 else None,
                 scheduler_pid=self.processes["scheduler"].pid,
                 quantized_weights=cfg.quantized_weights,
                 draft_graphs=rank == 0 and self.drafts is not None and _draft_graphs(cfg),
@@ -208,8 +209,8 @@ class EngineProcesses:
                 os.unlink(path)
 
     def _spawn(self, name: str, role: str, config: SchedulerConfig | WorkerConfig) -> None:
-        spec = {"role": role, "parent_pid": os.getpid(), "config": config_to_dict(config)}
-        self.processes[name] = spawn_engine_process(spec, self.cfg.device)
+        job = {"role": role, "parent_pid": os.getpid(), "config": config_to_dict(config)}
+        self.processes[name] = spawn_engine_process(job, self.cfg.device)
 
     def _watch(self) -> None:
         while not self._stopping.wait(_MONITOR_INTERVAL_S):
@@ -219,12 +220,12 @@ class EngineProcesses:
                 return
 
 
-def _arena_spec(cfg: EngineConfig) -> ArenaSpec:
+def _arena_spec(cfg: EngineConfig) -> ArenaLayout:
     """Room for every row of a full batch verifying the engine's draft length (a step with more
     rows, e.g. long forced drafts, sends its mask through the ring instead)."""
     rows_per_request = 1 + (cfg.speculative.max_draft_len if cfg.speculative is not None else 0)
-    return ArenaSpec(
-        f"guidespec-{uuid.uuid4().hex[:12]}-masks", cfg.max_batch_size * rows_per_request, -(-cfg.vocab_size // 32)
+    return ArenaLayout(
+        f"guidespec-{uuid.uuid4().hex[:12]}-masks", cfg.max_batch_size * rows_per_request, bitmask_width(cfg.vocab_size)
     )
 
 
@@ -255,13 +256,13 @@ def _uses_channel(cfg: EngineConfig, local_ranks: list[int]) -> bool:
     )
 
 
-def _channel_spec(cfg: EngineConfig) -> ChannelSpec:
+def _channel_spec(cfg: EngineConfig) -> ChannelLayout:
     spin_us = envs.draft_spin_us()
-    return ChannelSpec(
+    return ChannelLayout(
         f"guidespec-{uuid.uuid4().hex[:12]}-drafts",
         _arena_spec(cfg).num_rows,  # a draft step's rows, or a fused step's verify masks
         cfg.max_batch_size * 128,
-        -(-cfg.vocab_size // 32),
+        bitmask_width(cfg.vocab_size),
         # beside a GPU the host has cores to spare and a draft step's round trip is the latency
         # that counts; on the CPU the waiting side would take a core from the model
         (_GPU_SPIN_US if cfg.device == "cuda" else 0) if spin_us is None else spin_us,

@@ -2,7 +2,7 @@
 (torch, xgrammar, transformers, the model and scheduler code: ~3-4 s of CPU) and forks the
 engine's processes from there, so an engine starts without paying for those imports again.
 
-    client --spawn(spec, cwd, env, stdout+stderr fds)--> zygote --fork--> engine process
+    client --spawn(job, cwd, env, stdout+stderr fds)--> zygote --fork--> engine process
     client <--pid, exit code-- zygote
 
 Messages are JSON over a ``SOCK_SEQPACKET`` socket pair (nothing is pickled); the client's
@@ -211,7 +211,7 @@ def _run_child(request: dict[str, Any], fds: list[int]) -> None:
         os.environ.update(request["env"])
         from guidespec.launch import child
 
-        child.run(request["spec"], os.getppid())
+        child.run(request["job"], os.getppid())
         code = 0
     except BaseException:
         traceback.print_exc()
@@ -373,8 +373,8 @@ class Zygote:
         except OSError:
             pass
 
-    def spawn(self, spec: dict[str, Any]) -> ZygoteChild:
-        request = {"spec": spec, "cwd": os.getcwd(), "env": dict(os.environ)}
+    def spawn(self, job: dict[str, Any]) -> ZygoteChild:
+        request = {"job": job, "cwd": os.getcwd(), "env": dict(os.environ)}
         with self._spawning:
             _send(self.sock, request, [1, 2])  # this process's stdout and stderr, as a child inherits them
             with self._replied:
@@ -399,21 +399,21 @@ _zygote_lock = threading.Lock()
 EngineProcess = ZygoteChild | subprocess.Popen[bytes]
 
 
-def spawn_engine_process(spec: dict[str, Any], device: str) -> EngineProcess:
-    """An engine process running ``spec`` (role, configuration) for an engine on ``device``:
+def spawn_engine_process(job: dict[str, Any], device: str) -> EngineProcess:
+    """An engine process running ``job`` (role, configuration) for an engine on ``device``:
     forked by this client's zygote where one serves (``envs.zygote``), otherwise
-    ``python -m guidespec.launch.child`` with the spec on stdin."""
+    ``python -m guidespec.launch.child`` with the job on stdin."""
     zygote = _the_zygote() if envs.zygote(device) else None
     if zygote is not None:
         try:
-            return zygote.spawn(spec)
+            return zygote.spawn(job)
         except (OSError, RuntimeError, ValueError) as e:
             logger.warning("the zygote failed (%s): engine processes start as new interpreters", e)
     process = subprocess.Popen(
         [sys.executable, "-m", "guidespec.launch.child"], stdin=subprocess.PIPE, start_new_session=True
     )
     assert process.stdin is not None
-    process.stdin.write(json.dumps(spec).encode())
+    process.stdin.write(json.dumps(job).encode())
     process.stdin.close()
     return process
 

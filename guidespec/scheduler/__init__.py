@@ -1,1 +1,3 @@
-"""The scheduler process: requests, queues, batches, (later) grammar ownership."""
+"""The scheduler process (its loop: ``scheduler.py``): requests and their queue, batches, the
+step broadcast, grammar ownership (``grammar.py``, the compile process, early closing), output
+and jump-forward, and speculation's scheduler side (``speculation/``)."""

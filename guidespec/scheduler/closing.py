@@ -52,7 +52,9 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from guidespec.grammar_backends.interface import DATA_KEYWORDS, allowed_ids, bitmask_row
+
+from guidespec.bitmask import allowed_ids, bitmask_row
+from guidespec.grammar_backends.interface import DATA_KEYWORDS
 
 MAX_PERIOD = 32
 MIN_SPAN = 24

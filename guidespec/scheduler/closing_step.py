@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from guidespec.grammar_backends import GrammarBackend, GrammarMatcher
-from guidespec.grammar_backends.interface import allowed_ids, bitmask_row
+from guidespec.bitmask import allowed_ids, bitmask_row
 from guidespec.protocol import GuidedDecoding
 from guidespec.model_files import text_encoder
 from guidespec.scheduler.closing import MAX_STEPS, ClosingTokens, EarlyCloser
@@ -40,10 +40,10 @@ class ClosingStep:
 
     # ------------------------------------------------------------------ request state
 
-    def track(self, request_id: str, spec: GuidedDecoding) -> None:
+    def track(self, request_id: str, guided: GuidedDecoding) -> None:
         """Start tracking a JSON request (unless it switched closing off)."""
-        if spec.close_early and spec.kind in ("json_schema", "json_object"):
-            self.closers[request_id] = EarlyCloser(_schema_reader(spec))
+        if guided.close_early and guided.kind in ("json_schema", "json_object"):
+            self.closers[request_id] = EarlyCloser(_schema_reader(guided))
 
     def forget(self, request_id: str) -> None:
         self.closers.pop(request_id, None)
@@ -233,8 +233,8 @@ class _GrammarView:
             self.matcher.rollback(accepted)
 
 
-def _schema_reader(spec: GuidedDecoding) -> Callable[[], Any] | None:
+def _schema_reader(guided: GuidedDecoding) -> Callable[[], Any] | None:
     """The request's JSON schema, parsed when closing first needs it (None for any JSON object)."""
-    if spec.kind != "json_schema":
+    if guided.kind != "json_schema":
         return None
-    return lambda: json.loads(spec.json_schema) if isinstance(spec.json_schema, str) else spec.json_schema
+    return lambda: json.loads(guided.json_schema) if isinstance(guided.json_schema, str) else guided.json_schema

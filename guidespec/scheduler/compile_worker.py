@@ -4,9 +4,9 @@ A compile cannot be interrupted inside the process that runs it, and a hostile s
 compile for minutes or take the memory with it. Compiles therefore run here, one at a time, in
 a process the scheduler can kill when a compile overruns its deadline (the hard timeout), and
 restart. The protocol is JSON lines (never pickle): the scheduler writes a settings line, then
-``{"job", "backend", "spec"}`` lines; this process answers ``{"job", "started": true}`` when it
+``{"job", "backend", "guided"}`` lines; this process answers ``{"job", "started": true}`` when it
 begins a job and ``{"job", "ok", "compiled" | "error"}`` when it ends, where ``compiled`` is the
-backend's serialized grammar, or null with ``spec`` (the spec as rewritten) for a grammar the
+backend's serialized grammar, or null with ``guided`` (the guided as rewritten) for a grammar the
 scheduler should compile again itself (``GrammarSettings.recompile``).
 """
 
@@ -58,20 +58,20 @@ def main() -> None:
         try:
             chosen = backend(job["backend"])
             _reply({"job": job["job"], "started": True})
-            spec = GuidedDecoding(**job["spec"])
-            if spec.kind == "json_schema" and rewrites:  # exact rewrites first (grammar_backends/rewrites.py)
-                schema, applied = rewrite_schema(json.loads(spec.json_schema))  # type: ignore[arg-type]
+            guided = GuidedDecoding(**job["guided"])
+            if guided.kind == "json_schema" and rewrites:  # exact rewrites first (grammar_backends/rewrites.py)
+                schema, applied = rewrite_schema(json.loads(guided.json_schema))  # type: ignore[arg-type]
                 if applied:
-                    spec = dataclasses.replace(spec, json_schema=json.dumps(schema))
+                    guided = dataclasses.replace(guided, json_schema=json.dumps(schema))
             start = time.perf_counter()
-            compiled = chosen.compile(spec)
+            compiled = chosen.compile(guided)
             text_cost_s = chosen.text_cost_s(compiled)
             if text_cost_s is not None and (
                 recompile == "always" or (recompile == "auto" and time.perf_counter() - start < text_cost_s)
             ):
-                # the scheduler compiles it again, for less than the text would cost (the spec as
+                # the scheduler compiles it again, for less than the text would cost (the guided as
                 # rewritten: the scheduler does not rewrite)
-                _reply({"job": job["job"], "ok": True, "compiled": None, "spec": dataclasses.asdict(spec)})
+                _reply({"job": job["job"], "ok": True, "compiled": None, "guided": dataclasses.asdict(guided)})
             else:
                 _reply({"job": job["job"], "ok": True, "compiled": chosen.serialize(compiled)})
         except GrammarError as e:

@@ -43,7 +43,8 @@ import numpy as np
 
 from guidespec.config import SchedulerConfig
 from guidespec.grammar_backends import GrammarBackend, GrammarError, GrammarMatcher, create_backend, import_backends
-from guidespec.grammar_backends.interface import allowed_ids, bitmask_row, bitmask_width, is_refusal
+from guidespec.bitmask import allowed_ids, bitmask_row, bitmask_width
+from guidespec.grammar_backends.interface import is_refusal
 from guidespec.model_files import import_tokenizers
 from guidespec.protocol import GuidedDecoding, backend_order
 from guidespec.scheduler.closing_step import ClosingStep
@@ -123,7 +124,7 @@ class _Walk:
 class _Job:
     key: str
     backend: str
-    spec: GuidedDecoding
+    guided: GuidedDecoding
     request_ids: list[str] = field(default_factory=list)
     deadline: float | None = None  # set when the compile process starts it
     loading: Future[Any] | None = None  # compiled: its grammar loading on the load thread
@@ -163,9 +164,9 @@ class GrammarManager:
         self._walks: dict[str, _Walk] = {}  # a step's draft steps (fill_after): request -> its walk
         self.fallbacks: dict[
             str, tuple[GuidedDecoding, list[str], list[str]]
-        ] = {}  # request -> (spec, backends left, refusals)
+        ] = {}  # request -> (guided, backends left, refusals)
         self.refusals: dict[str, str] = {}  # request -> why a backend before the one serving it refused
-        # request -> (spec, the backends "auto" has left after the one serving it, why the ones
+        # request -> (guided, the backends "auto" has left after the one serving it, why the ones
         # before it refused): where it starts again if its grammar fails mid-way
         self.alternatives: dict[str, tuple[GuidedDecoding, list[str], list[str]]] = {}
         self.failures: dict[str, str] = {}  # request -> why its matcher failed (found by a fill)
@@ -179,7 +180,7 @@ class GrammarManager:
     def submit(
         self,
         request_id: str,
-        spec: GuidedDecoding,
+        guided: GuidedDecoding,
         backends: list[str] | None = None,
         refusals: list[str] | None = None,
     ) -> bool:
@@ -187,10 +188,10 @@ class GrammarManager:
         With backend "auto", a backend that refuses the grammar (it cannot enforce it exactly)
         hands it to the next one; GrammarError says why each refused. ``backends`` (and why
         others refused or failed) where a request starts again on the ones left to it."""
-        self.closing.track(request_id, spec)
+        self.closing.track(request_id, guided)
         try:
-            order = list(self._order(spec.backend)) if backends is None else list(backends)
-            return self._try(request_id, spec, order, list(refusals or []))
+            order = list(self._order(guided.backend)) if backends is None else list(backends)
+            return self._try(request_id, guided, order, list(refusals or []))
         except GrammarError:
             self.closing.forget(request_id)
             raise
@@ -198,15 +199,15 @@ class GrammarManager:
     def _order(self, backend: str | None) -> tuple[str, ...]:
         return backend_order(backend or self.settings.default_backend)
 
-    def _try(self, request_id: str, spec: GuidedDecoding, backends: list[str], refusals: list[str]) -> bool:
+    def _try(self, request_id: str, guided: GuidedDecoding, backends: list[str], refusals: list[str]) -> bool:
         """Start the first of ``backends`` whose compile has not failed (True: ready now)."""
         while backends:
             backend = backends.pop(0)
-            key = spec.cache_key(backend)
+            key = guided.cache_key(backend)
             error = self.failed.get(key)
             if error is None:
-                self.fallbacks[request_id] = (spec, backends, refusals)
-                return self._start(request_id, spec, backend, key)
+                self.fallbacks[request_id] = (guided, backends, refusals)
+                return self._start(request_id, guided, backend, key)
             if not (backends and is_refusal(error)):
                 raise GrammarError(_refused(refusals + [error]))
             refusals.append(error)
@@ -217,7 +218,7 @@ class GrammarManager:
         backend = self.matchers[request_id][0] if request_id in self.matchers else ""
         return backend, self.refusals.get(request_id, "")
 
-    def _start(self, request_id: str, spec: GuidedDecoding, backend: str, key: str) -> bool:
+    def _start(self, request_id: str, guided: GuidedDecoding, backend: str, key: str) -> bool:
         if key in self.compiled:
             self.compiled.move_to_end(key)
             self._create_matcher(request_id, backend, self.compiled[key])
@@ -225,9 +226,9 @@ class GrammarManager:
         job_id = self.job_of_key.get(key)
         if job_id is None:
             job_id = next(self._job_ids)
-            self.jobs[job_id] = _Job(key, backend, spec)
+            self.jobs[job_id] = _Job(key, backend, guided)
             self.job_of_key[key] = job_id
-            self.process.send(job_id, backend, spec)
+            self.process.send(job_id, backend, guided)
         self.jobs[job_id].request_ids.append(request_id)
         self.pending[request_id] = job_id
         return False
@@ -513,21 +514,21 @@ class GrammarManager:
             self._fall_back(request_id, error, ready, failed)
 
     def _compiled(self, backend: str, message: dict[str, Any]) -> Any:
-        """The compile process's grammar: its text read back, or compiled again here from the spec
+        """The compile process's grammar: its text read back, or compiled again here from the guided
         it returned (where that is cheaper than its text: ``GrammarSettings.recompile``)."""
         if message["compiled"] is None:
             self.recompiled += 1
-            return self._backend(backend).compile(GuidedDecoding(**message["spec"]))
+            return self._backend(backend).compile(GuidedDecoding(**message["guided"]))
         return self._backend(backend).deserialize(message["compiled"])
 
     def _fall_back(self, request_id: str, error: str, ready: list[str], failed: list[tuple[str, str]]) -> None:
         """A compile failed: the next backend of an "auto" request where this one refused, else fail."""
-        spec, backends, refusals = self.fallbacks.get(request_id, (None, [], []))
-        if spec is None or not backends or not is_refusal(error):
+        guided, backends, refusals = self.fallbacks.get(request_id, (None, [], []))
+        if guided is None or not backends or not is_refusal(error):
             failed.append((request_id, _refused(refusals + [error]) if refusals else error))
             return
         try:
-            if self._try(request_id, spec, backends, refusals + [error]):
+            if self._try(request_id, guided, backends, refusals + [error]):
                 ready.append(request_id)
         except GrammarError as e:
             failed.append((request_id, str(e)))
@@ -548,7 +549,7 @@ class GrammarManager:
         self.process.restart()
         for job_id, job in self.jobs.items():
             if job.loading is None:  # (compiled ones load on)
-                self.process.send(job_id, job.backend, job.spec)
+                self.process.send(job_id, job.backend, job.guided)
 
     def _finish_job(self, job_id: int) -> None:
         job = self.jobs.pop(job_id)
@@ -602,11 +603,11 @@ class GrammarManager:
 
     def _create_matcher(self, request_id: str, backend: str, compiled: Any) -> None:
         self.matchers[request_id] = (backend, self._backend(backend).create_matcher(compiled))
-        spec, backends, refusals = self.fallbacks.pop(request_id, (None, [], []))
+        guided, backends, refusals = self.fallbacks.pop(request_id, (None, [], []))
         if refusals:
             self.refusals[request_id] = "; ".join(refusals)
-        if spec is not None and backends:
-            self.alternatives[request_id] = (spec, list(backends), list(refusals))
+        if guided is not None and backends:
+            self.alternatives[request_id] = (guided, list(backends), list(refusals))
 
     def _remember(self, cache: OrderedDict[str, Any], key: str, value: Any) -> None:
         cache[key] = value
@@ -625,8 +626,8 @@ class _CompileProcess:
         self.started = threading.Event()  # the first process said "ready" (or exited)
         self._start(proc)
 
-    def send(self, job_id: int, backend: str, spec: GuidedDecoding) -> None:
-        line = json.dumps({"job": job_id, "backend": backend, "spec": dataclasses.asdict(spec)})
+    def send(self, job_id: int, backend: str, guided: GuidedDecoding) -> None:
+        line = json.dumps({"job": job_id, "backend": backend, "guided": dataclasses.asdict(guided)})
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(line + "\n")

@@ -681,16 +681,16 @@ class Scheduler:
         none of whose output has reached the client (it does not stream, or nothing went out
         yet) starts again on that backend, after this step; any other fails with
         ``GRAMMAR_FAILED``. The rest of the batch is not touched."""
-        spec, backends, refusals = self.grammar.alternatives.get(request.request_id, (None, [], []))
+        guided, backends, refusals = self.grammar.alternatives.get(request.request_id, (None, [], []))
         sent = request.sent_token_count > 0 or request.sent_text_len > 0
         logger.warning(
             "request %s: its grammar failed after %d tokens (%s)%s",
             request.request_id,
             len(request.output_token_ids),
             reason,
-            f"; it starts again on {backends[0]}" if spec is not None and backends and not sent else "",
+            f"; it starts again on {backends[0]}" if guided is not None and backends and not sent else "",
         )
-        if spec is None or not backends or sent:
+        if guided is None or not backends or sent:
             self._fail(
                 request,
                 f"the grammar stopped before the output was complete ({reason}); no valid answer was produced",
@@ -699,7 +699,7 @@ class Scheduler:
             )
             return
         self._forget(request)  # (its rows of this step are dropped: ``_emit_rows``)
-        self._restarts.append(_Restart(request, spec, backends, [*refusals, reason]))
+        self._restarts.append(_Restart(request, guided, backends, [*refusals, reason]))
 
     def _start_again(self, restart: _Restart) -> None:
         """A request whose grammar failed, from its prompt on the next backend (``_grammar_failed``)."""
@@ -716,7 +716,7 @@ class Scheduler:
         try:
             request.compiling_since = time.monotonic()
             request.grammar_ready = self.grammar.submit(
-                request.request_id, restart.spec, restart.backends, restart.refusals
+                request.request_id, restart.guided, restart.backends, restart.refusals
             )
         except GrammarError as e:
             self.client_out.send(
@@ -814,7 +814,7 @@ class _Restart:
     """A request whose grammar failed mid-way, to start again on the backends left to it."""
 
     request: Request
-    spec: GuidedDecoding
+    guided: GuidedDecoding
     backends: list[str]
     refusals: list[str]
 

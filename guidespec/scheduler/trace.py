@@ -53,7 +53,7 @@ class StepTrace:
         rank 0's (forward_start, forward_end, mask_ready, done); ``draft_s``: rank 0's drafter
         proposing the next step's drafts, at the end of its step; ``draft_fills``: the scheduler
         filling each of those draft steps' masks (draft step, start, end), which rank 0 waits for;
-        ``fused``: rank 0 ran the whole step as one graph (spec/step_graph.py), one span;
+        ``fused``: rank 0 ran the whole step as one graph (worker/drafting/step_graph.py), one span;
         ``mask_waits``: rank 0's other waits for masks, rows of (draft index or -2 for a fused
         step's verify masks, start, end), nested in its spans."""
         forward_start, forward_end, mask_ready, done = (float(x) for x in worker)

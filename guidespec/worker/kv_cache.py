@@ -31,7 +31,7 @@ class KVCache:
 
     def first_layers(self, n: int) -> KVCache:
         """A cache of this one's first ``n`` layers, sharing their storage (a draft model made of
-        the target's first layers reads the target's keys and values: ``spec/draft_model.py``)."""
+        the target's first layers reads the target's keys and values: ``worker/drafting/draft_model.py``)."""
         view = KVCache.__new__(KVCache)
         view.k, view.v = self.k[:n], self.v[:n]
         view.num_slots, view.max_len = self.num_slots, self.max_len

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from guidespec.bitmask import allowed_counts
 from guidespec.worker import kernels
 
 logger = logging.getLogger(__name__)
@@ -48,11 +49,6 @@ def apply_bitmask(logits: torch.Tensor, rows: np.ndarray | torch.Tensor, bitmask
     allowed = unpack_bitmask(bitmask.to(device, non_blocking=True), logits.shape[-1])
     index = index.to(device, non_blocking=True)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-
-
-def allowed_counts(bitmask: np.ndarray) -> np.ndarray:
-    """[R] int64: how many bits each bitmask row sets (tokens past the vocabulary included)."""
-    return np.bitwise_count(np.asarray(bitmask).view(np.uint32)).sum(axis=1, dtype=np.int64)
 
 
 def only_allowed(

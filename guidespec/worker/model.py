@@ -229,7 +229,7 @@ class LlamaModel:
 
     def first_layers(self, n: int) -> LlamaModel:
         """This model cut after its first ``n`` layers, final norm and LM head kept: a draft model
-        sharing the target's weights (``spec/draft_model.py``)."""
+        sharing the target's weights (``worker/drafting/draft_model.py``)."""
         cut = LlamaModel(
             dataclasses.replace(self.cfg, num_layers=n), self.tp, self.dtype, self.max_model_len, self.device
         )
@@ -240,7 +240,7 @@ class LlamaModel:
     def int8_copy(self) -> LlamaModel:
         """This model with its linear layers and LM head rounded to int8 (a scale per output row,
         ``kernels.quantize``), sharing everything else: a draft model that reads a quarter of the
-        bytes (``spec/draft_model.py``)."""
+        bytes (``worker/drafting/draft_model.py``)."""
         copy = self.first_layers(self.cfg.num_layers)
         copy.lm_head = quantize(self.lm_head)
         copy.layers = [
@@ -318,7 +318,7 @@ class LlamaModel:
         """Hidden states after the final norm at ``batch.logits_indices``: [R, hidden].
 
         ``capture`` keeps features of every position in ``self.captured`` for an EAGLE head
-        (``spec/eagle.py``): the inputs of the given layers side by side [T, n * hidden], or
+        (``worker/drafting/eagle.py``): the inputs of the given layers side by side [T, n * hidden], or
         ``"final"``, the last hidden state after the final norm [T, hidden].
         """
         batch = batch.to(self.device)

@@ -6,7 +6,7 @@ output: Hugging Face's repetition penalty) and how often each occurred in the ou
 (OpenAI's frequency and presence penalties), on the logits' device. A row starting at position 0 resets its slot.
 Only requests that ask for a penalty are recorded: they always start at position 0 (the
 scheduler gives them no cached prefix), so their history is complete, and the others cost nothing.
-A fused step (``spec/step_graph.py``) records and applies them on its fixed-shape rows
+A fused step (``worker/drafting/step_graph.py``) records and applies them on its fixed-shape rows
 (``update_padded``, ``apply_padded``: no host synchronisation), its padding on the scratch slot,
 the last one.
 """

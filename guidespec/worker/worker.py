@@ -6,7 +6,7 @@
           -> sample or verify drafts (rank 0) -> [draft model proposes next drafts (rank 0)] -> send StepOutputs
     (a model drafter with graph_grammar: a verify step of greedy or sampled rows runs whole
     as one graph instead on rank 0, its verify masks through the draft channel, the target's part of
-    it on the others: spec/step_graph.py)
+    it on the others: worker/drafting/step_graph.py)
 
 Every rank runs the same forward (collectives inside); only rank 0 computes the sampled
 tokens and answers the scheduler. Any exception is reported as a WorkerError naming the rank
@@ -53,8 +53,8 @@ from guidespec.worker import tp as tp_mod
 from guidespec.model_files import load_hf_config
 from guidespec.worker.device import check_device_memory
 from guidespec.worker.graphs import GraphRunner
-from guidespec.grammar_backends.interface import allowed_ids
-from guidespec.worker.mask import DeviceMasks, allowed_counts, only_allowed
+from guidespec.bitmask import allowed_counts, allowed_ids, bitmask_width
+from guidespec.worker.mask import DeviceMasks, only_allowed
 from guidespec.worker.model import ForwardBatch, LlamaModel
 from guidespec.worker.penalties import TokenHistory
 
@@ -159,7 +159,9 @@ class Worker:
         # (as the cache: its last slot the scratch slot a fused step's padding writes)
         self.history = TokenHistory(num_slots, model_cfg.vocab_size, self.device)
         self.reader = create_step_reader(cfg.broadcast, cfg.ring_index, ctx)
-        self.masks = DeviceMasks(self.device, max_rows, -(-model_cfg.vocab_size // 32), self.reader.arena_buffers())
+        self.masks = DeviceMasks(
+            self.device, max_rows, bitmask_width(model_cfg.vocab_size), self.reader.arena_buffers()
+        )
         self.generator = torch.Generator(device=self.device).manual_seed(int.from_bytes(os.urandom(7), "little"))
         # rank 0's draft steps: through the draft channel's C functions (cuda_ext), called directly
         # or by the C host stream; without a channel (a remote rank 0), as messages
@@ -186,7 +188,7 @@ class Worker:
                 )
             if cfg.draft_graphs and self.drafts is not None:  # draft steps as graphs, grammar waits inside
                 self.drafter.use_graphs(self.drafts, envs.draft_mask_timeout_s(), cfg.scheduler_pid, capture=cuda)
-        # whole steps of a model drafter as one graph each (spec/step_graph.py): rank 0 runs the step, the
+        # whole steps of a model drafter as one graph each (worker/drafting/step_graph.py): rank 0 runs the step, the
         # other ranks its target part (every rank decides from the step's inputs alone)
         self.step_graphs: StepGraphs | None = None
         self.step_follower: FusedStepFollower | None = None
@@ -270,7 +272,7 @@ class Worker:
             rows = np.repeat(np.arange(inputs.batch_size), inputs.num_logits)
             penalties = torch.from_numpy(inputs.penalties[rows].copy())  # per-row scalars: read on the host
             self.history.apply(logits, torch.from_numpy(inputs.slots[rows].copy()), *penalties.unbind(1))
-        # rows without drafts are sampled; rows with drafts are verified (spec/verify.py)
+        # rows without drafts are sampled; rows with drafts are verified (worker/verify.py)
         drafts = _drafts(inputs)
         draft_probs = self.drafter.sampling.draft_probs(inputs, drafts) if self.drafter is not None else None
         tokens_np, counts = verify(
@@ -315,7 +317,7 @@ class Worker:
         )
 
     def _fused_step(self, inputs: StepInputs) -> StepOutputs:
-        """A step of a model drafter as one graph (spec/step_graph.py): its verify masks come through
+        """A step of a model drafter as one graph (worker/drafting/step_graph.py): its verify masks come through
         the draft channel; the ring's copy of them is read after, to keep the ring in order."""
         assert self.step_graphs is not None
         start, wall_start = time.perf_counter(), time.time()

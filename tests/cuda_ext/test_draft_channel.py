@@ -26,7 +26,7 @@ from guidespec.cuda_ext.channel import (
     TIMEOUT,
     TOO_LARGE,
     VERIFY,
-    ChannelSpec,
+    ChannelLayout,
     DraftChannel,
     DraftChannelError,
     StreamExchange,
@@ -36,8 +36,8 @@ pytestmark = pytest.mark.skipif(cuda_ext.library() is None, reason="no C compile
 WORDS = 5
 
 
-def _spec(rows: int = 4, tokens: int = 64, spin_us: int = 0) -> ChannelSpec:
-    return ChannelSpec(f"gs-test-{uuid.uuid4().hex[:8]}", rows, tokens, WORDS, spin_us)
+def _spec(rows: int = 4, tokens: int = 64, spin_us: int = 0) -> ChannelLayout:
+    return ChannelLayout(f"gs-test-{uuid.uuid4().hex[:8]}", rows, tokens, WORDS, spin_us)
 
 
 def _mask_for(index: int, sequences: list[list[int]]) -> np.ndarray:
@@ -45,7 +45,7 @@ def _mask_for(index: int, sequences: list[list[int]]) -> np.ndarray:
     return np.array([[sum(s) + index] * WORDS for s in sequences], dtype=np.int32)
 
 
-def _scheduler(spec: ChannelSpec, step: int, answer_step: int, steps: int, ready: mp.Event) -> None:
+def _scheduler(spec: ChannelLayout, step: int, answer_step: int, steps: int, ready: mp.Event) -> None:
     """A scheduler process: answers draft steps of ``step`` (as ``answer_step``) until DONE."""
     channel = DraftChannel.attach(spec)
     ready.set()
@@ -136,7 +136,7 @@ def test_a_mask_of_another_step_is_stale_and_never_used() -> None:
         channel.close()
 
 
-def _silent(spec: ChannelSpec, ready: mp.Event) -> None:
+def _silent(spec: ChannelLayout, ready: mp.Event) -> None:
     channel = DraftChannel.attach(spec)
     ready.set()
     time.sleep(120)
@@ -173,7 +173,7 @@ def test_limits_and_layouts() -> None:
             channel.exchange(1, 0, np.array([0]), [[1, 2, 3, 4, 5]], 1.0, 0)
         assert failure.value.code == TOO_LARGE
         with pytest.raises(RuntimeError, match="not a draft channel of this layout"):
-            DraftChannel.attach(ChannelSpec(spec.name, 3, 4, WORDS))
+            DraftChannel.attach(ChannelLayout(spec.name, 3, 4, WORDS))
         assert channel.lib.gs_channel_check(channel.base, 2, 4, WORDS) == 0
         assert channel.lib.gs_channel_check(channel.base, 2, 4, WORDS + 1) == BAD_CHANNEL
     finally:

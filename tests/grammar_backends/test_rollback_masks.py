@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from guidespec.grammar_backends import create_backend
-from guidespec.grammar_backends.interface import allowed_ids, bitmask_width
+from guidespec.bitmask import allowed_ids, bitmask_width
 from guidespec.protocol import GuidedDecoding
 
 VOCAB = 49152
@@ -79,18 +79,18 @@ def test_a_draft_rolled_back_leaves_no_trace_in_the_next_mask(tokenizer) -> None
 
 
 @pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
-@pytest.mark.parametrize("spec", [ANY_OBJECT, NESTED], ids=["any-object", "nested"])
+@pytest.mark.parametrize("guided", [ANY_OBJECT, NESTED], ids=["any-object", "nested"])
 def test_every_draft_then_another_token_leaves_the_mask_of_the_other(
     tokenizer,  # type: ignore[no-untyped-def]
     backend_name: str,
-    spec: GuidedDecoding,
+    guided: GuidedDecoding,
 ) -> None:
     """At states a walk over structural tokens reaches (where rows of the parser begin and end,
     so a stale row shows), for every pair of such tokens the state allows: fill, take the first
     as a draft, fill, roll back, take the second as the step's token, fill; that last mask is
     the one a fresh matcher that took only the second gives."""
     backend = create_backend(backend_name, tokenizer, VOCAB, (2,))
-    compiled = backend.compile(spec)
+    compiled = backend.compile(guided)
     pieces = [
         '{"',
         '["',

@@ -11,8 +11,8 @@ import pytest
 import zmq
 
 from guidespec.ipc import codec
-from guidespec.ipc.broadcast import BroadcastSpec, StepBroadcaster, create_step_reader
-from guidespec.ipc.mask_arena import ArenaSpec, MaskArena
+from guidespec.ipc.broadcast import BroadcastLayout, StepBroadcaster, create_step_reader
+from guidespec.ipc.mask_arena import ArenaLayout, MaskArena
 from guidespec.ipc.shm_ring import ShmRing
 from guidespec.protocol import StepBitmask
 
@@ -20,12 +20,12 @@ WORDS = 1536  # SmolLM2's 49,152 tokens
 
 
 def _arena(rows: int = 8) -> MaskArena:
-    return MaskArena.create(ArenaSpec(f"guidespec-test-{uuid.uuid4().hex[:8]}-masks", rows, WORDS))
+    return MaskArena.create(ArenaLayout(f"guidespec-test-{uuid.uuid4().hex[:8]}-masks", rows, WORDS))
 
 
 def test_rows_put_by_the_owner_are_read_in_place_by_an_attached_mapping() -> None:
     owner = _arena()
-    reader = MaskArena.attach(owner.spec)
+    reader = MaskArena.attach(owner.layout)
     rng = np.random.default_rng(0)
     first, second = (rng.integers(-(2**31), 2**31, (n, WORDS), dtype=np.int64).astype(np.int32) for n in (5, 8))
     a, b = owner.put(first), owner.put(second)
@@ -43,7 +43,7 @@ def test_the_ring_carries_the_header_and_a_bitmask_too_big_goes_whole() -> None:
     ring = ShmRing.create(f"guidespec-test-{uuid.uuid4().hex[:8]}", 1, 4, 1 << 20)
     arena = _arena(rows=4)
     ctx = zmq.Context()
-    spec = BroadcastSpec(ring.spec, arena=arena.spec)
+    spec = BroadcastLayout(ring.layout, arena=arena.layout)
     writer, reader = StepBroadcaster(spec, ctx), create_step_reader(spec, 0, ctx)
     try:
         rows = np.arange(4, dtype=np.int32)

@@ -13,10 +13,10 @@ import pytest
 
 from guidespec import protocol
 from guidespec.ipc import codec
-from guidespec.ipc.shm_ring import RingSpec, RingTimeout, ShmRing
+from guidespec.ipc.shm_ring import RingLayout, RingTimeout, ShmRing
 
 
-def _reader_main(spec: RingSpec, index: int, count: int, results: mp.Queue, delay_s: float = 0.0) -> None:
+def _reader_main(spec: RingLayout, index: int, count: int, results: mp.Queue, delay_s: float = 0.0) -> None:
     ring = ShmRing.attach(spec)
     reader = ring.reader(index)
     digests = []
@@ -44,7 +44,7 @@ def test_two_readers_see_every_message_in_order(ring_name: str, max_size: int) -
     payloads = _payloads(200, max_size)  # 200 messages through 4 slots: many wrap-arounds
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
-    readers = [ctx.Process(target=_reader_main, args=(ring.spec, i, len(payloads), results, 0.0)) for i in range(2)]
+    readers = [ctx.Process(target=_reader_main, args=(ring.layout, i, len(payloads), results, 0.0)) for i in range(2)]
     for p in readers:
         p.start()
     writer = ring.writer()
@@ -63,7 +63,7 @@ def test_message_much_larger_than_the_ring(ring_name: str) -> None:
     big = os.urandom(1_000_000)  # 245 slots' worth through 2 slots
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
-    reader = ctx.Process(target=_reader_main, args=(ring.spec, 0, 1, results))
+    reader = ctx.Process(target=_reader_main, args=(ring.layout, 0, 1, results))
     reader.start()
     ring.writer().write(big, timeout=20)
     _, digests = results.get(timeout=60)
@@ -76,8 +76,8 @@ def test_dead_reader_times_out_the_writer_then_can_be_dropped(ring_name: str) ->
     ring = ShmRing.create(ring_name, num_readers=2, num_slots=2, slot_size=64)
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
-    alive = ctx.Process(target=_reader_main, args=(ring.spec, 0, 6, results))
-    dead = ctx.Process(target=_reader_main, args=(ring.spec, 1, 1, results))
+    alive = ctx.Process(target=_reader_main, args=(ring.layout, 0, 6, results))
+    dead = ctx.Process(target=_reader_main, args=(ring.layout, 1, 1, results))
     alive.start()
     dead.start()
     writer = ring.writer()
@@ -126,7 +126,7 @@ def test_owner_close_removes_the_segment(ring_name: str) -> None:
     assert not os.path.exists(f"/dev/shm/{ring_name}")
 
 
-def _timed_reader_main(spec: RingSpec, timeout: float, results: mp.Queue) -> None:
+def _timed_reader_main(spec: RingLayout, timeout: float, results: mp.Queue) -> None:
     ring = ShmRing.attach(spec)
     results.put("waiting")
     try:
@@ -146,7 +146,7 @@ def test_a_reader_paused_past_its_timeout_still_reads(ring_name: str) -> None:
     ring = ShmRing.create(ring_name, num_readers=1, num_slots=4, slot_size=64)
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
-    child = ctx.Process(target=_timed_reader_main, args=(ring.spec, 3.0, results))
+    child = ctx.Process(target=_timed_reader_main, args=(ring.layout, 3.0, results))
     child.start()
     try:
         assert results.get(timeout=60) == "waiting"

@@ -186,7 +186,7 @@ def test_speculative_greedy_equals_plain_greedy(random_model: Path) -> None:
 def _graph_runs(
     model: Path, speculative: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> dict[str, list[GenerationOutput]]:
-    """A model drafter's engine with whole greedy steps as captured graphs (``spec/step_graph.py``:
+    """A model drafter's engine with whole greedy steps as captured graphs (``worker/drafting/step_graph.py``:
     verify, acceptance, the drafter and its draft steps, grammar waits as host nodes), its draft
     steps alone as graphs (``GUIDESPEC_FUSED_STEPS=0``), the same steps one by one
     (``graph_grammar=False``), and no speculation; only the first runs fused steps."""

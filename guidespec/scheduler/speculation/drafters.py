@@ -6,7 +6,7 @@ the request's grammar accepts (all of them for an unguided request): drafts are 
 a drafter with several candidates keeps the one the grammar accepts furthest.
 
 Grammar-forced drafts are not a drafter here: they come from the grammar itself
-(``spec/proposer.py`` puts them first, a drafter continues after them). The draft model runs on
+(``scheduler/speculation/proposer.py`` puts them first, a drafter continues after them). The draft model runs on
 the workers (``draft_model.py``); ``ModelDrafter`` hands its proposals on.
 """
 

@@ -31,7 +31,7 @@ after a decode step):
    not speculate all of them), then the drafter's tokens, cut at the first one the grammar
    rejects; a guided row given no drafter tokens still drafts its forced tokens;
 3. the row becomes ``1 + k`` tokens with ``1 + k`` logits rows, verified by the workers
-   (``spec/verify.py``).
+   (``worker/verify.py``).
 
 Requests with repetition/frequency/presence penalties do not speculate (the workers' penalty
 state would have to follow the drafts).

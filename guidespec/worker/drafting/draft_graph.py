@@ -224,7 +224,7 @@ class DraftGraphs:
         self.max_model_len = drafter.max_model_len
         self.scratch_slot = kv.num_slots - 1
         self.channel, self.timeout_s, self.peer_pid = channel, timeout_s, peer_pid
-        self.num_words = channel.spec.num_words
+        self.num_words = channel.layout.num_words
         self.capture = capture and self.device.type == "cuda"
         self.host = _HostBuffers(max_batch_size, self.num_words, pin=self.device.type == "cuda")
         self.host_functions = HostFunctions(self.device)

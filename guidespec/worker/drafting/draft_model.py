@@ -178,7 +178,7 @@ def _one_hot(token: int, size: int) -> torch.Tensor:
 class DraftRunner:
     def __init__(
         self,
-        spec: str,
+        choice: str,
         target_dir: Path,
         dtype: torch.dtype,
         max_batch_size: int,
@@ -187,16 +187,16 @@ class DraftRunner:
         target: tuple[LlamaModel, KVCache] | None = None,
         device: str = "cpu",
     ) -> None:
-        model_dir, num_layers, int8 = _resolve(spec, target_dir)
+        model_dir, num_layers, int8 = _resolve(choice, target_dir)
         hf_config = load_hf_config(model_dir)
         cfg = ModelConfig.from_hf(hf_config)
         if cfg.vocab_size != target_vocab_size:
             raise ValueError(
-                f"draft model {spec!r} has a vocabulary of {cfg.vocab_size}, the target {target_vocab_size}"
+                f"draft model {choice!r} has a vocabulary of {cfg.vocab_size}, the target {target_vocab_size}"
             )
         if num_layers is not None:
             if not 1 <= num_layers <= cfg.num_layers:
-                raise ValueError(f"draft model {spec!r}: the target has {cfg.num_layers} layers")
+                raise ValueError(f"draft model {choice!r}: the target has {cfg.num_layers} layers")
             cfg = dataclasses.replace(cfg, num_layers=num_layers)
         self.max_model_len = max_model_len
         # the target's own first layers, where the target is whole on this rank (TP=1): their
@@ -455,7 +455,7 @@ def apply_masks(
 
 
 def draft_model_bytes(
-    spec: str,
+    choice: str,
     target_dir: Path,
     target_cfg: ModelConfig,
     dtype: torch.dtype,
@@ -466,7 +466,7 @@ def draft_model_bytes(
     """What a draft model adds to rank 0's memory: its weights, unless they are the target's
     (``self``, ``layers:N`` at TP=1; ``int8`` keeps a rounded copy), and its cache, unless it is the
     target's (TP=1 and the target's folder)."""
-    model_dir, num_layers, int8 = _resolve(spec, target_dir)
+    model_dir, num_layers, int8 = _resolve(choice, target_dir)
     shared = model_dir == target_dir and tp_size == 1
     if shared and not int8:
         return 0
@@ -477,13 +477,13 @@ def draft_model_bytes(
     return plan.weights + plan.kv_cache
 
 
-def _resolve(spec: str, target_dir: Path) -> tuple[Path, int | None, bool]:
+def _resolve(choice: str, target_dir: Path) -> tuple[Path, int | None, bool]:
     """(model folder, layers to keep or None for all, whether int8)."""
-    if spec in ("self", "int8"):
-        return target_dir, None, spec == "int8"
-    if spec.startswith("layers:"):
+    if choice in ("self", "int8"):
+        return target_dir, None, choice == "int8"
+    if choice.startswith("layers:"):
         try:
-            return target_dir, int(spec.removeprefix("layers:")), False
+            return target_dir, int(choice.removeprefix("layers:")), False
         except ValueError:
-            raise ValueError(f"draft model {spec!r}: expected layers:N") from None
-    return Path(spec), None, False  # a folder, resolved by the client
+            raise ValueError(f"draft model {choice!r}: expected layers:N") from None
+    return Path(choice), None, False  # a folder, resolved by the client

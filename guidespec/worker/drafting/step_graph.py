@@ -112,7 +112,7 @@ class StepGraphKey:
     verify: GraphKey  # (B, n, L) of the target's forward and the drafter's follow
     drafts: DraftGraphKey  # (B, K, L', masked steps) of the draft steps
     guided: bool  # the step has verify masks: the graph waits for them
-    sampled: bool  # a row samples: rejection sampling on the device (spec/verify.py)
+    sampled: bool  # a row samples: rejection sampling on the device (worker/verify.py)
     penalized: bool  # a row asks for penalties: its token history recorded and applied on the device
 
 
@@ -317,9 +317,9 @@ class StepGraphs:
         self.device = draft_graphs.device
         self.scratch_slot = draft_graphs.scratch_slot
         self.max_batch_size, self.max_model_len = draft_graphs.max_batch_size, target.max_model_len
-        if draft_graphs.channel.spec.max_rows < max_logits_rows:  # (every rank must fuse the same steps)
+        if draft_graphs.channel.layout.max_rows < max_logits_rows:  # (every rank must fuse the same steps)
             raise ValueError(
-                f"the draft channel holds {draft_graphs.channel.spec.max_rows} rows, not {max_logits_rows}"
+                f"the draft channel holds {draft_graphs.channel.layout.max_rows} rows, not {max_logits_rows}"
             )
         self.max_logits_rows = max_logits_rows
         self.verify_timeout_s = verify_timeout_s

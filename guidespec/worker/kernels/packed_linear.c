@@ -34,7 +34,7 @@ static inline void store_vec(vf acc, const float* bias, float* y, int n0, int N)
 /* The tiles also read int8 weights with one fp32 scale per output row: w[n][k] ~ scale[n] * q[n][k],
  * packed the same way (qp[N/16][K][16]). Each int8 vector is widened to fp32 in registers; the
  * row's scale multiplies the finished sum. A quarter of the fp32 weight's bytes to read: for a
- * draft model made of the target's quantized weights (spec/draft_model.py). */
+ * draft model made of the target's quantized weights (worker/drafting/draft_model.py). */
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif

@@ -1,4 +1,4 @@
-"""Draft steps of an EAGLE head or a draft model as one fixed-shape graph (spec/draft_graph.py),
+"""Draft steps of an EAGLE head or a draft model as one fixed-shape graph (worker/drafting/draft_graph.py),
 run on the CPU the way a CUDA graph replays them: the draft channel's C trampolines publish each
 draft step and wait for its mask in stream order, against a scheduler on another thread of the
 real channel. The drafts equal the step-by-step path's; a missing, stale or dead scheduler's mask
@@ -21,7 +21,7 @@ import torch
 
 from guidespec import cuda_ext
 from guidespec.config import ModelConfig
-from guidespec.cuda_ext.channel import DONE, PEER_GONE, STALE, TIMEOUT, ChannelSpec, DraftChannel, DraftChannelError
+from guidespec.cuda_ext.channel import DONE, PEER_GONE, STALE, TIMEOUT, ChannelLayout, DraftChannel, DraftChannelError
 from guidespec.model_files import load_hf_config
 from guidespec.protocol import StepInputs
 from guidespec.worker.drafting.draft_model import DraftRunner
@@ -245,7 +245,7 @@ def test_a_mask_that_does_not_come_right_fails_the_proposal_and_says_so(setup, f
 
 @contextlib.contextmanager
 def _channel() -> Iterator[DraftChannel]:
-    channel = DraftChannel.create(ChannelSpec(f"gs-graph-{uuid.uuid4().hex[:8]}", 4, 256, WORDS))
+    channel = DraftChannel.create(ChannelLayout(f"gs-graph-{uuid.uuid4().hex[:8]}", 4, 256, WORDS))
     try:
         yield channel
     finally:

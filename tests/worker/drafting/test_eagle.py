@@ -252,7 +252,7 @@ def _step_inputs(prompt: np.ndarray, draft_lens: list[int], start: int = 0) -> S
 
 
 class Exchange:
-    """A MaskSource (spec/draft_model.py) over one call (draft index, rows, sequences) -> bitmask
+    """A MaskSource (worker/drafting/draft_model.py) over one call (draft index, rows, sequences) -> bitmask
     rows, made at ``take`` (nothing overlaps the forward)."""
 
     def __init__(self, exchange: Callable[[int, np.ndarray, list[list[int]]], np.ndarray]) -> None:

@@ -1,4 +1,4 @@
-"""Fused steps (spec/step_graph.py) the way CUDA runs them, on the CPU: with stand-in graphs for
+"""Fused steps (worker/drafting/step_graph.py) the way CUDA runs them, on the CPU: with stand-in graphs for
 ``capture_graph`` (its two warm-ups and the captured run call the step's code, the captured run
 recording the ops it launches; a replay calls the code again and fails where it launches
 anything else, as a host value read at replay would: ``_Launches``), a fused step takes its
@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from guidespec import cuda_ext
-from guidespec.cuda_ext.channel import VERIFY, ChannelSpec, DraftChannel
+from guidespec.cuda_ext.channel import VERIFY, ChannelLayout, DraftChannel
 from guidespec.protocol import StepInputs
 from guidespec.worker.drafting import draft_graph, step_graph
 from guidespec.worker.drafting.draft_model import DraftRunner
@@ -174,7 +174,7 @@ def _fused_steps(  # type: ignore[no-untyped-def]
     grammar, their verify masks and draft-step masks served by a scheduler thread."""
     folder, model, hf, head = setup
     kv = model.create_kv_cache(5)  # (4 rows and the scratch slot)
-    channel = DraftChannel.create(ChannelSpec(f"gs-fused-{uuid.uuid4().hex[:8]}", 16, 512, WORDS))
+    channel = DraftChannel.create(ChannelLayout(f"gs-fused-{uuid.uuid4().hex[:8]}", 16, 512, WORDS))
     try:
         runner: EagleRunner | DraftRunner
         if drafter == "eagle":
