@@ -38,7 +38,7 @@ def measure(context: int, repeats: int, quantized: bool = False) -> dict[tuple[i
     from guidespec.model_files import load_hf_config, resolve_model_dir
     from guidespec.worker.tp import TPInfo
 
-    kernels._library.cache_clear()
+    kernels.loader.library.cache_clear()
     spent: dict[str, float] = defaultdict(float)
 
     def timed(name: str, fn: Any) -> Any:

@@ -185,7 +185,7 @@ def test_each_vector_width_builds_and_matches_torch(monkeypatch: pytest.MonkeyPa
     assert path is not None and path.exists()
     if not runs:
         pytest.skip(f"built with {arch}; this CPU lacks the instruction set to run it")
-    monkeypatch.setattr(kernels, "_library", lambda: kernels.load(path))
+    monkeypatch.setattr(kernels.loader, "library", lambda: kernels.load(path))
     for m, n, k in [(1, 960, 576), (7, 37, 100), (13, 16, 1)]:
         w, x, bias = _case(m, n, k)
         torch.testing.assert_close(kernels.linear(x, kernels.pack(w), bias), F.linear(x, w, bias), atol=1e-4, rtol=1e-5)

@@ -158,7 +158,7 @@ def test_each_instruction_set_builds_and_matches(monkeypatch: pytest.MonkeyPatch
     assert path is not None and path.exists()
     if flag not in open("/proc/cpuinfo").read().split():
         pytest.skip(f"built with {arch}; this CPU lacks {flag} to run it")
-    monkeypatch.setattr(kernels, "_library", lambda: kernels.load(path))
+    monkeypatch.setattr(kernels.loader, "library", lambda: kernels.load(path))
     for type_name in FORMATS:
         raw = quantized_rows(type_name, 19, 512)
         weight = from_gguf(raw, type_name, 512)
@@ -182,7 +182,7 @@ def test_vnni_products_give_the_maddubs_kernels_results_bit_for_bit(monkeypatch:
     for arch in ("-march=x86-64-v4", "-march=native"):  # maddubs, then dpbusd (and 512-bit pairs)
         path = kernels.build([arch])
         assert path is not None
-        monkeypatch.setattr(kernels, "_library", lambda path=path: kernels.load(path))
+        monkeypatch.setattr(kernels.loader, "library", lambda path=path: kernels.load(path))
         outs = []
         for k in (512, 576):
             x = torch.randn(41, k, generator=torch.Generator().manual_seed(2))

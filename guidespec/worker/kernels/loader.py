@@ -1,0 +1,82 @@
+"""Building and loading the CPU kernels' C library: compiled at first use with the system's C
+compiler into the cache directory (:func:`build`), its functions typed for ctypes (:func:`load`),
+and the engine's one copy (:func:`library`)."""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from guidespec import envs, native
+
+_SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("packed_linear.c", "gguf_linear.c", "attention.c", "layer_ops.c", "logits_ops.c", "decoder.c")
+]
+_HEADERS = [Path(__file__).with_name(name) for name in ("vec.h", "vmath.h")]
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    if not envs.cpu_kernels_enabled():
+        return None
+    path = build(["-march=native"])
+    return None if path is None else load(path)
+
+
+def build(arch_flags: list[str]) -> Path | None:
+    """The kernels compiled for ``arch_flags`` (the engine's: ``-march=native``), cached by source,
+    compiler, flags and CPU; None (with a warning) where there is no compiler or it fails."""
+    return native.build_shared("guidespec-cpu", _SOURCES, _HEADERS, ["-O3", *arch_flags, "-fopenmp"], ["-lm"])
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built kernel library, its functions typed."""
+    lib = ctypes.CDLL(str(path))
+    lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    lib.packed_linear_f32.restype = None
+    lib.packed_linear_i8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
+    lib.packed_linear_i8.restype = None
+    lib.gguf_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
+    lib.gguf_linear.restype = None
+    lib.gguf_linear_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.gguf_linear_rows.argtypes += [ctypes.c_void_p] + [ctypes.c_int] * 3
+    lib.gguf_linear_rows.restype = None
+    lib.gguf_dequantize_rows.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
+    lib.gguf_dequantize_rows.restype = None
+    lib.cache_attention_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.cache_attention_f32.restype = None
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.add_rms_norm_f32.argtypes = _signature(p, p, p, f, p, p, i, i, i)
+    lib.add_rms_norm_f32.restype = None
+    lib.rope_cache_f32.argtypes = _signature(p, i, i, i, i, p, p, p, p, p, p, i, p, i)
+    lib.rope_cache_f32.restype = None
+    lib.silu_mul_f32.argtypes = _signature(p, i, i, p, i)
+    lib.silu_mul_f32.restype = None
+    lib.apply_bitmask_f32.argtypes = _signature(p, i, p, p, i, i, i)
+    lib.apply_bitmask_f32.restype = None
+    lib.argmax_rows_f32.argtypes = _signature(p, i, i, p, p, i)
+    lib.argmax_rows_f32.restype = None
+    lib.decoder_forward_f32.argtypes = _signature(p, i, i, p, i, p, f, i, i, i, i, p, p, p, p, p, p, i, i, i, f, p, i)
+    lib.decoder_forward_f32.restype = None
+    return lib
+
+
+def _signature(*types: Any) -> list[Any]:
+    return list(types)
+
+
+def available() -> bool:
+    return library() is not None

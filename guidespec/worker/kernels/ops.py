@@ -1,0 +1,279 @@
+"""The kernels' operations, each falling back to torch (or answering None) where the kernel does
+not apply: linear layers over any :data:`~guidespec.worker.kernels.weights.Weight`, embedding
+lookups, attention over the KV cache, a layer's small operations, and the logits' bitmask and
+greedy pick."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from guidespec.worker.kernels import loader
+from guidespec.worker.kernels.gguf_weights import GGUFWeight
+from guidespec.worker.kernels.weights import BLOCK, PackedWeight, QuantizedWeight, Weight, dense
+
+
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for 2-D x; packed, int8 and GGUF weights go to the kernels."""
+    if not isinstance(weight, PackedWeight | QuantizedWeight | GGUFWeight):
+        return F.linear(x, weight, bias)
+    lib = loader.library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+        return F.linear(x, dense(weight).to(x.dtype), bias)
+    n, k = weight.shape
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if x.shape[0]:
+        bias = None if bias is None else bias.float().contiguous()
+        bias_ptr = None if bias is None else bias.data_ptr()
+        if isinstance(weight, GGUFWeight):
+            lib.gguf_linear(
+                x.data_ptr(),
+                *weight.kernel_layout().pointers(),
+                weight.fmt,
+                bias_ptr,
+                out.data_ptr(),
+                x.shape[0],
+                n,
+                k,
+                torch.get_num_threads(),
+            )
+        elif isinstance(weight, QuantizedWeight):
+            lib.packed_linear_i8(
+                x.data_ptr(),
+                weight.blocks.data_ptr(),
+                weight.scale.data_ptr(),
+                bias_ptr,
+                out.data_ptr(),
+                x.shape[0],
+                n,
+                k,
+                torch.get_num_threads(),
+            )
+        else:
+            lib.packed_linear_f32(
+                x.data_ptr(),
+                weight.blocks.data_ptr(),
+                bias_ptr,
+                out.data_ptr(),
+                x.shape[0],
+                n,
+                k,
+                torch.get_num_threads(),
+            )
+    return out
+
+
+def linear_rows(x: torch.Tensor, weight: Weight, ids: np.ndarray) -> torch.Tensor | None:
+    """``F.linear(x, weight)[:, ids]`` computing only those outputs (a GGUF weight, the kernel
+    built), each equal to :func:`linear`'s; None where the kernel does not apply."""
+    lib = loader.library()
+    x = x.contiguous()
+    if lib is None or not isinstance(weight, GGUFWeight) or x.dim() != 2 or not fp32_cpu(x):
+        return None
+    ids = np.ascontiguousarray(ids, dtype=np.int32)
+    n, k = weight.shape
+    if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < n:
+        raise IndexError(f"rows {ids.min()}..{ids.max()} outside a weight of {n} rows")
+    out = torch.empty(x.shape[0], len(ids), dtype=torch.float32)
+    if x.shape[0] and len(ids):
+        lib.gguf_linear_rows(
+            x.data_ptr(),
+            *weight.kernel_layout().pointers(),
+            weight.fmt,
+            ids.ctypes.data,
+            len(ids),
+            out.data_ptr(),
+            x.shape[0],
+            k,
+            torch.get_num_threads(),
+        )
+    return out
+
+
+def embedding(token_ids: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """``F.embedding`` that also reads a packed (tied) or int8 embedding."""
+    if isinstance(weight, PackedWeight):
+        return weight.rows(token_ids)
+    if isinstance(weight, GGUFWeight):
+        return weight.dequantize(token_ids, loader.library())
+    if isinstance(weight, QuantizedWeight):
+        return weight.blocks[token_ids // BLOCK, :, token_ids % BLOCK].float() * weight.scale[token_ids, None]
+    return F.embedding(token_ids, weight)
+
+
+def cache_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    num_new_tokens: int,
+    num_query_groups: int,
+) -> torch.Tensor | None:
+    """Attention of ``num_new_tokens`` new tokens per row over one layer's cache, or None where
+    the kernel does not apply (torch does it then).
+
+    q [B * n, hkv * g, D] (row after row); k_cache, v_cache [num_slots, hkv, max_len, D] with the
+    new tokens' keys already written; slots, starts [B] int32: each row's cache slot and the
+    position of its first new token. Returns [B * n, hkv * g, D].
+    """
+    lib = loader.library()
+    if (
+        lib is None
+        or q.shape[-1] % 16
+        or q.dtype != torch.float32
+        or k_cache.dtype != torch.float32
+        or q.device.type != "cpu"
+        or not k_cache.is_contiguous()
+        or not v_cache.is_contiguous()
+    ):
+        return None
+    _, hkv, max_len, d = k_cache.shape
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    lib.cache_attention_f32(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        slots.data_ptr(),
+        starts.data_ptr(),
+        len(slots),
+        num_new_tokens,
+        hkv,
+        num_query_groups,
+        d,
+        max_len,
+        d**-0.5,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def fp32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x + delta, RMS norm of it times ``weight``) for x [T, H] (delta None: x and its norm), or
+    None where the kernel does not apply."""
+    lib = loader.library()
+    if lib is None or x.dim() != 2 or not fp32_cpu(x, weight, *(() if delta is None else (delta,))):
+        return None
+    t, h = x.shape
+    out = x if delta is None else torch.empty_like(x)
+    norm = torch.empty_like(x)
+    lib.add_rms_norm_f32(
+        x.data_ptr(),
+        None if delta is None else delta.data_ptr(),
+        weight.data_ptr(),
+        eps,
+        out.data_ptr(),
+        norm.data_ptr(),
+        t,
+        h,
+        torch.get_num_threads(),
+    )
+    return out, norm
+
+
+def rope_into_cache(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor | None:
+    """Rotary embedding of qkv [T, (hq + 2 hkv) * D]'s q and k heads at ``positions`` (cos, sin:
+    the model's [max_len, D] tables), k and v written into one layer's cache [slots, hkv, max_len,
+    D] at (``slots``, ``positions``) (int64 [T]); returns q [T, hq, D], or None where the kernel
+    does not apply (nothing is written then)."""
+    lib = loader.library()
+    if (
+        lib is None
+        or qkv.dim() != 2
+        or not fp32_cpu(qkv, cos, sin, k_cache, v_cache)
+        or positions.dtype != torch.int64
+        or slots.dtype != torch.int64
+        or not positions.is_contiguous()
+        or not slots.is_contiguous()
+    ):
+        return None
+    d = k_cache.shape[-1]
+    t = qkv.shape[0]
+    q = torch.empty(t, num_heads, d, dtype=torch.float32)
+    lib.rope_cache_f32(
+        qkv.data_ptr(),
+        t,
+        num_heads,
+        num_kv_heads,
+        d,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        positions.data_ptr(),
+        slots.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_cache.shape[2],
+        q.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for gate_up [T, 2 I] (gate | up): [T, I]; None where the kernel does not apply."""
+    lib = loader.library()
+    if lib is None or gate_up.dim() != 2 or not fp32_cpu(gate_up):
+        return None
+    t, i = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, i, dtype=torch.float32)
+    lib.silu_mul_f32(gate_up.data_ptr(), t, i, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def apply_bitmask(logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray) -> bool:
+    """Forbid (-inf) the tokens ``bitmask`` row i does not allow in ``logits[rows[i]]``, in place;
+    False (nothing done) where the kernel does not apply."""
+    lib = loader.library()
+    if lib is None or logits.dim() != 2 or not fp32_cpu(logits):
+        return False
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    bitmask = np.ascontiguousarray(bitmask, dtype=np.int32)
+    vocab = logits.shape[1]
+    if bitmask.ndim != 2 or bitmask.shape[0] != len(rows) or bitmask.shape[1] * 32 < vocab:
+        return False
+    if len(rows) and not 0 <= int(rows.min()) <= int(rows.max()) < logits.shape[0]:
+        raise IndexError(f"bitmask rows {rows.min()}..{rows.max()} outside {logits.shape[0]} logits rows")
+    lib.apply_bitmask_f32(
+        logits.data_ptr(),
+        vocab,
+        rows.ctypes.data,
+        bitmask.ctypes.data,
+        bitmask.shape[1],
+        len(rows),
+        torch.get_num_threads(),
+    )
+    return True
+
+
+def argmax_rows(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+    """(each row's argmax as torch.argmax gives it, whether each row is all -inf) for logits
+    [R, V], or None where the kernel does not apply."""
+    lib = loader.library()
+    if lib is None or logits.dim() != 2 or not fp32_cpu(logits) or logits.shape[1] == 0:
+        return None
+    best = np.empty(logits.shape[0], dtype=np.int64)
+    dead = np.empty(logits.shape[0], dtype=np.bool_)
+    lib.argmax_rows_f32(
+        logits.data_ptr(), logits.shape[0], logits.shape[1], best.ctypes.data, dead.ctypes.data, torch.get_num_threads()
+    )
+    return best, dead
