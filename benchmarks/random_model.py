@@ -181,7 +181,7 @@ def build_random_eagle_head(model_dir: Path, target: Path, draft_vocab_size: int
 
     from guidespec.config import ModelConfig
     from guidespec.model_files import load_hf_config
-    from guidespec.worker.drafting.eagle import default_aux_layers, save_head
+    from guidespec.worker.drafting.eagle_head import default_aux_layers, save_head
     from guidespec.entrypoints.train_eagle import TrainableHead, head_config
     from guidespec.worker.checkpoint import ShardReader
 

@@ -746,7 +746,7 @@ def _speculative_config(value: SpeculativeConfig | dict[str, Any] | str | None) 
     if value.method == "draft_model" and draft and draft not in ("self", "int8") and not draft.startswith("layers:"):
         value = dataclasses.replace(value, draft_model=str(model_files.resolve_model_dir(draft, show_progress=False)))
     if value.method == "eagle" and draft:
-        from guidespec.worker.drafting.eagle import check_head_dir
+        from guidespec.worker.drafting.eagle_head import check_head_dir
 
         check_head_dir(Path(draft))  # a missing head fails here, in the client
         value = dataclasses.replace(value, draft_model=str(Path(draft).resolve()))

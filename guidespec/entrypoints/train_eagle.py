@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from guidespec.config import ModelConfig
-from guidespec.worker.drafting.eagle import default_aux_layers, save_head
+from guidespec.worker.drafting.eagle_head import default_aux_layers, save_head
 from guidespec.worker.model import rotary_tables
 
 
@@ -199,7 +199,7 @@ def target_features(
 
 
 class TrainableHead(nn.Module):
-    """EAGLE-3's head as ``eagle.EagleHead`` runs it, with autograd and the training-time test."""
+    """EAGLE-3's head as ``eagle_head.EagleHead`` runs it, with autograd and the training-time test."""
 
     embed: torch.Tensor
     draft_ids: torch.Tensor

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from guidespec.worker.kv_cache import KVCache
-from guidespec.worker.model import ForwardBatch, LlamaModel
+from guidespec.worker.forward_batch import ForwardBatch
+from guidespec.worker.model import LlamaModel
 
 logger = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

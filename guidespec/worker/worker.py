@@ -46,7 +46,8 @@ from guidespec.protocol import (
     WorkerReady,
 )
 from guidespec.worker.drafting.draft_model import DraftRunner, draft_model_bytes
-from guidespec.worker.drafting.eagle import EagleRunner, head_bytes
+from guidespec.worker.drafting.eagle import EagleRunner
+from guidespec.worker.drafting.eagle_head import head_bytes
 from guidespec.worker.drafting.step_graph import FusedStepFollower, StepGraphs
 from guidespec.worker.verify import verify
 from guidespec.worker import tp as tp_mod
@@ -55,7 +56,8 @@ from guidespec.worker.device import check_device_memory
 from guidespec.worker.graphs import GraphRunner
 from guidespec.bitmask import allowed_counts, allowed_ids, bitmask_width
 from guidespec.worker.mask import DeviceMasks, only_allowed
-from guidespec.worker.model import ForwardBatch, LlamaModel
+from guidespec.worker.forward_batch import ForwardBatch
+from guidespec.worker.model import LlamaModel
 from guidespec.worker.penalties import TokenHistory
 
 _IDLE_READ_TIMEOUT_S = 1.0

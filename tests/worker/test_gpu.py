@@ -25,7 +25,8 @@ from guidespec.config import ModelConfig
 from guidespec.llm import GenerationOutput
 from guidespec.protocol import GuidedDecoding
 from guidespec.model_files import load_hf_config
-from guidespec.worker.model import ForwardBatch, LlamaModel
+from guidespec.worker.forward_batch import ForwardBatch
+from guidespec.worker.model import LlamaModel
 from guidespec.worker.tp import TPInfo
 from tests.conftest import make_tiny_model, parent_pid
 

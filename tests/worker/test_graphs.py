@@ -9,7 +9,8 @@ import torch
 from guidespec.config import ModelConfig
 from guidespec.model_files import load_hf_config
 from guidespec.worker.graphs import GraphKey, GraphRunner, batch_bucket, key_bucket, tokens_bucket
-from guidespec.worker.model import ForwardBatch, LlamaModel
+from guidespec.worker.forward_batch import ForwardBatch
+from guidespec.worker.model import LlamaModel
 from guidespec.worker.tp import TPInfo
 from tests.conftest import make_tiny_model
 

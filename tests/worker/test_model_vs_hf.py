@@ -10,7 +10,8 @@ import torch.multiprocessing as mp
 
 from guidespec.config import ModelConfig
 from guidespec.model_files import load_hf_config
-from guidespec.worker.model import ForwardBatch, LlamaModel
+from guidespec.worker.forward_batch import ForwardBatch
+from guidespec.worker.model import LlamaModel
 from guidespec.worker.tp import TPInfo, destroy_distributed, init_distributed
 from tests.conftest import make_tiny_model
 

@@ -25,7 +25,8 @@ from guidespec.model_files import load_hf_config
 from guidespec.worker.checkpoint import GGUFTensors, ShardReader, gguf_source
 from guidespec.worker.kernels import gguf_weights
 from guidespec.worker.kernels.gguf_weights import GGUFWeight, from_gguf
-from guidespec.worker.model import LINEAR_WEIGHTS, ForwardBatch, LlamaModel
+from guidespec.worker.forward_batch import ForwardBatch
+from guidespec.worker.model import LINEAR_WEIGHTS, LlamaModel
 from guidespec.worker.tp import TPInfo, destroy_distributed, init_distributed
 
 gguf = pytest.importorskip("gguf")

@@ -58,7 +58,8 @@ from guidespec.worker.device import memory_plan
 from guidespec.worker.graphs import GraphKey, StaticBuffers, padded_forward
 from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.mask import apply_bitmask
-from guidespec.worker.model import ForwardBatch, LlamaModel
+from guidespec.worker.forward_batch import ForwardBatch
+from guidespec.worker.model import LlamaModel
 from guidespec.worker.sampler import DRAFT, counter_uniforms, filtered_probs, inverse_cdf
 from guidespec.worker.tp import TPInfo
 

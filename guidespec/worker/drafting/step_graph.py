@@ -80,7 +80,8 @@ from guidespec.worker.graphs import (
 )
 from guidespec.worker.kv_cache import KVCache
 from guidespec.worker.penalties import TokenHistory
-from guidespec.worker.model import ForwardBatch, LlamaModel
+from guidespec.worker.forward_batch import ForwardBatch
+from guidespec.worker.model import LlamaModel
 
 logger = logging.getLogger(__name__)
 

@@ -25,10 +25,12 @@ from guidespec.cuda_ext.channel import DONE, PEER_GONE, STALE, TIMEOUT, ChannelL
 from guidespec.model_files import load_hf_config
 from guidespec.protocol import StepInputs
 from guidespec.worker.drafting.draft_model import DraftRunner
-from guidespec.worker.drafting.eagle import EagleRunner, default_aux_layers, save_head
+from guidespec.worker.drafting.eagle import EagleRunner
+from guidespec.worker.drafting.eagle_head import default_aux_layers, save_head
 from guidespec.entrypoints.train_eagle import head_config
 from guidespec.worker.kv_cache import KVCache
-from guidespec.worker.model import ForwardBatch, LlamaModel
+from guidespec.worker.forward_batch import ForwardBatch
+from guidespec.worker.model import LlamaModel
 from guidespec.worker.tp import TPInfo
 from tests.conftest import make_tiny_model
 from tests.worker.drafting.test_eagle import Exchange, _random_head

@@ -15,7 +15,8 @@ from guidespec.config import ModelConfig
 from guidespec.protocol import StepInputs
 from guidespec.worker.drafting.draft_model import DraftRunner, draft_model_bytes
 from guidespec.model_files import load_hf_config
-from guidespec.worker.model import ForwardBatch, LlamaModel
+from guidespec.worker.forward_batch import ForwardBatch
+from guidespec.worker.model import LlamaModel
 from guidespec.worker.tp import TPInfo
 from tests.conftest import make_tiny_model
 

@@ -15,11 +15,13 @@ import torch
 from guidespec.config import ModelConfig
 from guidespec.protocol import StepInputs
 from guidespec.worker.drafting.draft_model import apply_masks, post_masks
-from guidespec.worker.drafting.eagle import EagleHead, EagleRunner, default_aux_layers, head_bytes, save_head
+from guidespec.worker.drafting.eagle import EagleRunner
+from guidespec.worker.drafting.eagle_head import EagleHead, default_aux_layers, head_bytes, save_head
 from guidespec.entrypoints.train_eagle import TrainableHead, head_config
 from guidespec.model_files import load_hf_config
 from guidespec.worker.kernels import dense
-from guidespec.worker.model import ForwardBatch, LlamaModel
+from guidespec.worker.forward_batch import ForwardBatch
+from guidespec.worker.model import LlamaModel
 from guidespec.worker.tp import TPInfo
 from tests.conftest import make_tiny_model
 

@@ -32,7 +32,8 @@ from guidespec.worker.drafting.draft_model import DraftRunner
 from guidespec.worker.drafting.eagle import EagleRunner
 from guidespec.worker.drafting.step_graph import StepGraphs
 from guidespec.worker.verify import verify_padded
-from guidespec.worker.model import ForwardBatch, LlamaModel
+from guidespec.worker.forward_batch import ForwardBatch
+from guidespec.worker.model import LlamaModel
 from tests.worker.drafting.test_draft_graph import MAX_LEN, PROMPTS, VOCAB, WORDS, _mask, _scheduling, make_setup
 from tests.worker.drafting.test_eagle import Exchange
 from tests.worker.drafting.test_draft_model import _greedy

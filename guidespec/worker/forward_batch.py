@@ -1,0 +1,122 @@
+"""A forward's batch: which slots run which new tokens from which positions (:class:`ForwardBatch`),
+and its rows grouped by new-token count for attention (:class:`AttentionGroup`). Built by the
+worker from a step's inputs; read by the target model, the drafters and the graphs."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+import torch
+
+
+@dataclass
+class AttentionGroup:
+    """Rows that run the same number of new tokens ``n``: attended together in one call."""
+
+    rows: list[int]
+    slots: list[int]
+    token_index: torch.Tensor | None  # flat token indices, None when the group is the whole batch
+    num_new_tokens: int
+    length: int  # keys to read: max start + n
+    slot_ids: torch.Tensor  # [B] int32, as ``slots`` (for kernels.cache_attention)
+    starts: torch.Tensor  # [B] int32: each row's first new position
+
+    @cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[B, 1, n, length] bool (True = attend), None when nothing is masked; built once per
+        step, and only where torch attends (the C kernel needs none)."""
+        n = self.num_new_tokens
+        if len(self.rows) == 1 and n == 1:
+            return None
+        device = self.starts.device
+        query_pos = self.starts.long()[:, None] + torch.arange(n, device=device)[None]  # [B, n]
+        return (torch.arange(self.length, device=device)[None, None, :] <= query_pos[:, :, None])[:, None]
+
+
+@dataclass
+class ForwardBatch:
+    """Row ``i`` runs ``num_new_tokens[i]`` tokens of slot ``slots[i]`` from ``start_positions[i]``.
+
+    ``token_ids`` and ``positions`` are flat, row after row; ``logits_indices`` picks the
+    flat positions whose logits are wanted.
+    """
+
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slots: list[int]
+    start_positions: list[int]
+    num_new_tokens: list[int]
+    logits_indices: torch.Tensor  # [R] int64
+    slot_of_token: torch.Tensor = field(init=False)  # [T] int64
+    groups: list[AttentionGroup] = field(init=False)
+
+    def __post_init__(self) -> None:
+        # (NumPy: torch's CPU repeat_interleave runs an OpenMP region, a wake-up of its team per step)
+        self.slot_of_token = torch.from_numpy(np.repeat(np.asarray(self.slots, np.int64), self.num_new_tokens))
+        self.groups = _attention_groups(self)
+
+    def to(self, device: torch.device | str) -> ForwardBatch:
+        """This batch with its tensors on ``device`` (itself on the CPU)."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self
+        moved = copy.copy(self)
+        for name in ("token_ids", "positions", "logits_indices", "slot_of_token"):
+            setattr(moved, name, getattr(self, name).to(device, non_blocking=True))
+        moved.groups = [
+            dataclasses.replace(
+                g,
+                token_index=None if g.token_index is None else g.token_index.to(device, non_blocking=True),
+                slot_ids=g.slot_ids.to(device, non_blocking=True),
+                starts=g.starts.to(device, non_blocking=True),
+            )
+            for g in self.groups
+        ]
+        return moved
+
+    @classmethod
+    def create(cls, token_ids, slots, start_positions, num_new_tokens, num_logits) -> ForwardBatch:  # type: ignore[no-untyped-def]
+        slots, starts, counts, nlog = (list(map(int, a)) for a in (slots, start_positions, num_new_tokens, num_logits))
+        positions: list[int] = []
+        logits_indices: list[int] = []
+        offset = 0
+        for start, count, n in zip(starts, counts, nlog):
+            positions.extend(range(start, start + count))
+            logits_indices.extend(range(offset + count - n, offset + count))
+            offset += count
+        return cls(
+            token_ids=torch.tensor(np.asarray(token_ids, dtype=np.int64)),
+            positions=torch.tensor(positions, dtype=torch.long),
+            slots=slots,
+            start_positions=starts,
+            num_new_tokens=counts,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+        )
+
+
+def _attention_groups(batch: ForwardBatch) -> list[AttentionGroup]:
+    """Group rows by new-token count (each group's causal mask is built on first use)."""
+    offsets = [0]
+    for count in batch.num_new_tokens:
+        offsets.append(offsets[-1] + count)
+    by_count: dict[int, list[int]] = {}
+    for row, count in enumerate(batch.num_new_tokens):
+        by_count.setdefault(count, []).append(row)
+    groups = []
+    for n, rows in by_count.items():
+        starts = torch.tensor([batch.start_positions[r] for r in rows])
+        length = int(starts.max()) + n
+        index = None
+        if len(by_count) > 1:
+            index = torch.cat([torch.arange(offsets[r], offsets[r + 1]) for r in rows])
+        slots = [batch.slots[r] for r in rows]
+        groups.append(
+            AttentionGroup(
+                rows, slots, index, n, length, torch.tensor(slots, dtype=torch.int32), starts.to(torch.int32)
+            )
+        )
+    return groups
