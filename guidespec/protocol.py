@@ -104,7 +104,7 @@ class GuidedDecoding:
     for xgrammar or Lark for llguidance; ``choice`` is a list of allowed outputs.
     ``close_early`` (JSON kinds only): when the output starts repeating a cycle or nears
     ``max_tokens``, prefer tokens that close the JSON wherever the grammar allows one
-    (``guidespec/scheduler/closing.py``), so the output ends valid instead of being cut.
+    (``guidespec/scheduler/grammar/closing.py``), so the output ends valid instead of being cut.
     """
 
     json_schema: str | None = None

@@ -1,3 +1,3 @@
 """The scheduler process (its loop: ``scheduler.py``): requests and their queue, batches, the
-step broadcast, grammar ownership (``grammar.py``, the compile process, early closing), output
-and jump-forward, and speculation's scheduler side (``speculation/``)."""
+step broadcast, grammar ownership (``grammar/``: matchers, compiles, the compile process, early
+closing), output and jump-forward, and speculation's scheduler side (``speculation/``)."""

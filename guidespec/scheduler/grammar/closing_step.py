@@ -6,7 +6,7 @@ This module holds each guided JSON request's ``EarlyCloser`` and everything that
 request's grammar as well: the budget check before a step's fill (a dry run of closing from the
 grammar's state), the restriction of a filled row, and the dry run itself. It is handed the
 request's backend and matcher for each call and never changes the matcher's state: every trial
-accept is rolled back. It does not fill rows and does not own matchers (``grammar.py`` does).
+accept is rolled back. It does not fill rows and does not own matchers (``manager.py`` does).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from guidespec.grammar_backends import GrammarBackend, GrammarMatcher
 from guidespec.bitmask import allowed_ids, bitmask_row
 from guidespec.protocol import GuidedDecoding
 from guidespec.model_files import text_encoder
-from guidespec.scheduler.closing import MAX_STEPS, ClosingTokens, EarlyCloser
+from guidespec.scheduler.grammar.closing import MAX_STEPS, ClosingTokens, EarlyCloser
 
 MAX_CLOSING_RUN = 2048  # the longest dry run of closing (``dry_run``)
 # the grammar fills a dry run's lookahead may cost; past them it goes on without one (a lexer-heavy

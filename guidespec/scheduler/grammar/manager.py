@@ -1,12 +1,7 @@
-"""Grammar ownership: the scheduler is the only place grammar state lives.
+"""Grammar ownership: the scheduler is the only place grammar state lives. ``GrammarManager`` is
+what the scheduler's loop calls; it owns the matchers and fills the masks, and hands compiles to
+``compiling.py`` (the compile queue and cache, which runs them in the compile process).
 
-- Compiles run in a separate process (``compile_worker.py``), one at a time: a compile cannot
-  be stopped inside the process that runs it. A compile that overruns its deadline is stopped
-  for real: the process is killed and restarted, the request fails with a clear message, the
-  other queued compiles are sent again. What it compiled is loaded here on a load thread (the
-  text read back, or a fast grammar compiled again: xgrammar lets go of the GIL meanwhile).
-- Results are cached by the canonical grammar (bounded LRU), failures too (a bad schema fails
-  fast the second time); requests for the same grammar share one compile.
 - A request waits UNREADY until its grammar is ready; ``poll`` hands back the ready and the
   failed ones.
 - One matcher per guided request: filled in batches per backend (the backends' multi-threaded
@@ -20,82 +15,23 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import itertools
-import json
 import logging
-import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
-import time
-import traceback
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO, Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
-from guidespec.config import SchedulerConfig
-from guidespec.grammar_backends import GrammarBackend, GrammarError, GrammarMatcher, create_backend, import_backends
 from guidespec.bitmask import allowed_ids, bitmask_row, bitmask_width
-from guidespec.grammar_backends.interface import is_refusal
-from guidespec.model_files import import_tokenizers
+from guidespec.grammar_backends import GrammarBackend, GrammarError, GrammarMatcher, create_backend
 from guidespec.protocol import GuidedDecoding, backend_order
-from guidespec.scheduler.closing_step import ClosingStep
+from guidespec.scheduler.grammar.closing_step import ClosingStep
+from guidespec.scheduler.grammar.compile_process import CompileProcess
+from guidespec.scheduler.grammar.compiling import Fallback, GrammarCompiler
+from guidespec.scheduler.grammar.settings import FillRow, GrammarSettings
 
 logger = logging.getLogger(__name__)
 _Method = TypeVar("_Method", bound=Callable[..., Any])
-
-
-@dataclass(frozen=True)
-class GrammarSettings:
-    model_dir: Path
-    default_backend: str
-    vocab_size: int
-    stop_token_ids: tuple[int, ...]
-    compile_timeout_s: float
-    max_rows: int
-    num_threads: int = 2  # a compile's (the compile process's)
-    # a step's fills: one thread (the scheduler's own) by default. A fill takes tens of microseconds
-    # per row, while waking a backend's pool took milliseconds per call: on 2 CPU cores beside the
-    # workers' forward (batch 1, n-gram drafts: 14 ms of filling per step with 2 threads, 2 ms with
-    # 1) and on an H200's 16-core host beside a GPU worker too (batch 16, EAGLE: a step's verify
-    # masks in 11.3 ms p50 with 4 threads, 0.8 ms with 1)
-    fill_threads: int = 1
-    cache_size: int = 256
-    # how the compile process hands a grammar over: "auto" has the scheduler compile it again (on
-    # its load thread) where that took less than the backend's estimate of writing and reading
-    # its text (``text_cost_s``), else sends the text; "always" / "never" compile again / not
-    recompile: str = "auto"
-
-
-def grammar_settings(cfg: SchedulerConfig) -> GrammarSettings:
-    return GrammarSettings(
-        cfg.model_dir,
-        cfg.grammar_backend,
-        cfg.vocab_size,
-        cfg.eos_token_ids,
-        cfg.grammar_compile_timeout_s,
-        cfg.max_batch_size,
-        fill_threads=cfg.grammar_fill_threads,
-    )
-
-
-@dataclass(frozen=True)
-class FillRow:
-    """A guided request to fill masks for: its drafts, its output length and output budget
-    (max_tokens, or less where the model length ends first)."""
-
-    request_id: str
-    drafts: list[int] = field(default_factory=list)
-    output_len: int = 0
-    max_tokens: int = 1 << 30
 
 
 def _settled(method: _Method) -> _Method:
@@ -120,16 +56,6 @@ class _Walk:
     refused: bool = False
 
 
-@dataclass
-class _Job:
-    key: str
-    backend: str
-    guided: GuidedDecoding
-    request_ids: list[str] = field(default_factory=list)
-    deadline: float | None = None  # set when the compile process starts it
-    loading: Future[Any] | None = None  # compiled: its grammar loading on the load thread
-
-
 class GrammarManager:
     """``compile_process``: one made by ``fork_compile_process`` (or ``start_compile_process``)
     with these settings; None starts one here."""
@@ -140,38 +66,25 @@ class GrammarManager:
         self.settings = settings
         self.tokenizer = tokenizer
         self.backends: dict[str, GrammarBackend] = {}
-        self.process = _CompileProcess(settings, compile_process)  # before the backend below: it imports meanwhile
+        # the compile process starts before the backends below: it imports meanwhile
+        self.compiler = GrammarCompiler(settings, self._backend, self._create_matcher, compile_process)
         # deserializing needs a backend: the default one, and with "auto" the ones it falls back
         # to (llguidance's setup takes half a second), are made before the first step
-        first, *others = self._order(None)
+        first, *others = backend_order(settings.default_backend)
         self._backend(first)
         for name in others:
             try:
                 self._backend(name)
             except Exception as e:  # (not installed): a request that needs it reports why
                 logger.warning("grammar backend %s is not available: %s", name, e)
-        # a compiled grammar is loaded (its text read back, or a fast one compiled again) on a
-        # thread of its own: xgrammar (0.2.8) lets go of the GIL while it compiles, so the loop
-        # keeps stepping the other requests meanwhile
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guidespec-grammar-load")
-        self.compiled: OrderedDict[str, Any] = OrderedDict()
-        self.recompiled = 0  # grammars compiled again here rather than read back as text
-        self.failed: OrderedDict[str, str] = OrderedDict()
-        self.jobs: OrderedDict[int, _Job] = OrderedDict()
-        self.job_of_key: dict[str, int] = {}
-        self.pending: dict[str, int] = {}  # request id -> job id
         self.matchers: dict[str, tuple[str, GrammarMatcher]] = {}
         self._walks: dict[str, _Walk] = {}  # a step's draft steps (fill_after): request -> its walk
-        self.fallbacks: dict[
-            str, tuple[GuidedDecoding, list[str], list[str]]
-        ] = {}  # request -> (guided, backends left, refusals)
         self.refusals: dict[str, str] = {}  # request -> why a backend before the one serving it refused
         # request -> (guided, the backends "auto" has left after the one serving it, why the ones
         # before it refused): where it starts again if its grammar fails mid-way
         self.alternatives: dict[str, tuple[GuidedDecoding, list[str], list[str]]] = {}
         self.failures: dict[str, str] = {}  # request -> why its matcher failed (found by a fill)
         self.closing = ClosingStep(tokenizer, settings.vocab_size, settings.stop_token_ids)
-        self._job_ids = itertools.count()
         self.bitmask = np.zeros((settings.max_rows, bitmask_width(settings.vocab_size)), dtype=np.int32)
         self._stop_row = bitmask_row(settings.stop_token_ids, settings.vocab_size)
 
@@ -190,70 +103,27 @@ class GrammarManager:
         others refused or failed) where a request starts again on the ones left to it."""
         self.closing.track(request_id, guided)
         try:
-            order = list(self._order(guided.backend)) if backends is None else list(backends)
-            return self._try(request_id, guided, order, list(refusals or []))
+            return self.compiler.submit(request_id, guided, backends, refusals)
         except GrammarError:
             self.closing.forget(request_id)
             raise
-
-    def _order(self, backend: str | None) -> tuple[str, ...]:
-        return backend_order(backend or self.settings.default_backend)
-
-    def _try(self, request_id: str, guided: GuidedDecoding, backends: list[str], refusals: list[str]) -> bool:
-        """Start the first of ``backends`` whose compile has not failed (True: ready now)."""
-        while backends:
-            backend = backends.pop(0)
-            key = guided.cache_key(backend)
-            error = self.failed.get(key)
-            if error is None:
-                self.fallbacks[request_id] = (guided, backends, refusals)
-                return self._start(request_id, guided, backend, key)
-            if not (backends and is_refusal(error)):
-                raise GrammarError(_refused(refusals + [error]))
-            refusals.append(error)
-        raise GrammarError(_refused(refusals))
 
     def served(self, request_id: str) -> tuple[str, str]:
         """(the backend enforcing the request's grammar, why one before it refused or "")."""
         backend = self.matchers[request_id][0] if request_id in self.matchers else ""
         return backend, self.refusals.get(request_id, "")
 
-    def _start(self, request_id: str, guided: GuidedDecoding, backend: str, key: str) -> bool:
-        if key in self.compiled:
-            self.compiled.move_to_end(key)
-            self._create_matcher(request_id, backend, self.compiled[key])
-            return True
-        job_id = self.job_of_key.get(key)
-        if job_id is None:
-            job_id = next(self._job_ids)
-            self.jobs[job_id] = _Job(key, backend, guided)
-            self.job_of_key[key] = job_id
-            self.process.send(job_id, backend, guided)
-        self.jobs[job_id].request_ids.append(request_id)
-        self.pending[request_id] = job_id
-        return False
-
     def poll(self) -> tuple[list[str], list[tuple[str, str]]]:
         """Requests whose grammar became ready, and (request, error) for those that failed."""
-        ready: list[str] = []
-        failed: list[tuple[str, str]] = []
-        for message in self.process.drain():
-            self._handle(message, ready, failed)
-        for job_id, job in list(self.jobs.items()):
-            if job.loading is not None and job.loading.done():
-                self._finish_job(job_id)
-                self._loaded(job, ready, failed)
-        self._enforce_deadline(failed)
-        return ready, failed
+        return self.compiler.poll()
 
     @property
     def has_pending(self) -> bool:
-        return bool(self.pending)
+        return self.compiler.has_pending
 
     @_settled
     def release(self, request_id: str) -> None:
-        self.pending.pop(request_id, None)
-        self.fallbacks.pop(request_id, None)
+        self.compiler.release(request_id)
         self.refusals.pop(request_id, None)
         self.alternatives.pop(request_id, None)
         self.failures.pop(request_id, None)
@@ -470,97 +340,12 @@ class GrammarManager:
     def wait_started(self, timeout_s: float) -> bool:
         """Wait until the compile process has its backend ready (at the engine's start: its imports
         would otherwise share the cores with the first requests' forwards); False on timeout."""
-        return self.process.started.wait(timeout_s)
+        return self.compiler.wait_started(timeout_s)
 
     def shutdown(self) -> None:
-        self.process.close()
-        self._loader.shutdown(wait=False, cancel_futures=True)
+        self.compiler.shutdown()
 
     # ------------------------------------------------------------------ helpers
-
-    def _handle(self, message: dict[str, Any], ready: list[str], failed: list[tuple[str, str]]) -> None:
-        if message.get("exited"):
-            self._restart("the grammar compile process exited unexpectedly", failed)
-            return
-        job = self.jobs.get(message.get("job", -1))
-        if job is None:
-            return
-        if message.get("started"):
-            job.deadline = time.monotonic() + self.settings.compile_timeout_s
-            return
-        if message["ok"]:  # loaded on the load thread; ``poll`` makes its matchers once it is done
-            job.deadline = None
-            job.loading = self._loader.submit(self._compiled, job.backend, message)
-            return
-        self._finish_job(message["job"])
-        self._failed_job(job, message["error"], ready, failed)
-
-    def _loaded(self, job: _Job, ready: list[str], failed: list[tuple[str, str]]) -> None:
-        assert job.loading is not None
-        try:
-            compiled = job.loading.result()
-        except Exception as e:  # a compiled grammar that cannot be rebuilt here: the job fails
-            logger.exception("grammar %s: its compiled grammar could not be loaded", job.key[:200])
-            self._failed_job(job, f"internal error loading a compiled grammar: {type(e).__name__}: {e}", ready, failed)
-            return
-        self._remember(self.compiled, job.key, compiled)
-        for request_id in self._waiting(job):
-            self._create_matcher(request_id, job.backend, compiled)
-            ready.append(request_id)
-
-    def _failed_job(self, job: _Job, error: str, ready: list[str], failed: list[tuple[str, str]]) -> None:
-        self._remember(self.failed, job.key, error)
-        for request_id in self._waiting(job):
-            self._fall_back(request_id, error, ready, failed)
-
-    def _compiled(self, backend: str, message: dict[str, Any]) -> Any:
-        """The compile process's grammar: its text read back, or compiled again here from the guided
-        it returned (where that is cheaper than its text: ``GrammarSettings.recompile``)."""
-        if message["compiled"] is None:
-            self.recompiled += 1
-            return self._backend(backend).compile(GuidedDecoding(**message["guided"]))
-        return self._backend(backend).deserialize(message["compiled"])
-
-    def _fall_back(self, request_id: str, error: str, ready: list[str], failed: list[tuple[str, str]]) -> None:
-        """A compile failed: the next backend of an "auto" request where this one refused, else fail."""
-        guided, backends, refusals = self.fallbacks.get(request_id, (None, [], []))
-        if guided is None or not backends or not is_refusal(error):
-            failed.append((request_id, _refused(refusals + [error]) if refusals else error))
-            return
-        try:
-            if self._try(request_id, guided, backends, refusals + [error]):
-                ready.append(request_id)
-        except GrammarError as e:
-            failed.append((request_id, str(e)))
-
-    def _enforce_deadline(self, failed: list[tuple[str, str]]) -> None:
-        running = next((j for j in self.jobs.values() if j.deadline is not None), None)
-        if running is not None and time.monotonic() > running.deadline:  # type: ignore[operator]
-            self._restart(f"grammar compilation took longer than {self.settings.compile_timeout_s:g} s", failed)
-
-    def _restart(self, reason: str, failed: list[tuple[str, str]]) -> None:
-        """Kill the compile process, fail the job it was running, send the others again."""
-        running_id = next((i for i, j in self.jobs.items() if j.deadline is not None), None)
-        if running_id is not None:
-            job = self.jobs[running_id]
-            self._finish_job(running_id)
-            self._remember(self.failed, job.key, reason)
-            failed.extend((request_id, reason) for request_id in self._waiting(job))
-        self.process.restart()
-        for job_id, job in self.jobs.items():
-            if job.loading is None:  # (compiled ones load on)
-                self.process.send(job_id, job.backend, job.guided)
-
-    def _finish_job(self, job_id: int) -> None:
-        job = self.jobs.pop(job_id)
-        self.job_of_key.pop(job.key, None)
-
-    def _waiting(self, job: _Job) -> list[str]:
-        """The job's requests that are still waiting for it (not aborted meanwhile)."""
-        waiting = [r for r in job.request_ids if r in self.pending]
-        for request_id in waiting:
-            del self.pending[request_id]
-        return waiting
 
     def _fill_rows(self, request_ids: list[str], out_rows: list[int]) -> None:
         """Fill ``self.bitmask[out_rows[i]]`` from each request's matcher, batched per backend."""
@@ -601,180 +386,10 @@ class GrammarManager:
             self.backends[name] = create_backend(name, self.tokenizer, s.vocab_size, s.stop_token_ids, s.fill_threads)
         return self.backends[name]
 
-    def _create_matcher(self, request_id: str, backend: str, compiled: Any) -> None:
+    def _create_matcher(self, request_id: str, backend: str, compiled: Any, fallback: Fallback) -> None:
         self.matchers[request_id] = (backend, self._backend(backend).create_matcher(compiled))
-        guided, backends, refusals = self.fallbacks.pop(request_id, (None, [], []))
+        guided, backends, refusals = fallback
         if refusals:
             self.refusals[request_id] = "; ".join(refusals)
         if guided is not None and backends:
             self.alternatives[request_id] = (guided, list(backends), list(refusals))
-
-    def _remember(self, cache: OrderedDict[str, Any], key: str, value: Any) -> None:
-        cache[key] = value
-        cache.move_to_end(key)
-        while len(cache) > self.settings.cache_size:
-            cache.popitem(last=False)
-
-
-class _CompileProcess:
-    """The compile subprocess and a thread reading its JSON-line answers into a queue."""
-
-    def __init__(self, settings: GrammarSettings, proc: CompileProcess | None = None) -> None:
-        self.settings = settings
-        self.answers: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
-        self.generation = 0
-        self.started = threading.Event()  # the first process said "ready" (or exited)
-        self._start(proc)
-
-    def send(self, job_id: int, backend: str, guided: GuidedDecoding) -> None:
-        line = json.dumps({"job": job_id, "backend": backend, "guided": dataclasses.asdict(guided)})
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            pass  # the reader thread reports the exit; the job is sent again after the restart
-
-    def drain(self) -> list[dict[str, Any]]:
-        """Answers of the current process so far (answers of a killed one are dropped)."""
-        out: list[dict[str, Any]] = []
-        while True:
-            try:
-                generation, message = self.answers.get_nowait()
-            except queue.Empty:
-                return out
-            if generation == self.generation:
-                out.append(message)
-
-    def restart(self) -> None:
-        self.close()
-        self.generation += 1
-        self._start()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=5)
-
-    def _start(self, proc: CompileProcess | None = None) -> None:
-        self.proc = proc or start_compile_process(self.settings)  # a restart: its own imports (threads run here)
-        threading.Thread(
-            target=self._read, args=(self.proc, self.generation), daemon=True, name="guidespec-compile-reader"
-        ).start()
-
-    def _read(self, proc: CompileProcess, generation: int) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            message = json.loads(line)
-            if message.get("ready"):
-                self.started.set()
-            else:
-                self.answers.put((generation, message))
-        self.started.set()
-        self.answers.put((generation, {"exited": True}))
-
-
-class ForkedCompileProcess:
-    """The compile process forked from the scheduler's, as much of a ``Popen`` as
-    ``_CompileProcess`` uses: its JSON lines through two pipes."""
-
-    def __init__(self, pid: int, stdin: IO[str], stdout: IO[str]) -> None:
-        self.pid, self.stdin, self.stdout = pid, stdin, stdout
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                pid, status = self.pid, 0
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"compile process {self.pid}", timeout or 0.0)
-            time.sleep(0.01)
-        return self.returncode  # type: ignore[return-value]
-
-
-CompileProcess = subprocess.Popen[str] | ForkedCompileProcess
-
-
-def fork_compile_process(settings: GrammarSettings) -> ForkedCompileProcess:
-    """The compile process, forked from this one: the scheduler's process calls it once its
-    imports (torch, xgrammar, transformers: ~3 s of CPU) are done and before it starts a thread,
-    so the compile process has them for nothing (spawned, it ran them again beside the
-    scheduler's and the worker's on the same cores: ~1.5 s of each engine start on 2 cores)."""
-    import_backends(backend_order(settings.default_backend))
-    import_tokenizers()
-    to_child, from_parent = os.pipe()
-    to_parent, from_child = os.pipe()  # (read end, write end) pairs: child reads to_child's read end
-    pid = os.fork()
-    if pid == 0:  # the compile process: its ends on stdin and stdout, never back into the caller
-        code = 1
-        try:
-            os.dup2(to_child, 0)
-            os.dup2(from_child, 1)
-            for fd in (to_child, from_parent, to_parent, from_child):
-                os.close(fd)
-            sys.stdin = open(0, encoding="utf-8", closefd=False)
-            sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)
-            from guidespec.process_utils import setup_child_process
-            from guidespec.scheduler import compile_worker
-
-            setup_child_process("compile")
-            compile_worker.main()
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            os._exit(code)
-    os.close(to_child)
-    os.close(from_child)
-    proc = ForkedCompileProcess(
-        pid, open(from_parent, "w", encoding="utf-8", buffering=1), open(to_parent, encoding="utf-8")
-    )
-    _write_settings(proc.stdin, settings)
-    return proc
-
-
-def start_compile_process(settings: GrammarSettings) -> subprocess.Popen[str]:
-    """The compile process (``compile_worker.py``) as a new interpreter, its settings line written."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "guidespec.scheduler.compile_worker"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        bufsize=1,
-    )
-    assert proc.stdin is not None
-    _write_settings(proc.stdin, settings)
-    return proc
-
-
-def _write_settings(stdin: IO[str], settings: GrammarSettings) -> None:
-    fields = {
-        "model_dir": str(settings.model_dir),
-        "default_backend": settings.default_backend,
-        "vocab_size": settings.vocab_size,
-        "stop_token_ids": list(settings.stop_token_ids),
-        "num_threads": settings.num_threads,
-        "recompile": settings.recompile,
-    }
-    stdin.write(json.dumps(fields) + "\n")
-    stdin.flush()
-
-
-def _refused(errors: list[str]) -> str:
-    if len(errors) == 1:
-        return errors[0]
-    return "no grammar backend can enforce this exactly: " + "; ".join(errors)

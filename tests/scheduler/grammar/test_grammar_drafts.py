@@ -344,7 +344,7 @@ def test_a_grammar_compiled_again_or_carried_as_text_fills_the_same_rows(real_mo
             _matcher(manager, "r", _Text(tokenizer, "xgrammar").encode('{"name":"Al'))
             rows.append(manager.fill([FillRow("r")]).copy())
         np.testing.assert_array_equal(rows[0], rows[1])
-        assert (grammar.recompiled, reference.recompiled) == (int(recompile == "always"), 0)
+        assert (grammar.compiler.recompiled, reference.compiler.recompiled) == (int(recompile == "always"), 0)
         assert 0 < int(np.unpackbits(rows[0].view(np.uint8)).sum()) < 49152
     finally:
         grammar.shutdown()

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from guidespec.scheduler.closing import (
+from guidespec.scheduler.grammar.closing import (
     ClosingTokens,
     EarlyCloser,
     RepeatDetector,
