@@ -248,7 +248,7 @@ class GenerateRequest:
     params: SamplingParams
     arrival_time: float
     # whether the client takes deltas as they come; without, the scheduler sends the finished
-    # output alone, and until then may start the request again (``Scheduler._grammar_failed``)
+    # output alone, and until then may start the request again (``RequestTable.grammar_failed``)
     stream: bool = True
 
 

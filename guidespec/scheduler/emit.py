@@ -1,0 +1,176 @@
+"""A step's outputs into its requests, and their deltas out to the client.
+
+Each row's tokens advance its request (its grammar, detokenizer, stop checks); accepted drafts
+advance its computed tokens; jump-forward appends the tokens the grammar forces ("unverified")
+and a complete output's end token. The step's deltas leave in one ``RequestOutputs``. A row whose
+request failed during the step, or whose token was sampled without its mask (``dropped``), is
+skipped.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from guidespec.config import SchedulerConfig
+from guidespec.ipc.zmq_channel import Channel
+from guidespec.protocol import BAD_REQUEST, NO_TOKEN, RequestOutput, RequestOutputs, StepOutputs
+from guidespec.scheduler.batching import ScheduledRow
+from guidespec.scheduler.grammar import GrammarManager
+from guidespec.scheduler.output import append_token, make_delta
+from guidespec.scheduler.request import Request
+from guidespec.scheduler.speculation.proposer import Speculator
+from guidespec.scheduler.step_channel import split
+from guidespec.scheduler.table import RequestTable, output_budget
+
+
+class Emitter:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        grammar: GrammarManager,
+        speculator: Speculator | None,
+        table: RequestTable,
+        client_out: Channel,
+    ) -> None:
+        self.cfg = cfg
+        self.grammar = grammar
+        self.speculator = speculator
+        self.table = table
+        self.client_out = client_out
+
+    def emit(self, rows: list[ScheduledRow], outputs: StepOutputs, dropped: set[str]) -> None:
+        """``dropped``: the requests whose token this step was sampled without its mask."""
+        offsets = np.concatenate([[0], np.cumsum(outputs.num_tokens)])
+        proposals = split(outputs.draft_tokens, outputs.num_draft_tokens)
+        now = time.time()
+        if self.speculator is not None:
+            proposed = outputs.num_draft_tokens  # (a fused step times its draft steps apart too)
+            self.speculator.observe_step(
+                sum(row.num_new_tokens for row in rows),
+                outputs.forward_s,
+                proposed.tolist() if proposed is not None else None,
+                outputs.draft_s,
+            )
+        deltas: list[RequestOutput] = []  # one message for the step's deltas: one send, not one per request
+        try:
+            self._emit_rows(rows, outputs, offsets, proposals, now, deltas, dropped)
+        finally:
+            if deltas:
+                self.client_out.send(RequestOutputs(deltas))
+
+    def _emit_rows(
+        self,
+        rows: list[ScheduledRow],
+        outputs: StepOutputs,
+        offsets: np.ndarray,
+        proposals: list[list[int]] | None,
+        now: float,
+        deltas: list[RequestOutput],
+        dropped: set[str],
+    ) -> None:
+        for i, row in enumerate(rows):
+            if not self.table.holds(row.request):  # failed during this step
+                continue
+            if row.request.request_id in dropped:  # sampled without its mask: that token runs again
+                row.request.advance_computed(row.num_new_tokens - row.num_logits)
+                row.request.mask_came_late = True
+                continue
+            new_tokens = outputs.token_ids[offsets[i] : offsets[i + 1]].tolist()
+            if NO_TOKEN in new_tokens:
+                self.table.fail(
+                    row.request,
+                    "the grammar allows no token of the model's vocabulary here (it asks for "
+                    "text the tokenizer cannot produce)",
+                    BAD_REQUEST,
+                )
+                continue
+            try:
+                self._emit_row(row, new_tokens, proposals[i] if proposals is not None else None, now, deltas)
+            except Exception as e:
+                self.table.fail_internal(row.request, "emitting its tokens", e)
+
+    def _emit_row(
+        self,
+        row: ScheduledRow,
+        new_tokens: list[int],
+        proposal: list[int] | None,
+        now: float,
+        deltas: list[RequestOutput],
+    ) -> None:
+        """Append one row's tokens to its request (its grammar, detokenizer, stop checks), then
+        add the request's delta to the step's."""
+        request = row.request
+        num_drafts = row.num_logits - 1 if row.num_logits else 0
+        accepted = max(0, len(new_tokens) - 1)
+        request.advance_computed(row.num_new_tokens - num_drafts)
+        if self.speculator is not None:
+            self.speculator.observe(request, num_drafts, accepted)
+        if not new_tokens or request.finished:
+            return
+        request.stats.record_step(num_drafts, accepted)
+        if not request.output_token_ids:
+            request.first_token_time = now
+        reason, appended = self._append_all(request, new_tokens)
+        # accepted drafts are in the KV cache now; rejected drafts' entries get overwritten later
+        request.advance_computed(min(accepted, appended))
+        if proposal is not None and self.speculator is not None and appended == len(new_tokens):
+            self.speculator.store_proposals(request, proposal)
+        if (
+            reason is None
+            and request.guided
+            and self.cfg.jump_forward == "unverified"
+            and not self._speculates(request)
+        ):
+            reason = self._jump_forward(request)
+        if reason is None and request.guided and self.cfg.jump_forward != "off":
+            end = self.grammar.end_token(request.request_id)  # a complete output ends here, not in a step
+            if end is not None:
+                reason = self._append(request, end)
+        if reason == "error" or (reason is None and not request.stream):  # (the finished output comes whole)
+            return
+        delta = make_delta(request, reason)
+        deltas.append(delta)
+        if delta.finished:
+            self.table.forget(request)
+
+    def _speculates(self, request: Request) -> bool:
+        return self.speculator is not None and self.speculator.speculates(request)
+
+    def _append_all(self, request: Request, tokens: list[int]) -> tuple[str | None, int]:
+        """Append a step's tokens until one finishes the request: (finish reason, tokens appended)."""
+        for count, token in enumerate(tokens, start=1):
+            reason = self._append(request, token)
+            if reason is not None:
+                return reason, count
+        return None, len(tokens)
+
+    def _append(self, request: Request, token: int) -> str | None:
+        """Advance the request (and its grammar) by one token; the finish reason, if any."""
+        grammar_done = False
+        if request.guided:
+            if not self.grammar.accept(request.request_id, token):
+                failure = self.grammar.error(request.request_id)
+                if failure:
+                    self.table.grammar_failed(request, failure)
+                else:
+                    self.table.fail(request, f"internal error: the grammar rejected sampled token {token}")
+                return "error"
+            grammar_done = self.grammar.is_terminated(request.request_id)
+            self.grammar.near_budget(
+                request.request_id, output_budget(request, self.cfg.max_model_len), len(request.output_token_ids) + 1
+            )
+        return append_token(request, token, self.cfg.eos_token_ids, self.cfg.max_model_len, grammar_done)
+
+    def _jump_forward(self, request: Request) -> str | None:
+        """Append the tokens the grammar forces; the next step computes them with no sampling."""
+        limit = output_budget(request, self.cfg.max_model_len) - len(request.output_token_ids)
+        forced = self.grammar.accept_forced(request.request_id, limit)
+        terminated = bool(forced) and self.grammar.is_terminated(request.request_id)
+        for i, token in enumerate(forced):
+            last = i == len(forced) - 1
+            reason = append_token(request, token, self.cfg.eos_token_ids, self.cfg.max_model_len, last and terminated)
+            if reason is not None:
+                return reason
+        return None

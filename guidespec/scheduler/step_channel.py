@@ -1,0 +1,272 @@
+"""One step's exchange with the workers: the broadcast, the bitmask, the drafts' masks, the outputs.
+
+    broadcast: StepInputs on the ring (the forward starts at once), then the StepBitmask, filled
+               while the workers compute (or held back for a grammar that still compiles)
+    collect:   wait for rank 0's StepOutputs, meanwhile answering its draft steps' mask requests
+               (the draft channel, or DraftTokens messages), loading finished compiles, writing a
+               held-back bitmask, and watching the workers
+
+A request whose grammar is not ready when its bitmask row is due gets no row: the token the
+workers sample for it is dropped (``dropped``, read by the emit) and its last prompt token runs
+again once the grammar is ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from guidespec import envs
+from guidespec.config import SchedulerConfig
+from guidespec.cuda_ext.channel import DONE as DRAFTS_DONE
+from guidespec.cuda_ext.channel import DraftChannel, DraftChannelError
+from guidespec.ipc import codec
+from guidespec.ipc.broadcast import StepBroadcaster
+from guidespec.ipc.waiting import AwakeTimer
+from guidespec.ipc.zmq_channel import Channel
+from guidespec.protocol import (
+    DraftMask,
+    DraftTokens,
+    MaskWanted,
+    StepBitmask,
+    StepInputs,
+    StepOutputs,
+    WorkerError,
+)
+from guidespec.scheduler.batching import ScheduledRow
+from guidespec.scheduler.grammar import FillRow, GrammarManager
+from guidespec.scheduler.health import EngineFailure, Health, worker_failure
+from guidespec.scheduler.intake import Intake
+from guidespec.scheduler.speculation.proposer import Speculator
+from guidespec.scheduler.table import RequestTable, output_budget
+
+logger = logging.getLogger(__name__)
+IDLE_POLL_S = 0.25
+COMPILE_POLL_S = 0.002  # how often an otherwise idle scheduler looks for finished compiles
+# a held-back bitmask is written after this long even if rank 0 did not ask for it (``MaskWanted``)
+_LATE_MASK_MAX_S = 2.0
+
+
+class StepChannel:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        broadcaster: StepBroadcaster,
+        worker_results: Channel,
+        drafts: DraftChannel | None,
+        grammar: GrammarManager,
+        speculator: Speculator | None,
+        table: RequestTable,
+        intake: Intake,
+        health: Health,
+        times: dict[str, float],
+    ) -> None:
+        self.cfg = cfg
+        self.broadcaster = broadcaster
+        self.worker_results = worker_results
+        # rank 0's model drafts come through the draft channel (cuda_ext) where it is local
+        self.drafts = drafts
+        self.grammar = grammar
+        self.speculator = speculator
+        self.table = table
+        self.intake = intake
+        self.health = health
+        self.times = times  # the step's wall times, for the trace (the loop's own too)
+        self.step_id = 0
+        self.draft_fills: list[tuple[int, float, float]] = []  # this step's draft masks: (draft step, start, end)
+        self.dropped: set[str] = set()  # requests whose token this step is dropped (``_write_bitmask``)
+        self._step_drafts = False  # this step's rank 0 drafts (and ends with DONE on the channel)
+        # this step's guided rows while its bitmask waits for a grammar that compiles (``broadcast``)
+        self._late_mask: list[tuple[int, ScheduledRow]] | None = None
+        self._late_timer = AwakeTimer(_LATE_MASK_MAX_S)
+
+    # ------------------------------------------------------------------ the broadcast
+
+    def broadcast(self, rows: list[ScheduledRow]) -> int:
+        """Two broadcasts: the inputs first, so the forward starts at once; then the bitmasks,
+        filled while the workers compute. Rows of unguided requests get no bitmask row. A step
+        with the last prompt token of a request whose grammar still compiles holds its bitmask
+        back for ``collect`` to write (``_late_mask``). Returns the step's guided rows."""
+        self.step_id += 1
+        logits_row = np.cumsum([0] + [row.num_logits for row in rows])
+        guided = [(int(logits_row[i]), row) for i, row in enumerate(rows) if row.num_logits and row.request.guided]
+        inputs = self._step_inputs(rows, has_bitmask=bool(guided))
+        self._step_drafts = self.drafts is not None and inputs.draft_lens is not None
+        self.draft_fills.clear()
+        self.dropped.clear()
+        self.broadcaster.write(codec.encode(inputs), timeout=envs.step_timeout_s())
+        self.times["inputs"] = self.times["mask_start"] = self.times["mask"] = time.time()
+        compiling = any(not row.request.grammar_ready for _, row in guided)
+        if compiling and not self._step_drafts:  # (rank 0's draft steps would wait on the mask too)
+            self._late_mask, self._late_timer = guided, AwakeTimer(_LATE_MASK_MAX_S)
+        elif guided:
+            self._write_bitmask(guided)
+        return len(guided)
+
+    def _step_inputs(self, rows: list[ScheduledRow], has_bitmask: bool) -> StepInputs:
+        token_ids = [t for row in rows for t in row.request.tokens(row.start, row.start + row.num_new_tokens)]
+        params = [row.request.params for row in rows]
+        proposals = self.speculator.proposal_lengths(rows) if self.speculator is not None else None
+        return StepInputs(
+            step=self.step_id,
+            slots=np.array([row.request.slot for row in rows], dtype=np.int32),
+            start_positions=np.array([row.start for row in rows], dtype=np.int32),
+            num_new_tokens=np.array([row.num_new_tokens for row in rows], dtype=np.int32),
+            token_ids=np.array(token_ids, dtype=np.int32),
+            num_logits=np.array([row.num_logits for row in rows], dtype=np.int32),
+            temperature=np.array([p.temperature for p in params], dtype=np.float32),
+            top_k=np.array([p.top_k for p in params], dtype=np.int32),
+            top_p=np.array([p.top_p for p in params], dtype=np.float32),
+            seeds=np.array([-1 if p.seed is None else p.seed for p in params], dtype=np.int64),
+            sample_index=np.array([len(row.request.output_token_ids) for row in rows], dtype=np.int32),
+            num_prompt_tokens=np.array([row.request.num_prompt_tokens for row in rows], dtype=np.int32),
+            penalties=np.array(
+                [(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params], dtype=np.float32
+            ).reshape(-1, 3),
+            has_bitmask=has_bitmask,
+            draft_lens=proposals[0] if proposals is not None else None,
+            draft_masked=proposals[1] if proposals is not None else None,
+        )
+
+    def _write_bitmask(self, guided: list[tuple[int, ScheduledRow]]) -> None:
+        """Fill the step's bitmask rows and write them. A request whose grammar is still not ready
+        gets no row: the token the workers sample for it without a mask is dropped (``emit``), and
+        its last prompt token runs again once the grammar is ready."""
+        self._late_mask = None
+        self.times["mask_start"] = time.time()
+        masked = []
+        for first, row in guided:
+            if row.request.grammar_ready:
+                masked.append((first, row))
+            else:
+                self.dropped.add(row.request.request_id)
+        bitmask = self._fill(
+            [
+                FillRow(
+                    row.request.request_id,
+                    row.request.draft_tokens,
+                    len(row.request.output_token_ids),
+                    output_budget(row.request, self.cfg.max_model_len),
+                )
+                for _, row in masked
+            ],
+            self.broadcaster.reserve_bitmask(),
+        )
+        for request_id, reason in self.grammar.take_failures():  # (their rows allow only a stop token)
+            if request_id in self.table.requests:
+                self.table.grammar_failed(self.table.requests[request_id], reason)
+        rows_array = np.array(
+            [r for first, row in masked for r in range(first, first + row.num_logits)], dtype=np.int32
+        )
+        if self.cfg.fused_steps and self._step_drafts:  # rank 0 may run the step as one graph (step_graph.py)
+            assert self.drafts is not None
+            self.drafts.answer_verify(self.step_id, rows_array, bitmask)
+        self.broadcaster.write_bitmask(StepBitmask(self.step_id, rows_array, bitmask), timeout=envs.step_timeout_s())
+        self.times["mask"] = time.time()
+
+    def _fill(self, rows: list[FillRow], out: np.ndarray | None) -> np.ndarray:
+        """The step's bitmask, in ``out`` (the mask arena's next buffer) where it fits. If a grammar
+        raises, the rows are filled one request at a time to find it: that request fails, and its
+        rows allow only a stop token (its tokens are dropped)."""
+        try:
+            return self.grammar.fill(rows, out)
+        except Exception:
+            logger.exception("step %d: a grammar failed while filling the bitmask", self.step_id)
+        parts = []
+        for row in rows:
+            try:
+                parts.append(self.grammar.fill([row]).copy())
+            except Exception as e:
+                parts.append(self.grammar.stop_rows(1 + len(row.drafts)))
+                self.table.fail_internal(self.table.requests[row.request_id], "filling its grammar's mask", e)
+        return np.concatenate(parts)
+
+    # ------------------------------------------------------------------ the collection
+
+    def collect(self, rows: list[ScheduledRow]) -> StepOutputs:
+        """Wait for rank 0's outputs for this step, answering its draft steps' mask requests and
+        watching the workers while waiting."""
+        try:
+            return self._collect(rows)
+        finally:
+            self.grammar.end_draft_walk()  # (the draft steps' masks walked the grammars)
+
+    def _collect(self, rows: list[ScheduledRow]) -> StepOutputs:
+        timer = AwakeTimer(envs.step_timeout_s())  # running time: a pause of the whole engine is no hang
+        early = self._serve_drafts(rows, timer) if self._step_drafts else None
+        while True:
+            compiling = self.grammar.has_pending
+            timeout = COMPILE_POLL_S if compiling else IDLE_POLL_S
+            message = early if early is not None else self.worker_results.recv(timeout_s=timeout)
+            early = None
+            if isinstance(message, StepOutputs) and message.step == self.step_id:
+                return message
+            if isinstance(message, DraftTokens) and message.step == self.step_id:
+                self._send_draft_mask(message, rows)
+            if isinstance(message, WorkerError):
+                raise EngineFailure(worker_failure(message))
+            if compiling:
+                self.intake.take_compiled()
+            if self._late_mask is not None and (
+                all(row.request.grammar_ready for _, row in self._late_mask)
+                or (isinstance(message, MaskWanted) and message.step == self.step_id)
+                or self._late_timer.expired()
+            ):
+                self._write_bitmask(self._late_mask)
+            if message is None:
+                self.health.check()
+                if timer.expired():
+                    raise EngineFailure(f"step {self.step_id}: workers gave no result in {envs.step_timeout_s():.0f} s")
+
+    # ------------------------------------------------------------------ the draft steps' masks
+
+    def _serve_drafts(self, rows: list[ScheduledRow], timer: AwakeTimer) -> object | None:
+        """Answer rank 0's draft steps through the draft channel until it says it is done; returns
+        a message from the workers that came meanwhile (their error), if one did."""
+        assert self.drafts is not None
+        last, rank0 = -1, self.health.worker_pids.get(0, 0)
+        while True:
+            try:
+                got = self.drafts.next_drafts(self.step_id, last, IDLE_POLL_S, rank0)
+            except DraftChannelError as e:
+                raise EngineFailure(f"worker rank 0's drafts: {e}") from None
+            if got is None:  # nothing yet: is everyone alive, has a worker failed?
+                message = self.worker_results.recv(timeout_s=0)
+                if message is not None:
+                    return message
+                self.health.check()
+                if timer.expired():
+                    raise EngineFailure(f"step {self.step_id}: rank 0 drafted nothing in {envs.step_timeout_s():.0f} s")
+                continue
+            index, batch_rows, sequences = got
+            if index == DRAFTS_DONE:
+                return None
+            start = time.time()
+            self.drafts.answer(self.step_id, index, self._draft_mask_rows(batch_rows, sequences, rows))
+            self.draft_fills.append((index, start, time.time()))
+            last = index
+
+    def _draft_mask_rows(
+        self, batch_rows: np.ndarray, sequences: list[list[int]], rows: list[ScheduledRow]
+    ) -> np.ndarray:
+        """The mask rows of a draft step: each drafting row's grammar after its sequence."""
+        return self.grammar.fill_after([rows[b].request.request_id for b in batch_rows.tolist()], sequences)
+
+    def _send_draft_mask(self, message: DraftTokens, rows: list[ScheduledRow]) -> None:
+        """A draft step through messages (rank 0 remote, or GUIDESPEC_DRAFT_CHANNEL=python)."""
+        sequences = split(message.token_ids, message.num_tokens)
+        assert sequences is not None
+        bitmask = self._draft_mask_rows(message.rows, sequences, rows)
+        self.broadcaster.write(
+            codec.encode(DraftMask(message.step, message.draft_index, bitmask)), timeout=envs.step_timeout_s()
+        )
+
+
+def split(flat: np.ndarray | None, counts: np.ndarray | None) -> list[list[int]] | None:
+    """Per-row lists from a flat array and its per-row counts."""
+    if flat is None or counts is None:
+        return None
+    ends = np.cumsum(counts).tolist()
+    return [flat[end - n : end].tolist() for end, n in zip(ends, counts.tolist())]
