@@ -2,8 +2,8 @@
 
 ``ModelConfig`` is what the model code needs, read once from a Hugging Face config.
 ``EngineConfig`` holds the engine's limits and layout; every "auto" is decided by
-``llm._create_engine_config`` before the dataclass is frozen. Each process gets only the part it
-uses (``SchedulerConfig``, ``WorkerConfig``).
+``launch.engine_config.create_engine_config`` before the dataclass is frozen. Each process gets
+only the part it uses (``SchedulerConfig``, ``WorkerConfig``).
 """
 
 from __future__ import annotations

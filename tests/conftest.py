@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,12 @@ def real_model_dir() -> Path:
 def parent_pid(pid: int) -> int:
     """The parent of process ``pid`` (Linux's /proc)."""
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def leftovers(names: list[str], pids: list[int]) -> tuple[list[str], list[int]]:
+    """Of an engine's shared files and processes, those still there (a zombie counts as gone)."""
+    files = [n for n in names if os.path.exists(n)]
+    alive = [
+        p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split(")")[1][:3]
+    ]
+    return files, alive

@@ -1,5 +1,6 @@
 """The whole engine, real processes, real model: equality with Hugging Face, batching,
-tensor parallelism, abort, shutdown, bad input, a dying worker."""
+tensor parallelism, abort, shutdown, bad input (a dying engine and its restart:
+``tests/launch/test_supervisor.py``)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from guidespec import LLM, EngineDeadError, SamplingParams
+from guidespec import LLM, SamplingParams
 from guidespec.ipc import codec
 from guidespec.llm import GenerationOutput, _RequestStream
 from guidespec.protocol import BAD_REQUEST, GenerateRequest, RequestOutput
+from tests.conftest import leftovers
 
 pytestmark = pytest.mark.slow
 
@@ -245,14 +247,6 @@ def test_abort_frees_the_slot() -> None:
         assert out.finished and time.monotonic() - start < 30
 
 
-def _leftovers(names: list[str], pids: list[int]) -> tuple[list[str], list[int]]:
-    files = [n for n in names if os.path.exists(n)]
-    alive = [
-        p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split(")")[1][:3]
-    ]
-    return files, alive
-
-
 def test_shutdown_leaves_no_process_and_no_shared_memory() -> None:
     engine = LLM(max_batch_size=2, show_progress=False)
     engine.generate("Hi", SamplingParams(max_tokens=2))
@@ -261,9 +255,9 @@ def test_shutdown_leaves_no_process_and_no_shared_memory() -> None:
     names = [f"/dev/shm/{p.ring.layout.name}", f"/dev/shm/{p.arena.layout.name}"] + [
         e.removeprefix("ipc://") for e in vars(engine._processes.endpoints).values()
     ]
-    assert _leftovers(names, pids) != ([], [])
+    assert leftovers(names, pids) != ([], [])
     engine.close()
-    assert _leftovers(names, pids) == ([], [])
+    assert leftovers(names, pids) == ([], [])
 
 
 def _signal_state(pid: int) -> str:
@@ -315,52 +309,7 @@ def test_ctrl_c_leaves_no_process_and_no_shared_memory(tmp_path: Path) -> None:
         )
     assert "KeyboardInterrupt" in err
     time.sleep(0.5)
-    assert _leftovers(info["names"], info["pids"]) == ([], [])
-
-
-def test_killed_worker_fails_requests_with_a_clear_error_within_2s() -> None:
-    engine = LLM(max_batch_size=4, show_progress=False)
-    try:
-        worker = engine._processes.processes["worker rank 0"]
-        stream = engine.stream("Tell me a long story.", SamplingParams(max_tokens=5000, ignore_eos=True))
-        next(stream)
-        os.kill(worker.pid, signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(EngineDeadError, match=r"worker rank 0 .*(killed|died)"):
-            for _ in stream:
-                pass
-        assert time.monotonic() - start < 2.0
-        with pytest.raises(EngineDeadError, match="worker rank 0"):
-            engine.generate("Hi", GREEDY)
-        assert not engine.is_healthy and engine.num_restarts == 0  # restart_on_failure is off by default
-    finally:
-        engine.close()
-
-
-def test_a_restarting_llm_serves_again_after_its_scheduler_dies() -> None:
-    engine = LLM(max_batch_size=2, show_progress=False, restart_on_failure=True)
-    try:
-        expected = engine.generate("Hi", GREEDY)[0].token_ids
-        old = engine._processes
-        pids = [p.pid for p in old.processes.values()]
-        names = [f"/dev/shm/{old.ring.layout.name}", f"/dev/shm/{old.arena.layout.name}"] + [
-            e.removeprefix("ipc://") for e in vars(old.endpoints).values()
-        ]
-        stream = engine.stream("Tell me a long story.", SamplingParams(max_tokens=5000, ignore_eos=True))
-        next(stream)
-        os.kill(old.processes["scheduler"].pid, signal.SIGKILL)
-        with pytest.raises(EngineDeadError, match="scheduler .*killed.*restarting"):
-            for _ in stream:
-                pass
-        deadline = time.monotonic() + 60
-        while not engine.is_healthy:
-            assert time.monotonic() < deadline, "no fresh engine within 60 s"
-            time.sleep(0.1)
-        assert engine.num_restarts == 1 and engine._processes is not old
-        assert engine.generate("Hi", GREEDY)[0].token_ids == expected
-        assert _leftovers(names, pids) == ([], [])
-    finally:
-        engine.close()
+    assert leftovers(info["names"], info["pids"]) == ([], [])
 
 
 def test_the_scheduler_refuses_what_a_client_did_not_check(llm: LLM) -> None:

@@ -27,7 +27,86 @@ def device_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's flags, shared by every command that starts one (``LLM``'s arguments)."""
+    _add_model_args(p)
+    _add_parallel_args(p)
+    _add_device_args(p)
+    _add_grammar_args(p)
+    _add_speculative_args(p)
+
+
+def add_jump_forward_args(p: argparse.ArgumentParser) -> None:
+    """``--no-jump-forward`` and ``--unverified-jump-forward`` (read by ``jump_forward_from_args``)."""
+    p.add_argument("--no-jump-forward", action="store_true", help="sample every token, even forced ones")
+    p.add_argument(
+        "--unverified-jump-forward",
+        action="store_true",
+        help="append the grammar's forced text as its own tokenization without asking the model "
+        "(faster where forced text is long; the tokens may differ from the model's)",
+    )
+
+
+def speculative_from_args(args: argparse.Namespace) -> dict[str, object] | None:
+    """The LLM's ``speculative`` argument from the command line (None: off)."""
+    if args.speculative is None:
+        return None
+    return dict(
+        method=args.speculative,
+        max_draft_len=args.max_draft_len,
+        max_matching_ngram_size=args.max_matching_ngram_size,
+        adaptive=not args.no_adaptive_draft,
+        use_forced_tokens=not args.no_forced_drafts,
+        constrain_drafts=not args.no_constrain_drafts,
+        draft_mask_steps=args.draft_mask_steps,
+        user_drafter=args.user_drafter,
+        draft_model=args.draft_model,
+        combine_ngram=args.combine_ngram,
+        ngram_fallback=not args.no_ngram_fallback,
+        anchored_lookup=not args.no_anchored_lookup,
+    )
+
+
+def engine_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM``'s keyword arguments (but the model) from the engine's flags of ``generate`` and ``serve``."""
+    return dict(
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        max_model_len=args.max_model_len,
+        grammar_backend=args.backend,
+        jump_forward=jump_forward_from_args(args),
+        speculative=speculative_from_args(args),
+        distributed_executor=args.distributed_executor,
+        ray_address=args.ray_address,
+        enable_prefix_caching=args.enable_prefix_caching,
+        **device_from_args(args),
+    )
+
+
+# ------------------------------------------------------------------ the engine's flags, by concern
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model and the engine's limits: which weights, their dtype, the batch and the context."""
     p.add_argument("--model", default=None, help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "gguf"],
+        help="auto: bfloat16 on CUDA; on the CPU a GGUF model's own quantized blocks (gguf), else float32",
+    )
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="compute every prompt whole, even where a free slot still holds the KV of its first tokens",
+    )
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """Tensor parallelism: how many ranks, and where they run (local processes or Ray actors)."""
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument(
         "--distributed-executor",
@@ -39,11 +118,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--ray-address", default=None, help="the Ray cluster to join (default: the current or a new local one)"
     )
     p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16", "gguf"],
-        help="auto: bfloat16 on CUDA; on the CPU a GGUF model's own quantized blocks (gguf), else float32",
+        "--ray-placement",
+        default="pack",
+        choices=["pack", "spread"],
+        help="Ray GPU ranks: pack (STRICT_PACK, one node) or spread (STRICT_SPREAD, one rank per node)",
     )
+
+
+def _add_device_args(p: argparse.ArgumentParser) -> None:
+    """The device each rank runs on, how much of a GPU it may take, and what runs as CUDA graphs."""
     p.add_argument(
         "--device",
         default="auto",
@@ -65,21 +148,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "inside, and each whole step of greedy and sampled rows (verify and drafts) as one graph "
         "(default: on CUDA with graphs; on the CPU the same steps run eagerly); --no-graph-grammar: one by one",
     )
-    p.add_argument(
-        "--grammar-fill-threads",
-        type=int,
-        default=1,
-        help="threads filling a step's grammar masks in the scheduler (default 1: a pool's wake-ups cost "
-        "more than its rows gain, beside CPU and GPU workers alike)",
-    )
-    p.add_argument(
-        "--ray-placement",
-        default="pack",
-        choices=["pack", "spread"],
-        help="Ray GPU ranks: pack (STRICT_PACK, one node) or spread (STRICT_SPREAD, one rank per node)",
-    )
-    p.add_argument("--max-batch-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=None)
+
+
+def _add_grammar_args(p: argparse.ArgumentParser) -> None:
+    """Guided decoding: the grammar backend, and the scheduler's threads filling the masks."""
     p.add_argument(
         "--grammar-backend",
         "--backend",
@@ -89,11 +161,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="auto: xgrammar, or llguidance where xgrammar cannot enforce a grammar exactly",
     )
     p.add_argument(
-        "--no-enable-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        help="compute every prompt whole, even where a free slot still holds the KV of its first tokens",
+        "--grammar-fill-threads",
+        type=int,
+        default=1,
+        help="threads filling a step's grammar masks in the scheduler (default 1: a pool's wake-ups cost "
+        "more than its rows gain, beside CPU and GPU workers alike)",
     )
+
+
+def _add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding: the drafter and how long, and where, its drafts are."""
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument(
         "--speculative",
@@ -143,41 +220,4 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="n-gram: where no suffix matches, draft nothing (default: look the last word up in the "
         "prompt and let the grammar pick what follows it)",
-    )
-
-
-def speculative_from_args(args: argparse.Namespace) -> dict[str, object] | None:
-    """The LLM's ``speculative`` argument from the command line (None: off)."""
-    if args.speculative is None:
-        return None
-    return dict(
-        method=args.speculative,
-        max_draft_len=args.max_draft_len,
-        max_matching_ngram_size=args.max_matching_ngram_size,
-        adaptive=not args.no_adaptive_draft,
-        use_forced_tokens=not args.no_forced_drafts,
-        constrain_drafts=not args.no_constrain_drafts,
-        draft_mask_steps=args.draft_mask_steps,
-        user_drafter=args.user_drafter,
-        draft_model=args.draft_model,
-        combine_ngram=args.combine_ngram,
-        ngram_fallback=not args.no_ngram_fallback,
-        anchored_lookup=not args.no_anchored_lookup,
-    )
-
-
-def engine_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """``LLM``'s keyword arguments (but the model) from the engine's flags of ``generate`` and ``serve``."""
-    return dict(
-        tensor_parallel_size=args.tensor_parallel_size,
-        dtype=args.dtype,
-        max_batch_size=args.max_batch_size,
-        max_model_len=args.max_model_len,
-        grammar_backend=args.backend,
-        jump_forward=jump_forward_from_args(args),
-        speculative=speculative_from_args(args),
-        distributed_executor=args.distributed_executor,
-        ray_address=args.ray_address,
-        enable_prefix_caching=args.enable_prefix_caching,
-        **device_from_args(args),
     )

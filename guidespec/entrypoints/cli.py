@@ -6,18 +6,41 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from guidespec.entrypoints.args import add_engine_args, engine_from_args
+from guidespec.entrypoints.args import add_engine_args, add_jump_forward_args, engine_from_args
 
 if TYPE_CHECKING:
     from guidespec.llm import GenerationOutput
     from guidespec.protocol import GuidedDecoding
 
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
+
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command][1](args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"guidespec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("guidespec: interrupted; the engine was shut down", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="guidespec", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    for add_parser, _ in _COMMANDS.values():
+        add_parser(commands)
+    return parser
+
+
+# ------------------------------------------------------------------ each command's flags
+
+
+def _generate_parser(commands: Subparsers) -> None:
     gen = commands.add_parser("generate", help="generate text for one or more prompts and print figures")
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: a built-in chat prompt")
@@ -36,14 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     constraint.add_argument("--regex", metavar="R", help="constrain the output to this regular expression")
     constraint.add_argument("--grammar", metavar="FILE", help="EBNF (xgrammar) or Lark (llguidance) grammar file")
     constraint.add_argument("--choice", nargs="+", metavar="S", help="the output is one of these strings")
-    gen.add_argument("--no-jump-forward", action="store_true", help="sample every token, even forced ones")
-    gen.add_argument(
-        "--unverified-jump-forward",
-        action="store_true",
-        help="append the grammar's forced text as its own tokenization without asking the model "
-        "(faster where forced text is long; the tokens may differ from the model's)",
-    )
+    add_jump_forward_args(gen)
 
+
+def _sweep_parser(commands: Subparsers) -> None:
     sweep = commands.add_parser("sweep", help="validity sweep of the JSON-schema workload")
     add_engine_args(sweep)
     sweep.add_argument("--workload", default=None, help="workload.jsonl (default: ../shared/data/jsonschemabench)")
@@ -62,19 +81,16 @@ def main(argv: list[str] | None = None) -> int:
         help="append each case's result here; cases already there are not run again (resume)",
     )
     sweep.add_argument("--summarize", default=None, metavar="FILE.jsonl", help="print the tables of a --results file")
+
+
+def _serve_parser(commands: Subparsers) -> None:
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: the folder's)")
-    serve.add_argument("--no-jump-forward", action="store_true", help="sample every token, even forced ones")
-    serve.add_argument(
-        "--unverified-jump-forward",
-        action="store_true",
-        help="append the grammar's forced text as its own tokenization without asking the model "
-        "(faster where forced text is long; the tokens may differ from the model's)",
-    )
+    add_jump_forward_args(serve)
     serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument(
         "--shutdown-timeout",
@@ -89,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         help="exit non-zero when the engine dies (default: restart it; a crash loop exits non-zero)",
     )
 
+
+def _bench_parser(commands: Subparsers) -> None:
     bench = commands.add_parser("bench", help="load generator: a concurrency sweep with a table and plots")
     add_engine_args(bench)
     bench.add_argument("--url", default=None, help="a running server (guidespec serve) instead of an in-process engine")
@@ -109,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--output-dir", default="out/bench", help="bench.json, bench.md and bench.png go here")
 
+
+def _train_eagle_parser(commands: Subparsers) -> None:
     train = commands.add_parser(
         "train-eagle", help="train an EAGLE-3 draft head for a model on CPU, from its own generations"
     )
@@ -152,49 +172,47 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="weight of those prompt tokens in the loss (the output's: 1)",
     )
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "train-eagle":
-            from guidespec.entrypoints.train_eagle import TrainConfig, train as train_head
 
-            train_head(
-                TrainConfig(
-                    Path(args.output),
-                    args.model,
-                    [Path(f) for f in args.from_results],
-                    args.generate,
-                    args.exclude_prefix or None,
-                    args.max_sequences,
-                    args.draft_vocab_size,
-                    args.ttt_steps,
-                    max_minutes=args.max_minutes,
-                    max_feature_minutes=args.max_feature_minutes,
-                    lr=args.lr,
-                    seed=args.seed,
-                    threads=args.threads,
-                    max_updates=args.max_updates,
-                    prompt_window=args.prompt_window,
-                    prompt_loss_weight=args.prompt_loss_weight,
-                )
-            )
-            return 0
-        if args.command == "bench":
-            from guidespec.entrypoints.bench import run_bench
 
-            return run_bench(args)
-        if args.command == "serve":
-            return _serve(args)
-        if args.command == "sweep":
-            from guidespec.entrypoints.sweep import print_saved_results, run_sweep
+# ------------------------------------------------------------------ each command's run
 
-            return print_saved_results(Path(args.summarize)) if args.summarize else run_sweep(args)
-        return _generate(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"guidespec: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("guidespec: interrupted; the engine was shut down", file=sys.stderr)
-        return 130
+
+def _train_eagle(args: argparse.Namespace) -> int:
+    from guidespec.entrypoints.train_eagle import TrainConfig, train as train_head
+
+    train_head(
+        TrainConfig(
+            Path(args.output),
+            args.model,
+            [Path(f) for f in args.from_results],
+            args.generate,
+            args.exclude_prefix or None,
+            args.max_sequences,
+            args.draft_vocab_size,
+            args.ttt_steps,
+            max_minutes=args.max_minutes,
+            max_feature_minutes=args.max_feature_minutes,
+            lr=args.lr,
+            seed=args.seed,
+            threads=args.threads,
+            max_updates=args.max_updates,
+            prompt_window=args.prompt_window,
+            prompt_loss_weight=args.prompt_loss_weight,
+        )
+    )
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from guidespec.entrypoints.bench import run_bench
+
+    return run_bench(args)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from guidespec.entrypoints.sweep import print_saved_results, run_sweep
+
+    return print_saved_results(Path(args.summarize)) if args.summarize else run_sweep(args)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -253,6 +271,15 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"total: {total} output tokens in {wall:.2f} s = {total / wall:.1f} tok/s")
     return 0
 
+
+# each command: the function adding its parser, and the one running it
+_COMMANDS: dict[str, tuple[Callable[[Subparsers], None], Callable[[argparse.Namespace], int]]] = {
+    "generate": (_generate_parser, _generate),
+    "sweep": (_sweep_parser, _sweep),
+    "serve": (_serve_parser, _serve),
+    "bench": (_bench_parser, _bench),
+    "train-eagle": (_train_eagle_parser, _train_eagle),
+}
 
 _DEFAULT_PROMPT = "Give three short tips for writing clear Python code."
 _DEFAULT_JSON_PROMPT = (
