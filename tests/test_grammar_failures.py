@@ -119,7 +119,7 @@ def test_issue_45s_schema_is_refused_where_every_backend_would_give_up(llm: LLM)
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    from tests.entrypoints.serving import start_server, stop_server
+    from tests.entrypoints.server.serving import start_server, stop_server
 
     saved = {name: os.environ.get(name) for name in ENV}
     os.environ.update(ENV)
@@ -150,7 +150,7 @@ def _body(backend: str, stream: bool = False) -> dict:
 
 
 def test_the_server_answers_a_grammar_that_gives_up_with_grammar_failed(server: str) -> None:
-    from tests.entrypoints.serving import AUTH
+    from tests.entrypoints.server.serving import AUTH
 
     answer = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, json=_body("llguidance"), timeout=120)
     assert answer.status_code == 500
@@ -171,7 +171,7 @@ def test_the_server_answers_a_grammar_that_gives_up_with_grammar_failed(server: 
 
 
 def test_the_server_says_a_request_started_again_on_another_backend(server: str) -> None:
-    from tests.entrypoints.serving import AUTH
+    from tests.entrypoints.server.serving import AUTH
 
     answer = httpx.post(f"{server}/v1/chat/completions", headers=AUTH, json=_body("auto"), timeout=120)
     assert answer.status_code == 200, answer.text

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from guidespec.entrypoints.server import MAX_BODY_BYTES
-from tests.entrypoints.serving import AUTH, KEY, ROOT, start_server, stop_server
+from tests.entrypoints.server.serving import AUTH, KEY, ROOT, start_server, stop_server
 from tests.entrypoints.test_tools import WEATHER
 
 pytestmark = pytest.mark.slow

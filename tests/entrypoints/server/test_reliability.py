@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from benchmarks.load import build_requests, load_cases, run_load
-from tests.entrypoints.serving import (
+from tests.entrypoints.server.serving import (
     AUTH,
     KEY,
     Server,

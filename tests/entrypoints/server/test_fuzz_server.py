@@ -25,7 +25,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.entrypoints.serving import AUTH, Server, start_server, stop_server
+from tests.entrypoints.server.serving import AUTH, Server, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 MAX_EXAMPLES = 40
