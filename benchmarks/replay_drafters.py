@@ -244,7 +244,7 @@ def drafter(kind: str, draft_len: int, tokenizer: Any) -> Callable[[], Propose] 
     """A new request's propose for ``kind``; one n-gram drafter per replay (its public pool spans
     requests, as in one engine)."""
     from guidespec.config import SpeculativeConfig
-    from guidespec.scheduler.speculation.drafters import ngram_drafter
+    from guidespec.scheduler.speculation.ngram import ngram_drafter
 
     if kind == "perfect":
         return None

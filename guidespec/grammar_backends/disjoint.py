@@ -1,4 +1,4 @@
-"""Proofs that two JSON schemas share no value, for the ``oneOf`` rewrite of ``rewrites.py``:
+"""Proofs that two JSON schemas share no value, for the ``oneOf`` rewrite of ``rewrites/logic.py``:
 a ``oneOf`` whose branches are pairwise disjoint is their ``anyOf``.
 
 Two schemas are disjoint here when, for every JSON type both allow, one of these holds: their

@@ -1,5 +1,5 @@
 """The exact negation of a JSON schema, written with positive keywords only, for the rewrites
-of ``rewrites.py`` (``not``, ``if``/``then``/``else``, ``oneOf``); neither backend enforces
+of ``rewrites/logic.py`` (``not``, ``if``/``then``/``else``, ``oneOf``); neither backend enforces
 ``not`` itself.
 
 A schema is the conjunction of its keywords, and each keyword constrains only the values of

@@ -284,7 +284,7 @@ def test_a_keyword_is_enforced_or_the_schema_refused(
     from tests.grammar_backends.dataset import matcher_accepts
 
     backend = create_backend(backend_name, tokenizer, 49152, (2,))
-    if rewritten:  # as the compile process sends it (the exact rewrites, grammar_backends/rewrites.py)
+    if rewritten:  # as the compile process sends it (the exact rewrites, grammar_backends/rewrites/)
         schema = rewrite_schema(schema)[0]
     try:
         compiled = backend.compile(GuidedDecoding(json_schema=schema))

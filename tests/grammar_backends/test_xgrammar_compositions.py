@@ -1,4 +1,4 @@
-"""xgrammar and the shapes the exact rewrites produce (``rewrites.py``): an ``anyOf`` inside an
+"""xgrammar and the shapes the exact rewrites produce (``rewrites/``): an ``anyOf`` inside an
 ``allOf`` beside other keywords, and ``properties: {name: false}``.
 
 xgrammar compiles only a composition and drops the keywords beside it; the backend moves them

@@ -59,7 +59,7 @@ def main() -> None:
             chosen = backend(job["backend"])
             _reply({"job": job["job"], "started": True})
             guided = GuidedDecoding(**job["guided"])
-            if guided.kind == "json_schema" and rewrites:  # exact rewrites first (grammar_backends/rewrites.py)
+            if guided.kind == "json_schema" and rewrites:  # exact rewrites first (grammar_backends/rewrites/)
                 schema, applied = rewrite_schema(json.loads(guided.json_schema))  # type: ignore[arg-type]
                 if applied:
                     guided = dataclasses.replace(guided, json_schema=json.dumps(schema))

@@ -1,4 +1,4 @@
-"""The n-gram drafter's text lookup (``drafters.py``: ``NGramDrafter``): drafts copied from the
+"""The n-gram drafter's text lookup (``json_text.py``: ``JsonTextDrafter``): drafts copied from the
 prompt's characters rather than its tokens, so a value the prompt writes in prose (unquoted, its
 name in words, in another order than the schema's) is drafted as the JSON output will hold it.
 

@@ -48,7 +48,8 @@ import numpy as np
 from guidespec.config import SpeculativeConfig
 from guidespec.scheduler.batching import ScheduledRow
 from guidespec.scheduler.request import Request
-from guidespec.scheduler.speculation.drafters import Drafter, ModelDrafter, NGramDrafter, create_drafter, ngram_drafter
+from guidespec.scheduler.speculation.drafters import Drafter, ModelDrafter, create_drafter
+from guidespec.scheduler.speculation.ngram import NGramDrafter, ngram_drafter
 
 _PROBE_EVERY = 8
 # a model drafter's probes are rarer and all at once: a probing row first runs the tokens it held

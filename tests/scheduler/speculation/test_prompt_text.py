@@ -1,0 +1,47 @@
+"""The prompt's text index for the text lookup (``prompt_text.py``)."""
+
+from __future__ import annotations
+
+
+def test_text_lookup_reads_where_a_value_starts_and_ends_in_the_prompt() -> None:
+    """The prompt's text alone (no tokenizer): a name's mentions matched on letters and digits,
+    the value after a copula or a colon (past the names of the fields around it), a quoted word
+    first; a value's end and whether more follows, in a list or in the record; how a value opens
+    (a list first where the prompt lists items; without the space for a compact grammar)."""
+    from guidespec.scheduler.speculation.prompt_text import PromptText, json_state, openings, places
+
+    def prompt_of(text: str) -> PromptText:
+        pieces = text.split(" ")
+        pieces = [piece if i == 0 else " " + piece for i, piece in enumerate(pieces)]
+        return PromptText(list(range(len(pieces))), pieces)
+
+    prose = prompt_of("The heart rate of metrics is 78. We have it: the patient ID, PAT654321; notes: none.")
+    start = prose.text.index("78")
+    assert prose.value_starts("heartRate", {"metrics"}, 0) == [(start, start, False)]
+    assert prose.value_end(start, quoted=False, in_list=False, literal=True) == (start + 2, True)
+    patient = prose.text.index("PAT")
+    assert prose.value_starts("patientID", set(), 0) == [(patient, patient, False)]
+    assert prose.value_end(patient, quoted=False, in_list=False) == (patient + 9, True)
+    last = prose.text.index("none")
+    assert prose.value_end(last, quoted=False, in_list=False) == (last + 4, False)  # the record ends there
+    quoted = prompt_of('summary is "Tech, Innovators. 2023"; days are Monday, Tuesday and Friday.')
+    opening = quoted.text.index("Tech")
+    assert quoted.value_starts("summary", set(), 0) == [(opening, opening, True)]
+    assert quoted.value_end(opening, quoted=True, in_list=False) == (quoted.text.index('";'), True)
+    tuesday = quoted.text.index("Tuesday")
+    assert quoted.value_end(tuesday, quoted=False, in_list=True) == (tuesday + 7, True)
+    friday = quoted.text.index("Friday")
+    assert quoted.value_end(friday, quoted=False, in_list=True) == (friday + 6, False)
+    assert quoted.next_item("Monday", 0) == [(tuesday, tuesday, False)]
+    paths = prompt_of("For the heart rate of metrics, use 78. The name of entry 1 of items is Wireless Mouse.")
+    starts = [paths.text[at:].split(" ")[0] for at, _, _ in paths.value_starts("heartRate", {"metrics"}, 0)]
+    assert starts == ["use", "78."]  # the clause's words in turn (the grammar takes a number's)
+    starts = [paths.text[at:].split(" ")[0] for at, _, _ in paths.value_starts("name", {"items"}, 0)]
+    assert starts[0] == "Wireless"  # after the copula, before the words of the path
+    assert openings('{"a":', False, "1, 2 and 3.", False)[:2] == (" [", ' ["')  # a list's items: a list first
+    assert openings('{"a":', False, "Glen Oak.", False) == (' "', ' ["', " ", " [", '"', '["', "", "[")
+    assert openings('{"a": ', False, "Glen Oak.", False) == ('"', '["', "", "[")  # its space is out
+    assert json_state('{"a": ["x", "y') == (len('{"a": ["x", "'), "[")
+    assert json_state('{"a": {"b": "x\\" y"}, "c"') == (None, "{")
+    # after an empty item (an output of the JME benchmark, 2026-11-25: StopIteration failed its request)
+    assert places(quoted, '{"days": ["", ', "", True, 0) == []
