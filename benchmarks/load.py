@@ -10,7 +10,7 @@ guided request may get a 400 too: a schema its backend refuses to enforce (never
 Every request is sent at once (up to ``--concurrency`` in flight). Reported: requests by kind
 and outcome, wall time, lost (no answer, a transport error, or a 5xx), and invalid (a guided
 200 whose output fails its schema although it finished with ``stop``; one cut by
-``max_tokens`` must say ``finish_reason: "length"``). ``tests/entrypoints/test_reliability.py``
+``max_tokens`` must say ``finish_reason: "length"``). ``tests/entrypoints/server/test_reliability.py``
 runs a small load through the same code.
 """
 

@@ -1,6 +1,6 @@
 """Tool calling's plan (``guidespec/entrypoints/tools.py``), without an engine: what a request may send,
 the schema its calls are written under, and how an output becomes ``tool_calls``. The server
-runs it end to end in ``test_server.py``."""
+runs it end to end in ``server/test_server.py``."""
 
 from __future__ import annotations
 
