@@ -118,7 +118,7 @@ def draft_mask_timeout_s() -> float:
 
 def schema_rewrites_enabled() -> bool:
     """``GUIDESPEC_SCHEMA_REWRITES=0`` compiles JSON schemas as sent, without the exact rewrites
-    (``grammar_backends/rewrites.py``): to measure what the rewrites unlock."""
+    (``grammar_backends/rewrites/``): to measure what the rewrites unlock."""
     return os.environ.get("GUIDESPEC_SCHEMA_REWRITES", "1") != "0"
 
 
