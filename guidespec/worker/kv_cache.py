@@ -3,6 +3,10 @@
 A slot belongs to one request for its whole life; a request's keys at position p live at
 ``[slot, :, p]``. Rewinding a request (rejected drafts) needs no work here: the scheduler
 lowers its computed length and later writes overwrite the stale positions.
+
+The CPU kernels read a cache in blocks (``kernels.cache_attention``: [num_blocks, kv_heads,
+block_size, head_dim] and a block table per row); a cache by slot is that with one block of
+``max_len`` positions a row: the slot's (:meth:`KVCache.block_tables`, :meth:`KVCache.cache_rows`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ class KVCache:
         self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.num_slots, self.max_len = num_slots, max_len
+        self._rows_of: object = None
+        self._rows = torch.empty(0, dtype=torch.long)
 
     def first_layers(self, n: int) -> KVCache:
         """A cache of this one's first ``n`` layers, sharing their storage (a draft model made of
@@ -35,7 +41,19 @@ class KVCache:
         view = KVCache.__new__(KVCache)
         view.k, view.v = self.k[:n], self.v[:n]
         view.num_slots, view.max_len = self.num_slots, self.max_len
+        view._rows_of, view._rows = None, self._rows
         return view
+
+    def block_tables(self, slot_ids: torch.Tensor) -> torch.Tensor:
+        """Rows' block tables for the kernels, from their slots ([B] int32): [B, 1], the slot."""
+        return slot_ids.view(-1, 1)
+
+    def cache_rows(self, slot_of_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each token's row in the cache as blocks of ``max_len`` (block * max_len + position),
+        int64 [T]; computed once per batch (the layers all ask)."""
+        if self._rows_of is not slot_of_token:
+            self._rows_of, self._rows = slot_of_token, slot_of_token * self.max_len + positions
+        return self._rows
 
     def write(
         self, layer: int, slot_of_token: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor

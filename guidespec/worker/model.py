@@ -270,7 +270,12 @@ class LlamaModel:
             cfg.rms_norm_eps,
             (self.num_local_heads, self.num_local_kv_heads, cfg.head_dim, self.intermediate[1] - self.intermediate[0]),
             (self.cos, self.sin),
-            (batch.positions, batch.slot_of_token, group.slot_ids, group.starts),
+            (
+                batch.positions,
+                kv.cache_rows(batch.slot_of_token, batch.positions),
+                kv.block_tables(group.slot_ids),
+                group.starts,
+            ),
             n,
         )
 
@@ -397,7 +402,8 @@ class LlamaModel:
     def _attention(self, h, layer, kv: KVCache, i: int, batch: ForwardBatch) -> torch.Tensor:  # type: ignore[no-untyped-def]
         d, hq, hkv = self.cfg.head_dim, self.num_local_heads, self.num_local_kv_heads
         qkv = linear(h, layer["qkv"], layer.get("qkv_bias"))
-        q = rope_into_cache(qkv, hq, hkv, self.cos, self.sin, batch.positions, batch.slot_of_token, kv.k[i], kv.v[i])
+        rows = kv.cache_rows(batch.slot_of_token, batch.positions)
+        q = rope_into_cache(qkv, hq, hkv, self.cos, self.sin, batch.positions, rows, kv.k[i], kv.v[i])
         if q is None:  # torch: rotate, then write the keys and values
             cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
             qk = _rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)  # q and k heads in one go
@@ -421,7 +427,7 @@ class LlamaModel:
         """
         g, d, hkv = self.cfg.num_query_groups, self.cfg.head_dim, self.num_local_kv_heads
         n, b = group.num_new_tokens, len(group.rows)
-        out = cache_attention(q, kv.k[i], kv.v[i], group.slot_ids, group.starts, n, g)
+        out = cache_attention(q, kv.k[i], kv.v[i], kv.block_tables(group.slot_ids), group.starts, n, g)
         if out is not None:  # on the CPU: the C kernel reads the cache in place
             return out
         k, v = kv.gather(i, group.slots, group.length)

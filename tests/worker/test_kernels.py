@@ -99,11 +99,50 @@ def test_cache_attention_matches_torch(n: int, g: int, d: int) -> None:
     # are not a whole vector of 8: 300 = 37 * 8 + 4)
     slots, starts = [3, 0, 4, 1], [0, 17, 250, max_len - n]
     q = torch.randn(len(slots) * n, hkv * g, d, generator=gen) * 3
-    out = kernels.cache_attention(
-        q, k, v, torch.tensor(slots, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32), n, g
-    )
+    tables = torch.tensor(slots, dtype=torch.int32)[:, None]  # the cache by slot: one block a row
+    out = kernels.cache_attention(q, k, v, tables, torch.tensor(starts, dtype=torch.int32), n, g)
     assert out is not None
     torch.testing.assert_close(out, _reference_attention(q, k, v, slots, starts, n, g), atol=1e-5, rtol=1e-5)
+
+
+def _paged(cache: torch.Tensor, block_size: int, order: torch.Tensor) -> torch.Tensor:
+    """A cache by slot [S, hkv, L, D] cut into blocks of ``block_size`` positions, block i of slot
+    s stored at ``order[s * (L // block_size) + i]``: [num_blocks, hkv, block_size, D]."""
+    s, hkv, length, d = cache.shape
+    blocks = cache.view(s, hkv, length // block_size, block_size, d).permute(0, 2, 1, 3, 4)
+    blocks = blocks.reshape(-1, hkv, block_size, d)
+    paged = torch.empty_like(blocks)
+    paged[order] = blocks
+    return paged
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+def test_cache_attention_reads_blocks_anywhere_through_block_tables(block_size: int) -> None:
+    """A paged cache (each row's blocks scattered through the pool, in no order) gives each row the
+    attention its contiguous cache gives."""
+    gen = torch.Generator().manual_seed(block_size)
+    hkv, d, g, n, length = 3, 64, 3, 4, 256
+    k, v = torch.randn(4, hkv, length, d, generator=gen), torch.randn(4, hkv, length, d, generator=gen)
+    per_row = length // block_size
+    order = torch.randperm(4 * per_row, generator=gen)
+    tables = order.view(4, per_row).to(torch.int32)
+    slots, starts = [2, 0, 3, 1], [0, 13, 100, length - n]
+    q = torch.randn(len(slots) * n, hkv * g, d, generator=gen)
+    paged = kernels.cache_attention(
+        q,
+        _paged(k, block_size, order),
+        _paged(v, block_size, order),
+        tables[slots].contiguous(),
+        torch.tensor(starts, dtype=torch.int32),
+        n,
+        g,
+    )
+    by_slot = kernels.cache_attention(
+        q, k, v, torch.tensor(slots, dtype=torch.int32)[:, None], torch.tensor(starts, dtype=torch.int32), n, g
+    )
+    assert paged is not None and by_slot is not None
+    assert torch.equal(paged, by_slot)  # the same keys in the same order: the same bits
+    torch.testing.assert_close(paged, _reference_attention(q, k, v, slots, starts, n, g), atol=1e-5, rtol=1e-5)
 
 
 def test_cache_attention_of_a_token_does_not_depend_on_later_tokens_or_other_rows() -> None:
@@ -111,12 +150,12 @@ def test_cache_attention_of_a_token_does_not_depend_on_later_tokens_or_other_row
     k, v = torch.randn(4, 3, 64, 64, generator=gen), torch.randn(4, 3, 64, 64, generator=gen)
     q = torch.randn(4 * 5, 9, 64, generator=gen)
     int32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-    together = kernels.cache_attention(q, k, v, int32([0, 1, 2, 3]), int32([10, 20, 30, 40]), 5, 3)
+    together = kernels.cache_attention(q, k, v, int32([[0], [1], [2], [3]]), int32([10, 20, 30, 40]), 5, 3)
     assert together is not None
     for r in range(4):
         for j in range(5):  # token j alone, as a decode step would run it
             alone = kernels.cache_attention(
-                q[r * 5 + j : r * 5 + j + 1], k, v, int32([r]), int32([10 * (r + 1) + j]), 1, 3
+                q[r * 5 + j : r * 5 + j + 1], k, v, int32([[r]]), int32([10 * (r + 1) + j]), 1, 3
             )
             assert alone is not None and torch.equal(alone[0], together[r * 5 + j])
 
@@ -152,12 +191,21 @@ def test_layer_ops_match_torch(t: int) -> None:
     positions = (start + torch.arange(t)) % max_len  # distinct cache cells
     slots = torch.randint(0, 4, (t,), generator=gen)
     k_cache, v_cache = torch.zeros(4, hkv, max_len, d), torch.zeros(4, hkv, max_len, d)
-    q = kernels.rope_into_cache(qkv, hq, hkv, cos, sin, positions, slots, k_cache, v_cache)
+    rows = slots * max_len + positions  # the cache by slot: blocks of max_len positions
+    q = kernels.rope_into_cache(qkv, hq, hkv, cos, sin, positions, rows, k_cache, v_cache)
     qk = _rope(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos[positions], sin[positions])
     assert q is not None
     torch.testing.assert_close(q, qk[:, :hq], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_cache[slots, :, positions], qk[:, hq:], atol=1e-5, rtol=1e-5)
     assert torch.equal(v_cache[slots, :, positions], qkv[:, (hq + hkv) * d :].view(t, hkv, d))
+    # the same tokens into a paged cache (blocks of 16, scattered): each at its block and offset
+    pool_k, pool_v = torch.zeros(4 * max_len // 16, hkv, 16, d), torch.zeros(4 * max_len // 16, hkv, 16, d)
+    order = torch.randperm(len(pool_k), generator=gen)
+    block = order[rows // 16]
+    again = kernels.rope_into_cache(qkv, hq, hkv, cos, sin, positions, block * 16 + rows % 16, pool_k, pool_v)
+    assert again is not None and torch.equal(again, q)
+    assert torch.equal(pool_k[block, :, rows % 16], k_cache[slots, :, positions])
+    assert torch.equal(pool_v[block, :, rows % 16], v_cache[slots, :, positions])
 
 
 def _cpu_has(flag: str) -> bool:

@@ -6,11 +6,14 @@
  * per (row, key/value head, 16 new tokens) reads the head's keys and values in place for those
  * tokens' query heads:
  *
- *   q   [B * n, hkv * g, D]           the rows' new tokens, row after row (head = h * g + i)
- *   k,v [num_slots, hkv, max_len, D]  one layer's cache (D a multiple of 16)
+ *   q   [B * n, hkv * g, D]                the rows' new tokens, row after row (head = h * g + i)
+ *   k,v [num_blocks, hkv, block_size, D]   one layer's cache in blocks (D a multiple of 16)
  *   out [B * n, hkv * g, D]
  *
- * Token j of row r sits at position starts[r] + j and attends keys 0 .. starts[r] + j.
+ * Token j of row r sits at position starts[r] + j and attends keys 0 .. starts[r] + j. The key at
+ * position p of row r is in block tables[r * width + p / block_size], at p % block_size: a row's
+ * keys need not be contiguous (a paged cache), only each block's. block_size is a multiple of 8
+ * (KEYS), or the row's whole length (one block a row: the cache by slot).
  *
  * A score is a dot product over D: 8 dims to a vector (the query held in registers, the key
  * streamed), and 8 keys' vectors are summed across their lanes together (a transpose by
@@ -79,15 +82,22 @@ static inline v8 fma8(v8 a, v8 b, v8 c) {
 }
 
 /* acc[c][0 .. dims) += the sum over t in [t0, t1) and below length[c] of w[c][t] * v[t][0 .. dims)
-   (v rows `stride` apart; acc rows D apart), in order of t */
-static inline __attribute__((always_inline)) void weighted_sum(const float* v, int stride, const float* const* w,
+   (value t of head h in block table[t / bs] at t % bs, rows D apart; acc rows D apart), in order of t */
+static inline __attribute__((always_inline)) void weighted_sum(const float* v, const int* table, int hkv, int h,
+                                                               int bs, int D, const float* const* w,
                                                                const int* length, int t0, int t1, int na, int dims,
                                                                float* const* acc_out) {
     v8 acc[QUERIES_PER_PASS][8];
     for (int c = 0; c < na; c++)
         for (int i = 0; i < dims / 8; i++) acc[c][i] = load(acc_out[c] + 8 * i);
-    for (int t = t0; t < t1; t++) {
-        const float* vt = v + (size_t)t * stride;
+    int blk = t0 / bs, off = t0 % bs;  /* walked along, not divided per key */
+    const float* vb = v + ((size_t)table[blk] * hkv + h) * bs * D;
+    for (int t = t0; t < t1; t++, off++) {
+        if (off == bs) {
+            off = 0;
+            vb = v + ((size_t)table[++blk] * hkv + h) * bs * D;
+        }
+        const float* vt = vb + (size_t)off * D;
         for (int c = 0; c < na; c++) {
             if (t >= length[c]) continue;
             v8 wt = splat(w[c][t]);
@@ -99,8 +109,8 @@ static inline __attribute__((always_inline)) void weighted_sum(const float* v, i
 }
 
 /* queries a0 .. a0 + nq - 1 of row r, key/value head h (see cache_attention_f32) */
-static void attend(const float* q, const float* kb, const float* vb, float* out, int r, int h, int start, int n,
-                   int a0, int nq, int hkv, int g, int D, int max_len, float scale) {
+static void attend(const float* q, const float* k, const float* v, const int* table, float* out, int r, int h,
+                   int start, int n, int a0, int nq, int hkv, int g, int D, int bs, float scale) {
     int hq = hkv * g;
     int last = start + (a0 + nq - 1) / g + 1;  /* keys the chunk's last query attends */
     int blocks = (last + KEYS - 1) / KEYS, padded = blocks * KEYS;
@@ -122,11 +132,12 @@ static void attend(const float* q, const float* kb, const float* vb, float* out,
             b1 = b1 < b0 + KEY_TILE / KEYS ? b1 : b0 + KEY_TILE / KEYS;
             v8 best = load(top + KEYS * a);
             for (int b = b0; b < b1; b++) {
-                const float* kt = kb + (size_t)b * KEYS * D;
+                int off = b * KEYS % bs;
+                const float* kt = k + (((size_t)table[b * KEYS / bs] * hkv + h) * bs + off) * D;
                 v8 sc;
-                if ((b + 1) * KEYS <= max_len) {
+                if (off + KEYS <= bs) {
                     sc = D == 64 ? scores8(qa, kt, 64, scale) : scores8(qa, kt, D, scale);
-                } else {  /* the cache's last keys: not a whole vector of them to read */
+                } else {  /* a block's last keys (one block a row): not a whole vector of them to read */
                     sc = splat(-3.0e38f);
                     for (int c = 0; c < KEYS && b * KEYS + c < length[a]; c++) {
                         float dot = 0.f;
@@ -172,9 +183,9 @@ static void attend(const float* q, const float* kb, const float* vb, float* out,
                     o[c] = acc + (size_t)(c0 + c) * D + d0;
                 }
                 if (dims == 64 && na == QUERIES_PER_PASS)
-                    weighted_sum(vb + d0, D, w, length + c0, t0, t1, QUERIES_PER_PASS, 64, o);
+                    weighted_sum(v + d0, table, hkv, h, bs, D, w, length + c0, t0, t1, QUERIES_PER_PASS, 64, o);
                 else
-                    weighted_sum(vb + d0, D, w, length + c0, t0, t1, na, dims, o);
+                    weighted_sum(v + d0, table, hkv, h, bs, D, w, length + c0, t0, t1, na, dims, o);
             }
         }
     }
@@ -190,8 +201,8 @@ static void attend(const float* q, const float* kb, const float* vb, float* out,
 }
 
 void cache_attention_f32(const float* q, const float* k, const float* v, float* out,
-                         const int* slots, const int* starts, int B, int n, int hkv, int g, int D,
-                         int max_len, float scale, int threads) {
+                         const int* tables, int width, const int* starts, int B, int n, int hkv, int g, int D,
+                         int block_size, float scale, int threads) {
     /* tasks: (row, key/value head, chunk of CHUNK_TOKENS tokens' queries): a prefill chunk's
        queries spread over the threads, and their weights over the keys take bounded memory */
     int chunks = (n + CHUNK_TOKENS - 1) / CHUNK_TOKENS;
@@ -199,8 +210,7 @@ void cache_attention_f32(const float* q, const float* k, const float* v, float* 
     for (int task = 0; task < B * hkv * chunks; task++) {
         int r = task / (hkv * chunks), h = task / chunks % hkv, chunk = task % chunks;
         int j0 = chunk * CHUNK_TOKENS, tokens = n - j0 < CHUNK_TOKENS ? n - j0 : CHUNK_TOKENS;
-        const float* kb = k + ((size_t)slots[r] * hkv + h) * max_len * D;
-        const float* vb = v + ((size_t)slots[r] * hkv + h) * max_len * D;
-        attend(q, kb, vb, out, r, h, starts[r], n, j0 * g, tokens * g, hkv, g, D, max_len, scale);
+        attend(q, k, v, tables + (size_t)r * width, out, r, h, starts[r], n, j0 * g, tokens * g, hkv, g, D,
+               block_size, scale);
     }
 }

@@ -22,7 +22,7 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;
     linear_t qkv, o, gate_up, down;
-    float *k_cache, *v_cache;  /* [slots][hkv][max_len][D] */
+    float *k_cache, *v_cache;  /* [num_blocks][hkv][block_size][D] */
 } layer_t;
 
 void packed_linear_f32(const float* x, const float* wp, const float* bias, float* y, int M, int N, int K, int threads);
@@ -30,13 +30,13 @@ void packed_linear_i8(const float* x, const signed char* qp, const float* scale,
                       int N, int K, int threads);
 void gguf_linear(const float* x, const uint8_t* qs, const void* s0, const void* s1, int format, const float* bias,
                  float* y, int M, int N, int K, int threads);
-void cache_attention_f32(const float* q, const float* k, const float* v, float* out, const int* slots,
-                         const int* starts, int B, int n, int hkv, int g, int D, int max_len, float scale,
-                         int threads);
+void cache_attention_f32(const float* q, const float* k, const float* v, float* out, const int* tables,
+                         int width, const int* starts, int B, int n, int hkv, int g, int D, int block_size,
+                         float scale, int threads);
 void add_rms_norm_f32(const float* x, const float* delta, const float* w, float eps, float* x_out, float* h, int T,
                       int H, int threads);
 void rope_cache_f32(const float* qkv, int T, int hq, int hkv, int D, const float* cos, const float* sin,
-                    const int64_t* positions, const int64_t* slots, float* k_cache, float* v_cache, int max_len,
+                    const int64_t* positions, const int64_t* rows, float* k_cache, float* v_cache, int block_size,
                     float* q_out, int threads);
 void silu_mul_f32(const float* gate_up, int T, int I, float* out, int threads);
 
@@ -49,12 +49,14 @@ static void linear(const linear_t* w, const float* x, float* y, int M, int threa
 }
 
 /* x [T][H]: the embeddings in, the last layer's residual stream out; hidden [T][H]: after the
-   final norm. Rows r = 0 .. B-1 run n tokens each (T = B n) in cache slot row_slots[r] from
-   position row_starts[r]; positions, token_slots [T] per token. */
+   final norm. Rows r = 0 .. B-1 run n tokens each (T = B n) from position row_starts[r], their
+   cache blocks in tables[r * width ..] (blocks of block_size positions); positions and cache
+   rows (block * block_size + offset) [T] per token. */
 void decoder_forward_f32(float* x, int T, int H, const layer_t* layers, int num_layers, const float* final_norm,
                          float eps, int hq, int hkv, int D, int I, const float* cos, const float* sin,
-                         const int64_t* positions, const int64_t* token_slots, const int* row_slots,
-                         const int* row_starts, int B, int n, int max_len, float scale, float* hidden, int threads) {
+                         const int64_t* positions, const int64_t* token_rows, const int* tables, int width,
+                         const int* row_starts, int B, int n, int block_size, float scale, float* hidden,
+                         int threads) {
     size_t qkv_width = (size_t)(hq + 2 * hkv) * D;
     float* h = malloc(sizeof(float) * (size_t)T * H);
     float* qkv = malloc(sizeof(float) * (size_t)T * qkv_width);
@@ -67,10 +69,10 @@ void decoder_forward_f32(float* x, int T, int H, const layer_t* layers, int num_
         const layer_t* layer = &layers[i];
         add_rms_norm_f32(x, i ? delta : NULL, layer->input_norm, eps, x, h, T, H, threads);
         linear(&layer->qkv, h, qkv, T, threads);
-        rope_cache_f32(qkv, T, hq, hkv, D, cos, sin, positions, token_slots, layer->k_cache, layer->v_cache, max_len,
+        rope_cache_f32(qkv, T, hq, hkv, D, cos, sin, positions, token_rows, layer->k_cache, layer->v_cache, block_size,
                        q, threads);
-        cache_attention_f32(q, layer->k_cache, layer->v_cache, attn, row_slots, row_starts, B, n, hkv, hq / hkv, D,
-                            max_len, scale, threads);
+        cache_attention_f32(q, layer->k_cache, layer->v_cache, attn, tables, width, row_starts, B, n, hkv, hq / hkv,
+                            D, block_size, scale, threads);
         linear(&layer->o, attn, delta, T, threads);
         add_rms_norm_f32(x, delta, layer->post_norm, eps, x, h, T, H, threads);
         linear(&layer->gate_up, h, gate_up, T, threads);

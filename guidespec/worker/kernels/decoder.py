@@ -95,10 +95,11 @@ class DecoderStack:
         """The layers and the final norm over embeddings x [T, H] (B rows of ``n`` tokens), keys
         and values written into ``kv`` (a KVCache): the normalized hidden states [T, H], or None
         where the kernels do not apply. dims: heads, key/value heads, head dim, intermediate
-        size; rotary: the [max_len, D] cos and sin tables; rows: positions and cache slots per
-        token (int64), cache slots and first positions per row (int32)."""
+        size; rotary: the [max_len, D] cos and sin tables; rows: positions and cache rows (block *
+        block_size + offset) per token (int64), the rows' block tables [B, W] and first positions
+        [B] (int32): see ``ops.cache_attention``."""
         lib = loader.library()
-        positions, token_slots, row_slots, row_starts = (t.contiguous() for t in rows)
+        positions, token_rows, tables, row_starts = (t.contiguous() for t in rows)
         if lib is None or not fp32_cpu(final_norm, *rotary) or dims[2] % 16:
             return None
         if self._kv is not kv:  # point the layers at this cache's keys and values
@@ -125,12 +126,13 @@ class DecoderStack:
             rotary[0].data_ptr(),
             rotary[1].data_ptr(),
             positions.data_ptr(),
-            token_slots.data_ptr(),
-            row_slots.data_ptr(),
+            token_rows.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
             row_starts.data_ptr(),
-            len(row_slots),
+            len(tables),
             n,
-            kv.max_len,
+            kv.k[0].shape[2],
             d**-0.5,
             hidden.data_ptr(),
             torch.get_num_threads(),

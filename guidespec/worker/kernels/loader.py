@@ -56,9 +56,9 @@ def load(path: Path) -> ctypes.CDLL:
         ctypes.c_int,
     ]
     lib.gguf_dequantize_rows.restype = None
-    lib.cache_attention_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
-    lib.cache_attention_f32.restype = None
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.cache_attention_f32.argtypes = _signature(p, p, p, p, p, i, p, i, i, i, i, i, i, f, i)
+    lib.cache_attention_f32.restype = None
     lib.add_rms_norm_f32.argtypes = _signature(p, p, p, f, p, p, i, i, i)
     lib.add_rms_norm_f32.restype = None
     lib.rope_cache_f32.argtypes = _signature(p, i, i, i, i, p, p, p, p, p, p, i, p, i)
@@ -69,7 +69,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.apply_bitmask_f32.restype = None
     lib.argmax_rows_f32.argtypes = _signature(p, i, i, p, p, i)
     lib.argmax_rows_f32.restype = None
-    lib.decoder_forward_f32.argtypes = _signature(p, i, i, p, i, p, f, i, i, i, i, p, p, p, p, p, p, i, i, i, f, p, i)
+    lib.decoder_forward_f32.argtypes = _signature(
+        p, i, i, p, i, p, f, i, i, i, i, p, p, p, p, p, i, p, i, i, i, f, p, i
+    )
     lib.decoder_forward_f32.restype = None
     return lib
 

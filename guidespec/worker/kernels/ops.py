@@ -107,7 +107,7 @@ def cache_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slots: torch.Tensor,
+    tables: torch.Tensor,
     starts: torch.Tensor,
     num_new_tokens: int,
     num_query_groups: int,
@@ -115,9 +115,11 @@ def cache_attention(
     """Attention of ``num_new_tokens`` new tokens per row over one layer's cache, or None where
     the kernel does not apply (torch does it then).
 
-    q [B * n, hkv * g, D] (row after row); k_cache, v_cache [num_slots, hkv, max_len, D] with the
-    new tokens' keys already written; slots, starts [B] int32: each row's cache slot and the
-    position of its first new token. Returns [B * n, hkv * g, D].
+    q [B * n, hkv * g, D] (row after row); k_cache, v_cache [num_blocks, hkv, block_size, D] with
+    the new tokens' keys already written; tables [B, W] int32: each row's cache blocks in position
+    order (position p in block ``tables[r, p // block_size]``; block_size a multiple of 8, or the
+    whole length with one block a row: the cache by slot); starts [B] int32: the position of each
+    row's first new token. Returns [B * n, hkv * g, D].
     """
     lib = loader.library()
     if (
@@ -128,9 +130,12 @@ def cache_attention(
         or q.device.type != "cpu"
         or not k_cache.is_contiguous()
         or not v_cache.is_contiguous()
+        or tables.dim() != 2
+        or tables.dtype != torch.int32
+        or not tables.is_contiguous()
     ):
         return None
-    _, hkv, max_len, d = k_cache.shape
+    _, hkv, block_size, d = k_cache.shape
     q = q.contiguous()
     out = torch.empty_like(q)
     lib.cache_attention_f32(
@@ -138,14 +143,15 @@ def cache_attention(
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         out.data_ptr(),
-        slots.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
         starts.data_ptr(),
-        len(slots),
+        len(tables),
         num_new_tokens,
         hkv,
         num_query_groups,
         d,
-        max_len,
+        block_size,
         d**-0.5,
         torch.get_num_threads(),
     )
@@ -188,23 +194,23 @@ def rope_into_cache(
     cos: torch.Tensor,
     sin: torch.Tensor,
     positions: torch.Tensor,
-    slots: torch.Tensor,
+    rows: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
 ) -> torch.Tensor | None:
     """Rotary embedding of qkv [T, (hq + 2 hkv) * D]'s q and k heads at ``positions`` (cos, sin:
-    the model's [max_len, D] tables), k and v written into one layer's cache [slots, hkv, max_len,
-    D] at (``slots``, ``positions``) (int64 [T]); returns q [T, hq, D], or None where the kernel
-    does not apply (nothing is written then)."""
+    the model's [max_len, D] tables), k and v written into one layer's cache [num_blocks, hkv,
+    block_size, D] at cache ``rows`` (block * block_size + offset; int64 [T], as positions);
+    returns q [T, hq, D], or None where the kernel does not apply (nothing is written then)."""
     lib = loader.library()
     if (
         lib is None
         or qkv.dim() != 2
         or not fp32_cpu(qkv, cos, sin, k_cache, v_cache)
         or positions.dtype != torch.int64
-        or slots.dtype != torch.int64
+        or rows.dtype != torch.int64
         or not positions.is_contiguous()
-        or not slots.is_contiguous()
+        or not rows.is_contiguous()
     ):
         return None
     d = k_cache.shape[-1]
@@ -219,7 +225,7 @@ def rope_into_cache(
         cos.data_ptr(),
         sin.data_ptr(),
         positions.data_ptr(),
-        slots.data_ptr(),
+        rows.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         k_cache.shape[2],
