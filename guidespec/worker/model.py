@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from guidespec import envs
 from guidespec.config import ModelConfig
 from guidespec.worker.checkpoint import GGUFTensors, ShardReader, gguf_source
 from guidespec.worker.kernels import (
@@ -222,6 +223,7 @@ class LlamaModel:
             self.cfg.head_dim,
             self.dtype,
             self.device,
+            envs.kv_block_size(),
         )
 
     # ------------------------------------------------------------------ forward
@@ -365,8 +367,7 @@ class LlamaModel:
         qk = _rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)
         q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
         kv.write(i, token_slots, positions, k, v)
-        keys = kv.k[i][:, :, :key_length].index_select(0, row_slots)  # [B, hkv, L, D]: only the rows' slots
-        values = kv.v[i][:, :, :key_length].index_select(0, row_slots)
+        keys, values = kv.gather(i, row_slots, key_length)  # [B, hkv, L, D]: only the rows' slots
         q = q.reshape(b, n, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * n, d)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         out = out.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, hq * d)

@@ -1,0 +1,75 @@
+"""The KV cache in blocks: a slot's positions spread over several blocks give every path that
+reads or writes the cache (the C kernels, torch's attention, the padded forward of the graphs)
+what one block a slot gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from guidespec.worker import kernels
+from guidespec.worker.forward_batch import ForwardBatch
+from guidespec.worker.kv_cache import KVCache
+
+
+def test_writes_land_in_the_slots_blocks_and_gather_reads_them_back() -> None:
+    gen = torch.Generator().manual_seed(0)
+    by_slot = KVCache(2, 3, 2, 40, 16, torch.float32)
+    paged = KVCache(2, 3, 2, 40, 16, torch.float32, block_size=8)
+    assert paged.blocks_per_slot == 5 and paged.k[0].shape == (15, 2, 8, 16)
+    slots = torch.tensor([2, 0, 2, 1, 1])
+    positions = torch.tensor([39, 0, 8, 17, 3])
+    k, v = torch.randn(5, 2, 16, generator=gen), torch.randn(5, 2, 16, generator=gen)
+    for cache in (by_slot, paged):
+        cache.write(1, slots, positions, k, v)
+    for rows in ([0, 1, 2], [2, 1]):
+        for want, got in zip(by_slot.gather(1, rows, 40), paged.gather(1, rows, 40)):
+            assert torch.equal(want, got)
+    tables = paged.block_tables(torch.tensor([2, 0], dtype=torch.int32))
+    assert tables.tolist() == [[10, 11, 12, 13, 14], [0, 1, 2, 3, 4]]
+    rows = paged.cache_rows(slots, positions)
+    assert torch.equal(paged.k[1][rows // 8, :, rows % 8], k)  # block * 8 + offset
+    with pytest.raises(ValueError):
+        KVCache(1, 1, 1, 40, 16, torch.float32, block_size=12)
+
+
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_a_forward_over_blocks_of_16_equals_one_over_a_block_a_slot(
+    real_model_dir, monkeypatch: pytest.MonkeyPatch, kernels_on: bool
+) -> None:  # type: ignore[no-untyped-def]
+    """Prefill, decode and verify steps of two rows, and the padded forward the graphs capture:
+    the same hidden states bit for bit with the cache in blocks of 16 (C kernels, or torch where
+    the kernels are off)."""
+    from guidespec.config import ModelConfig
+    from guidespec.model_files import load_hf_config
+    from guidespec.worker.model import LlamaModel
+    from guidespec.worker.tp import TPInfo
+
+    if not kernels_on:
+        monkeypatch.setattr(kernels.loader, "library", lambda: None)
+    hf = load_hf_config(real_model_dir)
+    model = LlamaModel(ModelConfig.from_hf(hf), TPInfo(), torch.float32, 256, quantized=True)
+    model.load(real_model_dir, hf, show_progress=False)
+    results = []
+    for block_size in (None, 16):
+        monkeypatch.setenv("GUIDESPEC_KV_BLOCK_SIZE", str(block_size or ""))
+        kv = model.create_kv_cache(3)
+        assert kv.block_size == (block_size or 256)
+        outs = [model.forward(ForwardBatch.create(np.arange(70) % 700, [0, 2], [0, 0], [37, 33], [1, 1]), kv)]
+        outs.append(model.forward(ForwardBatch.create([5, 6], [0, 2], [37, 33], [1, 1], [1, 1]), kv))
+        outs.append(model.forward(ForwardBatch.create(np.arange(8) + 9, [0, 2], [38, 34], [4, 4], [4, 4]), kv))
+        outs.append(
+            model.forward_padded(
+                kv,
+                torch.tensor([1, 2, 3, 4, 5, 6]),
+                torch.tensor([42, 43, 44, 38, 39, 40]),
+                torch.tensor([0, 0, 0, 2, 2, 2]),
+                torch.tensor([0, 2]),
+                3,
+                64,
+            )
+        )
+        results.append(outs)
+    for by_slot, paged in zip(*results):
+        assert torch.equal(by_slot, paged)
