@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 from guidespec import LLM, SamplingParams
 from guidespec.protocol import GuidedDecoding
 
-WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench" / "workload.jsonl"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import WORKLOAD  # noqa: E402
+
 ANSWER = {
     "type": "object",
     "properties": {"tool": {"type": "string"}, "reason": {"type": "string", "maxLength": 40}},
@@ -104,7 +107,7 @@ def main() -> None:
         guided=GuidedDecoding(json_schema=json.dumps(ANSWER)),
     )
     with LLM(max_batch_size=args.max_batch_size, max_model_len=args.max_model_len) as llm:
-        print(f"system prompt: {len(llm.encode_prompt(prompts[0])) - 12} tokens (about)")
+        print(f"system prompt: {len(llm.encode_prompt([{'role': 'system', 'content': system}]))} tokens")
         print(f"engine RSS after start: {engine_rss_gb(llm):.2f} GB")
         rows = [
             ("at once", run(llm, prompts[: args.requests], params, together=True)),

@@ -43,7 +43,7 @@ class KVCache:
         self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.num_slots, self.max_len = num_slots, max_len
-        self._rows_of: object = None
+        self._rows_of: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rows = torch.empty(0, dtype=torch.long)
         self._first_block = torch.arange(self.blocks_per_slot, dtype=torch.int32, device=device)
 
@@ -66,10 +66,13 @@ class KVCache:
     def cache_rows(self, slot_of_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Each token's row in the cache (block * block_size + offset), int64 [T]; computed once
         per batch (the layers all ask)."""
-        if self._rows_of is not slot_of_token:
-            self._rows_of = slot_of_token
-            self._rows = slot_of_token * (self.blocks_per_slot * self.block_size) + positions
+        seen = self._rows_of
+        if seen is None or seen[0] is not slot_of_token or seen[1] is not positions:  # a batch's own tensors
+            self._rows_of, self._rows = (slot_of_token, positions), self._slot_rows(slot_of_token, positions)
         return self._rows
+
+    def _slot_rows(self, slot_of_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return slot_of_token * (self.blocks_per_slot * self.block_size) + positions
 
     def write(
         self, layer: int, slot_of_token: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -79,7 +82,7 @@ class KVCache:
             self.k[layer][slot_of_token, :, positions] = k
             self.v[layer][slot_of_token, :, positions] = v
             return
-        rows = slot_of_token * (self.blocks_per_slot * self.block_size) + positions
+        rows = self._slot_rows(slot_of_token, positions)  # (not memoized: the graphs rewrite their buffers)
         blocks, offsets = rows // self.block_size, rows % self.block_size
         self.k[layer][blocks, :, offsets] = k
         self.v[layer][blocks, :, offsets] = v
