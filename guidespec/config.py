@@ -189,6 +189,10 @@ class EngineConfig:
     # dtype "gguf", and "auto" on the CPU: a GGUF model's linear weights run as the file's own blocks
     # (kernels/gguf_weights.py); a model that is not a GGUF file's conversion loads as fp32
     quantized_weights: bool = False
+    # the KV cache: blocks of this many positions (scheduler/kv_blocks.py), and the tokens its pool
+    # holds (None: sized from memory, worker/device.py kv_pool_blocks)
+    kv_block_size: int = 16
+    kv_cache_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,7 @@ class SchedulerConfig:
     draft_channel: ChannelLayout | None = None  # model drafts and their masks with rank 0 (cuda_ext)
     grammar_fill_threads: int = 1  # EngineConfig.grammar_fill_threads
     fused_steps: bool = False  # verify masks through the draft channel too, for rank 0's fused steps
+    kv_block_size: int = 16
 
 
 @dataclass(frozen=True)
@@ -242,6 +247,8 @@ class WorkerConfig:
     )
     # a model drafter's whole speculative steps as one graph each (worker/drafting/step_graph.py), every rank
     fused_steps: bool = False
+    kv_block_size: int = 16
+    kv_cache_tokens: int | None = None  # EngineConfig.kv_cache_tokens
 
 
 def config_to_dict(config: SchedulerConfig | WorkerConfig) -> dict[str, object]:

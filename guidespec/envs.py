@@ -70,14 +70,6 @@ def worker_threads() -> int | None:
     return int(value) if value else None
 
 
-def kv_block_size() -> int | None:
-    """``GUIDESPEC_KV_BLOCK_SIZE=N``: positions per KV cache block, a multiple of 8 (default: the
-    model length, one block a slot). Until the scheduler allocates blocks (issue 47) a slot holds
-    consecutive blocks, so this changes only how the kernels address the cache (tests run both)."""
-    value = os.environ.get("GUIDESPEC_KV_BLOCK_SIZE")
-    return int(value) if value else None
-
-
 def draft_spin_us() -> int | None:
     """``GUIDESPEC_DRAFT_SPIN_US=N``: how long each side of the draft channel spins before it
     sleeps on a futex, in microseconds (default: 500 beside a GPU, where a draft step's round trip

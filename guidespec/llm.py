@@ -190,6 +190,8 @@ class LLM:
         ray_placement: str = "pack",
         graph_grammar: bool | None = None,
         grammar_fill_threads: int = 1,
+        kv_block_size: int = 16,
+        kv_cache_tokens: int | None = None,
     ) -> None:
         self.config, self.tokenizer = create_engine_config(
             model,
@@ -213,6 +215,8 @@ class LLM:
             ray_placement=ray_placement,
             graph_grammar=graph_grammar,
             grammar_fill_threads=grammar_fill_threads,
+            kv_block_size=kv_block_size,
+            kv_cache_tokens=kv_cache_tokens,
         )
         self.on_gave_up: Callable[[str], None] | None = None  # called (once) when the engine died for good
         self.scheduler_stats = SchedulerStats(0, 0, 0, max_batch_size)  # the queue, as the scheduler last said

@@ -270,6 +270,8 @@ class EngineReady:
     num_workers: int
     max_batch_size: int
     max_model_len: int
+    num_kv_blocks: int = 0  # the KV cache's pool (the smallest any rank holds)
+    kv_block_size: int = 0
 
 
 @register_message(17)
@@ -282,6 +284,12 @@ class SchedulerStats:
     waiting: int  # requests queued for a slot (their grammar ready, or unguided)
     waiting_for_grammar: int  # requests whose grammar is still compiling
     free_slots: int
+    kv_blocks_used: int = 0  # blocks held by running requests (cached blocks held by none are free)
+    kv_blocks_total: int = 0
+    # since start, in tokens: prompt tokens looked up in the prefix cache, and those found there
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0  # requests sent back to the queue for want of blocks (recomputed later)
 
 
 @register_message(16)
@@ -294,7 +302,8 @@ class DecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_histogram: list[int] = field(default_factory=list)  # [n]: spec steps that accepted n drafts
-    num_cached_tokens: int = 0  # prompt tokens whose KV a free slot still held (prefix caching): not computed
+    num_cached_tokens: int = 0  # prompt tokens whose KV cached blocks held (prefix caching): not computed
+    num_preemptions: int = 0  # times it gave its blocks back and went back to the queue (recomputed)
     # times it started again on the next backend of "auto" after its grammar failed mid-way
     grammar_restarts: int = 0
 
@@ -368,10 +377,12 @@ class EngineDead:
 class StepInputs:
     """The first broadcast of a step: everything the forward pass needs.
 
-    Row ``i`` of the batch is request in KV slot ``slots[i]``; it runs ``num_new_tokens[i]``
+    Row ``i`` of the batch is request in slot ``slots[i]``; it runs ``num_new_tokens[i]``
     tokens starting at position ``start_positions[i]``, and wants logits for its last
     ``num_logits[i]`` positions (0 for a prefill chunk that does not finish the prompt; later,
-    1 + draft length for verification).
+    1 + draft length for verification). A slot's KV lives in the blocks its table lists; the
+    tables that changed since the last step come with it (``table_*``: slot ``table_slots[j]``'s
+    table is the next ``table_lens[j]`` of ``table_blocks``).
     """
 
     step: int
@@ -390,6 +401,9 @@ class StepInputs:
     has_bitmask: bool = False  # a StepBitmask for this step follows on the ring
     draft_lens: np.ndarray | None = None  # [B] int32: draft-model proposals wanted after this step (None: none)
     draft_masked: np.ndarray | None = None  # [B] int32: a row's draft steps that wait for a DraftMask, from the first
+    table_slots: np.ndarray | None = None  # [U] int32: slots whose block table changed
+    table_lens: np.ndarray | None = None  # [U] int32
+    table_blocks: np.ndarray | None = None  # [sum(table_lens)] int32
 
     @property
     def batch_size(self) -> int:
@@ -471,6 +485,7 @@ class DraftMask:
 class WorkerReady:
     rank: int
     pid: int
+    num_kv_blocks: int = 0  # the blocks of this rank's KV pool (the scheduler allocates the smallest rank's)
 
 
 @register_message(24)

@@ -79,6 +79,8 @@ def engine_from_args(args: argparse.Namespace) -> dict[str, Any]:
         distributed_executor=args.distributed_executor,
         ray_address=args.ray_address,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_block_size=args.kv_block_size,
+        kv_cache_tokens=args.kv_cache_tokens,
         **device_from_args(args),
     )
 
@@ -101,7 +103,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--no-enable-prefix-caching",
         dest="enable_prefix_caching",
         action="store_false",
-        help="compute every prompt whole, even where a free slot still holds the KV of its first tokens",
+        help="compute every prompt whole, even where cached KV blocks hold its first tokens",
+    )
+    p.add_argument("--kv-block-size", type=int, default=16, help="positions per KV cache block (a multiple of 8)")
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="tokens the KV cache holds, all requests together (default: from memory: on CUDA "
+        "--gpu-memory-utilization, on the CPU 40%% of the memory available at start)",
     )
 
 

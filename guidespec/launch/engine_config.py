@@ -39,6 +39,8 @@ def create_engine_config(
     ray_placement: str,
     graph_grammar: bool | None,
     grammar_fill_threads: int,
+    kv_block_size: int = 16,
+    kv_cache_tokens: int | None = None,
 ) -> tuple[EngineConfig, Any]:
     """The engine's config and the model's tokenizer. Once the device is known it starts this
     client's zygote (``zygote.warm_up``), whose imports then overlap reading the model's files."""
@@ -51,6 +53,7 @@ def create_engine_config(
         grammar_fill_threads,
         ray_placement,
     )
+    _check_kv_cache(kv_block_size, kv_cache_tokens)
     from guidespec.worker.device import resolve_device, resolve_dtype
 
     # Ray places its ranks itself: only a local launch needs the GPUs here
@@ -89,7 +92,31 @@ def create_engine_config(
         grammar_fill_threads=grammar_fill_threads,
         gpu_memory_utilization=float(gpu_memory_utilization),
         ray_placement=ray_placement,
+        kv_block_size=kv_block_size,
+        kv_cache_tokens=_kv_cache_tokens(kv_cache_tokens, config.max_model_len),
     ), tokenizer
+
+
+MAX_KV_BLOCK_SIZE = 512
+
+
+def _check_kv_cache(kv_block_size: int, kv_cache_tokens: int | None) -> None:
+    if isinstance(kv_block_size, bool) or not isinstance(kv_block_size, int) or kv_block_size < 8:
+        raise ValueError(f"kv_block_size must be an int >= 8, got {kv_block_size!r}")
+    if kv_block_size % 8 or kv_block_size > MAX_KV_BLOCK_SIZE:
+        raise ValueError(f"kv_block_size must be a multiple of 8 up to {MAX_KV_BLOCK_SIZE}, got {kv_block_size}")
+    if kv_cache_tokens is not None and (
+        isinstance(kv_cache_tokens, bool) or not isinstance(kv_cache_tokens, int) or kv_cache_tokens < 1
+    ):
+        raise ValueError(f"kv_cache_tokens must be a positive int (None: sized from memory), got {kv_cache_tokens!r}")
+
+
+def _kv_cache_tokens(kv_cache_tokens: int | None, max_model_len: int) -> int | None:
+    if kv_cache_tokens is not None and kv_cache_tokens < max_model_len:
+        raise ValueError(
+            f"kv_cache_tokens={kv_cache_tokens} holds less than one sequence of max_model_len {max_model_len}"
+        )
+    return kv_cache_tokens
 
 
 def _check_arguments(

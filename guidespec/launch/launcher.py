@@ -133,6 +133,7 @@ class EngineProcesses:
             draft_channel=self.drafts.layout if self.drafts is not None else None,
             grammar_fill_threads=cfg.grammar_fill_threads,
             fused_steps=fused,
+            kv_block_size=cfg.kv_block_size,
         )
         self._spawn("scheduler", "scheduler", scheduler_cfg)
         init_method = self.ray.rank0_rendezvous() if self.ray is not None else f"tcp://127.0.0.1:{_free_port()}"
@@ -162,6 +163,8 @@ class EngineProcesses:
                 quantized_weights=cfg.quantized_weights,
                 draft_graphs=rank == 0 and self.drafts is not None and _draft_graphs(cfg),
                 fused_steps=fused,
+                kv_block_size=cfg.kv_block_size,
+                kv_cache_tokens=cfg.kv_cache_tokens,
             )
             for rank in range(cfg.tensor_parallel_size)
         ]

@@ -1,10 +1,17 @@
-"""Slots, the waiting queue and continuous batching.
+"""Slots, blocks, the waiting queue and continuous batching.
 
-Each step: admit waiting requests whose grammar is ready while slots are free (a slot is held for a request's
-whole life), then give every running request the tokens it still has to compute, one-token
-(decode) rows first, prefill chunks after them under ``max_num_batched_tokens``. A request
-whose known tokens are all computed after this step wants logits for its last position.
-Rows are returned in slot order, so the KV cache is read in contiguous runs.
+Each step: admit waiting requests whose grammar is ready while a slot is free and the KV pool has
+blocks for their first chunk, then give every running request the tokens it still has to compute,
+one-token (decode) rows first, prefill chunks after them under ``max_num_batched_tokens``. A
+request whose known tokens are all computed after this step wants logits for its last position.
+Rows are returned in slot order. A slot names a running request's row state on the workers (its
+token history, a drafter's own cache); its keys and values live in the blocks of its table
+(``kv_blocks.py``), grown before each step to hold what the step writes plus ``lookahead``
+positions (drafts), and sent to the workers when they change (:meth:`Batcher.table_updates`).
+
+Out of blocks: the running request that came last is preempted (its blocks given back, its slot
+freed, its known tokens, prompt and output, computed again once it is admitted again, at the
+front of the queue): never an out-of-memory, never a lost request, only latency.
 
 A grammar that still compiles does not hold its prompt back: with a slot that no ready request
 waits for, the request is admitted and its prompt computed while the grammar compiles (xgrammar
@@ -16,12 +23,14 @@ mask is dropped and the last prompt token runs again once the grammar is ready
 position) the request waits ``PREFILL_WHILE_COMPILING_S`` first (a grammar ready by then is
 prefilled whole), and its last token always waits for the grammar.
 
-Prefix caching (``prefix_caching``): a slot given back keeps the KV of the tokens its request
-computed, and a new request takes the free slot whose kept tokens share the longest prefix with
-its prompt (a system prompt, a schema, an earlier turn), starting its prefill after them. The KV
-of a position depends only on the tokens up to it; computed in another chunk it can differ only in
-float rounding (greedy outputs with and without caching are equal in the tests). Requests with
-penalties do not reuse a prefix (the workers' token history restarts at a row from position 0).
+Prefix caching (``prefix_caching``): after each step a request's blocks whose tokens are all final
+are keyed by content and shared (:meth:`Batcher.commit`); a new request maps the cached blocks its
+prompt starts with and starts its prefill after them. A request whose prompt's next block is
+being computed by a running request (two requests with one system prompt, sent together) waits
+for it instead of computing it too. The KV of a position depends only on the tokens up to it;
+computed in another chunk it can differ only in float rounding (greedy outputs with and without
+caching are equal in the tests). Requests with penalties do not map cached blocks (the workers'
+token history restarts at a row from position 0); their blocks are shared all the same.
 """
 
 from __future__ import annotations
@@ -33,9 +42,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from guidespec.scheduler.kv_blocks import BlockPool, BlockTable, NoFreeBlocks, block_key
 from guidespec.scheduler.request import Request, Status
 
 PREFILL_WHILE_COMPILING_S = 0.005
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -48,16 +59,33 @@ class ScheduledRow:
 
 class Batcher:
     def __init__(
-        self, max_batch_size: int, max_num_batched_tokens: int, prefix_caching: bool = False, late_masks: bool = True
+        self,
+        max_batch_size: int,
+        max_num_batched_tokens: int,
+        prefix_caching: bool = False,
+        late_masks: bool = True,
+        pool: BlockPool | None = None,
+        lookahead: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.late_masks = late_masks
         self.free_slots = list(range(max_batch_size))
         heapq.heapify(self.free_slots)
         self.prefix_caching = prefix_caching
-        self.cached: dict[int, np.ndarray] = {}  # free slot -> the tokens whose KV it still holds
+        # (the scheduler's is sized by the workers' pools: use_pool; this one serves tests)
+        self.pool = pool or BlockPool(max_batch_size * 64, DEFAULT_BLOCK_SIZE)
+        self.lookahead = lookahead  # positions reserved past a step's tokens (its drafts)
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.computing: dict[bytes, Request] = {}  # full prompt blocks running requests are computing
+        self.prefix_cache_queries = self.prefix_cache_hits = self.num_preemptions = 0  # (tokens; requests)
+
+    def use_pool(self, pool: BlockPool) -> None:
+        if self.running:
+            raise RuntimeError("the pool changes only while no request runs")
+        self.pool = pool
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -72,26 +100,52 @@ class Batcher:
         rows: list[ScheduledRow] = []
         pending = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens, r.arrival_time))
         for request in pending:
+            if request.status is not Status.RUNNING:  # preempted for an earlier row's blocks
+                continue
             todo = self._computable(request) - request.num_computed_tokens
             count = min(todo, budget)
             if count <= 0:
                 continue
+            if not self._reserve(request, request.num_computed_tokens + count, rows):
+                continue
             budget -= count
             done = request.num_computed_tokens + count == request.num_tokens
             rows.append(ScheduledRow(request, request.num_computed_tokens, count, 1 if done else 0))
+        rows = [row for row in rows if row.request.status is Status.RUNNING]
         rows.sort(key=lambda row: row.request.slot)  # type: ignore[arg-type, return-value]
         return rows
 
+    def commit(self, rows: list[ScheduledRow]) -> None:
+        """After a step: the blocks its rows filled with final tokens are keyed and shared."""
+        if not self.prefix_caching:
+            return
+        size = self.pool.block_size
+        for row in rows:
+            request, table = row.request, row.request.blocks
+            if request.status is Status.RUNNING and table is not None:
+                if min(request.num_computed_tokens // size, len(table.blocks)) > table.num_full:
+                    table.commit(request.prompt_token_ids + request.output_token_ids, request.num_computed_tokens)
+
+    def table_updates(self, rows: list[ScheduledRow]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The block tables of ``rows`` that changed since the workers last had them: (slots,
+        lengths, blocks), or None."""
+        slots, lengths, blocks = [], [], []
+        for row in rows:
+            table = row.request.blocks
+            if table is not None and table.changed:
+                table.changed = False
+                slots.append(row.request.slot)
+                lengths.append(len(table.blocks))
+                blocks.extend(table.blocks)
+        if not slots:
+            return None
+        return np.array(slots, np.int32), np.array(lengths, np.int32), np.array(blocks, np.int32)
+
     def remove(self, request: Request) -> None:
-        """Take a request out of the queues and give its slot back."""
+        """Take a request out of the queues and give its slot and blocks back."""
         if request.status is Status.RUNNING:
             self.running.remove(request)
-            assert request.slot is not None
-            if self.prefix_caching and request.num_computed_tokens:
-                known = request.prompt_token_ids + request.output_token_ids
-                self.cached[request.slot] = np.asarray(known[: request.num_computed_tokens], dtype=np.int64)
-            heapq.heappush(self.free_slots, request.slot)
-            request.slot = None
+            self._give_back(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = Status.FINISHED
@@ -99,6 +153,10 @@ class Batcher:
     @property
     def num_free_slots(self) -> int:
         return len(self.free_slots)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free
 
     def promote(self, request: Request) -> None:
         """A request whose grammar just became ready goes to the front of the queue (or, admitted
@@ -117,23 +175,130 @@ class Batcher:
         now = time.monotonic()
         return any(r.grammar_ready or self._prefills_while_compiling(r, now) for r in self.waiting)
 
+    # ------------------------------------------------------------------ admission
+
     def _admit(self) -> None:
         """Admit ready requests in queue order, then (slots left) those whose grammar has compiled
-        past the grace, for their prefill; the others keep their place and block no one."""
+        past the grace, for their prefill; the others keep their place and block no one. Admission
+        stops at the first request whose first chunk the pool cannot hold (first come, first
+        served); a request whose prompt's next block another request is computing waits for it."""
         if not self.free_slots or not self.waiting:
             return
         now = time.monotonic()
+        out_of_blocks = False
         for admissible in (lambda r: r.grammar_ready, lambda r: self._prefills_while_compiling(r, now)):
             still_waiting: deque[Request] = deque()
             while self.waiting:
                 request = self.waiting.popleft()
-                if not self.free_slots or not admissible(request):
+                if out_of_blocks or not self.free_slots or not admissible(request) or self._waits_for_prefix(request):
                     still_waiting.append(request)
                     continue
-                request.slot = self._take_slot(request)
+                if not self._take_blocks(request):
+                    out_of_blocks = True
+                    still_waiting.append(request)
+                    continue
+                request.slot = heapq.heappop(self.free_slots)
                 request.status = Status.RUNNING
                 self.running.append(request)
             self.waiting = still_waiting
+
+    def _maps_prefix(self, request: Request) -> bool:
+        return self.prefix_caching and not request.params.has_penalties
+
+    def _take_blocks(self, request: Request) -> bool:
+        """Map the cached blocks the request's tokens start with and allocate its first chunk's
+        (with a block spare for each running request's next step); False, holding none, where the
+        pool has too few."""
+        table = BlockTable(self.pool)
+        tokens = request.prompt_token_ids + request.output_token_ids
+        cached = table.map_prefix(tokens) if self._maps_prefix(request) else 0
+        first_chunk = min(request.num_tokens, cached + self.max_num_batched_tokens) + self.lookahead
+        needed = table.blocks_needed(self._capped(first_chunk)) + len(self.running)
+        if needed > self.pool.num_free:
+            table.release()
+            return False
+        request.blocks = table
+        request.num_computed_tokens = cached
+        if request.stats.num_preemptions == 0:  # (a preempted request's own tokens are not a prompt's)
+            request.stats.num_cached_tokens = min(cached, request.num_prompt_tokens)
+            self.prefix_cache_queries += request.num_prompt_tokens
+            self.prefix_cache_hits += request.stats.num_cached_tokens
+        if self._maps_prefix(request):
+            for key in self._prompt_keys(request)[table.num_full :]:
+                self.computing.setdefault(key, request)
+        return True
+
+    def _waits_for_prefix(self, request: Request) -> bool:
+        """Whether the request's next uncached prompt block is one a running request computes."""
+        if not self._maps_prefix(request) or not self.computing:
+            return False
+        for key in self._prompt_keys(request):
+            if key in self.pool.by_key:
+                continue
+            owner = self.computing.get(key)
+            return owner is not None and owner is not request and owner.status is Status.RUNNING
+        return False
+
+    def _prompt_keys(self, request: Request) -> list[bytes]:
+        """The keys of the full blocks of the request's known tokens, all but the last token
+        (the most a prefix maps), computed once per length."""
+        tokens = request.num_tokens
+        if request.prompt_keys_for != tokens:
+            size = self.pool.block_size
+            known = request.prompt_token_ids + request.output_token_ids
+            keys: list[bytes] = []
+            parent = None
+            for i in range((tokens - 1) // size):
+                parent = block_key(parent, known[i * size : (i + 1) * size])
+                keys.append(parent)
+            request.prompt_keys, request.prompt_keys_for = keys, tokens
+        return request.prompt_keys
+
+    # ------------------------------------------------------------------ blocks for a step
+
+    def _capped(self, positions: int) -> int:
+        return positions if self.max_model_len is None else min(positions, self.max_model_len)
+
+    def _reserve(self, request: Request, end: int, rows: list[ScheduledRow]) -> bool:
+        """Blocks for the request's positions up to ``end`` plus the lookahead, preempting the
+        running requests that came last until they fit (a victim's row this step is dropped).
+        False where the request itself was preempted (the last to come, and no other to take)."""
+        table = request.blocks
+        assert table is not None
+        target = self._capped(end + self.lookahead)
+        while True:
+            try:
+                table.grow(target)
+                return True
+            except NoFreeBlocks:
+                victim = max(self.running, key=lambda r: (r.arrival_time, r.request_id))
+                self.preempt(victim)
+                if victim is request:
+                    return False
+
+    def preempt(self, request: Request) -> None:
+        """Send a running request back to the front of the queue, its blocks and slot given back:
+        its known tokens are computed again when it is admitted again."""
+        self.running.remove(request)
+        self._give_back(request)
+        request.status = Status.WAITING
+        request.num_computed_tokens = 0
+        request.mask_came_late = False
+        request.draft_tokens = []
+        request.stats.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _give_back(self, request: Request) -> None:
+        if request.blocks is not None:
+            request.blocks.release()
+            request.blocks = None
+        if self.computing:
+            for key in [k for k, owner in self.computing.items() if owner is request]:
+                del self.computing[key]
+        assert request.slot is not None
+        heapq.heappush(self.free_slots, request.slot)
+        request.slot = None
 
     def _prefills_while_compiling(self, request: Request, now: float) -> bool:
         """A request whose grammar compiles may be admitted for its prefill: at once with late
@@ -152,29 +317,3 @@ class Batcher:
         if request.grammar_ready or (self.late_masks and not request.mask_came_late):
             return request.num_tokens
         return request.num_tokens - 1
-
-    def _take_slot(self, request: Request) -> int:
-        """The lowest free slot, or with prefix caching the one whose kept tokens share the longest
-        prefix with the prompt (the request then starts after it; one prompt token is always left
-        to compute, for the logits)."""
-        best, best_len = -1, 0
-        if self.prefix_caching and self.cached and not request.params.has_penalties:
-            prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)
-            for slot in sorted(self.free_slots):  # the lowest of equals
-                kept = self.cached.get(slot)
-                n = 0 if kept is None else min(len(kept), len(prompt) - 1)
-                if n <= best_len:
-                    continue
-                same = kept[:n] == prompt[:n]  # type: ignore[index]
-                length = n if same.all() else int(np.argmin(same))
-                if length > best_len:
-                    best, best_len = slot, length
-        if best_len > 0:
-            self.free_slots.remove(best)
-            heapq.heapify(self.free_slots)
-            request.num_computed_tokens = best_len
-            request.stats.num_cached_tokens = best_len
-        else:
-            best = heapq.heappop(self.free_slots)
-        self.cached.pop(best, None)
-        return best

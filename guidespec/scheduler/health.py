@@ -29,6 +29,7 @@ class Health:
     def __init__(self, parent_pid: int) -> None:
         self.parent_pid = parent_pid
         self.worker_pids: dict[int, int] = {}
+        self.kv_blocks: dict[int, int] = {}  # each rank's KV pool, in blocks (WorkerReady)
         self.stopping = False  # the client said Shutdown, or is gone
 
     def wait_for_workers(self, worker_results: Channel, num_workers: int, deadline: float, poll_s: float) -> None:
@@ -37,6 +38,7 @@ class Health:
             message = worker_results.recv(timeout_s=poll_s)
             if isinstance(message, WorkerReady):
                 self.worker_pids[message.rank] = message.pid
+                self.kv_blocks[message.rank] = message.num_kv_blocks
             elif isinstance(message, WorkerError):
                 raise EngineFailure(worker_failure(message))
             if time.monotonic() > deadline:

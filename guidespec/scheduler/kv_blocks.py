@@ -154,6 +154,7 @@ class BlockTable:
         self.blocks: list[int] = []
         self.num_full = 0
         self._last_key: bytes | None = None
+        self.changed = False  # since the workers were last sent the table (Batcher.table_updates)
 
     @property
     def capacity(self) -> int:
@@ -173,6 +174,7 @@ class BlockTable:
         found = self.pool.match_prefix(tokens, max_blocks=(len(tokens) - 1) // self.pool.block_size)
         self.blocks = list(found)
         self.num_full = len(found)
+        self.changed = True
         if found:
             self._last_key = self.pool.keys[found[-1]]
         return len(found) * self.pool.block_size
@@ -183,6 +185,7 @@ class BlockTable:
         needed = self.blocks_needed(num_tokens)
         if needed:
             self.blocks += self.pool.allocate(needed)
+            self.changed = True
 
     def commit(self, tokens: Sequence[int] | np.ndarray, num_final: int) -> None:
         """The first ``num_final`` of ``tokens`` (the request's whole sequence) are final: every
@@ -192,7 +195,9 @@ class BlockTable:
         while self.num_full < min(num_final // size, len(self.blocks)):
             i = self.num_full
             key = block_key(self._last_key, tokens[i * size : (i + 1) * size])
-            self.blocks[i] = self.pool.commit(self.blocks[i], key)
+            held = self.pool.commit(self.blocks[i], key)
+            if held != self.blocks[i]:
+                self.blocks[i], self.changed = held, True
             self._last_key = key
             self.num_full += 1
 
@@ -203,8 +208,10 @@ class BlockTable:
         if keep < len(self.blocks):
             self.pool.release(self.blocks[keep:])
             del self.blocks[keep:]
+            self.changed = True
 
     def release(self) -> None:
         """Let go of every block (the request finished, failed or was preempted)."""
         self.pool.release(self.blocks)
         self.blocks, self.num_full, self._last_key = [], 0, None
+        self.changed = True

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from guidespec.protocol import DecodeStats, SamplingParams
 from guidespec.scheduler.detokenizer import IncrementalDetokenizer
+from guidespec.scheduler.kv_blocks import BlockTable
 
 
 class Status(enum.Enum):
@@ -29,7 +30,10 @@ class Request:
     detokenizer: IncrementalDetokenizer
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    slot: int | None = None
+    slot: int | None = None  # its row state on the workers, while running
+    blocks: BlockTable | None = None  # its KV cache blocks, while running (batching.py)
+    prompt_keys: list[bytes] = field(default_factory=list)  # its full blocks' keys (Batcher._prompt_keys)
+    prompt_keys_for: int = -1  # the token count they were computed for
     status: Status = Status.WAITING
     output_text: str = ""
     sent_text_len: int = 0

@@ -56,7 +56,8 @@ from guidespec.scheduler.emit import Emitter
 from guidespec.scheduler.grammar import CompileProcess, GrammarManager, grammar_settings
 from guidespec.scheduler.health import EngineFailure, Health
 from guidespec.scheduler.intake import Intake
-from guidespec.scheduler.speculation.proposer import Speculator
+from guidespec.scheduler.kv_blocks import BlockPool
+from guidespec.scheduler.speculation.proposer import MAX_FORCED_DRAFTS, Speculator
 from guidespec.scheduler.step_channel import COMPILE_POLL_S, IDLE_POLL_S, StepChannel
 from guidespec.scheduler.table import RequestTable
 from guidespec.scheduler.trace import StepTrace
@@ -76,6 +77,15 @@ def run_scheduler(cfg: SchedulerConfig, parent_pid: int, compile_process: Compil
         scheduler.fail_all(str(e))
     finally:
         scheduler.close()
+
+
+def _lookahead(cfg: SchedulerConfig) -> int:
+    """Positions a row's blocks hold past its step's tokens: the most its drafts may take (the
+    drafter's, the grammar's forced tokens, a draft model's proposals after the step)."""
+    speculative = cfg.speculative
+    if speculative is None:
+        return MAX_FORCED_DRAFTS + 1 if cfg.jump_forward == "verified" else 0
+    return MAX_FORCED_DRAFTS + 2 * speculative.max_draft_len + 1
 
 
 class Scheduler:
@@ -98,6 +108,8 @@ class Scheduler:
             cfg.max_num_batched_tokens,
             cfg.enable_prefix_caching and not model_drafter,
             late_masks=not model_drafter,
+            lookahead=_lookahead(cfg),
+            max_model_len=cfg.max_model_len,
         )
         self.grammar = GrammarManager(grammar_settings(cfg), self.tokenizer, compile_process)
         # verified jump-forward without a drafter: the grammar's forced tokens alone, as drafts
@@ -148,7 +160,13 @@ class Scheduler:
             raise EngineFailure(str(e)) from None
         if not self.grammar.wait_started(max(1.0, deadline - time.monotonic())):
             logger.warning("the grammar compile process is not ready yet; guided requests will wait for it")
-        self.client_out.send(EngineReady(self.cfg.num_workers, self.cfg.max_batch_size, self.cfg.max_model_len))
+        num_blocks = min(self.health.kv_blocks.values())  # (every rank holds each block's share)
+        self.batcher.use_pool(BlockPool(num_blocks, self.cfg.kv_block_size))
+        logger.info("KV cache: %d blocks of %d positions", num_blocks, self.cfg.kv_block_size)
+        cfg = self.cfg
+        self.client_out.send(
+            EngineReady(cfg.num_workers, cfg.max_batch_size, cfg.max_model_len, num_blocks, cfg.kv_block_size)
+        )
 
     def run(self) -> None:
         while not self.health.stopping:
@@ -167,6 +185,7 @@ class Scheduler:
             outputs = self.steps.collect(rows)
             self.times["outputs"] = time.time()
             self.emitter.emit(rows, outputs, self.steps.dropped)
+            self.batcher.commit(rows)
             self.times["end"] = time.time()
             if outputs.timings is not None:
                 self.trace.record(
@@ -187,9 +206,18 @@ class Scheduler:
         now = time.monotonic()
         if now - self._stats_sent_at < _STATS_INTERVAL_S:
             return
-        compiling = sum(1 for r in self.batcher.waiting if not r.grammar_ready)  # (running ones count as running)
+        b = self.batcher
+        compiling = sum(1 for r in b.waiting if not r.grammar_ready)  # (running ones count as running)
         stats = SchedulerStats(
-            len(self.batcher.running), len(self.batcher.waiting) - compiling, compiling, len(self.batcher.free_slots)
+            len(b.running),
+            len(b.waiting) - compiling,
+            compiling,
+            len(b.free_slots),
+            b.num_used_blocks,
+            b.pool.num_blocks,
+            b.prefix_cache_queries,
+            b.prefix_cache_hits,
+            b.num_preemptions,
         )
         if stats != self._stats:
             self.client_out.send(stats)

@@ -109,6 +109,7 @@ class StepChannel:
         token_ids = [t for row in rows for t in row.request.tokens(row.start, row.start + row.num_new_tokens)]
         params = [row.request.params for row in rows]
         proposals = self.speculator.proposal_lengths(rows) if self.speculator is not None else None
+        tables = self.table.batcher.table_updates(rows)
         return StepInputs(
             step=self.step_id,
             slots=np.array([row.request.slot for row in rows], dtype=np.int32),
@@ -128,6 +129,9 @@ class StepChannel:
             has_bitmask=has_bitmask,
             draft_lens=proposals[0] if proposals is not None else None,
             draft_masked=proposals[1] if proposals is not None else None,
+            table_slots=tables[0] if tables is not None else None,
+            table_lens=tables[1] if tables is not None else None,
+            table_blocks=tables[2] if tables is not None else None,
         )
 
     def _write_bitmask(self, guided: list[tuple[int, ScheduledRow]]) -> None:

@@ -11,6 +11,7 @@ bfloat16 on CUDA and float32 on the CPU (whose kernels are fp32).
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -155,3 +156,57 @@ def check_device_memory(
         free, total = torch.cuda.mem_get_info(torch.device(device))
         check_fits(plan, free, total, utilization, num_slots, max_model_len, torch.cuda.get_device_name(device))
     return plan
+
+
+# the share of the memory the CPU has available at start that the KV pool may take by default
+CPU_KV_SHARE = 0.4
+
+
+def kv_pool_blocks(
+    plan: MemoryPlan,
+    bytes_per_token: int,
+    block_size: int,
+    max_model_len: int,
+    num_slots: int,
+    device: str,
+    utilization: float,
+    kv_cache_tokens: int | None = None,
+    tp_size: int = 1,
+) -> int:
+    """The blocks of a rank's KV pool (``bytes_per_token``: a token's keys and values on this
+    rank). ``kv_cache_tokens`` where given; else on CUDA what ``utilization`` of the device leaves
+    beside ``plan``'s weights, step and drafter, and on the CPU ``CPU_KV_SHARE`` of the memory
+    available at start (the ranks of one machine share it); never more than every slot at
+    ``max_model_len`` needs. ValueError where not even one sequence of ``max_model_len`` fits."""
+    per_sequence = -(-max_model_len // block_size)
+    if kv_cache_tokens is not None:
+        blocks = -(-kv_cache_tokens // block_size)
+        source = f"kv_cache_tokens={kv_cache_tokens}"
+    else:
+        if torch.device(device).type == "cuda":
+            free, total = torch.cuda.mem_get_info(torch.device(device))
+            room = min(int(total * utilization), free) - plan.weights - plan.activations - plan.drafter
+            source = f"{utilization:.0%} of the GPU's memory beside the weights"
+        else:
+            room = int(_cpu_available_bytes() * CPU_KV_SHARE) // max(1, tp_size)
+            source = f"{CPU_KV_SHARE:.0%} of the memory available at start"
+        blocks = min(num_slots * per_sequence, max(0, room) // max(1, bytes_per_token * block_size))
+    if blocks < per_sequence:
+        raise ValueError(
+            f"the KV cache holds {blocks * block_size} tokens ({source}), fewer than one sequence of "
+            f"--max-model-len {max_model_len}: lower --max-model-len, or give the cache more "
+            "(--kv-cache-tokens, --gpu-memory-utilization)"
+        )
+    return blocks
+
+
+def _cpu_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,17 +1,19 @@
 """The key/value cache, in blocks: one [num_blocks, kv_heads, block_size, head_dim] pair per layer.
 
-A slot belongs to one request for its whole life and owns ``blocks_per_slot`` consecutive
-blocks: a request's keys at position p live in block ``slot * blocks_per_slot + p //
-block_size`` at ``p % block_size``. With the default block size (``max_len``: one block a slot)
-that is the cache by slot, [slots, kv_heads, max_len, head_dim]. Rewinding a request (rejected
-drafts) needs no work here: the scheduler lowers its computed length and later writes overwrite
-the stale positions.
+A request's keys at position p live in block ``tables[slot, p // block_size]`` at ``p %
+block_size``: ``tables`` ([num_slots, blocks_per_slot] int32) is each slot's block table. With a
+pool (``num_blocks``) the scheduler decides the tables (``scheduler/kv_blocks.py``: blocks
+allocated as a request grows, full blocks shared between requests whose prompts start the same
+way) and sends their changes with each step (:meth:`set_tables`); entries past a table's end point
+at the scratch block (the pool's last), which only padding writes. Without a pool each slot owns
+``blocks_per_slot`` consecutive blocks (the cache by slot: what a drafter's own cache, and a model
+run alone in the tests, use). Rewinding a request (rejected drafts) needs no work here: the
+scheduler lowers its computed length and later writes overwrite the stale positions.
 
 Everything that reads or writes the cache goes through a row's block table (:meth:`block_tables`)
 or a token's cache row (:meth:`cache_rows`, block * block_size + offset): the CPU kernels
-(``kernels.cache_attention``), and here the torch paths (:meth:`write`, :meth:`gather`). The block
-size is ``GUIDESPEC_KV_BLOCK_SIZE`` where set (a multiple of 8); the scheduler's paged tables
-(``scheduler/kv_blocks.py``, issue 47) are the next step.
+(``kernels.cache_attention``), the torch paths (:meth:`write`, :meth:`gather`) and the CUDA graphs,
+whose captured gathers read ``tables`` in place (its width fixed: ``max_len / block_size``).
 """
 
 from __future__ import annotations
@@ -33,19 +35,54 @@ class KVCache:
         dtype: torch.dtype,
         device: str = "cpu",
         block_size: int | None = None,
+        num_blocks: int | None = None,
     ) -> None:
         block_size = block_size or max_len
         if block_size != max_len and block_size % 8:
             raise ValueError(f"a KV block holds a multiple of 8 positions, got {block_size}")
         self.block_size = block_size
         self.blocks_per_slot = -(-max_len // block_size)
-        shape = (num_slots * self.blocks_per_slot, num_kv_heads, block_size, head_dim)
+        self.paged = num_blocks is not None
+        if num_blocks is None:  # by slot: slot s owns blocks s * blocks_per_slot onwards
+            first = torch.arange(num_slots, dtype=torch.int32)[:, None] * self.blocks_per_slot
+            tables = first + torch.arange(self.blocks_per_slot, dtype=torch.int32)[None]
+            total = num_slots * self.blocks_per_slot
+        else:  # a pool and its scratch block (the last): every entry there until the scheduler says
+            tables = torch.full((num_slots, self.blocks_per_slot), num_blocks, dtype=torch.int32)
+            total = num_blocks + 1
+        self.num_blocks = total
+        self.scratch_block = total - 1
+        shape = (total, num_kv_heads, block_size, head_dim)
         self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.tables = tables.to(device)
+        self._host_tables = tables  # (the CPU's copy: where set_tables writes first on CUDA)
         self.num_slots, self.max_len = num_slots, max_len
         self._rows_of: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rows = torch.empty(0, dtype=torch.long)
-        self._first_block = torch.arange(self.blocks_per_slot, dtype=torch.int32, device=device)
+        self._tables_of: torch.Tensor | None = None
+        self._tables = torch.empty(0, dtype=torch.int32)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * len(self.k) * self.k[0][0].numel() * self.k[0].element_size()
+
+    def set_tables(self, slots: np.ndarray, lengths: np.ndarray, blocks: np.ndarray) -> None:
+        """Slot ``slots[i]``'s table is now the next ``lengths[i]`` of ``blocks`` (then the
+        scratch block): the scheduler's changes since the last step."""
+        if not self.paged:
+            raise RuntimeError("block tables come from the scheduler only with a pool of blocks")
+        host = self._host_tables
+        given = torch.from_numpy(blocks.astype(np.int32))  # (a copy: the message's buffer is read-only)
+        offset = 0
+        for slot, length in zip(slots.tolist(), lengths.tolist()):
+            host[slot, length:] = self.scratch_block
+            host[slot, :length] = given[offset : offset + length]
+            offset += length
+        if self.tables is not host:
+            index = torch.from_numpy(slots.astype(np.int64))
+            self.tables.index_copy_(0, index.to(self.tables.device), host[index].to(self.tables.device))
+        self._rows_of = self._tables_of = None
 
     def first_layers(self, n: int) -> KVCache:
         """A cache of this one's first ``n`` layers, sharing their storage (a draft model made of
@@ -53,15 +90,15 @@ class KVCache:
         view = KVCache.__new__(KVCache)
         view.__dict__.update(self.__dict__)
         view.k, view.v = self.k[:n], self.v[:n]
-        view._rows_of = None
+        view._rows_of = view._tables_of = None
         return view
 
     def block_tables(self, slot_ids: torch.Tensor) -> torch.Tensor:
-        """Rows' block tables from their slots ([B] int32): [B, blocks_per_slot] int32."""
-        if self.blocks_per_slot == 1:
-            return slot_ids.view(-1, 1)
-        first = slot_ids.to(torch.int32).view(-1, 1) * self.blocks_per_slot
-        return (first + self._first_block.to(slot_ids.device)).contiguous()
+        """Rows' block tables from their slots ([B] int32): [B, blocks_per_slot] int32 (computed
+        once per group of rows: the layers all ask)."""
+        if self._tables_of is not slot_ids:
+            self._tables_of, self._tables = slot_ids, self.tables.index_select(0, slot_ids.long())
+        return self._tables
 
     def cache_rows(self, slot_of_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Each token's row in the cache (block * block_size + offset), int64 [T]; computed once
@@ -72,36 +109,26 @@ class KVCache:
         return self._rows
 
     def _slot_rows(self, slot_of_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return slot_of_token * (self.blocks_per_slot * self.block_size) + positions
+        size = self.block_size
+        blocks = self.tables[slot_of_token, torch.div(positions, size, rounding_mode="floor")].long()
+        return blocks * size + positions % size
 
     def write(
         self, layer: int, slot_of_token: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """k, v [T, kv_heads, D] for flat tokens of slots ``slot_of_token`` at ``positions``."""
-        if self.blocks_per_slot == 1:
-            self.k[layer][slot_of_token, :, positions] = k
-            self.v[layer][slot_of_token, :, positions] = v
-            return
         rows = self._slot_rows(slot_of_token, positions)  # (not memoized: the graphs rewrite their buffers)
         blocks, offsets = rows // self.block_size, rows % self.block_size
         self.k[layer][blocks, :, offsets] = k
         self.v[layer][blocks, :, offsets] = v
 
     def gather(self, layer: int, slots: list[int] | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``slots`` up to ``length``: [B, kv_heads, length, D] (views where
-        one block a slot and the slots are consecutive)."""
+        """Keys and values of ``slots`` up to ``length``: [B, kv_heads, length, D]."""
         k, v = self.k[layer], self.v[layer]
-        if self.blocks_per_slot == 1:
-            if isinstance(slots, list):
-                first = slots[0]
-                if slots == list(range(first, first + len(slots))):
-                    return k[first : first + len(slots), :, :length], v[first : first + len(slots), :, :length]
-                slots = torch.tensor(slots, device=k.device)
-            return k[:, :, :length].index_select(0, slots), v[:, :, :length].index_select(0, slots)
         if isinstance(slots, list):
             slots = torch.tensor(slots, device=k.device)
         num = -(-length // self.block_size)
-        tables = self.block_tables(slots.to(torch.int32))[:, :num].long()  # [B, num]
+        tables = self.tables.index_select(0, slots.long())[:, :num].long()  # [B, num]
         return self._rows_of_blocks(k, tables, length), self._rows_of_blocks(v, tables, length)
 
     @staticmethod

@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from guidespec import envs
 from guidespec.config import ModelConfig
 from guidespec.worker.checkpoint import GGUFTensors, ShardReader, gguf_source
 from guidespec.worker.kernels import (
@@ -214,7 +213,8 @@ class LlamaModel:
     def _t(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(dtype=self.dtype, device=self.device).contiguous()
 
-    def create_kv_cache(self, num_slots: int) -> KVCache:
+    def create_kv_cache(self, num_slots: int, block_size: int | None = None, num_blocks: int | None = None) -> KVCache:
+        """A cache by slot, or with ``num_blocks`` a pool of blocks whose tables the scheduler sets."""
         return KVCache(
             self.cfg.num_layers,
             num_slots,
@@ -223,7 +223,8 @@ class LlamaModel:
             self.cfg.head_dim,
             self.dtype,
             self.device,
-            envs.kv_block_size(),
+            block_size,
+            num_blocks,
         )
 
     # ------------------------------------------------------------------ forward

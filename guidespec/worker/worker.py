@@ -15,6 +15,7 @@ and the cause before the process exits, so the scheduler can fail in-flight requ
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -52,7 +53,7 @@ from guidespec.worker.drafting.step_graph import FusedStepFollower, StepGraphs
 from guidespec.worker.verify import verify
 from guidespec.worker import tp as tp_mod
 from guidespec.model_files import load_hf_config
-from guidespec.worker.device import check_device_memory
+from guidespec.worker.device import check_device_memory, kv_pool_blocks
 from guidespec.worker.graphs import GraphRunner
 from guidespec.bitmask import allowed_counts, allowed_ids, bitmask_width
 from guidespec.worker.mask import DeviceMasks, only_allowed
@@ -75,7 +76,7 @@ def run_worker(cfg: WorkerConfig, parent_pid: int) -> None:
     worker = None
     try:
         worker = Worker(cfg, ctx)
-        results.send(WorkerReady(cfg.rank, os.getpid()))
+        results.send(WorkerReady(cfg.rank, os.getpid(), worker.kv.scratch_block))
         worker.loop(results, parent_pid)
     except Exception as e:
         first_line = (str(e).splitlines() or [""])[0][:200]
@@ -142,11 +143,11 @@ class Worker:
                 drafter_bytes = head_bytes(Path(cfg.draft_model), model_cfg, dtype, *size)
             else:
                 drafter_bytes = draft_model_bytes(cfg.draft_model, cfg.model_dir, model_cfg, dtype, *size)
-        check_device_memory(
+        plan = check_device_memory(  # (the least a pool holds: one sequence of max_model_len)
             model_cfg,
             dtype,
             self.tp.size,
-            num_slots,
+            1,
             cfg.max_model_len,
             max_rows,
             cfg.device,
@@ -157,7 +158,18 @@ class Worker:
             model_cfg, self.tp, dtype, cfg.max_model_len, cfg.device, quantized=cfg.quantized_weights
         )
         self.model.load(cfg.model_dir, hf_config, show_progress=self.tp.is_driver and cfg.show_progress)
-        self.kv = self.model.create_kv_cache(num_slots)
+        num_blocks = kv_pool_blocks(
+            dataclasses.replace(plan, kv_cache=0),
+            plan.kv_cache // cfg.max_model_len,
+            cfg.kv_block_size,
+            cfg.max_model_len,
+            num_slots,
+            cfg.device,
+            cfg.gpu_memory_utilization,
+            cfg.kv_cache_tokens,
+            self.tp.size,
+        )
+        self.kv = self.model.create_kv_cache(num_slots, cfg.kv_block_size, num_blocks)
         # (as the cache: its last slot the scratch slot a fused step's padding writes)
         self.history = TokenHistory(num_slots, model_cfg.vocab_size, self.device)
         self.reader = create_step_reader(cfg.broadcast, cfg.ring_index, ctx)
@@ -233,6 +245,8 @@ class Worker:
                 results.send(outputs)
 
     def step(self, inputs: StepInputs) -> StepOutputs | None:
+        if inputs.table_slots is not None:
+            self.kv.set_tables(inputs.table_slots, inputs.table_lens, inputs.table_blocks)  # type: ignore[arg-type]
         if self.step_graphs is not None and self.step_graphs.fits(inputs):
             return self._fused_step(inputs)
         if self.step_follower is not None and self.step_follower.fits(inputs):

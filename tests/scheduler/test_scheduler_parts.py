@@ -90,37 +90,6 @@ def test_a_prompt_is_prefilled_while_its_grammar_compiles(late_masks: bool) -> N
     assert ("compiling", 5, 1, 1) in [(r.request.request_id, r.start, r.num_new_tokens, r.num_logits) for r in rows]
 
 
-def test_prefix_caching_takes_the_free_slot_with_the_longest_shared_prefix() -> None:
-    batcher = Batcher(max_batch_size=3, max_num_batched_tokens=64, prefix_caching=True)
-    a, b = _request("a", 6), _request("b", 3)
-    for r in (a, b):
-        batcher.add(r)
-    for row in batcher.schedule():
-        row.request.advance_computed(row.num_new_tokens)
-    a.output_token_ids.append(90)
-    a_slot = a.slot
-    batcher.remove(a)  # a's slot keeps its 6 computed tokens (not the output token, never computed)
-    batcher.remove(b)  # b's keeps 3
-
-    def request(rid: str, prompt: list[int], **params: object) -> Request:
-        return Request(rid, prompt, SamplingParams(**params), 0.0, None)  # type: ignore[arg-type]
-
-    same = request("c", list(range(65, 69)) + [1, 2])  # a's first 4 tokens, then others
-    other = request("d", [7, 8, 9])
-    penalized = request("e", list(range(65, 71)), repetition_penalty=1.2)
-    for r in (same, other, penalized):
-        batcher.add(r)
-    rows = batcher.schedule()
-    assert same.slot == a_slot and same.stats.num_cached_tokens == 4
-    assert other.num_computed_tokens == 0 and penalized.num_computed_tokens == 0  # the lowest free slots
-    assert [(r.request.request_id, r.start, r.num_new_tokens) for r in rows if r.request is same] == [("c", 4, 2)]
-    batcher.remove(penalized)
-    again = request("f", list(range(65, 69)) + [1, 2])
-    batcher.add(again)
-    batcher.schedule()
-    assert again.num_computed_tokens == 0  # a penalized request's slot keeps nothing it computed (none yet)
-
-
 def test_computed_tokens_never_exceed_known_tokens() -> None:
     r = _request("a", 3)
     r.advance_computed(3)

@@ -34,6 +34,28 @@ def test_writes_land_in_the_slots_blocks_and_gather_reads_them_back() -> None:
         KVCache(1, 1, 1, 40, 16, torch.float32, block_size=12)
 
 
+def test_a_pool_follows_the_tables_the_scheduler_sets() -> None:
+    """With a pool, slots read and write the blocks their tables list (two slots may list the same
+    block: a shared prefix); entries past a table's end point at the scratch block."""
+    gen = torch.Generator().manual_seed(1)
+    pool = KVCache(1, 3, 2, 32, 4, torch.float32, block_size=8, num_blocks=6)
+    assert pool.k[0].shape == (7, 2, 8, 4) and pool.scratch_block == 6
+    assert pool.block_tables(torch.tensor([1], dtype=torch.int32)).tolist() == [[6, 6, 6, 6]]
+    pool.set_tables(np.array([0, 2], np.int32), np.array([2, 3], np.int32), np.array([4, 1, 4, 0, 5], np.int32))
+    assert pool.block_tables(torch.tensor([2, 0], dtype=torch.int32)).tolist() == [[4, 0, 5, 6], [4, 1, 6, 6]]
+    k, v = torch.randn(16, 2, 4, generator=gen), torch.randn(16, 2, 4, generator=gen)
+    pool.write(0, torch.zeros(16, dtype=torch.long), torch.arange(16), k, v)  # slot 0: blocks 4 and 1
+    keys, values = pool.gather(0, [2], 8)  # slot 2 shares block 4: its first 8 positions
+    assert torch.equal(keys[0].transpose(0, 1), k[:8]) and torch.equal(values[0].transpose(0, 1), v[:8])
+    assert torch.equal(pool.k[0][1].transpose(0, 1), k[8:])
+    pool.set_tables(np.array([0], np.int32), np.array([1], np.int32), np.array([3], np.int32))  # shrunk, moved
+    assert pool.block_tables(torch.tensor([0], dtype=torch.int32)).tolist() == [[3, 6, 6, 6]]
+    with pytest.raises(RuntimeError):
+        KVCache(1, 3, 2, 32, 4, torch.float32, block_size=8).set_tables(
+            np.array([0], np.int32), np.array([1], np.int32), np.array([0], np.int32)
+        )
+
+
 @pytest.mark.parametrize("kernels_on", [True, False])
 def test_a_forward_over_blocks_of_16_equals_one_over_a_block_a_slot(
     real_model_dir, monkeypatch: pytest.MonkeyPatch, kernels_on: bool
@@ -53,8 +75,12 @@ def test_a_forward_over_blocks_of_16_equals_one_over_a_block_a_slot(
     model.load(real_model_dir, hf, show_progress=False)
     results = []
     for block_size in (None, 16):
-        monkeypatch.setenv("GUIDESPEC_KV_BLOCK_SIZE", str(block_size or ""))
-        kv = model.create_kv_cache(3)
+        if block_size is None:
+            kv = model.create_kv_cache(3)
+        else:  # a pool, each slot's blocks scattered through it
+            kv = model.create_kv_cache(3, block_size, num_blocks=64)
+            tables = np.random.default_rng(0).permutation(64)[:48].astype(np.int32)
+            kv.set_tables(np.array([0, 1, 2], np.int32), np.array([16, 16, 16], np.int32), tables)
         assert kv.block_size == (block_size or 256)
         outs = [model.forward(ForwardBatch.create(np.arange(70) % 700, [0, 2], [0, 0], [37, 33], [1, 1]), kv)]
         outs.append(model.forward(ForwardBatch.create([5, 6], [0, 2], [37, 33], [1, 1], [1, 1]), kv))

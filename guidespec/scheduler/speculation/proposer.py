@@ -203,7 +203,9 @@ class Speculator:
             ):
                 continue
             room = min(
-                request.params.max_tokens - len(request.output_token_ids) - 1, self.max_model_len - request.num_tokens
+                request.params.max_tokens - len(request.output_token_ids) - 1,
+                self.max_model_len - request.num_tokens,
+                _kv_room(request, request.num_tokens),  # (drafts are written where its blocks are)
             )
             if not self.speculates(request):
                 if self.jump_forward and request.guided and not request.params.has_penalties and room > 0:
@@ -262,7 +264,12 @@ class Speculator:
             request = row.request
             if row.num_logits and self.speculates(request):
                 lengths[i] = max(
-                    0, min(self._proposal_cap(request), request.params.max_tokens - len(request.output_token_ids) - 2)
+                    0,
+                    min(
+                        self._proposal_cap(request),
+                        request.params.max_tokens - len(request.output_token_ids) - 2,
+                        _kv_room(request, row.start + row.num_new_tokens + 1),
+                    ),
                 )
                 if request.guided and self.cfg.constrain_drafts:
                     steps = self.cfg.draft_mask_steps
@@ -489,3 +496,8 @@ def _allocate(
         longest = longer
         budget -= 1
     return lengths, expected / seconds(tokens, drafts, longest)
+
+
+def _kv_room(request: Request, end: int) -> int:
+    """Positions past ``end`` that the request's KV blocks hold (what the batcher reserved)."""
+    return request.blocks.capacity - end if request.blocks is not None else 1 << 30

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from guidespec import envs
 from guidespec.config import ModelConfig
 from guidespec.worker.checkpoint import ShardReader
 from guidespec.worker.forward_batch import ForwardBatch
@@ -184,9 +183,7 @@ class EagleHead:
 
     def create_kv_cache(self, num_slots: int, max_model_len: int) -> KVCache:
         c = self.cfg
-        return KVCache(
-            1, num_slots, c.num_kv_heads, max_model_len, c.head_dim, self.dtype, self.attn.device, envs.kv_block_size()
-        )
+        return KVCache(1, num_slots, c.num_kv_heads, max_model_len, c.head_dim, self.dtype, self.attn.device)
 
     @torch.inference_mode()
     def forward(
