@@ -1,14 +1,17 @@
 """Many requests that begin the same way: an agent's long system prompt (its tools' JSON schemas),
 then a short user turn, each answered as guided JSON (issue 47's table).
 
-    python benchmarks/shared_prefix.py [--requests 32] [--sequential 8] [--max-batch-size 64]
-        [--max-model-len 8192] [--max-tokens 24] [--tools 18]
+    python benchmarks/shared_prefix.py [--requests 32] [--sequential 32] [--max-batch-size 64]
+        [--max-model-len 8192] [--max-tokens 24] [--tools 18] [--kv-cache-tokens N]
 
-Prints, for the requests sent all at once and for a few sent one after another: prompt tokens,
-those served from the prefix cache and those computed, wall time, and the engine's resident
-memory (the scheduler's and workers' RSS, summed) after start and after each part. The system
-prompt is built from the first ``--tools`` schemas of the JSONSchemaBench workload (real tool
-schemas, ~1,600 tokens for 18), the user turns ask for one small JSON object each.
+Prints, for the requests sent all at once and for as many sent one after another (other user
+turns, the same system prompt): prompt tokens, those served from the prefix cache and those
+computed, wall time, preemptions, and the engine's resident memory (the scheduler's and workers'
+RSS, summed) after start and after each part, beside the bytes of KV the tokens held at once
+take (the system prompt once, each request's own tokens: ``KV GB held``). The system prompt is
+built from the first ``--tools`` schemas of the JSONSchemaBench workload (real tool schemas,
+~1,600 tokens for 18), the user turns ask for one small JSON object each. ``--sequential 0``
+with ``--requests 256 --max-batch-size 256`` is the goal of 256 requests at once at 8k.
 """
 
 from __future__ import annotations
@@ -57,7 +60,18 @@ def engine_rss_gb(llm: LLM) -> float:
     return total / 1024**2
 
 
-def run(llm: LLM, prompts: list[list[dict[str, str]]], params: SamplingParams, together: bool) -> dict[str, float]:
+def kv_bytes_per_token(llm: LLM) -> int:
+    from guidespec.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(llm.config.hf_config)
+    item = 2 if llm.config.dtype in ("bfloat16", "float16") else 4
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * item
+
+
+def run(
+    llm: LLM, prompts: list[list[dict[str, str]]], params: SamplingParams, together: bool, shared: int
+) -> dict[str, float]:
+    preempted = llm.scheduler_stats.num_preemptions
     start = time.perf_counter()
     if together:
         outputs = llm.generate(prompts, params)
@@ -67,6 +81,9 @@ def run(llm: LLM, prompts: list[list[dict[str, str]]], params: SamplingParams, t
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     cached = sum(o.stats.num_cached_tokens for o in outputs)
     valid = sum(_valid(o.text) for o in outputs)
+    own = sum(len(o.prompt_token_ids) - shared + len(o.token_ids) for o in outputs)
+    held = (shared + own) if together else max(len(o.prompt_token_ids) + len(o.token_ids) for o in outputs)
+    time.sleep(0.3)  # (the scheduler's figures come every 0.1 s)
     return {
         "requests": len(outputs),
         "prompt tokens": prompt_tokens,
@@ -74,6 +91,8 @@ def run(llm: LLM, prompts: list[list[dict[str, str]]], params: SamplingParams, t
         "computed": prompt_tokens - cached,
         "wall s": round(wall, 2),
         "valid": valid,
+        "preempted": llm.scheduler_stats.num_preemptions - preempted,
+        "KV GB held": round(held * kv_bytes_per_token(llm) / 1e9, 2),
         "engine RSS GB": round(engine_rss_gb(llm), 2),
     }
 
@@ -89,11 +108,12 @@ def _valid(text: str) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--sequential", type=int, default=8)
+    parser.add_argument("--sequential", type=int, default=32)
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--tools", type=int, default=18)
+    parser.add_argument("--kv-cache-tokens", type=int, default=None)
     args = parser.parse_args()
     system = system_prompt(args.tools)
     asks = ["find the weather in a city", "convert a currency", "book a table", "translate a sentence"]
@@ -106,13 +126,17 @@ def main() -> None:
         temperature=0.0,
         guided=GuidedDecoding(json_schema=json.dumps(ANSWER)),
     )
-    with LLM(max_batch_size=args.max_batch_size, max_model_len=args.max_model_len) as llm:
-        print(f"system prompt: {len(llm.encode_prompt([{'role': 'system', 'content': system}]))} tokens")
+    with LLM(
+        max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens
+    ) as llm:
+        shared = len(llm.encode_prompt([{"role": "system", "content": system}]))
+        print(f"system prompt: {shared} tokens; KV cache: {llm.num_kv_blocks} blocks of {llm.kv_block_size}")
         print(f"engine RSS after start: {engine_rss_gb(llm):.2f} GB")
-        rows = [
-            ("at once", run(llm, prompts[: args.requests], params, together=True)),
-            ("one after another", run(llm, prompts[args.requests :], params, together=False)),
-        ]
+        shared -= 8  # (the chat template's end of the system turn may merge with the user turn's start)
+        rows = [("at once", run(llm, prompts[: args.requests], params, together=True, shared=shared))]
+        if args.sequential:
+            later = prompts[args.requests :]
+            rows.append(("one after another", run(llm, later, params, together=False, shared=shared)))
     keys = list(rows[0][1])
     print("\n| sent | " + " | ".join(keys) + " |")
     print("|---|" + "---:|" * len(keys))

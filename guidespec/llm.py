@@ -316,6 +316,16 @@ class LLM:
         self._supervisor.restart_on_failure = value
 
     @property
+    def num_kv_blocks(self) -> int:
+        """The KV cache's pool, in blocks of :attr:`kv_block_size` positions (all requests together)."""
+        ready = self._engine.ready
+        return ready.num_kv_blocks if ready is not None else 0
+
+    @property
+    def kv_block_size(self) -> int:
+        return self.config.kv_block_size
+
+    @property
     def num_restarts(self) -> int:
         """Fresh engines started after a death."""
         return self._supervisor.num_restarts

@@ -157,10 +157,10 @@ def test_tensor_parallel_2_equals_tp_1(llm: LLM) -> None:
         assert all(o.stats.num_cached_tokens > 0 for o in one_by_one)
 
 
-def test_prefix_caching_starts_after_a_free_slots_tokens_and_changes_no_output(llm: LLM) -> None:
-    """A request takes the free slot whose kept KV shares the longest prefix with its prompt and
-    computes only the rest (the second request takes the first's slot); outputs equal an engine's
-    that computes every prompt whole."""
+def test_prefix_caching_maps_cached_blocks_and_changes_no_output(llm: LLM) -> None:
+    """A request maps the cached full blocks its prompt starts with and computes only the rest
+    (those of requests that finished, and those of requests sent together: the first computes,
+    the others wait for its blocks); outputs equal an engine's that computes every prompt whole."""
     system = {"role": "system", "content": "You are a careful assistant. Answer briefly and precisely, in plain words."}
     chats = [
         [system, {"role": "user", "content": q}]
@@ -168,15 +168,35 @@ def test_prefix_caching_starts_after_a_free_slots_tokens_and_changes_no_output(l
     ]
     penalized = SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3)
     cached = [llm.generate(chat, GREEDY)[0] for chat in chats] + [llm.generate(chats[1], penalized)[0]]
+    together = llm.generate([[system, {"role": "user", "content": f"Name {n} colours."}] for n in range(2, 6)], GREEDY)
     with LLM(max_batch_size=2, show_progress=False, enable_prefix_caching=False, dtype="float32") as whole:
         expected = [whole.generate(chat, GREEDY)[0] for chat in chats] + [whole.generate(chats[1], penalized)[0]]
+        expected_together = [
+            whole.generate([system, {"role": "user", "content": f"Name {n} colours."}], GREEDY)[0] for n in range(2, 6)
+        ]
     assert [o.token_ids for o in cached] == [o.token_ids for o in expected]
-    shared = len(llm.encode_prompt([system]))  # the system turn, at least, is shared by all three
-    assert all(o.stats.num_cached_tokens >= shared - 2 for o in cached[1:3])
-    # the same prompt again (in the slot the one before it left; a slot keeps one sequence's KV)
-    assert cached[2].stats.num_cached_tokens == len(cached[2].prompt_token_ids) - 1
+    assert [o.token_ids for o in together] == [o.token_ids for o in expected_together]
+    block = llm.kv_block_size
+    shared = len(llm.encode_prompt([system])) // block * block - block  # its full blocks (less the turn's end)
+    assert all(o.stats.num_cached_tokens >= shared for o in cached[1:3] + together)
+    # the same prompt again: every full block but one that would leave no token to compute
+    assert cached[2].stats.num_cached_tokens == (len(cached[2].prompt_token_ids) - 1) // block * block
     assert cached[3].stats.num_cached_tokens == 0  # penalties: the workers' token history starts with the prompt
     assert all(o.stats.num_cached_tokens == 0 for o in expected)
+
+
+def test_out_of_kv_blocks_requests_are_preempted_and_finish_as_they_would(llm: LLM) -> None:
+    """A pool of two sequences' blocks for four requests that outgrow it: the latest are preempted
+    (sent back to the queue, recomputed later) and every output equals the roomy engine's."""
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(CHATS[:4], params)]
+    with LLM(max_batch_size=4, max_model_len=128, kv_cache_tokens=160, show_progress=False, dtype="float32") as small:
+        assert small.num_kv_blocks == 10
+        outs = small.generate(CHATS[:4], params)
+        time.sleep(0.3)  # (the scheduler's figures come every 0.1 s)
+        assert small.scheduler_stats.num_preemptions > 0
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.stats.num_preemptions for o in outs) > 0
 
 
 def test_rank_reading_steps_over_zeromq_tcp_equals_tp_1(llm: LLM) -> None:

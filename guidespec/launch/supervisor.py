@@ -221,6 +221,7 @@ class Engine:
         self.send_lock = threading.Lock()
         self.closed = False
         self.receiver: threading.Thread | None = None
+        self.ready: EngineReady | None = None  # what the scheduler said once every process was up
 
     def start(self) -> None:
         self.processes.start()
@@ -265,6 +266,7 @@ class Engine:
         while time.monotonic() < deadline:
             message = self.from_scheduler.recv(timeout_s=0.2)
             if isinstance(message, EngineReady):
+                self.ready = message
                 return
             if isinstance(message, EngineDead):
                 raise EngineDeadError(f"the engine failed to start: {message.reason}")

@@ -213,10 +213,10 @@ class Batcher:
         tokens = request.prompt_token_ids + request.output_token_ids
         cached = table.map_prefix(tokens) if self._maps_prefix(request) else 0
         first_chunk = min(request.num_tokens, cached + self.max_num_batched_tokens) + self.lookahead
-        needed = table.blocks_needed(self._capped(first_chunk)) + len(self.running)
-        if needed > self.pool.num_free:
+        if table.blocks_needed(self._capped(first_chunk)) + len(self.running) > self.pool.num_free:
             table.release()
             return False
+        table.grow(self._capped(first_chunk))
         request.blocks = table
         request.num_computed_tokens = cached
         if request.stats.num_preemptions == 0:  # (a preempted request's own tokens are not a prompt's)

@@ -175,7 +175,7 @@ def kv_pool_blocks(
 ) -> int:
     """The blocks of a rank's KV pool (``bytes_per_token``: a token's keys and values on this
     rank). ``kv_cache_tokens`` where given; else on CUDA what ``utilization`` of the device leaves
-    beside ``plan``'s weights, step and drafter, and on the CPU ``CPU_KV_SHARE`` of the memory
+    beside what is in use (the weights, loaded by now) and ``plan``'s step and drafter, and on the CPU ``CPU_KV_SHARE`` of the memory
     available at start (the ranks of one machine share it); never more than every slot at
     ``max_model_len`` needs. ValueError where not even one sequence of ``max_model_len`` fits."""
     per_sequence = -(-max_model_len // block_size)
@@ -184,8 +184,9 @@ def kv_pool_blocks(
         source = f"kv_cache_tokens={kv_cache_tokens}"
     else:
         if torch.device(device).type == "cuda":
+            # (measured once the weights are loaded: what is in use counts them, and other processes)
             free, total = torch.cuda.mem_get_info(torch.device(device))
-            room = min(int(total * utilization), free) - plan.weights - plan.activations - plan.drafter
+            room = int(total * utilization) - (total - free) - plan.activations - plan.drafter
             source = f"{utilization:.0%} of the GPU's memory beside the weights"
         else:
             room = int(_cpu_available_bytes() * CPU_KV_SHARE) // max(1, tp_size)

@@ -163,3 +163,18 @@ def test_apply_bitmask_takes_device_tensors() -> None:
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [0, 2, 39]
     assert bool(torch.isfinite(logits[[0, 2]]).all())
     assert unpack_bitmask(bitmask, 40)[0].nonzero().flatten().tolist() == [0, 2, 39]
+
+
+def test_the_kv_pool_is_sized_by_tokens_or_memory_and_holds_one_sequence_at_least(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from guidespec.worker import device
+
+    plan = MemoryPlan(weights=GIB, kv_cache=0, activations=GIB)
+    per_token = 46_080  # SmolLM2-135M, fp32: 30 layers x 2 x 3 heads x 64 x 4 bytes
+    assert device.kv_pool_blocks(plan, per_token, 16, 8192, 256, "cpu", 0.9, kv_cache_tokens=100_000) == 6250
+    monkeypatch.setattr(device, "_cpu_available_bytes", lambda: 20 * GIB)  # 40%: 8 GiB, ~186k tokens
+    assert device.kv_pool_blocks(plan, per_token, 16, 8192, 256, "cpu", 0.9) == 8 * GIB // (per_token * 16)
+    assert device.kv_pool_blocks(plan, per_token, 16, 8192, 256, "cpu", 0.9, tp_size=2) == 4 * GIB // (per_token * 16)
+    assert device.kv_pool_blocks(plan, per_token, 16, 2048, 4, "cpu", 0.9) == 4 * 128  # no more than 4 slots need
+    monkeypatch.setattr(device, "_cpu_available_bytes", lambda: GIB // 4)
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        device.kv_pool_blocks(plan, per_token, 16, 8192, 256, "cpu", 0.9)

@@ -26,6 +26,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         r.register(_RestartCollector(llm))
+        r.register(_CacheCollector(llm))
         latency_buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
         self.ttft = Histogram(
             "guidespec_time_to_first_token_seconds", "Time to first token", registry=r, buckets=latency_buckets
@@ -77,6 +78,10 @@ class ServerMetrics:
         ):
             gauge = Gauge(f"guidespec_num_requests_{field}", doc, registry=r)
             gauge.set_function(_stat_reader(llm, field))
+        usage = Gauge(
+            "guidespec_kv_cache_usage_perc", "Share of the KV cache's blocks running requests hold", registry=r
+        )
+        usage.set_function(lambda: _kv_usage(llm))
 
     def count_refusals(self, message: str) -> None:
         for backend, keyword in refusals_in(message):
@@ -107,6 +112,11 @@ class ServerMetrics:
 _GAVE_UP = re.compile(r"\b(xgrammar|llguidance) gave up:")  # a grammar failure's backend (GrammarManager.error)
 
 
+def _kv_usage(llm: LLM) -> float:
+    stats = llm.scheduler_stats
+    return stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+
+
 def _stat_reader(llm: LLM, field: str) -> Any:
     return lambda: float(getattr(llm.scheduler_stats, field))
 
@@ -121,3 +131,32 @@ class _RestartCollector:
         yield CounterMetricFamily(
             "guidespec_engine_restarts", "Engine restarts after a process died", value=self.llm.num_restarts
         )
+
+
+class _CacheCollector:
+    """The KV cache's counters since the engine started (the scheduler's figures): prompt tokens
+    looked up in the prefix cache and those found there, and preemptions."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self.llm.scheduler_stats
+        for name, doc, value in (
+            (
+                "guidespec_prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+                stats.prefix_cache_queries,
+            ),
+            (
+                "guidespec_prefix_cache_hits",
+                "Prompt tokens found in the prefix cache (not computed)",
+                stats.prefix_cache_hits,
+            ),
+            (
+                "guidespec_num_preemptions",
+                "Requests sent back to the queue for want of KV blocks",
+                stats.num_preemptions,
+            ),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
