@@ -8,7 +8,8 @@ Prints, for the requests sent all at once and for as many sent one after another
 turns, the same system prompt): prompt tokens, those served from the prefix cache and those
 computed, wall time, preemptions, and the engine's resident memory (the scheduler's and workers'
 RSS, summed) after start and after each part, beside the bytes of KV the tokens held at once
-take (the system prompt once, each request's own tokens: ``KV GB held``). The system prompt is
+take (the system prompt once, each request's own tokens) and the bytes of the KV blocks
+ever written (the pool's high-water mark: what the cache keeps resident, cached prefixes included). The system prompt is
 built from the first ``--tools`` schemas of the JSONSchemaBench workload (real tool schemas,
 ~1,600 tokens for 18), the user turns ask for one small JSON object each. ``--sequential 0``
 with ``--requests 256 --max-batch-size 256`` is the goal of 256 requests at once at 8k.
@@ -62,8 +63,9 @@ def engine_rss_gb(llm: LLM) -> float:
 
 def kv_bytes_per_token(llm: LLM) -> int:
     from guidespec.config import ModelConfig
+    from guidespec.model_files import load_hf_config
 
-    cfg = ModelConfig.from_hf(llm.config.hf_config)
+    cfg = ModelConfig.from_hf(load_hf_config(llm.config.model_dir, llm.config.hf_config))
     item = 2 if llm.config.dtype in ("bfloat16", "float16") else 4
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * item
 
@@ -84,6 +86,7 @@ def run(
     own = sum(len(o.prompt_token_ids) - shared + len(o.token_ids) for o in outputs)
     held = (shared + own) if together else max(len(o.prompt_token_ids) + len(o.token_ids) for o in outputs)
     time.sleep(0.3)  # (the scheduler's figures come every 0.1 s)
+    written = llm.scheduler_stats.kv_blocks_written * llm.kv_block_size * kv_bytes_per_token(llm)
     return {
         "requests": len(outputs),
         "prompt tokens": prompt_tokens,
@@ -92,7 +95,8 @@ def run(
         "wall s": round(wall, 2),
         "valid": valid,
         "preempted": llm.scheduler_stats.num_preemptions - preempted,
-        "KV GB held": round(held * kv_bytes_per_token(llm) / 1e9, 2),
+        "KV GB of the tokens at once": round(held * kv_bytes_per_token(llm) / 1e9, 3),
+        "KV GB written (pool)": round(written / 1e9, 3),
         "engine RSS GB": round(engine_rss_gb(llm), 2),
     }
 

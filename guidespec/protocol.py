@@ -286,6 +286,7 @@ class SchedulerStats:
     free_slots: int
     kv_blocks_used: int = 0  # blocks held by running requests (cached blocks held by none are free)
     kv_blocks_total: int = 0
+    kv_blocks_written: int = 0  # blocks ever written (the pool's high-water mark: on the CPU, its resident part)
     # since start, in tokens: prompt tokens looked up in the prefix cache, and those found there
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0

@@ -105,7 +105,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="compute every prompt whole, even where cached KV blocks hold its first tokens",
     )
-    p.add_argument("--kv-block-size", type=int, default=16, help="positions per KV cache block (a multiple of 8)")
+    p.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=None,
+        help="positions per KV cache block, a multiple of 8 (CPU 128, CUDA 16)",
+    )
     p.add_argument(
         "--kv-cache-tokens",
         type=int,

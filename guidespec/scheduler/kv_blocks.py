@@ -57,6 +57,7 @@ class BlockPool:
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest ids first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # held by none, keyed: LRU first
         self.num_evicted = 0
+        self.high_water = 0  # blocks below this one have been written (free ones are taken lowest first)
 
     @property
     def num_free(self) -> int:
@@ -81,6 +82,7 @@ class BlockPool:
                 self._forget(block)
                 self.num_evicted += 1
             self.ref_counts[block] = 1
+            self.high_water = max(self.high_water, block + 1)
             taken.append(block)
         return taken
 

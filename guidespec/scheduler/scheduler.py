@@ -215,6 +215,7 @@ class Scheduler:
             len(b.free_slots),
             b.num_used_blocks,
             b.pool.num_blocks,
+            b.pool.high_water,
             b.prefix_cache_queries,
             b.prefix_cache_hits,
             b.num_preemptions,

@@ -175,8 +175,9 @@ def kv_pool_blocks(
 ) -> int:
     """The blocks of a rank's KV pool (``bytes_per_token``: a token's keys and values on this
     rank). ``kv_cache_tokens`` where given; else on CUDA what ``utilization`` of the device leaves
-    beside what is in use (the weights, loaded by now) and ``plan``'s step and drafter, and on the CPU ``CPU_KV_SHARE`` of the memory
-    available at start (the ranks of one machine share it); never more than every slot at
+    beside what is in use (the weights, loaded by now) and ``plan``'s step and drafter, and on the
+    CPU ``CPU_KV_SHARE`` of the memory available at start (the ranks of one machine share it); never
+    more than every slot at
     ``max_model_len`` needs. ValueError where not even one sequence of ``max_model_len`` fits."""
     per_sequence = -(-max_model_len // block_size)
     if kv_cache_tokens is not None:
