@@ -2,7 +2,7 @@
 then a short user turn, each answered as guided JSON (issue 47's table).
 
     python benchmarks/shared_prefix.py [--requests 32] [--sequential 32] [--max-batch-size 64]
-        [--max-model-len 8192] [--max-tokens 24] [--tools 18] [--kv-cache-tokens N]
+        [--max-model-len 8192] [--max-tokens 24] [--tools 18] [--kv-cache-tokens N] [--kv-block-size N]
 
 Prints, for the requests sent all at once and for as many sent one after another (other user
 turns, the same system prompt): prompt tokens, those served from the prefix cache and those
@@ -118,6 +118,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--tools", type=int, default=18)
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
+    parser.add_argument("--kv-block-size", type=int, default=None, help="default: the device's (CPU 128)")
     args = parser.parse_args()
     system = system_prompt(args.tools)
     asks = ["find the weather in a city", "convert a currency", "book a table", "translate a sentence"]
@@ -131,7 +132,10 @@ def main() -> None:
         guided=GuidedDecoding(json_schema=json.dumps(ANSWER)),
     )
     with LLM(
-        max_batch_size=args.max_batch_size, max_model_len=args.max_model_len, kv_cache_tokens=args.kv_cache_tokens
+        max_batch_size=args.max_batch_size,
+        max_model_len=args.max_model_len,
+        kv_cache_tokens=args.kv_cache_tokens,
+        kv_block_size=args.kv_block_size,
     ) as llm:
         shared = len(llm.encode_prompt([{"role": "system", "content": system}]))
         print(f"system prompt: {shared} tokens; KV cache: {llm.num_kv_blocks} blocks of {llm.kv_block_size}")
