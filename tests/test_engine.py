@@ -42,7 +42,7 @@ CHATS = [
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     # fp32 weights: Hugging Face's, to compare outputs with (the default on the CPU keeps the GGUF's
-    # blocks); KV blocks of 16 positions (the CPU's default, 128, in the other tests), so short
+    # blocks); KV blocks of 16 positions (the CPU's default, 64, in the other tests), so short
     # prompts share blocks
     with LLM(max_batch_size=8, show_progress=False, dtype="float32", kv_block_size=16) as engine:
         yield engine

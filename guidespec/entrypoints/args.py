@@ -109,7 +109,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--kv-block-size",
         type=int,
         default=None,
-        help="positions per KV cache block, a multiple of 8 (CPU 128, CUDA 16)",
+        help="positions per KV cache block, a multiple of 8 (CPU 64, CUDA 16)",
     )
     p.add_argument(
         "--kv-cache-tokens",

@@ -98,10 +98,10 @@ def create_engine_config(
 
 
 MAX_KV_BLOCK_SIZE = 512
-# positions a KV block holds by default: on the CPU a forward over 16-position blocks (a head's
-# keys in 4 KB pieces) took ~10% longer at batch 1 than over 128 (vLLM's CPU default too), which
-# is as fast as one block a sequence; GPUs page finer
-DEFAULT_KV_BLOCK_SIZE = {"cpu": 128, "cuda": 16}
+# positions a KV block holds by default: on the CPU a 1-token forward at 600 positions over blocks
+# of 16 (a head's keys in 4 KB pieces) took 1.15x one block a sequence's time, 32 1.07x, 64 and
+# 128 1.02x (benchmarks/kv_blocks.py); 64 wastes less of a request's last block; GPUs page finer
+DEFAULT_KV_BLOCK_SIZE = {"cpu": 64, "cuda": 16}
 
 
 def _check_kv_cache(kv_block_size: int | None, kv_cache_tokens: int | None) -> None:
