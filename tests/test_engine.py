@@ -152,7 +152,7 @@ def test_bad_models_raise_before_any_process_starts(tmp_path: Path) -> None:
 
 def test_tensor_parallel_2_equals_tp_1(llm: LLM) -> None:
     expected = [o.token_ids for o in llm.generate(CHATS[:3], GREEDY)]
-    with LLM(tensor_parallel_size=2, max_batch_size=4, show_progress=False, dtype="float32") as tp2:
+    with LLM(tensor_parallel_size=2, max_batch_size=4, show_progress=False, dtype="float32", kv_block_size=16) as tp2:
         assert [o.token_ids for o in tp2.generate(CHATS[:3], GREEDY)] == expected
         one_by_one = [tp2.generate(chat, GREEDY)[0] for chat in CHATS[:3]]  # each after a finished one: prefix caching
         assert [o.token_ids for o in one_by_one] == expected

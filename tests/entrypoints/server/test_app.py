@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from guidespec.entrypoints.server import MAX_BODY_BYTES, RETRY_AFTER_S, create_app
 from guidespec.llm import GenerationOutput, RequestError, RequestHandle, StreamDelta
-from guidespec.protocol import SamplingParams
+from guidespec.protocol import SamplingParams, SchedulerStats
 
 AUTH = {"Authorization": "Bearer key"}
 FAILED = RequestError("request r: xgrammar gave up: too deep", 500, "grammar_failed")
@@ -25,7 +25,7 @@ class FakeLLM:
 
     config = SimpleNamespace(max_model_len=64, grammar_backend="auto")
     num_restarts = 0
-    scheduler_stats = SimpleNamespace(running=0, waiting=0, waiting_for_grammar=0)
+    scheduler_stats = SchedulerStats(running=0, waiting=0, waiting_for_grammar=0, free_slots=2)
 
     def __init__(self) -> None:
         self.pieces: list[Any] = ["Hel", "lo"]
