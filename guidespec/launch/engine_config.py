@@ -105,12 +105,14 @@ DEFAULT_KV_BLOCK_SIZE = {"cpu": 64, "cuda": 16}
 
 
 def _check_kv_cache(kv_block_size: int | None, kv_cache_tokens: int | None) -> None:
-    if kv_block_size is None:  # (the device's default)
-        kv_block_size = 16
-    if isinstance(kv_block_size, bool) or not isinstance(kv_block_size, int) or kv_block_size < 8:
-        raise ValueError(f"kv_block_size must be an int >= 8, got {kv_block_size!r}")
-    if kv_block_size % 8 or kv_block_size > MAX_KV_BLOCK_SIZE:
-        raise ValueError(f"kv_block_size must be a multiple of 8 up to {MAX_KV_BLOCK_SIZE}, got {kv_block_size}")
+    """``kv_block_size``: None (the device's default) or a multiple of 8 up to the maximum."""
+    if kv_block_size is not None and (
+        isinstance(kv_block_size, bool)
+        or not isinstance(kv_block_size, int)
+        or not 8 <= kv_block_size <= MAX_KV_BLOCK_SIZE
+        or kv_block_size % 8
+    ):
+        raise ValueError(f"kv_block_size must be a multiple of 8 up to {MAX_KV_BLOCK_SIZE}, got {kv_block_size!r}")
     if kv_cache_tokens is not None and (
         isinstance(kv_cache_tokens, bool) or not isinstance(kv_cache_tokens, int) or kv_cache_tokens < 1
     ):

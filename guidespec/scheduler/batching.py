@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from guidespec.scheduler.kv_blocks import BlockPool, BlockTable, NoFreeBlocks, block_key
+from guidespec.scheduler.kv_blocks import BlockPool, BlockTable, NoFreeBlocks, prefix_keys
 from guidespec.scheduler.request import Request, Status
 
 PREFILL_WHILE_COMPILING_S = 0.005
@@ -211,7 +211,7 @@ class Batcher:
         pool has too few."""
         table = BlockTable(self.pool)
         tokens = request.prompt_token_ids + request.output_token_ids
-        cached = table.map_prefix(tokens) if self._maps_prefix(request) else 0
+        cached = table.map_prefix(tokens, self._prompt_keys(request)) if self._maps_prefix(request) else 0
         first_chunk = min(request.num_tokens, cached + self.max_num_batched_tokens) + self.lookahead
         if table.blocks_needed(self._capped(first_chunk)) + len(self.running) > self.pool.num_free:
             table.release()
@@ -244,14 +244,9 @@ class Batcher:
         (the most a prefix maps), computed once per length."""
         tokens = request.num_tokens
         if request.prompt_keys_for != tokens:
-            size = self.pool.block_size
             known = request.prompt_token_ids + request.output_token_ids
-            keys: list[bytes] = []
-            parent = None
-            for i in range((tokens - 1) // size):
-                parent = block_key(parent, known[i * size : (i + 1) * size])
-                keys.append(parent)
-            request.prompt_keys, request.prompt_keys_for = keys, tokens
+            request.prompt_keys = list(prefix_keys(known[: tokens - 1], self.pool.block_size))
+            request.prompt_keys_for = tokens
         return request.prompt_keys
 
     # ------------------------------------------------------------------ blocks for a step

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
 
 import numpy as np
 
@@ -37,6 +38,14 @@ def block_key(parent: bytes | None, tokens: Sequence[int] | np.ndarray) -> bytes
         digest.update(parent)
     digest.update(np.asarray(tokens, dtype=np.int64).tobytes())
     return digest.digest()
+
+
+def prefix_keys(tokens: Sequence[int] | np.ndarray, block_size: int) -> Iterator[bytes]:
+    """The keys of the full blocks of ``tokens``, in order (each chained to the one before)."""
+    parent: bytes | None = None
+    for i in range(len(tokens) // block_size):
+        parent = block_key(parent, tokens[i * block_size : (i + 1) * block_size])
+        yield parent
 
 
 class NoFreeBlocks(Exception):
@@ -117,17 +126,17 @@ class BlockPool:
         self.release([block])
         return older
 
-    def match_prefix(self, tokens: Sequence[int] | np.ndarray, max_blocks: int | None = None) -> list[int]:
+    def match_prefix(
+        self, tokens: Sequence[int] | np.ndarray, max_blocks: int | None = None, keys: Iterable[bytes] | None = None
+    ) -> list[int]:
         """The cached full blocks that ``tokens`` start with, in order, each now held once more
-        by the caller (at most ``max_blocks``). The keys of the tokens' full blocks are computed
-        until the first miss."""
+        by the caller (at most ``max_blocks``). ``keys``: the tokens' full blocks' keys where the
+        caller has them (:func:`prefix_keys`), else they are computed until the first miss."""
         found: list[int] = []
-        parent: bytes | None = None
         size = self.block_size
         limit = len(tokens) // size if max_blocks is None else min(max_blocks, len(tokens) // size)
-        for i in range(limit):
-            parent = block_key(parent, tokens[i * size : (i + 1) * size])
-            block = self.by_key.get(parent)
+        for key in islice(keys if keys is not None else prefix_keys(tokens, size), limit):
+            block = self.by_key.get(key)
             if block is None:
                 break
             self._hold(block)
@@ -167,13 +176,14 @@ class BlockTable:
         """Blocks to allocate before positions up to ``num_tokens`` can be written."""
         return max(0, -(-num_tokens // self.pool.block_size) - len(self.blocks))
 
-    def map_prefix(self, tokens: Sequence[int] | np.ndarray) -> int:
-        """For a table with no blocks yet: map the cached blocks ``tokens`` start with; returns
-        how many tokens they hold (their keys and values need no computing). At least one token
-        is left to compute: a forward needs a new token to give logits."""
+    def map_prefix(self, tokens: Sequence[int] | np.ndarray, keys: Iterable[bytes] | None = None) -> int:
+        """For a table with no blocks yet: map the cached blocks ``tokens`` start with (``keys``:
+        their full blocks' keys, where the caller has them); returns how many tokens they hold
+        (their keys and values need no computing). At least one token is left to compute: a
+        forward needs a new token to give logits."""
         if self.blocks:
             raise ValueError("a prefix is mapped into an empty table only")
-        found = self.pool.match_prefix(tokens, max_blocks=(len(tokens) - 1) // self.pool.block_size)
+        found = self.pool.match_prefix(tokens, (len(tokens) - 1) // self.pool.block_size, keys)
         self.blocks = list(found)
         self.num_full = len(found)
         self.changed = True

@@ -50,8 +50,7 @@ class KVCache:
         else:  # a pool and its scratch block (the last): every entry there until the scheduler says
             tables = torch.full((num_slots, self.blocks_per_slot), num_blocks, dtype=torch.int32)
             total = num_blocks + 1
-        self.num_blocks = total
-        self.scratch_block = total - 1
+        self.scratch_block = total - 1  # (with a pool: its size, the blocks the scheduler may allocate)
         shape = (total, num_kv_heads, block_size, head_dim)
         self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
@@ -62,10 +61,6 @@ class KVCache:
         self._rows = torch.empty(0, dtype=torch.long)
         self._tables_of: torch.Tensor | None = None
         self._tables = torch.empty(0, dtype=torch.int32)
-
-    @property
-    def bytes_per_block(self) -> int:
-        return 2 * len(self.k) * self.k[0][0].numel() * self.k[0].element_size()
 
     def set_tables(self, slots: np.ndarray, lengths: np.ndarray, blocks: np.ndarray) -> None:
         """Slot ``slots[i]``'s table is now the next ``lengths[i]`` of ``blocks`` (then the
