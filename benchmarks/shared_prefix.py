@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--tools", type=int, default=18)
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
-    parser.add_argument("--kv-block-size", type=int, default=None, help="default: the device's (CPU 64)")
+    parser.add_argument("--kv-block-size", type=int, default=16)
     args = parser.parse_args()
     system = system_prompt(args.tools)
     asks = ["find the weather in a city", "convert a currency", "book a table", "translate a sentence"]

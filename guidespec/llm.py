@@ -190,7 +190,7 @@ class LLM:
         ray_placement: str = "pack",
         graph_grammar: bool | None = None,
         grammar_fill_threads: int = 1,
-        kv_block_size: int | None = None,
+        kv_block_size: int = 16,
         kv_cache_tokens: int | None = None,
     ) -> None:
         self.config, self.tokenizer = create_engine_config(

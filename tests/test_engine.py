@@ -41,10 +41,8 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    # fp32 weights: Hugging Face's, to compare outputs with (the default on the CPU keeps the GGUF's
-    # blocks); KV blocks of 16 positions (the CPU's default, 64, in the other tests), so short
-    # prompts share blocks
-    with LLM(max_batch_size=8, show_progress=False, dtype="float32", kv_block_size=16) as engine:
+    # fp32 weights: Hugging Face's, to compare outputs with (the default on the CPU keeps the GGUF's blocks)
+    with LLM(max_batch_size=8, show_progress=False, dtype="float32") as engine:
         yield engine
 
 
@@ -152,7 +150,7 @@ def test_bad_models_raise_before_any_process_starts(tmp_path: Path) -> None:
 
 def test_tensor_parallel_2_equals_tp_1(llm: LLM) -> None:
     expected = [o.token_ids for o in llm.generate(CHATS[:3], GREEDY)]
-    with LLM(tensor_parallel_size=2, max_batch_size=4, show_progress=False, dtype="float32", kv_block_size=16) as tp2:
+    with LLM(tensor_parallel_size=2, max_batch_size=4, show_progress=False, dtype="float32") as tp2:
         assert [o.token_ids for o in tp2.generate(CHATS[:3], GREEDY)] == expected
         one_by_one = [tp2.generate(chat, GREEDY)[0] for chat in CHATS[:3]]  # each after a finished one: prefix caching
         assert [o.token_ids for o in one_by_one] == expected
@@ -193,9 +191,7 @@ def test_out_of_kv_blocks_requests_are_preempted_and_finish_as_they_would(llm: L
     (sent back to the queue, recomputed later) and every output equals the roomy engine's."""
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     expected = [o.token_ids for o in llm.generate(CHATS[:4], params)]
-    with LLM(
-        max_batch_size=4, max_model_len=128, kv_cache_tokens=160, kv_block_size=16, show_progress=False, dtype="float32"
-    ) as small:
+    with LLM(max_batch_size=4, max_model_len=128, kv_cache_tokens=160, show_progress=False, dtype="float32") as small:
         assert small.num_kv_blocks == 10
         outs = small.generate(CHATS[:4], params)
         time.sleep(0.3)  # (the scheduler's figures come every 0.1 s)

@@ -108,8 +108,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-block-size",
         type=int,
-        default=None,
-        help="positions per KV cache block, a multiple of 8 (CPU 64, CUDA 16)",
+        default=16,
+        help="positions per KV cache block (a multiple of 8)",
     )
     p.add_argument(
         "--kv-cache-tokens",

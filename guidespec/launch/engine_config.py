@@ -39,7 +39,7 @@ def create_engine_config(
     ray_placement: str,
     graph_grammar: bool | None,
     grammar_fill_threads: int,
-    kv_block_size: int | None = None,
+    kv_block_size: int = 16,
     kv_cache_tokens: int | None = None,
 ) -> tuple[EngineConfig, Any]:
     """The engine's config and the model's tokenizer. Once the device is known it starts this
@@ -92,21 +92,16 @@ def create_engine_config(
         grammar_fill_threads=grammar_fill_threads,
         gpu_memory_utilization=float(gpu_memory_utilization),
         ray_placement=ray_placement,
-        kv_block_size=kv_block_size or DEFAULT_KV_BLOCK_SIZE[resolved_device],
+        kv_block_size=kv_block_size,
         kv_cache_tokens=_kv_cache_tokens(kv_cache_tokens, config.max_model_len),
     ), tokenizer
 
 
 MAX_KV_BLOCK_SIZE = 512
-# positions a KV block holds by default: on the CPU a 1-token forward at 600 positions over blocks
-# of 16 (a head's keys in 4 KB pieces) took 1.15x one block a sequence's time, 32 1.07x, 64 and
-# 128 1.02x (benchmarks/kv_blocks.py); 64 wastes less of a request's last block; GPUs page finer
-DEFAULT_KV_BLOCK_SIZE = {"cpu": 64, "cuda": 16}
 
 
-def _check_kv_cache(kv_block_size: int | None, kv_cache_tokens: int | None) -> None:
-    """``kv_block_size``: None (the device's default) or a multiple of 8 up to the maximum."""
-    if kv_block_size is not None and (
+def _check_kv_cache(kv_block_size: int, kv_cache_tokens: int | None) -> None:
+    if (
         isinstance(kv_block_size, bool)
         or not isinstance(kv_block_size, int)
         or not 8 <= kv_block_size <= MAX_KV_BLOCK_SIZE

@@ -2,7 +2,7 @@
 and which full blocks hold what content, for any request whose prompt starts the same way.
 
 The workers keep each layer's keys and values as a pool of fixed-size blocks
-([num_blocks, kv_heads, block_size, head_dim]: ``kernels.cache_attention`` reads a row's blocks
+([kv_heads, num_blocks, block_size, head_dim]: ``kernels.cache_attention`` reads a row's blocks
 through its block table); this module decides the tables. A request's table
 (:class:`BlockTable`) lists its blocks in position order: position ``p`` is in block
 ``table[p // block_size]`` at ``p % block_size``.

@@ -1,4 +1,5 @@
-"""The key/value cache, in blocks: one [num_blocks, kv_heads, block_size, head_dim] pair per layer.
+"""The key/value cache, in blocks: one [kv_heads, num_blocks, block_size, head_dim] pair per layer
+(a head's blocks together: a request's consecutive blocks are one run of its keys).
 
 A request's keys at position p live in block ``tables[slot, p // block_size]`` at ``p %
 block_size``: ``tables`` ([num_slots, blocks_per_slot] int32) is each slot's block table. With a
@@ -51,7 +52,7 @@ class KVCache:
             tables = torch.full((num_slots, self.blocks_per_slot), num_blocks, dtype=torch.int32)
             total = num_blocks + 1
         self.scratch_block = total - 1  # (with a pool: its size, the blocks the scheduler may allocate)
-        shape = (total, num_kv_heads, block_size, head_dim)
+        shape = (num_kv_heads, total, block_size, head_dim)
         self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.tables = tables.to(device)
@@ -114,8 +115,8 @@ class KVCache:
         """k, v [T, kv_heads, D] for flat tokens of slots ``slot_of_token`` at ``positions``."""
         rows = self._slot_rows(slot_of_token, positions)  # (not memoized: the graphs rewrite their buffers)
         blocks, offsets = rows // self.block_size, rows % self.block_size
-        self.k[layer][blocks, :, offsets] = k
-        self.v[layer][blocks, :, offsets] = v
+        self.k[layer][:, blocks, offsets] = k.transpose(0, 1)
+        self.v[layer][:, blocks, offsets] = v.transpose(0, 1)
 
     def gather(self, layer: int, slots: list[int] | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``slots`` up to ``length``: [B, kv_heads, length, D]."""
@@ -129,9 +130,9 @@ class KVCache:
     @staticmethod
     def _rows_of_blocks(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
         b, num = tables.shape
-        _, hkv, size, d = cache.shape
-        blocks = cache[tables]  # [B, num, hkv, size, D]
-        return blocks.permute(0, 2, 1, 3, 4).reshape(b, hkv, num * size, d)[:, :, :length]
+        hkv, _, size, d = cache.shape
+        blocks = cache[:, tables]  # [hkv, B, num, size, D]
+        return blocks.transpose(0, 1).reshape(b, hkv, num * size, d)[:, :, :length]
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:

@@ -76,8 +76,8 @@ def test_padded_forward_equals_the_ordinary_forward(model: LlamaModel) -> None:
     assert runner.eager_runs == len(_steps())
     # the real slots' keys and values are the same (padding wrote only the scratch slot)
     for layer in range(model.cfg.num_layers):
-        torch.testing.assert_close(graph_kv.k[layer][:MAX_BATCH, :, :24], eager_kv.k[layer][:MAX_BATCH, :, :24])
-        torch.testing.assert_close(graph_kv.v[layer][:MAX_BATCH, :, :24], eager_kv.v[layer][:MAX_BATCH, :, :24])
+        torch.testing.assert_close(graph_kv.k[layer][:, :MAX_BATCH, :24], eager_kv.k[layer][:, :MAX_BATCH, :24])
+        torch.testing.assert_close(graph_kv.v[layer][:, :MAX_BATCH, :24], eager_kv.v[layer][:, :MAX_BATCH, :24])
 
 
 def test_steps_outside_the_buckets_run_eagerly(model: LlamaModel) -> None:

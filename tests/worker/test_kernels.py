@@ -100,19 +100,25 @@ def test_cache_attention_matches_torch(n: int, g: int, d: int) -> None:
     slots, starts = [3, 0, 4, 1], [0, 17, 250, max_len - n]
     q = torch.randn(len(slots) * n, hkv * g, d, generator=gen) * 3
     tables = torch.tensor(slots, dtype=torch.int32)[:, None]  # the cache by slot: one block a row
-    out = kernels.cache_attention(q, k, v, tables, torch.tensor(starts, dtype=torch.int32), n, g)
+    out = kernels.cache_attention(q, _heads(k), _heads(v), tables, torch.tensor(starts, dtype=torch.int32), n, g)
     assert out is not None
     torch.testing.assert_close(out, _reference_attention(q, k, v, slots, starts, n, g), atol=1e-5, rtol=1e-5)
 
 
+def _heads(cache: torch.Tensor) -> torch.Tensor:
+    """A cache by slot [S, hkv, L, D] in the kernels' layout, a head's blocks together: [hkv, S, L, D]
+    (one block of L positions a slot)."""
+    return cache.transpose(0, 1).contiguous()
+
+
 def _paged(cache: torch.Tensor, block_size: int, order: torch.Tensor) -> torch.Tensor:
     """A cache by slot [S, hkv, L, D] cut into blocks of ``block_size`` positions, block i of slot
-    s stored at ``order[s * (L // block_size) + i]``: [num_blocks, hkv, block_size, D]."""
+    s stored at ``order[s * (L // block_size) + i]``: [hkv, num_blocks, block_size, D]."""
     s, hkv, length, d = cache.shape
-    blocks = cache.view(s, hkv, length // block_size, block_size, d).permute(0, 2, 1, 3, 4)
-    blocks = blocks.reshape(-1, hkv, block_size, d)
+    blocks = cache.view(s, hkv, length // block_size, block_size, d).permute(1, 0, 2, 3, 4)
+    blocks = blocks.reshape(hkv, -1, block_size, d)
     paged = torch.empty_like(blocks)
-    paged[order] = blocks
+    paged[:, order] = blocks
     return paged
 
 
@@ -138,7 +144,13 @@ def test_cache_attention_reads_blocks_anywhere_through_block_tables(block_size: 
         g,
     )
     by_slot = kernels.cache_attention(
-        q, k, v, torch.tensor(slots, dtype=torch.int32)[:, None], torch.tensor(starts, dtype=torch.int32), n, g
+        q,
+        _heads(k),
+        _heads(v),
+        torch.tensor(slots, dtype=torch.int32)[:, None],
+        torch.tensor(starts, dtype=torch.int32),
+        n,
+        g,
     )
     assert paged is not None and by_slot is not None
     assert torch.equal(paged, by_slot)  # the same keys in the same order: the same bits
@@ -147,7 +159,7 @@ def test_cache_attention_reads_blocks_anywhere_through_block_tables(block_size: 
 
 def test_cache_attention_of_a_token_does_not_depend_on_later_tokens_or_other_rows() -> None:
     gen = torch.Generator().manual_seed(1)
-    k, v = torch.randn(4, 3, 64, 64, generator=gen), torch.randn(4, 3, 64, 64, generator=gen)
+    k, v = torch.randn(3, 4, 64, 64, generator=gen), torch.randn(3, 4, 64, 64, generator=gen)  # [hkv, slots, L, D]
     q = torch.randn(4 * 5, 9, 64, generator=gen)
     int32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     together = kernels.cache_attention(q, k, v, int32([[0], [1], [2], [3]]), int32([10, 20, 30, 40]), 5, 3)
@@ -190,22 +202,22 @@ def test_layer_ops_match_torch(t: int) -> None:
     start = int(torch.randint(0, max_len, (1,), generator=gen))
     positions = (start + torch.arange(t)) % max_len  # distinct cache cells
     slots = torch.randint(0, 4, (t,), generator=gen)
-    k_cache, v_cache = torch.zeros(4, hkv, max_len, d), torch.zeros(4, hkv, max_len, d)
+    k_cache, v_cache = torch.zeros(hkv, 4, max_len, d), torch.zeros(hkv, 4, max_len, d)  # a head's slots together
     rows = slots * max_len + positions  # the cache by slot: blocks of max_len positions
     q = kernels.rope_into_cache(qkv, hq, hkv, cos, sin, positions, rows, k_cache, v_cache)
     qk = _rope(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), cos[positions], sin[positions])
     assert q is not None
     torch.testing.assert_close(q, qk[:, :hq], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(k_cache[slots, :, positions], qk[:, hq:], atol=1e-5, rtol=1e-5)
-    assert torch.equal(v_cache[slots, :, positions], qkv[:, (hq + hkv) * d :].view(t, hkv, d))
+    torch.testing.assert_close(k_cache[:, slots, positions].transpose(0, 1), qk[:, hq:], atol=1e-5, rtol=1e-5)
+    assert torch.equal(v_cache[:, slots, positions].transpose(0, 1), qkv[:, (hq + hkv) * d :].view(t, hkv, d))
     # the same tokens into a paged cache (blocks of 16, scattered): each at its block and offset
-    pool_k, pool_v = torch.zeros(4 * max_len // 16, hkv, 16, d), torch.zeros(4 * max_len // 16, hkv, 16, d)
-    order = torch.randperm(len(pool_k), generator=gen)
+    pool_k, pool_v = torch.zeros(hkv, 4 * max_len // 16, 16, d), torch.zeros(hkv, 4 * max_len // 16, 16, d)
+    order = torch.randperm(pool_k.shape[1], generator=gen)
     block = order[rows // 16]
     again = kernels.rope_into_cache(qkv, hq, hkv, cos, sin, positions, block * 16 + rows % 16, pool_k, pool_v)
     assert again is not None and torch.equal(again, q)
-    assert torch.equal(pool_k[block, :, rows % 16], k_cache[slots, :, positions])
-    assert torch.equal(pool_v[block, :, rows % 16], v_cache[slots, :, positions])
+    assert torch.equal(pool_k[:, block, rows % 16], k_cache[:, slots, positions])
+    assert torch.equal(pool_v[:, block, rows % 16], v_cache[:, slots, positions])
 
 
 def _cpu_has(flag: str) -> bool:

@@ -17,7 +17,7 @@ def test_writes_land_in_the_slots_blocks_and_gather_reads_them_back() -> None:
     gen = torch.Generator().manual_seed(0)
     by_slot = KVCache(2, 3, 2, 40, 16, torch.float32)
     paged = KVCache(2, 3, 2, 40, 16, torch.float32, block_size=8)
-    assert paged.blocks_per_slot == 5 and paged.k[0].shape == (15, 2, 8, 16)
+    assert paged.blocks_per_slot == 5 and paged.k[0].shape == (2, 15, 8, 16)
     slots = torch.tensor([2, 0, 2, 1, 1])
     positions = torch.tensor([39, 0, 8, 17, 3])
     k, v = torch.randn(5, 2, 16, generator=gen), torch.randn(5, 2, 16, generator=gen)
@@ -29,7 +29,7 @@ def test_writes_land_in_the_slots_blocks_and_gather_reads_them_back() -> None:
     tables = paged.block_tables(torch.tensor([2, 0], dtype=torch.int32))
     assert tables.tolist() == [[10, 11, 12, 13, 14], [0, 1, 2, 3, 4]]
     rows = paged.cache_rows(slots, positions)
-    assert torch.equal(paged.k[1][rows // 8, :, rows % 8], k)  # block * 8 + offset
+    assert torch.equal(paged.k[1][:, rows // 8, rows % 8].transpose(0, 1), k)  # block * 8 + offset
     with pytest.raises(ValueError):
         KVCache(1, 1, 1, 40, 16, torch.float32, block_size=12)
 
@@ -39,7 +39,7 @@ def test_a_pool_follows_the_tables_the_scheduler_sets() -> None:
     block: a shared prefix); entries past a table's end point at the scratch block."""
     gen = torch.Generator().manual_seed(1)
     pool = KVCache(1, 3, 2, 32, 4, torch.float32, block_size=8, num_blocks=6)
-    assert pool.k[0].shape == (7, 2, 8, 4) and pool.scratch_block == 6
+    assert pool.k[0].shape == (2, 7, 8, 4) and pool.scratch_block == 6
     assert pool.block_tables(torch.tensor([1], dtype=torch.int32)).tolist() == [[6, 6, 6, 6]]
     pool.set_tables(np.array([0, 2], np.int32), np.array([2, 3], np.int32), np.array([4, 1, 4, 0, 5], np.int32))
     assert pool.block_tables(torch.tensor([2, 0], dtype=torch.int32)).tolist() == [[4, 0, 5, 6], [4, 1, 6, 6]]
@@ -47,7 +47,7 @@ def test_a_pool_follows_the_tables_the_scheduler_sets() -> None:
     pool.write(0, torch.zeros(16, dtype=torch.long), torch.arange(16), k, v)  # slot 0: blocks 4 and 1
     keys, values = pool.gather(0, [2], 8)  # slot 2 shares block 4: its first 8 positions
     assert torch.equal(keys[0].transpose(0, 1), k[:8]) and torch.equal(values[0].transpose(0, 1), v[:8])
-    assert torch.equal(pool.k[0][1].transpose(0, 1), k[8:])
+    assert torch.equal(pool.k[0][:, 1].transpose(0, 1), k[8:])
     pool.set_tables(np.array([0], np.int32), np.array([1], np.int32), np.array([3], np.int32))  # shrunk, moved
     assert pool.block_tables(torch.tensor([0], dtype=torch.int32)).tolist() == [[3, 6, 6, 6]]
     with pytest.raises(RuntimeError):

@@ -7,7 +7,9 @@
  * tokens' query heads:
  *
  *   q   [B * n, hkv * g, D]                the rows' new tokens, row after row (head = h * g + i)
- *   k,v [num_blocks, hkv, block_size, D]   one layer's cache in blocks (D a multiple of 16)
+ *   k,v [hkv, num_blocks, block_size, D]   one layer's cache in blocks (D a multiple of 16), a
+ *                                          head's blocks together (consecutive blocks of a head
+ *                                          are one run of memory, read as a stream)
  *   out [B * n, hkv * g, D]
  *
  * Token j of row r sits at position starts[r] + j and attends keys 0 .. starts[r] + j. The key at
@@ -82,20 +84,21 @@ static inline v8 fma8(v8 a, v8 b, v8 c) {
 }
 
 /* acc[c][0 .. dims) += the sum over t in [t0, t1) and below length[c] of w[c][t] * v[t][0 .. dims)
-   (value t of head h in block table[t / bs] at t % bs, rows D apart; acc rows D apart), in order of t */
-static inline __attribute__((always_inline)) void weighted_sum(const float* v, const int* table, int hkv, int h,
-                                                               int bs, int D, const float* const* w,
+   (value t in block table[t / bs] of the head's blocks v, at t % bs, rows D apart; acc rows D
+   apart), in order of t */
+static inline __attribute__((always_inline)) void weighted_sum(const float* v, const int* table, int bs, int D,
+                                                               const float* const* w,
                                                                const int* length, int t0, int t1, int na, int dims,
                                                                float* const* acc_out) {
     v8 acc[QUERIES_PER_PASS][8];
     for (int c = 0; c < na; c++)
         for (int i = 0; i < dims / 8; i++) acc[c][i] = load(acc_out[c] + 8 * i);
     int blk = t0 / bs, off = t0 % bs;  /* walked along, not divided per key */
-    const float* vb = v + ((size_t)table[blk] * hkv + h) * bs * D;
+    const float* vb = v + (size_t)table[blk] * bs * D;
     for (int t = t0; t < t1; t++, off++) {
         if (off == bs) {
             off = 0;
-            vb = v + ((size_t)table[++blk] * hkv + h) * bs * D;
+            vb = v + (size_t)table[++blk] * bs * D;
         }
         const float* vt = vb + (size_t)off * D;
         for (int c = 0; c < na; c++) {
@@ -110,8 +113,11 @@ static inline __attribute__((always_inline)) void weighted_sum(const float* v, c
 
 /* queries a0 .. a0 + nq - 1 of row r, key/value head h (see cache_attention_f32) */
 static void attend(const float* q, const float* k, const float* v, const int* table, float* out, int r, int h,
-                   int start, int n, int a0, int nq, int hkv, int g, int D, int bs, float scale) {
+                   int start, int n, int a0, int nq, int hkv, int g, int D, int bs, int num_blocks, float scale) {
     int hq = hkv * g;
+    size_t head = (size_t)h * num_blocks * bs * D;  /* head h's blocks */
+    k += head;
+    v += head;
     int last = start + (a0 + nq - 1) / g + 1;  /* keys the chunk's last query attends */
     int blocks = (last + KEYS - 1) / KEYS, padded = blocks * KEYS;
     /* query a0 + a = j * g + i: token j, head h * g + i; p[a] its weights over the keys */
@@ -133,7 +139,7 @@ static void attend(const float* q, const float* k, const float* v, const int* ta
             v8 best = load(top + KEYS * a);
             for (int b = b0; b < b1; b++) {
                 int off = b * KEYS % bs;
-                const float* kt = k + (((size_t)table[b * KEYS / bs] * hkv + h) * bs + off) * D;
+                const float* kt = k + ((size_t)table[b * KEYS / bs] * bs + off) * D;
                 v8 sc;
                 if (off + KEYS <= bs) {
                     sc = D == 64 ? scores8(qa, kt, 64, scale) : scores8(qa, kt, D, scale);
@@ -183,9 +189,9 @@ static void attend(const float* q, const float* k, const float* v, const int* ta
                     o[c] = acc + (size_t)(c0 + c) * D + d0;
                 }
                 if (dims == 64 && na == QUERIES_PER_PASS)
-                    weighted_sum(v + d0, table, hkv, h, bs, D, w, length + c0, t0, t1, QUERIES_PER_PASS, 64, o);
+                    weighted_sum(v + d0, table, bs, D, w, length + c0, t0, t1, QUERIES_PER_PASS, 64, o);
                 else
-                    weighted_sum(v + d0, table, hkv, h, bs, D, w, length + c0, t0, t1, na, dims, o);
+                    weighted_sum(v + d0, table, bs, D, w, length + c0, t0, t1, na, dims, o);
             }
         }
     }
@@ -202,7 +208,7 @@ static void attend(const float* q, const float* k, const float* v, const int* ta
 
 void cache_attention_f32(const float* q, const float* k, const float* v, float* out,
                          const int* tables, int width, const int* starts, int B, int n, int hkv, int g, int D,
-                         int block_size, float scale, int threads) {
+                         int block_size, int num_blocks, float scale, int threads) {
     /* tasks: (row, key/value head, chunk of CHUNK_TOKENS tokens' queries): a prefill chunk's
        queries spread over the threads, and their weights over the keys take bounded memory */
     int chunks = (n + CHUNK_TOKENS - 1) / CHUNK_TOKENS;
@@ -211,6 +217,6 @@ void cache_attention_f32(const float* q, const float* k, const float* v, float* 
         int r = task / (hkv * chunks), h = task / chunks % hkv, chunk = task % chunks;
         int j0 = chunk * CHUNK_TOKENS, tokens = n - j0 < CHUNK_TOKENS ? n - j0 : CHUNK_TOKENS;
         attend(q, k, v, tables + (size_t)r * width, out, r, h, starts[r], n, j0 * g, tokens * g, hkv, g, D,
-               block_size, scale);
+               block_size, num_blocks, scale);
     }
 }

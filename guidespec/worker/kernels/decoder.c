@@ -22,7 +22,7 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;
     linear_t qkv, o, gate_up, down;
-    float *k_cache, *v_cache;  /* [num_blocks][hkv][block_size][D] */
+    float *k_cache, *v_cache;  /* [hkv][num_blocks][block_size][D] */
 } layer_t;
 
 void packed_linear_f32(const float* x, const float* wp, const float* bias, float* y, int M, int N, int K, int threads);
@@ -32,12 +32,12 @@ void gguf_linear(const float* x, const uint8_t* qs, const void* s0, const void* 
                  float* y, int M, int N, int K, int threads);
 void cache_attention_f32(const float* q, const float* k, const float* v, float* out, const int* tables,
                          int width, const int* starts, int B, int n, int hkv, int g, int D, int block_size,
-                         float scale, int threads);
+                         int num_blocks, float scale, int threads);
 void add_rms_norm_f32(const float* x, const float* delta, const float* w, float eps, float* x_out, float* h, int T,
                       int H, int threads);
 void rope_cache_f32(const float* qkv, int T, int hq, int hkv, int D, const float* cos, const float* sin,
                     const int64_t* positions, const int64_t* rows, float* k_cache, float* v_cache, int block_size,
-                    float* q_out, int threads);
+                    int num_blocks, float* q_out, int threads);
 void silu_mul_f32(const float* gate_up, int T, int I, float* out, int threads);
 
 static void linear(const linear_t* w, const float* x, float* y, int M, int threads) {
@@ -55,7 +55,8 @@ static void linear(const linear_t* w, const float* x, float* y, int M, int threa
 void decoder_forward_f32(float* x, int T, int H, const layer_t* layers, int num_layers, const float* final_norm,
                          float eps, int hq, int hkv, int D, int I, const float* cos, const float* sin,
                          const int64_t* positions, const int64_t* token_rows, const int* tables, int width,
-                         const int* row_starts, int B, int n, int block_size, float scale, float* hidden,
+                         const int* row_starts, int B, int n, int block_size, int num_blocks, float scale,
+                         float* hidden,
                          int threads) {
     size_t qkv_width = (size_t)(hq + 2 * hkv) * D;
     float* h = malloc(sizeof(float) * (size_t)T * H);
@@ -70,9 +71,9 @@ void decoder_forward_f32(float* x, int T, int H, const layer_t* layers, int num_
         add_rms_norm_f32(x, i ? delta : NULL, layer->input_norm, eps, x, h, T, H, threads);
         linear(&layer->qkv, h, qkv, T, threads);
         rope_cache_f32(qkv, T, hq, hkv, D, cos, sin, positions, token_rows, layer->k_cache, layer->v_cache, block_size,
-                       q, threads);
+                       num_blocks, q, threads);
         cache_attention_f32(q, layer->k_cache, layer->v_cache, attn, tables, width, row_starts, B, n, hkv, hq / hkv,
-                            D, block_size, scale, threads);
+                            D, block_size, num_blocks, scale, threads);
         linear(&layer->o, attn, delta, T, threads);
         add_rms_norm_f32(x, delta, layer->post_norm, eps, x, h, T, H, threads);
         linear(&layer->gate_up, h, gate_up, T, threads);

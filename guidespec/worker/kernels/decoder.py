@@ -133,6 +133,7 @@ class DecoderStack:
             len(tables),
             n,
             kv.k[0].shape[2],
+            kv.k[0].shape[1],
             d**-0.5,
             hidden.data_ptr(),
             torch.get_num_threads(),

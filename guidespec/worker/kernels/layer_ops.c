@@ -52,11 +52,12 @@ static inline void rotate(const float* x, const float* cos, const float* sin, in
 }
 
 /* qkv [T][(hq + 2 hkv) D] (q heads, k heads, v heads): q rotated into q_out [T][hq][D]; k rotated
-   and v copied into the caches [num_blocks][hkv][block_size][D] at cache row rows[t] (block
-   rows[t] / block_size, offset rows[t] % block_size); cos, sin [max_len][D] at positions[t] */
+   and v copied into the caches [hkv][num_blocks][block_size][D] at cache row rows[t] (block
+   rows[t] / block_size, offset rows[t] % block_size, of each head's blocks); cos, sin [max_len][D]
+   at positions[t] */
 void rope_cache_f32(const float* qkv, int T, int hq, int hkv, int D, const float* cos, const float* sin,
                     const int64_t* positions, const int64_t* rows, float* k_cache, float* v_cache, int block_size,
-                    float* q_out, int threads) {
+                    int num_blocks, float* q_out, int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads) if (T >= 32)
     for (int t = 0; t < T; t++) {
         const float* row = qkv + (size_t)t * (hq + 2 * hkv) * D;
@@ -64,7 +65,7 @@ void rope_cache_f32(const float* qkv, int T, int hq, int hkv, int D, const float
         const float *c = cos + (size_t)pos * D, *s = sin + (size_t)pos * D;
         for (int h = 0; h < hq; h++) rotate(row + (size_t)h * D, c, s, D, q_out + ((size_t)t * hq + h) * D);
         for (int h = 0; h < hkv; h++) {
-            size_t at = (((size_t)(rows[t] / block_size) * hkv + h) * block_size + rows[t] % block_size) * D;
+            size_t at = ((size_t)h * num_blocks * block_size + (size_t)rows[t]) * D;
             rotate(row + (size_t)(hq + h) * D, c, s, D, k_cache + at);
             const float* vh = row + (size_t)(hq + hkv + h) * D;
             for (int i = 0; i < D; i++) v_cache[at + i] = vh[i];

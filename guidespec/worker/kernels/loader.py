@@ -57,11 +57,11 @@ def load(path: Path) -> ctypes.CDLL:
     ]
     lib.gguf_dequantize_rows.restype = None
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.cache_attention_f32.argtypes = _signature(p, p, p, p, p, i, p, i, i, i, i, i, i, f, i)
+    lib.cache_attention_f32.argtypes = _signature(p, p, p, p, p, i, p, i, i, i, i, i, i, i, f, i)
     lib.cache_attention_f32.restype = None
     lib.add_rms_norm_f32.argtypes = _signature(p, p, p, f, p, p, i, i, i)
     lib.add_rms_norm_f32.restype = None
-    lib.rope_cache_f32.argtypes = _signature(p, i, i, i, i, p, p, p, p, p, p, i, p, i)
+    lib.rope_cache_f32.argtypes = _signature(p, i, i, i, i, p, p, p, p, p, p, i, i, p, i)
     lib.rope_cache_f32.restype = None
     lib.silu_mul_f32.argtypes = _signature(p, i, i, p, i)
     lib.silu_mul_f32.restype = None
@@ -70,7 +70,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.argmax_rows_f32.argtypes = _signature(p, i, i, p, p, i)
     lib.argmax_rows_f32.restype = None
     lib.decoder_forward_f32.argtypes = _signature(
-        p, i, i, p, i, p, f, i, i, i, i, p, p, p, p, p, i, p, i, i, i, f, p, i
+        p, i, i, p, i, p, f, i, i, i, i, p, p, p, p, p, i, p, i, i, i, i, f, p, i
     )
     lib.decoder_forward_f32.restype = None
     return lib

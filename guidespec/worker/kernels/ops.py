@@ -115,7 +115,7 @@ def cache_attention(
     """Attention of ``num_new_tokens`` new tokens per row over one layer's cache, or None where
     the kernel does not apply (torch does it then).
 
-    q [B * n, hkv * g, D] (row after row); k_cache, v_cache [num_blocks, hkv, block_size, D] with
+    q [B * n, hkv * g, D] (row after row); k_cache, v_cache [hkv, num_blocks, block_size, D] with
     the new tokens' keys already written; tables [B, W] int32: each row's cache blocks in position
     order (position p in block ``tables[r, p // block_size]``; block_size a multiple of 8, or the
     whole length with one block a row: the cache by slot); starts [B] int32: the position of each
@@ -135,7 +135,7 @@ def cache_attention(
         or not tables.is_contiguous()
     ):
         return None
-    _, hkv, block_size, d = k_cache.shape
+    hkv, num_blocks, block_size, d = k_cache.shape
     q = q.contiguous()
     out = torch.empty_like(q)
     lib.cache_attention_f32(
@@ -152,6 +152,7 @@ def cache_attention(
         num_query_groups,
         d,
         block_size,
+        num_blocks,
         d**-0.5,
         torch.get_num_threads(),
     )
@@ -199,7 +200,7 @@ def rope_into_cache(
     v_cache: torch.Tensor,
 ) -> torch.Tensor | None:
     """Rotary embedding of qkv [T, (hq + 2 hkv) * D]'s q and k heads at ``positions`` (cos, sin:
-    the model's [max_len, D] tables), k and v written into one layer's cache [num_blocks, hkv,
+    the model's [max_len, D] tables), k and v written into one layer's cache [hkv, num_blocks,
     block_size, D] at cache ``rows`` (block * block_size + offset; int64 [T], as positions);
     returns q [T, hq, D], or None where the kernel does not apply (nothing is written then)."""
     lib = loader.library()
@@ -229,6 +230,7 @@ def rope_into_cache(
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         k_cache.shape[2],
+        k_cache.shape[1],
         q.data_ptr(),
         torch.get_num_threads(),
     )
