@@ -110,6 +110,13 @@ def fused_steps() -> bool:
     return os.environ.get("GUIDESPEC_FUSED_STEPS", "1") != "0"
 
 
+def async_scheduling() -> bool:
+    """Whether an engine without a drafter plans and sends each step while the one before runs
+    (``scheduler.py``; ``GUIDESPEC_ASYNC_SCHEDULING``, default ``1``): ``0`` runs the steps one
+    after another, to measure the difference."""
+    return os.environ.get("GUIDESPEC_ASYNC_SCHEDULING", "1") != "0"
+
+
 def draft_mask_timeout_s() -> float:
     """How long rank 0 waits for a draft step's mask before drafting no more this step
     (``GUIDESPEC_DRAFT_MASK_TIMEOUT_S``; a dead scheduler ends the wait at once)."""

@@ -428,6 +428,9 @@ class StepBitmask:
 
 
 NO_TOKEN = -1  # a StepOutputs token where the row's mask allowed no token at all
+# a StepInputs token the workers take from what they sampled for the row's slot in the step before
+# (a step run ahead of its predecessor's outputs: async scheduling)
+LAST_SAMPLED = -1
 
 
 @register_message(22)

@@ -98,7 +98,7 @@ class Batcher:
         self._admit()
         budget = self.max_num_batched_tokens
         rows: list[ScheduledRow] = []
-        pending = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens, r.arrival_time))
+        pending = sorted(self.running, key=lambda r: (r.num_known_tokens - r.num_computed_tokens, r.arrival_time))
         for request in pending:
             if request.status is not Status.RUNNING:  # preempted for an earlier row's blocks
                 continue
@@ -109,7 +109,7 @@ class Batcher:
             if not self._reserve(request, request.num_computed_tokens + count, rows):
                 continue
             budget -= count
-            done = request.num_computed_tokens + count == request.num_tokens
+            done = request.num_computed_tokens + count == request.num_known_tokens
             rows.append(ScheduledRow(request, request.num_computed_tokens, count, 1 if done else 0))
         rows = [row for row in rows if row.request.status is Status.RUNNING]
         rows.sort(key=lambda row: row.request.slot)  # type: ignore[arg-type, return-value]
@@ -123,8 +123,27 @@ class Batcher:
         for row in rows:
             request, table = row.request, row.request.blocks
             if request.status is Status.RUNNING and table is not None:
-                if min(request.num_computed_tokens // size, len(table.blocks)) > table.num_full:
-                    table.commit(request.prompt_token_ids + request.output_token_ids, request.num_computed_tokens)
+                computed = min(request.num_computed_tokens, request.num_tokens)  # (not a pending token)
+                if min(computed // size, len(table.blocks)) > table.num_full:
+                    table.commit(request.prompt_token_ids + request.output_token_ids, computed)
+
+    def started(self, rows: list[ScheduledRow], step: int, run_ahead: bool) -> None:
+        """A step's rows went out: their tokens (drafts aside) count as computed, so the next step
+        can be planned before this one's outputs (the row of a draft rejected, or of a token
+        dropped, is set back by the emit). With ``run_ahead``, a row that samples one token and
+        whose request knows nothing past it makes that token pending: the next step runs it
+        before the scheduler has it (``Request.pending_step``)."""
+        for row in rows:
+            request = row.request
+            drafts = max(0, row.num_logits - 1)
+            request.advance_computed(row.num_new_tokens - drafts)
+            if (
+                run_ahead
+                and row.num_logits == 1
+                and request.grammar_ready
+                and request.num_computed_tokens == request.num_known_tokens
+            ):
+                request.pending_step = step
 
     def table_updates(self, rows: list[ScheduledRow]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """The block tables of ``rows`` that changed since the workers last had them: (slots,
@@ -278,6 +297,7 @@ class Batcher:
         self._give_back(request)
         request.status = Status.WAITING
         request.num_computed_tokens = 0
+        request.pending_step = -1
         request.mask_came_late = False
         request.draft_tokens = []
         request.stats.num_preemptions += 1
@@ -306,9 +326,15 @@ class Batcher:
         )
 
     def _computable(self, request: Request) -> int:
-        """How many of the request's tokens can be computed now: all, or with its grammar still
-        compiling and no late mask (or one that came too late already), all but the last (its
-        logits need the mask)."""
+        """How many of the request's tokens can be computed now: all (with the one an in-flight
+        step samples, unless that one ends it at ``max_tokens`` or the model's length), or with its
+        grammar still compiling and no late mask (or one that came too late already), all but
+        the last (its logits need the mask)."""
+        if request.pending_step >= 0:
+            ends = len(request.output_token_ids) + 1 >= request.params.max_tokens or (
+                self.max_model_len is not None and request.num_tokens + 1 >= self.max_model_len
+            )
+            return request.num_tokens if ends else request.num_tokens + 1
         if request.grammar_ready or (self.late_masks and not request.mask_came_late):
             return request.num_tokens
         return request.num_tokens - 1

@@ -41,7 +41,9 @@ class Emitter:
         self.client_out = client_out
 
     def emit(self, rows: list[ScheduledRow], outputs: StepOutputs, dropped: set[str]) -> None:
-        """``dropped``: the requests whose token this step was sampled without its mask."""
+        """``dropped``: the requests whose token this step was sampled without its mask. A row
+        run ahead of the step before on a token that step followed with more (jump-forward
+        tokens, an end) has its sample dropped: its request's next step computes those."""
         offsets = np.concatenate([[0], np.cumsum(outputs.num_tokens)])
         proposals = split(outputs.draft_tokens, outputs.num_draft_tokens)
         now = time.time()
@@ -55,7 +57,7 @@ class Emitter:
             )
         deltas: list[RequestOutput] = []  # one message for the step's deltas: one send, not one per request
         try:
-            self._emit_rows(rows, outputs, offsets, proposals, now, deltas, dropped)
+            self._emit_rows(rows, outputs, offsets, proposals, now, deltas, dropped, outputs.step)
         finally:
             if deltas:
                 self.client_out.send(RequestOutputs(deltas))
@@ -69,14 +71,19 @@ class Emitter:
         now: float,
         deltas: list[RequestOutput],
         dropped: set[str],
+        step: int,
     ) -> None:
         for i, row in enumerate(rows):
             if not self.table.holds(row.request):  # failed during this step
                 continue
             if row.request.request_id in dropped:  # sampled without its mask: that token runs again
-                row.request.advance_computed(row.num_new_tokens - row.num_logits)
+                row.request.advance_computed(-row.num_logits)
                 row.request.mask_came_late = True
                 continue
+            if row.request.pending_step == step:
+                row.request.pending_step = -1
+            if row.num_logits and row.start + row.num_new_tokens - (row.num_logits - 1) != row.request.num_tokens:
+                continue  # run ahead on a token that the step before followed with more (jump-forward)
             new_tokens = outputs.token_ids[offsets[i] : offsets[i + 1]].tolist()
             if NO_TOKEN in new_tokens:
                 self.table.fail(
@@ -103,8 +110,7 @@ class Emitter:
         add the request's delta to the step's."""
         request = row.request
         num_drafts = row.num_logits - 1 if row.num_logits else 0
-        accepted = max(0, len(new_tokens) - 1)
-        request.advance_computed(row.num_new_tokens - num_drafts)
+        accepted = max(0, len(new_tokens) - 1)  # (the row's other tokens count as computed since it went out)
         if self.speculator is not None:
             self.speculator.observe(request, num_drafts, accepted)
         if not new_tokens or request.finished:
@@ -112,6 +118,7 @@ class Emitter:
         request.stats.record_step(num_drafts, accepted)
         if not request.output_token_ids:
             request.first_token_time = now
+        known = request.num_tokens
         reason, appended = self._append_all(request, new_tokens)
         # accepted drafts are in the KV cache now; rejected drafts' entries get overwritten later
         request.advance_computed(min(accepted, appended))
@@ -128,6 +135,8 @@ class Emitter:
             end = self.grammar.end_token(request.request_id)  # a complete output ends here, not in a step
             if end is not None:
                 reason = self._append(request, end)
+        if request.pending_step >= 0 and request.num_tokens != known + len(new_tokens):
+            request.pending_step = -1  # the next step ran ahead on this row's token alone: its sample is dropped
         if reason == "error" or (reason is None and not request.stream):  # (the finished output comes whole)
             return
         delta = make_delta(request, reason)

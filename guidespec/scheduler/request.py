@@ -2,7 +2,11 @@
 
 There is no prefill phase and decode phase: a request has ``num_tokens`` known tokens
 (prompt + output) of which ``num_computed_tokens`` are in the KV cache; each step computes
-some of the rest. Invariant: 0 <= num_computed_tokens <= num_tokens <= max_model_len.
+some of the rest. Invariant: 0 <= num_computed_tokens <= num_known_tokens <= max_model_len.
+
+With a step run ahead (async scheduling, ``scheduler.py``), a request may have one more token
+than it knows: the token an in-flight step samples for it (``pending_step``), which the next
+step already runs as ``LAST_SAMPLED`` (the workers put the token they sampled in its place).
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from guidespec.protocol import DecodeStats, SamplingParams
+from guidespec.protocol import LAST_SAMPLED, DecodeStats, SamplingParams
 from guidespec.scheduler.detokenizer import IncrementalDetokenizer
 from guidespec.scheduler.kv_blocks import BlockTable
 
@@ -48,6 +52,8 @@ class Request:
     grammar_backend: str = ""  # the backend enforcing its grammar, once ready
     grammar_refusal: str = ""  # why a backend before it refused (backend "auto"), if one did
     draft_tokens: list[int] = field(default_factory=list)  # this step's drafts, after the known tokens
+    # the in-flight step whose sampled token the next step runs before the scheduler has it (-1: none)
+    pending_step: int = -1
     stream: bool = True  # the client takes its deltas as they come (else only the finished output)
     stats: DecodeStats = field(default_factory=DecodeStats)
 
@@ -60,23 +66,31 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Its tokens, with the one an in-flight step samples for it (``pending_step``)."""
+        return self.num_tokens + (self.pending_step >= 0)
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
     def token_at(self, position: int) -> int:
-        """The token at a position: prompt, then output, then this step's drafts."""
+        """The token at a position: prompt, then output, then this step's drafts (or the token an
+        in-flight step samples, ``LAST_SAMPLED``)."""
         n = len(self.prompt_token_ids)
         if position < n:
             return self.prompt_token_ids[position]
         m = len(self.output_token_ids)
-        return self.output_token_ids[position - n] if position - n < m else self.draft_tokens[position - n - m]
+        if position - n < m:
+            return self.output_token_ids[position - n]
+        return LAST_SAMPLED if self.pending_step >= 0 else self.draft_tokens[position - n - m]
 
     def tokens(self, start: int, end: int) -> list[int]:
         return [self.token_at(p) for p in range(start, end)]
 
     def advance_computed(self, count: int) -> None:
         self.num_computed_tokens += count
-        assert 0 <= self.num_computed_tokens <= self.num_tokens, (self.num_computed_tokens, self.num_tokens)
+        assert 0 <= self.num_computed_tokens <= self.num_known_tokens, (self.num_computed_tokens, self.num_tokens)
 
     @property
     def finished(self) -> bool:

@@ -1,8 +1,9 @@
 """The scheduler process: its loop, start to end.
 
     wait for workers and the grammar compile process -> EngineReady ->
-    loop: receive -> poll grammars -> schedule -> [plan drafts] -> broadcast (inputs, then bitmasks)
-          -> collect (answering draft-step mask requests) -> emit
+    loop: receive -> poll grammars -> schedule -> [plan drafts] -> send inputs
+          -> [collect and emit the step before, run ahead] -> send bitmasks
+          -> [collect (answering draft-step mask requests) -> emit]
 
 It owns every request's state (and, with guided decoding, every grammar). Workers see only
 StepInputs on the shared-memory ring; rank 0 answers with StepOutputs over ZeroMQ. A worker
@@ -58,7 +59,7 @@ from guidespec.scheduler.health import EngineFailure, Health
 from guidespec.scheduler.intake import Intake
 from guidespec.scheduler.kv_blocks import BlockPool
 from guidespec.scheduler.speculation.proposer import MAX_FORCED_DRAFTS, Speculator
-from guidespec.scheduler.step_channel import COMPILE_POLL_S, IDLE_POLL_S, StepChannel
+from guidespec.scheduler.step_channel import COMPILE_POLL_S, IDLE_POLL_S, Step, StepChannel
 from guidespec.scheduler.table import RequestTable
 from guidespec.scheduler.trace import StepTrace
 
@@ -128,7 +129,9 @@ class Scheduler:
             if speculative
             else None
         )
-        self.times: dict[str, float] = {}
+        # async scheduling: each step is sent while the one before runs (no drafter: a draft
+        # depends on every token before it)
+        self.run_ahead = cfg.async_scheduling and self.speculator is None
         self.trace = StepTrace()
         self.health = Health(parent_pid)
         self.table = RequestTable(self.batcher, self.grammar, self.speculator, self.client_out)
@@ -143,7 +146,6 @@ class Scheduler:
             self.table,
             self.intake,
             self.health,
-            self.times,
         )
         self.emitter = Emitter(cfg, self.grammar, self.speculator, self.table, self.client_out)
         self._stats: SchedulerStats | None = None
@@ -169,37 +171,52 @@ class Scheduler:
         )
 
     def run(self) -> None:
+        """The loop. With ``async_scheduling``, step N+1 is planned and sent while step N runs:
+        its rows run the tokens N samples as the workers sampled them (``LAST_SAMPLED``); N's
+        outputs are emitted meanwhile, and N+1's bitmask filled after them (its grammars then
+        stand after N's tokens), still while N+1's forward runs."""
+        in_flight: Step | None = None
         while not self.health.stopping:
-            self.receive()
+            self.receive(busy=in_flight is not None)
             self.intake.poll_grammars()
             self.send_stats()
-            self.times["start"] = time.time()
+            if in_flight is not None and not self.steps.can_run_ahead:
+                self._finish(in_flight)
+                in_flight = None
+            start = time.time()
             rows = self.batcher.schedule()
-            if not rows:
-                continue
-            if self.speculator is not None:
+            if rows and self.speculator is not None:
                 rows = self._plan_drafts(rows)
-                if not rows:
-                    continue
-            guided_rows = self.steps.broadcast(rows)
-            outputs = self.steps.collect(rows)
-            self.times["outputs"] = time.time()
-            self.emitter.emit(rows, outputs, self.steps.dropped)
-            self.batcher.commit(rows)
-            self.times["end"] = time.time()
-            if outputs.timings is not None:
-                self.trace.record(
-                    self.steps.step_id,
-                    self.times,
-                    outputs.timings,
-                    len(rows),
-                    guided_rows,
-                    outputs.draft_s,
-                    sum(row.num_new_tokens for row in rows),
-                    self.steps.draft_fills,
-                    outputs.fused,
-                    outputs.mask_waits,
-                )
+            step = self.steps.send_inputs(rows, start, self.run_ahead) if rows else None
+            if in_flight is not None:
+                self._finish(in_flight)
+            in_flight = None
+            if step is not None:
+                self.steps.send_bitmask(step)
+                if self.run_ahead:
+                    in_flight = step
+                else:
+                    self._finish(step)
+
+    def _finish(self, step: Step) -> None:
+        """Collect a step's outputs and emit them."""
+        outputs = self.steps.collect(step)
+        self.emitter.emit(step.rows, outputs, step.dropped)
+        self.batcher.commit(step.rows)
+        step.times["end"] = time.time()
+        if outputs.timings is not None:
+            self.trace.record(
+                step.step_id,
+                step.times,
+                outputs.timings,
+                len(step.rows),
+                len(step.guided),
+                outputs.draft_s,
+                sum(row.num_new_tokens for row in step.rows),
+                step.draft_fills,
+                outputs.fused,
+                outputs.mask_waits,
+            )
 
     def send_stats(self) -> None:
         """The queue's figures to the client when they change (at most every 0.1 s)."""
@@ -241,9 +258,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step
 
-    def receive(self) -> None:
-        """Take in client messages: wait for one while idle, drain without waiting otherwise."""
-        if self.batcher.has_runnable_work:
+    def receive(self, busy: bool = False) -> None:
+        """Take in client messages: wait for one while idle, drain without waiting otherwise
+        (``busy``: a step is in flight)."""
+        if busy or self.batcher.has_runnable_work:
             timeout = 0.0
         else:
             timeout = COMPILE_POLL_S if self.grammar.has_pending else IDLE_POLL_S

@@ -1,10 +1,15 @@
 """One step's exchange with the workers: the broadcast, the bitmask, the drafts' masks, the outputs.
 
-    broadcast: StepInputs on the ring (the forward starts at once), then the StepBitmask, filled
-               while the workers compute (or held back for a grammar that still compiles)
-    collect:   wait for rank 0's StepOutputs, meanwhile answering its draft steps' mask requests
-               (the draft channel, or DraftTokens messages), loading finished compiles, writing a
-               held-back bitmask, and watching the workers
+    send_inputs:  StepInputs on the ring (the forward starts at once)
+    send_bitmask: the StepBitmask, filled while the workers compute (or held back for a grammar
+                  that still compiles); with a step run ahead, after the step before was emitted
+                  (the grammars then stand after its tokens)
+    collect:      wait for rank 0's StepOutputs, meanwhile answering its draft steps' mask
+                  requests (the draft channel, or DraftTokens messages), loading finished
+                  compiles, writing a held-back bitmask, and watching the workers
+
+The ring carries a step's inputs, then its bitmask, then the next step's inputs: a step runs ahead
+only once the bitmask of the one before is written (``can_run_ahead``).
 
 A request whose grammar is not ready when its bitmask row is due gets no row: the token the
 workers sample for it is dropped (``dropped``, read by the emit) and its last prompt token runs
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -49,6 +55,18 @@ COMPILE_POLL_S = 0.002  # how often an otherwise idle scheduler looks for finish
 _LATE_MASK_MAX_S = 2.0
 
 
+@dataclass
+class Step:
+    """A step sent to the workers, until its outputs are emitted."""
+
+    step_id: int
+    rows: list[ScheduledRow]
+    guided: list[tuple[int, ScheduledRow]]  # (first logits row, row) of its guided rows
+    times: dict[str, float]  # its wall times, for the trace (scheduler.py)
+    dropped: set[str] = field(default_factory=set)  # requests whose token is dropped (``_write_bitmask``)
+    draft_fills: list[tuple[int, float, float]] = field(default_factory=list)  # (draft step, start, end)
+
+
 class StepChannel:
     def __init__(
         self,
@@ -61,7 +79,6 @@ class StepChannel:
         table: RequestTable,
         intake: Intake,
         health: Health,
-        times: dict[str, float],
     ) -> None:
         self.cfg = cfg
         self.broadcaster = broadcaster
@@ -73,37 +90,43 @@ class StepChannel:
         self.table = table
         self.intake = intake
         self.health = health
-        self.times = times  # the step's wall times, for the trace (the loop's own too)
         self.step_id = 0
-        self.draft_fills: list[tuple[int, float, float]] = []  # this step's draft masks: (draft step, start, end)
-        self.dropped: set[str] = set()  # requests whose token this step is dropped (``_write_bitmask``)
-        self._step_drafts = False  # this step's rank 0 drafts (and ends with DONE on the channel)
-        # this step's guided rows while its bitmask waits for a grammar that compiles (``broadcast``)
-        self._late_mask: list[tuple[int, ScheduledRow]] | None = None
+        self._step_drafts = False  # the last step's rank 0 drafts (and ends with DONE on the channel)
+        # the step whose bitmask waits for a grammar that compiles (``send_bitmask``)
+        self._late_mask: Step | None = None
         self._late_timer = AwakeTimer(_LATE_MASK_MAX_S)
 
     # ------------------------------------------------------------------ the broadcast
 
-    def broadcast(self, rows: list[ScheduledRow]) -> int:
-        """Two broadcasts: the inputs first, so the forward starts at once; then the bitmasks,
-        filled while the workers compute. Rows of unguided requests get no bitmask row. A step
-        with the last prompt token of a request whose grammar still compiles holds its bitmask
-        back for ``collect`` to write (``_late_mask``). Returns the step's guided rows."""
+    def send_inputs(self, rows: list[ScheduledRow], start: float, run_ahead: bool = False) -> Step:
+        """The step's inputs on the ring: the forward starts at once. With ``run_ahead``, a row
+        that samples one token lets the next step run that token before its outputs come back
+        (``Batcher.started``). Rows of unguided requests will get no bitmask row."""
         self.step_id += 1
         logits_row = np.cumsum([0] + [row.num_logits for row in rows])
         guided = [(int(logits_row[i]), row) for i, row in enumerate(rows) if row.num_logits and row.request.guided]
         inputs = self._step_inputs(rows, has_bitmask=bool(guided))
         self._step_drafts = self.drafts is not None and inputs.draft_lens is not None
-        self.draft_fills.clear()
-        self.dropped.clear()
         self.broadcaster.write(codec.encode(inputs), timeout=envs.step_timeout_s())
-        self.times["inputs"] = self.times["mask_start"] = self.times["mask"] = time.time()
-        compiling = any(not row.request.grammar_ready for _, row in guided)
+        self.table.batcher.started(rows, self.step_id, run_ahead)
+        now = time.time()
+        return Step(self.step_id, rows, guided, {"start": start, "inputs": now, "mask_start": now, "mask": now})
+
+    def send_bitmask(self, step: Step) -> None:
+        """The step's bitmask, filled while the workers compute; held back (``collect`` writes
+        it) while a grammar of the step's last prompt tokens still compiles."""
+        if not step.guided:
+            return
+        compiling = any(not row.request.grammar_ready for _, row in step.guided)
         if compiling and not self._step_drafts:  # (rank 0's draft steps would wait on the mask too)
-            self._late_mask, self._late_timer = guided, AwakeTimer(_LATE_MASK_MAX_S)
-        elif guided:
-            self._write_bitmask(guided)
-        return len(guided)
+            self._late_mask, self._late_timer = step, AwakeTimer(_LATE_MASK_MAX_S)
+        else:
+            self._write_bitmask(step)
+
+    @property
+    def can_run_ahead(self) -> bool:
+        """Whether the next step's inputs may follow on the ring: the last bitmask is written."""
+        return self._late_mask is None
 
     def _step_inputs(self, rows: list[ScheduledRow], has_bitmask: bool) -> StepInputs:
         token_ids = [t for row in rows for t in row.request.tokens(row.start, row.start + row.num_new_tokens)]
@@ -121,7 +144,9 @@ class StepChannel:
             top_k=np.array([p.top_k for p in params], dtype=np.int32),
             top_p=np.array([p.top_p for p in params], dtype=np.float32),
             seeds=np.array([-1 if p.seed is None else p.seed for p in params], dtype=np.int64),
-            sample_index=np.array([len(row.request.output_token_ids) for row in rows], dtype=np.int32),
+            sample_index=np.array(
+                [len(row.request.output_token_ids) + (row.request.pending_step >= 0) for row in rows], dtype=np.int32
+            ),
             num_prompt_tokens=np.array([row.request.num_prompt_tokens for row in rows], dtype=np.int32),
             penalties=np.array(
                 [(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params], dtype=np.float32
@@ -134,18 +159,21 @@ class StepChannel:
             table_blocks=tables[2] if tables is not None else None,
         )
 
-    def _write_bitmask(self, guided: list[tuple[int, ScheduledRow]]) -> None:
+    def _write_bitmask(self, step: Step) -> None:
         """Fill the step's bitmask rows and write them. A request whose grammar is still not ready
         gets no row: the token the workers sample for it without a mask is dropped (``emit``), and
-        its last prompt token runs again once the grammar is ready."""
+        its last prompt token runs again once the grammar is ready. A request that ended since
+        the step went out (the step before finished it) gets none either: its sample is unused."""
         self._late_mask = None
-        self.times["mask_start"] = time.time()
+        step.times["mask_start"] = time.time()
         masked = []
-        for first, row in guided:
+        for first, row in step.guided:
+            if not self.table.holds(row.request):
+                continue
             if row.request.grammar_ready:
                 masked.append((first, row))
             else:
-                self.dropped.add(row.request.request_id)
+                step.dropped.add(row.request.request_id)
         bitmask = self._fill(
             [
                 FillRow(
@@ -166,9 +194,9 @@ class StepChannel:
         )
         if self.cfg.fused_steps and self._step_drafts:  # rank 0 may run the step as one graph (step_graph.py)
             assert self.drafts is not None
-            self.drafts.answer_verify(self.step_id, rows_array, bitmask)
-        self.broadcaster.write_bitmask(StepBitmask(self.step_id, rows_array, bitmask), timeout=envs.step_timeout_s())
-        self.times["mask"] = time.time()
+            self.drafts.answer_verify(step.step_id, rows_array, bitmask)
+        self.broadcaster.write_bitmask(StepBitmask(step.step_id, rows_array, bitmask), timeout=envs.step_timeout_s())
+        step.times["mask"] = time.time()
 
     def _fill(self, rows: list[FillRow], out: np.ndarray | None) -> np.ndarray:
         """The step's bitmask, in ``out`` (the mask arena's next buffer) where it fits. If a grammar
@@ -189,44 +217,46 @@ class StepChannel:
 
     # ------------------------------------------------------------------ the collection
 
-    def collect(self, rows: list[ScheduledRow]) -> StepOutputs:
-        """Wait for rank 0's outputs for this step, answering its draft steps' mask requests and
+    def collect(self, step: Step) -> StepOutputs:
+        """Wait for rank 0's outputs of ``step``, answering its draft steps' mask requests and
         watching the workers while waiting."""
         try:
-            return self._collect(rows)
+            return self._collect(step)
         finally:
             self.grammar.end_draft_walk()  # (the draft steps' masks walked the grammars)
 
-    def _collect(self, rows: list[ScheduledRow]) -> StepOutputs:
+    def _collect(self, step: Step) -> StepOutputs:
         timer = AwakeTimer(envs.step_timeout_s())  # running time: a pause of the whole engine is no hang
-        early = self._serve_drafts(rows, timer) if self._step_drafts else None
+        early = self._serve_drafts(step, timer) if self._step_drafts and step.step_id == self.step_id else None
         while True:
             compiling = self.grammar.has_pending
             timeout = COMPILE_POLL_S if compiling else IDLE_POLL_S
             message = early if early is not None else self.worker_results.recv(timeout_s=timeout)
             early = None
-            if isinstance(message, StepOutputs) and message.step == self.step_id:
+            if isinstance(message, StepOutputs) and message.step == step.step_id:
+                step.times["outputs"] = time.time()
                 return message
-            if isinstance(message, DraftTokens) and message.step == self.step_id:
-                self._send_draft_mask(message, rows)
+            if isinstance(message, DraftTokens) and message.step == step.step_id:
+                self._send_draft_mask(message, step.rows)
             if isinstance(message, WorkerError):
                 raise EngineFailure(worker_failure(message))
             if compiling:
                 self.intake.take_compiled()
-            if self._late_mask is not None and (
-                all(row.request.grammar_ready for _, row in self._late_mask)
-                or (isinstance(message, MaskWanted) and message.step == self.step_id)
+            late = self._late_mask
+            if late is not None and (
+                all(row.request.grammar_ready for _, row in late.guided)
+                or (isinstance(message, MaskWanted) and message.step == late.step_id)
                 or self._late_timer.expired()
             ):
-                self._write_bitmask(self._late_mask)
+                self._write_bitmask(late)
             if message is None:
                 self.health.check()
                 if timer.expired():
-                    raise EngineFailure(f"step {self.step_id}: workers gave no result in {envs.step_timeout_s():.0f} s")
+                    raise EngineFailure(f"step {step.step_id}: workers gave no result in {envs.step_timeout_s():.0f} s")
 
     # ------------------------------------------------------------------ the draft steps' masks
 
-    def _serve_drafts(self, rows: list[ScheduledRow], timer: AwakeTimer) -> object | None:
+    def _serve_drafts(self, step: Step, timer: AwakeTimer) -> object | None:
         """Answer rank 0's draft steps through the draft channel until it says it is done; returns
         a message from the workers that came meanwhile (their error), if one did."""
         assert self.drafts is not None
@@ -248,8 +278,8 @@ class StepChannel:
             if index == DRAFTS_DONE:
                 return None
             start = time.time()
-            self.drafts.answer(self.step_id, index, self._draft_mask_rows(batch_rows, sequences, rows))
-            self.draft_fills.append((index, start, time.time()))
+            self.drafts.answer(self.step_id, index, self._draft_mask_rows(batch_rows, sequences, step.rows))
+            step.draft_fills.append((index, start, time.time()))
             last = index
 
     def _draft_mask_rows(

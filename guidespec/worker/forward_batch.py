@@ -80,21 +80,29 @@ class ForwardBatch:
 
     @classmethod
     def create(cls, token_ids, slots, start_positions, num_new_tokens, num_logits) -> ForwardBatch:  # type: ignore[no-untyped-def]
-        slots, starts, counts, nlog = (list(map(int, a)) for a in (slots, start_positions, num_new_tokens, num_logits))
-        positions: list[int] = []
-        logits_indices: list[int] = []
-        offset = 0
-        for start, count, n in zip(starts, counts, nlog):
-            positions.extend(range(start, start + count))
-            logits_indices.extend(range(offset + count - n, offset + count))
-            offset += count
+        """From a step's arrays (NumPy: a step's host work is no Python loop over its tokens)."""
+        starts = np.asarray(start_positions, np.int64)
+        counts = np.asarray(num_new_tokens, np.int64)
+        nlog = np.asarray(num_logits, np.int64)
+        ends = np.cumsum(counts)
+        if (counts == 1).all():  # decode rows: a token each
+            positions = starts
+            logits_indices = np.flatnonzero(nlog)
+        else:
+            # each token's row, and its index within the row: position = row start + that index
+            row_of_token = np.repeat(np.arange(len(counts)), counts)
+            within = np.arange(int(counts.sum())) - (ends - counts)[row_of_token]
+            positions = starts[row_of_token] + within
+            row_of_logit = np.repeat(np.arange(len(nlog)), nlog)
+            within_logits = np.arange(int(nlog.sum())) - (np.cumsum(nlog) - nlog)[row_of_logit]
+            logits_indices = (ends - nlog)[row_of_logit] + within_logits
         return cls(
-            token_ids=torch.tensor(np.asarray(token_ids, dtype=np.int64)),
-            positions=torch.tensor(positions, dtype=torch.long),
-            slots=slots,
-            start_positions=starts,
-            num_new_tokens=counts,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+            token_ids=torch.from_numpy(np.asarray(token_ids, dtype=np.int64)),
+            positions=torch.from_numpy(np.ascontiguousarray(positions)),
+            slots=np.asarray(slots).tolist(),
+            start_positions=starts.tolist(),
+            num_new_tokens=counts.tolist(),
+            logits_indices=torch.from_numpy(np.ascontiguousarray(logits_indices, dtype=np.int64)),
         )
 
 
@@ -106,6 +114,12 @@ def _attention_groups(batch: ForwardBatch) -> list[AttentionGroup]:
     by_count: dict[int, list[int]] = {}
     for row, count in enumerate(batch.num_new_tokens):
         by_count.setdefault(count, []).append(row)
+    if len(by_count) == 1:  # every row alike (decode steps): the batch's own arrays
+        ((n, rows),) = by_count.items()
+        starts = torch.tensor(batch.start_positions, dtype=torch.int32)
+        length = max(batch.start_positions) + n
+        slot_ids = torch.tensor(batch.slots, dtype=torch.int32)
+        return [AttentionGroup(rows, batch.slots, None, n, length, slot_ids, starts)]
     groups = []
     for n, rows in by_count.items():
         starts = torch.tensor([batch.start_positions[r] for r in rows])

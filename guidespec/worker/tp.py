@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -47,6 +48,15 @@ def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     if tp.size > 1:
         dist.all_reduce(x)
     return x
+
+
+def broadcast_ints(values: np.ndarray, tp: TPInfo, device: torch.device) -> np.ndarray:
+    """Rank 0's int64 ``values`` on every rank (each passes an array of the same length)."""
+    if tp.size == 1:
+        return values
+    t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(device)
+    dist.broadcast(t, src=0)
+    return t.cpu().numpy()
 
 
 def gather_vocab(local_logits: torch.Tensor, tp: TPInfo, vocab_size: int) -> torch.Tensor | None:

@@ -50,9 +50,13 @@ def verify(
     ``num_logits[b] - 1`` tokens; ``draft_probs[b]`` (model drafters) is q' [k, V] or None (one-hot).
     """
     batch = len(num_logits)
+    best, dead = _argmax_and_dead(logits)  # [R] each: the greedy picks; rows whose mask allows nothing
+    if (num_logits == 1).all() and not temperature.any():  # greedy decode rows: their argmax, no loop
+        flat = best.astype(np.int32)
+        flat[dead.astype(bool)] = NO_TOKEN
+        return flat, np.ones(batch, dtype=np.int32)
     offsets = np.concatenate([[0], np.cumsum(num_logits)]).astype(np.int64)
     out: list[list[int]] = [[] for _ in range(batch)]
-    best, dead = _argmax_and_dead(logits)  # [R] each: the greedy picks; rows whose mask allows nothing
     if dead.any():  # sampled harmlessly (no nan), then replaced by NO_TOKEN below
         logits[torch.from_numpy(np.flatnonzero(dead)).to(logits.device)] = 0.0
     spec_rows = [b for b in range(batch) if num_logits[b] > 1]

@@ -36,6 +36,7 @@ from guidespec.ipc.shm_ring import RingTimeout
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.process_utils import parent_alive, setup_child_process
 from guidespec.protocol import (
+    LAST_SAMPLED,
     DraftMask,
     DraftTokens,
     MaskWanted,
@@ -172,6 +173,7 @@ class Worker:
         self.kv = self.model.create_kv_cache(num_slots, cfg.kv_block_size, num_blocks)
         # (as the cache: its last slot the scratch slot a fused step's padding writes)
         self.history = TokenHistory(num_slots, model_cfg.vocab_size, self.device)
+        self.last_sampled = np.zeros(num_slots, np.int32)  # rank 0: each slot's last sampled token
         self.reader = create_step_reader(cfg.broadcast, cfg.ring_index, ctx)
         self.masks = DeviceMasks(
             self.device, max_rows, bitmask_width(model_cfg.vocab_size), self.reader.arena_buffers()
@@ -245,6 +247,8 @@ class Worker:
                 results.send(outputs)
 
     def step(self, inputs: StepInputs) -> StepOutputs | None:
+        if (inputs.token_ids == LAST_SAMPLED).any():
+            inputs = self._with_last_sampled(inputs)
         if inputs.table_slots is not None:
             self.kv.set_tables(inputs.table_slots, inputs.table_lens, inputs.table_blocks)  # type: ignore[arg-type]
         if self.step_graphs is not None and self.step_graphs.fits(inputs):
@@ -303,6 +307,9 @@ class Worker:
             self.generator,
             draft_probs,
         )
+        ends = np.cumsum(counts)
+        sampled = counts > 0
+        self.last_sampled[inputs.slots[sampled]] = tokens_np[ends[sampled] - 1]
         proposals = draft_counts = None
         verified = time.perf_counter()
         waits: list[tuple[float, float, float]] = []
@@ -331,6 +338,16 @@ class Worker:
             draft_s,
             mask_waits=np.array(waits, dtype=np.float64).reshape(-1, 3) if waits else None,
         )
+
+    def _with_last_sampled(self, inputs: StepInputs) -> StepInputs:
+        """``inputs`` with each ``LAST_SAMPLED`` token replaced by the one rank 0 sampled for its
+        row's slot in the step before (a step sent before that one's outputs came back: async
+        scheduling); rank 0 gives the other ranks its tokens."""
+        token_ids = inputs.token_ids.copy()
+        where = np.flatnonzero(token_ids == LAST_SAMPLED)
+        slots = np.repeat(inputs.slots, inputs.num_new_tokens)[where]
+        token_ids[where] = tp_mod.broadcast_ints(self.last_sampled[slots].astype(np.int64), self.tp, self.device)
+        return dataclasses.replace(inputs, token_ids=token_ids)
 
     def _fused_step(self, inputs: StepInputs) -> StepOutputs:
         """A step of a model drafter as one graph (worker/drafting/step_graph.py): its verify masks come through

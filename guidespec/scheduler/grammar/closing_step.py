@@ -81,7 +81,9 @@ class ClosingStep:
         many tokens again, and 16 for the model's own choices, no longer fits in what is left of
         its budget; once the dry run alone just fits, write the dry run itself. Checked at the
         first mask and again as what is left nears what is needed: more often the nearer it gets,
-        so a long output costs a few dry runs."""
+        so a long output costs a few dry runs. Where closing cannot fit at all, rows are narrowed
+        without the grammar's lookahead (``EarlyCloser.hopeless``), and the next check waits for
+        the gap to close."""
         closer = self.closers.get(request_id)
         if closer is None or closer.script or output_len < closer.next_check:
             return
@@ -91,9 +93,11 @@ class ClosingStep:
         if ended and length + _SCRIPT_MARGIN >= remaining:
             closer.near_budget(script=run)  # no room left for the model's choices
             return
-        if not ended and length >= remaining:  # no way to close within the budget: do what can be done
+        closer.hopeless = not ended and length >= remaining
+        if closer.hopeless:  # no way to close within the budget: do what can be done, cheaply
             closer.near_budget()
-            closer.next_check = output_len + 32
+            # (a token written shortens the closing by about a token, as the budget: the gap stays)
+            closer.next_check = output_len + max(32, length - remaining)
             return
         need = length + length // 2 + 16
         if need >= remaining:
@@ -123,9 +127,8 @@ class ClosingStep:
                 return
             if matcher.forced_tokens(1):
                 return  # the grammar writes the next tokens itself (a name): narrowing would only split them
-            closer.restrict(
-                row, self._closing_tokens(), self.tokenizer, _GrammarView(backend, matcher, row, self.encode)
-            )
+            view = None if closer.hopeless else _GrammarView(backend, matcher, row, self.encode)
+            closer.restrict(row, self._closing_tokens(), self.tokenizer, view)
 
     def dry_run(
         self, request_id: str, backend: GrammarBackend, matcher: GrammarMatcher, limit: int

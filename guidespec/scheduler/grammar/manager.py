@@ -84,6 +84,9 @@ class GrammarManager:
         # before it refused): where it starts again if its grammar fails mid-way
         self.alternatives: dict[str, tuple[GuidedDecoding, list[str], list[str]]] = {}
         self.failures: dict[str, str] = {}  # request -> why its matcher failed (found by a fill)
+        # request -> the mask row ``end_token`` filled where its grammar stands now: the next
+        # fill of that state copies it (cleared by every accept that moves the grammar on)
+        self._filled: dict[str, np.ndarray] = {}
         self.closing = ClosingStep(tokenizer, settings.vocab_size, settings.stop_token_ids)
         self.bitmask = np.zeros((settings.max_rows, bitmask_width(settings.vocab_size)), dtype=np.int32)
         self._stop_row = bitmask_row(settings.stop_token_ids, settings.vocab_size)
@@ -128,6 +131,7 @@ class GrammarManager:
         self.alternatives.pop(request_id, None)
         self.failures.pop(request_id, None)
         self.matchers.pop(request_id, None)
+        self._filled.pop(request_id, None)
         self.closing.forget(request_id)
 
     # ------------------------------------------------------------------ per step
@@ -193,7 +197,16 @@ class GrammarManager:
         backends, a stop token where a draft ended the grammar, then narrowed by early closing."""
         ended = [i for i in which if self.matchers[rows[i].request_id][1].is_terminated()]
         live = [i for i in which if i not in ended]
-        self._fill_rows([rows[i].request_id for i in live], [firsts[i] + depth for i in live])
+        to_fill = live
+        if depth == 0 and self._filled:  # (rows ``end_token`` filled at this state already)
+            to_fill = []
+            for i in live:
+                row = self._filled.pop(rows[i].request_id, None)
+                if row is None:
+                    to_fill.append(i)
+                else:
+                    self.bitmask[firsts[i]] = row
+        self._fill_rows([rows[i].request_id for i in to_fill], [firsts[i] + depth for i in to_fill])
         for i in ended:  # a draft ended the grammar: only a stop token may follow
             self.bitmask[firsts[i] + depth] = self._stop_row
         for i in live:  # early closing, as its own step after the backend's fill
@@ -289,6 +302,7 @@ class GrammarManager:
 
     @_settled
     def accept(self, request_id: str, token: int) -> bool:
+        self._filled.pop(request_id, None)
         self.closing.add(request_id, token)
         return self.matchers[request_id][1].accept_token(token)
 
@@ -303,6 +317,8 @@ class GrammarManager:
         """Accept and return the tokens the grammar forces next (jump-forward)."""
         matcher = self.matchers[request_id][1]
         forced = matcher.forced_tokens(limit)
+        if forced:
+            self._filled.pop(request_id, None)
         for i, token in enumerate(forced):
             if not matcher.accept_token(token):
                 return forced[:i]
@@ -313,7 +329,9 @@ class GrammarManager:
     def end_token(self, request_id: str) -> int | None:
         """The stop token, where the grammar allows it and nothing else now (the output is
         complete: the request can end without a step); None otherwise. Checked with a trial
-        accept first, so a grammar that cannot end here costs no fill."""
+        accept first, so a grammar that cannot end here costs no fill; the row filled where it
+        can end but need not is the next step's (``_fill_depth``), so the check costs no fill
+        more either."""
         matcher = self.matchers[request_id][1]
         stops = self.settings.stop_token_ids
         if not stops or matcher.is_terminated() or not matcher.accept_token(stops[0]):
@@ -321,7 +339,10 @@ class GrammarManager:
         matcher.rollback(1)
         row = np.zeros((1, self.bitmask.shape[1]), dtype=np.int32)
         self.backends[self.matchers[request_id][0]].fill_bitmasks([matcher], row, [0])
-        return stops[0] if allowed_ids(row[0], limit=2).tolist() == [stops[0]] else None
+        if allowed_ids(row[0], limit=2).tolist() == [stops[0]]:
+            return stops[0]
+        self._filled[request_id] = row[0]  # (the next step's fill of this state)
+        return None
 
     @_settled
     def is_terminated(self, request_id: str) -> bool:
