@@ -43,18 +43,27 @@ def verify(
     sample_index: np.ndarray,
     generator: torch.Generator | None = None,
     draft_probs: list[torch.Tensor | None] | None = None,
+    unapplied: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Tokens each row produces, flat, and how many per row.
 
     logits [sum(num_logits), V] fp32; per-row arrays of length B; ``drafts[b]`` has
     ``num_logits[b] - 1`` tokens; ``draft_probs[b]`` (model drafters) is q' [k, V] or None (one-hot).
+    ``unapplied``: (logits rows, bitmask rows) of masks not yet applied to the logits (CPU): greedy
+    decode rows read theirs as they pick; otherwise they are applied first.
     """
     batch = len(num_logits)
-    best, dead = _argmax_and_dead(logits)  # [R] each: the greedy picks; rows whose mask allows nothing
     if (num_logits == 1).all() and not temperature.any():  # greedy decode rows: their argmax, no loop
+        best, dead = _argmax_and_dead(logits, unapplied)
         flat = best.astype(np.int32)
         flat[dead.astype(bool)] = NO_TOKEN
         return flat, np.ones(batch, dtype=np.int32)
+    if unapplied is not None:
+        from guidespec.worker import kernels
+
+        if not kernels.apply_bitmask(logits, *unapplied):
+            raise RuntimeError("a deferred bitmask needs the CPU kernels")
+    best, dead = _argmax_and_dead(logits)  # [R] each: the greedy picks; rows whose mask allows nothing
     offsets = np.concatenate([[0], np.cumsum(num_logits)]).astype(np.int64)
     out: list[list[int]] = [[] for _ in range(batch)]
     if dead.any():  # sampled harmlessly (no nan), then replaced by NO_TOKEN below
@@ -162,14 +171,19 @@ def verify_padded(
     return tokens, count + 1
 
 
-def _argmax_and_dead(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+def _argmax_and_dead(
+    logits: torch.Tensor, unapplied: tuple[np.ndarray, np.ndarray] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Each row's argmax, and whether the row is all -inf, as NumPy arrays: one pass of the CPU
-    kernel (kernels/logits_ops.c), or torch on the logits' device (only the answers travel back)."""
+    kernel (kernels/logits_ops.c: ``unapplied`` masks read as it picks), or torch on the logits'
+    device (only the answers travel back)."""
     from guidespec.worker import kernels
 
-    picked = kernels.argmax_rows(logits)
+    picked = kernels.argmax_rows(logits, unapplied)
     if picked is not None:
         return picked
+    if unapplied is not None:
+        raise RuntimeError("a deferred bitmask needs the CPU kernels")
     return logits.argmax(dim=-1).cpu().numpy(), torch.isneginf(logits).all(dim=-1).cpu().numpy()
 
 

@@ -276,10 +276,19 @@ class Worker:
         if inputs.has_bitmask:
             bitmask = self._read_bitmask(inputs.step)
             mask_ready = time.time()
-        logits = self._logits(hidden, bitmask)
+        penalized = inputs.penalized  # [B]: requests that ask for one
+        # greedy decode rows on the CPU: a row's mask is read by its pick (verify.py), not applied
+        defer = (
+            self.device.type == "cpu"
+            and bitmask is not None
+            and self.drafter is None
+            and not penalized.any()
+            and not inputs.temperature.any()
+            and (inputs.num_logits == 1).all()
+        )
+        logits, unapplied = self._logits(hidden, bitmask, defer)
         if logits is None:
             return None
-        penalized = inputs.penalized  # [B]: requests that ask for one
         if penalized.any():
             self.history.update(
                 batch.slots,
@@ -306,6 +315,7 @@ class Worker:
             inputs.sample_index,
             self.generator,
             draft_probs,
+            unapplied,
         )
         ends = np.cumsum(counts)
         sampled = counts > 0
@@ -379,14 +389,28 @@ class Worker:
             mask_waits=fused.mask_waits if len(fused.mask_waits) else None,
         )
 
-    def _logits(self, hidden: torch.Tensor, mask: tuple[np.ndarray, np.ndarray] | None) -> torch.Tensor | None:
-        """Masked fp32 logits [R, vocab] on rank 0 (None elsewhere). A row whose mask allows one
-        token skips the LM head: -inf everywhere but that token. A row whose mask allows few
-        tokens (a JSON grammar between values: punctuation, a key, a digit) gets only theirs where
-        the model can compute them alone (one rank, GGUF blocks), each what the whole LM head
-        gives, so no pick changes."""
+    def _logits(
+        self, hidden: torch.Tensor, mask: tuple[np.ndarray, np.ndarray] | None, defer: bool = False
+    ) -> tuple[torch.Tensor | None, tuple[np.ndarray, np.ndarray] | None]:
+        """Masked fp32 logits [R, vocab] on rank 0 (None elsewhere), and with ``defer`` the masks
+        left for the pick to read (else None). A row whose mask allows one token skips the LM
+        head: -inf everywhere but that token. A row whose mask allows few tokens (a JSON grammar
+        between values: punctuation, a key, a digit) gets only theirs where the model can compute
+        them alone (one rank, GGUF blocks), each what the whole LM head gives, so no pick changes."""
         if mask is None:
-            return self.model.compute_logits(hidden)
+            return self.model.compute_logits(hidden), None
+        logits, rest = self._masked_logits(hidden, mask)
+        if logits is None or rest is None:
+            return logits, None
+        if defer:
+            return logits, rest
+        self.masks.apply(logits, *rest)
+        return logits, None
+
+    def _masked_logits(
+        self, hidden: torch.Tensor, mask: tuple[np.ndarray, np.ndarray]
+    ) -> tuple[torch.Tensor | None, tuple[np.ndarray, np.ndarray] | None]:
+        """``_logits``' work: the logits, and the (rows, bitmask) still to apply to them."""
         rows, bitmask = mask
         vocab = self.model.cfg.vocab_size
         counts = allowed_counts(bitmask)
@@ -394,16 +418,13 @@ class Worker:
         # bitmask rows whose tokens' logits are computed alone
         few = (counts > 1) & (counts <= vocab // _FEW_TOKENS) & self.model.computes_chosen_logits
         if not (forced >= 0).any() and not few.any():
-            logits = self.model.compute_logits(hidden)
-            if logits is not None:
-                self.masks.apply(logits, rows, bitmask)
-            return logits
+            return self.model.compute_logits(hidden), (rows, bitmask)
         whole = forced < 0  # logits rows that need the whole LM head
         whole[rows[few]] = False
         keep = _index_on(self.device, np.flatnonzero(whole))
         computed = self.model.compute_logits(hidden[keep]) if len(keep) else None
         if not self.tp.is_driver:
-            return None
+            return None, None
         logits = torch.full((hidden.shape[0], vocab), float("-inf"), dtype=torch.float32, device=self.device)
         if computed is not None:
             logits[keep] = computed
@@ -415,8 +436,7 @@ class Worker:
             tokens, row = allowed_ids(bitmask[i], vocab), int(rows[i])
             logits[row, torch.from_numpy(tokens)] = self.model.compute_chosen_logits(hidden[row : row + 1], tokens)[0]
         masked = (forced[rows] < 0) & ~few  # the other guided rows: their mask as usual
-        self.masks.apply(logits, rows[masked], bitmask[masked])
-        return logits
+        return logits, (rows[masked], bitmask[masked])
 
     def _read_bitmask(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """The step's bitmask: (logits rows, bitmask rows), read in place from the mask arena

@@ -12,6 +12,7 @@ accept is rolled back. It does not fill rows and does not own matchers (``manage
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -27,6 +28,8 @@ MAX_CLOSING_RUN = 2048  # the longest dry run of closing (``dry_run``)
 # grammar's fill costs ~1 ms, and a lookahead row up to 64 of them: 4 s a dry run without a bound)
 MAX_DRY_RUN_FILLS = 512
 _SCRIPT_MARGIN = 8  # a dry run of closing this near the budget's end is written as it is
+_SHARED_RUN_TOKENS = 16  # dry runs from outputs this short are shared between requests (``_budget_dry_run``)
+_SHARED_RUNS = 256
 
 
 class ClosingStep:
@@ -37,6 +40,10 @@ class ClosingStep:
         self.closers: dict[str, EarlyCloser] = {}
         self._stop_row = bitmask_row(stop_token_ids, vocab_size)
         self._tokens: ClosingTokens | None = None  # built at first use
+        self._grammars: dict[str, tuple[str, str | None]] = {}  # request -> what its grammar is made of
+        # the budget checks' dry runs from a grammar's first states, shared by the requests with
+        # that grammar (a batch of requests with one schema checks its budget once)
+        self._early_runs: OrderedDict[tuple[Any, ...], tuple[list[int], bool]] = OrderedDict()
 
     # ------------------------------------------------------------------ request state
 
@@ -44,9 +51,11 @@ class ClosingStep:
         """Start tracking a JSON request (unless it switched closing off)."""
         if guided.close_early and guided.kind in ("json_schema", "json_object"):
             self.closers[request_id] = EarlyCloser(_schema_reader(guided))
+            self._grammars[request_id] = (guided.kind, guided.json_schema)
 
     def forget(self, request_id: str) -> None:
         self.closers.pop(request_id, None)
+        self._grammars.pop(request_id, None)
 
     def add(self, request_id: str, token: int) -> None:
         """A token the request's grammar accepted."""
@@ -81,23 +90,22 @@ class ClosingStep:
         many tokens again, and 16 for the model's own choices, no longer fits in what is left of
         its budget; once the dry run alone just fits, write the dry run itself. Checked at the
         first mask and again as what is left nears what is needed: more often the nearer it gets,
-        so a long output costs a few dry runs. Where closing cannot fit at all, rows are narrowed
-        without the grammar's lookahead (``EarlyCloser.hopeless``), and the next check waits for
-        the gap to close."""
+        so a long output costs a few dry runs. Where closing cannot fit at all, that is decided
+        once, and rows are narrowed without the grammar's lookahead (``EarlyCloser.hopeless``)."""
         closer = self.closers.get(request_id)
         if closer is None or closer.script or output_len < closer.next_check:
             return
         remaining = max_tokens - output_len
-        run, ended = self.dry_run(request_id, backend, matcher, min(remaining, MAX_CLOSING_RUN))
+        run, ended = self._budget_dry_run(request_id, closer, backend, matcher, min(remaining, MAX_CLOSING_RUN))
         length = len(run)
         if ended and length + _SCRIPT_MARGIN >= remaining:
             closer.near_budget(script=run)  # no room left for the model's choices
             return
-        closer.hopeless = not ended and length >= remaining
-        if closer.hopeless:  # no way to close within the budget: do what can be done, cheaply
+        if not ended and length >= remaining:  # no way to close within the budget: do what can be done
             closer.near_budget()
-            # (a token written shortens the closing by about a token, as the budget: the gap stays)
-            closer.next_check = output_len + max(32, length - remaining)
+            # decided once: a token written shortens the closing by about a token at most, as it
+            # shortens the budget, so the gap stays (rows are narrowed without trial fills)
+            closer.next_check, closer.hopeless = max_tokens, True
             return
         need = length + length // 2 + 16
         if need >= remaining:
@@ -106,6 +114,23 @@ class ClosingStep:
             closer.next_check = output_len + max(1, (remaining - length - _SCRIPT_MARGIN) // 2)
         else:
             closer.next_check = output_len + max(8, (remaining - need) // 2)
+
+    def _budget_dry_run(
+        self, request_id: str, closer: EarlyCloser, backend: GrammarBackend, matcher: GrammarMatcher, limit: int
+    ) -> tuple[list[int], bool]:
+        """``dry_run``, shared by requests whose grammar and output so far are the same (the state
+        of the grammar, and of closing, follows from them): a request's first check, mostly."""
+        if len(closer.tokens) > _SHARED_RUN_TOKENS:
+            return self.dry_run(request_id, backend, matcher, limit)
+        key = (id(backend), self._grammars[request_id], tuple(closer.tokens), limit)
+        found = self._early_runs.get(key)
+        if found is None:
+            found = self._early_runs[key] = self.dry_run(request_id, backend, matcher, limit)
+            if len(self._early_runs) > _SHARED_RUNS:
+                self._early_runs.popitem(last=False)
+        else:
+            self._early_runs.move_to_end(key)
+        return list(found[0]), found[1]
 
     def restrict(
         self,

@@ -273,15 +273,35 @@ def apply_bitmask(logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray) -
     return True
 
 
-def argmax_rows(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+def argmax_rows(
+    logits: torch.Tensor, mask: tuple[np.ndarray, np.ndarray] | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
     """(each row's argmax as torch.argmax gives it, whether each row is all -inf) for logits
-    [R, V], or None where the kernel does not apply."""
+    [R, V], or None where the kernel does not apply. ``mask`` (logits rows, bitmask rows): those
+    rows are read as if the bitmask were applied (``apply_bitmask`` first), unchanged."""
     lib = loader.library()
     if lib is None or logits.dim() != 2 or not fp32_cpu(logits) or logits.shape[1] == 0:
         return None
     best = np.empty(logits.shape[0], dtype=np.int64)
     dead = np.empty(logits.shape[0], dtype=np.bool_)
+    mask_of_row = bitmask = None
+    width = 0
+    if mask is not None:
+        rows, bitmask = np.asarray(mask[0], np.int64), np.ascontiguousarray(mask[1], dtype=np.int32)
+        if bitmask.ndim != 2 or bitmask.shape[0] != len(rows) or bitmask.shape[1] * 32 < logits.shape[1]:
+            return None
+        mask_of_row = np.full(logits.shape[0], -1, dtype=np.int32)
+        mask_of_row[rows] = np.arange(len(rows), dtype=np.int32)
+        width = bitmask.shape[1]
     lib.argmax_rows_f32(
-        logits.data_ptr(), logits.shape[0], logits.shape[1], best.ctypes.data, dead.ctypes.data, torch.get_num_threads()
+        logits.data_ptr(),
+        logits.shape[0],
+        logits.shape[1],
+        None if mask_of_row is None else mask_of_row.ctypes.data,
+        None if bitmask is None else bitmask.ctypes.data,
+        width,
+        best.ctypes.data,
+        dead.ctypes.data,
+        torch.get_num_threads(),
     )
     return best, dead
