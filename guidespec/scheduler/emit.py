@@ -9,6 +9,7 @@ skipped.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -23,6 +24,8 @@ from guidespec.scheduler.request import Request
 from guidespec.scheduler.speculation.proposer import Speculator
 from guidespec.scheduler.step_channel import split
 from guidespec.scheduler.table import RequestTable, output_budget
+
+logger = logging.getLogger(__name__)
 
 
 class Emitter:
@@ -56,8 +59,9 @@ class Emitter:
                 outputs.draft_s,
             )
         deltas: list[RequestOutput] = []  # one message for the step's deltas: one send, not one per request
+        ending: list[Request] = []  # guided requests whose grammar may end here (``_end_complete``)
         try:
-            self._emit_rows(rows, outputs, offsets, proposals, now, deltas, dropped, outputs.step)
+            self._emit_rows(rows, outputs, offsets, proposals, now, deltas, dropped, outputs.step, ending)
         finally:
             if deltas:
                 self.client_out.send(RequestOutputs(deltas))
@@ -72,6 +76,7 @@ class Emitter:
         deltas: list[RequestOutput],
         dropped: set[str],
         step: int,
+        ending: list[Request],
     ) -> None:
         for i, row in enumerate(rows):
             if not self.table.holds(row.request):  # failed during this step
@@ -94,9 +99,27 @@ class Emitter:
                 )
                 continue
             try:
-                self._emit_row(row, new_tokens, proposals[i] if proposals is not None else None, now, deltas)
+                self._emit_row(row, new_tokens, proposals[i] if proposals is not None else None, now, deltas, ending)
             except Exception as e:
                 self.table.fail_internal(row.request, "emitting its tokens", e)
+        self._end_complete(ending, deltas)
+
+    def _end_complete(self, ending: list[Request], deltas: list[RequestOutput]) -> None:
+        """The guided requests whose grammar could end here: those whose output is complete (the
+        grammar allows only the stop token) end now, without a step (one batched fill for all);
+        then each one's delta."""
+        ends: dict[str, int] = {}
+        try:
+            ends = self.grammar.end_tokens([request.request_id for request in ending]) if ending else {}
+        except Exception:
+            logger.exception("the end check of %d guided requests failed; they go on", len(ending))
+        for request in ending:
+            try:
+                end = ends.get(request.request_id)
+                reason = self._append(request, end) if end is not None else None
+                self._deliver(request, reason, deltas)
+            except Exception as e:
+                self.table.fail_internal(request, "emitting its tokens", e)
 
     def _emit_row(
         self,
@@ -105,9 +128,11 @@ class Emitter:
         proposal: list[int] | None,
         now: float,
         deltas: list[RequestOutput],
+        ending: list[Request],
     ) -> None:
         """Append one row's tokens to its request (its grammar, detokenizer, stop checks), then
-        add the request's delta to the step's."""
+        add the request's delta to the step's (or, where its grammar may end here, to ``ending``
+        for the end check first: ``_end_complete``)."""
         request = row.request
         num_drafts = row.num_logits - 1 if row.num_logits else 0
         accepted = max(0, len(new_tokens) - 1)  # (the row's other tokens count as computed since it went out)
@@ -131,12 +156,17 @@ class Emitter:
             and not self._speculates(request)
         ):
             reason = self._jump_forward(request)
-        if reason is None and request.guided and self.cfg.jump_forward != "off":
-            end = self.grammar.end_token(request.request_id)  # a complete output ends here, not in a step
-            if end is not None:
-                reason = self._append(request, end)
-        if request.pending_step >= 0 and request.num_tokens != known + len(new_tokens):
+        if request.pending_step >= 0 and (request.num_tokens != known + len(new_tokens) or reason is not None):
             request.pending_step = -1  # the next step ran ahead on this row's token alone: its sample is dropped
+        if reason is None and request.guided and self.cfg.jump_forward != "off":
+            ending.append(request)  # (a complete output ends here, not in a step)
+            return
+        self._deliver(request, reason, deltas)
+
+    def _deliver(self, request: Request, reason: str | None, deltas: list[RequestOutput]) -> None:
+        """The request's delta into the step's (a request that does not stream: only its last)."""
+        if reason is not None and request.pending_step >= 0:
+            request.pending_step = -1  # (ended: the next step's sample for it is dropped)
         if reason == "error" or (reason is None and not request.stream):  # (the finished output comes whole)
             return
         delta = make_delta(request, reason)

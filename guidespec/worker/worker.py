@@ -2,7 +2,8 @@
 
     attach ring -> load model shard -> report ready ->
     loop: read StepInputs -> forward [+ draft model or EAGLE head follows] -> [read StepBitmask]
-          -> LM head (rows whose mask allows one token skip it) [-> apply the bitmask]
+          -> LM head (rows whose mask allows one token skip it; one rank computes it while the
+          bitmask is still due) [-> apply the bitmask, or read it while picking greedily]
           -> sample or verify drafts (rank 0) -> [draft model proposes next drafts (rank 0)] -> send StepOutputs
     (a model drafter with graph_grammar: a verify step of greedy or sampled rows runs whole
     as one graph instead on rank 0, its verify masks through the draft channel, the target's part of
@@ -271,9 +272,12 @@ class Worker:
             self.drafter.follow(batch, self.model.captured)
         forward_end = mask_ready = time.time()
         # the bitmask before the LM head (filled while the layers ran): rows whose mask allows one
-        # token get it without logits, on every rank alike (the LM head's gather is collective)
-        bitmask = None
+        # token get it without logits, on every rank alike (the LM head's gather is collective).
+        # One rank whose bitmask is not there yet computes the LM head meanwhile instead.
+        bitmask = early = None
         if inputs.has_bitmask:
+            if self.tp.size == 1 and not self.reader.poll():
+                early = self.model.compute_logits(hidden)
             bitmask = self._read_bitmask(inputs.step)
             mask_ready = time.time()
         penalized = inputs.penalized  # [B]: requests that ask for one
@@ -286,7 +290,7 @@ class Worker:
             and not inputs.temperature.any()
             and (inputs.num_logits == 1).all()
         )
-        logits, unapplied = self._logits(hidden, bitmask, defer)
+        logits, unapplied = self._logits(hidden, bitmask, defer, early)
         if logits is None:
             return None
         if penalized.any():
@@ -390,16 +394,21 @@ class Worker:
         )
 
     def _logits(
-        self, hidden: torch.Tensor, mask: tuple[np.ndarray, np.ndarray] | None, defer: bool = False
+        self,
+        hidden: torch.Tensor,
+        mask: tuple[np.ndarray, np.ndarray] | None,
+        defer: bool = False,
+        computed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, tuple[np.ndarray, np.ndarray] | None]:
         """Masked fp32 logits [R, vocab] on rank 0 (None elsewhere), and with ``defer`` the masks
         left for the pick to read (else None). A row whose mask allows one token skips the LM
         head: -inf everywhere but that token. A row whose mask allows few tokens (a JSON grammar
         between values: punctuation, a key, a digit) gets only theirs where the model can compute
-        them alone (one rank, GGUF blocks), each what the whole LM head gives, so no pick changes."""
+        them alone (one rank, GGUF blocks), each what the whole LM head gives, so no pick changes.
+        ``computed``: the LM head's logits, computed while the mask was awaited."""
         if mask is None:
             return self.model.compute_logits(hidden), None
-        logits, rest = self._masked_logits(hidden, mask)
+        logits, rest = (computed, mask) if computed is not None else self._masked_logits(hidden, mask)
         if logits is None or rest is None:
             return logits, None
         if defer:

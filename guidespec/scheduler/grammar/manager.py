@@ -22,7 +22,7 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
-from guidespec.bitmask import allowed_ids, bitmask_row, bitmask_width
+from guidespec.bitmask import bitmask_row, bitmask_width
 from guidespec.grammar_backends import GrammarBackend, GrammarError, GrammarMatcher, create_backend
 from guidespec.protocol import GuidedDecoding, backend_order
 from guidespec.scheduler.grammar.closing_step import ClosingStep
@@ -90,6 +90,7 @@ class GrammarManager:
         self.closing = ClosingStep(tokenizer, settings.vocab_size, settings.stop_token_ids)
         self.bitmask = np.zeros((settings.max_rows, bitmask_width(settings.vocab_size)), dtype=np.int32)
         self._stop_row = bitmask_row(settings.stop_token_ids, settings.vocab_size)
+        self._end_row = bitmask_row(settings.stop_token_ids[:1], settings.vocab_size)  # (only the first)
 
     # ------------------------------------------------------------------ compile
 
@@ -325,24 +326,42 @@ class GrammarManager:
             self.closing.add(request_id, token)
         return forced
 
-    @_settled
     def end_token(self, request_id: str) -> int | None:
-        """The stop token, where the grammar allows it and nothing else now (the output is
-        complete: the request can end without a step); None otherwise. Checked with a trial
-        accept first, so a grammar that cannot end here costs no fill; the row filled where it
-        can end but need not is the next step's (``_fill_depth``), so the check costs no fill
-        more either."""
-        matcher = self.matchers[request_id][1]
+        """``end_tokens`` for one request: its stop token if its output is complete, else None."""
+        return self.end_tokens([request_id]).get(request_id)
+
+    @_settled
+    def end_tokens(self, request_ids: list[str]) -> dict[str, int]:
+        """The stop token of each request whose grammar allows it and nothing else now (its
+        output is complete: it can end without a step). Checked with a trial accept first, so a
+        grammar that cannot end here costs no fill; those that can are filled in one batch per
+        backend, and the row of one that need not end is the next step's (``_fill_depth``): the
+        check costs no fill more."""
         stops = self.settings.stop_token_ids
-        if not stops or matcher.is_terminated() or not matcher.accept_token(stops[0]):
-            return None
-        matcher.rollback(1)
-        row = np.zeros((1, self.bitmask.shape[1]), dtype=np.int32)
-        self.backends[self.matchers[request_id][0]].fill_bitmasks([matcher], row, [0])
-        if allowed_ids(row[0], limit=2).tolist() == [stops[0]]:
-            return stops[0]
-        self._filled[request_id] = row[0]  # (the next step's fill of this state)
-        return None
+        if not stops:
+            return {}
+        candidates = []
+        for request_id in request_ids:
+            matcher = self.matchers[request_id][1]
+            if not matcher.is_terminated() and matcher.accept_token(stops[0]):
+                matcher.rollback(1)
+                candidates.append(request_id)
+        if not candidates:
+            return {}
+        own = self.bitmask
+        self.bitmask = np.zeros((len(candidates), own.shape[1]), dtype=np.int32)
+        try:
+            self._fill_rows(candidates, list(range(len(candidates))))
+            rows = self.bitmask
+        finally:
+            self.bitmask = own
+        ended = {}
+        for request_id, row in zip(candidates, rows):
+            if np.array_equal(row, self._end_row):
+                ended[request_id] = stops[0]
+            else:
+                self._filled[request_id] = row
+        return ended
 
     @_settled
     def is_terminated(self, request_id: str) -> bool:
