@@ -1,0 +1,489 @@
+"""Host overhead (issue 48): what guidespec spends a step around a model whose forward costs
+microseconds, unguided and guided, batch 1 to 256, with async scheduling and without.
+
+    python benchmarks/overhead.py [--model DIR] [--modes unguided,json,json-noclose,regex,json+ngram]
+        [--batches 1,16,64,256] [--max-tokens 256] [--scheduling async,sync] [--device cpu|cuda]
+        [--peers] [--threads N]
+    python benchmarks/overhead.py --batches 1,4 --max-tokens 32 --modes unguided,regex --peers  # a quick look
+
+The model is ``random_model.py``'s "tiny" preset (2 layers, hidden 64, SmolLM2's 49,152 tokens,
+random weights; built into out/tiny-model on first use) unless ``--model`` names another folder:
+its forward is nearly free, so a step's time is the scheduler, the workers' Python, the grammar
+and the messages between them. The modes: ``unguided``; ``json``, an array of at least 300
+integers (it cannot close within the run, so every step is masked; early closing on, the
+default); ``json-noclose``, the same with ``close_early=False``; ``regex``, ``[0-9a-z ]+``;
+``json+ngram``, the json mode with the n-gram drafter. Everything else is the engine's defaults
+(jump-forward on). Each mode runs on an engine of its own once per ``--scheduling``: ``async``
+(the default: step N+1 planned and sent while step N runs) and ``sync``
+(``GUIDESPEC_ASYNC_SCHEDULING=0``; an engine with a drafter runs its steps one after another
+either way).
+
+For each batch B, B prompts (eight distinct short ones, cycled), greedy, EOS ignored, each run
+to ``--max-tokens``: a warm-up generate of 8 tokens, then the timed one. ms/step is its wall
+time over the longest output's token count (the prompts' step included); tok/s, all output
+tokens over the wall time; guided ÷ unguided, a guided mode's tok/s over unguided's at the same
+batch and scheduling. The span columns are medians over the timed generate's steps of batch B
+in the step trace the scheduler writes at close (``GUIDESPEC_TRACE``, ``scheduler/trace.py``),
+per process, plus two derived spans: "inputs out", a step's "schedule + write inputs" end to its
+worker's first span (the forward; under async scheduling this includes the wait for the step
+before), and "tokens back", the worker's last span end to the scheduler's "emit" start.
+
+``--device cuda`` also runs, per batch, a 16-token generate under torch's profiler on rank 0
+(``GUIDESPEC_TORCH_PROFILER_DIR``, ``worker.py``'s ``_StepProfiler``) and reports, over its
+steps after the prompts' (found by the worker's ``step`` frames in the trace), kernel launches
+a step (``cudaLaunchKernel``-like calls; CUDA graph launches apart) and the GPU's busy share
+(kernel time over the steps' wall span). Every step of a CUDA engine then checks for the
+profiler's switch file (one ``stat``), the timed ones included. The CUDA part is unverified
+until run on a GPU (the profiler window and the step frames were checked on the CPU, where the
+trace has no kernels).
+
+``--peers``: llama.cpp and Hugging Face ``generate`` at batch 1 on the same weights
+(``overhead_peers.py``; the tiny preset or a Hugging Face Llama folder only) with ``--threads``
+threads (default: every core; give no more than the idle ones). Their ms/step leaves the
+prompt's step out, ours includes it (one step in ``--max-tokens``).
+
+Goals (issue 48), where measured: batch 1 ms/step ÷ llama.cpp's <= 1 (unguided), batch 64 ÷ batch 1
+step time <= 3, guided ÷ unguided at batch 64 >= 0.95. Prints a markdown table and writes it,
+with the JSON, to benchmarks/results/overhead-<device>-<date>-<commit>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import REPO, commit, fmt, machine  # noqa: E402
+
+from guidespec import LLM, SamplingParams  # noqa: E402
+from guidespec.protocol import GuidedDecoding  # noqa: E402
+
+JSON_ARRAY = json.dumps({"type": "array", "items": {"type": "integer"}, "minItems": 300})
+MODES: dict[str, tuple[GuidedDecoding | None, str | None]] = {  # mode -> (guided, speculative)
+    "unguided": (None, None),
+    "json": (GuidedDecoding(json_schema=JSON_ARRAY), None),
+    "json-noclose": (GuidedDecoding(json_schema=JSON_ARRAY, close_early=False), None),
+    "regex": (GuidedDecoding(regex="[0-9a-z ]+"), None),
+    "json+ngram": (GuidedDecoding(json_schema=JSON_ARRAY), "ngram"),
+}
+SCHEDULING = {"async": "1", "sync": "0"}  # -> GUIDESPEC_ASYNC_SCHEDULING
+PROMPTS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "List the prime numbers below one hundred.",
+    "Describe the water cycle to a child.",
+    "What is the capital of Australia, and why not Sydney?",
+    "Give three tips for learning to play the guitar.",
+    "Explain how a hash table works.",
+    "Translate 'good morning' into five languages.",
+    "Summarize the plot of a heist film in two sentences.",
+)
+WARMUP_TOKENS = 8
+PROFILE_TOKENS = 16
+SPAN_COLUMNS = (  # the usual spans, in this order; any others follow in the order met
+    "scheduler: schedule + write inputs",
+    "scheduler: fill + write bitmask",
+    "scheduler: wait for outputs",
+    "scheduler: emit",
+    "worker: forward",
+    "worker: wait for bitmask",
+    "worker: mask + sample",
+    "inputs out",
+    "tokens back",
+)
+PROCESSES = {1: "scheduler", 2: "worker"}  # trace.py's pids
+LLAMA_CPP, HF = "llama.cpp (f32 GGUF)", "HF generate (fp32)"
+# the worker's step() in a torch profiler trace's Python frames ("…/worker/worker.py(249): step")
+STEP_FRAME = re.compile(r"worker\.py\(\d+\): step$")
+LAUNCH_CALL = re.compile(r"^(cuda|cu)Launch(Cooperative)?Kernel")
+
+
+def main() -> None:
+    args = parse_args()
+    model = model_dir(args.model)
+    rows: list[dict[str, Any]] = []
+    prompt_ids: list[list[int]] = []
+    for mode in args.modes:
+        for scheduling in args.scheduling:
+            rows += run_engine(model, mode, scheduling, args, prompt_ids)
+            print(f"{mode}, {scheduling}: done", flush=True)
+    add_unguided_ratios(rows)
+    peers = measure_peers(model, args, prompt_ids[0]) if args.peers and prompt_ids else {}
+    report = {"meta": meta(args, model), "rows": rows, "peers": peers, "goals": goals(rows, peers)}
+    text = markdown(report)
+    print("\n" + text)
+    write_results(report, text, args.device)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=None, help="a model folder (default: the tiny preset)")
+    parser.add_argument("--modes", type=_names(MODES), default=list(MODES))
+    parser.add_argument("--batches", type=_integers, default=[1, 16, 64, 256])
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--scheduling", type=_names(SCHEDULING), default=list(SCHEDULING))
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--peers", action="store_true", help="llama.cpp and HF generate at batch 1, same weights")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the peers' threads")
+    return parser.parse_args()
+
+
+def model_dir(model: Path | None) -> Path:
+    if model is not None:
+        return model
+    from benchmarks.random_model import build_random_model
+
+    return build_random_model("tiny", REPO / "out" / "tiny-model")
+
+
+# ---------------------------------------------------------------- guidespec
+
+
+def run_engine(
+    model: Path, mode: str, scheduling: str, args: argparse.Namespace, prompt_ids: list[list[int]]
+) -> list[dict[str, Any]]:
+    """One engine for ``mode`` and ``scheduling``: every batch timed, then the step trace's span
+    medians for each. ``prompt_ids`` gets the prompts' token ids if it has none yet."""
+    guided, speculative = MODES[mode]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, guided=guided)
+    with tempfile.TemporaryDirectory(prefix="guidespec-overhead-") as tmp:
+        trace, profile = Path(tmp) / "trace.json", Path(tmp) / "profile"
+        env = {"GUIDESPEC_TRACE": str(trace), "GUIDESPEC_ASYNC_SCHEDULING": SCHEDULING[scheduling]}
+        if args.device == "cuda":
+            profile.mkdir()
+            env["GUIDESPEC_TORCH_PROFILER_DIR"] = str(profile)
+        rows = []
+        with _environment(env):  # the engine's processes read these as they start (the trace path: at close)
+            try:
+                rows = _measure_engine(model, speculative, params, args, prompt_ids, profile)
+            except Exception as exc:
+                traceback.print_exc()
+                return [{"mode": mode, "scheduling": scheduling, "batch": b, "error": repr(exc)} for b in args.batches]
+        events = _read_trace(trace)
+    for row in rows:
+        row.update(mode=mode, scheduling=scheduling)
+        row["spans"], row["traced_steps"] = span_medians(events, row.pop("window"), row["batch"])
+    return rows
+
+
+def _measure_engine(
+    model: Path,
+    speculative: str | None,
+    params: SamplingParams,
+    args: argparse.Namespace,
+    prompt_ids: list[list[int]],
+    profile: Path,
+) -> list[dict[str, Any]]:
+    llm = LLM(
+        str(model),
+        max_batch_size=max(args.batches),
+        max_model_len=args.max_tokens + 64,
+        show_progress=False,
+        device=args.device,
+        speculative=speculative,
+    )
+    try:
+        if not prompt_ids:
+            prompt_ids += [llm.encode_prompt(text) for text in PROMPTS]
+        rows = []
+        for batch in args.batches:
+            prompts = [{"prompt_token_ids": prompt_ids[i % len(prompt_ids)]} for i in range(batch)]
+            rows.append(time_batch(llm, prompts, params))
+            if args.device == "cuda":
+                rows[-1]["gpu"] = profile_batch(llm, prompts, params, profile)
+        return rows
+    finally:
+        llm.close()
+
+
+def time_batch(llm: LLM, prompts: list[dict[str, Any]], params: SamplingParams) -> dict[str, Any]:
+    """A warm-up generate, then the timed one; ``window``: its wall-clock span (the trace's clock)."""
+    llm.generate(prompts, dataclasses.replace(params, max_tokens=WARMUP_TOKENS))
+    start, clock = time.time(), time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    wall, end = time.perf_counter() - clock, time.time()
+    longest = max(len(o.token_ids) for o in outputs)
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return {
+        "batch": len(prompts),
+        "ms_per_step": 1e3 * wall / longest,
+        "tok_per_s": tokens / wall,
+        "tokens": tokens,
+        "longest": longest,
+        "wall_s": wall,
+        "window": (start, end),
+    }
+
+
+def span_medians(events: list[dict[str, Any]], window: tuple[float, float], batch: int) -> tuple[dict[str, float], int]:
+    """The median ms of each span over the steps of ``batch`` that began inside ``window``
+    (seconds, time.time()), and how many such steps. Steps overlap under async scheduling:
+    a step's spans are those whose ``args.step`` is its number."""
+    start_us, end_us = window[0] * 1e6, window[1] * 1e6
+    durations: dict[str, list[float]] = {}
+    steps = 0
+    for spans in _spans_by_step(events).values():
+        first = next((e for e in spans if e["pid"] == 1 and e["name"] == "schedule + write inputs"), None)
+        if first is None or first["args"].get("batch") != batch or not start_us <= first["ts"] <= end_us:
+            continue
+        steps += 1
+        for name, ms in _step_durations(spans, first).items():
+            durations.setdefault(name, []).append(ms)
+    return {name: float(np.median(values)) for name, values in durations.items()}, steps
+
+
+def _step_durations(spans: list[dict[str, Any]], first: dict[str, Any]) -> dict[str, float]:
+    """One step's ms per span (same-named spans summed), and the derived "inputs out" and "tokens back"."""
+    out: dict[str, float] = {}
+    for e in spans:
+        name = f"{PROCESSES[e['pid']]}: {e['name']}"
+        out[name] = out.get(name, 0.0) + e["dur"] / 1e3
+    worker = [e for e in spans if e["pid"] == 2]
+    emit = next((e for e in spans if e["pid"] == 1 and e["name"] == "emit"), None)
+    if worker:
+        out["inputs out"] = (min(e["ts"] for e in worker) - (first["ts"] + first["dur"])) / 1e3
+        if emit is not None:
+            out["tokens back"] = (emit["ts"] - max(e["ts"] + e["dur"] for e in worker)) / 1e3
+    return out
+
+
+def _spans_by_step(events: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    steps: dict[int, list[dict[str, Any]]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in PROCESSES and "step" in e.get("args", {}):
+            steps.setdefault(e["args"]["step"], []).append(e)
+    return steps
+
+
+def _read_trace(path: Path, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    """The trace's events (the scheduler writes it as it closes: waited for a while)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return list(json.loads(path.read_text())["traceEvents"])
+        except (OSError, ValueError):
+            time.sleep(0.2)
+    print(f"no step trace at {path}: span columns left empty", flush=True)
+    return []
+
+
+# ---------------------------------------------------------------- CUDA: torch's profiler (unverified)
+
+
+def profile_batch(llm: LLM, prompts: list[dict[str, Any]], params: SamplingParams, folder: Path) -> dict[str, Any]:
+    """A ``PROFILE_TOKENS``-token generate under rank 0's profiler (on while ``folder/on`` exists):
+    kernel launches and GPU busy share a step. The window's trace is written at the first step
+    after ``on`` goes away, so a 1-token generate follows."""
+    on, before = folder / "on", set(folder.glob("rank0-*.json"))
+    on.touch()
+    try:
+        llm.generate(prompts, dataclasses.replace(params, max_tokens=PROFILE_TOKENS))
+    finally:
+        on.unlink()
+    llm.generate(prompts[:1], dataclasses.replace(params, max_tokens=1, guided=None))
+    written = sorted(set(folder.glob("rank0-*.json")) - before)
+    if not written:
+        return {"error": "no profiler trace written"}
+    try:
+        return kernel_figures(json.loads(written[-1].read_text()))
+    finally:
+        for path in written:
+            path.unlink()
+
+
+def kernel_figures(trace: dict[str, Any]) -> dict[str, Any]:
+    """Over the profiled steps after the first (the prompts'): launches, graph launches and GPU
+    kernels a step, and the kernels' summed time over the steps' wall span (one stream: no overlap)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    steps = sorted((e for e in events if STEP_FRAME.search(str(e.get("name", "")))), key=lambda e: e["ts"])[1:]
+    if not steps:
+        return {"error": "no worker step frames in the profiler trace"}
+    lo, hi = steps[0]["ts"], max(e["ts"] + e["dur"] for e in steps)
+    inside = [e for e in events if lo <= e["ts"] <= hi]
+    calls = [e for e in inside if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    kernels = [e for e in inside if e.get("cat") == "kernel"]
+    busy = sum(min(e["ts"] + e["dur"], hi) - e["ts"] for e in kernels)
+    return {
+        "profiled_steps": len(steps),
+        "launches_per_step": sum(bool(LAUNCH_CALL.match(e["name"])) for e in calls) / len(steps),
+        "graph_launches_per_step": sum(e["name"].startswith("cudaGraphLaunch") for e in calls) / len(steps),
+        "kernels_per_step": len(kernels) / len(steps),
+        "gpu_busy": busy / (hi - lo) if hi > lo else None,
+    }
+
+
+# ---------------------------------------------------------------- peers, ratios, goals
+
+
+def measure_peers(model: Path, args: argparse.Namespace, prompt_ids: list[int]) -> dict[str, Any]:
+    """llama.cpp and HF generate at batch 1 on ``model``'s weights (a Hugging Face Llama folder)."""
+    from benchmarks.overhead_peers import hf_generate_ms_per_step, llama_cpp_ms_per_step, write_gguf
+
+    config = json.loads((model / "config.json").read_text()) if (model / "config.json").exists() else {}
+    if config.get("model_type") != "llama" or not (model / "model.safetensors").exists():
+        print(f"--peers: {model} is not a Hugging Face Llama folder with one model.safetensors: skipped")
+        return {}
+    peers: dict[str, Any] = {}
+    try:
+        gguf = write_gguf(model, REPO / "out" / f"{model.name}.f32.gguf")
+        peers[LLAMA_CPP] = llama_cpp_ms_per_step(gguf, prompt_ids, args.max_tokens, args.threads)
+    except Exception as exc:
+        traceback.print_exc()
+        peers[LLAMA_CPP] = {"error": repr(exc)}
+    try:
+        peers[HF] = hf_generate_ms_per_step(model, prompt_ids, args.max_tokens, args.threads)
+    except Exception as exc:
+        traceback.print_exc()
+        peers[HF] = {"error": repr(exc)}
+    return peers
+
+
+def add_unguided_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each guided row's tok/s over unguided's at the same batch and scheduling."""
+    unguided = {(r["scheduling"], r["batch"]): r for r in rows if r["mode"] == "unguided" and "error" not in r}
+    for row in rows:
+        base = unguided.get((row["scheduling"], row["batch"]))
+        if row["mode"] != "unguided" and base is not None and "error" not in row:
+            row["vs_unguided"] = row["tok_per_s"] / base["tok_per_s"]
+
+
+def goals(rows: list[dict[str, Any]], peers: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 48's goals where this run measured them: (label, value, target "<= x" / ">= x" or None)."""
+    at = {(r["mode"], r["scheduling"], r["batch"]): r for r in rows if "error" not in r}
+    llama = peers.get(LLAMA_CPP, {}).get("ms_per_step")
+    out = []
+    for mode, scheduling in dict.fromkeys((r["mode"], r["scheduling"]) for r in rows):
+        one, wide = at.get((mode, scheduling, 1)), at.get((mode, scheduling, 64))
+        if one is not None and llama:
+            label = f"{mode}, {scheduling}: batch 1 ms/step ÷ llama.cpp's"
+            out.append(_goal(label, one["ms_per_step"] / llama, ("<=", 1.0) if mode == "unguided" else None))
+        if one is not None and wide is not None:
+            ratio = wide["ms_per_step"] / one["ms_per_step"]
+            out.append(_goal(f"{mode}, {scheduling}: batch 64 ÷ batch 1 step time", ratio, ("<=", 3.0)))
+        if wide is not None and "vs_unguided" in wide:
+            out.append(_goal(f"{mode}, {scheduling}: guided ÷ unguided at batch 64", wide["vs_unguided"], (">=", 0.95)))
+    return out
+
+
+def _goal(label: str, value: float, target: tuple[str, float] | None) -> dict[str, Any]:
+    met = None if target is None else (value <= target[1] if target[0] == "<=" else value >= target[1])
+    return {"goal": label, "value": value, "target": None if target is None else f"{target[0]} {target[1]}", "met": met}
+
+
+# ---------------------------------------------------------------- report
+
+
+def meta(args: argparse.Namespace, model: Path) -> dict[str, Any]:
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "commit": commit(),
+        "machine": machine(),
+        "device": args.device,
+        "model": str(model) if args.model is not None else "tiny random Llama (2 layers, hidden 64)",
+        "max_tokens": args.max_tokens,
+        "batches": args.batches,
+        "peer_threads": args.threads,
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    m, rows = report["meta"], report["rows"]
+    spans = list(dict.fromkeys([*SPAN_COLUMNS, *(name for r in rows for name in r.get("spans", {}))]))
+    spans = [s for s in spans if any(s in r.get("spans", {}) for r in rows)]
+    gpu = any("gpu" in r for r in rows)
+    gpu_columns = ["launches/step", "graph launches/step", "kernels/step", "GPU busy"] if gpu else []
+    header = ["mode", "scheduling", "batch", "ms/step", "tok/s", "÷ unguided", "steps", *spans, *gpu_columns]
+    lines = [
+        f"# Host overhead (issue 48): {m['model']}, {m['device']}",
+        "",
+        f"- {m['date']}, commit {m['commit']}; {m['machine']}",
+        f"- greedy, EOS ignored, {m['max_tokens']} tokens a request; spans: median ms over the timed "
+        "steps of the batch (steps: how many) in the scheduler's step trace",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|---|---|" + "---:|" * (len(header) - 2),
+    ]
+    lines += [_table_row(r, spans, gpu) for r in rows]
+    if report["peers"]:
+        lines += ["", f"Peers, batch 1, {m['peer_threads']} threads:", ""]
+        lines += ["| system | ms/step | tok/s |", "|---|---:|---:|"]
+        for name, p in report["peers"].items():
+            lines.append(f"| {name} | {fmt(p.get('ms_per_step'), '.3f')} | {fmt(p.get('tok_per_s'))} |")
+    if report["goals"]:
+        lines += ["", "| goal | measured | target | met |", "|---|---:|---:|---|"]
+        for g in report["goals"]:
+            met = "–" if g["met"] is None else ("yes" if g["met"] else "no")
+            lines.append(f"| {g['goal']} | {fmt(g['value'], '.2f')} | {g['target'] or 'reported'} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def _table_row(r: dict[str, Any], spans: list[str], gpu: bool) -> str:
+    cells = [r["mode"], r["scheduling"], str(r["batch"])]
+    if "error" in r:
+        return "| " + " | ".join(cells) + f" | error: {r['error']} |"
+    cells += [fmt(r["ms_per_step"], ".3f"), fmt(r["tok_per_s"]), fmt(r.get("vs_unguided"), ".2f")]
+    cells += [str(r["traced_steps"])] + [fmt(r["spans"].get(s), ".3f") for s in spans]
+    if gpu:
+        g = r.get("gpu", {})
+        busy = g.get("gpu_busy")
+        cells += [fmt(g.get(k)) for k in ("launches_per_step", "graph_launches_per_step", "kernels_per_step")]
+        cells.append(fmt(None if busy is None else 100 * busy, ".0f", "%") if "error" not in g else g["error"])
+    return "| " + " | ".join(cells) + " |"
+
+
+def write_results(report: dict[str, Any], text: str, device: str) -> None:
+    folder = REPO / "benchmarks" / "results"
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = f"overhead-{device}-{datetime.date.today().isoformat()}-{report['meta']['commit'].split()[0]}"
+    (folder / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    (folder / f"{stem}.md").write_text(text)
+    print(f"written: {folder / stem}.{{md,json}}")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` set, as it was after."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _integers(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _names(known: dict[str, Any]) -> Any:
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown: {', '.join(unknown)} (one of {', '.join(known)})")
+        return names
+
+    return parse
+
+
+if __name__ == "__main__":
+    main()
