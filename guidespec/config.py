@@ -217,7 +217,7 @@ class SchedulerConfig:
     grammar_fill_threads: int = 1  # EngineConfig.grammar_fill_threads
     fused_steps: bool = False  # verify masks through the draft channel too, for rank 0's fused steps
     kv_block_size: int = 16
-    async_scheduling: bool = True  # a step is sent while the one before runs (without a drafter)
+    async_scheduling: bool = True  # a step is sent while the one before runs (no request in it may draft)
 
 
 @dataclass(frozen=True)

@@ -111,9 +111,9 @@ def fused_steps() -> bool:
 
 
 def async_scheduling() -> bool:
-    """Whether an engine without a drafter plans and sends each step while the one before runs
-    (``scheduler.py``; ``GUIDESPEC_ASYNC_SCHEDULING``, default ``1``): ``0`` runs the steps one
-    after another, to measure the difference."""
+    """Whether the scheduler plans and sends each step while the one before runs, where no
+    request in it may get drafts (``scheduler.py``; ``GUIDESPEC_ASYNC_SCHEDULING``, default
+    ``1``): ``0`` runs the steps one after another, to measure the difference."""
     return os.environ.get("GUIDESPEC_ASYNC_SCHEDULING", "1") != "0"
 
 

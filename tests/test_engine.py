@@ -433,3 +433,50 @@ def test_the_gguf_files_own_blocks_serve_guided_requests() -> None:
     # whose top two are 0.24 apart), so a greedy output may part late (at token 10 of chat 1, 16 of chat 0)
     for a, b in zip(split, plain):
         assert a[:8] == b[:8]
+
+
+def test_async_scheduling_equals_steps_one_after_another(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A batch whose requests end mid-step-ahead (a stop string, EOS, max_tokens 1 and 3), get
+    jump-forward tokens after a sampled one (a JSON schema's keys, unverified jump-forward: no
+    drafts, so every step runs ahead), end by their grammar (a choice), or sample with a seed:
+    the engine that runs each step ahead of the one before's outputs gives every request the
+    tokens that the engine running them one after another does, and its trace shows the steps
+    overlapping."""
+    from guidespec.protocol import GuidedDecoding
+
+    person = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    requests = [
+        (CHATS[0], SamplingParams(max_tokens=40, temperature=0.0)),
+        ("1, 2, 3, 4, 5, 6, 7,", SamplingParams(max_tokens=40, temperature=0.0, stop=["10"])),
+        (CHATS[2], SamplingParams(max_tokens=1, temperature=0.0)),
+        (CHATS[4], SamplingParams(max_tokens=3, temperature=0.0)),
+        (CHATS[3], SamplingParams(max_tokens=60, temperature=0.0, guided=GuidedDecoding(json_schema=person))),
+        (CHATS[2], SamplingParams(max_tokens=8, temperature=0.0, guided=GuidedDecoding(choice=("two", "three")))),
+        (CHATS[1], SamplingParams(max_tokens=24, temperature=0.9, seed=7)),
+    ]
+
+    def run(engine: LLM) -> list[list[int]]:
+        async def together() -> list[GenerationOutput]:
+            return await asyncio.gather(*(engine.agenerate(prompt, params) for prompt, params in requests))
+
+        return [out.token_ids for out in asyncio.run(together())]
+
+    trace = tmp_path / "trace.json"
+    monkeypatch.setenv("GUIDESPEC_TRACE", str(trace))
+    engine = dict(max_batch_size=8, show_progress=False, dtype="float32", jump_forward="unverified")
+    with LLM(**engine) as ahead:  # type: ignore[arg-type]
+        overlapped = run(ahead)
+    monkeypatch.delenv("GUIDESPEC_TRACE")
+    monkeypatch.setenv("GUIDESPEC_ASYNC_SCHEDULING", "0")
+    with LLM(**engine) as serial:  # type: ignore[arg-type]
+        assert run(serial) == overlapped
+    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and e["pid"] == 1]
+    sent = {e["args"]["step"]: e["ts"] + e["dur"] for e in spans if e["name"] == "schedule + write inputs"}
+    emitted = {e["args"]["step"]: e["ts"] for e in spans if e["name"] == "emit"}
+    assert any(sent[step + 1] < emitted[step] for step in emitted if step + 1 in sent)

@@ -129,9 +129,6 @@ class Scheduler:
             if speculative
             else None
         )
-        # async scheduling: each step is sent while the one before runs (no drafter: a draft
-        # depends on every token before it)
-        self.run_ahead = cfg.async_scheduling and self.speculator is None
         self.trace = StepTrace()
         self.health = Health(parent_pid)
         self.table = RequestTable(self.batcher, self.grammar, self.speculator, self.client_out)
@@ -171,7 +168,8 @@ class Scheduler:
         )
 
     def run(self) -> None:
-        """The loop. With ``async_scheduling``, step N+1 is planned and sent while step N runs:
+        """The loop. With ``async_scheduling`` (and no request that may draft in step N:
+        ``_runs_ahead``), step N+1 is planned and sent while step N runs:
         its rows run the tokens N samples as the workers sampled them (``LAST_SAMPLED``); N's
         outputs are emitted meanwhile, and N+1's bitmask filled after them (its grammars then
         stand after N's tokens), still while N+1's forward runs."""
@@ -187,16 +185,25 @@ class Scheduler:
             rows = self.batcher.schedule()
             if rows and self.speculator is not None:
                 rows = self._plan_drafts(rows)
-            step = self.steps.send_inputs(rows, start, self.run_ahead) if rows else None
+            run_ahead = self._runs_ahead(rows)
+            step = self.steps.send_inputs(rows, start, run_ahead) if rows else None
             if in_flight is not None:
                 self._finish(in_flight)
             in_flight = None
             if step is not None:
                 self.steps.send_bitmask(step)
-                if self.run_ahead:
+                if run_ahead:
                     in_flight = step
                 else:
                     self._finish(step)
+
+    def _runs_ahead(self, rows: list[ScheduledRow]) -> bool:
+        """Whether the next step may be sent before this one's outputs: with async scheduling,
+        where no row's request may get drafts (forced tokens, a drafter's: they depend on every
+        token before them)."""
+        if not self.cfg.async_scheduling:
+            return False
+        return self.speculator is None or not any(self.speculator.may_draft(row.request) for row in rows)
 
     def _finish(self, step: Step) -> None:
         """Collect a step's outputs and emit them."""
