@@ -147,3 +147,38 @@ def test_penalized_requests_share_their_blocks_but_map_none() -> None:
     batcher.add(penalized)
     batcher.schedule()
     assert penalized.num_computed_tokens == 0 and penalized.stats.num_cached_tokens == 0
+
+
+def test_a_step_run_ahead_runs_the_token_the_step_before_samples() -> None:
+    """Async scheduling: once a step that samples a request's next token has gone out, the next
+    step runs that token (LAST_SAMPLED) before its outputs come back; the request's last step
+    before ``max_tokens`` is not run ahead, and its blocks hold the pending position."""
+    from guidespec.protocol import LAST_SAMPLED
+
+    batcher = _batcher(32)
+    r = _request("r", [1, 2, 3, 4, 5], max_tokens=3)
+    batcher.add(r)
+    first = batcher.schedule()
+    assert [(row.start, row.num_new_tokens, row.num_logits) for row in first] == [(0, 5, 1)]
+    batcher.started(first, step=1, run_ahead=True)
+    assert r.num_computed_tokens == 5 and r.pending_step == 1 and r.num_known_tokens == 6
+    ahead = batcher.schedule()  # before step 1's outputs
+    assert [(row.start, row.num_new_tokens, row.num_logits) for row in ahead] == [(5, 1, 1)]
+    assert r.tokens(5, 6) == [LAST_SAMPLED]
+    assert r.blocks is not None and len(r.blocks.blocks) * SIZE >= 6
+    batcher.started(ahead, step=2, run_ahead=True)
+    assert r.pending_step == 2 and r.num_computed_tokens == 6
+    r.output_token_ids.append(9)  # step 1's token comes back: step 2's is pending
+    assert r.num_known_tokens == 7 and batcher.schedule()[0].start == 6
+    r.output_token_ids.append(9)  # step 2's token back, and step 3 out: it samples the third and last
+    r.num_computed_tokens, r.pending_step = 7, 3
+    assert batcher.schedule() == []  # (no step runs past max_tokens)
+
+
+def test_steps_that_do_not_run_ahead_leave_nothing_pending() -> None:
+    batcher = _batcher(32)
+    r = _request("r", [1, 2, 3], max_tokens=8)
+    batcher.add(r)
+    rows = batcher.schedule()
+    batcher.started(rows, step=1, run_ahead=False)
+    assert r.pending_step == -1 and r.num_computed_tokens == 3 and batcher.schedule() == []

@@ -344,3 +344,26 @@ def test_argmax_rows_picks_as_torch_does_and_finds_rows_that_allow_nothing() -> 
     np.testing.assert_array_equal(best, logits.argmax(dim=-1).numpy())
     np.testing.assert_array_equal(dead, torch.isneginf(logits).all(dim=-1).numpy())
     assert dead.tolist() == [False, False, True] + [False] * 9
+
+
+def test_argmax_rows_reading_a_bitmask_picks_as_if_it_were_applied() -> None:
+    """A greedy row's mask read by its pick (not applied first) gives the pick of the masked row:
+    ties, NaN, a mask allowing nothing, tokens past the vocabulary in the last word."""
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    for vocab in (1, 31, 33, 1000):
+        width = (vocab + 31) // 32
+        logits = torch.from_numpy(rng.standard_normal((9, vocab)).astype(np.float32))
+        logits[0, :] = 1.0  # ties everywhere: the first allowed
+        logits[1, vocab // 2] = float("nan")
+        rows = np.array([0, 1, 2, 4, 8])
+        bitmask = rng.integers(-(2**31), 2**31, (len(rows), width), dtype=np.int64).astype(np.int32)
+        bitmask[2] = 0  # allows nothing
+        bitmask[3, -1] = -1  # (bits past the vocabulary set)
+        best, dead = kernels.argmax_rows(logits, (rows, bitmask))  # type: ignore[misc]
+        masked = logits.clone()
+        assert kernels.apply_bitmask(masked, rows, bitmask)
+        np.testing.assert_array_equal(dead, torch.isneginf(masked).all(dim=-1).numpy())
+        np.testing.assert_array_equal(best[~dead], masked.argmax(dim=-1).numpy()[~dead])
+        assert (logits[0] == 1.0).all()  # the logits themselves unchanged

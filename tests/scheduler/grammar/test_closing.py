@@ -4,6 +4,7 @@ and the mask restriction never allowing a token the grammar refused."""
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from typing import Any
 
@@ -348,3 +349,33 @@ def test_schema_examples_come_from_patterns_and_formats() -> None:
     assert examples[:3] == ["a://!", 'a://"', "a://#"] and "x-00" in examples and "2020-01-01T00:00:00Z" in examples
     assert schema_examples({"pattern": "^allow|deny$"}) == ["allow", "deny"]  # Github_easy o26627, sampled
     assert "not a schema" not in " ".join(examples)
+
+
+def test_a_budget_no_closing_fits_is_found_once_and_rows_stay_valid(tokenizer, managers) -> None:  # type: ignore[no-untyped-def]
+    """An array of at least 300 integers in 64 tokens cannot be closed: the first budget check
+    finds that (one dry run, shared by the requests with that grammar and output so far) and no
+    check follows; the rows are narrowed without trial fills, and every token they allow is one
+    the grammar accepts."""
+    from guidespec.scheduler.grammar import FillRow
+
+    schema, max_tokens = {"type": "array", "items": {"type": "integer"}, "minItems": 300}, 64
+    grammar = managers("xgrammar")
+    requests = [_compiled(grammar, schema) for _ in range(2)]
+    try:
+        rows = grammar.fill([FillRow(r, output_len=0, max_tokens=max_tokens) for r in requests])
+        closers = [grammar.closing.closers[r] for r in requests]
+        assert all(c.hopeless and c.closing and c.next_check == max_tokens for c in closers)
+        shared = [key for key in grammar.closing._early_runs if key[1] == ("json_schema", json.dumps(schema))]
+        assert len(shared) == 1  # (one dry run for both)
+        rng = np.random.default_rng(1)
+        for output_len in range(max_tokens - 1):
+            allowed = _ids(rows[0])
+            assert allowed and 2 not in allowed
+            token = int(rng.choice(allowed))
+            assert all(grammar.accept(r, token) for r in requests)
+            rows = grammar.fill([FillRow(r, output_len=output_len + 1, max_tokens=max_tokens) for r in requests])
+            assert (rows[0] == rows[1]).all()
+        assert all(c.next_check == max_tokens for c in closers)  # (checked once)
+    finally:
+        for r in requests:
+            grammar.release(r)
