@@ -203,7 +203,13 @@ class Scheduler:
         token before them)."""
         if not self.cfg.async_scheduling:
             return False
-        return self.speculator is None or not any(self.speculator.may_draft(row.request) for row in rows)
+        if self.speculator is None:
+            return True
+        # (a drafter's engine runs its steps one after another: a model drafter follows every
+        # position the target computes, and its requests' drafts need each step's outputs)
+        return self.speculator.cfg.method == "forced" and not any(
+            self.speculator.may_draft(row.request) for row in rows
+        )
 
     def _finish(self, step: Step) -> None:
         """Collect a step's outputs and emit them."""

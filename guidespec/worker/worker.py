@@ -290,7 +290,10 @@ class Worker:
             and not inputs.temperature.any()
             and (inputs.num_logits == 1).all()
         )
-        logits, unapplied = self._logits(hidden, bitmask, defer, early)
+        logits, unapplied = _logits_and_masks(self, hidden, bitmask, early)
+        if logits is not None and unapplied is not None and not defer:
+            self.masks.apply(logits, *unapplied)
+            unapplied = None
         if logits is None:
             return None
         if penalized.any():
@@ -393,59 +396,16 @@ class Worker:
             mask_waits=fused.mask_waits if len(fused.mask_waits) else None,
         )
 
-    def _logits(
-        self,
-        hidden: torch.Tensor,
-        mask: tuple[np.ndarray, np.ndarray] | None,
-        defer: bool = False,
-        computed: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor | None, tuple[np.ndarray, np.ndarray] | None]:
-        """Masked fp32 logits [R, vocab] on rank 0 (None elsewhere), and with ``defer`` the masks
-        left for the pick to read (else None). A row whose mask allows one token skips the LM
-        head: -inf everywhere but that token. A row whose mask allows few tokens (a JSON grammar
-        between values: punctuation, a key, a digit) gets only theirs where the model can compute
-        them alone (one rank, GGUF blocks), each what the whole LM head gives, so no pick changes.
-        ``computed``: the LM head's logits, computed while the mask was awaited."""
-        if mask is None:
-            return self.model.compute_logits(hidden), None
-        logits, rest = (computed, mask) if computed is not None else self._masked_logits(hidden, mask)
-        if logits is None or rest is None:
-            return logits, None
-        if defer:
-            return logits, rest
-        self.masks.apply(logits, *rest)
-        return logits, None
-
-    def _masked_logits(
-        self, hidden: torch.Tensor, mask: tuple[np.ndarray, np.ndarray]
-    ) -> tuple[torch.Tensor | None, tuple[np.ndarray, np.ndarray] | None]:
-        """``_logits``' work: the logits, and the (rows, bitmask) still to apply to them."""
-        rows, bitmask = mask
-        vocab = self.model.cfg.vocab_size
-        counts = allowed_counts(bitmask)
-        forced = only_allowed(rows, bitmask, hidden.shape[0], vocab, counts)
-        # bitmask rows whose tokens' logits are computed alone
-        few = (counts > 1) & (counts <= vocab // _FEW_TOKENS) & self.model.computes_chosen_logits
-        if not (forced >= 0).any() and not few.any():
-            return self.model.compute_logits(hidden), (rows, bitmask)
-        whole = forced < 0  # logits rows that need the whole LM head
-        whole[rows[few]] = False
-        keep = _index_on(self.device, np.flatnonzero(whole))
-        computed = self.model.compute_logits(hidden[keep]) if len(keep) else None
-        if not self.tp.is_driver:
-            return None, None
-        logits = torch.full((hidden.shape[0], vocab), float("-inf"), dtype=torch.float32, device=self.device)
-        if computed is not None:
-            logits[keep] = computed
-        single = np.flatnonzero(forced >= 0)
-        # (index_fill_ takes the 0 as an argument; assigning a Python number copies it to the
-        # device from pageable memory, a copy that waits for the forward)
-        logits.view(-1).index_fill_(0, _index_on(self.device, single * vocab + forced[single]), 0.0)
-        for i in np.flatnonzero(few).tolist():
-            tokens, row = allowed_ids(bitmask[i], vocab), int(rows[i])
-            logits[row, torch.from_numpy(tokens)] = self.model.compute_chosen_logits(hidden[row : row + 1], tokens)[0]
-        masked = (forced[rows] < 0) & ~few  # the other guided rows: their mask as usual
-        return logits, (rows[masked], bitmask[masked])
+    def _logits(self, hidden: torch.Tensor, mask: tuple[np.ndarray, np.ndarray] | None) -> torch.Tensor | None:
+        """Masked fp32 logits [R, vocab] on rank 0 (None elsewhere). A row whose mask allows one
+        token skips the LM head: -inf everywhere but that token. A row whose mask allows few
+        tokens (a JSON grammar between values: punctuation, a key, a digit) gets only theirs where
+        the model can compute them alone (one rank, GGUF blocks), each what the whole LM head
+        gives, so no pick changes."""
+        logits, rest = _logits_and_masks(self, hidden, mask)
+        if logits is not None and rest is not None:
+            self.masks.apply(logits, *rest)
+        return logits
 
     def _read_bitmask(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """The step's bitmask: (logits rows, bitmask rows), read in place from the mask arena
@@ -506,6 +466,47 @@ class _DraftMasks:
         if not isinstance(message, DraftMask) or (message.step, message.draft_index) != (step, draft_index):
             raise RuntimeError(f"step {step}: expected the mask of draft {draft_index}, got {type(message).__name__}")
         return message.bitmask
+
+
+def _logits_and_masks(
+    worker: Worker,
+    hidden: torch.Tensor,
+    mask: tuple[np.ndarray, np.ndarray] | None,
+    computed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, tuple[np.ndarray, np.ndarray] | None]:
+    """``Worker._logits`` with the masks of the rows that need the whole LM head left to apply:
+    (logits, (rows, bitmask) or None). ``computed``: the LM head's logits of every row,
+    computed while the mask was awaited (the masks are then all left)."""
+    if mask is None:
+        return worker.model.compute_logits(hidden), None
+    if computed is not None:
+        return computed, mask
+    rows, bitmask = mask
+    vocab = worker.model.cfg.vocab_size
+    counts = allowed_counts(bitmask)
+    forced = only_allowed(rows, bitmask, hidden.shape[0], vocab, counts)
+    # bitmask rows whose tokens' logits are computed alone
+    few = (counts > 1) & (counts <= vocab // _FEW_TOKENS) & worker.model.computes_chosen_logits
+    if not (forced >= 0).any() and not few.any():
+        return worker.model.compute_logits(hidden), (rows, bitmask)
+    whole = forced < 0  # logits rows that need the whole LM head
+    whole[rows[few]] = False
+    keep = _index_on(worker.device, np.flatnonzero(whole))
+    computed = worker.model.compute_logits(hidden[keep]) if len(keep) else None
+    if not worker.tp.is_driver:
+        return None, None
+    logits = torch.full((hidden.shape[0], vocab), float("-inf"), dtype=torch.float32, device=worker.device)
+    if computed is not None:
+        logits[keep] = computed
+    single = np.flatnonzero(forced >= 0)
+    # (index_fill_ takes the 0 as an argument; assigning a Python number copies it to the
+    # device from pageable memory, a copy that waits for the forward)
+    logits.view(-1).index_fill_(0, _index_on(worker.device, single * vocab + forced[single]), 0.0)
+    for i in np.flatnonzero(few).tolist():
+        tokens, row = allowed_ids(bitmask[i], vocab), int(rows[i])
+        logits[row, torch.from_numpy(tokens)] = worker.model.compute_chosen_logits(hidden[row : row + 1], tokens)[0]
+    masked = (forced[rows] < 0) & ~few  # the other guided rows: their mask as usual
+    return logits, (rows[masked], bitmask[masked])
 
 
 def _index_on(device: torch.device, array: np.ndarray) -> torch.Tensor:

@@ -245,9 +245,10 @@ class EarlyCloser:
         self.plan: list[int] = []  # an example's tokens still to write
         self.script: list[int] = []  # a dry run's tokens still to write (the budget leaves no choice)
         self.next_check = 0  # the output length at which the budget is next checked (``GrammarManager``)
-        # the last budget check found no way to close within it: rows are narrowed without the
-        # grammar's lookahead (its trial fills would buy nothing but cost a fill each)
+        # the last budget check found no way to close within it: rows outside strings are narrowed
+        # without the grammar's lookahead (its trial fills would buy nothing but cost a fill each)
         self.hopeless = False
+        self.recheck = 0  # tokens from one check to the next while hopeless (doubling)
         self.detector = RepeatDetector()
         self.tokens: list[int] = []
         self.closing = False

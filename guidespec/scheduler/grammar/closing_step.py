@@ -90,12 +90,20 @@ class ClosingStep:
         many tokens again, and 16 for the model's own choices, no longer fits in what is left of
         its budget; once the dry run alone just fits, write the dry run itself. Checked at the
         first mask and again as what is left nears what is needed: more often the nearer it gets,
-        so a long output costs a few dry runs. Where closing cannot fit at all, that is decided
-        once, and rows are narrowed without the grammar's lookahead (``EarlyCloser.hopeless``)."""
+        so a long output costs a few dry runs. Where closing cannot fit at all, it is checked
+        again at doubling intervals, with a dry run only where the output is inside a string, and
+        rows outside strings are narrowed without the grammar's lookahead meanwhile
+        (``EarlyCloser.hopeless``)."""
         closer = self.closers.get(request_id)
         if closer is None or closer.script or output_len < closer.next_check:
             return
         remaining = max_tokens - output_len
+        if closer.hopeless and not closer.in_string(self.tokenizer):
+            # outside a string each value the model writes takes the tokens the closing would
+            # (required names are the grammar's own): the gap stays, and no dry run is made
+            closer.recheck *= 2
+            closer.next_check = output_len + closer.recheck
+            return
         run, ended = self._budget_dry_run(request_id, closer, backend, matcher, min(remaining, MAX_CLOSING_RUN))
         length = len(run)
         if ended and length + _SCRIPT_MARGIN >= remaining:
@@ -103,10 +111,12 @@ class ClosingStep:
             return
         if not ended and length >= remaining:  # no way to close within the budget: do what can be done
             closer.near_budget()
-            # decided once: a token written shortens the closing by about a token at most, as it
-            # shortens the budget, so the gap stays (rows are narrowed without trial fills)
-            closer.next_check, closer.hopeless = max_tokens, True
+            # checked again 32, 64, 128 ... tokens on (what the model writes inside a string can
+            # bring the end within reach: one long token for a pattern's many characters)
+            closer.recheck = 2 * closer.recheck if closer.hopeless else 32
+            closer.next_check, closer.hopeless = output_len + closer.recheck, True
             return
+        closer.hopeless = False
         need = length + length // 2 + 16
         if need >= remaining:
             closer.near_budget()
@@ -152,7 +162,10 @@ class ClosingStep:
                 return
             if matcher.forced_tokens(1):
                 return  # the grammar writes the next tokens itself (a name): narrowing would only split them
-            view = None if closer.hopeless else _GrammarView(backend, matcher, row, self.encode)
+            # (while the end is out of reach, outside a string: no lookahead, whose trial fills
+            # would buy nothing; inside one it still steers to an example of its pattern)
+            cheap = closer.hopeless and not closer.in_string(self.tokenizer)
+            view = None if cheap else _GrammarView(backend, matcher, row, self.encode)
             closer.restrict(row, self._closing_tokens(), self.tokenizer, view)
 
     def dry_run(
