@@ -50,7 +50,6 @@ with the JSON, to benchmarks/results/overhead-<device>-<date>-<commit>.{md,json}
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -61,7 +60,8 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from unittest import mock
 
 import numpy as np
 
@@ -165,7 +165,9 @@ def run_engine(
             profile.mkdir()
             env["GUIDESPEC_TORCH_PROFILER_DIR"] = str(profile)
         rows = []
-        with _environment(env):  # the engine's processes read these as they start (the trace path: at close)
+        with mock.patch.dict(
+            os.environ, env
+        ):  # the engine's processes read these as they start (the trace path: at close)
             try:
                 rows = _measure_engine(model, speculative, params, args, prompt_ids, profile)
             except Exception as exc:
@@ -453,21 +455,6 @@ def write_results(report: dict[str, Any], text: str, device: str) -> None:
 
 
 # ---------------------------------------------------------------- helpers
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``values`` set, as it was after."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _integers(text: str) -> list[int]:

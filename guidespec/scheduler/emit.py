@@ -156,7 +156,7 @@ class Emitter:
             and not self._speculates(request)
         ):
             reason = self._jump_forward(request)
-        if request.pending_step >= 0 and (request.num_tokens != known + len(new_tokens) or reason is not None):
+        if request.pending_step >= 0 and request.num_tokens != known + len(new_tokens):
             request.pending_step = -1  # the next step ran ahead on this row's token alone: its sample is dropped
         if reason is None and request.guided and self.cfg.jump_forward != "off":
             ending.append(request)  # (a complete output ends here, not in a step)
@@ -164,9 +164,9 @@ class Emitter:
         self._deliver(request, reason, deltas)
 
     def _deliver(self, request: Request, reason: str | None, deltas: list[RequestOutput]) -> None:
-        """The request's delta into the step's (a request that does not stream: only its last)."""
-        if reason is not None and request.pending_step >= 0:
-            request.pending_step = -1  # (ended: the next step's sample for it is dropped)
+        """The request's delta into the step's (a request that does not stream: only its last).
+        A request that ends leaves the table: the next step's row for it, if it ran ahead, is
+        skipped."""
         if reason == "error" or (reason is None and not request.stream):  # (the finished output comes whole)
             return
         delta = make_delta(request, reason)

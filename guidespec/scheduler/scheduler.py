@@ -168,7 +168,7 @@ class Scheduler:
         )
 
     def run(self) -> None:
-        """The loop. With ``async_scheduling`` (and no request that may draft in step N:
+        """The loop. With ``async_scheduling`` (and no request that may get drafts in step N:
         ``_runs_ahead``), step N+1 is planned and sent while step N runs:
         its rows run the tokens N samples as the workers sampled them (``LAST_SAMPLED``); N's
         outputs are emitted meanwhile, and N+1's bitmask filled after them (its grammars then
@@ -199,17 +199,15 @@ class Scheduler:
 
     def _runs_ahead(self, rows: list[ScheduledRow]) -> bool:
         """Whether the next step may be sent before this one's outputs: with async scheduling,
-        where no row's request may get drafts (forced tokens, a drafter's: they depend on every
-        token before them)."""
+        where no row's request may get drafts (they depend on every token before them): in an
+        engine without a drafter, or whose only drafts are guided requests' forced tokens, a step
+        without guided rows. (A drafter's engine runs its steps one after another: a model
+        drafter follows every position the target computes.)"""
         if not self.cfg.async_scheduling:
             return False
         if self.speculator is None:
             return True
-        # (a drafter's engine runs its steps one after another: a model drafter follows every
-        # position the target computes, and its requests' drafts need each step's outputs)
-        return self.speculator.cfg.method == "forced" and not any(
-            self.speculator.may_draft(row.request) for row in rows
-        )
+        return self.speculator.cfg.method == "forced" and not any(row.request.guided for row in rows)
 
     def _finish(self, step: Step) -> None:
         """Collect a step's outputs and emit them."""

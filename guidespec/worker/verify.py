@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from guidespec.protocol import NO_TOKEN
+from guidespec.worker.mask import apply_bitmask
 from guidespec.worker.sampler import ACCEPT, DRAW, counter_uniforms, filtered_probs, inverse_cdf, sample
 
 
@@ -49,8 +50,8 @@ def verify(
 
     logits [sum(num_logits), V] fp32; per-row arrays of length B; ``drafts[b]`` has
     ``num_logits[b] - 1`` tokens; ``draft_probs[b]`` (model drafters) is q' [k, V] or None (one-hot).
-    ``unapplied``: (logits rows, bitmask rows) of masks not yet applied to the logits (CPU): greedy
-    decode rows read theirs as they pick; otherwise they are applied first.
+    ``unapplied``: (logits rows, bitmask rows) of masks not yet applied to the logits: greedy
+    decode rows read theirs as they pick (the CPU kernel); otherwise they are applied first.
     """
     batch = len(num_logits)
     if (num_logits == 1).all() and not temperature.any():  # greedy decode rows: their argmax, no loop
@@ -59,10 +60,7 @@ def verify(
         flat[dead.astype(bool)] = NO_TOKEN
         return flat, np.ones(batch, dtype=np.int32)
     if unapplied is not None:
-        from guidespec.worker import kernels
-
-        if not kernels.apply_bitmask(logits, *unapplied):
-            raise RuntimeError("a deferred bitmask needs the CPU kernels")
+        apply_bitmask(logits, *unapplied)
     best, dead = _argmax_and_dead(logits)  # [R] each: the greedy picks; rows whose mask allows nothing
     offsets = np.concatenate([[0], np.cumsum(num_logits)]).astype(np.int64)
     out: list[list[int]] = [[] for _ in range(batch)]
@@ -182,8 +180,8 @@ def _argmax_and_dead(
     picked = kernels.argmax_rows(logits, unapplied)
     if picked is not None:
         return picked
-    if unapplied is not None:
-        raise RuntimeError("a deferred bitmask needs the CPU kernels")
+    if unapplied is not None:  # (no kernel: the masks applied as any device does)
+        apply_bitmask(logits, *unapplied)
     return logits.argmax(dim=-1).cpu().numpy(), torch.isneginf(logits).all(dim=-1).cpu().numpy()
 
 

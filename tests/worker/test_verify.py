@@ -322,3 +322,42 @@ def test_seeded_rows_verify_alike_step_by_step_and_padded(top_k: int, top_p: flo
     assert padded_counts.tolist() == counts.tolist()
     assert [t for row in _padded(tokens.numpy(), padded_counts.numpy()) for t in row] == flat.tolist()
     assert len(set(counts.tolist())) == k + 1  # (every number of accepted drafts occurred)
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_masks_left_unapplied_pick_as_applied_ones(kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy decode rows whose masks are left for the pick (the worker defers them on the CPU)
+    and the other rows (drafts, sampling: applied first) give the tokens the masked logits give,
+    with the CPU kernels and without (GUIDESPEC_CPU_KERNELS=0: torch applies them)."""
+    from guidespec.worker.mask import apply_bitmask
+
+    monkeypatch.setenv("GUIDESPEC_CPU_KERNELS", kernels)
+    rng = np.random.default_rng(2)
+    vocab, words = 100, 4
+    rows = np.array([0, 1, 3])
+    bitmask = rng.integers(-(2**31), 2**31, (3, words), dtype=np.int64).astype(np.int32)
+    bitmask[1] = 0  # allows nothing: NO_TOKEN
+    for num_logits, temperature in (
+        (np.ones(4, np.int32), np.zeros(4, np.float32)),
+        (np.array([1, 1, 2]), np.zeros(3, np.float32)),
+    ):
+        r = len(num_logits)
+        logits = torch.from_numpy(rng.standard_normal((int(num_logits.sum()), vocab)).astype(np.float32))
+        masked = logits.clone()
+        apply_bitmask(masked, rows, bitmask)
+        drafts = [
+            np.array([int(masked[2].argmax())], np.int32) if n == 2 else np.array([], np.int32) for n in num_logits
+        ]
+        args = (
+            num_logits,
+            drafts,
+            temperature,
+            np.zeros(r, np.int32),
+            np.ones(r, np.float32),
+            np.full(r, -1),
+            np.zeros(r, np.int32),
+        )
+        expected = verify(masked, *args)
+        got = verify(logits, *args, unapplied=(rows, bitmask))
+        assert [a.tolist() for a in got] == [a.tolist() for a in expected]
+        assert NO_TOKEN in got[0].tolist()

@@ -238,8 +238,9 @@ class EarlyCloser:
     cycles met while closing, and whether the output is inside a string (scanned lazily from the
     text, only while closing)."""
 
-    def __init__(self, schema: Callable[[], Any] | None = None) -> None:
+    def __init__(self, schema: Callable[[], Any] | None = None, grammar: tuple[str, str | None] = ("", None)) -> None:
         self._schema_of = schema  # the request's JSON schema (None: any JSON), read at first need
+        self.grammar = grammar  # (its kind, its schema's text): what its grammar is made of
         self._examples: list[str] | None = None  # closing's step 3 (``schema_examples``)
         self._required: int | None = None
         self.plan: list[int] = []  # an example's tokens still to write

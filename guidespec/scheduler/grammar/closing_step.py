@@ -40,7 +40,6 @@ class ClosingStep:
         self.closers: dict[str, EarlyCloser] = {}
         self._stop_row = bitmask_row(stop_token_ids, vocab_size)
         self._tokens: ClosingTokens | None = None  # built at first use
-        self._grammars: dict[str, tuple[str, str | None]] = {}  # request -> what its grammar is made of
         # the budget checks' dry runs from a grammar's first states, shared by the requests with
         # that grammar (a batch of requests with one schema checks its budget once)
         self._early_runs: OrderedDict[tuple[Any, ...], tuple[list[int], bool]] = OrderedDict()
@@ -50,12 +49,10 @@ class ClosingStep:
     def track(self, request_id: str, guided: GuidedDecoding) -> None:
         """Start tracking a JSON request (unless it switched closing off)."""
         if guided.close_early and guided.kind in ("json_schema", "json_object"):
-            self.closers[request_id] = EarlyCloser(_schema_reader(guided))
-            self._grammars[request_id] = (guided.kind, guided.json_schema)
+            self.closers[request_id] = EarlyCloser(_schema_reader(guided), (guided.kind, guided.json_schema))
 
     def forget(self, request_id: str) -> None:
         self.closers.pop(request_id, None)
-        self._grammars.pop(request_id, None)
 
     def add(self, request_id: str, token: int) -> None:
         """A token the request's grammar accepted."""
@@ -132,7 +129,7 @@ class ClosingStep:
         of the grammar, and of closing, follows from them): a request's first check, mostly."""
         if len(closer.tokens) > _SHARED_RUN_TOKENS:
             return self.dry_run(request_id, backend, matcher, limit)
-        key = (id(backend), self._grammars[request_id], tuple(closer.tokens), limit)
+        key = (id(backend), closer.grammar, tuple(closer.tokens), limit)
         found = self._early_runs.get(key)
         if found is None:
             found = self._early_runs[key] = self.dry_run(request_id, backend, matcher, limit)

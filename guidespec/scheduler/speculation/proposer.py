@@ -178,13 +178,6 @@ class Speculator:
         self._model_drafting_pays = True
         self._num_forced: dict[str, int] = {}  # request -> how many of its drafts this step are forced tokens
 
-    def may_draft(self, request: Request) -> bool:
-        """Whether a plan may give the request drafts (forced tokens, a drafter's): its next step
-        then needs this one's outputs (async scheduling runs no step ahead of it)."""
-        if request.guided and (self.jump_forward or self.speculates(request)):
-            return True
-        return self.cfg.method != "forced" and self.speculates(request)
-
     def speculates(self, request: Request) -> bool:
         params = request.params
         return params.speculative and params.max_draft_len != 0 and not params.has_penalties
