@@ -18,13 +18,19 @@ from guidespec.ipc.broadcast import BroadcastLayout
 from guidespec.ipc.mask_arena import ArenaLayout
 from guidespec.ipc.shm_ring import RingLayout
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# the decoder families ModelConfig describes: Llama's layout, each family's differences switched on
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 DTYPES = ("float32", "bfloat16", "float16")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's activation (transformers' names)
 _C = TypeVar("_C", "SchedulerConfig", "WorkerConfig")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """A decoder's shape and its family's switches, read once from a Hugging Face config. With the
+    switches at their defaults it is Llama's layout (Llama 2/3, SmolLM2, Mistral, Qwen2); Qwen3
+    adds q/k norms, Gemma 3 most switches, Phi-3 fused checkpoints and partial rotary."""
+
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -38,19 +44,28 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     max_position_embeddings: int
-    sliding_window: int | None
+    sliding_window: int | None  # the window of the layers listed "sliding_attention" in layer_types
+    layer_types: tuple[str, ...] = ()  # "full_attention" / "sliding_attention" per layer (empty: all full)
+    hidden_act: str = "silu"  # ACTIVATIONS
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each q and k head, before RoPE
+    norm_plus_one: bool = False  # Gemma: RMSNorm weights w stored, 1 + w applied (folded at load)
+    sandwich_norms: bool = False  # Gemma 3: the attention's and the MLP's outputs normed before their adds
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size), in the model's dtype
+    query_scale: float = 1.0  # attention scale / head_dim ** -0.5 (Gemma's query_pre_attn_scalar): folded into q
+    rotary_dim: int = 0  # the dims of a head RoPE rotates, the first ones (Phi's partial rotary); 0: all
+    fused_projections: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj fused
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
+        """The config of a transformers config (or its data as attributes); a layout guidespec does
+        not compute raises, naming what it lacks."""
         model_type = hf.model_type
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model type {model_type!r} is not supported; guidespec runs {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        if getattr(hf, "hidden_act", "silu") != "silu" or getattr(hf, "mlp_bias", False):
-            raise ValueError("only SiLU-gated MLPs without bias are supported")
+        _check_supported(hf, model_type)
         attention_bias = bool(getattr(hf, "attention_bias", False))
         num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        sliding_window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
+        gemma = model_type == "gemma3_text"
         return cls(
             model_type=model_type,
             vocab_size=hf.vocab_size,
@@ -59,18 +74,122 @@ class ModelConfig:
             num_layers=hf.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=hf.rms_norm_eps,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
             max_position_embeddings=hf.max_position_embeddings,
-            sliding_window=getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None,
+            sliding_window=sliding_window,
+            layer_types=_layer_types(hf, model_type, sliding_window),
+            hidden_act=_activation(hf),
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            norm_plus_one=gemma,
+            sandwich_norms=gemma,
+            embed_scale=hf.hidden_size**0.5 if gemma else None,
+            query_scale=(hf.query_pre_attn_scalar / head_dim) ** -0.5 if gemma else 1.0,
+            rotary_dim=_rotary_dim(hf, head_dim),
+            fused_projections=model_type == "phi3",
         )
 
     @property
     def num_query_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window (a query at q sees keys k with q - window < k <= q), or
+        None for full attention."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def has_windows(self) -> bool:
+        return self.sliding_window is not None and "sliding_attention" in self.layer_types
+
+    @property
+    def plain_layers(self) -> bool:
+        """Every layer computes as Llama's (how the checkpoint stores it aside): what the whole
+        stack in C (``kernels/decoder.c``) computes."""
+        return (
+            self.hidden_act == "silu"
+            and not (self.qk_norm or self.norm_plus_one or self.sandwich_norms)
+            and self.embed_scale is None
+            and self.query_scale == 1.0
+            and self.rotary_dim == 0
+        )
+
+    def llama_layout(self) -> ModelConfig:
+        """This shape with every family switch off and no windows: an EAGLE head's layer, which
+        is Llama's whatever its target."""
+        return dataclasses.replace(
+            self,
+            model_type="llama",
+            sliding_window=None,
+            layer_types=(),
+            hidden_act="silu",
+            qk_norm=False,
+            norm_plus_one=False,
+            sandwich_norms=False,
+            embed_scale=None,
+            query_scale=1.0,
+            rotary_dim=0,
+            fused_projections=False,
+        )
+
+
+def _check_supported(hf: Any, model_type: str) -> None:
+    if model_type == "gemma3":
+        raise ValueError(
+            "model type 'gemma3' (Gemma 3 with its vision tower) is not supported; its text-only "
+            "checkpoints (model type 'gemma3_text': Gemma 3 270M, 1B) are"
+        )
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model type {model_type!r} is not supported; guidespec runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if getattr(hf, "mlp_bias", False):
+        raise ValueError("MLPs with a bias (mlp_bias) are not supported")
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(hf, name, None) is not None:
+            raise ValueError(f"{name} is not supported (Gemma 3 sets none; Gemma 2 does)")
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention is not supported: guidespec runs causal decoders")
+
+
+def _activation(hf: Any) -> str:
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None) or "silu"
+    if act not in ACTIVATIONS:
+        raise ValueError(f"the MLP's activation {act!r} is not supported; guidespec runs {', '.join(ACTIVATIONS)}")
+    return str(act)
+
+
+def _layer_types(hf: Any, model_type: str, sliding_window: int | None) -> tuple[str, ...]:
+    """Each layer's attention: Mistral and Phi-3 window every layer where the config has a
+    window (transformers' sliding mask for the whole model), Qwen and Gemma 3 the layers their
+    ``layer_types`` say (Gemma 3's also pick its RoPE table); Llama none."""
+    if model_type == "llama":
+        return ()
+    if model_type in ("mistral", "phi3"):
+        return ("sliding_attention",) * hf.num_hidden_layers if sliding_window is not None else ()
+    types = tuple(getattr(hf, "layer_types", None) or ())
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ValueError(f"layer types {sorted(unknown)} are not supported (full_attention, sliding_attention are)")
+    if types and len(types) != hf.num_hidden_layers:
+        raise ValueError(f"layer_types lists {len(types)} layers, the model has {hf.num_hidden_layers}")
+    return types
+
+
+def _rotary_dim(hf: Any, head_dim: int) -> int:
+    """The rotated dims of a head where not all (0): Phi-3's partial_rotary_factor (in its
+    rope_parameters); the other families rotate whole heads."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", 1.0) if hf.model_type == "phi3" else 1.0
+    dim = int(head_dim * factor)
+    if dim % 2 or not 0 < dim <= head_dim:
+        raise ValueError(f"partial_rotary_factor {factor} gives {dim} rotated dims of {head_dim}: need an even number")
+    return 0 if dim == head_dim else dim
 
 
 SPEC_METHODS = ("ngram", "forced", "user", "draft_model", "eagle")

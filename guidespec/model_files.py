@@ -134,9 +134,10 @@ def load_hf_config(model_dir: Path, data: dict[str, Any] | None = None) -> Any:
     ``data`` as the engine's main process read it) serves: importing transformers' config
     classes costs each engine process ~4 s of its start."""
     data = config_data(model_dir) if data is None else data
-    if (
-        data.get("model_type") in SUPPORTED_MODEL_TYPES
-        and (data.get("rope_parameters") or {}).get("rope_type", "default") == "default"
+    rope = data.get("rope_parameters") or {}
+    per_layer_type = [p for p in rope.values() if isinstance(p, dict)]  # Gemma 3: parameters by layer type
+    if data.get("model_type") in SUPPORTED_MODEL_TYPES and all(
+        p.get("rope_type", "default") == "default" for p in per_layer_type or [rope]
     ):
         return SimpleNamespace(**data)
     from transformers import AutoConfig

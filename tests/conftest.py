@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-TINY_CONFIGS = {
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(
         hidden_size=64,
         intermediate_size=160,
@@ -46,24 +56,102 @@ TINY_CONFIGS = {
         max_position_embeddings=256,
         sliding_window=None,
     ),
+    # the families' switches (tests/worker/test_families.py), windows of a few keys so that prompts
+    # run past them: Llama 3's RoPE scaling
+    "llama3": dict(
+        _TINY,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
+    # every layer windowed (computed by the whole stack in C too)
+    "mistral_window": dict(_TINY, sliding_window=6),
+    # q/k norms, head_dim 32 > hidden / heads, its last layer windowed
+    "qwen3": dict(
+        _TINY, num_hidden_layers=3, head_dim=32, use_sliding_window=True, sliding_window=6, max_window_layers=2
+    ),
+    # norms of 1 + w around attention and MLP, GELU, a query scale other than head_dim's, two RoPE
+    # tables, windowed layers around a full one, tied embeddings
+    "gemma3": dict(
+        _TINY,
+        num_hidden_layers=3,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        tie_word_embeddings=True,
+    ),
+    # fused qkv and gate_up in the checkpoint, half of each head rotated, LongRoPE switching to its
+    # long factors at position 16
+    "phi3": dict(
+        _TINY,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        original_max_position_embeddings=16,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.5, 2.0, 3.0],
+            "long_factor": [2.0, 4.0, 8.0, 16.0],
+        },
+    ),
 }
+FAMILY_KINDS = ("llama3", "mistral_window", "qwen3", "gemma3", "phi3")
 
 
 def make_tiny_model(folder: Path, kind: str, vocab_size: int = 300, seed: int = 0) -> Path:
     """A random model of family ``kind`` saved as a Hugging Face folder (safetensors)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
-    config_cls = {"llama": LlamaConfig, "llama_odd_heads": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[
-        kind
-    ]
-    config = config_cls(vocab_size=vocab_size, rms_norm_eps=1e-5, **TINY_CONFIGS[kind])
+    config = _tiny_config_class(kind)(vocab_size=vocab_size, rms_norm_eps=1e-5, **TINY_CONFIGS[kind])
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random biases, so the Qwen2 bias path is really tested
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0, 0.5)
+            elif kind in FAMILY_KINDS and name.endswith("norm.weight"):  # (Gemma's start at 0, the others' at 1)
+                p.add_(torch.randn_like(p) * 0.3)
     model.save_pretrained(folder)
+    return folder
+
+
+def _tiny_config_class(kind: str) -> Any:
+    import transformers
+
+    names = {"llama_odd_heads": "LlamaConfig", "llama3": "LlamaConfig", "mistral_window": "MistralConfig"}
+    names.update(qwen2="Qwen2Config", qwen3="Qwen3Config", gemma3="Gemma3TextConfig", phi3="Phi3Config")
+    return getattr(transformers, names.get(kind, kind.capitalize() + "Config"))
+
+
+def save_byte_tokenizer(folder: Path, vocab_size: int = 300) -> Path:
+    """A byte-level tokenizer of exactly ``vocab_size`` ids in ``folder`` (no merges: a byte a
+    token; ids 0-2 <pad>, <eos>, <bos>, then the 256 bytes, then fillers), so that an engine can
+    run a tiny model offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<bos>"]
+    symbols = specials + sorted(ByteLevel.alphabet()) + [f"<x{i}>" for i in range(259, vocab_size)]
+    tokenizer = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(symbols)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    fast.save_pretrained(folder)
     return folder
 
 

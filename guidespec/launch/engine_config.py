@@ -177,9 +177,7 @@ def _model_config(
         raise ValueError(
             f"tensor_parallel_size {tensor_parallel_size} exceeds the model's {model_cfg.num_kv_heads} key/value heads"
         )
-    limit = model_cfg.max_position_embeddings
-    if model_cfg.sliding_window:
-        limit = min(limit, model_cfg.sliding_window)
+    limit = model_cfg.max_position_embeddings  # (sliding-window layers attend their window past it)
     length = min(limit, 2048) if max_model_len is None else max_model_len
     if not 1 < length <= limit:
         raise ValueError(f"max_model_len must be in (1, {limit}] for this model, got {length}")

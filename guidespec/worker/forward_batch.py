@@ -24,17 +24,33 @@ class AttentionGroup:
     length: int  # keys to read: max start + n
     slot_ids: torch.Tensor  # [B] int32, as ``slots`` (for kernels.cache_attention)
     starts: torch.Tensor  # [B] int32: each row's first new position
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     @cached_property
     def mask(self) -> torch.Tensor | None:
         """[B, 1, n, length] bool (True = attend), None when nothing is masked; built once per
         step, and only where torch attends (the C kernel needs none)."""
-        n = self.num_new_tokens
-        if len(self.rows) == 1 and n == 1:
+        if len(self.rows) == 1 and self.num_new_tokens == 1:
             return None
-        device = self.starts.device
-        query_pos = self.starts.long()[:, None] + torch.arange(n, device=device)[None]  # [B, n]
-        return (torch.arange(self.length, device=device)[None, None, :] <= query_pos[:, :, None])[:, None]
+        return (self._keys()[None, None, :] <= self._query_positions()[:, :, None])[:, None]
+
+    def mask_within(self, window: int | None) -> torch.Tensor | None:
+        """:attr:`mask` of a sliding-window layer: a query at q attends the keys k with
+        q - window < k <= q (transformers' sliding mask); the causal mask where no query reaches
+        past its window."""
+        if window is None or self.length <= window:
+            return self.mask
+        if window not in self._window_masks:
+            query_pos = self._query_positions()[:, :, None]
+            keys = self._keys()[None, None, :]
+            self._window_masks[window] = ((keys <= query_pos) & (keys > query_pos - window))[:, None]
+        return self._window_masks[window]
+
+    def _query_positions(self) -> torch.Tensor:  # [B, n]
+        return self.starts.long()[:, None] + torch.arange(self.num_new_tokens, device=self.starts.device)[None]
+
+    def _keys(self) -> torch.Tensor:
+        return torch.arange(self.length, device=self.starts.device)
 
 
 @dataclass

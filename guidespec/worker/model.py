@@ -1,9 +1,13 @@
-"""Our Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2 layouts), tensor-parallel.
+"""Our decoder, tensor-parallel: Llama's layout (Llama 2/3, SmolLM2, Mistral, Qwen2) and the
+families that switch parts of it (``ModelConfig``): Qwen3 (q/k norms), Gemma 3 (norms of 1 + w
+around attention and MLP, q/k norms, scaled embeddings, GELU, sliding-window layers with their own
+RoPE table), Phi-3 (fused checkpoint projections, partial rotary, LongRoPE).
 
 One forward runs several new positions per request (prefill chunks, decode, and later the
-draft positions to verify) over a KV cache indexed by slot. Rotary tables come from
-transformers' own rotary module, so every RoPE variant it knows is computed as it computes
-it. Weights are stored fused per layer (q|k|v, gate|up): fewer, larger matmuls.
+draft positions to verify) over a KV cache indexed by slot. Rotary tables are transformers'
+own (``rotary.py``). Weights are stored fused per layer (q|k|v, gate|up): fewer, larger matmuls.
+A sliding-window layer attends only its window's keys but its cache keeps every block of the
+request (correct, not yet smaller).
 
 On the CPU, a model converted from a GGUF file can keep the file's own quantized blocks for
 its linear weights, embedding and LM head (``quantized=True``: ``kernels/gguf_weights.py``
@@ -45,7 +49,10 @@ from guidespec.worker.kernels import (
 from guidespec.worker.kernels.gguf_weights import GGUFWeight, concat_rows
 from guidespec.worker.forward_batch import AttentionGroup, ForwardBatch
 from guidespec.worker.kv_cache import KVCache
+from guidespec.worker.rotary import LAYER_TYPES, Tables, apply_rope, rope_per_layer_type, rotary_tables
 from guidespec.worker.tp import TPInfo, all_reduce, gather_vocab
+
+__all__ = ["LlamaModel", "rotary_tables"]
 
 
 logger = logging.getLogger(__name__)
@@ -76,6 +83,8 @@ class LlamaModel:
         self.vocab = tp.vocab_shard(cfg.vocab_size)
         self.max_model_len = max_model_len
         self.layers: list[dict[str, Any]] = []
+        # Gemma: embeddings times sqrt(hidden), the factor rounded to the model's dtype as transformers does
+        self.embed_scale = None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale).to(dtype).to(device)
         self.captured: torch.Tensor | None = None  # forward(capture=...) keeps its features here
         self._stack: DecoderStack | None = None  # the layers for decoder.c, where it applies
         self._stack_checked = False
@@ -104,7 +113,7 @@ class LlamaModel:
             self.lm_head = self.embed
         else:
             self.lm_head = self._load_vocab_rows(reader, blocks, "lm_head.weight")
-        self.final_norm = self._t(reader.get("model.norm.weight"))
+        self.final_norm = self._norm_weight(reader.get("model.norm.weight"))
         layer_ids = range(cfg.num_layers)
         if show_progress:
             layer_ids = tqdm(layer_ids, desc="guidespec: loading layers", unit="layer", leave=False)
@@ -147,7 +156,7 @@ class LlamaModel:
             dataclasses.replace(self.cfg, num_layers=n), self.tp, self.dtype, self.max_model_len, self.device
         )
         cut.embed, cut.lm_head, cut.final_norm, cut.layers = self.embed, self.lm_head, self.final_norm, self.layers[:n]
-        cut.cos, cut.sin = self.cos, self.sin
+        cut.cos, cut.sin, cut.rotary = self.cos, self.sin, self.rotary[:n]
         return cut
 
     def int8_copy(self) -> LlamaModel:
@@ -164,10 +173,7 @@ class LlamaModel:
     def _load_layer(self, reader: ShardReader, blocks: GGUFTensors | None, i: int) -> dict[str, Any]:
         p = f"model.layers.{i}."
         parts = self._linear_parts(i)
-        layer: dict[str, Any] = {
-            "input_norm": self._t(reader.get(p + "input_layernorm.weight")),
-            "post_norm": self._t(reader.get(p + "post_attention_layernorm.weight")),
-        }
+        layer = self._load_norms(reader, p)
         layer.update({key: self._load_linear(reader, blocks, key_parts) for key, key_parts in parts.items()})
         if self.cfg.qkv_bias:
             layer["qkv_bias"] = self._t(
@@ -179,20 +185,57 @@ class LlamaModel:
             layer["o_bias"] = self._t(reader.get(p + "self_attn.o_proj.bias"))
         return layer
 
+    def _load_norms(self, reader: ShardReader, p: str) -> dict[str, Any]:
+        """A layer's norms: before attention ("input_norm") and before the MLP ("post_norm", HF's
+        post_attention_layernorm in Llama's layout, pre_feedforward_layernorm in Gemma 3's); with
+        sandwich norms those on the attention's and the MLP's outputs; with q/k norms the per-head
+        ones (shared by every head, so whole on every rank), the attention's scale folded into q's."""
+        cfg, norm = self.cfg, lambda name, scale=1.0: self._norm_weight(reader.get(p + name), scale)
+        layer: dict[str, Any] = {"input_norm": norm("input_layernorm.weight")}
+        if cfg.sandwich_norms:
+            layer["attn_out_norm"] = norm("post_attention_layernorm.weight")
+            layer["post_norm"] = norm("pre_feedforward_layernorm.weight")
+            layer["mlp_out_norm"] = norm("post_feedforward_layernorm.weight")
+        else:
+            layer["post_norm"] = norm("post_attention_layernorm.weight")
+        if cfg.qk_norm:
+            layer["q_norm"] = norm("self_attn.q_norm.weight", cfg.query_scale)
+            layer["k_norm"] = norm("self_attn.k_norm.weight")
+        elif cfg.query_scale != 1.0:
+            raise ValueError("an attention scale other than head_dim ** -0.5 needs a q norm to fold it into")
+        return layer
+
+    def _norm_weight(self, weight: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """An RMSNorm's weight as the model multiplies by it. Gemma's 1 + w is folded here and kept
+        in fp32: transformers' Gemma norm scales in fp32 before rounding to the model's dtype (see
+        ``_rms_norm``), Llama's rounds first."""
+        if not self.cfg.norm_plus_one:
+            return self._t(weight * scale if scale != 1.0 else weight)
+        return ((1.0 + weight.float()) * scale).to(self.device).contiguous()
+
     def _linear_parts(self, i: int) -> dict[str, list[TensorPart]]:
         """Layer ``i``'s fused linear weights as the tensors they are made of, cut for this rank:
-        column-parallel weights (qkv, gate_up) by rows, row-parallel ones (o, down) by columns."""
+        column-parallel weights (qkv, gate_up) by rows, row-parallel ones (o, down) by columns.
+        A checkpoint that stores them fused (Phi-3's qkv_proj, gate_up_proj) is read as row
+        ranges of those tensors, cut the same way."""
         cfg, d = self.cfg, self.cfg.head_dim
         p = f"model.layers.{i}."
         q_rows = (self.kv_heads[0] * cfg.num_query_groups * d, self.kv_heads[1] * cfg.num_query_groups * d)
         kv_rows = (self.kv_heads[0] * d, self.kv_heads[1] * d)
+        qkv_names = [p + f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj")]
+        qkv_rows = [q_rows, kv_rows, kv_rows]
+        gate_up_names = [p + f"mlp.{n}.weight" for n in ("gate_proj", "up_proj")]
+        gate_up_rows = [self.intermediate, self.intermediate]
+        if cfg.fused_projections:
+            qkv_names = [p + "self_attn.qkv_proj.weight"] * 3
+            offsets = (0, cfg.num_heads * d, (cfg.num_heads + cfg.num_kv_heads) * d)
+            qkv_rows = [_shifted(r, offset) for r, offset in zip(qkv_rows, offsets)]
+            gate_up_names = [p + "mlp.gate_up_proj.weight"] * 2
+            gate_up_rows = [self.intermediate, _shifted(self.intermediate, cfg.intermediate_size)]
         return {
-            "qkv": [
-                (p + f"self_attn.{n}.weight", r, None)
-                for n, r in zip(("q_proj", "k_proj", "v_proj"), (q_rows, kv_rows, kv_rows))
-            ],
+            "qkv": [(name, rows, None) for name, rows in zip(qkv_names, qkv_rows)],
             "o": [(p + "self_attn.o_proj.weight", None, q_rows)],
-            "gate_up": [(p + f"mlp.{n}.weight", self.intermediate, None) for n in ("gate_proj", "up_proj")],
+            "gate_up": [(name, rows, None) for name, rows in zip(gate_up_names, gate_up_rows)],
             "down": [(p + "mlp.down_proj.weight", None, self.intermediate)],
         }
 
@@ -208,7 +251,24 @@ class LlamaModel:
         return pack(self._t(torch.cat([reader.get(name, rows, cols) for name, rows, cols in parts])))
 
     def _init_rotary(self, hf_config: object) -> None:
-        self.cos, self.sin = (t.to(self.dtype).to(self.device) for t in rotary_tables(hf_config, self.max_model_len))
+        """``self.rotary[i]``: layer i's cos, sin [max_len, rotary dims] in the model's dtype (one
+        table shared by every layer, or Gemma 3's one per layer type); ``self.cos``, ``self.sin``:
+        the full-attention layers' table."""
+        n = self.cfg.num_layers
+        if rope_per_layer_type(hf_config):
+            tables = {t: self._on_device(rotary_tables(hf_config, self.max_model_len, t)) for t in LAYER_TYPES}
+            self.rotary = [tables[t] for t in self.cfg.layer_types or ("full_attention",) * n]
+            self.cos, self.sin = tables["full_attention"]
+        else:
+            self.cos, self.sin = self._on_device(rotary_tables(hf_config, self.max_model_len))
+            self.rotary = [(self.cos, self.sin)] * n
+        rotated = self.cos.shape[-1]
+        if rotated != (self.cfg.rotary_dim or self.cfg.head_dim):
+            raise ValueError(f"the RoPE tables rotate {rotated} dims of a head, the config says {self.cfg.rotary_dim}")
+
+    def _on_device(self, tables: Tables) -> Tables:
+        cos, sin = tables
+        return cos.to(self.dtype).to(self.device), sin.to(self.dtype).to(self.device)
 
     def _t(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(dtype=self.dtype, device=self.device).contiguous()
@@ -250,8 +310,9 @@ class LlamaModel:
             x, h = self._add_norm(x, delta, layer["input_norm"])
             if isinstance(capture, tuple) and i in capture:
                 kept.extend([x] * capture.count(i))
-            x, h = self._add_norm(x, self._attention(h, layer, kv, i, batch), layer["post_norm"])
-            delta = self._mlp(h, layer)
+            attention = self._out_norm(self._attention(h, layer, kv, i, batch), layer.get("attn_out_norm"))
+            x, h = self._add_norm(x, attention, layer["post_norm"])
+            delta = self._out_norm(self._mlp(h, layer), layer.get("mlp_out_norm"))
         _, x = self._add_norm(x, delta, self.final_norm)
         self.captured = x if capture == "final" else torch.cat(kept, dim=-1) if kept else None
         return x[batch.logits_indices]
@@ -259,7 +320,7 @@ class LlamaModel:
     def _forward_in_c(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor | None:
         """Every layer and the final norm in one C call (``kernels/decoder.c``: the loop below, bit
         for bit), [T, hidden]; None where it does not apply: tensor parallelism, rows running
-        different token counts, not fp32 CPU weights."""
+        different token counts, not fp32 CPU weights, a layout it does not compute."""
         if not self._stack_checked:
             self._stack, self._stack_checked = self._build_stack(), True
         n = batch.num_new_tokens[0]
@@ -283,16 +344,21 @@ class LlamaModel:
         )
 
     def _build_stack(self) -> DecoderStack | None:
+        """The C stack, where it computes this model: Llama's layout (its windows included) with
+        one RoPE table, whole heads rotated."""
         ok = (
             self.tp.size == 1
             and self.device == "cpu"
             and self.dtype == torch.float32
             and self.cfg.head_dim % 16 == 0
+            and self.cfg.plain_layers
+            and all(table is self.rotary[0] for table in self.rotary)
             and self.final_norm.is_contiguous()
             and self.cos.is_contiguous()
             and self.sin.is_contiguous()
         )
-        return DecoderStack.of(self.layers) if ok else None
+        windows = [self.cfg.window(i) for i in range(self.cfg.num_layers)]
+        return DecoderStack.of(self.layers, windows) if ok else None
 
     def _add_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
@@ -304,6 +370,11 @@ class LlamaModel:
         if delta is not None:
             x = x + delta
         return x, _rms_norm(x, weight, self.cfg.rms_norm_eps)
+
+    def _out_norm(self, out: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """Gemma 3's norm of a block's output before it is added to the residual stream (none in
+        the other layouts)."""
+        return out if weight is None else _rms_norm(out, weight, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def forward_padded(
@@ -327,25 +398,37 @@ class LlamaModel:
         does. No host synchronisation and no shape that depends on the values: capturable as it is.
         """
         n, b = tokens_per_row, row_slots.shape[0]
-        g = self.cfg.num_query_groups
-        key_positions = torch.arange(key_length, device=positions.device)
-        allowed = key_positions[None, None, :] <= positions.view(b, n)[:, :, None]  # [B, n, L]
-        mask = allowed[:, None].repeat(1, 1, g, 1)  # [B, 1, G*n, L], rows ordered (group, token)
+        masks = self._padded_masks(positions.view(b, n), key_length)
         x = self._embed(token_ids)
-        cos, sin = self.cos[positions], self.sin[positions]
+        rotary = {id(table): (table[0][positions], table[1][positions]) for table in self.rotary}
         kept: list[torch.Tensor] = []
+        eps = self.cfg.rms_norm_eps
         for i, layer in enumerate(self.layers):
             if isinstance(capture, tuple) and i in capture:
                 kept.extend([x] * capture.count(i))
-            h = _rms_norm(x, layer["input_norm"], self.cfg.rms_norm_eps)
-            x = x + self._attention_padded(
+            h = _rms_norm(x, layer["input_norm"], eps)
+            mask, (cos, sin) = masks[self.cfg.window(i)], rotary[id(self.rotary[i])]
+            attention = self._attention_padded(
                 h, layer, kv, i, positions, token_slots, row_slots, n, key_length, mask, cos, sin
             )
-            h = _rms_norm(x, layer["post_norm"], self.cfg.rms_norm_eps)
-            x = x + self._mlp(h, layer)
-        out = _rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
+            x = x + self._out_norm(attention, layer.get("attn_out_norm"))
+            h = _rms_norm(x, layer["post_norm"], eps)
+            x = x + self._out_norm(self._mlp(h, layer), layer.get("mlp_out_norm"))
+        out = _rms_norm(x, self.final_norm, eps)
         self.captured = out if capture == "final" else torch.cat(kept, dim=-1) if kept else None
         return out
+
+    def _padded_masks(self, positions: torch.Tensor, key_length: int) -> dict[int | None, torch.Tensor]:
+        """The attention masks of :meth:`forward_padded` by window (None: causal), each
+        [B, 1, G*n, L] with rows ordered (group, token); positions [B, n]."""
+        g = self.cfg.num_query_groups
+        key_positions = torch.arange(key_length, device=positions.device)[None, None, :]
+        causal = key_positions <= positions[:, :, None]  # [B, n, L]
+        masks: dict[int | None, torch.Tensor] = {None: causal[:, None].repeat(1, 1, g, 1)}
+        for window in {w for w in map(self.cfg.window, range(len(self.layers))) if w is not None}:
+            inside = causal & (key_positions > positions[:, :, None] - window)
+            masks[window] = inside[:, None].repeat(1, 1, g, 1)
+        return masks
 
     def _attention_padded(
         self,
@@ -364,8 +447,8 @@ class LlamaModel:
     ) -> torch.Tensor:
         d, hq, hkv, g = self.cfg.head_dim, self.num_local_heads, self.num_local_kv_heads, self.cfg.num_query_groups
         b = row_slots.shape[0]
-        qkv = linear(h, layer["qkv"], layer.get("qkv_bias"))
-        qk = _rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)
+        qkv = self._qk_normed(linear(h, layer["qkv"], layer.get("qkv_bias")), layer)
+        qk = apply_rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)
         q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
         kv.write(i, token_slots, positions, k, v)
         keys, values = kv.gather(i, row_slots, key_length)  # [B, hkv, L, D]: only the rows' slots
@@ -394,34 +477,52 @@ class LlamaModel:
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return embedding(token_ids, self.embed)
-        v0, v1, shard = self.vocab
-        inside = (token_ids >= v0) & (token_ids < v1)
-        local = torch.where(inside, token_ids - v0, torch.zeros_like(token_ids))
-        out = embedding(local, self.embed) * inside[:, None].to(self.dtype)
-        return all_reduce(out, self.tp)
+            out = embedding(token_ids, self.embed)
+        else:
+            v0, v1, shard = self.vocab
+            inside = (token_ids >= v0) & (token_ids < v1)
+            local = torch.where(inside, token_ids - v0, torch.zeros_like(token_ids))
+            out = all_reduce(embedding(local, self.embed) * inside[:, None].to(self.dtype), self.tp)
+        return out if self.embed_scale is None else out * self.embed_scale
+
+    def _qk_normed(self, qkv: torch.Tensor, layer: dict[str, Any]) -> torch.Tensor:
+        """qkv [T, (hq + 2 hkv) * D] with each q and k head RMS-normed (Qwen3, Gemma 3: before
+        RoPE), v as it is; qkv itself where the layer has no q/k norms."""
+        if "q_norm" not in layer:
+            return qkv
+        d, hq, hkv, eps = self.cfg.head_dim, self.num_local_heads, self.num_local_kv_heads, self.cfg.rms_norm_eps
+        q = _rms_norm(qkv[:, : hq * d].view(-1, hq, d), layer["q_norm"], eps)
+        k = _rms_norm(qkv[:, hq * d : (hq + hkv) * d].view(-1, hkv, d), layer["k_norm"], eps)
+        return torch.cat([q.flatten(1), k.flatten(1), qkv[:, (hq + hkv) * d :]], dim=-1)
 
     def _attention(self, h, layer, kv: KVCache, i: int, batch: ForwardBatch) -> torch.Tensor:  # type: ignore[no-untyped-def]
         d, hq, hkv = self.cfg.head_dim, self.num_local_heads, self.num_local_kv_heads
-        qkv = linear(h, layer["qkv"], layer.get("qkv_bias"))
+        qkv = self._qk_normed(linear(h, layer["qkv"], layer.get("qkv_bias")), layer)
+        cos, sin = self.rotary[i]
         rows = kv.cache_rows(batch.slot_of_token, batch.positions)
-        q = rope_into_cache(qkv, hq, hkv, self.cos, self.sin, batch.positions, rows, kv.k[i], kv.v[i])
+        q = None
+        if cos.shape[-1] == d:  # the kernel rotates whole heads
+            q = rope_into_cache(qkv, hq, hkv, cos, sin, batch.positions, rows, kv.k[i], kv.v[i])
         if q is None:  # torch: rotate, then write the keys and values
-            cos, sin = self.cos[batch.positions], self.sin[batch.positions]  # [T, D]
-            qk = _rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)  # q and k heads in one go
+            cos, sin = cos[batch.positions], sin[batch.positions]  # [T, R]
+            qk = apply_rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)  # q and k heads in one go
             q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
             kv.write(i, batch.slot_of_token, batch.positions, k, v)
+        window = self.cfg.window(i)
         if len(batch.groups) == 1:
-            out = self._attend_group(q, kv, i, batch.groups[0])
+            out = self._attend_group(q, kv, i, batch.groups[0], window)
         else:
             out = torch.empty_like(q)  # [T, hq, D]
             for group in batch.groups:
-                out[group.token_index] = self._attend_group(q[group.token_index], kv, i, group)
+                out[group.token_index] = self._attend_group(q[group.token_index], kv, i, group, window)
         o = linear(out.reshape(-1, hq * d), layer["o"], layer.get("o_bias"))
         return all_reduce(o, self.tp)
 
-    def _attend_group(self, q: torch.Tensor, kv: KVCache, i: int, group: AttentionGroup) -> torch.Tensor:
-        """Attention for rows that all run the same number of new tokens ``n``.
+    def _attend_group(
+        self, q: torch.Tensor, kv: KVCache, i: int, group: AttentionGroup, window: int | None
+    ) -> torch.Tensor:
+        """Attention for rows that all run the same number of new tokens ``n``, each query
+        attending its last ``window`` keys where the layer has a window.
 
         Query heads sharing a key/value head are stacked on the query axis, so grouped-query
         attention runs as plain attention without repeating keys:
@@ -429,69 +530,43 @@ class LlamaModel:
         """
         g, d, hkv = self.cfg.num_query_groups, self.cfg.head_dim, self.num_local_kv_heads
         n, b = group.num_new_tokens, len(group.rows)
-        out = cache_attention(q, kv.k[i], kv.v[i], kv.block_tables(group.slot_ids), group.starts, n, g)
+        tables = kv.block_tables(group.slot_ids)
+        out = cache_attention(q, kv.k[i], kv.v[i], tables, group.starts, n, g, window)
         if out is not None:  # on the CPU: the C kernel reads the cache in place
             return out
         k, v = kv.gather(i, group.slots, group.length)
         q = q.view(b, n, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * n, d)
+        mask = group.mask_within(window)
         if n * g * group.length <= _SMALL_ATTENTION:
             # decode-sized: three small ops beat the fused kernel's fixed cost on CPU
             scores = torch.matmul(q, k.transpose(-1, -2)) * d**-0.5  # [B, hkv, G*n, L]
-            if group.mask is not None:
-                scores = scores.view(b, hkv, g, n, -1).masked_fill(~group.mask[:, :, None], float("-inf"))
+            if mask is not None:
+                scores = scores.view(b, hkv, g, n, -1).masked_fill(~mask[:, :, None], float("-inf"))
                 scores = scores.view(b, hkv, g * n, -1)
             out = torch.matmul(scores.softmax(dim=-1), v)
         else:
-            mask = None if group.mask is None else group.mask.repeat(1, 1, g, 1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask.repeat(1, 1, g, 1))
         return out.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, hkv * g, d)
 
     def _mlp(self, h: torch.Tensor, layer: dict[str, torch.Tensor]) -> torch.Tensor:
         gate_up = linear(h, layer["gate_up"])
-        act = silu_mul(gate_up)  # fp32 on the CPU: one call
+        silu = self.cfg.hidden_act == "silu"
+        act = silu_mul(gate_up) if silu else None  # fp32 on the CPU: one call
         if act is None:
             gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+            act = (F.silu(gate) if silu else F.gelu(gate, approximate="tanh")) * up
         return all_reduce(linear(act, layer["down"]), self.tp)
 
 
-def rotary_tables(hf_config: Any, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_len, head_dim] (fp32) of positions 0 .. max_len - 1, as transformers' Llama
-    rotary module computes them: its default inverse frequencies, or its own function for the
-    other RoPE types (``modeling_rope_utils``). The module itself is used only for the types it
-    updates with the sequence length (dynamic, longrope): importing Llama's modeling file costs
-    a worker ~2.7 s of its start."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    positions = torch.arange(max_len)[None]
-    if rope_type in ("dynamic", "longrope"):
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        cos, sin = LlamaRotaryEmbedding(config=hf_config)(torch.zeros(1, dtype=torch.float32), positions)
-        return cos[0], sin[0]
-    if rope_type == "default":
-        dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        scaling = 1.0
-    else:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
-    freqs = positions[..., None].float() * inv_freq.float()
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling)[0], (emb.sin() * scaling)[0]
+def _shifted(rows: tuple[int, int], offset: int) -> tuple[int, int]:
+    return rows[0] + offset, rows[1] + offset
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
-    xf = x.float()  # as Hugging Face: normalize in fp32, scale in the model dtype
+    xf = x.float()  # normalize in fp32
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos, sin [T, D] (half-rotation layout, as Hugging Face Llama)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    if weight.dtype == torch.float32:  # Gemma's norm (weights kept in fp32): scale in fp32, then round
+        return (xf * weight).to(x.dtype)
+    return weight * xf.to(x.dtype)  # Llama's: round, then scale in the model dtype

@@ -26,7 +26,9 @@ def test_buckets() -> None:
     assert tokens_bucket(5, max_tokens_per_row=6) == 6
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+# the families' switches too: q/k norms, Gemma 3's norms, GELU, two RoPE tables and windows (of 5 and 6
+# keys: the steps below run past them), Phi-3's partial rotary
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3", "phi3", "mistral_window"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LlamaModel:
     folder = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
     hf = load_hf_config(folder)

@@ -75,13 +75,21 @@ def test_weights_the_kernel_cannot_take_stay_as_they_are() -> None:
 
 
 def _reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: list[int], starts: list[int], n: int, g: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: list[int],
+    starts: list[int],
+    n: int,
+    g: int,
+    window: int | None = None,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
     hkv, d = k.shape[1], k.shape[3]
     for r, (slot, start) in enumerate(zip(slots, starts)):
         for j in range(n):
-            keys, values = k[slot, :, : start + j + 1], v[slot, :, : start + j + 1]  # [hkv, L, D]
+            first = 0 if window is None else max(0, start + j + 1 - window)
+            keys, values = k[slot, :, first : start + j + 1], v[slot, :, first : start + j + 1]  # [hkv, L, D]
             qj = q[r * n + j].view(hkv, g, d)
             p = torch.softmax(qj @ keys.transpose(-1, -2) * d**-0.5, dim=-1)
             out[r * n + j] = (p @ values).reshape(hkv * g, d)
@@ -157,6 +165,35 @@ def test_cache_attention_reads_blocks_anywhere_through_block_tables(block_size: 
     torch.testing.assert_close(paged, _reference_attention(q, k, v, slots, starts, n, g), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [1, 5, 8, 13, 64, 1000])
+@pytest.mark.parametrize("n", [1, 3, 20])  # decode, a verify, a prefill chunk of two tasks (16 + 4 tokens)
+def test_cache_attention_in_a_sliding_window_matches_torch(window: int, n: int) -> None:
+    """Each query attends its last ``window`` keys only (the window's first key anywhere in a block
+    of 8, or of the cache's blocks), in a paged cache as in the cache by slot."""
+    gen = torch.Generator().manual_seed(window * 10 + n)
+    hkv, d, g, length, block_size = 2, 32, 3, 160, 16
+    k, v = torch.randn(4, hkv, length, d, generator=gen), torch.randn(4, hkv, length, d, generator=gen)
+    per_row = length // block_size
+    order = torch.randperm(4 * per_row, generator=gen)
+    slots, starts = [2, 0, 3, 1], [0, 4, 61, length - n]
+    q = torch.randn(len(slots) * n, hkv * g, d, generator=gen) * 3
+    int32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    paged = kernels.cache_attention(
+        q,
+        _paged(k, block_size, order),
+        _paged(v, block_size, order),
+        order.view(4, per_row).to(torch.int32)[slots].contiguous(),
+        int32(starts),
+        n,
+        g,
+        window,
+    )
+    by_slot = kernels.cache_attention(q, _heads(k), _heads(v), int32(slots)[:, None], int32(starts), n, g, window)
+    assert paged is not None and by_slot is not None and torch.equal(paged, by_slot)
+    expected = _reference_attention(q, k, v, slots, starts, n, g, window)
+    torch.testing.assert_close(paged, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_cache_attention_of_a_token_does_not_depend_on_later_tokens_or_other_rows() -> None:
     gen = torch.Generator().manual_seed(1)
     k, v = torch.randn(3, 4, 64, 64, generator=gen), torch.randn(3, 4, 64, 64, generator=gen)  # [hkv, slots, L, D]
@@ -176,7 +213,8 @@ def test_cache_attention_of_a_token_does_not_depend_on_later_tokens_or_other_row
 def test_layer_ops_match_torch(t: int) -> None:
     """add_rms_norm, rope_into_cache and silu_mul (layer_ops.c) against the torch ops the model runs
     without them; each row alone gives the same bits as in its batch."""
-    from guidespec.worker.model import _rms_norm, _rope, rotary_tables
+    from guidespec.worker.model import _rms_norm, rotary_tables
+    from guidespec.worker.rotary import apply_rope as _rope
     from transformers import LlamaConfig
 
     gen = torch.Generator().manual_seed(t)

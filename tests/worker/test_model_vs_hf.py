@@ -62,10 +62,10 @@ def test_tp1_logits_match_hf(tmp_path: Path, kind: str) -> None:
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 
 
-def _tp_rank(rank: int, folder: Path, init: str, out: Path) -> None:
+def _tp_rank(rank: int, folder: Path, init: str, out: Path, prompts: list[list[int]] = PROMPTS) -> None:
     init_distributed(TPInfo(rank, 2), init)
     try:
-        logits = our_logits(folder, PROMPTS, TPInfo(rank, 2))
+        logits = our_logits(folder, prompts, TPInfo(rank, 2))
         if rank == 0:
             torch.save(logits, out)
         else:

@@ -277,11 +277,12 @@ def head_bytes(
 
 
 def _head_model_config(config: dict[str, Any], target: ModelConfig) -> ModelConfig:
-    """The head's attention/MLP shape: its config.json where it says, else the target's."""
+    """The head's attention/MLP shape: its config.json where it says, else the target's; its
+    layout Llama's whatever the target's family (EAGLE heads are Llama layers)."""
     heads = int(config.get("num_attention_heads", target.num_heads))
     hidden = int(config.get("hidden_size", target.hidden_size))
     return dataclasses.replace(
-        target,
+        target.llama_layout(),
         num_layers=1,
         hidden_size=hidden,
         num_heads=heads,

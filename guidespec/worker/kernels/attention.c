@@ -12,7 +12,9 @@
  *                                          are one run of memory, read as a stream)
  *   out [B * n, hkv * g, D]
  *
- * Token j of row r sits at position starts[r] + j and attends keys 0 .. starts[r] + j. The key at
+ * Token j of row r sits at position starts[r] + j and attends keys 0 .. starts[r] + j, or with a
+ * sliding window (window > 0) only the last `window` of them: keys starts[r] + j - window + 1 ..
+ * starts[r] + j (Mistral's and Gemma's windowed layers; the keys before are never read). The key at
  * position p of row r is in block tables[r * width + p / block_size], at p % block_size: a row's
  * keys need not be contiguous (a paged cache), only each block's. block_size is a multiple of 8
  * (KEYS), or the row's whole length (one block a row: the cache by slot).
@@ -83,11 +85,11 @@ static inline v8 fma8(v8 a, v8 b, v8 c) {
 #endif
 }
 
-/* acc[c][0 .. dims) += the sum over t in [t0, t1) and below length[c] of w[c][t] * v[t][0 .. dims)
+/* acc[c][0 .. dims) += the sum over t in [t0, t1) within [lo[c], length[c]) of w[c][t] * v[t][0 .. dims)
    (value t in block table[t / bs] of the head's blocks v, at t % bs, rows D apart; acc rows D
    apart), in order of t */
 static inline __attribute__((always_inline)) void weighted_sum(const float* v, const int* table, int bs, int D,
-                                                               const float* const* w,
+                                                               const float* const* w, const int* lo,
                                                                const int* length, int t0, int t1, int na, int dims,
                                                                float* const* acc_out) {
     v8 acc[QUERIES_PER_PASS][8];
@@ -102,7 +104,7 @@ static inline __attribute__((always_inline)) void weighted_sum(const float* v, c
         }
         const float* vt = vb + (size_t)off * D;
         for (int c = 0; c < na; c++) {
-            if (t >= length[c]) continue;
+            if (t >= length[c] || t < lo[c]) continue;
             v8 wt = splat(w[c][t]);
             for (int i = 0; i < dims / 8; i++) acc[c][i] = fma8(wt, load(vt + 8 * i), acc[c][i]);
         }
@@ -113,7 +115,8 @@ static inline __attribute__((always_inline)) void weighted_sum(const float* v, c
 
 /* queries a0 .. a0 + nq - 1 of row r, key/value head h (see cache_attention_f32) */
 static void attend(const float* q, const float* k, const float* v, const int* table, float* out, int r, int h,
-                   int start, int n, int a0, int nq, int hkv, int g, int D, int bs, int num_blocks, float scale) {
+                   int start, int n, int a0, int nq, int hkv, int g, int D, int bs, int num_blocks, float scale,
+                   int window) {
     int hq = hkv * g;
     size_t head = (size_t)h * num_blocks * bs * D;  /* head h's blocks */
     k += head;
@@ -126,18 +129,20 @@ static void attend(const float* q, const float* k, const float* v, const int* ta
     float* acc = calloc((size_t)nq * D, sizeof(float));
     float* inv = malloc(sizeof(float) * (size_t)nq);
     int* length = malloc(sizeof(int) * (size_t)nq);
+    int* lo = malloc(sizeof(int) * (size_t)nq);  /* query a's first key: 0, or its window's first */
     for (int a = 0; a < nq; a++) {
         length[a] = start + (a0 + a) / g + 1;
+        lo[a] = window > 0 && length[a] > window ? length[a] - window : 0;
         store(top + KEYS * a, splat(-3.0e38f));
     }
     /* scores, KEY_TILE keys for every query at a time (they stay in L1) */
-    for (int b0 = 0; b0 < blocks; b0 += KEY_TILE / KEYS) {
+    for (int b0 = lo[0] / KEYS; b0 < blocks; b0 += KEY_TILE / KEYS) {  /* (query 0 reaches back furthest) */
         for (int a = 0; a < nq; a++) {
             const float* qa = q + ((size_t)(r * n + (a0 + a) / g) * hq + h * g + (a0 + a) % g) * D;
             int b1 = (length[a] + KEYS - 1) / KEYS;
             b1 = b1 < b0 + KEY_TILE / KEYS ? b1 : b0 + KEY_TILE / KEYS;
             v8 best = load(top + KEYS * a);
-            for (int b = b0; b < b1; b++) {
+            for (int b = b0 > lo[a] / KEYS ? b0 : lo[a] / KEYS; b < b1; b++) {
                 int off = b * KEYS % bs;
                 const float* kt = k + ((size_t)table[b * KEYS / bs] * bs + off) * D;
                 v8 sc;
@@ -151,8 +156,8 @@ static void attend(const float* q, const float* k, const float* v, const int* ta
                         sc[c] = dot * scale;
                     }
                 }
-                v8i live = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + b * KEYS < length[a];
-                sc = vsel(live, sc, splat(-3.0e38f));
+                v8i key = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + b * KEYS;
+                sc = vsel((key < length[a]) & (key >= lo[a]), sc, splat(-3.0e38f));
                 best = vsel(sc > best, sc, best);
                 store(p + (size_t)a * padded + (size_t)b * KEYS, sc);
             }
@@ -164,9 +169,9 @@ static void attend(const float* q, const float* k, const float* v, const int* ta
         v8 best = load(top + KEYS * a), total = {0};
         float m = best[0];
         for (int c = 1; c < KEYS; c++) m = best[c] > m ? best[c] : m;
-        for (int b = 0; b < (length[a] + KEYS - 1) / KEYS; b++) {
-            v8i live = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + b * KEYS < length[a];
-            v8 e = vsel(live, vexp(load(pa + (size_t)b * KEYS) - m), (v8){0});
+        for (int b = lo[a] / KEYS; b < (length[a] + KEYS - 1) / KEYS; b++) {
+            v8i key = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + b * KEYS;
+            v8 e = vsel((key < length[a]) & (key >= lo[a]), vexp(load(pa + (size_t)b * KEYS) - m), (v8){0});
             total += e;
             store(pa + (size_t)b * KEYS, e);
         }
@@ -176,7 +181,7 @@ static void attend(const float* q, const float* k, const float* v, const int* ta
     }
     /* out[a] = sum_t p[a][t] v[t] / total[a]: 3 queries x 64 dims at a time, KEY_TILE keys for
        every query at a time, each query's sum over its own keys in order */
-    for (int t0 = 0; t0 < last; t0 += KEY_TILE) {
+    for (int t0 = lo[0]; t0 < last; t0 += KEY_TILE) {
         int t1 = t0 + KEY_TILE < last ? t0 + KEY_TILE : last;
         for (int c0 = 0; c0 < nq; c0 += QUERIES_PER_PASS) {
             int na = nq - c0 < QUERIES_PER_PASS ? nq - c0 : QUERIES_PER_PASS;
@@ -189,9 +194,9 @@ static void attend(const float* q, const float* k, const float* v, const int* ta
                     o[c] = acc + (size_t)(c0 + c) * D + d0;
                 }
                 if (dims == 64 && na == QUERIES_PER_PASS)
-                    weighted_sum(v + d0, table, bs, D, w, length + c0, t0, t1, QUERIES_PER_PASS, 64, o);
+                    weighted_sum(v + d0, table, bs, D, w, lo + c0, length + c0, t0, t1, QUERIES_PER_PASS, 64, o);
                 else
-                    weighted_sum(v + d0, table, bs, D, w, length + c0, t0, t1, na, dims, o);
+                    weighted_sum(v + d0, table, bs, D, w, lo + c0, length + c0, t0, t1, na, dims, o);
             }
         }
     }
@@ -204,11 +209,12 @@ static void attend(const float* q, const float* k, const float* v, const int* ta
     free(acc);
     free(inv);
     free(length);
+    free(lo);
 }
 
 void cache_attention_f32(const float* q, const float* k, const float* v, float* out,
                          const int* tables, int width, const int* starts, int B, int n, int hkv, int g, int D,
-                         int block_size, int num_blocks, float scale, int threads) {
+                         int block_size, int num_blocks, float scale, int window, int threads) {
     /* tasks: (row, key/value head, chunk of CHUNK_TOKENS tokens' queries): a prefill chunk's
        queries spread over the threads, and their weights over the keys take bounded memory */
     int chunks = (n + CHUNK_TOKENS - 1) / CHUNK_TOKENS;
@@ -217,6 +223,6 @@ void cache_attention_f32(const float* q, const float* k, const float* v, float* 
         int r = task / (hkv * chunks), h = task / chunks % hkv, chunk = task % chunks;
         int j0 = chunk * CHUNK_TOKENS, tokens = n - j0 < CHUNK_TOKENS ? n - j0 : CHUNK_TOKENS;
         attend(q, k, v, tables + (size_t)r * width, out, r, h, starts[r], n, j0 * g, tokens * g, hkv, g, D,
-               block_size, num_blocks, scale);
+               block_size, num_blocks, scale, window);
     }
 }

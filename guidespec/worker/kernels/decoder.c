@@ -23,6 +23,7 @@ typedef struct {
     const float *input_norm, *post_norm;
     linear_t qkv, o, gate_up, down;
     float *k_cache, *v_cache;  /* [hkv][num_blocks][block_size][D] */
+    int window;                /* the layer's sliding window, 0: none (see attention.c) */
 } layer_t;
 
 void packed_linear_f32(const float* x, const float* wp, const float* bias, float* y, int M, int N, int K, int threads);
@@ -32,7 +33,7 @@ void gguf_linear(const float* x, const uint8_t* qs, const void* s0, const void* 
                  float* y, int M, int N, int K, int threads);
 void cache_attention_f32(const float* q, const float* k, const float* v, float* out, const int* tables,
                          int width, const int* starts, int B, int n, int hkv, int g, int D, int block_size,
-                         int num_blocks, float scale, int threads);
+                         int num_blocks, float scale, int window, int threads);
 void add_rms_norm_f32(const float* x, const float* delta, const float* w, float eps, float* x_out, float* h, int T,
                       int H, int threads);
 void rope_cache_f32(const float* qkv, int T, int hq, int hkv, int D, const float* cos, const float* sin,
@@ -73,7 +74,7 @@ void decoder_forward_f32(float* x, int T, int H, const layer_t* layers, int num_
         rope_cache_f32(qkv, T, hq, hkv, D, cos, sin, positions, token_rows, layer->k_cache, layer->v_cache, block_size,
                        num_blocks, q, threads);
         cache_attention_f32(q, layer->k_cache, layer->v_cache, attn, tables, width, row_starts, B, n, hkv, hq / hkv,
-                            D, block_size, num_blocks, scale, threads);
+                            D, block_size, num_blocks, scale, layer->window, threads);
         linear(&layer->o, attn, delta, T, threads);
         add_rms_norm_f32(x, delta, layer->post_norm, eps, x, h, T, H, threads);
         linear(&layer->gate_up, h, gate_up, T, threads);

@@ -37,6 +37,7 @@ class _Layer(ctypes.Structure):
         ("down", _Linear),
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
+        ("window", ctypes.c_int),
     ]
 
 
@@ -65,12 +66,15 @@ class DecoderStack:
         self._kv: object = None
 
     @classmethod
-    def of(cls, layers: list[dict[str, Any]]) -> DecoderStack | None:
+    def of(cls, layers: list[dict[str, Any]], windows: list[int | None] | None = None) -> DecoderStack | None:
+        """The stack of Llama-layout ``layers``, layer i attending a sliding window of
+        ``windows[i]`` keys where that is not None."""
         if loader.library() is None:
             return None
         structs = (_Layer * len(layers))()
         keep = []
-        for struct, layer in zip(structs, layers):
+        for i, (struct, layer) in enumerate(zip(structs, layers)):
+            struct.window = (windows[i] if windows else None) or 0
             norms = [layer["input_norm"].float().contiguous(), layer["post_norm"].float().contiguous()]
             keep += norms
             struct.input_norm, struct.post_norm = norms[0].data_ptr(), norms[1].data_ptr()

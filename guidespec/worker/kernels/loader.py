@@ -57,7 +57,7 @@ def load(path: Path) -> ctypes.CDLL:
     ]
     lib.gguf_dequantize_rows.restype = None
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.cache_attention_f32.argtypes = _signature(p, p, p, p, p, i, p, i, i, i, i, i, i, i, f, i)
+    lib.cache_attention_f32.argtypes = _signature(p, p, p, p, p, i, p, i, i, i, i, i, i, i, f, i, i)
     lib.cache_attention_f32.restype = None
     lib.add_rms_norm_f32.argtypes = _signature(p, p, p, f, p, p, i, i, i)
     lib.add_rms_norm_f32.restype = None

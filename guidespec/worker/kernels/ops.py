@@ -111,9 +111,11 @@ def cache_attention(
     starts: torch.Tensor,
     num_new_tokens: int,
     num_query_groups: int,
+    window: int | None = None,
 ) -> torch.Tensor | None:
     """Attention of ``num_new_tokens`` new tokens per row over one layer's cache, or None where
-    the kernel does not apply (torch does it then).
+    the kernel does not apply (torch does it then). With a sliding ``window`` a query at
+    position p attends the keys at p - window + 1 .. p only.
 
     q [B * n, hkv * g, D] (row after row); k_cache, v_cache [hkv, num_blocks, block_size, D] with
     the new tokens' keys already written; tables [B, W] int32: each row's cache blocks in position
@@ -154,6 +156,7 @@ def cache_attention(
         block_size,
         num_blocks,
         d**-0.5,
+        window or 0,
         torch.get_num_threads(),
     )
     return out
