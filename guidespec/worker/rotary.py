@@ -28,10 +28,12 @@ def rope_per_layer_type(hf_config: Any) -> bool:
 
 def rotary_tables(hf_config: Any, max_len: int, layer_type: str | None = None) -> Tables:
     """cos, sin [max_len, rotary dims] (fp32), as transformers' rotary module of the family computes
-    them (of ``layer_type``'s parameters where they are kept per layer type). Its module itself is
-    used only for dynamic RoPE, which it updates with the sequence length: importing a modeling
-    file costs a worker ~2.7 s of its start."""
+    them (of ``layer_type``'s parameters where they are kept per layer type, full attention's by
+    default). Its module itself is used only for dynamic RoPE, which it updates with the sequence
+    length: importing a modeling file costs a worker ~2.7 s of its start."""
     params = getattr(hf_config, "rope_parameters", None) or {}
+    if layer_type is None and rope_per_layer_type(hf_config):
+        layer_type = "full_attention"
     if layer_type is not None:
         params = params[layer_type]
     rope_type = params.get("rope_type", "default")

@@ -64,6 +64,21 @@ def test_decoding_token_by_token_matches_hf(folders: dict[str, Path], kind: str)
     torch.testing.assert_close(ours, hf_logits(folders[kind], [prompt])[0], atol=1e-4, rtol=0)
 
 
+def test_a_draft_model_of_the_first_layers_equals_hf_cut_there(folders: dict[str, Path]) -> None:
+    """``first_layers`` (a draft model sharing the target's weights) keeps each layer's own RoPE
+    table and window: Gemma 3's first two layers (windowed, then full) equal transformers' model
+    of two layers."""
+    from transformers import AutoModelForCausalLM
+
+    cut, prompt = _model(folders["gemma3"]).first_layers(2), PROMPTS[0]
+    kv = cut.create_kv_cache(1)
+    ours = cut.compute_logits(cut.forward(ForwardBatch.create(prompt, [0], [0], [len(prompt)], [len(prompt)]), kv))
+    reference = AutoModelForCausalLM.from_pretrained(folders["gemma3"], dtype=torch.float32, num_hidden_layers=2)
+    with torch.no_grad():
+        expected = reference.eval()(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "gemma3"])
 def test_bf16_logits_match_hf(folders: dict[str, Path], kind: str) -> None:
     """bf16 (the torch path): Gemma's norms scale in fp32 before rounding, Qwen's after, as in

@@ -125,7 +125,7 @@ def test_rotary_tables_equal_transformers_rotary_module(rope: dict[str, object])
     assert torch.equal(ours[0], cos[0]) and torch.equal(ours[1], sin[0])
 
 
-@pytest.mark.parametrize("kind", ["real", "llama", "qwen2", "mistral", "yarn"])
+@pytest.mark.parametrize("kind", ["real", "llama", "qwen2", "mistral", "yarn", "qwen3", "gemma3", "phi3"])
 def test_engine_processes_read_the_config_transformers_reads(
     tmp_path: Path, kind: str, real_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -135,7 +135,7 @@ def test_engine_processes_read_the_config_transformers_reads(
     from transformers import AutoConfig, AutoTokenizer, LlamaConfig
 
     from guidespec.model_files import config_data, eos_token_ids
-    from guidespec.worker.model import rotary_tables
+    from guidespec.worker.rotary import LAYER_TYPES, rope_per_layer_type, rotary_tables
 
     monkeypatch.setenv("GUIDESPEC_CACHE_DIR", str(tmp_path / "cache"))
     if kind == "real":
@@ -158,11 +158,13 @@ def test_engine_processes_read_the_config_transformers_reads(
     reference = AutoConfig.from_pretrained(folder)
     first, again = load_hf_config(folder), load_hf_config(folder, config_data(folder))
     assert len(list((tmp_path / "cache" / "configs").glob("*.json"))) == 1  # read once, then from the cache
+    layer_types = LAYER_TYPES if rope_per_layer_type(reference) else (None,)  # Gemma 3: a table per type
     for ours in (first, again):
-        assert (type(ours) is type(reference)) == (kind == "yarn")
+        assert (type(ours) is type(reference)) == (kind in ("yarn", "phi3"))  # (phi3: LongRoPE)
         assert ModelConfig.from_hf(ours) == ModelConfig.from_hf(reference)
-        for a, b in zip(rotary_tables(ours, 512), rotary_tables(reference, 512)):
-            assert torch.equal(a, b)
+        for layer_type in layer_types:
+            for a, b in zip(rotary_tables(ours, 512, layer_type), rotary_tables(reference, 512, layer_type)):
+                assert torch.equal(a, b)
     if kind == "real":
         tokenizer = AutoTokenizer.from_pretrained(folder)
         assert eos_token_ids(folder, first, tokenizer) == eos_token_ids(folder, reference, tokenizer) == (2,)
