@@ -67,6 +67,23 @@ def make_tiny_model(folder: Path, kind: str, vocab_size: int = 300, seed: int = 
     return folder
 
 
+def make_tiny_base_model(folder: Path) -> Path:
+    """A tiny random Llama with a tokenizer and no chat template, as a base model has: one token
+    per byte (id = the byte's value) and ``<|end|>`` (256), the model's vocabulary the same 257."""
+    from tests.grammar_backends.dataset import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    assert tokenizer.chat_template is None
+    make_tiny_model(folder, "llama", vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_base_model(tmp_path_factory.mktemp("base") / "tiny-base")
+
+
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
     from guidespec.model_files import resolve_model_dir

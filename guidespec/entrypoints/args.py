@@ -81,6 +81,7 @@ def engine_from_args(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=args.enable_prefix_caching,
         kv_block_size=args.kv_block_size,
         kv_cache_tokens=args.kv_cache_tokens,
+        chat_template=args.chat_template,
         **device_from_args(args),
     )
 
@@ -96,6 +97,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16", "gguf"],
         help="auto: bfloat16 on CUDA; on the CPU a GGUF model's own quantized blocks (gguf), else float32",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_JINJA",
+        help="the chat template for chat prompts (a file, or the Jinja text itself), in place of the "
+        "tokenizer's own: a base model has none and refuses chat requests without one",
     )
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)

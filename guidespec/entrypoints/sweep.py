@@ -293,6 +293,7 @@ def run_sweep(args: Any) -> int:
                         dtype=args.dtype,
                         tensor_parallel_size=args.tensor_parallel_size,
                         enable_prefix_caching=args.enable_prefix_caching,
+                        chat_template=args.chat_template,
                         **device_from_args(args),
                     )
                 )
