@@ -38,8 +38,9 @@ trace; goal <= 5% at 16).
 
 ``--model``: another model than the default (a GGUF file, or a name ``guidespec`` knows such as
 ``gemma-3-270m``; llama.cpp needs the GGUF the folder was converted from). A model whose tokenizer
-has no chat template (a base model) gets each case as a few-shot completion (``completion_prompt``:
-one worked example, then the case; the same prompt for every system) instead of chat messages.
+has no chat template (a base model) gets each case as a few-shot completion instead of chat
+messages (``guidespec sweep``'s ``few_shot_prompt``: one worked example, then the case; the same
+prompt for every system).
 
 Writes peers.json and peers.md into ``--output``.
 """
@@ -83,21 +84,13 @@ def schema_of(case: dict[str, Any]) -> dict[str, Any]:
     return json.loads(schema) if isinstance(schema, str) else schema
 
 
-def with_completion_prompts(cases: list[dict[str, Any]], example: dict[str, Any]) -> list[dict[str, Any]]:
-    """``cases`` with a ``prompt``: the few-shot completion a base model gets (``completion_prompt``)."""
-    return [dict(case, prompt=completion_prompt(case, example)) for case in cases]
+def with_completion_prompts(cases: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """``cases`` with a ``prompt``: the few-shot completion a base model gets (``few_shot_prompt``),
+    its example the first JME case after the ``n`` measured ones."""
+    from guidespec.entrypoints.sweep import few_shot_prompt
 
-
-def completion_prompt(case: dict[str, Any], example: dict[str, Any]) -> str:
-    """A base model's form of a case: one worked example (another case: its schema, its text, its
-    answer), then the case's schema and text, ending where the JSON starts. The text is the case's
-    user message as written; the schema is the case's own."""
-
-    def shot(c: dict[str, Any]) -> str:
-        text = next(m["content"] for m in c["messages"] if m["role"] == "user")
-        return f"Schema: {json.dumps(schema_of(c))}\nText: {text}\nJSON:"
-
-    return f"{shot(example)} {json.dumps(example['reference'])}\n\n{shot(case)}"
+    example = case_sets(["jme"], n + 1)["jme"][-1]
+    return [dict(case, prompt=few_shot_prompt(case, example)) for case in cases]
 
 
 # ---------------------------------------------------------------- systems
@@ -491,8 +484,7 @@ def main() -> None:
 
     sets = case_sets(args.sets, args.cases)
     if not has_chat_template(args.model):  # a base model: each case as a few-shot completion
-        example = case_sets(["jme"], args.cases + 1)["jme"][-1]  # (a case outside the measured ones)
-        sets = {name: with_completion_prompts(cases, example) for name, cases in sets.items()}
+        sets = {name: with_completion_prompts(cases, args.cases) for name, cases in sets.items()}
     systems: dict[str, dict[str, Run]] = {}
     meta: dict[str, Any] = {}
     ours: dict[str, GuidespecSystem] = {}
