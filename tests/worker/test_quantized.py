@@ -369,10 +369,11 @@ def _tp_rank(rank: int, folder: Path, init: str, out: Path) -> None:
         destroy_distributed()
 
 
-@pytest.mark.parametrize("type_name,config", [("Q4_1", TINY_ODD_HEADS), ("Q4_K", TINY)])
+@pytest.mark.parametrize("type_name,config", [("Q4_1", TINY_ODD_HEADS), ("Q5_0", TINY_ODD_HEADS), ("Q4_K", TINY)])
 def test_tp2_with_blocks_equals_tp1(tmp_path: Path, type_name: str, config: dict[str, Any]) -> None:
     """Two ranks over gloo, each with its cut of the blocks (Q4_K: o_proj's columns cut at 128,
-    inside a 256-input super-block, which the 32-input rewrite allows), give TP=1's logits within
+    inside a 256-input super-block, which the 32-input rewrite allows; Q5_0: a rank's o_proj of 8
+    blocks, a whole group of fifth bits, the other's of 4, two pairs), give TP=1's logits within
     1e-4 relative error (only the fp32 sums across ranks are ordered differently)."""
     from guidespec.launch.launcher import _free_port
 
