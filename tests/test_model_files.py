@@ -47,3 +47,4 @@ def test_gemma_is_assembled_once_into_the_cache_directory(tmp_path: Path, monkey
 
     monkeypatch.setattr(package, "assemble", no_assembly)
     assert model_files.gemma_3_270m_path() == path
+    path.unlink()  # (253 MB: not left in pytest's kept temporary folders)
