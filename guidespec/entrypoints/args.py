@@ -91,7 +91,9 @@ def engine_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """The model and the engine's limits: which weights, their dtype, the batch and the context."""
-    p.add_argument("--model", default=None, help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model", default=None, help="Hugging Face folder, .gguf file or gemma-3-270m (default: SmolLM2-135M-Instruct)"
+    )
     p.add_argument(
         "--dtype",
         default="auto",
