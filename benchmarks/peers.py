@@ -1,8 +1,8 @@
 """guidespec against the runtimes a user would pick instead, side by side in one run, on CPU.
 
-    python benchmarks/peers.py [--cases 10] [--max-tokens 256] [--threads 2] [--sets jme rephrased]
-                               [--systems llama.cpp hf guidespec guidespec-fp32] [--repeats 3]
-                               [--concurrency 1 4 16 64] [--output DIR]
+    python benchmarks/peers.py [--model MODEL] [--cases 10] [--max-tokens 256] [--threads 2]
+                               [--sets jme rephrased] [--systems llama.cpp hf guidespec guidespec-fp32]
+                               [--repeats 3] [--concurrency 1 4 16 64] [--output DIR]
 
 Batch 1, greedy, one case after another, on the same model: the default SmolLM2-135M-Instruct
 GGUF for llama.cpp (llama-cpp-python, the optional ``peers`` extra: ``pip install -e '.[peers]'``
@@ -35,6 +35,12 @@ each repeat's ratio beside them.
 level, ``max(c, 8)`` requests over the cases, prefix caching off since the cases repeat):
 throughput, and the scheduler's share of a step (its work the workers wait for, from the step
 trace; goal <= 5% at 16).
+
+``--model``: another model than the default (a GGUF file, or a name ``guidespec`` knows such as
+``gemma-3-270m``; llama.cpp needs the GGUF the folder was converted from). A model whose tokenizer
+has no chat template (a base model) gets each case as a few-shot completion instead of chat
+messages (``guidespec sweep``'s ``few_shot_prompt``: one worked example, then the case; the same
+prompt for every system).
 
 Writes peers.json and peers.md into ``--output``.
 """
@@ -78,16 +84,34 @@ def schema_of(case: dict[str, Any]) -> dict[str, Any]:
     return json.loads(schema) if isinstance(schema, str) else schema
 
 
+def with_completion_prompts(cases: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """``cases`` with a ``prompt``: the few-shot completion a base model gets (``few_shot_prompt``),
+    its example the first JME case after the ``n`` measured ones."""
+    from guidespec.entrypoints.sweep import few_shot_prompt
+
+    example = case_sets(["jme"], n + 1)["jme"][-1]
+    return [dict(case, prompt=few_shot_prompt(case, example)) for case in cases]
+
+
 # ---------------------------------------------------------------- systems
 
 
-def llama_cpp_runs(threads: int, max_tokens: int) -> dict[str, Run]:
+def gguf_file(model: str | None) -> Path:
+    """The GGUF file llama.cpp runs for ``model`` (the one guidespec converted its folder from)."""
+    from guidespec.model_files import resolve_model_dir
+    from guidespec.worker.checkpoint import gguf_source
+
+    source = gguf_source(resolve_model_dir(model, show_progress=False))
+    if source is None:
+        raise ImportError(f"{model} is not a GGUF file (llama.cpp runs GGUF files only)")
+    return source
+
+
+def llama_cpp_runs(model: str | None, threads: int, max_tokens: int) -> dict[str, Run]:
     from llama_cpp import Llama, LlamaGrammar
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    from guidespec.model_files import default_model_path
-
-    path = str(default_model_path())
+    path = str(gguf_file(model))
     kw = dict(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, seed=0, verbose=False)
     # a model per mode: the modes run case by case, and llama.cpp reuses its previous call's prompt
     plain, constrained = Llama(**kw), Llama(**kw)
@@ -95,6 +119,9 @@ def llama_cpp_runs(threads: int, max_tokens: int) -> dict[str, Run]:
 
     def run(llm: Any, case: dict[str, Any], guided: bool) -> tuple[str, int]:
         grammar = LlamaGrammar.from_json_schema(json.dumps(schema_of(case)), verbose=False) if guided else None
+        if "prompt" in case:  # a base model: the few-shot completion
+            out = llm.create_completion(case["prompt"], max_tokens=max_tokens, temperature=0.0, grammar=grammar, seed=0)
+            return out["choices"][0]["text"] or "", int(out["usage"]["completion_tokens"])
         out = llm.create_chat_completion(
             case["messages"], max_tokens=max_tokens, temperature=0.0, grammar=grammar, seed=0
         )
@@ -107,7 +134,7 @@ def llama_cpp_runs(threads: int, max_tokens: int) -> dict[str, Run]:
     }
 
 
-def hf_runs(threads: int, max_tokens: int) -> dict[str, Run]:
+def hf_runs(model: str | None, threads: int, max_tokens: int) -> dict[str, Run]:
     import torch
     import xgrammar as xgr
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -115,15 +142,18 @@ def hf_runs(threads: int, max_tokens: int) -> dict[str, Run]:
     from guidespec.model_files import resolve_model_dir
 
     torch.set_num_threads(threads)
-    folder = resolve_model_dir(None, show_progress=False)
+    folder = resolve_model_dir(model, show_progress=False)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size)
     compiler = xgr.GrammarCompiler(info)
 
     def run(case: dict[str, Any], guided: bool) -> tuple[str, int]:
-        ids = tokenizer.apply_chat_template(case["messages"], add_generation_prompt=True, return_tensors="pt")
-        ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+        if "prompt" in case:
+            ids = tokenizer(case["prompt"], return_tensors="pt").input_ids
+        else:
+            ids = tokenizer.apply_chat_template(case["messages"], add_generation_prompt=True, return_tensors="pt")
+            ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
         processors = []
         if guided:
             processors.append(xgr.contrib.hf.LogitsProcessor(compiler.compile_json_schema(json.dumps(schema_of(case)))))
@@ -144,8 +174,8 @@ class GuidespecSystem:
     same-length twins share an engine without prefix caching (``pair_runs``), fresh for each
     repeat (``reset("pairs")``)."""
 
-    def __init__(self, dtype: str, max_tokens: int) -> None:
-        self.dtype, self.max_tokens = dtype, max_tokens
+    def __init__(self, model: str | None, dtype: str, max_tokens: int) -> None:
+        self.model, self.dtype, self.max_tokens = model, dtype, max_tokens
         self.engines: dict[str, Any] = {}  # "unguided", "guided+lookup", "pairs" -> LLM
         self.guided_lengths: dict[str, int] = {}
 
@@ -173,6 +203,7 @@ class GuidespecSystem:
 
         if key not in self.engines:
             self.engines[key] = LLM(
+                model=self.model,
                 dtype=self.dtype,
                 show_progress=False,
                 speculative="ngram",
@@ -194,10 +225,15 @@ class GuidespecSystem:
             guided=GuidedDecoding(json_schema=json.dumps(schema_of(case))) if guided else None,
             ignore_eos=length is not None,
         )
-        out = self._engine(key).generate([case["messages"]], params)[0]
+        out = self._engine(key).generate([prompt_of(case)], params)[0]
         if key == "pairs" and guided:
             self.guided_lengths[case["id"]] = len(out.token_ids)
         return out.text, len(out.token_ids)
+
+
+def prompt_of(case: dict[str, Any]) -> Any:
+    """What guidespec is given: the few-shot completion for a base model, else the chat messages."""
+    return case.get("prompt", case["messages"])
 
 
 def measure(run: Run, cases: list[dict[str, Any]], guided: bool) -> dict[str, Any]:
@@ -275,7 +311,9 @@ def measure_same_length(
 # ---------------------------------------------------------------- concurrency
 
 
-def concurrency_sweep(levels: list[int], cases: list[dict[str, Any]], dtype: str, max_tokens: int) -> list[dict]:
+def concurrency_sweep(
+    levels: list[int], cases: list[dict[str, Any]], model: str | None, dtype: str, max_tokens: int
+) -> list[dict]:
     from guidespec import LLM, SamplingParams
     from guidespec.protocol import GuidedDecoding
 
@@ -284,7 +322,9 @@ def concurrency_sweep(levels: list[int], cases: list[dict[str, Any]], dtype: str
         trace = Path(tempfile.mkdtemp()) / "trace.json"
         os.environ["GUIDESPEC_TRACE"] = str(trace)
         try:
-            engine = dict(dtype=dtype, show_progress=False, speculative="ngram", enable_prefix_caching=False)
+            engine = dict(
+                model=model, dtype=dtype, show_progress=False, speculative="ngram", enable_prefix_caching=False
+            )
             with LLM(**engine, max_batch_size=max(c, 8)) as llm:
                 picked = [cases[i % len(cases)] for i in range(max(c, 8))]
                 params = [
@@ -318,7 +358,7 @@ async def _at_once(llm: Any, cases: list[dict[str, Any]], params: list[Any], lim
 
     async def one(case: dict[str, Any], p: Any) -> Any:
         async with gate:
-            return await llm.agenerate(case["messages"], p)
+            return await llm.agenerate(prompt_of(case), p)
 
     start = time.perf_counter()
     outs = await asyncio.gather(*(one(case, p) for case, p in zip(cases, params)))
@@ -356,11 +396,18 @@ def goals(results: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[str, floa
     return out
 
 
+def has_chat_template(model: str | None) -> bool:
+    from guidespec.model_files import load_tokenizer, resolve_model_dir
+
+    return bool(getattr(load_tokenizer(resolve_model_dir(model, show_progress=False)), "chat_template", None))
+
+
 def markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
     lines = [
         "# guidespec against its peers (CPU, batch 1, greedy)",
         "",
+        f"- model {meta.get('model', 'default')}, prompts: {meta.get('prompts', 'chat')}",
         f"- {meta['date']}, commit {meta['commit']}; {meta['machine']}; {meta['threads']} threads each",
         f"- {meta['cases']} cases per set, max_tokens {meta['max_tokens']}; guidespec dtype {meta['dtype']}; "
         f"llama.cpp: llama-cpp-python {meta.get('llama_cpp', '–')} on the GGUF (prompt lookup: 10 tokens)",
@@ -410,6 +457,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a GGUF file or a model name guidespec knows (default: SmolLM2)")
     parser.add_argument("--cases", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
@@ -435,6 +483,8 @@ def main() -> None:
     args = parser.parse_args()
 
     sets = case_sets(args.sets, args.cases)
+    if not has_chat_template(args.model):  # a base model: each case as a few-shot completion
+        sets = {name: with_completion_prompts(cases, args.cases) for name, cases in sets.items()}
     systems: dict[str, dict[str, Run]] = {}
     meta: dict[str, Any] = {}
     ours: dict[str, GuidespecSystem] = {}
@@ -444,11 +494,12 @@ def main() -> None:
                 import llama_cpp
 
                 meta["llama_cpp"] = llama_cpp.__version__
-                systems[system] = llama_cpp_runs(args.threads, args.max_tokens)
+                systems[system] = llama_cpp_runs(args.model, args.threads, args.max_tokens)
             elif system == "hf":
-                systems[system] = hf_runs(args.threads, args.max_tokens)
+                systems[system] = hf_runs(args.model, args.threads, args.max_tokens)
             elif system in ("guidespec", "guidespec-fp32"):
-                ours[system] = GuidespecSystem("float32" if system == "guidespec-fp32" else args.dtype, args.max_tokens)
+                dtype = "float32" if system == "guidespec-fp32" else args.dtype
+                ours[system] = GuidespecSystem(args.model, dtype, args.max_tokens)
                 systems[system] = ours[system].runs()
             else:
                 raise SystemExit(f"unknown system {system!r}")
@@ -491,7 +542,9 @@ def main() -> None:
         for gs in ours.values():
             gs.reset()
     if args.concurrency:
-        report["concurrency"] = concurrency_sweep(args.concurrency, sets[args.sets[0]], args.dtype, args.max_tokens)
+        report["concurrency"] = concurrency_sweep(
+            args.concurrency, sets[args.sets[0]], args.model, args.dtype, args.max_tokens
+        )
     report["meta"] = dict(
         meta,
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -502,6 +555,8 @@ def main() -> None:
         repeats=args.repeats,
         max_tokens=args.max_tokens,
         dtype=args.dtype,
+        model=args.model or "SmolLM2-135M-Instruct (default)",
+        prompts="few-shot completions" if not has_chat_template(args.model) else "chat",
     )
     args.output.mkdir(parents=True, exist_ok=True)
     (args.output / "peers.json").write_text(json.dumps(report, indent=2))

@@ -1,8 +1,9 @@
 """The Python client: ``LLM`` starts an engine (scheduler + workers) and talks to it over ZeroMQ.
 
-The client tokenizes and validates: anything the engine cannot serve (an empty or over-long
-prompt, bad sampling parameters, a missing model, an unsupported architecture) raises here,
-before it reaches the scheduler (the arguments and the model: ``launch.engine_config``). A
+The client tokenizes (each form a prompt takes: ``prompts``) and validates: anything the engine
+cannot serve (an empty or over-long prompt, a chat to a model without a chat template, bad
+sampling parameters, a missing model, an unsupported architecture) raises here, before it
+reaches the scheduler (the arguments and the model: ``launch.engine_config``). A
 receiver thread routes the scheduler's output deltas to per-request streams, which back the
 blocking, streaming and asyncio forms alike. Used as a context manager (or at interpreter exit)
 it stops every process and removes every shared resource, also after Ctrl-C or an exception.
@@ -18,11 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import queue
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterator, Sequence, Union
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -30,6 +32,7 @@ from guidespec.config import SpeculativeConfig
 from guidespec.launch.engine_config import create_engine_config
 from guidespec.launch.launcher import EngineProcesses
 from guidespec.launch.supervisor import Engine, EngineDeadError, EngineRestartingError, EngineSupervisor
+from guidespec.prompts import Prompt, PromptEncoder, as_prompt_list, load_chat_template
 from guidespec.protocol import (
     ENGINE_UNAVAILABLE,
     INTERNAL_ERROR,
@@ -41,7 +44,6 @@ from guidespec.protocol import (
     RequestOutputs,
     SamplingParams,
     SchedulerStats,
-    validate_prompt,
     validate_request,
 )
 
@@ -54,9 +56,6 @@ __all__ = [
     "RequestHandle",
     "StreamDelta",
 ]
-
-Message = dict[str, str]
-Prompt = Union[str, list[Message], dict[str, Any]]
 
 
 class RequestError(RuntimeError):
@@ -163,7 +162,12 @@ class _RequestStream:
 
 
 class LLM:
-    """An engine on this machine. ``LLM()`` serves the embedded SmolLM2-135M-Instruct."""
+    """An engine on this machine. ``LLM()`` serves the embedded SmolLM2-135M-Instruct.
+
+    ``chat_template``: the Jinja template chat prompts are rendered with, in place of the
+    tokenizer's own: a file's path or the template's text (as vLLM's ``--chat-template``). A
+    model without a template of its own (a base model) serves text and token-id prompts, and
+    refuses chat prompts unless given one."""
 
     def __init__(
         self,
@@ -192,7 +196,9 @@ class LLM:
         grammar_fill_threads: int = 1,
         kv_block_size: int = 16,
         kv_cache_tokens: int | None = None,
+        chat_template: str | os.PathLike[str] | None = None,
     ) -> None:
+        template = load_chat_template(chat_template)
         self.config, self.tokenizer = create_engine_config(
             model,
             tensor_parallel_size=tensor_parallel_size,
@@ -218,6 +224,7 @@ class LLM:
             kv_block_size=kv_block_size,
             kv_cache_tokens=kv_cache_tokens,
         )
+        self.prompts = PromptEncoder(self.tokenizer, self.config.vocab_size, self.config.max_model_len, template)
         self.on_gave_up: Callable[[str], None] | None = None  # called (once) when the engine died for good
         self.scheduler_stats = SchedulerStats(0, 0, 0, max_batch_size)  # the queue, as the scheduler last said
         self._streams: dict[str, _RequestStream] = {}  # changed under the supervisor's state lock
@@ -236,10 +243,21 @@ class LLM:
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None, use_tqdm: bool = False
     ) -> list[GenerationOutput]:
-        """Generate for one or several prompts (strings, chat message lists, or {"prompt_token_ids": [...]})."""
+        """Generate for one prompt or a list of them; a prompt is one of
+        - a string: text, tokenized with the tokenizer's special tokens (a completion);
+        - a list of chat messages (dicts with ``role`` and ``content``): rendered by the chat
+          template (``chat_template``, else the tokenizer's own; a model without one refuses it);
+        - a list of ints: token ids, checked against the vocabulary and ``max_model_len``;
+        - ``{"prompt_token_ids": [...]}`` (token ids) or ``{"prompt": "..."}`` (text), as vLLM's.
+        A list whose first item is an int is ONE prompt of token ids, and one whose first item is
+        a message dict is one chat; any other list is several prompts (``[[1, 2], [3, 4]]``: two
+        prompts of token ids; ``["a", [1, 2]]``: a text and token ids). A prompt of no such form,
+        or one the engine cannot serve, raises ``InvalidRequest`` (a ``ValueError``)."""
         params = sampling_params or SamplingParams()
-        streams = [self._submit(p, params, stream=False) for p in _as_prompt_list(prompts)]
+        streams: list[_RequestStream] = []
         try:
+            for prompt in as_prompt_list(prompts):  # (a bad one aborts those sent before it)
+                streams.append(self._submit(prompt, params, stream=False))
             bar = _progress(len(streams)) if use_tqdm else None
             for stream in streams:
                 self._drain(stream)
@@ -331,19 +349,9 @@ class LLM:
         return self._supervisor.num_restarts
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """Token ids for a prompt: chat messages go through the tokenizer's chat template."""
-        if isinstance(prompt, dict):
-            ids = prompt.get("prompt_token_ids")
-            if not isinstance(ids, (list, tuple, np.ndarray)):
-                raise InvalidRequest("a dict prompt must have 'prompt_token_ids': a list of token ids", "prompt")
-            validate_prompt(list(ids), self.config.vocab_size, self.config.max_model_len)
-            return [int(t) for t in ids]
-        if isinstance(prompt, list):
-            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        if not isinstance(prompt, str):
-            raise TypeError(f"a prompt is a string, a list of chat messages or a dict, not {type(prompt).__name__}")
-        return list(self.tokenizer.encode(prompt))
+        """Token ids for one prompt of any form ``generate`` takes (``prompts.PromptEncoder``):
+        chat messages go through the chat template; a bad prompt raises ``InvalidRequest``."""
+        return self.prompts.encode(prompt)
 
     def close(self) -> None:
         """Stop every process and remove every shared resource (``EngineSupervisor.close``)."""
@@ -369,8 +377,6 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("sampling_params must be a SamplingParams", "sampling_params")
         params.validate(self.config.vocab_size)
-        if isinstance(prompt, str) and not prompt:
-            raise InvalidRequest("the prompt is empty", "prompt")
         ids = self.encode_prompt(prompt)
         validate_request(ids, params, self.config.vocab_size, self.config.max_model_len)
         request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -451,15 +457,6 @@ class LLM:
 
     def _check_alive(self) -> None:
         self._supervisor.check_alive()
-
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and isinstance(prompts[0], dict) and "role" in prompts[0]:
-        return [prompts]  # type: ignore[list-item]  # one chat
-    return prompts  # type: ignore[return-value]
 
 
 def _progress(total: int) -> Any:

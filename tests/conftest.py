@@ -137,22 +137,22 @@ def _tiny_config_class(kind: str) -> Any:
     return getattr(transformers, names.get(kind, kind.capitalize() + "Config"))
 
 
-def save_byte_tokenizer(folder: Path, vocab_size: int = 300) -> Path:
-    """A byte-level tokenizer of exactly ``vocab_size`` ids in ``folder`` (no merges: a byte a
-    token; ids 0-2 <pad>, <eos>, <bos>, then the 256 bytes, then fillers), so that an engine can
-    run a tiny model offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import PreTrainedTokenizerFast
+def make_tiny_base_model(folder: Path, kind: str = "llama") -> Path:
+    """A tiny random model of family ``kind`` with a tokenizer and no chat template, as a base
+    model has: one token per byte (id = the byte's value) and ``<|end|>`` (256), the model's
+    vocabulary the same 257 (an engine runs it offline)."""
+    from tests.grammar_backends.dataset import byte_level_tokenizer
 
-    specials = ["<pad>", "<eos>", "<bos>"]
-    symbols = specials + sorted(ByteLevel.alphabet()) + [f"<x{i}>" for i in range(259, vocab_size)]
-    tokenizer = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(symbols)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
-    fast.save_pretrained(folder)
+    tokenizer = byte_level_tokenizer()
+    assert tokenizer.chat_template is None
+    make_tiny_model(folder, kind, vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_base_model(tmp_path_factory.mktemp("base") / "tiny-base")
 
 
 @pytest.fixture(scope="session")
@@ -174,3 +174,15 @@ def leftovers(names: list[str], pids: list[int]) -> tuple[list[str], list[int]]:
         p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split(")")[1][:3]
     ]
     return files, alive
+
+
+@pytest.fixture(scope="session")
+def gemma_model_dir() -> Path:
+    """Gemma 3 270M converted (``--model gemma-3-270m``): skipped where its packages are not
+    installed (``scripts/setup.sh --gemma`` installs them)."""
+    from guidespec.model_files import GEMMA_3_270M, ModelNotFoundError, resolve_model_dir
+
+    try:
+        return resolve_model_dir(GEMMA_3_270M, show_progress=False)
+    except ModelNotFoundError as e:
+        pytest.skip(str(e))

@@ -81,6 +81,7 @@ def engine_from_args(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=args.enable_prefix_caching,
         kv_block_size=args.kv_block_size,
         kv_cache_tokens=args.kv_cache_tokens,
+        chat_template=args.chat_template,
         **device_from_args(args),
     )
 
@@ -90,12 +91,21 @@ def engine_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """The model and the engine's limits: which weights, their dtype, the batch and the context."""
-    p.add_argument("--model", default=None, help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model", default=None, help="Hugging Face folder, .gguf file or gemma-3-270m (default: SmolLM2-135M-Instruct)"
+    )
     p.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16", "gguf"],
         help="auto: bfloat16 on CUDA; on the CPU a GGUF model's own quantized blocks (gguf), else float32",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_JINJA",
+        help="the chat template for chat prompts (a file, or the Jinja text itself), in place of the "
+        "tokenizer's own: a base model has none and refuses chat requests without one",
     )
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)

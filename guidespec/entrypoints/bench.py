@@ -316,6 +316,7 @@ def run_bench(args: Any) -> int:
             distributed_executor=args.distributed_executor,
             ray_address=args.ray_address,
             enable_prefix_caching=args.enable_prefix_caching,
+            chat_template=args.chat_template,
             **device_from_args(args),
         ) as llm:
             fitting = [

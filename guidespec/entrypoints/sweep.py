@@ -9,7 +9,9 @@ an invalid answer reported as a success, which must never happen); cut (ended at
 ``max_tokens``: reported as ``length``, not as a success); grammar failed (the backend's matcher
 gave up mid-way, reported as an error: ``GRAMMAR_FAILED``); a validator error (the ``jsonschema``
 library could not judge the output: counted apart, neither valid nor invalid); another error.
-Cases run concurrently, as a server would see them.
+Cases run concurrently, as a server would see them. A model without a chat template (a base
+model) gets each case as a few-shot completion (``few_shot_prompt``: a worked example from the
+workload outside the cases run, then the case), the same text for every case's prompt form.
 """
 
 from __future__ import annotations
@@ -57,6 +59,29 @@ def load_workload(path: Path, prefix: str | None = None, limit: int | None = Non
     if prefix:
         cases = [c for c in cases if c["id"].startswith(prefix)]
     return cases[:limit]
+
+
+def few_shot_example(workload: list[dict[str, Any]], run: list[dict[str, Any]]) -> dict[str, Any]:
+    """The worked example of a base model's prompts: the first case of the run's first category
+    that is not run, else the first case of the workload that is not run."""
+    ids = {c["id"] for c in run}
+    left = [c for c in workload if c["id"] not in ids and c.get("reference") is not None]
+    if not left:
+        raise ValueError("a few-shot example needs a workload case with a reference outside the cases run")
+    first = category(run[0]["id"]) if run else ""
+    return next((c for c in left if category(c["id"]) == first), left[0])
+
+
+def few_shot_prompt(case: dict[str, Any], example: dict[str, Any]) -> str:
+    """A case as a base model's completion: the example's schema, text and answer, then the case's
+    schema and text, ending where its JSON starts. The text is the case's last user message."""
+
+    def shot(c: dict[str, Any]) -> str:
+        text = [m["content"] for m in c["messages"] if m.get("role") == "user"][-1]
+        schema = c["schema"] if isinstance(c["schema"], str) else json.dumps(c["schema"])
+        return f"Schema: {schema}\nText: {text}\nJSON:"
+
+    return f"{shot(example)} {json.dumps(example['reference'])}\n\n{shot(case)}"
 
 
 def category(case_id: str) -> str:
@@ -142,7 +167,7 @@ async def run_cases(
         async with gate:
             start = time.perf_counter()
             try:
-                out = await llm.agenerate(case["messages"], params)
+                out = await llm.agenerate(case.get("prompt", case["messages"]), params)
             except ValueError as e:  # the prompt does not fit the model length: not run, said so
                 result = CaseResult(case["id"], category(case["id"]), "skipped", str(e)[:300], 0, 0.0)
             except RequestError as e:
@@ -265,10 +290,12 @@ def run_sweep(args: Any) -> int:
     from guidespec import LLM
     from guidespec.entrypoints.args import device_from_args, speculative_from_args
 
+    workload = load_workload(Path(args.workload) if args.workload else default_workload())
     cases = load_workload(Path(args.workload) if args.workload else default_workload(), args.prefix, args.limit)
     cases = cases[:: max(1, args.every)]
     speculative = speculative_from_args(args)
     results_path = Path(args.results) if args.results else None
+    example: dict[str, Any] = {}  # a base model's few-shot example (``few_shot_example``)
     with contextlib.ExitStack() as stack:
         llm: LLM | None = None  # started once a case is left to run (a finished sweep prints its table alone)
         for temperature in args.temperature:
@@ -293,9 +320,15 @@ def run_sweep(args: Any) -> int:
                         dtype=args.dtype,
                         tensor_parallel_size=args.tensor_parallel_size,
                         enable_prefix_caching=args.enable_prefix_caching,
+                        chat_template=args.chat_template,
                         **device_from_args(args),
                     )
                 )
+                if not llm.prompts.has_chat_template:
+                    example = few_shot_example(workload, cases)
+                    print(f"no chat template: the cases run as few-shot completions (example {example['id']})")
+            if llm is not None and not llm.prompts.has_chat_template:
+                todo = [dict(c, prompt=few_shot_prompt(c, example)) for c in todo]
             bar = tqdm(total=len(todo), desc=f"{args.backend} T={temperature:g}", unit="case")
             start = time.perf_counter()
             results = (

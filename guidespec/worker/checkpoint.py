@@ -61,18 +61,30 @@ def gguf_source(model_dir: Path) -> Path | None:
     return source if source.is_file() else None
 
 
+# GGUF architectures whose 2-D weights are kept, and what transformers' GGUF loader does to them
+# (``modeling_gguf_pytorch_utils.TENSOR_PROCESSORS``; the converted folder holds its result): Llama's
+# (and Mistral's, whose files say "llama") q and k rows are un-permuted, mirrored here; Qwen2's,
+# Qwen3's and Phi-3's are taken as stored (Phi-3's fused attn_qkv, q|k|v, and ffn_up, gate|up, are
+# the folder's qkv_proj and gate_up_proj); Gemma 3's too: its processor subtracts 1 from the norms
+# only, which are 1-D and never kept. Another architecture's processor may change its weights: none
+# of them is kept (they load dequantized).
+KEPT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+
+
 class GGUFTensors:
     """A GGUF file's 2-D weights in their own quantized blocks (``kernels.gguf_weights``), by
-    Hugging Face name, as ``ShardReader`` reads the dequantized ones. The rows of Llama's q and k
-    projections are put back in Hugging Face's order as transformers' GGUF loader does (its
-    ``LlamaTensorProcessor``): whole rows move, so the blocks are untouched."""
+    Hugging Face name, as ``ShardReader`` reads the dequantized ones, for the architectures in
+    :data:`KEPT_ARCHITECTURES`. The rows of Llama's q and k projections are put back in Hugging
+    Face's order as transformers' GGUF loader does (its ``LlamaTensorProcessor``): whole rows move,
+    so the blocks are untouched. A fused tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``) is read
+    whole or by its parts' rows, as ShardReader reads it."""
 
     def __init__(self, path: Path, num_heads: int, num_kv_heads: int) -> None:
         import gguf
 
         arch, tensors = _tensor_index(path)
         self._file = np.memmap(path, dtype=np.uint8, mode="r")
-        self._tensors = {t.name: t for t in tensors}
+        self._tensors = {t.name: t for t in tensors} if arch in KEPT_ARCHITECTURES else {}
         arch_id = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
         num_blocks = 1 + max((int(n.split(".")[1]) for n in self._tensors if n.startswith("blk.")), default=-1)
         self._names = gguf.get_tensor_name_map(arch_id, num_blocks)

@@ -5,11 +5,20 @@ n-gram drafts), where no invalid output may be reported as a success."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 
 import pytest
 
-from guidespec.entrypoints.sweep import default_workload, judge_output, load_workload, run_cases, validate_output
+from guidespec.entrypoints.sweep import (
+    default_workload,
+    few_shot_example,
+    few_shot_prompt,
+    judge_output,
+    load_workload,
+    run_cases,
+    validate_output,
+)
 
 
 def test_big_integers_are_judged_exactly() -> None:
@@ -35,6 +44,24 @@ FOUND_BY_THE_SWEEP = ("JME_60", "Glaiveai2K---generate_invoice_214a7c51")
 
 
 @pytest.mark.slow
+def test_a_base_models_prompt_is_a_worked_example_then_the_case() -> None:
+    """A model without a chat template gets each case as a few-shot completion: an example from
+    outside the run (its category first), then the case's own schema and text, ending at "JSON:"."""
+    workload = load_workload(default_workload())
+    run = load_workload(default_workload(), "JME_", 5)
+    example = few_shot_example(workload, run)
+    assert example["id"].startswith("JME_") and example["id"] not in {c["id"] for c in run}
+    for case in run:
+        prompt = few_shot_prompt(case, example)
+        head, _, tail = prompt.partition("\n\n")
+        user = [m["content"] for m in case["messages"] if m["role"] == "user"][-1]
+        assert tail.endswith(f"Text: {user}\nJSON:") and json.dumps(case["schema"]) in tail
+        answer = head.rpartition("JSON: ")[2]
+        assert json.loads(answer) == example["reference"] and validate_output(answer, example["schema"]) is None
+    with pytest.raises(ValueError, match="outside the cases run"):
+        few_shot_example(run, run)
+
+
 def test_a_slice_of_the_sweep_reports_no_invalid_output_as_a_success() -> None:
     from guidespec import LLM
 

@@ -19,7 +19,7 @@ from guidespec.model_files import load_hf_config
 from guidespec.worker.forward_batch import ForwardBatch
 from guidespec.worker.model import LlamaModel
 from guidespec.worker.tp import TPInfo, destroy_distributed, init_distributed
-from tests.conftest import FAMILY_KINDS, make_tiny_model, save_byte_tokenizer
+from tests.conftest import FAMILY_KINDS, make_tiny_base_model, make_tiny_model
 from tests.worker.test_model_vs_hf import hf_logits, our_logits
 
 # longer than every tiny window (5, 6), shorter than Phi-3's original 16 positions (where
@@ -192,12 +192,13 @@ def test_layouts_not_computed_are_refused_by_name(
 
 
 @pytest.fixture(scope="module")
-def served(folders: dict[str, Path]) -> dict[str, Path]:
-    """The engine tests' models: the tiny folders with a tokenizer of their 300 ids."""
-    return {kind: save_byte_tokenizer(folders[kind]) for kind in ("qwen3", "gemma3")}
+def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The engine tests' models: tiny ones with a byte-level tokenizer of their 257 ids."""
+    root = tmp_path_factory.mktemp("served")
+    return {kind: make_tiny_base_model(root / kind, kind) for kind in ("qwen3", "gemma3")}
 
 
-ENGINE_PROMPTS = [[2, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100], [2, 40, 40, 41, 40, 40, 41, 40], [2, 9, 9]]
+ENGINE_PROMPTS = [[72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33], [40, 40, 41, 40, 40, 41, 40], [9, 9]]
 
 
 def _hf_greedy(folder: Path, max_tokens: int) -> list[list[int]]:

@@ -32,19 +32,19 @@ from guidespec.worker.tp import TPInfo, destroy_distributed, init_distributed
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the kernel is not built")
 
-FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
 def quantized_rows(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     """Raw GGUF rows uint8 [n, row bytes] of a random weight: quantized by the gguf package where
-    it can (Q4_0, Q4_1, Q8_0), else random blocks built from the spec with sane fp16 scales."""
+    it can (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), else random blocks built from the spec with sane fp16 scales."""
     rng = np.random.default_rng(seed)
     qtype = gguf.GGMLQuantizationType[type_name]
-    if type_name not in ("Q4_K", "Q6_K"):
+    if not type_name.endswith("_K"):
         return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.1, qtype)
-    size, scale_at = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}[type_name]
+    size, scale_at = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}[type_name]
     raw = rng.integers(0, 256, (n * k // 256, size), dtype=np.uint8)
-    for at in scale_at:  # Q4_K: d and dmin; Q6_K: d (the rest of a block is any bits)
+    for at in scale_at:  # Q4_K, Q5_K: d and dmin; Q6_K: d (the rest of a block is any bits)
         raw[:, at : at + 2] = (rng.random((len(raw), 1)) * 0.01).astype(np.float16).view(np.uint8)
     return raw.reshape(n, -1)
 
@@ -75,8 +75,9 @@ def test_blocks_hold_the_files_numbers_exactly(type_name: str) -> None:
 
 @pytest.mark.parametrize("type_name", FORMATS)
 @pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 8, 9, 70])
-# 24 blocks: 3 groups of 8; 9: a group, a pair and a padding block; 7: a group, its last block padding
-@pytest.mark.parametrize("k", [768, 288, 224])
+# 24 blocks: 3 groups of 8; 20 (Gemma 3 270M's width): 2 groups and 2 pairs; 14: a group and 3 pairs;
+# 9: a group, a pair and a padding block; 7: a group, its last block padding
+@pytest.mark.parametrize("k", [768, 640, 448, 288, 224])
 def test_kernel_matches_the_dequantized_weight(type_name: str, m: int, k: int) -> None:
     n, whole = 37, -(-k // 256) * 256  # the K-quants come in 256s: cut as tensor parallelism does
     raw = quantized_rows(type_name, n, whole, seed=m)
@@ -138,6 +139,25 @@ def test_cuts_fall_on_blocks_and_rows_concatenate() -> None:
     assert other is not None and gguf_weights.concat_rows([weight, other]) is None
 
 
+def test_parts_whose_numbers_are_q8_0s_concatenate_as_q8_0() -> None:
+    """Gemma 3's Q4_K_M file keeps q and k in Q5_0 and v in Q8_0: one fused weight in Q8_0, the
+    same numbers; a Q5_1 or Q4_K part (offsets of their own) does not fuse with Q8_0."""
+    raws, parts = {}, {}
+    for seed, name in enumerate(["Q5_0", "Q4_0", "Q8_0", "Q5_1", "Q4_K"]):
+        raws[name] = quantized_rows(name, 7, 512, seed=seed)
+        weight = from_gguf(raws[name], name, 512)
+        assert weight is not None
+        parts[name] = weight
+    fused = gguf_weights.concat_rows([parts["Q5_0"], parts["Q4_0"], parts["Q8_0"]])
+    assert fused is not None and fused.fmt == gguf_weights.Q8_0
+    w = torch.cat([dequantized(raws[name], name) for name in ("Q5_0", "Q4_0", "Q8_0")])
+    assert torch.equal(kernels.dense(fused), w)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(kernels.linear(x, fused), emulated_linear(x, w), atol=1e-4, rtol=1e-4)
+    assert gguf_weights.concat_rows([parts["Q5_1"], parts["Q8_0"]]) is None
+    assert gguf_weights.concat_rows([parts["Q4_K"], parts["Q8_0"]]) is None
+
+
 def test_types_not_kept_as_blocks() -> None:
     assert from_gguf(np.zeros((4, 64), dtype=np.uint8), "F16", 32) is None
     assert from_gguf(np.zeros((4, 20), dtype=np.uint8), "Q4_1", 32) is not None
@@ -161,13 +181,15 @@ def test_each_instruction_set_builds_and_matches(monkeypatch: pytest.MonkeyPatch
         pytest.skip(f"built with {arch}; this CPU lacks {flag} to run it")
     monkeypatch.setattr(kernels.loader, "library", lambda: kernels.load(path))
     for type_name in FORMATS:
-        raw = quantized_rows(type_name, 19, 512)
-        weight = from_gguf(raw, type_name, 512)
-        assert weight is not None
-        x = torch.randn(40, 512, generator=torch.Generator().manual_seed(1))  # tiles of 16, 16 and 8 rows
-        w = dequantized(raw, type_name)
-        assert torch.equal(kernels.dense(weight), w)
-        torch.testing.assert_close(kernels.linear(x, weight), emulated_linear(x, w), atol=1e-4, rtol=1e-4)
+        raw = quantized_rows(type_name, 19, 768)
+        for k in (512, 640):  # whole groups; 2 groups and 2 pairs (cut as tensor parallelism cuts)
+            weight = from_gguf(raw, type_name, 768)
+            weight = None if weight is None else weight.columns(0, k)
+            assert weight is not None
+            x = torch.randn(40, k, generator=torch.Generator().manual_seed(1))  # tiles of 16, 16 and 8 rows
+            w = dequantized(raw, type_name)[:, :k]
+            assert torch.equal(kernels.dense(weight), w)
+            torch.testing.assert_close(kernels.linear(x, weight), emulated_linear(x, w), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(
@@ -347,10 +369,11 @@ def _tp_rank(rank: int, folder: Path, init: str, out: Path) -> None:
         destroy_distributed()
 
 
-@pytest.mark.parametrize("type_name,config", [("Q4_1", TINY_ODD_HEADS), ("Q4_K", TINY)])
+@pytest.mark.parametrize("type_name,config", [("Q4_1", TINY_ODD_HEADS), ("Q5_0", TINY_ODD_HEADS), ("Q4_K", TINY)])
 def test_tp2_with_blocks_equals_tp1(tmp_path: Path, type_name: str, config: dict[str, Any]) -> None:
     """Two ranks over gloo, each with its cut of the blocks (Q4_K: o_proj's columns cut at 128,
-    inside a 256-input super-block, which the 32-input rewrite allows), give TP=1's logits within
+    inside a 256-input super-block, which the 32-input rewrite allows; Q5_0: a rank's o_proj of 8
+    blocks, a whole group of fifth bits, the other's of 4, two pairs), give TP=1's logits within
     1e-4 relative error (only the fp32 sums across ranks are ordered differently)."""
     from guidespec.launch.launcher import _free_port
 

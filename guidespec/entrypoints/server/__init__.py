@@ -1,7 +1,8 @@
 """``guidespec serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one ``LLM``.
 
-Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (the tokenizer's chat
-template), both streaming over server-sent events; ``response_format`` (``json_schema``,
+Routes: ``/v1/models``, ``/v1/completions`` (text or token ids), ``/v1/chat/completions`` (the
+chat template: ``--chat-template``, else the tokenizer's; a model without one, a base model,
+answers 400 saying so), both streaming over server-sent events; ``response_format`` (``json_schema``,
 ``json_object``) and the fields vLLM users send (``guided_json``, ``guided_regex``,
 ``guided_grammar``, ``guided_choice``, ``guided_decoding_backend``, ``top_k``,
 ``repetition_penalty``, ``ignore_eos``); ``/health``; ``/metrics`` for Prometheus.

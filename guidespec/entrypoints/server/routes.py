@@ -136,6 +136,8 @@ async def _serve(
     check_request(body, context.model_name)
     try:
         prompt_ids = llm.encode_prompt(prompt)
+    except InvalidRequest as e:  # (a chat to a model without a chat template, token ids out of the vocabulary)
+        raise APIError(400, str(e), e.param) from None
     except Exception as e:
         raise APIError(400, f"cannot tokenize the prompt: {e}", "messages" if chat else "prompt") from None
     max_tokens = max_tokens_for(body, len(prompt_ids), context.max_model_len, default_max_tokens)

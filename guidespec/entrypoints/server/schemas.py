@@ -127,8 +127,22 @@ class GenerateRequest(BaseModel):
     speculative: bool = True  # guidespec: False turns the engine's drafter off for this request
 
 
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+
+
 class CompletionRequest(GenerateRequest):
-    prompt: str | list[str] | list[int] | list[list[int]] = _documented(..., minLength=1, minItems=1)
+    # text or token ids, or a batch of one of them (OpenAI's four forms); any other value is a 400
+    # naming the field (``translate.completion_prompt``), not pydantic's 422, which would also
+    # take true for 1 and 1.0 for 1
+    prompt: Any = _documented(
+        ...,
+        anyOf=[
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+            _TOKEN_IDS,
+            {"type": "array", "minItems": 1, "items": _TOKEN_IDS},
+        ],
+    )
 
 
 class ChatRequest(GenerateRequest):

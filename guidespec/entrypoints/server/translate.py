@@ -38,9 +38,12 @@ def check_request(body: GenerateRequest, model_name: str) -> None:
         raise APIError(400, f"n must be 1 (got {body.n}): send several requests instead", "n")
 
 
-def completion_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> Any:
-    """``/v1/completions``' prompt as the engine takes it: text or token ids, one per request."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+def completion_prompt(prompt: Any) -> str | dict[str, list[int]]:
+    """``/v1/completions``' prompt as the engine takes it: text (a string) or token ids (a list of
+    ints), or a batch of one of them (a list of one string or of one list of ints). Anything else
+    is a 400 naming the field; token ids are checked against the vocabulary by the engine's
+    client (``prompts.PromptEncoder``)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) != 1:
             raise APIError(
                 400,
@@ -48,7 +51,16 @@ def completion_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> 
                 "prompt",
             )
         prompt = prompt[0]
-    return {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):  # (not bool, not float)
+        return {"prompt_token_ids": prompt}
+    raise APIError(
+        400,
+        "prompt must be a string, a list of token ids (integers) or a list of one of these; got "
+        + _prompt_shape(prompt),
+        "prompt",
+    )
 
 
 def chat_prompt(body: ChatRequest) -> tuple[list[dict[str, str]], ToolPlan | None]:
@@ -280,6 +292,17 @@ def _chat_message(message: dict[str, Any], index: int) -> dict[str, str]:
     if not isinstance(content, str):
         raise APIError(400, f"messages[{index}].content must be a string or text parts", "messages")
     return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _prompt_shape(prompt: Any) -> str:
+    """What a refused ``prompt`` is, in a few words: its type, or its first item that is not an int."""
+    if not isinstance(prompt, list):
+        return "null" if prompt is None else type(prompt).__name__
+    if not prompt:
+        return "an empty list"
+    bad = next((t for t in prompt if type(t) is not int), prompt[0])
+    text = json.dumps(bad)
+    return f"a list holding {type(bad).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
 def _object(chat: bool, stream: bool) -> str:

@@ -18,6 +18,16 @@
  * products): s0 the scale and s1 the offset of each block (Q8H: s0 the scale of inputs 0-15, s1
  * that of inputs 16-31). nbw is the row's blocks rounded up to even, the padding zero.
  *
+ * The 5-bit formats (Q5_1 from Q5_0/Q5_1, Q5F from Q5_K) are a 4-bit format's row, nibbles as
+ * above, followed by the blocks' fifth bits, 4 bytes a block, laid out for the products: a whole
+ * group's 32 bytes hold in byte 4i + k, bit p, the fifth bit of block i's input 4p + k, and in
+ * bit 4 + p that of input 16 + 4p + k, so a shift and a mask put each bit under the nibble it
+ * completes (add_fifth_bits); a pair outside the whole groups has two 32-bit words, bit b of the
+ * first the fifth bit of the pair's low-half byte b (the first block's inputs 0-15, then the
+ * second's), of the second the same for the high halves (spread to bytes as llama.cpp does). The
+ * quants reach 31: 8 of maddubs' int16 pair sums could reach 8 * 2 * 31 * 127 > 32767, so a
+ * group's are widened four at a time (dpbusd's int32 sums are the same).
+ *
  * Eight blocks make a group, one vector of 8 block sums, converted and scaled at once by 8 weight
  * scales times 8 activation scales, offsets added the same way: scales, offsets and conversions
  * cost a few instructions per 8 blocks, not per block. Two layouts get there:
@@ -71,20 +81,23 @@ enum { QK = 32, GROUP = 8, ROWS_PER_GROUP = 16 };
    (176 rows: 13.0 ms against 13.7 with 8, on a Zen 3: the unpacking and the row's end are shared
    by more rows); AVX2's pairs keep 8, all their 16 registers hold */
 enum { MAX_TILE = 16 };
-enum { FMT_Q4_1 = 0, FMT_Q4F = 1, FMT_Q8_0 = 2, FMT_Q8H = 3 };
+enum { FMT_Q4_1 = 0, FMT_Q4F = 1, FMT_Q8_0 = 2, FMT_Q8H = 3, FMT_Q5_1 = 4, FMT_Q5F = 5 };
 
 typedef struct {
-    int qs_bytes;  /* per block: 16 (4-bit) or 32 (8-bit) */
+    int qs_bytes;  /* per block: 16 (4-bit and 5-bit: the low 4 bits) or 32 (8-bit) */
     int f16;       /* scales in fp16 (else fp32) */
     int has_offset;
     int halves;    /* s1 is the scale of inputs 16-31 (Q8H) */
+    int qh_bytes;  /* per block: 4 for the 5-bit formats' fifth bits (after the row's nibbles), else 0 */
 } format_t;
 
 static const format_t FORMATS[] = {
-    {16, 1, 1, 0},  /* Q4_1 (and Q4_0: offset -8 d) */
-    {16, 0, 1, 0},  /* Q4F: Q4_K per 32 inputs */
-    {32, 1, 0, 0},  /* Q8_0 */
-    {32, 0, 0, 1},  /* Q8H: Q6_K per 32 inputs, a scale per 16 */
+    {16, 1, 1, 0, 0},  /* Q4_1 (and Q4_0: offset -8 d) */
+    {16, 0, 1, 0, 0},  /* Q4F: Q4_K per 32 inputs */
+    {32, 1, 0, 0, 0},  /* Q8_0 */
+    {32, 0, 0, 1, 0},  /* Q8H: Q6_K per 32 inputs, a scale per 16 */
+    {16, 1, 1, 0, 4},  /* Q5_1 (and Q5_0: offset -16 d) */
+    {16, 0, 1, 0, 4},  /* Q5F: Q5_K per 32 inputs */
 };
 
 static inline float fp16(uint16_t h) {
@@ -273,11 +286,37 @@ static inline __m256 blocks_of(const __m256i t[4]) {
     return _mm256_cvtepi32_ps(_mm256_hadd_epi32(_mm256_hadd_epi32(t[0], t[1]), _mm256_hadd_epi32(t[2], t[3])));
 }
 
+/* a whole group's fifth bits (32 bytes at wh, the layout above) put under the nibbles they
+   complete: w[p] |= bit p of each byte, w[p + 4] |= bit 4 + p, as 16 (within a byte: the 16-bit
+   shifts' bits from the next byte are masked off) */
+static inline void add_fifth_bits(__m256i* w, const uint8_t* wh) {
+    const __m256i bit = _mm256_set1_epi8(16);
+    __m256i h = _mm256_loadu_si256((const __m256i*)wh);
+    w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(h, 4), bit));
+    w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(h, 3), bit));
+    w[2] = _mm256_or_si256(w[2], _mm256_and_si256(_mm256_slli_epi16(h, 2), bit));
+    w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_slli_epi16(h, 1), bit));
+    w[4] = _mm256_or_si256(w[4], _mm256_and_si256(h, bit));
+    w[5] = _mm256_or_si256(w[5], _mm256_and_si256(_mm256_srli_epi16(h, 1), bit));
+    w[6] = _mm256_or_si256(w[6], _mm256_and_si256(_mm256_srli_epi16(h, 2), bit));
+    w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(h, 3), bit));
+}
+
+/* 32 bits at x -> 32 bytes, byte b 0xff where bit b is set (llama.cpp's bytes_from_bits_32) */
+static inline __m256i bytes_from_bits(const uint8_t* x) {
+    uint32_t bits;
+    memcpy(&bits, x, 4);
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
 /* pairs (1 to 4) pairs of blocks of one weight row (quants wq, scales already in lane order)
    by mc activation rows, group g of each: acc[c] += the group's sums */
-static inline __attribute__((always_inline)) void group(const format_t* f, const uint8_t* wq, __m256 ws0, __m256 ws1,
-                                                        int pairs, const row_t* rows, int g, int mc, int paired,
-                                                        __m256* acc) {
+static inline __attribute__((always_inline)) void group(const format_t* f, const uint8_t* wq, const uint8_t* wh,
+                                                        __m256 ws0, __m256 ws1, int pairs, const row_t* rows, int g,
+                                                        int mc, int paired, __m256* acc) {
     const size_t vs = paired ? 64 : 32, ds = paired ? 16 : 8;  /* (a constant where it is inlined) */
     const __m256i mask = _mm256_set1_epi8(15);
     __m256i lo[4], hi[4];  /* pair j's quants as unsigned bytes (8-bit: signed) */
@@ -288,6 +327,11 @@ static inline __attribute__((always_inline)) void group(const format_t* f, const
             __m256i v = _mm256_loadu_si256((const __m256i*)(wq + 32 * j));
             lo[j] = _mm256_and_si256(v, mask);
             hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            if (f->qh_bytes) {  /* the pair's two words of fifth bits (2 * 2 * 31 * 127 < 32767: dot2 holds) */
+                const __m256i bit = _mm256_set1_epi8(16);
+                lo[j] = _mm256_or_si256(lo[j], _mm256_and_si256(bytes_from_bits(wh + 8 * j), bit));
+                hi[j] = _mm256_or_si256(hi[j], _mm256_and_si256(bytes_from_bits(wh + 8 * j + 4), bit));
+            }
         } else {
             const uint8_t* p = wq + 64 * j;
             lo[j] = _mm256_loadu2_m128i((const __m128i*)(p + 32), (const __m128i*)p);
@@ -325,10 +369,11 @@ static inline __attribute__((always_inline)) void group(const format_t* f, const
     }
 }
 
-/* an interleaved group (4-bit quants wq, scales in block order) of one weight row by mc activation
-   rows, group g of each: acc[c] += the group's sums */
-static inline __attribute__((always_inline)) void group8(const uint8_t* wq, __m256 ws0, __m256 ws1, const row_t* rows,
-                                                         int g, int mc, __m256* acc) {
+/* an interleaved group (4-bit quants wq, scales in block order; 5-bit: `five` and the group's
+   fifth bits wh) of one weight row by mc activation rows, group g of each: acc[c] += the group's
+   sums */
+static inline __attribute__((always_inline)) void group8(const uint8_t* wq, const uint8_t* wh, int five, __m256 ws0,
+                                                         __m256 ws1, const row_t* rows, int g, int mc, __m256* acc) {
     const __m256i mask = _mm256_set1_epi8(15);
     __m256i w[8];  /* w[r] pairs with the activation's vector r */
     for (int p = 0; p < 4; p++) {
@@ -336,6 +381,7 @@ static inline __attribute__((always_inline)) void group8(const uint8_t* wq, __m2
         w[p] = _mm256_and_si256(v, mask);
         w[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
     }
+    if (five) add_fifth_bits(w, wh);
     for (int c = 0; c < mc; c++) {
         const __m256i* x = (const __m256i*)(rows[c].q + (size_t)g * GROUP * 32);  /* (unpaired) */
 #define X(r) _mm256_loadu_si256(x + (r))
@@ -349,10 +395,13 @@ static inline __attribute__((always_inline)) void group8(const uint8_t* wq, __m2
         __m256 sums = _mm256_cvtepi32_ps(_mm256_add_epi32(e, o));
 #else
         __m256i p[8];
+        const __m256i ones = _mm256_set1_epi16(1);
         for (int r = 0; r < 8; r++) p[r] = _mm256_maddubs_epi16(w[r], X(r));
-        __m256i sum16 = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
-                                         _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])));
-        __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, _mm256_set1_epi16(1)));
+        __m256i sum_a = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
+        __m256i sum_b = _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7]));
+        __m256i sum32 = five ? _mm256_add_epi32(_mm256_madd_epi16(sum_a, ones), _mm256_madd_epi16(sum_b, ones))
+                             : _mm256_madd_epi16(_mm256_add_epi16(sum_a, sum_b), ones);  /* (5-bit: 4 * 7874 fit) */
+        __m256 sums = _mm256_cvtepi32_ps(sum32);
 #endif
 #undef X
         acc[c] = _mm256_fmadd_ps(sums, _mm256_mul_ps(ws0, _mm256_loadu_ps(rows[c].d + (size_t)g * 8)), acc[c]);
@@ -364,15 +413,28 @@ static inline __attribute__((always_inline)) void group8(const uint8_t* wq, __m2
 /* group8 for row pairs (the paired layout): each 512-bit product holds both rows' 8 lanes, the
    weight's vectors broadcast to both halves; the same int32 sums and float operations, lane by
    lane, as group8's dpbusd: accp[p] (row 2p low, 2p + 1 high) += the group's sums */
-static inline __attribute__((always_inline)) void group8_pairs(const uint8_t* wq, __m256 ws0, __m256 ws1,
-                                                               const row_t* rows, int g, int pairs, __m512* accp) {
-    const __m512i mask = _mm512_set1_epi8(15);
+static inline __attribute__((always_inline)) void group8_pairs(const uint8_t* wq, const uint8_t* wh, int five,
+                                                               __m256 ws0, __m256 ws1, const row_t* rows, int g,
+                                                               int pairs, __m512* accp) {
     const __m512 w0 = _mm512_broadcast_f32x8(ws0), w1 = _mm512_broadcast_f32x8(ws1);
     __m512i w[8];
-    for (int p = 0; p < 4; p++) {
-        __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(wq + 32 * p)));
-        w[p] = _mm512_and_si512(v, mask);
-        w[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    if (five) {  /* group8's 256-bit vectors, fifth bits added, each broadcast to both halves */
+        const __m256i mask = _mm256_set1_epi8(15);
+        __m256i half[8];
+        for (int p = 0; p < 4; p++) {
+            __m256i v = _mm256_loadu_si256((const __m256i*)(wq + 32 * p));
+            half[p] = _mm256_and_si256(v, mask);
+            half[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        }
+        add_fifth_bits(half, wh);
+        for (int r = 0; r < 8; r++) w[r] = _mm512_broadcast_i64x4(half[r]);
+    } else {
+        const __m512i mask = _mm512_set1_epi8(15);
+        for (int p = 0; p < 4; p++) {
+            __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(wq + 32 * p)));
+            w[p] = _mm512_and_si512(v, mask);
+            w[p + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+        }
     }
     for (int p = 0; p < pairs; p++) {
         const row_t* x = rows + 2 * p;  /* its vectors 64 bytes apart, the odd row's 32 bytes on */
@@ -396,7 +458,8 @@ static inline __attribute__((always_inline)) void tile(const format_t* f, const 
                                                        const void* s1, int nbw, const act_t* a, const row_t* rows,
                                                        int mc, int paired, float* out) {
     const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    const int ss = f->f16 ? 2 : 4, two = f->has_offset || f->halves;
+    const int ss = f->f16 ? 2 : 4, two = f->has_offset || f->halves, five = f->qh_bytes != 0;
+    const uint8_t* qh = qs + (size_t)nbw * f->qs_bytes;  /* (5-bit: the fifth bits, 4 bytes a block) */
     __m256 acc[MAX_TILE];
     for (int c = 0; c < mc; c++) acc[c] = _mm256_setzero_ps();
     int g = 0;
@@ -405,7 +468,8 @@ static inline __attribute__((always_inline)) void tile(const format_t* f, const 
         __m512 accp[MAX_TILE / 2];
         for (int p = 0; p < mc / 2; p++) accp[p] = _mm512_setzero_ps();
         for (; g < a->full / GROUP; g++)
-            group8_pairs(qs + (size_t)g * GROUP * 16, load8((const char*)s0 + (size_t)g * GROUP * ss, f->f16),
+            group8_pairs(qs + (size_t)g * GROUP * 16, qh + (size_t)g * GROUP * 4, five,
+                         load8((const char*)s0 + (size_t)g * GROUP * ss, f->f16),
                          load8((const char*)s1 + (size_t)g * GROUP * ss, f->f16), rows, g, mc / 2, accp);
         for (int p = 0; p < mc / 2; p++) {
             acc[2 * p] = _mm512_castps512_ps256(accp[p]);
@@ -414,15 +478,16 @@ static inline __attribute__((always_inline)) void tile(const format_t* f, const 
     } else
 #endif
     {
-        for (; g < a->full / GROUP; g++)  /* 4-bit formats' whole groups: their scales in block order */
-            group8(qs + (size_t)g * GROUP * 16, load8((const char*)s0 + (size_t)g * GROUP * ss, f->f16),
+        for (; g < a->full / GROUP; g++)  /* 4/5-bit formats' whole groups: their scales in block order */
+            group8(qs + (size_t)g * GROUP * 16, qh + (size_t)g * GROUP * 4, five,
+                   load8((const char*)s0 + (size_t)g * GROUP * ss, f->f16),
                    load8((const char*)s1 + (size_t)g * GROUP * ss, f->f16), rows, g, mc, acc);
     }
     for (; g < nbw / GROUP; g++) {
         __m256 ws0 = _mm256_permutevar8x32_ps(load8((const char*)s0 + (size_t)g * GROUP * ss, f->f16), perm);
         __m256 ws1 = two ? _mm256_permutevar8x32_ps(load8((const char*)s1 + (size_t)g * GROUP * ss, f->f16), perm)
                          : _mm256_setzero_ps();
-        group(f, qs + (size_t)g * GROUP * f->qs_bytes, ws0, ws1, 4, rows, g, mc, paired, acc);
+        group(f, qs + (size_t)g * GROUP * f->qs_bytes, 0, ws0, ws1, 4, rows, g, mc, paired, acc);  /* (8-bit) */
     }
     int rest = nbw - g * GROUP;  /* an even number of blocks: the row's last pairs */
     if (rest) {
@@ -431,12 +496,12 @@ static inline __attribute__((always_inline)) void tile(const format_t* f, const 
             w0[lane_of(i)] = scale_at(s0, f->f16, (size_t)g * GROUP + i);
             if (two) w1[lane_of(i)] = scale_at(s1, f->f16, (size_t)g * GROUP + i);
         }
-        const uint8_t* wq = qs + (size_t)g * GROUP * f->qs_bytes;
+        const uint8_t *wq = qs + (size_t)g * GROUP * f->qs_bytes, *wh = qh + (size_t)g * GROUP * 4;
         __m256 ws0 = _mm256_loadu_ps(w0), ws1 = _mm256_loadu_ps(w1);
         switch (rest / 2) {  /* each count its own code: the missing pairs cost nothing */
-            case 1: group(f, wq, ws0, ws1, 1, rows, g, mc, paired, acc); break;
-            case 2: group(f, wq, ws0, ws1, 2, rows, g, mc, paired, acc); break;
-            default: group(f, wq, ws0, ws1, 3, rows, g, mc, paired, acc); break;
+            case 1: group(f, wq, wh, ws0, ws1, 1, rows, g, mc, paired, acc); break;
+            case 2: group(f, wq, wh, ws0, ws1, 2, rows, g, mc, paired, acc); break;
+            default: group(f, wq, wh, ws0, ws1, 3, rows, g, mc, paired, acc); break;
         }
     }
     int c = 0;
@@ -471,19 +536,29 @@ TILE_FOR(FMT_Q4_1)
 TILE_FOR(FMT_Q4F)
 TILE_FOR(FMT_Q8_0)
 TILE_FOR(FMT_Q8H)
+TILE_FOR(FMT_Q5_1)
+TILE_FOR(FMT_Q5F)
 typedef void (*tile_fn)(const uint8_t*, const void*, const void*, int, const act_t*, const row_t*, int, float*);
-static const tile_fn TILES[] = {tile_FMT_Q4_1, tile_FMT_Q4F, tile_FMT_Q8_0, tile_FMT_Q8H};
+static const tile_fn TILES[] = {tile_FMT_Q4_1, tile_FMT_Q4F, tile_FMT_Q8_0, tile_FMT_Q8H, tile_FMT_Q5_1, tile_FMT_Q5F};
 #endif
 
 /* ---------------------------------------------------------------- the portable tile */
 
-/* block b's quant j of a row whose first `full` blocks are interleaved (4-bit: unsigned 0..15;
-   8-bit: signed) */
-static inline int quant(const format_t* f, const uint8_t* qs, int full, int b, int j) {
+/* the fifth bit of block b's input j in a row's fifth bits qh (the layout at the top) */
+static inline int fifth_bit(const uint8_t* qh, int full, int b, int j) {
+    if (b < full) return (qh[(size_t)b / GROUP * 32 + 4 * (b % GROUP) + j % 4] >> ((j % 16) / 4 + 4 * (j / 16))) & 1;
+    int bit = (b - full) % 2 * 16 + j % 16;  /* in the pair's word for low (j < 16) or high halves */
+    return (qh[(size_t)full * 4 + (b - full) / 2 * 8 + (j / 16) * 4 + bit / 8] >> (bit % 8)) & 1;
+}
+
+/* block b's quant j of a row of nbw blocks whose first `full` are interleaved (4-bit: unsigned
+   0..15; 5-bit: 0..31; 8-bit: signed) */
+static inline int quant(const format_t* f, const uint8_t* qs, int nbw, int full, int b, int j) {
     if (f->qs_bytes == 16) {
         int k = j % 16;
         size_t at = b < full ? interleaved_at(b, k, 16) : (size_t)b * 16 + k;
-        return j < 16 ? qs[at] & 15 : qs[at] >> 4;
+        int q = j < 16 ? qs[at] & 15 : qs[at] >> 4;
+        return f->qh_bytes ? q | (fifth_bit(qs + (size_t)nbw * 16, full, b, j) << 4) : q;
     }
     return ((const int8_t*)qs)[(size_t)b * 32 + j];
 }
@@ -497,8 +572,8 @@ __attribute__((unused)) static void scalar_tile(const format_t* f, const uint8_t
             size_t lane = lane_in(a, r, lane_at(a->full, b));
             int d0 = 0, d1 = 0;
             for (int j = 0; j < 16; j++) {
-                d0 += quant(f, qs, a->full, b, j) * a->q[q_at(a, r, act_at(a->full, b, j))];
-                d1 += quant(f, qs, a->full, b, j + 16) * a->q[q_at(a, r, act_at(a->full, b, j + 16))];
+                d0 += quant(f, qs, nbw, a->full, b, j) * a->q[q_at(a, r, act_at(a->full, b, j))];
+                d1 += quant(f, qs, nbw, a->full, b, j + 16) * a->q[q_at(a, r, act_at(a->full, b, j + 16))];
             }
             float w0 = scale_at(s0, f->f16, b), dx = a->d[lane];
             if (f->halves) {
@@ -528,7 +603,7 @@ static void linear_rows(const float* x, const uint8_t* qs, const void* s0, const
     const format_t* f = &FORMATS[format];
     int nbw = (K / QK + 1) / 2 * 2, nbp = (K / QK + GROUP - 1) / GROUP * GROUP;
     int groups = (N + ROWS_PER_GROUP - 1) / ROWS_PER_GROUP, rows = tile_rows(f);
-    size_t qs_row = (size_t)nbw * f->qs_bytes, s_row = (size_t)nbw * (f->f16 ? 2 : 4);
+    size_t qs_row = (size_t)nbw * (f->qs_bytes + f->qh_bytes), s_row = (size_t)nbw * (f->f16 ? 2 : 4);
     act_t a;
     a.nbp = nbp;
     a.full = interleaved_blocks(f, nbw);
@@ -591,13 +666,13 @@ void gguf_dequantize_rows(const uint8_t* qs, const void* s0, const void* s1, int
     #pragma omp parallel for schedule(static) num_threads(threads) if (num_ids >= 64)
     for (int i = 0; i < num_ids; i++) {
         size_t n = (size_t)ids[i];
-        const uint8_t* row = qs + n * nbw * f->qs_bytes;
+        const uint8_t* row = qs + n * nbw * (f->qs_bytes + f->qh_bytes);
         for (int b = 0; b < nb; b++) {
             float w0 = scale_at(s0, f->f16, n * nbw + b);
             float w1 = f->has_offset || f->halves ? scale_at(s1, f->f16, n * nbw + b) : 0.f;
             float* o = out + (size_t)i * K + b * QK;
             for (int j = 0; j < QK; j++) {
-                float q = (float)quant(f, row, full, b, j);
+                float q = (float)quant(f, row, nbw, full, b, j);
                 o[j] = f->halves ? (j < 16 ? w0 : w1) * q : w0 * q + w1;
             }
         }

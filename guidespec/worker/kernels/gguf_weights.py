@@ -1,19 +1,23 @@
 """GGUF's quantized weights kept in their own blocks, for the CPU kernel in ``gguf_linear.c``.
 
-A :class:`GGUFWeight` is an [N, K] weight as N rows of K/32 blocks in one of four kernel
-formats. Q4_1 and Q8_0 blocks are used as the file stores them; Q4_0, Q4_K and Q6_K blocks
-are rewritten once, exactly (every weight the kernel sees equals ``gguf.quants.dequantize``'s):
+A :class:`GGUFWeight` is an [N, K] weight as N rows of K/32 blocks in one of six kernel
+formats. Q4_1, Q5_1 and Q8_0 blocks are used as the file stores them; Q4_0, Q5_0, Q4_K, Q5_K
+and Q6_K blocks are rewritten once, exactly (every weight the kernel sees equals
+``gguf.quants.dequantize``'s):
 
-- Q4_0 -> Q4_1 with offset -8 d (an fp16 product by 8: exact);
-- Q4_K (256 inputs, a 6-bit scale and min per 32) -> ``Q4F``: per 32 inputs, the scale
-  d * sc and offset -dmin * m in fp32 (exact products), the same nibbles;
+- Q4_0 -> Q4_1 with offset -8 d, Q5_0 -> Q5_1 with offset -16 d (fp16 products by powers of
+  two: exact);
+- Q4_K and Q5_K (256 inputs, a 6-bit scale and min per 32) -> ``Q4F`` and ``Q5F``: per 32
+  inputs, the scale d * sc and offset -dmin * m in fp32 (exact products), the same quants;
 - Q6_K (256 inputs, an int8 scale per 16) -> ``Q8H``: per 32 inputs, the two scales d * sc in
   fp32 and the 6-bit quants as int8.
 
-The K-quants' rewritten blocks are a third (Q4_K) and half (Q6_K) larger than the file's, a
-price for one simple kernel; in return every format is cut at any multiple of 32 inputs, which
-is all tensor parallelism needs (``columns``). Other types (F16, F32, the other quants) are not
-kept: :func:`from_gguf` returns None and the caller dequantizes them.
+A 5-bit block is a 4-bit one's scales and nibbles plus the fifth bits, 4 bytes (bit j: input
+j's), as Q5_0/Q5_1 store them. The K-quants' rewritten blocks are a third (Q4_K), a quarter
+(Q5_K) and half (Q6_K) larger than the file's (Q5_0's: 24 bytes for 22), a price for one simple
+kernel; in return every format is cut at any multiple of 32 inputs, which is all tensor
+parallelism needs (``columns``). Other types (F16, F32, the other quants) are not kept:
+:func:`from_gguf` returns None and the caller dequantizes them.
 
 Not here: reading the file (``checkpoint.GGUFTensors``), choosing which weights to keep
 (``model.py``).
@@ -28,9 +32,10 @@ import numpy as np
 import torch
 
 QK = 32  # inputs per kernel block
-Q4_1, Q4F, Q8_0, Q8H = range(4)  # the kernel's formats (gguf_linear.c: FMT_*)
-BLOCK_BYTES = {Q4_1: 20, Q4F: 24, Q8_0: 34, Q8H: 40}
-SUPPORTED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # gguf.GGMLQuantizationType names kept as blocks
+Q4_1, Q4F, Q8_0, Q8H, Q5_1, Q5F = range(6)  # the kernel's formats (gguf_linear.c: FMT_*)
+BLOCK_BYTES = {Q4_1: 20, Q4F: 24, Q8_0: 34, Q8H: 40, Q5_1: 24, Q5F: 28}
+FIVE_BIT = (Q5_1, Q5F)  # their blocks: scale, offset, fifth bits (4 bytes), nibbles (16)
+SUPPORTED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # GGMLQuantizationType names
 
 
 class GGUFWeight:
@@ -101,7 +106,8 @@ class GGUFWeight:
 
 class KernelLayout:
     """A weight as ``gguf_linear.c`` reads it (that file draws it): each row's quants side by side,
-    ``qs`` uint8 [N, nbw, 16 or 32], and its blocks' scales apart, ``s0`` and ``s1`` (the offsets
+    ``qs`` uint8 [N, nbw, 16 or 32] (5-bit: [N, nbw * 16 + nbw * 4], the nibbles, then the fifth
+    bits laid out for the kernel), and its blocks' scales apart, ``s0`` and ``s1`` (the offsets
     of 4-bit formats, Q8H's second scales, None for Q8_0) uint8 [N, nbw * 2 or 4] (fp16 or fp32
     bytes), nbw the row's blocks rounded up to even with a zero block. The same bytes as the
     file's blocks, rearranged: a group of 8 blocks' scales is one vector load, and a 4-bit
@@ -115,8 +121,8 @@ class KernelLayout:
     def of(cls, blocks: torch.Tensor, fmt: int) -> KernelLayout:
         n, nb, _ = blocks.shape
         nbw = -(-nb // 2) * 2
-        qs_bytes = 16 if fmt in (Q4_1, Q4F) else 32
-        scale_bytes = 2 if fmt in (Q4_1, Q8_0) else 4
+        qs_bytes = 16 if fmt in (Q4_1, Q4F, *FIVE_BIT) else 32
+        scale_bytes = 2 if fmt in (Q4_1, Q8_0, Q5_1) else 4
         raw = blocks.numpy()
 
         def part(start: int, width: int) -> torch.Tensor:
@@ -130,6 +136,9 @@ class KernelLayout:
             full = nbw // 8 * 8
             groups = qs.view(n, nbw, 16)[:, :full].reshape(n, full // 8, 8, 4, 4)
             qs.view(n, nbw, 16)[:, :full] = groups.transpose(2, 3).reshape(n, full, 16)
+        if fmt in FIVE_BIT:
+            bits = np.unpackbits(part(2 * scale_bytes, 4).numpy().reshape(n, nbw, 4), axis=2, bitorder="little")
+            qs = torch.cat([qs, torch.from_numpy(_fifth_bits_for_kernel(bits))], dim=1)
         return cls(qs, part(0, scale_bytes), s1)
 
     def pointers(self) -> tuple[int, int, int | None]:
@@ -137,10 +146,36 @@ class KernelLayout:
 
 
 def concat_rows(parts: Sequence[GGUFWeight]) -> GGUFWeight | None:
-    """The parts' rows one after the other; None where their formats differ."""
-    if len({p.fmt for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+    """The parts' rows one after the other, in their format; where the formats differ, in Q8_0
+    if every part's numbers are Q8_0's exactly (Q4_0's and Q5_0's blocks beside Q8_0 ones, as
+    Gemma 3's q, k and v are in its Q4_K_M file); else None."""
+    if len({p.shape[1] for p in parts}) != 1:
         return None
+    if len({p.fmt for p in parts}) != 1:
+        as_q8 = [as_q8_0(p) for p in parts]
+        if any(p is None for p in as_q8):
+            return None
+        parts = [p for p in as_q8 if p is not None]
     return GGUFWeight(torch.cat([p.blocks for p in parts]), parts[0].fmt)
+
+
+def as_q8_0(weight: GGUFWeight) -> GGUFWeight | None:
+    """The same numbers in Q8_0 blocks (the same fp16 scale d, the quants int8): a Q4_1 or Q5_1
+    weight whose every offset is -8 d or -16 d (one made from Q4_0 or Q5_0), or a Q8_0 one;
+    None for any other. d * q - c d = d * (q - c) exactly: fp16 d times a small integer."""
+    if weight.fmt == Q8_0:
+        return weight
+    if weight.fmt not in (Q4_1, Q5_1):
+        return None
+    n, nb, _ = weight.blocks.shape
+    flat = weight.blocks.numpy().reshape(n * nb, -1)
+    center = 8 if weight.fmt == Q4_1 else 16
+    d, m = flat[:, :2].copy().view(np.float16), flat[:, 2:4].copy().view(np.float16)
+    if not np.array_equal(m, d * np.float16(-center)):
+        return None
+    q = (_small_quants(flat, weight.fmt).astype(np.int16) - center).astype(np.int8)
+    blocks = np.concatenate([flat[:, :2], q.view(np.uint8)], axis=1)
+    return GGUFWeight(torch.from_numpy(np.ascontiguousarray(blocks).reshape(n, nb, BLOCK_BYTES[Q8_0])), Q8_0)
 
 
 def from_gguf(data: np.ndarray, type_name: str, k: int) -> GGUFWeight | None:
@@ -156,6 +191,12 @@ def from_gguf(data: np.ndarray, type_name: str, k: int) -> GGUFWeight | None:
         fmt, blocks = Q4_1, _q4_0_as_q4_1(rows.reshape(-1, 18))
     elif type_name == "Q4_K":
         fmt, blocks = Q4F, _q4_k_as_q4f(rows.reshape(-1, 144))
+    elif type_name == "Q5_1":
+        fmt, blocks = Q5_1, rows
+    elif type_name == "Q5_0":
+        fmt, blocks = Q5_1, _q5_0_as_q5_1(rows.reshape(-1, 22))
+    elif type_name == "Q5_K":
+        fmt, blocks = Q5F, _q5_k_as_q5f(rows.reshape(-1, 176))
     else:
         fmt, blocks = Q8H, _q6_k_as_q8h(rows.reshape(-1, 210))
     return GGUFWeight(torch.from_numpy(np.ascontiguousarray(blocks).reshape(n, k // QK, BLOCK_BYTES[fmt])), fmt)
@@ -167,6 +208,12 @@ def from_gguf(data: np.ndarray, type_name: str, k: int) -> GGUFWeight | None:
 def _q4_0_as_q4_1(blocks: np.ndarray) -> np.ndarray:
     d = blocks[:, :2].copy().view(np.float16)
     offset = (d * np.float16(-8)).view(np.uint8)
+    return np.concatenate([blocks[:, :2], offset, blocks[:, 2:]], axis=1)
+
+
+def _q5_0_as_q5_1(blocks: np.ndarray) -> np.ndarray:
+    d = blocks[:, :2].copy().view(np.float16)
+    offset = (d * np.float16(-16)).view(np.uint8)
     return np.concatenate([blocks[:, :2], offset, blocks[:, 2:]], axis=1)
 
 
@@ -187,6 +234,40 @@ def _q4_k_as_q4f(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([scale.view(np.uint8), offset.view(np.uint8), packed], axis=1)
 
 
+def _q5_k_as_q5f(blocks: np.ndarray) -> np.ndarray:
+    """[B, 176] Q5_K super-blocks -> [B * 8, 28] Q5F blocks (the layout of gguf.quants.Q5_K: its
+    scales as Q4_K's, then 32 bytes whose bit s is sub-block s's fifth bits, then Q4_K's nibbles)."""
+    from gguf.quants import Q4_K
+
+    b = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    scale = (d * sc.astype(np.float32)).reshape(b * 8, 1)
+    offset = -(dmin * mn.astype(np.float32)).reshape(b * 8, 1)
+    qs = blocks[:, 48:].reshape(b, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 15).reshape(b * 8, 32)
+    packed = q[:, :16] | (q[:, 16:] << 4)
+    high = (blocks[:, 16:48].reshape(b, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    qh = np.packbits(high.reshape(b * 8, 32), axis=1, bitorder="little")
+    return np.concatenate([scale.view(np.uint8), offset.view(np.uint8), qh, packed], axis=1)
+
+
+def _fifth_bits_for_kernel(bits: np.ndarray) -> np.ndarray:
+    """[N, nbw, 32] fifth bits (block, input) -> [N, nbw * 4] bytes in gguf_linear.c's layout: a
+    whole group's byte 4i + k holds block i's inputs 4p + k at bit p and 16 + 4p + k at bit 4 + p;
+    each pair after the whole groups, a word of its low halves' bits, then one of its high halves'."""
+    n, nbw, _ = bits.shape
+    full = nbw // 8 * 8
+    # whole groups: (group, block i, half, p, k) -> (group, i, k, bit half * 4 + p)
+    grouped = bits[:, :full].reshape(n, full // 8, 8, 2, 4, 4).transpose(0, 1, 2, 5, 3, 4)
+    groups = np.packbits(grouped.reshape(n, full // 8, 8, 4, 8), axis=-1, bitorder="little")
+    # pairs: (pair, block e, half, j) -> (pair, half, bit e * 16 + j)
+    paired = bits[:, full:].reshape(n, (nbw - full) // 2, 2, 2, 16).transpose(0, 1, 3, 2, 4)
+    pairs = np.packbits(paired.reshape(n, (nbw - full) // 2, 2, 32), axis=-1, bitorder="little")
+    return np.ascontiguousarray(np.concatenate([groups.reshape(n, -1), pairs.reshape(n, -1)], axis=1))
+
+
 def _q6_k_as_q8h(blocks: np.ndarray) -> np.ndarray:
     """[B, 210] Q6_K super-blocks -> [B * 8, 40] Q8H blocks (the layout of gguf.quants.Q6_K)."""
     b = blocks.shape[0]
@@ -204,17 +285,25 @@ def _dequantize_numpy(blocks: np.ndarray, fmt: int) -> torch.Tensor:
     """[R, nb, bytes] -> fp32 [R, nb * 32] without the C library (the same sums as the kernel's)."""
     r, nb = blocks.shape[:2]
     flat = blocks.reshape(r * nb, -1)
-    if fmt in (Q4_1, Q4F):
-        width = 2 if fmt == Q4_1 else 4
-        kind = np.float16 if fmt == Q4_1 else np.float32
+    if fmt in (Q4_1, Q4F, Q5_1, Q5F):
+        width = 2 if fmt in (Q4_1, Q5_1) else 4
+        kind = np.float16 if fmt in (Q4_1, Q5_1) else np.float32
         d = flat[:, :width].copy().view(kind).astype(np.float32)
         m = flat[:, width : 2 * width].copy().view(kind).astype(np.float32)
-        nibbles = flat[:, 2 * width :]
-        q = np.concatenate([nibbles & 15, nibbles >> 4], axis=1).astype(np.float32)
-        values = d * q + m
+        values = d * _small_quants(flat, fmt).astype(np.float32) + m
     else:
         width = 2 if fmt == Q8_0 else 8
         scale = flat[:, :width].copy().view(np.float16 if fmt == Q8_0 else np.float32).astype(np.float32)
         q = flat[:, width:].copy().view(np.int8).astype(np.float32).reshape(-1, 2, 16)
         values = (scale.reshape(-1, scale.shape[1], 1) * q).reshape(-1, 32)
     return torch.from_numpy(np.ascontiguousarray(values.reshape(r, nb * QK), dtype=np.float32))
+
+
+def _small_quants(flat: np.ndarray, fmt: int) -> np.ndarray:
+    """[B, bytes] blocks of a 4-bit or 5-bit format -> their quants uint8 [B, 32], input order."""
+    nibbles = flat[:, -16:]
+    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=1)
+    if fmt in FIVE_BIT:
+        width = 2 if fmt == Q5_1 else 4
+        q |= np.unpackbits(flat[:, 2 * width : 2 * width + 4], axis=1, bitorder="little") << 4
+    return q

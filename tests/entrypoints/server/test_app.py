@@ -82,8 +82,12 @@ def test_the_key_the_size_limit_and_draining_guard_the_v1_routes(client: TestCli
 
 
 def test_bodies_of_the_wrong_shape_and_unknown_routes_answer_in_openais_shape(client: TestClient) -> None:
-    error = _error(client.post("/v1/completions", headers=AUTH, json={"prompt": 5}), 422, "UnprocessableEntityError")
-    assert error["param"] == "prompt.str"
+    body = {"prompt": "hi", "max_tokens": "many"}
+    error = _error(client.post("/v1/completions", headers=AUTH, json=body), 422, "UnprocessableEntityError")
+    assert error["param"] == "max_tokens"
+    for prompt in (5, [True], [1.0], [[1, [2]]], None):  # the prompt's own check: a 400 naming it
+        error = _error(client.post("/v1/completions", headers=AUTH, json={"prompt": prompt}), 400, "BadRequestError")
+        assert error["param"] == "prompt" and "prompt must be a string" in error["message"]
     _error(client.get("/nope", headers=AUTH), 404, "NotFoundError")
     body = {"prompt": "hi", "model": "other"}
     assert _error(client.post("/v1/completions", headers=AUTH, json=body), 404, "NotFoundError")["param"] == "model"
