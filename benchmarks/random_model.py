@@ -93,10 +93,16 @@ def default_folder(preset: str, num_layers: int | None = None) -> Path:
 
 
 def build_random_model(
-    preset: str, target: Path, tokenizer_from: Path | None = None, num_layers: int | None = None, seed: int = 0
+    preset: str,
+    target: Path,
+    tokenizer_from: Path | None = None,
+    num_layers: int | None = None,
+    seed: int = 0,
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
-    """``target`` as a model folder of ``preset`` with random weights (reused if already built)."""
-    config = preset_config(preset, num_layers)
+    """``target`` as a model folder of ``preset`` with random weights (reused if already built).
+    ``overrides``: config fields to change (another tokenizer's ``vocab_size`` and special ids)."""
+    config = {**preset_config(preset, num_layers), **(overrides or {})}
     marker = {"preset": preset, "config": config, "seed": seed}
     done = target / "DONE"
     try:

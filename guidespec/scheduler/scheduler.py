@@ -152,6 +152,7 @@ class Scheduler:
 
     def start(self) -> None:
         deadline = time.monotonic() + envs.worker_start_timeout_s()
+        self.grammar.build_closing_tokens()  # (while the workers load: a pass over the vocabulary)
         self.health.wait_for_workers(self.worker_results, self.cfg.num_workers, deadline, IDLE_POLL_S)
         try:
             self.broadcaster.wait_for_readers(max(1.0, deadline - time.monotonic()))

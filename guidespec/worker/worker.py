@@ -38,6 +38,7 @@ from guidespec.ipc.zmq_channel import Channel
 from guidespec.process_utils import parent_alive, setup_child_process
 from guidespec.protocol import (
     LAST_SAMPLED,
+    NO_TOKEN,
     DraftMask,
     DraftTokens,
     MaskWanted,
@@ -52,7 +53,7 @@ from guidespec.worker.drafting.draft_model import DraftRunner, draft_model_bytes
 from guidespec.worker.drafting.eagle import EagleRunner
 from guidespec.worker.drafting.eagle_head import head_bytes
 from guidespec.worker.drafting.step_graph import FusedStepFollower, StepGraphs
-from guidespec.worker.verify import verify
+from guidespec.worker.verify import _argmax_and_dead, verify
 from guidespec.worker import tp as tp_mod
 from guidespec.model_files import load_hf_config
 from guidespec.worker.device import check_device_memory, kv_pool_blocks
@@ -290,6 +291,11 @@ class Worker:
             and not inputs.temperature.any()
             and (inputs.num_logits == 1).all()
         )
+        if defer and early is None:  # (no logits rows for what the mask settles: greedy_masked)
+            picked = greedy_masked(self, hidden, bitmask)  # type: ignore[arg-type]
+            return (
+                None if picked is None else self._outputs(inputs, *picked, (start, wall_start, forward_end, mask_ready))
+            )
         logits, unapplied = _logits_and_masks(self, hidden, bitmask, early)
         if logits is not None and unapplied is not None and not defer:
             self.masks.apply(logits, *unapplied)
@@ -324,6 +330,18 @@ class Worker:
             draft_probs,
             unapplied,
         )
+        return self._outputs(inputs, tokens_np, counts, (start, wall_start, forward_end, mask_ready))
+
+    def _outputs(
+        self,
+        inputs: StepInputs,
+        tokens_np: np.ndarray,
+        counts: np.ndarray,
+        times: tuple[float, float, float, float],
+    ) -> StepOutputs:
+        """Rank 0's answer to a step whose tokens are picked: the next drafts proposed, and its
+        ``times`` (perf_counter start; wall start, forward end, mask ready)."""
+        start, wall_start, forward_end, mask_ready = times
         ends = np.cumsum(counts)
         sampled = counts > 0
         self.last_sampled[inputs.slots[sampled]] = tokens_np[ends[sampled] - 1]
@@ -483,10 +501,7 @@ def _logits_and_masks(
         return computed, mask
     rows, bitmask = mask
     vocab = worker.model.cfg.vocab_size
-    counts = allowed_counts(bitmask)
-    forced = only_allowed(rows, bitmask, hidden.shape[0], vocab, counts)
-    # bitmask rows whose tokens' logits are computed alone
-    few = (counts > 1) & (counts <= vocab // _FEW_TOKENS) & worker.model.computes_chosen_logits
+    forced, few = _settled_rows(worker, rows, bitmask, hidden.shape[0])
     if not (forced >= 0).any() and not few.any():
         return worker.model.compute_logits(hidden), (rows, bitmask)
     whole = forced < 0  # logits rows that need the whole LM head
@@ -495,9 +510,10 @@ def _logits_and_masks(
     computed = worker.model.compute_logits(hidden[keep]) if len(keep) else None
     if not worker.tp.is_driver:
         return None, None
-    logits = torch.full((hidden.shape[0], vocab), float("-inf"), dtype=torch.float32, device=worker.device)
+    logits = torch.empty((hidden.shape[0], vocab), dtype=torch.float32, device=worker.device)
     if computed is not None:
         logits[keep] = computed
+    logits.index_fill_(0, _index_on(worker.device, np.flatnonzero(~whole)), float("-inf"))  # (only the others)
     single = np.flatnonzero(forced >= 0)
     # (index_fill_ takes the 0 as an argument; assigning a Python number copies it to the
     # device from pageable memory, a copy that waits for the forward)
@@ -507,6 +523,59 @@ def _logits_and_masks(
         logits[row, torch.from_numpy(tokens)] = worker.model.compute_chosen_logits(hidden[row : row + 1], tokens)[0]
     masked = (forced[rows] < 0) & ~few  # the other guided rows: their mask as usual
     return logits, (rows[masked], bitmask[masked])
+
+
+def greedy_masked(
+    worker: Worker, hidden: torch.Tensor, mask: tuple[np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Greedy decode rows (one logits row each) of a step with a bitmask, on the CPU: (tokens,
+    counts) on rank 0, None elsewhere. A row whose mask allows one token is that token, with no
+    logits at all; a row whose mask allows few has only theirs computed (``_logits_and_masks``
+    says where); the others get the LM head and a pick that reads their mask in place. No
+    [rows, vocab] array is made beyond the LM head's own output, and each pick is the one
+    ``verify`` makes of the masked logits (the first of equal maxima, NO_TOKEN where nothing is
+    allowed)."""
+    rows, bitmask = mask
+    num_rows = hidden.shape[0]
+    forced, few = _settled_rows(worker, rows, bitmask, num_rows)
+    whole = forced < 0
+    whole[rows[few]] = False
+    keep = np.flatnonzero(whole)
+    computed = None
+    if len(keep):
+        computed = worker.model.compute_logits(
+            hidden if len(keep) == num_rows else hidden[_index_on(worker.device, keep)]
+        )
+    if not worker.tp.is_driver:
+        return None
+    tokens, dead = forced.copy(), np.zeros(num_rows, dtype=bool)
+    if computed is not None:
+        position = np.full(num_rows, -1, dtype=np.int64)  # logits row -> its row in ``computed``
+        position[keep] = np.arange(len(keep))
+        masked = position[rows] >= 0
+        rows_masked = (position[rows], bitmask) if masked.all() else (position[rows[masked]], bitmask[masked])
+        tokens[keep], dead[keep] = _argmax_and_dead(computed, rows_masked)
+    for i in np.flatnonzero(few).tolist():
+        allowed, row = allowed_ids(bitmask[i], worker.model.cfg.vocab_size), int(rows[i])
+        chosen = worker.model.compute_chosen_logits(hidden[row : row + 1], allowed)[0]
+        tokens[row] = allowed[int(chosen.argmax())]  # (ascending ids: the first maximum, as argmax over the row)
+    tokens = tokens.astype(np.int32)
+    tokens[dead] = NO_TOKEN
+    return tokens, np.ones(num_rows, dtype=np.int32)
+
+
+def _settled_rows(
+    worker: Worker, rows: np.ndarray, bitmask: np.ndarray, num_rows: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(per logits row: the one token its mask allows or -1; per bitmask row: whether its tokens'
+    logits are computed alone). Counting every row's tokens costs a pass over its words (8,192
+    a row at a 262k vocabulary): done only where the model computes chosen logits."""
+    vocab = worker.model.cfg.vocab_size
+    if not worker.model.computes_chosen_logits:
+        return only_allowed(rows, bitmask, num_rows, vocab), np.zeros(len(rows), dtype=bool)
+    counts = allowed_counts(bitmask)
+    few = (counts > 1) & (counts <= vocab // _FEW_TOKENS)
+    return only_allowed(rows, bitmask, num_rows, vocab, counts), few
 
 
 def _index_on(device: torch.device, array: np.ndarray) -> torch.Tensor:

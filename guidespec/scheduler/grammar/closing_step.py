@@ -39,7 +39,7 @@ class ClosingStep:
         self.vocab_size, self.stop_token_ids = vocab_size, stop_token_ids
         self.closers: dict[str, EarlyCloser] = {}
         self._stop_row = bitmask_row(stop_token_ids, vocab_size)
-        self._tokens: ClosingTokens | None = None  # built at first use
+        self._tokens: ClosingTokens | None = None  # built by build_tokens, or at first use
         # the budget checks' dry runs from a grammar's first states, shared by the requests with
         # that grammar (a batch of requests with one schema checks its budget once)
         self._early_runs: OrderedDict[tuple[Any, ...], tuple[list[int], bool]] = OrderedDict()
@@ -216,6 +216,12 @@ class ClosingStep:
         finally:
             matcher.rollback(len(run))
             closer.restore(saved)
+
+    def build_tokens(self) -> None:
+        """Sort the vocabulary into closing's classes now (``ClosingTokens``: a pass over every
+        token's piece, 0.3 s at 49k tokens and 3 s at Gemma 3's 262k on a loaded 2-core host),
+        not in the step of the first request that closes."""
+        self._closing_tokens()
 
     def _closing_tokens(self) -> ClosingTokens:
         if self._tokens is None:

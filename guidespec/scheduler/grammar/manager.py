@@ -377,6 +377,11 @@ class GrammarManager:
         reason = matcher.error()
         return f"{backend} gave up: {reason}" if reason else ""
 
+    def build_closing_tokens(self) -> None:
+        """What early closing needs of the vocabulary, made before the first step needs it
+        (``ClosingStep.build_tokens``): the engine's start calls this while the workers load."""
+        self.closing.build_tokens()
+
     def wait_started(self, timeout_s: float) -> bool:
         """Wait until the compile process has its backend ready (at the engine's start: its imports
         would otherwise share the cores with the first requests' forwards); False on timeout."""

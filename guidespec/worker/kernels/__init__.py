@@ -16,7 +16,8 @@ The kernels, fp32 activations:
 - ``layer_ops.c``: a layer's small operations in one call each (:func:`add_rms_norm`,
   :func:`rope_into_cache`, :func:`silu_mul`), where torch's dispatch costs more than the work.
 - ``logits_ops.c``: a bitmask applied to logits rows (:func:`apply_bitmask`) and the greedy pick
-  of every row (:func:`argmax_rows`), one pass each.
+  of every row (:func:`argmax_rows`), one pass each; the rows a mask allows one token in
+  (:func:`single_tokens`), each read to its second allowed token.
 - ``decoder.c``: every layer of a forward in one call (:class:`DecoderStack`), the same kernels
   in the same order as the model's Python loop, without the Python between them.
 
@@ -40,6 +41,7 @@ from guidespec.worker.kernels.ops import (
     linear_rows,
     rope_into_cache,
     silu_mul,
+    single_tokens,
 )
 from guidespec.worker.kernels.weights import BLOCK, PackedWeight, QuantizedWeight, Weight, dense, pack, quantize
 
@@ -65,4 +67,5 @@ __all__ = [
     "quantize",
     "rope_into_cache",
     "silu_mul",
+    "single_tokens",
 ]

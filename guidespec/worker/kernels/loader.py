@@ -69,6 +69,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.apply_bitmask_f32.restype = None
     lib.argmax_rows_f32.argtypes = _signature(p, i, i, p, p, i, p, p, i)
     lib.argmax_rows_f32.restype = None
+    lib.single_token_rows.argtypes = _signature(p, i, i, i, p)
+    lib.single_token_rows.restype = None
     lib.decoder_forward_f32.argtypes = _signature(
         p, i, i, p, i, p, f, i, i, i, i, p, p, p, p, p, i, p, i, i, i, i, f, p, i
     )

@@ -22,6 +22,10 @@ void apply_bitmask_f32(float* logits, int V, const int64_t* rows, const int32_t*
             uint32_t word = words[w];
             if (word == 0xffffffffu) continue;
             int first = 32 * w, last = first + 32 < V ? first + 32 : V;
+            if (word == 0) {  /* a grammar's usual word: nothing allowed (a plain store, vectorized) */
+                for (int t = first; t < last; t++) row[t] = -INFINITY;
+                continue;
+            }
             for (int t = first; t < last; t++)
                 if (!((word >> (t - first)) & 1u)) row[t] = -INFINITY;
         }
@@ -71,5 +75,25 @@ void argmax_rows_f32(const float* logits, int R, int V, const int32_t* mask_of_r
         }
         best[r] = at;
         dead[r] = top == -INFINITY;
+    }
+}
+
+/* For each of n bitmask rows [n][W]: the one token it allows, or -1 where it allows none or more
+   than one (bits past the vocabulary counted; a lone one there gives -1 too). A row stops at its
+   second set bit, so a grammar's usual rows (many tokens allowed) cost a few words, not W: at a
+   262k vocabulary a row is 8,192 words, and counting every bit of a step's rows cost more than
+   the rest of its mask work. */
+void single_token_rows(const int32_t* bitmask, int n, int W, int V, int64_t* out) {
+    for (int i = 0; i < n; i++) {
+        const uint32_t* words = (const uint32_t*)(bitmask + (size_t)i * W);
+        int64_t token = -1;
+        int seen = 0;
+        for (int w = 0; w < W && seen < 2; w++) {
+            uint32_t word = words[w];
+            if (!word) continue;
+            seen += __builtin_popcount(word);
+            token = 32 * (int64_t)w + __builtin_ctz(word);
+        }
+        out[i] = seen == 1 && token < V ? token : -1;
     }
 }

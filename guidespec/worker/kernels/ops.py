@@ -308,3 +308,17 @@ def argmax_rows(
         torch.get_num_threads(),
     )
     return best, dead
+
+
+def single_tokens(bitmask: np.ndarray, vocab_size: int) -> np.ndarray | None:
+    """[R] int64: the one token each bitmask row allows, -1 where it allows any other number (bits
+    past ``vocab_size`` counted, a lone one there gives -1); None where the kernel does not apply.
+    A row is read up to its second set bit."""
+    lib = loader.library()
+    if lib is None or bitmask.ndim != 2 or bitmask.shape[1] * 32 < vocab_size:
+        return None
+    bitmask = np.ascontiguousarray(bitmask, dtype=np.int32)
+    out = np.empty(bitmask.shape[0], dtype=np.int64)
+    if len(out):
+        lib.single_token_rows(bitmask.ctypes.data, bitmask.shape[0], bitmask.shape[1], vocab_size, out.ctypes.data)
+    return out

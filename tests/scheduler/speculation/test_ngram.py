@@ -66,3 +66,16 @@ def test_ngram_uses_only_final_tokens_as_keys_and_values() -> None:
     assert drafter.propose("r", context + [9, 9, 1], len(context), 2, _all) == [2, 3]
     assert drafter.propose("r", context, len(context), 2, _all) == [2, 3]
     drafter.release("r")
+
+
+def test_token_texts_are_each_ids_batch_decode(real_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """The anchored lookup's token texts, read by the fast tokenizer's own batch decode, are what
+    ``tokenizer.batch_decode`` gives each id alone (special tokens, partial UTF-8 bytes and all)."""
+    from guidespec.model_files import load_tokenizer
+    from guidespec.scheduler.speculation.ngram import token_texts
+
+    tokenizer = load_tokenizer(real_model_dir)
+    texts = token_texts(tokenizer)
+    assert len(texts) == len(tokenizer)
+    assert texts == tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    assert texts[tokenizer.eos_token_id] == tokenizer.eos_token
