@@ -115,7 +115,9 @@ def llama_cpp_runs(model: str | None, threads: int, max_tokens: int) -> dict[str
     kw = dict(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, seed=0, verbose=False)
     # a model per mode: the modes run case by case, and llama.cpp reuses its previous call's prompt
     plain, constrained = Llama(**kw), Llama(**kw)
-    lookup = Llama(**kw, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
+    # logits_all: with a draft model llama-cpp-python (0.3.36) keeps every position's logits, yet
+    # sizes their buffer by n_batch unless asked: past 512 tokens a step's drafts overflow it
+    lookup = Llama(**kw, logits_all=True, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
 
     def run(llm: Any, case: dict[str, Any], guided: bool) -> tuple[str, int]:
         grammar = LlamaGrammar.from_json_schema(json.dumps(schema_of(case)), verbose=False) if guided else None
@@ -410,7 +412,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"- model {meta.get('model', 'default')}, prompts: {meta.get('prompts', 'chat')}",
         f"- {meta['date']}, commit {meta['commit']}; {meta['machine']}; {meta['threads']} threads each",
         f"- {meta['cases']} cases per set, max_tokens {meta['max_tokens']}; guidespec dtype {meta['dtype']}; "
-        f"llama.cpp: llama-cpp-python {meta.get('llama_cpp', '–')} on the GGUF (prompt lookup: 10 tokens)",
+        f"llama.cpp: llama-cpp-python {meta.get('llama_cpp', '–')} on the GGUF (prompt lookup: 10 tokens; "
+        f"build: {meta.get('llama_cpp_build', '–')})",
         f"- every system's modes case by case, each on an engine of its own (guidespec: prefix caching on); "
         f"guidespec's guided and same length then case by case without prefix caching, "
         f"{meta.get('repeats', 1)} time(s), each on a fresh engine (summed)",
@@ -494,6 +497,8 @@ def main() -> None:
                 import llama_cpp
 
                 meta["llama_cpp"] = llama_cpp.__version__
+                # which build: the CPU features it was compiled for (AVX-512 / AMX builds crash on some Xeons)
+                meta["llama_cpp_build"] = llama_cpp.llama_print_system_info().decode().strip(" |")
                 systems[system] = llama_cpp_runs(args.model, args.threads, args.max_tokens)
             elif system == "hf":
                 systems[system] = hf_runs(args.model, args.threads, args.max_tokens)
