@@ -353,17 +353,20 @@ class _WorkerParts:
 def pick(worker: _WorkerParts, hidden: Any, mask: Any, draft: int, temperature: float) -> Any:
     """The tokens of ``hidden``'s rows (rows of ``1 + draft`` logits each) as ``Worker.step`` picks
     them on the CPU without a drafter or penalties: LM head, mask, verify."""
+    from guidespec.worker import verify as verify_module
     from guidespec.worker import worker as worker_module
     from guidespec.worker.verify import verify
     from guidespec.worker.worker import _logits_and_masks
 
     batch = hidden.shape[0] // (1 + draft)
-    greedy_masked = getattr(worker_module, "greedy_masked", None)  # (not in the code before it came)
-    if mask is not None and not temperature and not draft and greedy_masked is not None:
-        return greedy_masked(worker, hidden, mask)
     num_logits = np.full(batch, 1 + draft, dtype=np.int32)
     temperatures = np.full(batch, temperature, dtype=np.float32)
     drafts = [np.arange(j * draft, (j + 1) * draft, dtype=np.int32) % 97 + 3 for j in range(batch)]
+    greedy_masked = getattr(worker_module, "greedy_masked", None)  # (not in the code before they came)
+    accept_greedy = getattr(verify_module, "accept_greedy", None)  # (greedy rows with drafts)
+    if mask is not None and not temperature and greedy_masked is not None and (not draft or accept_greedy):
+        picked = greedy_masked(worker, hidden, mask)
+        return picked if not draft or picked is None else accept_greedy(picked[0], num_logits, drafts)
     defer = mask is not None and not temperature and not draft
     logits, unapplied = _logits_and_masks(worker, hidden, mask)  # type: ignore[arg-type]
     if logits is not None and unapplied is not None and not defer:

@@ -85,9 +85,10 @@ def verify(
         )
         for b, token in zip(plain_rows, tokens.cpu().tolist()):
             out[b] = [token]
+    picks = np.where(dead.astype(bool), NO_TOKEN, best)  # (a draft where nothing is allowed: never accepted)
     for b in spec_rows:
         if temperature[b] == 0:
-            out[b] = _verify_greedy(best[offsets[b] : offsets[b + 1]], drafts[b])
+            out[b] = _verify_greedy(picks[offsets[b] : offsets[b + 1]], drafts[b])
     sampled = [b for b in spec_rows if temperature[b] != 0]
     if sampled:
         index = np.concatenate([np.arange(offsets[b], offsets[b + 1]) for b in sampled])
@@ -183,6 +184,19 @@ def _argmax_and_dead(
     if unapplied is not None:  # (no kernel: the masks applied as any device does)
         apply_bitmask(logits, *unapplied)
     return logits.argmax(dim=-1).cpu().numpy(), torch.isneginf(logits).all(dim=-1).cpu().numpy()
+
+
+def accept_greedy(picks: np.ndarray, num_logits: np.ndarray, drafts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`verify` of greedy rows whose picks are made (one per logits row, ``NO_TOKEN`` where
+    a mask allows nothing: ``worker.greedy_masked``'s): each row's drafts accepted while they
+    equal its picks, then its pick where they differ (or its bonus pick). A dead pick equals no
+    draft: the row ends with ``NO_TOKEN`` there. (Tokens flat, and how many per row.)"""
+    if (num_logits == 1).all():
+        return picks, np.ones(len(num_logits), dtype=np.int32)
+    offsets = np.concatenate([[0], np.cumsum(num_logits)]).tolist()
+    out = [_verify_greedy(picks[offsets[b] : offsets[b + 1]], drafts[b]) for b in range(len(num_logits))]
+    counts = np.array([len(t) for t in out], dtype=np.int32)
+    return np.array([t for tokens in out for t in tokens], dtype=np.int32), counts
 
 
 def _verify_greedy(best: np.ndarray, drafts: np.ndarray) -> list[int]:

@@ -53,7 +53,7 @@ from guidespec.worker.drafting.draft_model import DraftRunner, draft_model_bytes
 from guidespec.worker.drafting.eagle import EagleRunner
 from guidespec.worker.drafting.eagle_head import head_bytes
 from guidespec.worker.drafting.step_graph import FusedStepFollower, StepGraphs
-from guidespec.worker.verify import _argmax_and_dead, verify
+from guidespec.worker.verify import _argmax_and_dead, accept_greedy, verify
 from guidespec.worker import tp as tp_mod
 from guidespec.model_files import load_hf_config
 from guidespec.worker.device import check_device_memory, kv_pool_blocks
@@ -282,20 +282,21 @@ class Worker:
             bitmask = self._read_bitmask(inputs.step)
             mask_ready = time.time()
         penalized = inputs.penalized  # [B]: requests that ask for one
-        # greedy decode rows on the CPU: a row's mask is read by its pick (verify.py), not applied
-        defer = (
+        # greedy rows on the CPU: a row's mask is read by its pick (verify.py), not applied
+        greedy = (
             self.device.type == "cpu"
             and bitmask is not None
             and self.drafter is None
             and not penalized.any()
             and not inputs.temperature.any()
-            and (inputs.num_logits == 1).all()
         )
-        if defer and early is None:  # (no logits rows for what the mask settles: greedy_masked)
+        defer = greedy and (inputs.num_logits == 1).all()
+        if greedy and early is None:  # (no logits rows for what the mask settles: greedy_masked)
             picked = greedy_masked(self, hidden, bitmask)  # type: ignore[arg-type]
-            return (
-                None if picked is None else self._outputs(inputs, *picked, (start, wall_start, forward_end, mask_ready))
-            )
+            if picked is None:
+                return None
+            tokens, counts = accept_greedy(picked[0], inputs.num_logits, _drafts(inputs))  # drafts: verified
+            return self._outputs(inputs, tokens, counts, (start, wall_start, forward_end, mask_ready))
         logits, unapplied = _logits_and_masks(self, hidden, bitmask, early)
         if logits is not None and unapplied is not None and not defer:
             self.masks.apply(logits, *unapplied)
@@ -528,13 +529,13 @@ def _logits_and_masks(
 def greedy_masked(
     worker: Worker, hidden: torch.Tensor, mask: tuple[np.ndarray, np.ndarray]
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """Greedy decode rows (one logits row each) of a step with a bitmask, on the CPU: (tokens,
-    counts) on rank 0, None elsewhere. A row whose mask allows one token is that token, with no
-    logits at all; a row whose mask allows few has only theirs computed (``_logits_and_masks``
-    says where); the others get the LM head and a pick that reads their mask in place. No
-    [rows, vocab] array is made beyond the LM head's own output, and each pick is the one
-    ``verify`` makes of the masked logits (the first of equal maxima, NO_TOKEN where nothing is
-    allowed)."""
+    """Greedy rows of a step with a bitmask, on the CPU: (a token per logits row, ones) on rank 0,
+    None elsewhere (``verify.accept_greedy`` then accepts each row's drafts by them). A logits
+    row whose mask allows one token is that token, with no logits at all; a row whose mask
+    allows few has only theirs computed (``_logits_and_masks`` says where); the others get the LM
+    head and a pick that reads their mask in place. No [rows, vocab] array is made beyond the LM
+    head's own output, and each pick is the one ``verify`` makes of the masked logits (the first
+    of equal maxima, NO_TOKEN where nothing is allowed)."""
     rows, bitmask = mask
     num_rows = hidden.shape[0]
     forced, few = _settled_rows(worker, rows, bitmask, num_rows)

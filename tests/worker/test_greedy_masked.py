@@ -19,7 +19,7 @@ from guidespec.worker import kernels
 from guidespec.worker.mask import DeviceMasks, apply_bitmask, only_allowed
 from guidespec.worker.model import LlamaModel
 from guidespec.worker.tp import TPInfo
-from guidespec.worker.verify import verify
+from guidespec.worker.verify import accept_greedy, verify
 from guidespec.worker.worker import _logits_and_masks, greedy_masked
 from tests.conftest import make_tiny_model
 from tests.worker.test_quantized import gguf_model
@@ -96,6 +96,53 @@ def test_greedy_masked_picks_what_the_whole_path_picks(tmp_path: Path, kind: str
         assert tokens[0] == vocab // 3 and tokens[6] == vocab - 1  # forced
         assert tokens[4] == NO_TOKEN  # its mask allows nothing
         assert tokens[2] in (1, 31, 32, 77, vocab - 2)
+
+
+@pytest.mark.parametrize("layout", [(3, 1, 4), (1, 4, 3), (8,)])
+def test_greedy_rows_with_drafts_accept_what_verify_accepts(tmp_path: Path, layout: tuple[int, ...]) -> None:
+    """Greedy rows with drafts (jump-forward's forced tokens, n-gram drafts): the picks of
+    ``greedy_masked`` and ``accept_greedy`` give ``verify``'s tokens over the whole path's masked
+    logits: drafts that all match (then the bonus pick), a draft that differs (then the pick
+    there), a row whose mask allows nothing (NO_TOKEN where it is reached)."""
+    folder = gguf_model(tmp_path, {"*": "Q4_1"})
+    hf = load_hf_config(folder)
+    model = LlamaModel(ModelConfig.from_hf(hf), TPInfo(), torch.float32, 64, quantized=True)
+    model.load(folder, hf, show_progress=False)
+    worker = _worker(model)
+    rows, bitmask = _masks(model.cfg.vocab_size)
+    num_logits = np.array(layout, dtype=np.int32)
+    starts = np.concatenate([[0], np.cumsum(num_logits)[:-1]])
+    for seed in range(2):
+        hidden = torch.randn(8, model.cfg.hidden_size, generator=torch.Generator().manual_seed(seed))
+        picks = _whole_path(worker, hidden, (rows, bitmask))  # each logits row's own greedy pick
+        for miss in (None, 1):  # every draft the pick / the second draft of each row not
+            drafts = []
+            for start, n in zip(starts.tolist(), layout):
+                draft = [max(int(t), 0) for t in picks[start : start + n - 1]]  # (a draft is a token)
+                if miss is not None and miss < len(draft):
+                    draft[miss] = (draft[miss] + 1) % model.cfg.vocab_size
+                drafts.append(np.array(draft, dtype=np.int32))
+            logits, unapplied = _logits_and_masks(worker, hidden, (rows, bitmask))  # type: ignore[arg-type]
+            assert logits is not None and unapplied is not None
+            apply_bitmask(logits, *unapplied)
+            b = len(layout)
+            expected = verify(
+                logits,
+                num_logits,
+                drafts,
+                np.zeros(b, np.float32),
+                np.zeros(b, np.int32),
+                np.ones(b, np.float32),
+                np.full(b, -1, np.int64),
+                np.zeros(b, np.int32),
+            )
+            picked = greedy_masked(worker, hidden, (rows, bitmask))  # type: ignore[arg-type]
+            assert picked is not None
+            tokens, counts = accept_greedy(picked[0], num_logits, drafts)
+            np.testing.assert_array_equal(counts, expected[1], err_msg=f"{layout}, miss {miss}")
+            np.testing.assert_array_equal(tokens, expected[0], err_msg=f"{layout}, miss {miss}")
+            if layout == (3, 1, 4):  # its last row's first position allows nothing: its draft there is refused
+                assert counts[2] == 1 and tokens[-1] == NO_TOKEN, (counts, tokens)
 
 
 def test_greedy_masked_without_a_forced_or_few_row_reads_every_mask_in_place(tmp_path: Path) -> None:
