@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -46,10 +47,15 @@ def llm() -> LLM:
         yield engine
 
 
-def test_greedy_equals_hugging_face_generate(llm: LLM, real_model_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def hf(real_model_dir: Path) -> Any:
+    """Hugging Face's model of the real model's folder, fp32: the reference."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32).eval()
+
+
+def test_greedy_equals_hugging_face_generate(llm: LLM, hf: Any) -> None:
     ours = llm.generate(CHATS, GREEDY)
     for chat, out in zip(CHATS, ours):
         ids = torch.tensor([llm.encode_prompt(chat)])
@@ -58,12 +64,9 @@ def test_greedy_equals_hugging_face_generate(llm: LLM, real_model_dir: Path) -> 
         assert len(out.token_ids) == len(ref) or out.finish_reason == "stop"
 
 
-def test_penalties_equal_hugging_face_beside_requests_without_them(llm: LLM, real_model_dir: Path) -> None:
+def test_penalties_equal_hugging_face_beside_requests_without_them(llm: LLM, hf: Any) -> None:
     """A repetition penalty over prompt and output tokens, as Hugging Face applies it; the workers
     keep token history for penalized requests only, so one shares its steps with plain ones."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32).eval()
     penalized = SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3)
 
     async def together() -> list:
@@ -168,12 +171,16 @@ def test_prefix_caching_maps_cached_blocks_and_changes_no_output(llm: LLM) -> No
     ]
     penalized = SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3)
     cached = [llm.generate(chat, GREEDY)[0] for chat in chats] + [llm.generate(chats[1], penalized)[0]]
-    together = llm.generate([[system, {"role": "user", "content": f"Name {n} colours."}] for n in range(2, 6)], GREEDY)
-    with LLM(max_batch_size=2, show_progress=False, enable_prefix_caching=False, dtype="float32") as whole:
-        expected = [whole.generate(chat, GREEDY)[0] for chat in chats] + [whole.generate(chats[1], penalized)[0]]
-        expected_together = [
-            whole.generate([system, {"role": "user", "content": f"Name {n} colours."}], GREEDY)[0] for n in range(2, 6)
-        ]
+    colours = [[system, {"role": "user", "content": f"Name {n} colours."}] for n in range(2, 6)]
+    together = llm.generate(colours, GREEDY)
+
+    async def all_at_once(engine: LLM) -> list[GenerationOutput]:  # (without prefix caching, order is moot)
+        requests = [(chat, GREEDY) for chat in chats] + [(chats[1], penalized)] + [(chat, GREEDY) for chat in colours]
+        return list(await asyncio.gather(*(engine.agenerate(chat, params) for chat, params in requests)))
+
+    with LLM(max_batch_size=8, show_progress=False, enable_prefix_caching=False, dtype="float32") as whole:
+        outs = asyncio.run(all_at_once(whole))
+    expected, expected_together = outs[:4], outs[4:]
     assert [o.token_ids for o in cached] == [o.token_ids for o in expected]
     assert [o.token_ids for o in together] == [o.token_ids for o in expected_together]
     block = llm.kv_block_size
@@ -257,28 +264,45 @@ def test_scheduler_survives_malformed_frames(llm: LLM) -> None:
     assert _chunks_to_workers(llm) > written  # (the measure: a request that does reach the workers moves it)
 
 
-def test_abort_frees_the_slot() -> None:
+def test_abort_a_pause_past_the_step_timeout_and_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One engine of one slot, in turn: leaving a stream aborts its request and frees the slot; all
+    the engine's processes stopped (SIGSTOP) mid-generation for longer than the step timeout, then
+    resumed: the request completes with the tokens it has unpaused (the scheduler's and the
+    workers' timeouts count running time, not the pause); ``close()`` leaves no process and no
+    shared memory."""
+    monkeypatch.setenv("GUIDESPEC_STEP_TIMEOUT_S", "5")  # 100x this engine's steps (a busy machine's can be slow)
     endless = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
-    with LLM(max_batch_size=1, show_progress=False) as one_slot:
-        stream = one_slot.stream("Tell me a very long story.", endless)
+    engine = LLM(max_batch_size=1, show_progress=False)
+    try:
+        stream = engine.stream("Tell me a very long story.", endless)
         next(stream)
         stream.close()  # leaving the stream aborts the request
         start = time.monotonic()
-        out = one_slot.generate("Hi", SamplingParams(max_tokens=4, temperature=0.0))[0]
-        assert out.finished and time.monotonic() - start < 30
+        out = engine.generate("Hi", SamplingParams(max_tokens=4, temperature=0.0))[0]
+        assert out.finished and time.monotonic() - start < 30, "the aborted request still holds the only slot"
 
+        params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+        expected = engine.generate("Tell me a long story.", params)[0].token_ids
+        paused = engine.stream("Tell me a long story.", params)
+        tokens = list(next(paused).token_ids)
+        pids = [process.pid for process in engine._processes.processes.values()]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(7.0)  # past the step timeout
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        for delta in paused:
+            tokens += delta.token_ids
+        assert tokens == expected and len(tokens) == 60, "a pause past the step timeout changed the output"
 
-def test_shutdown_leaves_no_process_and_no_shared_memory() -> None:
-    engine = LLM(max_batch_size=2, show_progress=False)
-    engine.generate("Hi", SamplingParams(max_tokens=2))
-    pids = [p.pid for p in engine._processes.processes.values()]
-    p = engine._processes
-    names = [f"/dev/shm/{p.ring.layout.name}", f"/dev/shm/{p.arena.layout.name}"] + [
-        e.removeprefix("ipc://") for e in vars(engine._processes.endpoints).values()
-    ]
-    assert leftovers(names, pids) != ([], [])
-    engine.close()
-    assert leftovers(names, pids) == ([], [])
+        p = engine._processes
+        names = [f"/dev/shm/{p.ring.layout.name}", f"/dev/shm/{p.arena.layout.name}"] + [
+            e.removeprefix("ipc://") for e in vars(p.endpoints).values()
+        ]
+        assert leftovers(names, pids) != ([], [])
+    finally:
+        engine.close()
+    assert leftovers(names, pids) == ([], []), "close() left processes or shared files"
 
 
 def _signal_state(pid: int) -> str:
@@ -370,30 +394,6 @@ def test_the_scheduler_refuses_what_a_client_did_not_check(llm: LLM) -> None:
 def test_token_ids_outside_the_vocabulary_raise_in_the_client(llm: LLM, prompt: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         llm.generate(prompt, GREEDY)
-
-
-def test_an_engine_paused_past_its_step_timeout_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """All the engine's processes stopped (SIGSTOP) mid-generation for longer than the step
-    timeout, then resumed: the request completes with the tokens it has unpaused (the scheduler's
-    and the workers' timeouts count running time, not the pause)."""
-    monkeypatch.setenv("GUIDESPEC_STEP_TIMEOUT_S", "5")  # 100x this engine's steps (a busy machine's can be slow)
-    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    engine = LLM(max_batch_size=2, show_progress=False)
-    try:
-        expected = engine.generate("Tell me a long story.", params)[0].token_ids
-        stream = engine.stream("Tell me a long story.", params)
-        tokens = list(next(stream).token_ids)
-        pids = [process.pid for process in engine._processes.processes.values()]
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        time.sleep(7.0)  # past the step timeout
-        for pid in pids:
-            os.kill(pid, signal.SIGCONT)
-        for delta in stream:
-            tokens += delta.token_ids
-        assert tokens == expected and len(tokens) == 60
-    finally:
-        engine.close()
 
 
 def test_astream_yields_the_same_tokens_as_generate(llm: LLM) -> None:

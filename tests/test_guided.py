@@ -249,10 +249,10 @@ def test_compile_timeout_fails_the_request_with_a_clear_message() -> None:
     it waits for a step): the guided request fails, the other one runs to its end."""
     slow = SamplingParams(max_tokens=4, guided=GuidedDecoding(json_schema=_slow_schema("timeout")))
 
+    long_enough = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)  # (~3 s of steps: 6x the deadline)
+
     async def run(engine: LLM) -> RequestOutput:
-        plain = asyncio.ensure_future(
-            engine.agenerate("Count: 1, 2, 3,", SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True))
-        )
+        plain = asyncio.ensure_future(engine.agenerate("Count: 1, 2, 3,", long_enough))
         await asyncio.sleep(0.1)
         with pytest.raises(RequestError, match="grammar compilation took longer than 0.5 s"):
             await engine.agenerate("x", slow)
@@ -260,7 +260,7 @@ def test_compile_timeout_fails_the_request_with_a_clear_message() -> None:
         return await plain
 
     with LLM(max_batch_size=2, grammar_compile_timeout_s=0.5, show_progress=False) as engine:
-        assert len(asyncio.run(run(engine)).token_ids) == 300
+        assert len(asyncio.run(run(engine)).token_ids) == 120
         assert engine.generate("Hi", SamplingParams(max_tokens=3))[0].finished
         # the compile process was killed and restarted: guided requests work again
         out = engine.generate("Pick:", SamplingParams(max_tokens=5, guided=GuidedDecoding(choice=("a", "b"))))[0]

@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -68,13 +69,21 @@ def _run(llm: LLM, requests: list[tuple[Any, SamplingParams]]) -> list[Generatio
 BACKENDS = ("xgrammar", "llguidance")
 
 
+def _run_backends(llm: LLM, backends: tuple[str, ...] = BACKENDS) -> dict[str, list[GenerationOutput]]:
+    """``_requests(backend)`` of every backend, sent together (one engine serves both, as requests
+    choose theirs): the outputs by backend."""
+    outs = _run(llm, [request for backend in backends for request in _requests(backend)])
+    per_backend = len(outs) // len(backends)
+    return {backend: outs[i * per_backend : (i + 1) * per_backend] for i, backend in enumerate(backends)}
+
+
 @pytest.fixture(scope="module")
 def references() -> dict[str, list[list[int]]]:
     """Plain greedy decoding, per grammar backend: no drafts, and no jump-forward (what every
     way of drafting, jump-forward's forced tokens included, must give). One engine serves both
     backends, as requests choose theirs."""
     with LLM(max_batch_size=8, show_progress=False, jump_forward=False) as llm:
-        return {backend: [out.token_ids for out in _run(llm, _requests(backend))] for backend in BACKENDS}
+        return {backend: [out.token_ids for out in outs] for backend, outs in _run_backends(llm).items()}
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +97,7 @@ def tp2_references() -> dict[str, list[list[int]]]:
     order than one rank does, so TP=2's output may leave TP=1's at a near tie; speculative
     decoding at TP=2 must give TP=2's."""
     with LLM(max_batch_size=8, show_progress=False, jump_forward=False, tensor_parallel_size=2) as llm:
-        return {backend: [out.token_ids for out in _run(llm, _requests(backend))] for backend in BACKENDS}
+        return {backend: [out.token_ids for out in outs] for backend, outs in _run_backends(llm).items()}
 
 
 def test_jump_forward_changes_nothing_the_model_says(references: dict[str, list[list[int]]]) -> None:
@@ -97,7 +106,7 @@ def test_jump_forward_changes_nothing_the_model_says(references: dict[str, list[
     both backends."""
     with LLM(max_batch_size=8, show_progress=False) as llm:
         assert llm.config.jump_forward == "verified"
-        outs = {backend: _run(llm, _requests(backend)) for backend in BACKENDS}
+        outs = _run_backends(llm)
     for backend in BACKENDS:
         assert [o.token_ids for o in outs[backend]] == references[backend], backend
         guided = outs[backend][:3]
@@ -105,33 +114,23 @@ def test_jump_forward_changes_nothing_the_model_says(references: dict[str, list[
         assert sum(o.stats.num_steps for o in guided) < sum(len(o.token_ids) for o in guided)
 
 
-def test_requests_that_do_not_speculate_still_jump_forward(references: dict[str, list[list[int]]]) -> None:
-    """On an n-gram engine, requests with ``speculative=False`` get no drafter drafts, but a guided
-    one still drafts its grammar's forced tokens (jump-forward is the engine's, on by default):
-    the same greedy output, in fewer steps than tokens."""
-    with LLM(max_batch_size=8, show_progress=False, speculative="ngram") as llm:
-        requests = [(p, dataclasses.replace(sp, speculative=False)) for p, sp in _requests()]
-        outs = _run(llm, requests)
-    assert [o.token_ids for o in outs] == references["xgrammar"]
-    guided, plain = outs[:3], outs[3:]
-    assert all(o.stats.num_accepted_tokens > 0 for o in guided)  # forced tokens, verified
-    assert sum(o.stats.num_steps for o in guided) < sum(len(o.token_ids) for o in guided)
-    assert all(o.stats.num_draft_tokens == 0 and o.stats.num_steps == len(o.token_ids) for o in plain)
-
-
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
 def test_greedy_speculative_equals_greedy_plain(
     references: dict[str, list[list[int]]], drafter: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Every drafter on xgrammar's requests; n-gram and the int8 draft model on llguidance's too
-    (the same engine: a request picks its backend); the int8 draft model with its draft steps as
-    graphs and its greedy steps fused (``graph_grammar``: verify, acceptance and the draft steps in
-    one sequence, the draft model sharing the target's cache)."""
+    (sent with xgrammar's, to the same engine: a request picks its backend); the int8 draft model
+    with its draft steps as graphs and its greedy steps fused (``graph_grammar``: verify,
+    acceptance and the draft steps in one sequence, the draft model sharing the target's cache).
+    Some engines check more first, on the same engine (``CHECKED_ON_THE_SAME_ENGINE``: each a
+    function of its own, below)."""
     backends = BACKENDS if drafter in ("ngram", "draft-model-int8") else BACKENDS[:1]
     options = ENGINE_OPTIONS.get(drafter, {})
     monkeypatch.setenv("GUIDESPEC_TRACE", str(tmp_path / "trace.json"))
     with LLM(max_batch_size=8, show_progress=False, speculative=DRAFTERS[drafter], **options) as llm:
-        runs = {backend: _run(llm, _requests(backend)) for backend in backends}
+        for check in CHECKED_ON_THE_SAME_ENGINE.get(drafter, ()):
+            check(llm, references)
+        runs = _run_backends(llm, backends)
     for backend, outs in runs.items():
         assert [o.token_ids for o in outs] == references[backend], backend
     fused_steps = json.loads((tmp_path / "trace.json").read_text())["summary"]["fused_steps"]
@@ -278,46 +277,32 @@ def test_every_draft_exchange_gives_the_same_greedy_eagle_output(
     assert trace["summary"]["mask_wait_fraction"] > 0
 
 
-def test_sampled_drafts_of_the_target_itself_are_all_accepted_with_their_q() -> None:
-    """The target as its own draft model, sampling: each draft is drawn from q' = p' (same model,
-    same grammar mask), so rejection sampling accepts practically every one — only if rank 0 keeps
-    the right q' for the right drafts; with one-hot q' acceptance would be p'(draft), far lower."""
-    with LLM(
-        max_batch_size=8,
-        show_progress=False,
-        speculative=dict(method="draft_model", draft_model="self", adaptive=False),
-    ) as llm:
-        outs = _run(llm, _requests(temperature=1.0))
-    for case, out in zip(_jme_cases(3), outs):
-        assert out.finish_reason == "stop" and validate_output(out.text, case["schema"]) is None, out.text
-    accepted, drafted = (sum(getattr(o.stats, f) for o in outs) for f in ("num_accepted_tokens", "num_draft_tokens"))
-    assert drafted > 50 and accepted > 0.95 * drafted
-
-
 def test_sampled_requests_run_fused_steps(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """With ``graph_grammar`` the model drafter drafts its argmax for sampled rows too (one-hot
     q'), so steps of sampled rows run fused, verified by rejection sampling on the device
     (``verify_padded``, whose distribution a unit test checks): guided outputs stay valid and
     drafts are accepted. A seeded row fuses too (its numbers are its seed's, copied into the
-    graph's inputs) and draws the same tokens alone and among other requests."""
+    graph's inputs) and draws the same tokens alone and among other requests (one engine, alone
+    first: the trace's times tell the two runs apart)."""
     unseeded = [(p, dataclasses.replace(sp, seed=None)) for p, sp in _requests(temperature=1.0)]
     seeded = _requests(temperature=1.0)[1]
     speculative = dict(method="draft_model", draft_model="self", adaptive=False)
-    runs = []
-    for name in ("alone", "among"):
-        monkeypatch.setenv("GUIDESPEC_TRACE", str(tmp_path / f"trace-{name}.json"))
-        with LLM(max_batch_size=8, show_progress=False, speculative=speculative, graph_grammar=True) as llm:
-            if name == "alone":
-                runs.append(llm.generate(*seeded)[0])
-            else:
-                *outs, among = _run(llm, [*unseeded, seeded])
-                runs.append(among)
-        assert json.loads((tmp_path / f"trace-{name}.json").read_text())["summary"]["fused_steps"] > 0
+    monkeypatch.setenv("GUIDESPEC_TRACE", str(tmp_path / "trace.json"))
+    with LLM(max_batch_size=8, show_progress=False, speculative=speculative, graph_grammar=True) as llm:
+        alone = llm.generate(*seeded)[0]
+        alone_done = time.time()
+        *outs, among = _run(llm, [*unseeded, seeded])
+    fused = [e["ts"] for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if _is_fused(e)]
+    assert any(ts < alone_done * 1e6 for ts in fused), "the seeded row alone ran no fused step"
+    assert any(ts > alone_done * 1e6 for ts in fused), "the rows together ran no fused step"
     for case, out in zip(_jme_cases(3), outs):
         assert out.finish_reason == "stop" and validate_output(out.text, case["schema"]) is None, out.text
     assert sum(o.stats.num_accepted_tokens for o in outs) > 0
-    alone, among = runs
     assert among.token_ids == alone.token_ids and alone.stats.num_accepted_tokens > 0
+
+
+def _is_fused(event: dict[str, Any]) -> bool:
+    return str(event["name"]).startswith("fused step")
 
 
 def test_a_request_with_penalties_fuses_with_speculating_ones(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -338,43 +323,6 @@ def test_a_request_with_penalties_fuses_with_speculating_ones(monkeypatch: pytes
     events = json.loads((tmp_path / "trace-True.json").read_text())["traceEvents"]
     # steps of all three rows (the penalized one among them) ran fused
     assert any(str(e["name"]).startswith("fused step") and e["args"]["batch"] == 3 for e in events)
-
-
-def test_sampled_guided_outputs_stay_valid_and_switches_work() -> None:
-    with LLM(max_batch_size=8, show_progress=False, speculative="ngram") as llm:
-        outs = _run(llm, _requests(temperature=1.0))
-        for case, out in zip(_jme_cases(3), outs):
-            assert out.finish_reason == "stop", out.text
-            assert validate_output(out.text, case["schema"]) is None, out.text
-        assert sum(o.stats.num_accepted_tokens for o in outs) > 0
-        off = llm.generate(
-            UNGUIDED[0], SamplingParams(max_tokens=24, temperature=0.0, speculative=False, ignore_eos=True)
-        )[0]
-        assert off.stats.num_spec_steps == 0 and off.stats.mean_accepted_tokens_per_step == 1.0
-        one = llm.generate(
-            UNGUIDED[0], SamplingParams(max_tokens=48, temperature=0.0, max_draft_len=1, ignore_eos=True)
-        )[0]
-        assert one.stats.num_spec_steps > 0 and len(one.stats.accepted_histogram) <= 2
-        assert one.token_ids[:24] == off.token_ids
-
-
-def test_the_prefill_step_verifies_drafts(reference: list[list[int]]) -> None:
-    """The prompt's last step verifies drafts too: with its grammar ready (compiled by an earlier
-    request), the grammar's forced opening (``{"`` and a required first property's name) comes
-    out of the prefill step, not one step per token after it. (A grammar still compiling when the
-    prefill starts gets its first token there, and the forced opening in the next step.) The
-    drafts are the opening's own tokenization (``{"start``, ``Date``); the model may spell it
-    otherwise (``{"``, ``start``: case 1 since the GGUF kernel's sums changed order, a near tie),
-    and then the prefill step accepts none: at least one of the three cases must come out whole."""
-    firsts = []
-    with LLM(max_batch_size=8, show_progress=False, speculative=dict(method="forced")) as llm:
-        for i, (messages, params) in enumerate(_requests()[:3]):
-            compiling = list(llm.stream(messages, params))
-            deltas = list(llm.stream(messages, params))
-            assert [t for d in compiling for t in d.token_ids] == reference[i]
-            assert [t for d in deltas for t in d.token_ids] == reference[i]
-            firsts.append(len(deltas[0].token_ids))
-    assert max(firsts) > 2, firsts
 
 
 def test_bad_speculative_options_are_refused_in_the_client() -> None:
@@ -426,3 +374,76 @@ def test_a_drafter_that_fails_fails_its_request_alone() -> None:
         assert isinstance(ok, GenerationOutput) and isinstance(ok_too, GenerationOutput)
         assert len(ok.token_ids) == len(ok_too.token_ids) == 12
         assert llm.is_healthy
+
+
+# ---- checks run on the engine of a test above, before its own (test_greedy_speculative_equals_greedy_plain)
+
+
+def _requests_that_do_not_speculate_still_jump_forward(llm: LLM, references: dict[str, list[list[int]]]) -> None:
+    """On an n-gram engine, requests with ``speculative=False`` get no drafter drafts, but a guided
+    one still drafts its grammar's forced tokens (jump-forward is the engine's, on by default):
+    the same greedy output, in fewer steps than tokens."""
+    requests = [(p, dataclasses.replace(sp, speculative=False)) for p, sp in _requests()]
+    outs = _run(llm, requests)
+    assert [o.token_ids for o in outs] == references["xgrammar"], "speculative=False changed the output"
+    guided, plain = outs[:3], outs[3:]
+    assert all(o.stats.num_accepted_tokens > 0 for o in guided), "no forced tokens verified without speculation"
+    assert sum(o.stats.num_steps for o in guided) < sum(len(o.token_ids) for o in guided)
+    assert all(o.stats.num_draft_tokens == 0 and o.stats.num_steps == len(o.token_ids) for o in plain)
+
+
+def _sampled_drafts_of_the_target_itself_are_all_accepted_with_their_q(
+    llm: LLM, references: dict[str, list[list[int]]]
+) -> None:
+    """The target as its own draft model, sampling: each draft is drawn from q' = p' (same model,
+    same grammar mask), so rejection sampling accepts practically every one — only if rank 0 keeps
+    the right q' for the right drafts; with one-hot q' acceptance would be p'(draft), far lower."""
+    outs = _run(llm, _requests(temperature=1.0))
+    for case, out in zip(_jme_cases(3), outs):
+        assert out.finish_reason == "stop" and validate_output(out.text, case["schema"]) is None, out.text
+    accepted, drafted = (sum(getattr(o.stats, f) for o in outs) for f in ("num_accepted_tokens", "num_draft_tokens"))
+    assert drafted > 50 and accepted > 0.95 * drafted, f"sampled self-drafts: {accepted} of {drafted} accepted"
+
+
+def _sampled_guided_outputs_stay_valid_and_switches_work(llm: LLM, references: dict[str, list[list[int]]]) -> None:
+    """On the n-gram engine: sampled guided outputs valid, drafts accepted; a request's
+    ``speculative=False`` and ``max_draft_len=1`` switches."""
+    outs = _run(llm, _requests(temperature=1.0))
+    for case, out in zip(_jme_cases(3), outs):
+        assert out.finish_reason == "stop", out.text
+        assert validate_output(out.text, case["schema"]) is None, out.text
+    assert sum(o.stats.num_accepted_tokens for o in outs) > 0
+    off_params = SamplingParams(max_tokens=24, temperature=0.0, speculative=False, ignore_eos=True)
+    off = llm.generate(UNGUIDED[0], off_params)[0]
+    assert off.stats.num_spec_steps == 0 and off.stats.mean_accepted_tokens_per_step == 1.0
+    one = llm.generate(UNGUIDED[0], SamplingParams(max_tokens=48, temperature=0.0, max_draft_len=1, ignore_eos=True))[0]
+    assert one.stats.num_spec_steps > 0 and len(one.stats.accepted_histogram) <= 2
+    assert one.token_ids[:24] == off.token_ids
+
+
+def _the_prefill_step_verifies_drafts(llm: LLM, references: dict[str, list[list[int]]]) -> None:
+    """The prompt's last step verifies drafts too: with its grammar ready (compiled by an earlier
+    request), the grammar's forced opening (``{"`` and a required first property's name) comes
+    out of the prefill step, not one step per token after it. (A grammar still compiling when the
+    prefill starts gets its first token there, and the forced opening in the next step.) The
+    drafts are the opening's own tokenization (``{"start``, ``Date``); the model may spell it
+    otherwise (``{"``, ``start``: case 1 since the GGUF kernel's sums changed order, a near tie),
+    and then the prefill step accepts none: at least one of the three cases must come out whole.
+    (The first run on its engine: its grammars are not compiled yet.)"""
+    firsts = []
+    for i, (messages, params) in enumerate(_requests()[:3]):
+        compiling = list(llm.stream(messages, params))
+        deltas = list(llm.stream(messages, params))
+        assert [t for d in compiling for t in d.token_ids] == references["xgrammar"][i], "compiled meanwhile"
+        assert [t for d in deltas for t in d.token_ids] == references["xgrammar"][i], "compiled before"
+        firsts.append(len(deltas[0].token_ids))
+    assert max(firsts) > 2, f"no forced opening came out of a prefill step: {firsts}"
+
+
+CheckOnEngine = Callable[[LLM, dict[str, list[list[int]]]], None]
+# what the engines of test_greedy_speculative_equals_greedy_plain check first (one engine, not two or three)
+CHECKED_ON_THE_SAME_ENGINE: dict[str, tuple[CheckOnEngine, ...]] = {
+    "ngram": (_requests_that_do_not_speculate_still_jump_forward, _sampled_guided_outputs_stay_valid_and_switches_work),
+    "forced": (_the_prefill_step_verifies_drafts,),  # (first: its grammars must still be compiling)
+    "draft-model-self": (_sampled_drafts_of_the_target_itself_are_all_accepted_with_their_q,),
+}

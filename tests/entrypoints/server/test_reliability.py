@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -261,10 +262,11 @@ def test_sigterm_drains_in_flight_requests_then_stops_everything(server: Server)
     assert len(files - shared_files()) == 5 and not shared_files() - files  # its ring, arena, ipc sockets: gone
 
 
-def test_a_crash_loop_exits_non_zero_for_the_supervisor() -> None:
-    """Three deaths within a minute: no more restarts, the server exits non-zero, leaving nothing."""
+def test_a_crash_loop_exits_non_zero_for_the_supervisor(tiny_base_model: Path) -> None:
+    """Three deaths within a minute: no more restarts, the server exits non-zero, leaving nothing.
+    (The supervisor's part: a tiny random model serves, its engines start in a fraction of the time.)"""
     files = shared_files()
-    crashing = start_server("--max-batch-size", "2")
+    crashing = start_server("--model", str(tiny_base_model), "--max-model-len", "64", "--max-batch-size", "2")
     killed: list[int] = []
     try:
         while crashing.process.poll() is None and len(killed) < 3:
