@@ -190,12 +190,10 @@ def accept_greedy(picks: np.ndarray, num_logits: np.ndarray, drafts: list[np.nda
     """:func:`verify` of greedy rows whose picks are made (one per logits row, ``NO_TOKEN`` where
     a mask allows nothing: ``worker.greedy_masked``'s): each row's drafts accepted while they
     equal its picks, then its pick where they differ (or its bonus pick); a row without logits
-    rows (a prompt's chunk before its last), nothing. A dead pick equals no
-    draft: the row ends with ``NO_TOKEN`` there. (Tokens flat, and how many per row.)"""
-    if (num_logits == 1).all():
-        return picks, np.ones(len(num_logits), dtype=np.int32)
+    rows (a prompt's chunk before its last), nothing. A dead pick equals no draft: the row ends
+    with ``NO_TOKEN`` there. (Tokens flat, and how many per row.)"""
     offsets = np.concatenate([[0], np.cumsum(num_logits)]).tolist()
-    out = [  # (a row of a prompt's chunk before its last has no logits row: no token)
+    out = [
         _verify_greedy(picks[offsets[b] : offsets[b + 1]], drafts[b]) if n else []
         for b, n in enumerate(num_logits.tolist())
     ]

@@ -295,8 +295,9 @@ class Worker:
             picked = greedy_masked(self, hidden, bitmask)  # type: ignore[arg-type]
             if picked is None:
                 return None
-            tokens, counts = accept_greedy(picked[0], inputs.num_logits, _drafts(inputs))  # drafts: verified
-            return self._outputs(inputs, tokens, counts, (start, wall_start, forward_end, mask_ready))
+            if not defer:  # rows with drafts: accepted by the picks
+                picked = accept_greedy(picked[0], inputs.num_logits, _drafts(inputs))
+            return self._outputs(inputs, *picked, (start, wall_start, forward_end, mask_ready))
         logits, unapplied = _logits_and_masks(self, hidden, bitmask, early)
         if logits is not None and unapplied is not None and not defer:
             self.masks.apply(logits, *unapplied)
