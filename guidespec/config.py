@@ -312,6 +312,9 @@ class EngineConfig:
     # holds (None: sized from memory, worker/device.py kv_pool_blocks)
     kv_block_size: int = 16
     kv_cache_tokens: int | None = None
+    # compiled grammars shared with other engines (scheduler/grammar/store.py): data-parallel
+    # replicas point at one folder, so a schema is compiled once among them; None: not shared
+    grammar_cache_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -337,6 +340,7 @@ class SchedulerConfig:
     fused_steps: bool = False  # verify masks through the draft channel too, for rank 0's fused steps
     kv_block_size: int = 16
     async_scheduling: bool = True  # a step is sent while the one before runs (no request in it may draft)
+    grammar_cache_dir: str | None = None  # EngineConfig.grammar_cache_dir
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,11 @@ import queue
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from guidespec.config import SpeculativeConfig
+from guidespec.config import EngineConfig, SpeculativeConfig
 from guidespec.launch.engine_config import create_engine_config
 from guidespec.launch.launcher import EngineProcesses
 from guidespec.launch.supervisor import Engine, EngineDeadError, EngineRestartingError, EngineSupervisor
@@ -49,6 +49,7 @@ from guidespec.protocol import (
 
 __all__ = [
     "LLM",
+    "EngineClient",
     "EngineDeadError",
     "EngineRestartingError",
     "GenerationOutput",
@@ -84,6 +85,7 @@ class GenerationOutput:
     stats: DecodeStats = field(default_factory=DecodeStats)  # steps, drafts and acceptance
     grammar_backend: str = ""  # guided: the backend that enforced the grammar
     grammar_refusal: str = ""  # guided, backend "auto": why the backend tried first refused, if it did
+    replica: str = ""  # data-parallel replicas: the one that served it (launch/data_parallel.py, launch/ray_serve.py)
 
     @property
     def time_to_first_token_s(self) -> float:
@@ -161,6 +163,33 @@ class _RequestStream:
         )
 
 
+class EngineClient(Protocol):
+    """What the server needs of an engine: an ``LLM``, N of them (``launch.data_parallel.EngineGroup``)
+    or Ray Serve replicas (``launch.ray_serve``)."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+
+    on_gave_up: Callable[[str], None] | None
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]: ...
+
+    def open_stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, stream: bool = True
+    ) -> RequestHandle: ...
+
+    def check_alive(self) -> None: ...
+
+    @property
+    def gave_up(self) -> bool: ...
+
+    @property
+    def num_restarts(self) -> int: ...
+
+    @property
+    def scheduler_stats(self) -> SchedulerStats: ...
+
+
 class LLM:
     """An engine on this machine. ``LLM()`` serves the embedded SmolLM2-135M-Instruct.
 
@@ -197,6 +226,7 @@ class LLM:
         kv_block_size: int = 16,
         kv_cache_tokens: int | None = None,
         chat_template: str | os.PathLike[str] | None = None,
+        grammar_cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         template = load_chat_template(chat_template)
         self.config, self.tokenizer = create_engine_config(
@@ -223,6 +253,7 @@ class LLM:
             grammar_fill_threads=grammar_fill_threads,
             kv_block_size=kv_block_size,
             kv_cache_tokens=kv_cache_tokens,
+            grammar_cache_dir=grammar_cache_dir,
         )
         self.prompts = PromptEncoder(self.tokenizer, self.config.vocab_size, self.config.max_model_len, template)
         self.on_gave_up: Callable[[str], None] | None = None  # called (once) when the engine died for good
@@ -455,8 +486,12 @@ class LLM:
         """The live engine's processes (tests look at their pids and shared resources)."""
         return self._engine.processes
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """Raise ``EngineDeadError`` (``EngineRestartingError`` while a fresh engine starts)
+        unless the engine serves."""
         self._supervisor.check_alive()
+
+    _check_alive = check_alive
 
 
 def _progress(total: int) -> Any:

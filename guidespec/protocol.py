@@ -291,6 +291,9 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0  # requests sent back to the queue for want of blocks (recomputed later)
+    # since start: grammars compiled, and grammars found compiled by another engine (grammar_cache_dir)
+    grammars_compiled: int = 0
+    grammars_shared: int = 0
 
 
 @register_message(16)

@@ -82,6 +82,7 @@ def engine_from_args(args: argparse.Namespace) -> dict[str, Any]:
         kv_block_size=args.kv_block_size,
         kv_cache_tokens=args.kv_cache_tokens,
         chat_template=args.chat_template,
+        grammar_cache_dir=args.grammar_cache_dir,
         **device_from_args(args),
     )
 
@@ -184,6 +185,13 @@ def _add_grammar_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "xgrammar", "llguidance"],
         help="auto: xgrammar, or llguidance where xgrammar cannot enforce a grammar exactly",
+    )
+    p.add_argument(
+        "--grammar-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="share compiled grammars with other engines through this folder (data-parallel replicas: "
+        "a schema is compiled once among them; default: not shared, or a temporary folder the replicas share)",
     )
     p.add_argument(
         "--grammar-fill-threads",

@@ -100,6 +100,21 @@ def _serve_parser(commands: Subparsers) -> None:
         help="on SIGTERM, how long requests in flight may take to finish before the engine stops",
     )
     serve.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engines (replicas) behind the server, each a scheduler and its --tensor-parallel-size ranks; with "
+        "--distributed-executor ray, a Ray Serve application on the cluster",
+    )
+    serve.add_argument(
+        "--routing",
+        default="cache_aware",
+        choices=["cache_aware", "round_robin"],
+        help="data-parallel replicas: send a request where its prompt's prefix and its grammar are cached "
+        "(bounded by load), or to each replica in turn",
+    )
+    serve.add_argument(
         "--no-restart",
         action="store_true",
         help="exit non-zero when the engine dies (default: restart it; a crash loop exits non-zero)",
@@ -218,10 +233,22 @@ def _sweep(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from guidespec import LLM
     from guidespec.entrypoints.server import run_server
+    from guidespec.launch.data_parallel import EngineGroup
 
-    with LLM(args.model, restart_on_failure=not args.no_restart, **engine_from_args(args)) as llm:
-        name = args.served_model_name or (args.model and Path(args.model).name) or "SmolLM2-135M-Instruct"
-        print(f"guidespec: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    name = args.served_model_name or (args.model and Path(args.model).name) or "SmolLM2-135M-Instruct"
+    if args.data_parallel_size > 1 and args.distributed_executor == "ray":
+        from guidespec.launch.ray_serve import serve_on_ray
+
+        return serve_on_ray(args, name)
+    engine_args = dict(restart_on_failure=not args.no_restart, **engine_from_args(args))
+    engine = (
+        EngineGroup(args.data_parallel_size, args.model, routing=args.routing, **engine_args)
+        if args.data_parallel_size > 1
+        else LLM(args.model, **engine_args)
+    )
+    with engine as llm:
+        replicas = f" ({args.data_parallel_size} replicas)" if args.data_parallel_size > 1 else ""
+        print(f"guidespec: serving {name} on http://{args.host}:{args.port}/v1{replicas}", file=sys.stderr, flush=True)
         code = run_server(llm, name, args.host, args.port, args.api_key, args.log_level, args.shutdown_timeout)
     if code:
         print("guidespec: the engine died in a crash loop; exiting for the supervisor", file=sys.stderr)

@@ -7,6 +7,7 @@ in the client, before a process starts. It starts no engine; ``LLM`` does."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -41,9 +42,12 @@ def create_engine_config(
     grammar_fill_threads: int,
     kv_block_size: int = 16,
     kv_cache_tokens: int | None = None,
+    grammar_cache_dir: str | os.PathLike[str] | None = None,
+    warm_up: bool = True,
 ) -> tuple[EngineConfig, Any]:
     """The engine's config and the model's tokenizer. Once the device is known it starts this
-    client's zygote (``zygote.warm_up``), whose imports then overlap reading the model's files."""
+    client's zygote (``zygote.warm_up``), whose imports then overlap reading the model's files
+    (``warm_up=False``: a client that starts no engine itself, e.g. a Ray Serve ingress)."""
     _check_arguments(
         grammar_backend,
         grammar_compile_timeout_s,
@@ -59,7 +63,8 @@ def create_engine_config(
     # Ray places its ranks itself: only a local launch needs the GPUs here
     local = 0 if distributed_executor == "ray" else tensor_parallel_size
     resolved_device = resolve_device(device, local, share_gpus=envs.tp_backend() == "gloo")
-    zygote.warm_up(resolved_device)
+    if warm_up:
+        zygote.warm_up(resolved_device)
     # a GGUF model's own quantized blocks (where the model is a GGUF file's conversion), with fp32
     # arithmetic around them: what "auto" means on the CPU; "float32" dequantizes them
     gguf_blocks = dtype == "gguf" or (dtype == "auto" and resolved_device == "cpu")
@@ -94,6 +99,7 @@ def create_engine_config(
         ray_placement=ray_placement,
         kv_block_size=kv_block_size,
         kv_cache_tokens=_kv_cache_tokens(kv_cache_tokens, config.max_model_len),
+        grammar_cache_dir=None if grammar_cache_dir is None else str(Path(grammar_cache_dir).resolve()),
     ), tokenizer
 
 

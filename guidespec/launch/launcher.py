@@ -135,6 +135,7 @@ class EngineProcesses:
             fused_steps=fused,
             kv_block_size=cfg.kv_block_size,
             async_scheduling=envs.async_scheduling(),
+            grammar_cache_dir=cfg.grammar_cache_dir,
         )
         self._spawn("scheduler", "scheduler", scheduler_cfg)
         init_method = self.ray.rank0_rendezvous() if self.ray is not None else f"tcp://127.0.0.1:{_free_port()}"

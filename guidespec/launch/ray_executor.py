@@ -115,17 +115,7 @@ class RayRanks:
         self.started_ray = not ray.is_initialized()
         self._undo_auth: Callable[[], None] = _keep_auth
         if self.started_ray:
-            self._undo_auth = _adopt_cluster_auth(address)
-            try:
-                ray.init(
-                    address=address,
-                    logging_level=logging.WARNING,
-                    log_to_driver=False,
-                    runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("GUIDESPEC_")}},
-                )
-            except BaseException:
-                self._undo_auth()
-                raise
+            self._undo_auth = join_cluster(address)
         self.refs: list[Any] = []
         self.actors: list[Any] = []
         bundle = placement_bundle(num_cpus, num_gpus)
@@ -211,6 +201,27 @@ _TOKEN_HELP = (
     "set RAY_AUTH_TOKEN to the cluster's token (or RAY_AUTH_TOKEN_PATH to a file holding it, or put it "
     "in ~/.ray/auth_token); `ray get-auth-token` on the head node prints it"
 )
+
+
+def join_cluster(address: str | None, **init_kwargs: Any) -> Callable[[], None]:
+    """``ray.init`` this process into the cluster at ``address`` (None: the current or a new
+    local one), in the authentication mode it expects, passing on the ``GUIDESPEC_`` settings;
+    returns what undoes the authentication settings (at shutdown)."""
+    import ray
+
+    undo = _adopt_cluster_auth(address)
+    try:
+        ray.init(
+            address=address,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+            runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("GUIDESPEC_")}},
+            **init_kwargs,
+        )
+    except BaseException:
+        undo()
+        raise
+    return undo
 
 
 def _adopt_cluster_auth(address: str | None) -> Callable[[], None]:

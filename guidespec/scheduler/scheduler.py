@@ -248,6 +248,8 @@ class Scheduler:
             b.prefix_cache_queries,
             b.prefix_cache_hits,
             b.num_preemptions,
+            self.grammar.compiler.num_compiled,
+            self.grammar.compiler.num_shared,
         )
         if stats != self._stats:
             self.client_out.send(stats)

@@ -22,13 +22,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from guidespec.entrypoints.server.errors import APIError, error_response
 from guidespec.entrypoints.server.metrics import ServerMetrics
 from guidespec.entrypoints.server.routes import ServerContext, router
-from guidespec.llm import LLM
+from guidespec.llm import EngineClient
 
 logger = logging.getLogger("guidespec.server")
 MAX_BODY_BYTES = 16 << 20  # a request body past this is refused with 413 before it is read whole
 
 
-def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(llm: EngineClient, model_name: str, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving ``llm`` under the name ``model_name``."""
     app = FastAPI(title="guidespec", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(llm)
@@ -50,7 +50,7 @@ def create_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI
 
 
 def run_server(
-    llm: LLM,
+    llm: EngineClient,
     model_name: str,
     host: str,
     port: int,

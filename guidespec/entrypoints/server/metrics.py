@@ -15,14 +15,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 from guidespec.grammar_backends.interface import refusals_in
-from guidespec.llm import LLM, GenerationOutput, RequestError
+from guidespec.llm import EngineClient, GenerationOutput, RequestError
 from guidespec.protocol import GRAMMAR_FAILED
 
 
 class ServerMetrics:
     """The series, in a registry of their own (one per app)."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: EngineClient) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         r.register(_RestartCollector(llm))
@@ -112,19 +112,19 @@ class ServerMetrics:
 _GAVE_UP = re.compile(r"\b(xgrammar|llguidance) gave up:")  # a grammar failure's backend (GrammarManager.error)
 
 
-def _kv_usage(llm: LLM) -> float:
+def _kv_usage(llm: EngineClient) -> float:
     stats = llm.scheduler_stats
     return stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
 
 
-def _stat_reader(llm: LLM, field: str) -> Any:
+def _stat_reader(llm: EngineClient, field: str) -> Any:
     return lambda: float(getattr(llm.scheduler_stats, field))
 
 
 class _RestartCollector:
     """``guidespec_engine_restarts_total``: fresh engines started after a death (counted by the LLM)."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: EngineClient) -> None:
         self.llm = llm
 
     def collect(self) -> Iterator[CounterMetricFamily]:
@@ -134,10 +134,11 @@ class _RestartCollector:
 
 
 class _CacheCollector:
-    """The KV cache's counters since the engine started (the scheduler's figures): prompt tokens
-    looked up in the prefix cache and those found there, and preemptions."""
+    """The KV cache's and the grammars' counters since the engine started (the scheduler's
+    figures): prompt tokens looked up in the prefix cache and those found there, preemptions,
+    grammars compiled and grammars another engine had compiled."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: EngineClient) -> None:
         self.llm = llm
 
     def collect(self) -> Iterator[CounterMetricFamily]:
@@ -157,6 +158,12 @@ class _CacheCollector:
                 "guidespec_num_preemptions",
                 "Requests sent back to the queue for want of KV blocks",
                 stats.num_preemptions,
+            ),
+            ("guidespec_grammars_compiled", "Grammars compiled", stats.grammars_compiled),
+            (
+                "guidespec_grammars_shared",
+                "Grammars found compiled by another engine (data-parallel replicas' shared store): not compiled",
+                stats.grammars_shared,
             ),
         ):
             yield CounterMetricFamily(name, doc, value=value)

@@ -44,7 +44,7 @@ from guidespec.entrypoints.server.translate import (
     usage_chunk,
 )
 from guidespec.entrypoints.tools import ToolPlan
-from guidespec.llm import LLM, EngineDeadError, GenerationOutput, RequestError, RequestHandle, StreamDelta
+from guidespec.llm import EngineClient, EngineDeadError, GenerationOutput, RequestError, RequestHandle, StreamDelta
 from guidespec.protocol import InvalidRequest
 
 
@@ -52,7 +52,7 @@ from guidespec.protocol import InvalidRequest
 class ServerContext:
     """What every route reads: the engine, the name it is served under, and the metrics."""
 
-    llm: LLM
+    llm: EngineClient
     model_name: str
     metrics: ServerMetrics
     api_key: str | None
@@ -71,7 +71,7 @@ def _context(request: Request) -> ServerContext:
 @router.get("/health", responses={200: {"description": "serving"}, 503: ERRORS[503]})
 async def health(request: Request) -> JSONResponse:
     try:
-        _context(request).llm._check_alive()
+        _context(request).llm.check_alive()
     except EngineDeadError as e:
         return error_response(503, str(e))
     if request.app.state.draining:

@@ -215,13 +215,14 @@ def finish_reason(reason: str | None) -> str:
 
 def served_by(out: GenerationOutput) -> dict[str, str] | None:
     """The response headers naming the grammar backend that enforced a guided request, and how
-    many times it started again on the next one after a grammar failed mid-way (where it did)."""
-    if not out.grammar_backend:
-        return None
-    headers = {"X-Guidespec-Grammar-Backend": out.grammar_backend}
-    if out.stats.grammar_restarts:
-        headers["X-Guidespec-Grammar-Restarts"] = str(out.stats.grammar_restarts)
-    return headers
+    many times it started again on the next one after a grammar failed mid-way (where it did);
+    with data-parallel replicas, the replica that served it."""
+    headers = {"X-Guidespec-Replica": out.replica} if out.replica else {}
+    if out.grammar_backend:
+        headers["X-Guidespec-Grammar-Backend"] = out.grammar_backend
+        if out.stats.grammar_restarts:
+            headers["X-Guidespec-Grammar-Restarts"] = str(out.stats.grammar_restarts)
+    return headers or None
 
 
 def _guided(body: GenerateRequest) -> GuidedDecoding | None:

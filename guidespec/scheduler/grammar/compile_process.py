@@ -176,6 +176,8 @@ def _write_settings(stdin: IO[str], settings: GrammarSettings) -> None:
         "stop_token_ids": list(settings.stop_token_ids),
         "num_threads": settings.num_threads,
         "recompile": settings.recompile,
+        "store_dir": settings.store_dir,
+        "compile_timeout_s": settings.compile_timeout_s,
     }
     stdin.write(json.dumps(fields) + "\n")
     stdin.flush()

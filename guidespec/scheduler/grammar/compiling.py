@@ -70,6 +70,8 @@ class GrammarCompiler:
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guidespec-grammar-load")
         self.compiled: OrderedDict[str, Any] = OrderedDict()
         self.recompiled = 0  # grammars compiled again here rather than read back as text
+        self.num_compiled = 0  # grammars the compile process compiled
+        self.num_shared = 0  # grammars it found compiled by another engine (the shared store)
         self.failed: OrderedDict[str, str] = OrderedDict()
         self.jobs: OrderedDict[int, _Job] = OrderedDict()
         self.job_of_key: dict[str, int] = {}
@@ -171,6 +173,10 @@ class GrammarCompiler:
             return
         if message["ok"]:  # loaded on the load thread; ``poll`` makes its matchers once it is done
             job.deadline = None
+            if message.get("shared"):
+                self.num_shared += 1
+            else:
+                self.num_compiled += 1
             job.loading = self._loader.submit(self._compiled, job.backend, message)
             return
         self._finish_job(message["job"])

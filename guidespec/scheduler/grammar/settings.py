@@ -29,6 +29,7 @@ class GrammarSettings:
     # its load thread) where that took less than the backend's estimate of writing and reading
     # its text (``text_cost_s``), else sends the text; "always" / "never" compile again / not
     recompile: str = "auto"
+    store_dir: str | None = None  # compiled grammars shared with other engines (store.py), or None
 
 
 def grammar_settings(cfg: SchedulerConfig) -> GrammarSettings:
@@ -40,6 +41,7 @@ def grammar_settings(cfg: SchedulerConfig) -> GrammarSettings:
         cfg.grammar_compile_timeout_s,
         cfg.max_batch_size,
         fill_threads=cfg.grammar_fill_threads,
+        store_dir=cfg.grammar_cache_dir,
     )
 
 

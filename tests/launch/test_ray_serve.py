@@ -1,0 +1,153 @@
+"""Data-parallel replicas on Ray Serve (``launch/ray_serve.py``), on a local Ray cluster the test
+starts (its own temporary folder, no authentication token of the user's): two engine replicas
+behind the ingress serve the OpenAI client; requests sharing a prefix land on the same replica
+while load allows; a schema is compiled once across the replicas; a killed replica gives 503s
+while the other serves, and Ray Serve brings a fresh one back."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+SYSTEM = "You are the assistant of a shop that sells bicycles, helmets and lights; answer briefly. " * 2
+SCHEMA = {
+    "type": "object",
+    "properties": {"item": {"type": "string", "maxLength": 8}, "count": {"type": "integer"}},
+    "required": ["item", "count"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def app_url(tiny_base_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from guidespec.launch.ray_serve import build_app
+    from tests.entrypoints.server.serving import free_port
+
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("RAY_AUTH_")}
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        object_store_memory=100 * 2**20,
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+        logging_level="ERROR",
+        log_to_driver=False,
+    )
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build_app(str(tiny_base_model), num_replicas=2, max_batch_size=4, max_model_len=256)
+        serve.run(app, name="guidespec", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        os.environ.update(saved)
+
+
+def _complete(url: str, prompt: str, **extra: Any) -> httpx.Response:
+    body = {"model": "tiny-base", "prompt": prompt, "max_tokens": 8, "temperature": 0, **extra}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def _metric(url: str, name: str) -> float:
+    found = re.search(rf"^{name} (\S+)$", httpx.get(f"{url}/metrics", timeout=30).text, re.M)
+    return float(found.group(1)) if found else -1.0
+
+
+def _wait(condition: Any, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def test_replicas_serve_route_by_prefix_share_a_schema_and_survive_a_killed_replica(app_url: str) -> None:
+    client = openai.OpenAI(base_url=f"{app_url}/v1", api_key="unused")
+    # one after another, a shared prefix lands on one replica and is served from its cache
+    replies = [
+        client.completions.with_raw_response.create(
+            model="tiny-base", prompt=SYSTEM + f"Customer {i}: hello?", max_tokens=8, temperature=0
+        )
+        for i in range(3)
+    ]
+    home = replies[0].headers["x-guidespec-replica"]
+    assert [r.headers["x-guidespec-replica"] for r in replies] == [home] * 3
+    assert all(r.parse().choices[0].text for r in replies)
+
+    # a schema sent by four at once: past the load bound they spill to the other replica, which
+    # loads the schema the first compiled (or waits for it) rather than compiling it again
+    guided = {"response_format": {"type": "json_schema", "json_schema": {"name": "order", "schema": SCHEMA}}}
+    answers: list[httpx.Response] = []
+    threads = [
+        threading.Thread(
+            target=lambda i=i: answers.append(_complete(app_url, SYSTEM + f"Order {i}: JSON:", max_tokens=48, **guided))
+        )
+        for i in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [a.status_code for a in answers] == [200] * 4
+    for a in answers:
+        json.loads(a.json()["choices"][0]["text"])
+    assert len({a.headers["x-guidespec-replica"] for a in answers}) == 2
+    # (each replica reports its counters every second or so)
+    counters = ("guidespec_grammars_compiled_total", "guidespec_grammars_shared_total")
+    _wait(lambda: [_metric(app_url, name) for name in counters] == [1, 1], 30)
+
+    # the home replica's actor is killed under two requests: the one answered whole gets a 503
+    # with Retry-After, the streamed one (its 200 sent) ends with an error event; the other
+    # replica serves the next ones, and Ray Serve starts a fresh replica
+    prefix = SYSTEM[:64]  # (the home replica holds these blocks: the requests go there)
+    body = {"model": "tiny-base", "prompt": prefix + "Tell me everything.", "max_tokens": 160, "ignore_eos": True}
+    statuses: list[httpx.Response] = []
+    with httpx.stream("POST", f"{app_url}/v1/completions", json={**body, "stream": True}, timeout=120) as streamed:
+        assert streamed.headers["x-guidespec-replica"] == home
+        events = streamed.iter_lines()
+        assert next(events).startswith("data: ")
+        whole = threading.Thread(
+            target=lambda: statuses.append(httpx.post(f"{app_url}/v1/completions", json=body, timeout=120))
+        )
+        whole.start()
+        time.sleep(0.15)
+        ray.kill(ray.get_actor(home, namespace="serve"), no_restart=True)
+        rest = list(events)
+    whole.join()
+    assert statuses[0].status_code == 503 and statuses[0].headers["retry-after"], statuses[0].text
+    assert "data: [DONE]" not in rest and any('"error"' in line for line in rest)
+    for i in range(3):
+        after = _complete(app_url, SYSTEM + f"Customer {20 + i}: still there?")
+        assert after.status_code == 200 and after.headers["x-guidespec-replica"] != home
+
+    def two_replicas_again() -> bool:
+        replicas = serve.status().applications["guidespec"].deployments["GuidespecEngine"].replica_states
+        return replicas.get("RUNNING", 0) == 2
+
+    _wait(two_replicas_again, 120)
+    # the fresh replica takes requests once the ingress's router learns of it: a new prompt goes
+    # to the replica holding the least
+    survivor = after.headers["x-guidespec-replica"]
+    fresh = ""
+    deadline = time.monotonic() + 60
+    while not fresh:
+        assert time.monotonic() < deadline, "the fresh replica took no request"
+        reply = _complete(app_url, f"Conversation {time.monotonic()} about tandem bicycles.")
+        assert reply.status_code == 200
+        fresh = reply.headers["x-guidespec-replica"] if reply.headers["x-guidespec-replica"] != survivor else ""
+        time.sleep(0.2)
+    assert fresh != home

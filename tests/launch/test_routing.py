@@ -1,0 +1,168 @@
+"""The data-parallel router's policy (``launch/routing.py``) on simulated traffic, and the
+shared store of compiled grammars (``scheduler/grammar/store.py``) between processes."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from guidespec.launch.routing import CacheAwareRouter, RoundRobinRouter, prefix_hashes
+from guidespec.scheduler.grammar.store import GrammarStore
+
+REPLICAS = ["r0", "r1"]
+
+
+def prompt(system: int, user: int, system_len: int = 200, user_len: int = 20) -> list[int]:
+    rng = random.Random(system)
+    head = [rng.randrange(1000) for _ in range(system_len)]
+    rng = random.Random(10_000 + user)
+    return head + [rng.randrange(1000) for _ in range(user_len)]
+
+
+def test_prefix_hashes_cover_full_blocks_and_chain() -> None:
+    a, b = prompt(1, 1), prompt(1, 2)
+    ha, hb = prefix_hashes(a, 16, 64), prefix_hashes(b, 16, 64)
+    assert len(ha) == len(a) // 16 and ha[: 200 // 16] == hb[: 200 // 16] and ha[-1] != hb[-1]
+    assert prefix_hashes(a[:15], 16, 64) == [] and len(prefix_hashes(a, 16, 3)) == 3
+    # a block's hash covers what comes before it: the same block after another prefix differs
+    assert prefix_hashes([5] * 16 + [7] * 16, 16, 4)[1] != prefix_hashes([6] * 16 + [7] * 16, 16, 4)[1]
+
+
+def test_requests_sharing_a_prefix_go_where_it_is_while_load_allows() -> None:
+    router = CacheAwareRouter()
+    loads = {"r0": 0.0, "r1": 0.0}
+    first = router.choose(REPLICAS, loads, prompt(1, 0))
+    router.routed(first, prompt(1, 0))
+    for user in range(1, 6):  # one at a time (nothing in flight): always where the prefix is
+        chosen = router.choose(REPLICAS, loads, prompt(1, user))
+        router.routed(chosen, prompt(1, user))
+        assert chosen == first
+    assert router.decisions["prefix"] == 5
+    # loaded past the bound (4 of 5 in flight there): the next one spills to the other replica
+    other = next(r for r in REPLICAS if r != first)
+    assert router.choose(REPLICAS, {first: 4.0, other: 0.0}, prompt(1, 9)) == other
+    assert router.decisions["spill"] == 1
+
+
+def test_a_new_prefix_has_the_same_home_in_routers_that_share_nothing() -> None:
+    homes = [CacheAwareRouter().choose(["a", "b", "c"], {}, prompt(s, 0)) for s in range(30)]
+    again = [CacheAwareRouter().choose(["c", "a", "b"], {}, prompt(s, 0)) for s in range(30)]
+    assert homes == again and len(set(homes)) == 3  # (and the homes spread over the replicas)
+
+
+def test_a_grammar_draws_its_requests_to_where_it_was_compiled() -> None:
+    router = CacheAwareRouter()
+    first = router.choose(REPLICAS, {}, prompt(1, 0), "schema-A")
+    router.routed(first, prompt(1, 0), "schema-A")
+    homes = {CacheAwareRouter().choose(REPLICAS, {}, prompt(s, 0)) for s in range(2, 20)}
+    assert homes == set(REPLICAS)  # new prefixes alone would go to both...
+    chosen = {router.choose(REPLICAS, {}, prompt(s, 0), "schema-A") for s in range(2, 20)}
+    assert chosen == {first}  # ...with the grammar, to where it is compiled
+    assert router.decisions["grammar"] == 18
+
+
+def test_a_forgotten_replica_loses_its_prefixes() -> None:
+    router = CacheAwareRouter()
+    router.routed("r0", prompt(1, 0))
+    assert router.choose(REPLICAS, {}, prompt(1, 1)) == "r0"
+    router.forget("r0")
+    assert router.choose(["r1"], {}, prompt(1, 1)) == "r1"
+    assert router._matched_blocks(prefix_hashes(prompt(1, 1), 16, 256), REPLICAS) == {}
+
+
+def _simulate(
+    router: CacheAwareRouter | RoundRobinRouter, hot_share: float, seed: int = 0, systems: int = 8
+) -> tuple[float, float, float]:
+    """Requests arrive and finish at random over 2 replicas, each request one of ``systems``
+    system prompts (the first one ``hot_share`` of them) and a user turn; each replica's KV cache
+    holds what ~5 system prompts take (LRU). Returns (the share of prompt blocks the chosen
+    replica held, the 99th percentile of the busiest replica's load over the mean, the busiest
+    replica's share of all requests over the mean share)."""
+    from collections import OrderedDict
+
+    rng = random.Random(seed)
+    capacity = 5 * (220 // 16)
+    held: dict[str, OrderedDict[int, None]] = {r: OrderedDict() for r in REPLICAS}
+    in_flight: list[tuple[str, int]] = []  # (replica, steps left)
+    sent: Counter[str] = Counter()
+    hits = total = 0
+    ratios: list[float] = []
+    for step in range(4000):
+        system = 0 if rng.random() < hot_share else rng.randrange(1, systems)
+        ids = prompt(system, step)
+        loads = {r: float(sum(1 for x, _ in in_flight if x == r)) for r in REPLICAS}
+        chosen = router.choose(REPLICAS, loads, ids)
+        router.routed(chosen, ids)
+        sent[chosen] += 1
+        cache = held[chosen]
+        for h in prefix_hashes(ids, 16, 256):
+            hits += h in cache
+            total += 1
+            cache[h] = None
+            cache.move_to_end(h)
+            while len(cache) > capacity:
+                cache.popitem(last=False)
+        in_flight.append((chosen, rng.randrange(10, 30)))
+        in_flight = [(r, left - 1) for r, left in in_flight if left > 1]
+        if step > 100:
+            loads = {r: float(sum(1 for x, _ in in_flight if x == r)) for r in REPLICAS}
+            ratios.append(max(loads.values()) / (sum(loads.values()) / len(loads)))
+    ratios.sort()
+    return hits / total, ratios[int(0.99 * len(ratios))], max(sent.values()) / (sum(sent.values()) / len(sent))
+
+
+def test_cache_aware_routing_beats_round_robins_hits_and_keeps_load_within_1_5x_the_mean() -> None:
+    aware_hits, aware_p99, _ = _simulate(CacheAwareRouter(), hot_share=1 / 8)
+    robin_hits, _, _ = _simulate(RoundRobinRouter(), hot_share=1 / 8)
+    # (round-robin sends every prefix to both replicas: each holds all 8 in a cache for 5)
+    assert aware_hits >= 1.4 * robin_hits and aware_hits > 0.7, (aware_hits, robin_hits)
+    # one prefix is nearly all the traffic: it spills to the other replica rather than piling up
+    skew_hits, skew_p99, skew_share = _simulate(CacheAwareRouter(), hot_share=0.9)
+    assert aware_p99 <= 1.5 and skew_p99 <= 1.5 and skew_share <= 1.3, (aware_p99, skew_p99, skew_share)
+    assert skew_hits > 0.8
+
+
+def test_the_store_shares_a_grammar_once_and_a_claim_makes_the_others_wait(tmp_path: Path) -> None:
+    a, b = GrammarStore(tmp_path / "g", "model-A"), GrammarStore(tmp_path / "g", "model-A")
+    other_model = GrammarStore(tmp_path / "g", "model-B")
+    assert a.get("k") is None and a.claim("k") and not b.claim("k")  # a compiles; b must wait
+    got: list[str | None] = []
+    waiter = threading.Thread(target=lambda: got.append(b.wait("k", timeout_s=10)))
+    waiter.start()
+    time.sleep(0.1)
+    a.put("k", "compiled text")
+    a.release("k")
+    waiter.join(5)
+    assert got == ["compiled text"] and b.get("k") == "compiled text" and other_model.get("k") is None
+    # a claimant that ends without a text (a failed compile): the waiter stops waiting at once
+    assert a.claim("k2") and not b.claim("k2")
+    a.release("k2")
+    start = time.monotonic()
+    assert b.wait("k2", timeout_s=10) is None and time.monotonic() - start < 1 and b.claim("k2")
+
+
+def test_the_store_keeps_its_newest_entries_and_takes_over_stale_claims(tmp_path: Path) -> None:
+    store = GrammarStore(tmp_path, "m", max_entries=3, stale_claim_s=0.2)
+    for i in range(5):
+        store.put(f"k{i}", str(i))
+        time.sleep(0.01)
+    assert [store.get(f"k{i}") for i in range(5)] == [None, None, "2", "3", "4"]
+    assert store.claim("x") and not store.claim("x")
+    time.sleep(0.3)
+    assert store.claim("x")  # its owner died without releasing it
+
+
+@pytest.mark.parametrize("balance", [0.5])
+def test_a_balance_below_one_is_refused(balance: float) -> None:
+    with pytest.raises(ValueError, match="balance"):
+        CacheAwareRouter(balance=balance)
+
+
+def test_round_robin_takes_turns() -> None:
+    router = RoundRobinRouter()
+    assert Counter(router.choose(REPLICAS, {}, prompt(1, i)) for i in range(10)) == {"r0": 5, "r1": 5}
