@@ -85,7 +85,7 @@ class GenerationOutput:
     stats: DecodeStats = field(default_factory=DecodeStats)  # steps, drafts and acceptance
     grammar_backend: str = ""  # guided: the backend that enforced the grammar
     grammar_refusal: str = ""  # guided, backend "auto": why the backend tried first refused, if it did
-    replica: str = ""  # data-parallel replicas: the one that served it (launch/data_parallel.py, launch/ray_serve.py)
+    replica: str = ""  # data-parallel replicas: the one that served it (entrypoints/data_parallel.py)
 
     @property
     def time_to_first_token_s(self) -> float:
@@ -164,8 +164,8 @@ class _RequestStream:
 
 
 class EngineClient(Protocol):
-    """What the server needs of an engine: an ``LLM``, N of them (``launch.data_parallel.EngineGroup``)
-    or Ray Serve replicas (``launch.ray_serve``)."""
+    """What the server needs of an engine: an ``LLM``, N of them (``entrypoints.data_parallel.EngineGroup``)
+    or Ray Serve replicas (``entrypoints.ray_serve``)."""
 
     @property
     def config(self) -> EngineConfig: ...

@@ -233,11 +233,11 @@ def _sweep(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from guidespec import LLM
     from guidespec.entrypoints.server import run_server
-    from guidespec.launch.data_parallel import EngineGroup
+    from guidespec.entrypoints.data_parallel import EngineGroup
 
     name = args.served_model_name or (args.model and Path(args.model).name) or "SmolLM2-135M-Instruct"
     if args.data_parallel_size > 1 and args.distributed_executor == "ray":
-        from guidespec.launch.ray_serve import serve_on_ray
+        from guidespec.entrypoints.ray_serve import serve_on_ray
 
         return serve_on_ray(args, name)
     engine_args = dict(restart_on_failure=not args.no_restart, **engine_from_args(args))

@@ -14,8 +14,8 @@ flight, with this one, stay within ``balance`` times the mean (consistent hashin
 loads); a hot prefix then spills over to the next replica, which learns it too. A replica that
 dies is forgotten (its caches died with it).
 
-Pure bookkeeping, no I/O: the local group (``data_parallel.EngineGroup``) and the Ray Serve
-request router (``ray_serve``) drive it with their replicas' names and loads.
+Pure bookkeeping, no I/O: the local group (``entrypoints.data_parallel.EngineGroup``) and the Ray Serve
+request router (``entrypoints.ray_serve``) drive it with their replicas' names and loads.
 """
 
 from __future__ import annotations

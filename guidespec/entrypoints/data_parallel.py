@@ -69,11 +69,11 @@ class EngineGroup:
         """As ``LLM.open_stream``, on the engine the router picks; ``handle.output.replica``
         names it."""
         params = sampling_params or SamplingParams()
-        ids = self.encode_prompt(prompt)
+        ids, key = self.encode_prompt(prompt), grammar_key_of(params)
         with self._lock:
-            i = self._pick(ids, params)
+            i = self._pick(ids, key)
             handle = self.engines[i].open_stream({"prompt_token_ids": ids}, params, stream)
-            self._sent(i, ids, params)
+            self._sent(i, ids, key)
         handle.output.replica = self.names[i]
         return RequestHandle(handle.output, self._follow(i, handle.deltas()))
 
@@ -85,11 +85,11 @@ class EngineGroup:
         submitted: list[tuple[int, Any]] = []
         try:
             for prompt in as_prompt_list(prompts):
-                ids = self.encode_prompt(prompt)
+                ids, key = self.encode_prompt(prompt), grammar_key_of(params)
                 with self._lock:
-                    i = self._pick(ids, params)
+                    i = self._pick(ids, key)
                     submitted.append((i, self.engines[i]._submit({"prompt_token_ids": ids}, params, stream=False)))
-                    self._sent(i, ids, params)
+                    self._sent(i, ids, key)
                 submitted[-1][1].output.replica = self.names[i]
             for i, request in submitted:
                 self.engines[i]._drain(request)
@@ -154,7 +154,7 @@ class EngineGroup:
 
     # ------------------------------------------------------------------ internals
 
-    def _pick(self, ids: list[int], params: SamplingParams) -> int:
+    def _pick(self, ids: list[int], grammar_key: str) -> int:
         """The engine for a request (under the lock); raises when none is serving."""
         live = []
         for i, engine in enumerate(self.engines):
@@ -167,10 +167,10 @@ class EngineGroup:
         if not live:
             self.check_alive()
         loads = {self.names[i]: float(self.in_flight[i]) for i in range(len(self.engines))}
-        return self.names.index(self.router.choose(live, loads, ids, grammar_key_of(params)))
+        return self.names.index(self.router.choose(live, loads, ids, grammar_key))
 
-    def _sent(self, i: int, ids: list[int], params: SamplingParams) -> None:
-        self.router.routed(self.names[i], ids, grammar_key_of(params))
+    def _sent(self, i: int, ids: list[int], grammar_key: str) -> None:
+        self.router.routed(self.names[i], ids, grammar_key)
         self.in_flight[i] += 1
         self.num_routed[i] += 1
 

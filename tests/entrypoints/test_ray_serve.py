@@ -1,4 +1,4 @@
-"""Data-parallel replicas on Ray Serve (``launch/ray_serve.py``), on a local Ray cluster the test
+"""Data-parallel replicas on Ray Serve (``entrypoints/ray_serve.py``), on a local Ray cluster the test
 starts (its own temporary folder, no authentication token of the user's): two engine replicas
 behind the ingress serve the OpenAI client; requests sharing a prefix land on the same replica
 while load allows; a schema is compiled once across the replicas; a killed replica gives 503s
@@ -33,7 +33,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def app_url(tiny_base_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from guidespec.launch.ray_serve import build_app
+    from guidespec.entrypoints.ray_serve import build_app
     from tests.entrypoints.server.serving import free_port
 
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("RAY_AUTH_")}

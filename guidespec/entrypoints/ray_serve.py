@@ -1,6 +1,6 @@
 """Data-parallel replicas on a Ray cluster: a Ray Serve application of N guidespec engines
 behind one OpenAI-compatible ingress (``guidespec serve --data-parallel-size N
---distributed-executor ray``, or ``serve run guidespec.launch.ray_serve:app_builder``).
+--distributed-executor ray``, or ``serve run guidespec.entrypoints.ray_serve:app_builder``).
 
 - ``EngineReplica`` (deployment ``GuidespecEngine``, N replicas): one engine (an ``LLM``: its
   scheduler and its tensor-parallel ranks as processes beside it), placed with a placement
@@ -460,7 +460,7 @@ def build_app(
 
 
 def app_builder(args: dict[str, str]) -> Any:
-    """``serve run guidespec.launch.ray_serve:app_builder model=DIR num_replicas=2 ...``: the
+    """``serve run guidespec.entrypoints.ray_serve:app_builder model=DIR num_replicas=2 ...``: the
     application from ``key=value`` arguments (``build_app``'s and ``LLM``'s, typed by their
     defaults: ``tensor_parallel_size=2``, ``routing=round_robin``, ``grammar_cache_dir=/shared/dir``)."""
     typed: dict[str, Any] = {}

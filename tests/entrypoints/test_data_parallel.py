@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 
 from guidespec import SamplingParams
 from guidespec.entrypoints.server import create_app
-from guidespec.launch.data_parallel import EngineGroup
+from guidespec.entrypoints.data_parallel import EngineGroup
 from guidespec.llm import EngineDeadError
 from guidespec.protocol import GuidedDecoding
 
