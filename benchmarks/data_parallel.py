@@ -250,7 +250,8 @@ def main() -> None:
 
     prompts = agent_prompts(args.agents, args.tools_per_agent)
     tokenizer = load_tokenizer(resolve_model_dir(None))
-    lengths = [len(tokenizer.apply_chat_template([{"role": "system", "content": p}], tokenize=True)) for p in prompts]
+    chats = [tokenizer.apply_chat_template([{"role": "system", "content": p}], tokenize=False) for p in prompts]
+    lengths = [len(tokenizer(text, add_special_tokens=False).input_ids) for text in chats]
     if args.kv_cache_tokens is None:  # about half the agents' prompts, and the requests in flight
         args.kv_cache_tokens = 16 * round((args.agents / 2 * statistics.mean(lengths) + 512) / 16)
     print(f"agent prompts: {min(lengths)}-{max(lengths)} tokens; KV cache {args.kv_cache_tokens} tokens per replica")

@@ -156,6 +156,16 @@ def tiny_base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def default_llm() -> Any:
+    """An engine of the default model with the default settings (``LLM(max_batch_size=8)``),
+    shared by the test modules that need no other: an engine start is seconds of CI."""
+    from guidespec import LLM
+
+    with LLM(max_batch_size=8, show_progress=False) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
 def real_model_dir() -> Path:
     from guidespec.model_files import resolve_model_dir
 

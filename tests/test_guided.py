@@ -22,9 +22,8 @@ BACKENDS = ["xgrammar", "llguidance"]
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    with LLM(max_batch_size=8, show_progress=False) as engine:
-        yield engine
+def llm(default_llm: LLM) -> LLM:
+    return default_llm
 
 
 def _jme_cases(n: int) -> list[dict]:

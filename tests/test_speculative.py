@@ -100,13 +100,12 @@ def tp2_references() -> dict[str, list[list[int]]]:
         return {backend: [out.token_ids for out in outs] for backend, outs in _run_backends(llm).items()}
 
 
-def test_jump_forward_changes_nothing_the_model_says(references: dict[str, list[list[int]]]) -> None:
+def test_jump_forward_changes_nothing_the_model_says(references: dict[str, list[list[int]]], default_llm: LLM) -> None:
     """Jump-forward as it is by default (no drafter): the grammar's forced tokens are drafts the
     model verifies in the same forward, so greedy output equals greedy output without it, on
     both backends."""
-    with LLM(max_batch_size=8, show_progress=False) as llm:
-        assert llm.config.jump_forward == "verified"
-        outs = _run_backends(llm)
+    assert default_llm.config.jump_forward == "verified"
+    outs = _run_backends(default_llm)
     for backend in BACKENDS:
         assert [o.token_ids for o in outs[backend]] == references[backend], backend
         guided = outs[backend][:3]

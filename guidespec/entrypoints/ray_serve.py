@@ -477,12 +477,22 @@ def app_builder(args: dict[str, str]) -> Any:
 
 
 def _typed(value: str, default: Any) -> Any:
+    """A ``key=value`` argument's value as its default's type; where the default is None (the
+    argument is optional: ``max_model_len``, ``speculative``), a number where it reads as one."""
     if isinstance(default, bool):
         return value.lower() in ("1", "true", "yes", "on")
     if isinstance(default, int):
         return int(value)
     if isinstance(default, float):
         return float(value)
+    if default is None:
+        if value.lower() in ("none", "null"):
+            return None
+        for kind in (int, float):
+            try:
+                return kind(value)
+            except ValueError:
+                pass
     return value
 
 

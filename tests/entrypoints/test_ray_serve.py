@@ -151,3 +151,19 @@ def test_replicas_serve_route_by_prefix_share_a_schema_and_survive_a_killed_repl
         fresh = reply.headers["x-guidespec-replica"] if reply.headers["x-guidespec-replica"] != survivor else ""
         time.sleep(0.2)
     assert fresh != home
+
+
+def test_serve_runs_app_builder_takes_typed_key_values(tiny_base_model: Path) -> None:
+    """``serve run guidespec.entrypoints.ray_serve:app_builder key=value ...``: values typed as the
+    arguments' defaults, the engine's arguments checked before anything is deployed."""
+    from guidespec.entrypoints.ray_serve import _typed, app_builder
+
+    assert _typed("4", 16) == 4 and _typed("0.5", 0.9) == 0.5 and _typed("false", True) is False
+    assert _typed("round_robin", "cache_aware") == "round_robin" and _typed("256", None) == 256
+    assert _typed("ngram", None) == "ngram" and _typed("none", None) is None
+    app = app_builder({"model": str(tiny_base_model), "num_replicas": "3", "max_batch_size": "4"})
+    assert type(app).__name__ == "Application"
+    with pytest.raises(ValueError, match="unknown argument 'max_batch'"):
+        app_builder({"model": str(tiny_base_model), "max_batch": "4"})
+    with pytest.raises(ValueError, match="max_batch_size"):
+        app_builder({"model": str(tiny_base_model), "max_batch_size": "0"})

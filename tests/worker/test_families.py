@@ -6,6 +6,8 @@ stack, sliding windows run past, RoPE tables; a whole engine's greedy output equ
 
 from __future__ import annotations
 
+import asyncio
+
 import dataclasses
 import json
 import re
@@ -271,14 +273,28 @@ def test_gemma_3_270m_greedy_equals_hf_and_guided_outputs_are_valid(gemma_model_
         drafted = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, speculative=True)
         ours = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], plain)]
         spec = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], drafted)]
-        answers = {}
-        for backend in ("xgrammar", "llguidance"):
-            for grammar in grammars:
-                params = SamplingParams(
-                    max_tokens=64, temperature=0.0, guided=dataclasses.replace(grammar, backend=backend)
+        kinds = [(backend, grammar) for backend in ("xgrammar", "llguidance") for grammar in grammars]
+
+        async def guided_at_once() -> list[Any]:  # (one batch: six compiles and runs overlap)
+            question = "Q: The largest city in France and its population?\nA:"
+            return list(
+                await asyncio.gather(
+                    *(
+                        llm.agenerate(
+                            question,
+                            SamplingParams(
+                                max_tokens=64, temperature=0.0, guided=dataclasses.replace(grammar, backend=backend)
+                            ),
+                        )
+                        for backend, grammar in kinds
+                    )
                 )
-                out = llm.generate("Q: The largest city in France and its population?\nA:", params)[0]
-                answers[(backend, grammar.kind)] = (out.text, out.finish_reason)
+            )
+
+        answers = {
+            (backend, grammar.kind): (out.text, out.finish_reason)
+            for (backend, grammar), out in zip(kinds, asyncio.run(guided_at_once()))
+        }
     ref = AutoModelForCausalLM.from_pretrained(gemma_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         runs = [ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=None) for p in prompts]
