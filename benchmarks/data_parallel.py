@@ -9,8 +9,11 @@ The workload: ``--agents`` system prompts (each an agent's tools: ``--tools-per-
 schemas of the JSONSchemaBench workload, ~450 tokens) x ``--schemas`` answer schemas x many
 users (each request one agent, one schema, a user turn of its own), sent to the ingress's
 OpenAI route ``--concurrency`` at a time, answered as guided JSON. Each replica's KV cache holds
-about half the agents' prompts (``--kv-cache-tokens``; default: ``agents / 2`` prompts' worth,
-plus a little), as a replica's cache holds part of a real fleet's prefixes.
+1.5x its share of the agents' prompts (``--kv-cache-tokens``; default: 1.5 x the agents'
+prompt tokens / replicas, plus a little), as a replica's cache holds part of a real fleet's
+prefixes: room for its own share with cache-aware routing, for part of them all with round-robin
+(which sends every agent to every replica: its hit rate is about the cache's share of all the
+agents' prompts, 1.5 / replicas, whatever the routing of the others).
 
 Parts (each a fresh application: cold caches):
 - ``aware`` / ``robin``: 2 replicas, cache-aware routing / round-robin, agents chosen uniformly:
@@ -205,7 +208,8 @@ def report(parts: list[Part], args: argparse.Namespace) -> str:
     lines = [
         f"data-parallel replicas on Ray Serve, {machine()}, commit {commit()}",
         f"{args.agents} agents x {args.schemas} answer schemas, {args.requests} requests, {args.concurrency} at once, "
-        f"max_tokens {args.max_tokens}, KV cache per replica {args.kv_cache_tokens} tokens, one core per replica",
+        f"max_tokens {args.max_tokens}, KV cache per replica {args.kv_cache_tokens} tokens, one worker thread "
+        f"per replica, {os.cpu_count()} cores in all",
         "",
         "| part | replicas | hit rate | grammars compiled / shared | tok/s | req/s | p50 s | p99 s | "
         "busiest replica's share / mean | 503s | recovery s |",
@@ -236,6 +240,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--skew", type=float, default=0.8)
     parser.add_argument("--kv-cache-tokens", type=int, default=None)
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=2,
+        help="replicas of every part but 'one' (on this machine they share its cores: hit rates and compiles "
+        "do not depend on speed)",
+    )
     parser.add_argument("--port", type=int, default=18950)
     parser.add_argument("--parts", default="aware,robin,skewed,one,kill")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
@@ -252,18 +263,21 @@ def main() -> None:
     tokenizer = load_tokenizer(resolve_model_dir(None))
     chats = [tokenizer.apply_chat_template([{"role": "system", "content": p}], tokenize=False) for p in prompts]
     lengths = [len(tokenizer(text, add_special_tokens=False).input_ids) for text in chats]
-    if args.kv_cache_tokens is None:  # about half the agents' prompts, and the requests in flight
-        args.kv_cache_tokens = 16 * round((args.agents / 2 * statistics.mean(lengths) + 512) / 16)
+    if args.kv_cache_tokens is None:  # 1.5x a replica's share of the agents' prompts, and a little
+        share = 1.5 * sum(lengths) / args.replicas + 256
+        args.kv_cache_tokens = max(2048, 16 * round(share / 16))
     print(f"agent prompts: {min(lengths)}-{max(lengths)} tokens; KV cache {args.kv_cache_tokens} tokens per replica")
-    join_cluster(None, num_cpus=2, include_dashboard=False, object_store_memory=200 * 2**20)
+    # (Ray's logical CPUs: one per replica, whatever the machine has)
+    join_cluster(None, num_cpus=max(2, args.replicas), include_dashboard=False, object_store_memory=200 * 2**20)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     parts = []
+    n = args.replicas
     plan = {
-        "aware": dict(replicas=2, routing="cache_aware"),
-        "robin": dict(replicas=2, routing="round_robin"),
-        "skewed": dict(replicas=2, routing="cache_aware", skew=args.skew),
+        "aware": dict(replicas=n, routing="cache_aware"),
+        "robin": dict(replicas=n, routing="round_robin"),
+        "skewed": dict(replicas=n, routing="cache_aware", skew=args.skew),
         "one": dict(replicas=1, routing="cache_aware"),
-        "kill": dict(replicas=2, routing="cache_aware", kill=True),
+        "kill": dict(replicas=n, routing="cache_aware", kill=True),
     }
     try:
         for name in args.parts.split(","):

@@ -6,13 +6,14 @@ The router keeps what it has sent where: the chain hashes of each prompt's first
 (``prefix_hashes``: block ``i``'s hash covers every token before it, as the engines' own prefix
 cache keys its blocks) and each grammar's key, each mapped to the replicas that were sent them.
 A request goes to the replica that was sent the longest run of its leading blocks; with none,
-to one that was sent its grammar; with neither, to its prefix's *home*: the replica that ranks
-first for the hash of its first block (rendezvous hashing), so routers that share no state (one
-per ingress replica) still send a prefix to the same replica, and a replica that goes away moves
-only its own prefixes. Affinity yields to load: a replica is taken only while its requests in
-flight, with this one, stay within ``balance`` times the mean (consistent hashing with bounded
-loads); a hot prefix then spills over to the next replica, which learns it too. A replica that
-dies is forgotten (its caches died with it).
+to one that was sent its grammar; with neither, to the replica holding the least (the smallest
+tenant), then its prefix's *home*: the replica that ranks first for the hash of its first block
+(rendezvous hashing: routers that share no state send a prefix to the same replica, and among
+replicas that all hold a prefix it goes to the same one each time). Affinity yields to load: a
+replica is taken only while its requests in flight, with this one, stay within ``balance``
+times the mean, or one past the mean at small loads (consistent hashing with bounded loads); a
+hot prefix then spills over to the next replica, which learns it too. A replica that dies is
+forgotten (its caches died with it).
 
 Pure bookkeeping, no I/O: the local group (``entrypoints.data_parallel.EngineGroup``) and the Ray Serve
 request router (``entrypoints.ray_serve``) drive it with their replicas' names and loads.
@@ -79,8 +80,8 @@ class CacheAwareRouter:
             return (-matched.get(replica, 0), replica not in has_grammar, size, _rank(home, replica))
 
         ordered = sorted(replicas, key=preference)
-        total = sum(max(0.0, loads.get(r, 0.0)) for r in replicas) + 1  # this request included
-        bound = math.ceil(self.balance * total / len(replicas))
+        mean = (sum(max(0.0, loads.get(r, 0.0)) for r in replicas) + 1) / len(replicas)  # this request included
+        bound = max(math.ceil(mean) + 1, math.floor(self.balance * mean))  # (one past the mean, at least)
         for replica in ordered:
             if loads.get(replica, 0.0) + 1 <= bound:
                 self.decisions[self._reason(replica, matched, has_grammar, ordered)] += 1
