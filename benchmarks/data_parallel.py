@@ -36,8 +36,10 @@ import json
 import os
 import random
 import re
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -132,8 +134,10 @@ def run_part(
 
     from guidespec.entrypoints.ray_serve import build_app
 
+    grammars = tempfile.mkdtemp(prefix="gs-grammars-")  # (the replicas' shared compiled grammars, this part's)
     app = build_app(
         None,
+        grammar_cache_dir=grammars,
         num_replicas=replicas,
         routing=routing,
         max_batch_size=args.concurrency,
@@ -201,6 +205,7 @@ def run_part(
     part.shared = metric(url, "guidespec_grammars_shared_total")
     part.failed_503 = part.statuses.count(503)
     serve.delete("guidespec")
+    shutil.rmtree(grammars, ignore_errors=True)
     return part
 
 

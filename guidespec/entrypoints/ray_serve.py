@@ -34,6 +34,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -421,7 +422,7 @@ def build_app(
     kwargs["distributed_executor"] = "mp"  # a replica's ranks: processes beside it, in its bundle
     kwargs["show_progress"] = False
     if kwargs["grammar_cache_dir"] is None:  # one folder per node, shared by its replicas
-        kwargs["grammar_cache_dir"] = os.path.join(tempfile.gettempdir(), f"gs-grammars-{uuid.uuid4().hex[:12]}")
+        kwargs["grammar_cache_dir"] = _grammar_folder()
     chat_template = load_chat_template(kwargs.pop("chat_template"))
     config_args = {k: v for k, v in kwargs.items() if k not in ("restart_on_failure",)}
     config, _ = create_engine_config(model, warm_up=False, **config_args)
@@ -457,6 +458,11 @@ def build_app(
     )
     name = served_model_name or (model and os.path.basename(os.path.normpath(model))) or "SmolLM2-135M-Instruct"
     return ingress.bind(engine, config, name, api_key, chat_template)
+
+
+def _grammar_folder() -> str:
+    """A new folder's path under the temporary directory (each node makes its own)."""
+    return os.path.join(tempfile.gettempdir(), f"gs-grammars-{uuid.uuid4().hex[:12]}")
 
 
 def app_builder(args: dict[str, str]) -> Any:
@@ -509,6 +515,9 @@ def serve_on_ray(args: argparse.Namespace, name: str) -> int:
     kwargs = engine_from_args(args)
     kwargs.pop("distributed_executor")
     address = kwargs.pop("ray_address")
+    own_folder = kwargs["grammar_cache_dir"] is None  # (this node's copy is removed at the end)
+    if own_folder:
+        kwargs["grammar_cache_dir"] = _grammar_folder()
     app = build_app(
         args.model,
         num_replicas=args.data_parallel_size,
@@ -534,4 +543,6 @@ def serve_on_ray(args: argparse.Namespace, name: str) -> int:
         serve.shutdown()  # (drains: requests in flight finish, then each replica's engine stops)
         ray.shutdown()
         undo_auth()
+        if own_folder:
+            shutil.rmtree(kwargs["grammar_cache_dir"], ignore_errors=True)
     return 0

@@ -49,7 +49,10 @@ def app_url(tiny_base_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_app(str(tiny_base_model), num_replicas=2, max_batch_size=4, max_model_len=256)
+        grammars = str(tmp_path_factory.mktemp("grammars"))  # (the replicas' shared compiled grammars)
+        app = build_app(
+            str(tiny_base_model), num_replicas=2, max_batch_size=4, max_model_len=256, grammar_cache_dir=grammars
+        )
         serve.run(app, name="guidespec", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
