@@ -30,7 +30,7 @@ class FakeLLM:
     def __init__(self) -> None:
         self.pieces: list[Any] = ["Hel", "lo"]
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
         pass
 
     def encode_prompt(self, prompt: Any) -> list[int]:

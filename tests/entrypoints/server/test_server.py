@@ -381,6 +381,8 @@ def test_every_documented_metric_is_served_and_moves_with_traffic(server: str, c
     queries = moved("guidespec_prefix_cache_queries_total")
     assert queries >= moved("guidespec_prompt_tokens_total") > 0
     assert 0 <= moved("guidespec_prefix_cache_hits_total") < queries
+    # (the guided requests' grammars compiled here: one engine shares them with none)
+    assert after[("guidespec_grammars_compiled_total", ())] >= 1 and after[("guidespec_grammars_shared_total", ())] == 0
     assert after[("guidespec_num_preemptions_total", ())] == 0 and after[("guidespec_kv_cache_usage_perc", ())] == 0
     for gauge in ("in_server", "running", "waiting", "waiting_for_grammar"):
         assert after[(f"guidespec_num_requests_{gauge}", ())] == 0
