@@ -12,7 +12,7 @@ behind one OpenAI-compatible ingress (``guidespec serve --data-parallel-size N
   ``LLM`` does, then streams it from a replica through a deployment handle.
 - ``CacheAwareRequestRouter``: Ray Serve's request router interface around ``routing``'s
   policy: a request goes to the replica that holds its prompt's prefix and its grammar, bounded
-  by load (this router's requests in flight and the replicas' reported queues).
+  by load (this router's requests in flight on each replica).
 - The replicas share compiled grammars through a folder (``grammar_cache_dir``): a schema is
   compiled once per node, or once per cluster where the folder is on a shared filesystem.
 
@@ -233,8 +233,9 @@ class CacheAwareRequestRouter(_ray_router_base()):  # type: ignore[misc]
         return [dict(r.routing_stats) for r in self.curr_replicas.values() if r.routing_stats]
 
     def _load(self, name: str, replica: Any) -> float:
-        queued = self._replica_queue_len_cache.get(replica.replica_id)
-        return float(max(self.in_flight[name], queued or 0))
+        """This router's requests in flight on the replica: exact, where Ray Serve's cached queue
+        lengths lag (a request that finished may still count there, and spill the next one)."""
+        return float(self.in_flight[name])
 
     def _forget(self, name: str) -> None:
         with self._lock:
