@@ -166,17 +166,6 @@ def default_llm() -> Any:
 
 
 @pytest.fixture(scope="session")
-def tp2_llm() -> Any:
-    """The default model at TP=2 (two CPU ranks over gloo) in fp32, so its greedy output equals
-    TP=1's in fp32 (the GGUF blocks' sums in another order may not: docs/usage.md); shared by the
-    tests that compare another engine with TP=2's (``test_engine``, ``launch/test_ray``)."""
-    from guidespec import LLM
-
-    with LLM(tensor_parallel_size=2, max_batch_size=4, show_progress=False, dtype="float32") as engine:
-        yield engine
-
-
-@pytest.fixture(scope="session")
 def real_model_dir() -> Path:
     from guidespec.model_files import resolve_model_dir
 

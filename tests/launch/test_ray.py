@@ -106,16 +106,10 @@ def _generate(llm: LLM) -> list[GenerationOutput]:
     return [llm.generate(prompt, params)[0] for prompt, params in _requests()]
 
 
-def test_tensor_parallel_under_ray_equals_the_plain_launcher(address: str, tp2_llm: LLM) -> None:
-    plain = _generate(tp2_llm)  # (the plain launcher's TP=2 engine, shared with test_engine)
-    with LLM(
-        tensor_parallel_size=2,
-        max_batch_size=4,
-        show_progress=False,
-        dtype="float32",
-        distributed_executor="ray",
-        ray_address=address,
-    ) as llm:
+def test_tensor_parallel_under_ray_equals_the_plain_launcher(address: str) -> None:
+    with LLM(tensor_parallel_size=2, show_progress=False) as llm:
+        plain = _generate(llm)
+    with LLM(tensor_parallel_size=2, show_progress=False, distributed_executor="ray", ray_address=address) as llm:
         assert llm.config.distributed_executor == "ray"
         under_ray = _generate(llm)
     assert [o.token_ids for o in under_ray] == [o.token_ids for o in plain]
