@@ -11,6 +11,7 @@ import os
 import re
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -150,7 +151,8 @@ def test_replicas_serve_route_by_prefix_share_a_schema_and_survive_a_killed_repl
     deadline = time.monotonic() + 60
     while not fresh:
         assert time.monotonic() < deadline, "the fresh replica took no request"
-        reply = _complete(app_url, f"Conversation {time.monotonic()} about tandem bicycles.")
+        # (a prompt whose first block no replica holds: the replica holding the least takes it)
+        reply = _complete(app_url, f"{uuid.uuid4().hex} is a new conversation about tandem bicycles.")
         assert reply.status_code == 200
         fresh = reply.headers["x-guidespec-replica"] if reply.headers["x-guidespec-replica"] != survivor else ""
         time.sleep(0.2)
