@@ -133,7 +133,13 @@ def test_replicas_serve_route_by_prefix_share_a_schema_and_survive_a_killed_repl
         ray.kill(ray.get_actor(home, namespace="serve"), no_restart=True)
         rest = list(events)
     whole.join()
-    assert statuses[0].status_code == 503 and statuses[0].headers["retry-after"], statuses[0].text
+    # (the whole answer races the kill: routed to the home replica first, it gets a 503 with
+    # Retry-After; routed after Ray Serve saw the death, the survivor serves it)
+    answer = statuses[0]
+    if answer.status_code == 503:
+        assert answer.headers["retry-after"], answer.text
+    else:
+        assert answer.status_code == 200 and answer.headers["x-guidespec-replica"] != home, answer.text
     assert "data: [DONE]" not in rest and any('"error"' in line for line in rest)
     for i in range(3):
         after = _complete(app_url, SYSTEM + f"Customer {20 + i}: still there?")
