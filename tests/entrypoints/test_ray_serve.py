@@ -97,17 +97,22 @@ def test_replicas_serve_route_by_prefix_share_a_schema_and_survive_a_killed_repl
     # rather than compiling it again
     guided = {"response_format": {"type": "json_schema", "json_schema": {"name": "order", "schema": SCHEMA}}}
     answers: list[httpx.Response] = []
-    threads = [
-        threading.Thread(
-            target=lambda i=i: answers.append(_complete(app_url, SYSTEM + f"Order {i}: JSON:", max_tokens=48, **guided))
-        )
-        for i in range(8)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert [a.status_code for a in answers] == [200] * 8
+    for burst in range(3):  # (a burst that finishes as fast as it arrives need not spill: again)
+        threads = [
+            threading.Thread(
+                target=lambda i=i: answers.append(
+                    _complete(app_url, SYSTEM + f"Order {burst}-{i}: JSON:", max_tokens=48, **guided)
+                )
+            )
+            for i in range(8)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if len({a.headers["x-guidespec-replica"] for a in answers}) == 2:
+            break
+    assert all(a.status_code == 200 for a in answers)
     for a in answers:
         json.loads(a.json()["choices"][0]["text"])
     assert len({a.headers["x-guidespec-replica"] for a in answers}) == 2
