@@ -21,16 +21,9 @@ from guidespec.entrypoints.server import create_app
 from guidespec.entrypoints.data_parallel import EngineGroup
 from guidespec.llm import EngineDeadError
 from guidespec.protocol import GuidedDecoding
+from tests.entrypoints.replicas import SCHEMA, SYSTEM
 
 pytestmark = pytest.mark.slow
-
-SYSTEM = "You are the assistant of a shop that sells bicycles, helmets and lights; answer briefly. " * 2
-SCHEMA = {
-    "type": "object",
-    "properties": {"item": {"type": "string", "maxLength": 8}, "count": {"type": "integer"}},
-    "required": ["item", "count"],
-    "additionalProperties": False,
-}
 
 
 def _wait(condition: object, timeout_s: float = 30.0) -> None:

@@ -17,19 +17,12 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
+from tests.entrypoints.replicas import SCHEMA, SYSTEM
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
-
-SYSTEM = "You are the assistant of a shop that sells bicycles, helmets and lights; answer briefly. " * 2
-SCHEMA = {
-    "type": "object",
-    "properties": {"item": {"type": "string", "maxLength": 8}, "count": {"type": "integer"}},
-    "required": ["item", "count"],
-    "additionalProperties": False,
-}
 
 
 @pytest.fixture(scope="module")
