@@ -13,8 +13,10 @@ Messages by direction:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -294,6 +296,12 @@ class SchedulerStats:
     # since start: grammars compiled, and grammars found compiled by another engine (grammar_cache_dir)
     grammars_compiled: int = 0
     grammars_shared: int = 0
+
+    @classmethod
+    def total(cls, parts: list[Any]) -> SchedulerStats:
+        """Several engines' figures added up (data-parallel replicas), from stats or their dicts."""
+        rows = [dataclasses.asdict(x) if isinstance(x, SchedulerStats) else x for x in parts]
+        return cls(**{f.name: sum(int(r.get(f.name, 0)) for r in rows) for f in dataclasses.fields(cls)})
 
 
 @register_message(16)

@@ -13,7 +13,6 @@ Ray cluster the same replicas run as a Ray Serve application: ``ray_serve``.
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import tempfile
 import threading
@@ -135,10 +134,7 @@ class EngineGroup:
     @property
     def scheduler_stats(self) -> SchedulerStats:
         """The engines' queues and counters, added up."""
-        stats = [engine.scheduler_stats for engine in self.engines]
-        return SchedulerStats(
-            **{f.name: sum(getattr(s, f.name) for s in stats) for f in dataclasses.fields(SchedulerStats)}
-        )
+        return SchedulerStats.total([engine.scheduler_stats for engine in self.engines])
 
     def close(self) -> None:
         for engine in self.engines:

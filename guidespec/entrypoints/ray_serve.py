@@ -346,13 +346,7 @@ class ReplicaClient:
     @property
     def scheduler_stats(self) -> SchedulerStats:
         """The replicas' queues and counters, added up (as they last reported them)."""
-        reports = [f["stats"] for f in self._figures() if "stats" in f]
-        return SchedulerStats(
-            **{
-                field.name: sum(int(r.get(field.name, 0)) for r in reports)
-                for field in dataclasses.fields(SchedulerStats)
-            }
-        )
+        return SchedulerStats.total([f["stats"] for f in self._figures() if "stats" in f])
 
     def _figures(self) -> list[dict[str, Any]]:
         """The replicas' last reports, one each (every router of this process sees them all)."""
