@@ -229,7 +229,8 @@ def start_engine(setup: Setup, label: str, **options: Any) -> tuple[Any, float]:
     start = time.perf_counter()
     llm = LLM(**setup.kwargs(**options))
     took = time.perf_counter() - start
-    print(f"[{label}] engine started in {took:.1f} s", flush=True)
+    blocks = getattr(llm, "num_kv_blocks", None)  # the paged KV pool (issue 47), sized from free memory
+    print(f"[{label}] engine started in {took:.1f} s; KV pool: {blocks} blocks", flush=True)
     return llm, took
 
 
