@@ -62,6 +62,7 @@ class KVCache:
         self._rows = torch.empty(0, dtype=torch.long)
         self._tables_of: torch.Tensor | None = None
         self._tables = torch.empty(0, dtype=torch.int32)
+        self._heads = torch.arange(num_kv_heads, device=device)[None, :, None]  # (the gathers' head index)
 
     def set_tables(self, slots: np.ndarray, lengths: np.ndarray, blocks: np.ndarray) -> None:
         """Slot ``slots[i]``'s table is now the next ``lengths[i]`` of ``blocks`` (then the
@@ -109,30 +110,50 @@ class KVCache:
         blocks = self.tables[slot_of_token, torch.div(positions, size, rounding_mode="floor")].long()
         return blocks * size + positions % size
 
+    def locate(self, slot_of_token: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's block and offset in it (int64 [T] each), computed afresh: the padded
+        forward asks once for all its layers, so a captured graph recomputes them at each replay
+        from the buffers it reads (a memo kept across calls would be captured stale)."""
+        size = self.block_size
+        blocks = self.tables[slot_of_token, torch.div(positions, size, rounding_mode="floor")].long()
+        return blocks, positions % size
+
+    def write_at(self, layer: int, where: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [T, kv_heads, D] at :meth:`locate`'s blocks and offsets."""
+        blocks, offsets = where
+        self.k[layer][:, blocks, offsets] = k.transpose(0, 1)
+        self.v[layer][:, blocks, offsets] = v.transpose(0, 1)
+
     def write(
         self, layer: int, slot_of_token: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """k, v [T, kv_heads, D] for flat tokens of slots ``slot_of_token`` at ``positions``."""
-        rows = self._slot_rows(slot_of_token, positions)  # (not memoized: the graphs rewrite their buffers)
-        blocks, offsets = rows // self.block_size, rows % self.block_size
-        self.k[layer][:, blocks, offsets] = k.transpose(0, 1)
-        self.v[layer][:, blocks, offsets] = v.transpose(0, 1)
+        self.write_at(layer, self.locate(slot_of_token, positions), k, v)
+
+    def row_tables(self, slots: torch.Tensor, length: int) -> torch.Tensor:
+        """The first blocks of each row's table that hold ``length`` keys: int64 [B, num], computed
+        afresh (once per padded forward, as :meth:`locate`)."""
+        num = -(-length // self.block_size)
+        return self.tables.index_select(0, slots.long())[:, :num].long()
 
     def gather(self, layer: int, slots: list[int] | torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``slots`` up to ``length``: [B, kv_heads, length, D]."""
-        k, v = self.k[layer], self.v[layer]
         if isinstance(slots, list):
-            slots = torch.tensor(slots, device=k.device)
-        num = -(-length // self.block_size)
-        tables = self.tables.index_select(0, slots.long())[:, :num].long()  # [B, num]
-        return self._rows_of_blocks(k, tables, length), self._rows_of_blocks(v, tables, length)
+            slots = torch.tensor(slots, device=self.tables.device)
+        return self.gather_tables(layer, self.row_tables(slots, length), length)
 
-    @staticmethod
-    def _rows_of_blocks(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+    def gather_tables(self, layer: int, tables: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the rows whose :meth:`row_tables` are ``tables``: [B, kv_heads, length, D],
+        each one gather (one kernel on CUDA)."""
+        return self._rows_of_blocks(self.k[layer], tables, length), self._rows_of_blocks(self.v[layer], tables, length)
+
+    def _rows_of_blocks(self, cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
         b, num = tables.shape
         hkv, _, size, d = cache.shape
-        blocks = cache[:, tables]  # [hkv, B, num, size, D]
-        return blocks.transpose(0, 1).reshape(b, hkv, num * size, d)[:, :, :length]
+        if self._heads.device != cache.device or self._heads.numel() != hkv:
+            self._heads = torch.arange(hkv, device=cache.device)[None, :, None]
+        blocks = cache[self._heads, tables[:, None, :]]  # [B, hkv, num, size, D], laid out so already
+        return blocks.view(b, hkv, num * size, d)[:, :, :length]
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:

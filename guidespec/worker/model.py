@@ -46,6 +46,7 @@ from guidespec.worker.kernels import (
     rope_into_cache,
     silu_mul,
 )
+from guidespec.worker.kernels import layer_triton
 from guidespec.worker.kernels.gguf_weights import GGUFWeight, concat_rows
 from guidespec.worker.forward_batch import AttentionGroup, ForwardBatch
 from guidespec.worker.kv_cache import KVCache
@@ -365,7 +366,9 @@ class LlamaModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, its RMS norm times ``weight``); delta None: x and its norm."""
         fused = add_rms_norm(x, delta, weight, self.cfg.rms_norm_eps)
-        if fused is not None:  # fp32 on the CPU: one call
+        if fused is None:
+            fused = layer_triton.add_rms_norm(x, delta, weight, self.cfg.rms_norm_eps)
+        if fused is not None:  # fp32 on the CPU, half precision on CUDA: one call
             return fused
         if delta is not None:
             x = x + delta
@@ -399,35 +402,38 @@ class LlamaModel:
         """
         n, b = tokens_per_row, row_slots.shape[0]
         masks = self._padded_masks(positions.view(b, n), key_length)
+        where, tables = kv.locate(token_slots, positions), kv.row_tables(row_slots, key_length)
         x = self._embed(token_ids)
         rotary = {id(table): (table[0][positions], table[1][positions]) for table in self.rotary}
         kept: list[torch.Tensor] = []
-        eps = self.cfg.rms_norm_eps
+        delta: torch.Tensor | None = None  # the last block's output, added to x with the next norm
         for i, layer in enumerate(self.layers):
+            x, h = self._add_norm(x, delta, layer["input_norm"])
             if isinstance(capture, tuple) and i in capture:
                 kept.extend([x] * capture.count(i))
-            h = _rms_norm(x, layer["input_norm"], eps)
             mask, (cos, sin) = masks[self.cfg.window(i)], rotary[id(self.rotary[i])]
-            attention = self._attention_padded(
-                h, layer, kv, i, positions, token_slots, row_slots, n, key_length, mask, cos, sin
-            )
-            x = x + self._out_norm(attention, layer.get("attn_out_norm"))
-            h = _rms_norm(x, layer["post_norm"], eps)
-            x = x + self._out_norm(self._mlp(h, layer), layer.get("mlp_out_norm"))
-        out = _rms_norm(x, self.final_norm, eps)
+            attention = self._attention_padded(h, layer, kv, i, where, tables, n, key_length, mask, cos, sin)
+            x, h = self._add_norm(x, self._out_norm(attention, layer.get("attn_out_norm")), layer["post_norm"])
+            delta = self._out_norm(self._mlp(h, layer), layer.get("mlp_out_norm"))
+        _, out = self._add_norm(x, delta, self.final_norm)
         self.captured = out if capture == "final" else torch.cat(kept, dim=-1) if kept else None
         return out
 
     def _padded_masks(self, positions: torch.Tensor, key_length: int) -> dict[int | None, torch.Tensor]:
         """The attention masks of :meth:`forward_padded` by window (None: causal), each
-        [B, 1, G*n, L] with rows ordered (group, token); positions [B, n]."""
+        [B, 1, G*n, L] with rows ordered (group, token); positions [B, n]. Additive (0 or -inf, in
+        the model's dtype), as attention turns a boolean mask into at each call: once a step here."""
         g = self.cfg.num_query_groups
         key_positions = torch.arange(key_length, device=positions.device)[None, None, :]
         causal = key_positions <= positions[:, :, None]  # [B, n, L]
-        masks: dict[int | None, torch.Tensor] = {None: causal[:, None].repeat(1, 1, g, 1)}
+
+        def additive(allowed: torch.Tensor) -> torch.Tensor:
+            blocked = torch.full(allowed.shape, float("-inf"), dtype=self.dtype, device=allowed.device)
+            return blocked.masked_fill_(allowed, 0.0)[:, None].repeat(1, 1, g, 1)
+
+        masks: dict[int | None, torch.Tensor] = {None: additive(causal)}
         for window in {w for w in map(self.cfg.window, range(len(self.layers))) if w is not None}:
-            inside = causal & (key_positions > positions[:, :, None] - window)
-            masks[window] = inside[:, None].repeat(1, 1, g, 1)
+            masks[window] = additive(causal & (key_positions > positions[:, :, None] - window))
         return masks
 
     def _attention_padded(
@@ -436,22 +442,23 @@ class LlamaModel:
         layer,
         kv: KVCache,
         i: int,
-        positions,
-        token_slots,
-        row_slots,
+        where,
+        tables,
         n: int,  # type: ignore[no-untyped-def]
         key_length: int,
         mask,
         cos,
         sin,
     ) -> torch.Tensor:
+        """``where``: :meth:`KVCache.locate` of the step's tokens; ``tables``: :meth:`KVCache.row_tables`
+        of its rows (both once per forward, not per layer: fewer kernels in a captured step)."""
         d, hq, hkv, g = self.cfg.head_dim, self.num_local_heads, self.num_local_kv_heads, self.cfg.num_query_groups
-        b = row_slots.shape[0]
+        b = tables.shape[0]
         qkv = self._qk_normed(linear(h, layer["qkv"], layer.get("qkv_bias")), layer)
         qk = apply_rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)
         q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
-        kv.write(i, token_slots, positions, k, v)
-        keys, values = kv.gather(i, row_slots, key_length)  # [B, hkv, L, D]: only the rows' slots
+        kv.write_at(i, where, k, v)
+        keys, values = kv.gather_tables(i, tables, key_length)  # [B, hkv, L, D]: only the rows' slots
         q = q.reshape(b, n, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * n, d)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         out = out.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, hq * d)
@@ -552,6 +559,8 @@ class LlamaModel:
         gate_up = linear(h, layer["gate_up"])
         silu = self.cfg.hidden_act == "silu"
         act = silu_mul(gate_up) if silu else None  # fp32 on the CPU: one call
+        if act is None and silu:
+            act = layer_triton.silu_mul(gate_up)  # half precision on CUDA: one kernel
         if act is None:
             gate, up = gate_up.chunk(2, dim=-1)
             act = (F.silu(gate) if silu else F.gelu(gate, approximate="tanh")) * up
@@ -563,6 +572,8 @@ def _shifted(rows: tuple[int, int], offset: int) -> tuple[int, int]:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.is_cuda and (fused := layer_triton.add_rms_norm(x, None, weight, eps)) is not None:
+        return fused[1]
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()  # normalize in fp32

@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+
+from guidespec.worker.kernels import layer_triton
+
 Tables = tuple[torch.Tensor, torch.Tensor]  # cos, sin [max_len, rotary dims]
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -63,6 +66,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x [T, heads, D] rotated by cos, sin [T, R] (R <= D: the first R dims of each head rotate, the
     rest pass; half-rotation layout within them, as transformers' ``rotate_half``)."""
     rotated_dims = cos.shape[-1]
+    if x.is_cuda and (fused := layer_triton.rope(x, cos, sin)) is not None:  # one kernel
+        return fused
     if rotated_dims < x.shape[-1]:
         return torch.cat((apply_rope(x[..., :rotated_dims], cos, sin), x[..., rotated_dims:]), dim=-1)
     half = rotated_dims // 2
