@@ -6,10 +6,12 @@ The router keeps what it has sent where: the chain hashes of each prompt's first
 (``prefix_hashes``: block ``i``'s hash covers every token before it, as the engines' own prefix
 cache keys its blocks) and each grammar's key, each mapped to the replicas that were sent them.
 A request goes to the replica that was sent the longest run of its leading blocks; with none,
-to one that was sent its grammar; with neither, to the replica holding the least (the smallest
-tenant), then its prefix's *home*: the replica that ranks first for the hash of its first block
-(rendezvous hashing: routers that share no state send a prefix to the same replica, and among
-replicas that all hold a prefix it goes to the same one each time). Affinity yields to load: a
+to the replica holding the fewest prefixes (each prefix draws its own stream of requests: placing
+them evenly spreads the load that affinity will keep there), then the fewest blocks, then one that
+was sent its grammar (compiled there; the others load it from the shared grammar store), then its
+prefix's *home*: the replica that ranks first for the hash of its first block (rendezvous
+hashing: routers that share no state send a prefix to the same replica, and among replicas that
+all hold a prefix it goes to the same one each time). Affinity yields to load: a
 replica is taken only while its requests in flight, with this one, stay within ``balance``
 times the mean, or one past the mean at small loads (consistent hashing with bounded loads); a
 hot prefix then spills over to the next replica, which learns it too. A replica that dies is
@@ -60,6 +62,8 @@ class CacheAwareRouter:
         self._blocks: OrderedDict[int, set[str]] = OrderedDict()  # block hash -> replicas sent it (LRU)
         self._grammars: OrderedDict[str, set[str]] = OrderedDict()  # grammar key -> replicas sent it (LRU)
         self._held: Counter[str] = Counter()  # blocks each replica was sent (that the tables still hold)
+        self._firsts: set[int] = set()  # the hashes that are a prompt's first block: a prefix's identity
+        self._tenants: Counter[str] = Counter()  # prefixes (first blocks) each replica was sent
         self.decisions: Counter[str] = Counter()  # why each request went where it went
 
     def choose(
@@ -73,11 +77,13 @@ class CacheAwareRouter:
         has_grammar = self._grammars.get(grammar_key, set()) if grammar_key else set()
         home: int | str = hashes[0] if hashes else grammar_key or hash(tuple(prompt_ids))
 
-        def preference(replica: str) -> tuple[int, bool, int, bytes]:
-            # a prompt nobody holds: the replica holding the least (then its home); one some hold:
-            # among them, its home (the same one each time: a spilled prefix does not alternate)
-            size = self._held[replica] if not matched else 0
-            return (-matched.get(replica, 0), replica not in has_grammar, size, _rank(home, replica))
+        def preference(replica: str) -> tuple[int, tuple[int, int], bool, bytes]:
+            # a prompt nobody holds: the replica with the fewest prefixes (as many requests come for
+            # each, as far as it knows), then holding the fewest blocks, then one that has its
+            # grammar, then its home; one some hold: among them, one with its grammar, then its
+            # home (the same one each time: a spilled prefix does not alternate)
+            size = (self._tenants[replica], self._held[replica]) if not matched else (0, 0)
+            return (-matched.get(replica, 0), size, replica not in has_grammar, _rank(home, replica))
 
         ordered = sorted(replicas, key=preference)
         mean = (sum(max(0.0, loads.get(r, 0.0)) for r in replicas) + 1) / len(replicas)  # this request included
@@ -92,14 +98,22 @@ class CacheAwareRouter:
 
     def routed(self, replica: str, prompt_ids: Sequence[int], grammar_key: str = "") -> None:
         """``replica`` was sent this prompt (and grammar): it holds them from now on."""
-        for h in prefix_hashes(prompt_ids, self.block_size, self.max_blocks):
+        for i, h in enumerate(prefix_hashes(prompt_ids, self.block_size, self.max_blocks)):
             owners = self._blocks.get(h)
+            if i == 0:
+                self._firsts.add(h)
+                if owners is None or replica not in owners:
+                    self._tenants[replica] += 1
             if owners is None:
                 self._blocks[h] = {replica}
                 self._held[replica] += 1
                 while len(self._blocks) > self.max_entries:
-                    for owner in self._blocks.popitem(last=False)[1]:
+                    gone, owners_of_gone = self._blocks.popitem(last=False)
+                    first = gone in self._firsts
+                    self._firsts.discard(gone)
+                    for owner in owners_of_gone:
                         self._held[owner] -= 1
+                        self._tenants[owner] -= first
             else:
                 if replica not in owners:
                     owners.add(replica)
@@ -120,6 +134,8 @@ class CacheAwareRouter:
         for table in (self._blocks, self._grammars):
             _discard(table, replica)
         self._held.pop(replica, None)
+        self._tenants.pop(replica, None)
+        self._firsts.intersection_update(self._blocks)
 
     def _matched_blocks(self, hashes: list[int], replicas: Sequence[str]) -> dict[str, int]:
         """How many of the prompt's leading blocks each replica was sent."""

@@ -55,15 +55,19 @@ def test_a_new_prefix_has_the_same_home_in_routers_that_share_nothing() -> None:
     assert homes == again and len(set(homes)) == 3  # (and the homes spread over the replicas)
 
 
-def test_a_grammar_draws_its_requests_to_where_it_was_compiled() -> None:
+def test_a_new_prefix_goes_to_the_replica_holding_fewest_then_to_its_grammar() -> None:
+    """A prompt nobody holds goes to the replica holding the fewest prefixes (each draws its own
+    stream of requests), and among replicas holding as many, to one its grammar was compiled on."""
     router = CacheAwareRouter()
-    first = router.choose(REPLICAS, {}, prompt(1, 0), "schema-A")
-    router.routed(first, prompt(1, 0), "schema-A")
-    homes = {CacheAwareRouter().choose(REPLICAS, {}, prompt(s, 0)) for s in range(2, 20)}
-    assert homes == set(REPLICAS)  # new prefixes alone would go to both...
-    chosen = {router.choose(REPLICAS, {}, prompt(s, 0), "schema-A") for s in range(2, 20)}
-    assert chosen == {first}  # ...with the grammar, to where it is compiled
-    assert router.decisions["grammar"] == 18
+    router.routed("r0", prompt(1, 0))
+    router.routed("r1", prompt(2, 0), "schema-A")
+    assert router.choose(REPLICAS, {}, prompt(3, 0), "schema-A") == "r1"  # one prefix each: the grammar's
+    assert router.decisions["grammar"] == 1
+    router.routed("r1", prompt(3, 0), "schema-A")
+    assert router.choose(REPLICAS, {}, prompt(4, 0), "schema-A") == "r0"  # r1 holds two: r0 first
+    assert router.choose(REPLICAS, {}, prompt(3, 5), "schema-A") == "r1"  # a held prefix stays where it is
+    router.forget("r1")
+    assert router.choose(REPLICAS, {}, prompt(5, 0)) == "r1"  # forgotten: it holds none
 
 
 def test_a_forgotten_replica_loses_its_prefixes() -> None:
