@@ -115,10 +115,27 @@ def _serve_parser(commands: Subparsers) -> None:
         "(bounded by load), or to each replica in turn",
     )
     serve.add_argument(
+        "--routing-balance",
+        type=_balance,
+        default=1.25,  # (routing.DEFAULT_BALANCE: the CLI imports no routing module before it parses)
+        help="cache_aware routing's load bound: a replica takes a request while its requests in flight stay within "
+        "this multiple of the mean (or one past the mean); higher keeps more requests where their prefix is "
+        "cached, lower spreads them more evenly",
+    )
+    serve.add_argument(
         "--no-restart",
         action="store_true",
         help="exit non-zero when the engine dies (default: restart it; a crash loop exits non-zero)",
     )
+
+
+def _balance(text: str) -> float:
+    from guidespec.launch.routing import check_balance
+
+    try:
+        return check_balance(float(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _bench_parser(commands: Subparsers) -> None:
@@ -242,7 +259,13 @@ def _serve(args: argparse.Namespace) -> int:
         return serve_on_ray(args, name)
     engine_args = dict(restart_on_failure=not args.no_restart, **engine_from_args(args))
     engine = (
-        EngineGroup(args.data_parallel_size, args.model, routing=args.routing, **engine_args)
+        EngineGroup(
+            args.data_parallel_size,
+            args.model,
+            routing=args.routing,
+            routing_balance=args.routing_balance,
+            **engine_args,
+        )
         if args.data_parallel_size > 1
         else LLM(args.model, **engine_args)
     )

@@ -18,7 +18,7 @@ import tempfile
 import threading
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from guidespec.launch.routing import ROUTING_POLICIES, grammar_key_of, make_router
+from guidespec.launch.routing import DEFAULT_BALANCE, ROUTING_POLICIES, check_balance, grammar_key_of, make_router
 from guidespec.llm import LLM, EngineDeadError, GenerationOutput, RequestHandle, StreamDelta
 from guidespec.prompts import Prompt, as_prompt_list
 from guidespec.protocol import SamplingParams, SchedulerStats
@@ -27,13 +27,23 @@ from guidespec.protocol import SamplingParams, SchedulerStats
 class EngineGroup:
     """``size`` engines of ``LLM(model, **llm_kwargs)`` behind one client. It offers what the
     server uses of an ``LLM`` (``encode_prompt``, ``open_stream``, ``check_alive``, the figures)
-    and ``generate``; ``routing``: ``cache_aware`` (default) or ``round_robin``."""
+    and ``generate``; ``routing``: ``cache_aware`` (default) or ``round_robin``; ``routing_balance``:
+    the cache-aware router's load bound (a multiple of the mean requests in flight)."""
 
-    def __init__(self, size: int, model: str | None = None, *, routing: str = "cache_aware", **llm_kwargs: Any) -> None:
+    def __init__(
+        self,
+        size: int,
+        model: str | None = None,
+        *,
+        routing: str = "cache_aware",
+        routing_balance: float = DEFAULT_BALANCE,
+        **llm_kwargs: Any,
+    ) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"data_parallel_size must be a positive int, got {size!r}")
         if routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {routing!r}")
+        check_balance(routing_balance)
         self._own_dir: str | None = None
         if llm_kwargs.get("grammar_cache_dir") is None:
             self._own_dir = tempfile.mkdtemp(prefix="guidespec-grammars-")
@@ -49,7 +59,7 @@ class EngineGroup:
         self.names = [f"replica-{i}" for i in range(size)]
         first = self.engines[0]
         self.config, self.tokenizer, self.prompts = first.config, first.tokenizer, first.prompts
-        self.router = make_router(routing, self.config.kv_block_size)
+        self.router = make_router(routing, self.config.kv_block_size, routing_balance)
         self.in_flight = [0] * size  # requests each engine serves now
         self.num_routed = [0] * size  # requests sent to each since start
         self._serving = [True] * size  # healthy at the last look (a change to False: the router forgets it)

@@ -45,7 +45,14 @@ from typing import Any, AsyncIterator, Callable
 
 from guidespec.config import EngineConfig
 from guidespec.launch import routing as routing_module  # (its BOARD: see routing.Board)
-from guidespec.launch.routing import ROUTING_POLICIES, CacheAwareRouter, grammar_key_of, make_router
+from guidespec.launch.routing import (
+    DEFAULT_BALANCE,
+    ROUTING_POLICIES,
+    CacheAwareRouter,
+    check_balance,
+    grammar_key_of,
+    make_router,
+)
 from guidespec.llm import (
     LLM,
     EngineDeadError,
@@ -179,7 +186,9 @@ class CacheAwareRequestRouter(_ray_router_base()):  # type: ignore[misc]
     the replicas (the ingress); routers share no state, and rendezvous hashing sends a new
     prefix to the same replica from any of them."""
 
-    def initialize_state(self, routing: str = "cache_aware", block_size: int = 16, balance: float = 1.25) -> None:
+    def initialize_state(
+        self, routing: str = "cache_aware", block_size: int = 16, balance: float = DEFAULT_BALANCE
+    ) -> None:
         self.policy = (
             CacheAwareRouter(block_size=block_size, balance=balance)
             if routing == "cache_aware"
@@ -396,6 +405,7 @@ def build_app(
     *,
     num_replicas: int = 2,
     routing: str = "cache_aware",
+    routing_balance: float = DEFAULT_BALANCE,
     served_model_name: str | None = None,
     api_key: str | None = None,
     cpus_per_rank: float = 1.0,
@@ -412,6 +422,7 @@ def build_app(
         raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
     if routing not in ROUTING_POLICIES:
         raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {routing!r}")
+    routing_balance = check_balance(routing_balance)
     kwargs = llm_arguments(**llm_kwargs)
     kwargs.pop("restart_on_failure")
     kwargs["distributed_executor"] = "mp"  # a replica's ranks: processes beside it, in its bundle
@@ -439,7 +450,7 @@ def build_app(
         graceful_shutdown_timeout_s=30,
         request_router_config=RequestRouterConfig(
             request_router_class=CacheAwareRequestRouter,
-            request_router_kwargs={"routing": routing, "block_size": config.kv_block_size},
+            request_router_kwargs={"routing": routing, "block_size": config.kv_block_size, "balance": routing_balance},
             request_routing_stats_period_s=STATS_PERIOD_S,
             request_routing_stats_timeout_s=10 * STATS_PERIOD_S,
         ),
@@ -466,7 +477,14 @@ def app_builder(args: dict[str, str]) -> Any:
     defaults: ``tensor_parallel_size=2``, ``routing=round_robin``, ``grammar_cache_dir=/shared/dir``)."""
     typed: dict[str, Any] = {}
     defaults = llm_arguments()
-    defaults.update(num_replicas=2, routing="cache_aware", served_model_name=None, api_key=None, cpus_per_rank=1.0)
+    defaults.update(
+        num_replicas=2,
+        routing="cache_aware",
+        routing_balance=DEFAULT_BALANCE,
+        served_model_name=None,
+        api_key=None,
+        cpus_per_rank=1.0,
+    )
     for key, value in args.items():
         if key == "model":
             continue
@@ -517,6 +535,7 @@ def serve_on_ray(args: argparse.Namespace, name: str) -> int:
         args.model,
         num_replicas=args.data_parallel_size,
         routing=args.routing,
+        routing_balance=args.routing_balance,
         served_model_name=name,
         api_key=args.api_key,
         **kwargs,

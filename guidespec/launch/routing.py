@@ -56,8 +56,7 @@ class CacheAwareRouter:
     def __init__(
         self, block_size: int = 16, max_blocks: int = 256, balance: float = 1.25, max_entries: int = 200_000
     ) -> None:
-        if balance < 1:
-            raise ValueError(f"balance must be >= 1 (a share of the mean load), got {balance}")
+        check_balance(balance)
         self.block_size, self.max_blocks, self.balance, self.max_entries = block_size, max_blocks, balance, max_entries
         self._blocks: OrderedDict[int, set[str]] = OrderedDict()  # block hash -> replicas sent it (LRU)
         self._grammars: OrderedDict[str, set[str]] = OrderedDict()  # grammar key -> replicas sent it (LRU)
@@ -190,9 +189,19 @@ class RoundRobinRouter:
 Router = CacheAwareRouter | RoundRobinRouter
 
 
-def make_router(policy: str, block_size: int = 16) -> Router:
+DEFAULT_BALANCE = 1.25
+
+
+def check_balance(balance: object) -> float:
+    """``balance`` as a load bound: a number >= 1 (a multiple of the mean load), else ValueError."""
+    if isinstance(balance, bool) or not isinstance(balance, (int, float)) or not balance >= 1 or balance == math.inf:
+        raise ValueError(f"the routing balance must be a number >= 1 (a multiple of the mean load), got {balance!r}")
+    return float(balance)
+
+
+def make_router(policy: str, block_size: int = 16, balance: float = DEFAULT_BALANCE) -> Router:
     if policy == "cache_aware":
-        return CacheAwareRouter(block_size=block_size)
+        return CacheAwareRouter(block_size=block_size, balance=balance)
     if policy == "round_robin":
         return RoundRobinRouter()
     raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {policy!r}")

@@ -170,3 +170,23 @@ def test_a_balance_below_one_is_refused(balance: float) -> None:
 def test_round_robin_takes_turns() -> None:
     router = RoundRobinRouter()
     assert Counter(router.choose(REPLICAS, {}, prompt(1, i)) for i in range(10)) == {"r0": 5, "r1": 5}
+
+
+def test_the_load_bound_is_a_setting_checked_at_the_boundary() -> None:
+    """``--routing-balance`` / ``routing_balance``: a number >= 1, else refused before anything starts."""
+    from guidespec.entrypoints.cli import _parser
+    from guidespec.launch.routing import make_router
+
+    router = make_router("cache_aware", 16, 1.5)
+    assert isinstance(router, CacheAwareRouter) and router.balance == 1.5
+    router.routed("r0", prompt(1, 0))
+    assert router.choose(REPLICAS, {"r0": 5.0, "r1": 2.0}, prompt(1, 1)) == "r0"  # 6 <= floor(1.5 x 4)
+    tight = make_router("cache_aware", 16)
+    tight.routed("r0", prompt(1, 0))
+    assert tight.choose(REPLICAS, {"r0": 5.0, "r1": 2.0}, prompt(1, 1)) == "r1"  # 6 > max(5, floor(1.25 x 4))
+    for bad in (0.5, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(ValueError):
+            make_router("cache_aware", 16, bad)  # type: ignore[arg-type]
+    assert _parser().parse_args(["serve", "--routing-balance", "1.5"]).routing_balance == 1.5
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--routing-balance", "0.9"])
