@@ -16,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 

@@ -106,9 +106,8 @@ class KVCache:
         return self._rows
 
     def _slot_rows(self, slot_of_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        size = self.block_size
-        blocks = self.tables[slot_of_token, torch.div(positions, size, rounding_mode="floor")].long()
-        return blocks * size + positions % size
+        blocks, offsets = self.locate(slot_of_token, positions)
+        return blocks * self.block_size + offsets
 
     def locate(self, slot_of_token: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's block and offset in it (int64 [T] each), computed afresh: the padded
@@ -150,8 +149,6 @@ class KVCache:
     def _rows_of_blocks(self, cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
         b, num = tables.shape
         hkv, _, size, d = cache.shape
-        if self._heads.device != cache.device or self._heads.numel() != hkv:
-            self._heads = torch.arange(hkv, device=cache.device)[None, :, None]
         blocks = cache[self._heads, tables[:, None, :]]  # [B, hkv, num, size, D], laid out so already
         return blocks.view(b, hkv, num * size, d)[:, :, :length]
 

@@ -13,6 +13,7 @@ them against torch). Each returns None where it does not apply: torch's ops then
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -26,15 +27,12 @@ except ImportError:  # torch's ops stand in
 _HALF = (torch.bfloat16, torch.float16)
 
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # (read by Triton at import, as here)
+
+
 def applies(x: torch.Tensor) -> bool:
     """Whether these kernels take ``x``: half precision on CUDA (or any device in the interpreter)."""
-    return triton is not None and x.dtype in _HALF and (x.is_cuda or _interpreted())
-
-
-def _interpreted() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return triton is not None and x.dtype in _HALF and (x.is_cuda or _INTERPRETED)
 
 
 if triton is not None:
