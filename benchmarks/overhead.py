@@ -14,9 +14,12 @@ integers (it cannot close within the run, so every step is masked; early closing
 default); ``json-noclose``, the same with ``close_early=False``; ``regex``, ``[0-9a-z ]+``;
 ``json+ngram``, the json mode with the n-gram drafter. Everything else is the engine's defaults
 (jump-forward on). Each mode runs on an engine of its own once per ``--scheduling``: ``async``
-(the default: step N+1 planned and sent while step N runs) and ``sync``
+(the default: step N+1 planned and sent while step N runs; on CUDA a greedy decode step is
+launched before the step before's tokens reach the host), ``sync``
 (``GUIDESPEC_ASYNC_SCHEDULING=0``; an engine with a drafter runs its steps one after another
-either way).
+either way) and ``async-serial-worker`` (async, but the worker waits for each step's tokens
+before it launches the next: ``GUIDESPEC_OVERLAP_STEPS=0``). Only ``async`` and ``sync`` run
+unless ``--scheduling`` names it.
 
 For each batch B, B prompts (eight distinct short ones, cycled), greedy, EOS ignored, each run
 to ``--max-tokens``: a warm-up generate of 8 tokens, then the timed one. ms/step is its wall
@@ -79,7 +82,8 @@ MODES: dict[str, tuple[GuidedDecoding | None, str | None]] = {  # mode -> (guide
     "regex": (GuidedDecoding(regex="[0-9a-z ]+"), None),
     "json+ngram": (GuidedDecoding(json_schema=JSON_ARRAY), "ngram"),
 }
-SCHEDULING = {"async": "1", "sync": "0"}  # -> GUIDESPEC_ASYNC_SCHEDULING
+# -> (GUIDESPEC_ASYNC_SCHEDULING, GUIDESPEC_OVERLAP_STEPS)
+SCHEDULING = {"async": ("1", ""), "sync": ("0", ""), "async-serial-worker": ("1", "0")}
 PROMPTS = (
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "List the prime numbers below one hundred.",
@@ -133,7 +137,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--modes", type=_names(MODES), default=list(MODES))
     parser.add_argument("--batches", type=_integers, default=[1, 16, 64, 256])
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--scheduling", type=_names(SCHEDULING), default=list(SCHEDULING))
+    parser.add_argument("--scheduling", type=_names(SCHEDULING), default=["async", "sync"])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--peers", action="store_true", help="llama.cpp and HF generate at batch 1, same weights")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the peers' threads")
@@ -160,7 +164,10 @@ def run_engine(
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, guided=guided)
     with tempfile.TemporaryDirectory(prefix="guidespec-overhead-") as tmp:
         trace, profile = Path(tmp) / "trace.json", Path(tmp) / "profile"
-        env = {"GUIDESPEC_TRACE": str(trace), "GUIDESPEC_ASYNC_SCHEDULING": SCHEDULING[scheduling]}
+        ahead, overlap = SCHEDULING[scheduling]
+        env = {"GUIDESPEC_TRACE": str(trace), "GUIDESPEC_ASYNC_SCHEDULING": ahead}
+        if overlap:
+            env["GUIDESPEC_OVERLAP_STEPS"] = overlap
         if args.device == "cuda":
             profile.mkdir()
             env["GUIDESPEC_TORCH_PROFILER_DIR"] = str(profile)

@@ -63,6 +63,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_key_value_heads=32,
         rope_theta=130000.0,
     ),
+    # Llama-3.1-8B's shape (its 128,256-token vocabulary, untied head): a decode step bound by
+    # reading 16 GB of weights (the bandwidth check of issue 48); SmolLM2's tokenizer covers the
+    # first 49,152 ids
+    "llama-3.1-8b": dict(
+        _SMOLLM2,
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+    ),
 }
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -155,10 +170,13 @@ def _save_random_weights(config: dict[str, Any], folder: Path, seed: int) -> Non
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config)
     # no init: the weights are drawn below (Module.to: transformers' typed wrapper confuses mypy)
-    model = torch.nn.Module.to(model, torch.bfloat16).to_empty(device="cpu")
+    # drawn on the GPU where there is one and the model is large (8B numbers: minutes on a CPU)
+    big = sum(p.numel() for p in model.parameters()) > 2_000_000_000
+    device = "cuda" if big and torch.cuda.is_available() else "cpu"
+    model = torch.nn.Module.to(model, torch.bfloat16).to_empty(device=device)
     if config["tie_word_embeddings"]:
         model.tie_weights()
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() == 1:  # RMSNorm weights

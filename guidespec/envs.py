@@ -117,6 +117,15 @@ def async_scheduling() -> bool:
     return os.environ.get("GUIDESPEC_ASYNC_SCHEDULING", "1") != "0"
 
 
+def overlap_steps(device_type: str) -> bool:
+    """Whether a worker launches a greedy decode step before the step before's tokens are on the
+    host (``worker.py``: ``_overlapped_step``; ``GUIDESPEC_OVERLAP_STEPS``): by default on CUDA
+    only (a CPU step ends when its work does: nothing to overlap); ``0`` never, to measure the
+    difference; ``1`` on any device (the CPU too: how the tests without a GPU run it)."""
+    value = os.environ.get("GUIDESPEC_OVERLAP_STEPS")
+    return value == "1" or (value != "0" and device_type == "cuda")
+
+
 def draft_mask_timeout_s() -> float:
     """How long rank 0 waits for a draft step's mask before drafting no more this step
     (``GUIDESPEC_DRAFT_MASK_TIMEOUT_S``; a dead scheduler ends the wait at once)."""

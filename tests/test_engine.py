@@ -480,3 +480,41 @@ def test_async_scheduling_equals_steps_one_after_another(
     sent = {e["args"]["step"]: e["ts"] + e["dur"] for e in spans if e["name"] == "schedule + write inputs"}
     emitted = {e["args"]["step"]: e["ts"] for e in spans if e["name"] == "emit"}
     assert any(sent[step + 1] < emitted[step] for step in emitted if step + 1 in sent)
+
+
+def test_overlapped_decode_steps_equal_steps_one_after_another(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A worker that launches each greedy decode step before the one before's tokens reach the
+    host (``GUIDESPEC_OVERLAP_STEPS=1``: CUDA's default, forced here on the CPU), those tokens
+    read where they were picked: the same tokens as steps one after another, requests ending
+    mid-overlap (max_tokens 1 and 5, a stop string, a long one), and a sampled request in the batch
+    for some of its steps (not overlapped); the trace shows a step's forward starting before the
+    step before's outputs left."""
+    requests = [
+        (CHATS[0], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)),
+        ("1, 2, 3, 4, 5, 6, 7,", SamplingParams(max_tokens=30, temperature=0.0, stop=["10"])),
+        (CHATS[2], SamplingParams(max_tokens=1, temperature=0.0)),
+        (CHATS[4], SamplingParams(max_tokens=5, temperature=0.0)),
+        (CHATS[1], SamplingParams(max_tokens=3, temperature=0.9, seed=7)),
+    ]
+
+    def run(engine: LLM) -> list[list[int]]:
+        async def together() -> list[GenerationOutput]:
+            return await asyncio.gather(*(engine.agenerate(prompt, params) for prompt, params in requests))
+
+        return [out.token_ids for out in asyncio.run(together())]
+
+    engine = dict(max_batch_size=8, show_progress=False, dtype="float32")
+    runs, trace = {}, tmp_path / "trace.json"
+    for overlap in ("1", "0"):
+        monkeypatch.setenv("GUIDESPEC_OVERLAP_STEPS", overlap)
+        if overlap == "1":
+            monkeypatch.setenv("GUIDESPEC_TRACE", str(trace))
+        else:
+            monkeypatch.delenv("GUIDESPEC_TRACE")
+        with LLM(**engine) as llm:  # type: ignore[arg-type]
+            runs[overlap] = run(llm)
+    assert runs["1"] == runs["0"]
+    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and e["pid"] == 2]
+    forward = {e["args"]["step"]: e["ts"] for e in spans if e["name"] == "forward"}
+    outputs = {e["args"]["step"]: e["ts"] + e["dur"] for e in spans if e["name"] == "mask + sample"}
+    assert any(forward[step + 1] < outputs[step] for step in outputs if step + 1 in forward)

@@ -101,12 +101,15 @@ class StaticBuffers:
         self.host = torch.zeros(3 * t + b, dtype=torch.long, pin_memory=pin)
         self.device = torch.zeros(3 * t + b, dtype=torch.long, device=device)
         self.host_np = self.host.numpy()
+        self.copied = torch.cuda.Event() if pin else None  # recorded after each copy to the device
         self.token_ids, self.positions, self.token_slots, self.row_slots = self.device.split([t, t, t, b])
         self.fill_padding()
 
     def fill_padding(self) -> None:
         """Every token and row on the scratch slot (what a capture runs on)."""
         t = self.key.batch * self.key.tokens_per_row
+        if self.copied is not None:
+            self.copied.synchronize()
         self.host_np[:] = 0
         self.host_np[2 * t :] = self.scratch_slot
         self.host_np[t : 2 * t] = np.tile(np.arange(self.key.tokens_per_row), self.key.batch)
@@ -117,6 +120,8 @@ class StaticBuffers:
         index, in the padded layout, of each of the batch's logits rows and of each of its tokens."""
         key, n = self.key, self.key.tokens_per_row
         t = key.batch * n
+        if self.copied is not None:
+            self.copied.synchronize()
         counts = np.asarray(batch.num_new_tokens, dtype=np.int64)
         starts = np.asarray(batch.start_positions, dtype=np.int64)
         rows = len(counts)
@@ -137,8 +142,9 @@ class StaticBuffers:
             token_slots.ravel(),
             row_slots,
         )
-        # (the host tensor is written again only after this step's tokens came back: copied by then)
         self.device.copy_(self.host, non_blocking=True)
+        if self.copied is not None:  # (the host side is written again once copied: steps overlap)
+            self.copied.record()
         flat_of_real = (np.arange(rows)[:, None] * n + column)[real]  # the padded index of each real token
         return flat_of_real[batch.logits_indices.cpu().numpy()], flat_of_real
 
@@ -201,12 +207,19 @@ class GraphRunner:
             return None
         return GraphKey(b, n, key_bucket(end, self.model.max_model_len))
 
-    def run(self, batch: ForwardBatch, key: GraphKey) -> torch.Tensor:
-        """Hidden states after the final norm at ``batch.logits_indices``: [R, hidden]."""
+    def run(
+        self, batch: ForwardBatch, key: GraphKey, from_device: tuple[np.ndarray, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Hidden states after the final norm at ``batch.logits_indices``: [R, hidden].
+        ``from_device``: (indexes of the batch's tokens, their values on the device), written
+        into the graph's inputs on the device (tokens a step before picked, not yet on the host)."""
         buffers = self.buffers.get(key)
         if buffers is None:
             buffers = self.buffers[key] = StaticBuffers(key, self.device, self.scratch_slot)
         index, tokens = buffers.write(batch, self.model.max_model_len)
+        if from_device is not None:
+            at, values = from_device
+            buffers.token_ids[torch.from_numpy(tokens[at]).to(self.device, non_blocking=True)] = values
         if self.capture:
             graph, output, features = self.graphs.get(key) or self._capture(key, buffers, batch)
             graph.replay()

@@ -76,9 +76,10 @@ class KVCache:
             host[slot, length:] = self.scratch_block
             host[slot, :length] = given[offset : offset + length]
             offset += length
-        if self.tables is not host:
+        if self.tables is not host:  # (copies that do not wait for the steps still running)
             index = torch.from_numpy(slots.astype(np.int64))
-            self.tables.index_copy_(0, index.to(self.tables.device), host[index].to(self.tables.device))
+            device = self.tables.device
+            self.tables.index_copy_(0, index.to(device, non_blocking=True), host[index].to(device, non_blocking=True))
         self._rows_of = self._tables_of = None
 
     def first_layers(self, n: int) -> KVCache:

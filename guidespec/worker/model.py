@@ -47,6 +47,7 @@ from guidespec.worker.kernels import (
     silu_mul,
 )
 from guidespec.worker.kernels import layer_triton
+from guidespec.worker.kernels.attention_triton import paged_attention
 from guidespec.worker.kernels.gguf_weights import GGUFWeight, concat_rows
 from guidespec.worker.forward_batch import AttentionGroup, ForwardBatch
 from guidespec.worker.kv_cache import KVCache
@@ -400,8 +401,9 @@ class LlamaModel:
         an EAGLE head's features of every position in ``self.captured``, as :meth:`forward`
         does. No host synchronisation and no shape that depends on the values: capturable as it is.
         """
-        n, b = tokens_per_row, row_slots.shape[0]
-        masks = self._padded_masks(positions.view(b, n), key_length)
+        n = tokens_per_row
+        # the additive masks, built once a forward where torch's attention needs them
+        masks: dict[int | None, torch.Tensor] = {}
         where, tables = kv.locate(token_slots, positions), kv.row_tables(row_slots, key_length)
         x = self._embed(token_ids)
         rotary = {id(table): (table[0][positions], table[1][positions]) for table in self.rotary}
@@ -411,8 +413,9 @@ class LlamaModel:
             x, h = self._add_norm(x, delta, layer["input_norm"])
             if isinstance(capture, tuple) and i in capture:
                 kept.extend([x] * capture.count(i))
-            mask, (cos, sin) = masks[self.cfg.window(i)], rotary[id(self.rotary[i])]
-            attention = self._attention_padded(h, layer, kv, i, where, tables, n, key_length, mask, cos, sin)
+            cos, sin = rotary[id(self.rotary[i])]
+            step = (where, tables, positions)
+            attention = self._attention_padded(h, layer, kv, i, step, n, key_length, masks, cos, sin)
             x, h = self._add_norm(x, self._out_norm(attention, layer.get("attn_out_norm")), layer["post_norm"])
             delta = self._out_norm(self._mlp(h, layer), layer.get("mlp_out_norm"))
         _, out = self._add_norm(x, delta, self.final_norm)
@@ -438,30 +441,39 @@ class LlamaModel:
 
     def _attention_padded(
         self,
-        h,
-        layer,
+        h: torch.Tensor,
+        layer: dict[str, Any],
         kv: KVCache,
         i: int,
-        where,
-        tables,
-        n: int,  # type: ignore[no-untyped-def]
+        step: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor],
+        n: int,
         key_length: int,
-        mask,
-        cos,
-        sin,
+        masks: dict[int | None, torch.Tensor],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
     ) -> torch.Tensor:
-        """``where``: :meth:`KVCache.locate` of the step's tokens; ``tables``: :meth:`KVCache.row_tables`
-        of its rows (both once per forward, not per layer: fewer kernels in a captured step)."""
+        """``step``: :meth:`KVCache.locate` of the step's tokens, :meth:`KVCache.row_tables` of its
+        rows (both once per forward, not per layer: fewer kernels in a captured step) and the
+        tokens' positions. In half precision on CUDA: RoPE with the cache write, then attention
+        through the block tables, one Triton kernel each; else torch's rotation, writes, gathers
+        and SDPA with the additive masks (built at the first layer that needs them)."""
         d, hq, hkv, g = self.cfg.head_dim, self.num_local_heads, self.num_local_kv_heads, self.cfg.num_query_groups
-        b = tables.shape[0]
+        where, tables, positions = step
+        b, window = tables.shape[0], self.cfg.window(i)
         qkv = self._qk_normed(linear(h, layer["qkv"], layer.get("qkv_bias")), layer)
-        qk = apply_rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)
-        q, k, v = qk[:, :hq], qk[:, hq:], qkv[:, (hq + hkv) * d :].view(-1, hkv, d)
-        kv.write_at(i, where, k, v)
-        keys, values = kv.gather_tables(i, tables, key_length)  # [B, hkv, L, D]: only the rows' slots
-        q = q.reshape(b, n, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * n, d)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        out = out.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, hq * d)
+        q = layer_triton.rope_into_cache(qkv, hq, hkv, cos, sin, where, kv.k[i], kv.v[i])
+        if q is None:
+            qk = apply_rope(qkv[:, : (hq + hkv) * d].view(-1, hq + hkv, d), cos, sin)
+            q = qk[:, :hq]
+            kv.write_at(i, where, qk[:, hq:], qkv[:, (hq + hkv) * d :].view(-1, hkv, d))
+        out = paged_attention(q, kv.k[i], kv.v[i], tables, positions, n, key_length, window)
+        if out is None:
+            if not masks:
+                masks.update(self._padded_masks(positions.view(b, n), key_length))
+            keys, values = kv.gather_tables(i, tables, key_length)  # [B, hkv, L, D]: only the rows' slots
+            q = q.reshape(b, n, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * n, d)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[window])
+            out = out.view(b, hkv, g, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, hq * d)
         return all_reduce(linear(out, layer["o"], layer.get("o_bias")), self.tp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

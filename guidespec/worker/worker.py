@@ -66,6 +66,7 @@ from guidespec.worker.penalties import TokenHistory
 
 _IDLE_READ_TIMEOUT_S = 1.0
 _ROWS_PER_REQUEST = 9  # logits rows a request has in a step (1 + drafts), without a mask arena to say
+_CPU_GRACE_S = 0.02  # an overlapped step on the CPU waits this long for the next one (_Done)
 _FEW_TOKENS = 4  # a mask allowing at most vocab / 4 tokens: their logits alone cost less than all
 logger = logging.getLogger(__name__)
 
@@ -219,6 +220,11 @@ class Worker:
             )
         elif cfg.fused_steps:
             self.step_follower = FusedStepFollower(self.model, self.kv, cfg.max_batch_size, max_rows, use_graphs)
+        # overlapped decode steps (``_overlapped_step``): a step's picks, two steps' worth of page-locked rows
+        self.overlap = envs.overlap_steps(self.device.type)
+        self.pending: _Pending | None = None
+        self._picked = [torch.zeros(max_rows, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self._flip = 0
         self.graphs = None
         if use_graphs:
             features = self.drafter.capture if self.drafter is not None else None
@@ -235,7 +241,11 @@ class Worker:
         folder = envs.torch_profiler_dir()
         self.profiler = _StepProfiler(Path(folder)) if folder is not None and self.tp.rank == 0 else None
         while True:
+            if self.pending is not None and not self._next_ready(self.pending):
+                results.send(self._finish_pending())  # nothing to launch behind it: its tokens go now
             message = self._next_message(parent_pid)
+            if self.pending is not None and not (isinstance(message, StepInputs) and self._overlaps(message)):
+                results.send(self._finish_pending())
             if isinstance(message, Shutdown):
                 return
             if isinstance(message, DraftMask):  # rank 0's draft loop reads these; the other ranks skip them
@@ -249,6 +259,9 @@ class Worker:
                 results.send(outputs)
 
     def step(self, inputs: StepInputs) -> StepOutputs | None:
+        if self._overlaps(inputs):
+            self._overlapped_step(inputs)  # (its outputs leave later: loop)
+            return None
         if (inputs.token_ids == LAST_SAMPLED).any():
             inputs = self._with_last_sampled(inputs)
         if inputs.table_slots is not None:
@@ -376,6 +389,94 @@ class Worker:
             mask_waits=np.array(waits, dtype=np.float64).reshape(-1, 3) if waits else None,
         )
 
+    def _overlaps(self, inputs: StepInputs) -> bool:
+        """Whether ``inputs`` runs as an overlapped step (:meth:`_overlapped_step`): on one rank
+        without a drafter, a decode step of greedy rows without masks or penalties."""
+        return (
+            self.overlap
+            and self.tp.size == 1
+            and self.drafter is None
+            and self.step_graphs is None
+            and not inputs.has_bitmask
+            and inputs.draft_lens is None
+            and (inputs.num_new_tokens == 1).all()
+            and (inputs.num_logits == 1).all()
+            and not inputs.temperature.any()
+            and not inputs.penalized.any()
+        )
+
+    def _overlapped_step(self, inputs: StepInputs) -> None:
+        """Launch a decode step without waiting for the one before (CUDA: the GPU runs them in
+        order). Rows whose token is the step before's newest (``LAST_SAMPLED``, async scheduling)
+        read it on the device, where that step's greedy picks still are; the step's picks are
+        copied to page-locked memory behind its kernels, and the step before's outputs go to the
+        scheduler while this one runs. This step's own outputs leave once the next step is
+        launched, or when it is done and nothing else came (``loop``)."""
+        start, wall_start = time.perf_counter(), time.time()
+        before, self.pending = self.pending, None
+        if inputs.table_slots is not None:
+            self.kv.set_tables(inputs.table_slots, inputs.table_lens, inputs.table_blocks)  # type: ignore[arg-type]
+        token_ids = inputs.token_ids.copy()
+        where = np.flatnonzero(token_ids == LAST_SAMPLED)
+        slots = inputs.slots[where]  # (one token a row)
+        from_device = None
+        if len(where):
+            running = np.isin(slots, before.inputs.slots) if before is not None else np.zeros(len(where), bool)
+            token_ids[where[~running]] = self.last_sampled[slots[~running]]
+            if running.any():
+                assert before is not None
+                row_of_slot = {slot: row for row, slot in enumerate(before.inputs.slots.tolist())}
+                rows = np.array([row_of_slot[slot] for slot in slots[running].tolist()], dtype=np.int64)
+                token_ids[where[running]] = 0  # (written on the device before the forward)
+                from_device = (where[running], before.picks[_index_on(self.device, rows)])
+        batch = ForwardBatch.create(
+            token_ids, inputs.slots, inputs.start_positions, inputs.num_new_tokens, inputs.num_logits
+        )
+        key = self.graphs.plan(batch) if self.graphs is not None else None
+        if key is not None:
+            hidden = self.graphs.run(batch, key, from_device)  # type: ignore[union-attr]
+        else:
+            hidden = self.model.forward(self._device_tokens(batch, from_device), self.kv)
+        logits = self.model.compute_logits(hidden)
+        assert logits is not None
+        picks = logits.argmax(dim=-1)
+        self._flip ^= 1  # (the step before's buffer may still be read)
+        host = self._picked[self._flip][: len(picks)]
+        host.copy_(picks, non_blocking=True)
+        done = torch.cuda.Event() if self.device.type == "cuda" else _Done()
+        done.record()
+        self.pending = _Pending(inputs, picks, host, done, (start, wall_start, time.time()))
+        if before is not None:
+            self.results.send(self._outputs_of(before))
+
+    def _device_tokens(self, batch: ForwardBatch, from_device: tuple[np.ndarray, torch.Tensor] | None) -> ForwardBatch:
+        """``batch`` on the device with the tokens ``from_device`` (token indexes, device values) put in."""
+        batch = batch.to(self.device)
+        if from_device is not None:
+            index, values = from_device
+            batch.token_ids[_index_on(self.device, index)] = values
+        return batch
+
+    def _next_ready(self, pending: _Pending) -> bool:
+        """Wait until the next message is there (True) or ``pending``'s picks are (False)."""
+        while not self.reader.poll():
+            if pending.done.query():
+                return self.reader.poll()
+        return True
+
+    def _finish_pending(self) -> StepOutputs:
+        pending, self.pending = self.pending, None
+        assert pending is not None
+        return self._outputs_of(pending)
+
+    def _outputs_of(self, pending: _Pending) -> StepOutputs:
+        """An overlapped step's outputs, once its picks are on the host."""
+        pending.done.synchronize()
+        tokens = pending.host.numpy().astype(np.int32)
+        start, wall_start, launched = pending.times
+        counts = np.ones(len(tokens), dtype=np.int32)
+        return self._outputs(pending.inputs, tokens, counts, (start, wall_start, launched, launched))
+
     def _with_last_sampled(self, inputs: StepInputs) -> StepInputs:
         """``inputs`` with each ``LAST_SAMPLED`` token replaced by the one rank 0 sampled for its
         row's slot in the step before (a step sent before that one's outputs came back: async
@@ -444,6 +545,32 @@ class Worker:
             except RingTimeout:
                 if not parent_alive(parent_pid):
                     return Shutdown("parent process is gone")
+
+
+@dataclasses.dataclass
+class _Pending:
+    """An overlapped step launched, its outputs not yet sent."""
+
+    inputs: StepInputs
+    picks: torch.Tensor  # [B] on the device
+    host: torch.Tensor  # [B] page-locked, filled behind the step's kernels
+    done: Any  # torch.cuda.Event after that copy
+    times: tuple[float, float, float]  # perf_counter start, wall start, wall time launched
+
+
+class _Done:
+    """A CPU step's stand-in for a CUDA event. Its work ended when the call did; it reads as
+    running for ``_CPU_GRACE_S`` more, so the next step can be launched behind it as on a GPU
+    (``GUIDESPEC_OVERLAP_STEPS=1`` on the CPU: how the tests without a GPU run that path)."""
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def query(self) -> bool:
+        return time.perf_counter() - self.at > _CPU_GRACE_S
+
+    def synchronize(self) -> None:
+        pass
 
 
 class _DraftMasks:

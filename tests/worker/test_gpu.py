@@ -100,6 +100,45 @@ def test_model_logits_match_hf_on_the_gpu(tmp_path: Path, dtype: torch.dtype, to
     torch.testing.assert_close(logits, expected, atol=tol, rtol=tol)
 
 
+def test_the_padded_forward_s_kernels_equal_torch_s_in_bf16(
+    random_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a CUDA graph captures in bf16 (``forward_padded``: RoPE with the cache write and
+    attention through the block tables as Triton kernels) against torch's rotation, writes,
+    gathers and SDPA, decode and verify rows at ~300 keys (blocks scattered through the pool):
+    close (Triton's interpreter, which checks them in CI, cannot multiply bf16)."""
+    import numpy as np
+
+    from guidespec.worker import model as model_mod
+
+    hf = load_hf_config(random_model)
+    model = LlamaModel(ModelConfig.from_hf(hf), TPInfo(), torch.bfloat16, 512, device=DEVICE)
+    model.load(random_model, hf, show_progress=False)
+    outs = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(model_mod, "paged_attention", lambda *a: None)
+            monkeypatch.setattr(model_mod.layer_triton, "rope_into_cache", lambda *a: None)
+        kv = model.create_kv_cache(3, 16, num_blocks=64)
+        tables = np.random.default_rng(0).permutation(64)[:63]
+        kv.set_tables(np.array([0, 1, 2]), np.array([21, 21, 21]), tables)
+        model.forward(ForwardBatch.create(np.arange(600) % 4000 + 5, [0, 2], [0, 0], [300, 300], [1, 1]), kv)
+        for n in (1, 4):
+            positions = torch.tensor([[300 + j for j in range(n)], [290 + j for j in range(n)]], device=DEVICE)
+            slots = torch.tensor([0, 2], device=DEVICE)
+            outs[fused, n] = model.forward_padded(
+                kv,
+                torch.arange(2 * n, device=DEVICE) + 7,
+                positions.view(-1),
+                slots.repeat_interleave(n),
+                slots,
+                n,
+                320,
+            )
+    for n in (1, 4):
+        torch.testing.assert_close(outs[True, n].float(), outs[False, n].float(), atol=6e-2, rtol=6e-2)
+
+
 def test_greedy_output_equals_hf_generate(random_model: Path) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -226,11 +226,10 @@ class EagleHead:
             self.layer,
             kv,
             0,
-            kv.locate(token_slots, positions),
-            kv.row_tables(slots, key_length),
+            (kv.locate(token_slots, positions), kv.row_tables(slots, key_length), positions),
             n,
             key_length,
-            mask,
+            {self.attn.cfg.window(0): mask},  # (torch's attention reads it; the paged kernel masks by position)
             cos,
             sin,
         )
