@@ -117,7 +117,7 @@ def _serve_parser(commands: Subparsers) -> None:
     serve.add_argument(
         "--routing-balance",
         type=_balance,
-        default=1.25,  # (routing.DEFAULT_BALANCE: the CLI imports no routing module before it parses)
+        default=1.5,  # (routing.DEFAULT_BALANCE: the CLI imports no routing module before it parses)
         help="cache_aware routing's load bound: a replica takes a request while its requests in flight stay within "
         "this multiple of the mean (or one past the mean); higher keeps more requests where their prefix is "
         "cached, lower spreads them more evenly",

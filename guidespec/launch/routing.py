@@ -10,12 +10,18 @@ to the replica holding the fewest prefixes (each prefix draws its own stream of 
 them evenly spreads the load that affinity will keep there), then the fewest blocks, then one that
 was sent its grammar (compiled there; the others load it from the shared grammar store), then its
 prefix's *home*: the replica that ranks first for the hash of its first block (rendezvous
-hashing: routers that share no state send a prefix to the same replica, and among replicas that
-all hold a prefix it goes to the same one each time). Affinity yields to load: a
-replica is taken only while its requests in flight, with this one, stay within ``balance``
-times the mean, or one past the mean at small loads (consistent hashing with bounded loads); a
-hot prefix then spills over to the next replica, which learns it too. A replica that dies is
-forgotten (its caches died with it).
+hashing: routers that share no state send a prefix to the same replica). Among replicas that
+hold as much of a prompt, it goes to the one last sent that prefix: a prefix that spilled moves
+with its spill (the busy replica it left is relieved for good, and its cache turns over to its
+other prefixes) instead of returning to its first replica whenever that one has room; a spill
+goes, as a new prefix does, to the replica holding the fewest prefixes.
+Affinity yields to load: a replica is taken only while its requests in flight, with this one,
+stay within ``balance`` times the mean, or one past the mean at small loads (consistent hashing
+with bounded loads); a prefix then spills over to the next replica, which learns it too. A
+*hot* prefix (more of the last 64 requests than a replica's share) held as far by several
+replicas is held to one past the mean instead: moving on costs it no cache hit, so it is shared
+by load rather than piled up to the bound. A replica that dies is forgotten (its caches died
+with it).
 
 Pure bookkeeping, no I/O: the local group (``entrypoints.data_parallel.EngineGroup``) and the Ray Serve
 request router (``entrypoints.ray_serve``) drive it with their replicas' names and loads.
@@ -26,10 +32,11 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from typing import Any, Mapping, Sequence
 
 ROUTING_POLICIES = ("cache_aware", "round_robin")
+_RECENT = 64  # requests over which a prefix's share of the traffic is counted (hot or not)
 
 
 def prefix_hashes(prompt_ids: Sequence[int], block_size: int, max_blocks: int) -> list[int]:
@@ -54,7 +61,7 @@ class CacheAwareRouter:
     replica whose engine died."""
 
     def __init__(
-        self, block_size: int = 16, max_blocks: int = 256, balance: float = 1.25, max_entries: int = 200_000
+        self, block_size: int = 16, max_blocks: int = 256, balance: float = 1.5, max_entries: int = 200_000
     ) -> None:
         check_balance(balance)
         self.block_size, self.max_blocks, self.balance, self.max_entries = block_size, max_blocks, balance, max_entries
@@ -63,6 +70,9 @@ class CacheAwareRouter:
         self._held: Counter[str] = Counter()  # blocks each replica was sent (that the tables still hold)
         self._firsts: set[int] = set()  # the hashes that are a prompt's first block: a prefix's identity
         self._tenants: Counter[str] = Counter()  # prefixes (first blocks) each replica was sent
+        self._recent: deque[int] = deque(maxlen=_RECENT)  # the last requests' first blocks
+        self._last: dict[int, str] = {}  # first block -> the replica last sent it
+        self._recent_count: Counter[int] = Counter()
         self.decisions: Counter[str] = Counter()  # why each request went where it went
 
     def choose(
@@ -76,19 +86,26 @@ class CacheAwareRouter:
         has_grammar = self._grammars.get(grammar_key, set()) if grammar_key else set()
         home: int | str = hashes[0] if hashes else grammar_key or hash(tuple(prompt_ids))
 
-        def preference(replica: str) -> tuple[int, tuple[int, int], bool, bytes]:
-            # a prompt nobody holds: the replica with the fewest prefixes (as many requests come for
-            # each, as far as it knows), then holding the fewest blocks, then one that has its
-            # grammar, then its home; one some hold: among them, one with its grammar, then its
-            # home (the same one each time: a spilled prefix does not alternate)
-            size = (self._tenants[replica], self._held[replica]) if not matched else (0, 0)
-            return (-matched.get(replica, 0), size, replica not in has_grammar, _rank(home, replica))
+        def preference(replica: str) -> tuple[int, tuple[int, int], bool, bool, bytes]:
+            # those holding the most of the prompt first, among them the one last sent it; then
+            # (a prompt nobody holds, or a spill) the replica with the fewest prefixes (as many
+            # requests come for each, as far as it knows: the most room in its cache), then
+            # holding the fewest blocks; then one that has its grammar, then its home
+            size = (self._tenants[replica], self._held[replica]) if replica not in matched else (0, 0)
+            last = self._last.get(hashes[0]) != replica if hashes else True
+            return (-matched.get(replica, 0), size, last, replica not in has_grammar, _rank(home, replica))
 
         ordered = sorted(replicas, key=preference)
         mean = (sum(max(0.0, loads.get(r, 0.0)) for r in replicas) + 1) / len(replicas)  # this request included
         bound = max(math.ceil(mean) + 1, math.floor(self.balance * mean))  # (one past the mean, at least)
+        # a hot prefix (more of the recent requests than a replica's share) that several replicas
+        # hold as far: moving on costs no hit, so its holders are left one past the mean
+        hot = bool(hashes) and self._recent_count[hashes[0]] * len(replicas) > len(self._recent)
+        longest = max(matched.values(), default=0)
+        shared = hot and sum(1 for n in matched.values() if n == longest) > 1
         for replica in ordered:
-            if loads.get(replica, 0.0) + 1 <= bound:
+            limit = min(bound, math.ceil(mean) + 1) if shared and matched.get(replica) == longest else bound
+            if loads.get(replica, 0.0) + 1 <= limit:
                 self.decisions[self._reason(replica, matched, has_grammar, ordered)] += 1
                 return replica
         chosen = min(replicas, key=lambda r: (loads.get(r, 0.0), preference(r)))
@@ -97,7 +114,17 @@ class CacheAwareRouter:
 
     def routed(self, replica: str, prompt_ids: Sequence[int], grammar_key: str = "") -> None:
         """``replica`` was sent this prompt (and grammar): it holds them from now on."""
-        for i, h in enumerate(prefix_hashes(prompt_ids, self.block_size, self.max_blocks)):
+        hashes = prefix_hashes(prompt_ids, self.block_size, self.max_blocks)
+        if hashes:
+            self._last[hashes[0]] = replica
+            if len(self._recent) == self._recent.maxlen:
+                oldest = self._recent[0]
+                self._recent_count[oldest] -= 1
+                if not self._recent_count[oldest]:
+                    del self._recent_count[oldest]
+            self._recent.append(hashes[0])
+            self._recent_count[hashes[0]] += 1
+        for i, h in enumerate(hashes):
             owners = self._blocks.get(h)
             if i == 0:
                 self._firsts.add(h)
@@ -110,6 +137,7 @@ class CacheAwareRouter:
                     gone, owners_of_gone = self._blocks.popitem(last=False)
                     first = gone in self._firsts
                     self._firsts.discard(gone)
+                    self._last.pop(gone, None)
                     for owner in owners_of_gone:
                         self._held[owner] -= 1
                         self._tenants[owner] -= first
@@ -135,6 +163,7 @@ class CacheAwareRouter:
         self._held.pop(replica, None)
         self._tenants.pop(replica, None)
         self._firsts.intersection_update(self._blocks)
+        self._last = {first: last for first, last in self._last.items() if last != replica}
 
     def _matched_blocks(self, hashes: list[int], replicas: Sequence[str]) -> dict[str, int]:
         """How many of the prompt's leading blocks each replica was sent."""
@@ -189,7 +218,7 @@ class RoundRobinRouter:
 Router = CacheAwareRouter | RoundRobinRouter
 
 
-DEFAULT_BALANCE = 1.25
+DEFAULT_BALANCE = 1.5
 
 
 def check_balance(balance: object) -> float:
