@@ -195,6 +195,7 @@ class CacheAwareRequestRouter(_ray_router_base()):  # type: ignore[misc]
             else make_router(routing, block_size)
         )
         self.in_flight: Counter[str] = Counter()  # this router's requests on each replica
+        self._placed: dict[str, str] = {}  # request -> the replica it was counted on, until it completes
         self._lock = threading.Lock()
         routing_module.BOARD.routers.append(self)
 
@@ -209,23 +210,36 @@ class CacheAwareRequestRouter(_ray_router_base()):  # type: ignore[misc]
         loads = {name: self._load(name, r) for name, r in by_name.items()}
         with self._lock:
             chosen = self.policy.choose(list(by_name), loads, payload["prompt_token_ids"], payload["grammar_key"])
+            # counted where it was chosen at once: Ray Serve reports a request routed only after the
+            # replica accepted it (a round trip), and the requests chosen meanwhile must see it
+            self._place(_request_id(pending_request), chosen, payload)
         rest = sorted((r for name, r in by_name.items() if name != chosen), key=lambda r: loads[_name(r)])
         return [[by_name[chosen]], rest] if rest else [[by_name[chosen]]]
 
     def on_request_routed(self, pending_request: Any, replica_id: Any, result: Any) -> None:
+        """Where Ray Serve sent it after all (another replica where the chosen one refused it)."""
         payload = _payload(pending_request)
         if payload is None:
             return
-        name = replica_id.to_full_id_str()
         with self._lock:
-            self.policy.routed(name, payload["prompt_token_ids"], payload["grammar_key"])
-            self.in_flight[name] += 1
+            request = _request_id(pending_request)
+            if self._placed.get(request) != replica_id.to_full_id_str():
+                self._place(request, replica_id.to_full_id_str(), payload)
 
     def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
-        name = replica_id.to_full_id_str()
         with self._lock:
-            if self.in_flight[name] > 0:
+            name = self._placed.pop(internal_request_id, None)
+            if name is not None and self.in_flight[name] > 0:
                 self.in_flight[name] -= 1
+
+    def _place(self, request: str, name: str, payload: dict[str, Any]) -> None:
+        """Count ``request`` on replica ``name`` (off the one it was counted on before, if any)."""
+        before = self._placed.get(request)
+        if before is not None and self.in_flight[before] > 0:
+            self.in_flight[before] -= 1
+        self._placed[request] = name
+        self.in_flight[name] += 1
+        self.policy.routed(name, payload["prompt_token_ids"], payload["grammar_key"])
 
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)
@@ -254,6 +268,11 @@ class CacheAwareRequestRouter(_ray_router_base()):  # type: ignore[misc]
 
 def _name(replica: Any) -> str:
     return str(replica.replica_id.to_full_id_str())
+
+
+def _request_id(pending_request: Any) -> str:
+    metadata = getattr(pending_request, "metadata", None)
+    return str(getattr(metadata, "internal_request_id", None) or id(pending_request))
 
 
 def _payload(pending_request: Any) -> dict[str, Any] | None:

@@ -425,8 +425,8 @@ class Worker:
             token_ids[where[~running]] = self.last_sampled[slots[~running]]
             if running.any():
                 assert before is not None
-                row_of_slot = {slot: row for row, slot in enumerate(before.inputs.slots.tolist())}
-                rows = np.array([row_of_slot[slot] for slot in slots[running].tolist()], dtype=np.int64)
+                order = np.argsort(before.inputs.slots)  # (each running slot's row in the step before)
+                rows = order[np.searchsorted(before.inputs.slots[order], slots[running])]
                 token_ids[where[running]] = 0  # (written on the device before the forward)
                 from_device = (where[running], before.picks[_index_on(self.device, rows)])
         batch = ForwardBatch.create(
