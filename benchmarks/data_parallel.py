@@ -227,7 +227,7 @@ def report(parts: list[Part], args: argparse.Namespace) -> str:
         busiest = max(shares) / (sum(shares) / len(shares)) if shares else 0.0
         replicas = len(set(r for r in p.replicas if r))
         lines.append(
-            f"| {p.name} | {replicas} | {p.hit_rate:.2f} | {p.compiled:.0f} / {p.shared:.0f} | "
+            f"| {p.name} | {replicas} | {p.hit_rate:.3f} | {p.compiled:.0f} / {p.shared:.0f} | "
             f"{p.tokens / p.wall_s:.1f} | {len(ok) / p.wall_s:.2f} | {statistics.median(ok):.2f} | "
             f"{ok[min(len(ok) - 1, int(0.99 * len(ok)))]:.2f} | {busiest:.2f} | {p.failed_503} | "
             f"{'–' if p.recovery_s is None else f'{p.recovery_s:.1f}'} |"

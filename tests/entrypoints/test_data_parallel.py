@@ -49,6 +49,7 @@ def test_replicas_share_prefixes_and_a_schema_and_outlive_a_dead_engine(tiny_bas
         # sent at once, they spill to the other replica past the load bound
         burst = group.generate([SYSTEM + f"Customer {i}: a helmet?" for i in range(6)], greedy)
         assert {o.replica for o in burst} == set(group.names)
+        home = burst[-1].replica  # (both hold the prefix now: it goes where it was last sent)
 
         # a schema one replica compiled, the other loads from the shared folder
         first = group.generate("Order: two lights. JSON:", guided)[0]
