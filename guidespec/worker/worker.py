@@ -244,7 +244,8 @@ class Worker:
             if self.pending is not None and not self._next_ready(self.pending):
                 results.send(self._finish_pending())  # nothing to launch behind it: its tokens go now
             message = self._next_message(parent_pid)
-            if self.pending is not None and not (isinstance(message, StepInputs) and self._overlaps(message)):
+            overlapped = isinstance(message, StepInputs) and self._overlaps(message)
+            if self.pending is not None and not overlapped:
                 results.send(self._finish_pending())
             if isinstance(message, Shutdown):
                 return
@@ -254,14 +255,14 @@ class Worker:
                 raise RuntimeError(f"expected StepInputs on the ring, got {type(message).__name__}")
             if self.profiler is not None:
                 self.profiler.tick()
+            if overlapped:
+                self._overlapped_step(message)  # (its outputs leave later)
+                continue
             outputs = self.step(message)
             if outputs is not None:
                 results.send(outputs)
 
     def step(self, inputs: StepInputs) -> StepOutputs | None:
-        if self._overlaps(inputs):
-            self._overlapped_step(inputs)  # (its outputs leave later: loop)
-            return None
         if (inputs.token_ids == LAST_SAMPLED).any():
             inputs = self._with_last_sampled(inputs)
         if inputs.table_slots is not None:
