@@ -110,7 +110,9 @@ class Emitter:
         then each one's delta."""
         ends: dict[str, int] = {}
         try:
-            ends = self.grammar.end_tokens([request.request_id for request in ending]) if ending else {}
+            if ending:
+                probes = [request.output_token_ids[-1] if request.output_token_ids else -1 for request in ending]
+                ends = self.grammar.end_tokens([request.request_id for request in ending], probes)
         except Exception:
             logger.exception("the end check of %d guided requests failed; they go on", len(ending))
         for request in ending:

@@ -47,7 +47,8 @@ Switch it off per request with ``GuidedDecoding(close_early=False)``.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
@@ -145,17 +146,33 @@ class ClosingTokens:
     steps: np.ndarray
     step_rank: np.ndarray  # per token id: its place in the lookahead order
     piece_length: np.ndarray  # per token id: the length of its piece (0 for none)
+    # the tokens whose text has a quote or a backslash: that text's quotes and backslashes, each
+    # run of other characters as one "x" (what the string scanner needs: ``EarlyCloser.in_string``)
+    quoting: dict[int, str]
+    tiers_inside: list[tuple[np.ndarray, np.ndarray]] = field(init=False, repr=False, compare=False)
+    tiers_outside: list[tuple[np.ndarray, np.ndarray]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # closing's classes in a string and outside one, each with the words that hold any of its
+        # tokens (a class is a few tokens: the narrowing compares those words alone)
+        def sparse(row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return row, np.flatnonzero(row)
+
+        object.__setattr__(self, "tiers_inside", [sparse(self.in_string)])
+        object.__setattr__(self, "tiers_outside", [sparse(self.outside), sparse(self.ending)])
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] = ()) -> "ClosingTokens":
         special = set(tokenizer.all_special_ids)
         in_string, outside, ending = [], list(stop_token_ids), []
-        punctuation, characters = [], []
+        punctuation, characters, quoting = [], [], []
         piece_length = np.zeros(vocab_size, dtype=np.int64)
         for i, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), vocab_size))))):
             if piece is None:
                 continue
             piece_length[i] = len(piece)
+            if '"' in piece or "\\" in piece or piece.startswith("<0x"):  # (a byte-fallback piece: <0x22>)
+                quoting.append(i)
             if i in special:
                 continue
             text = piece
@@ -184,7 +201,13 @@ class ClosingTokens:
             bitmask_row(punctuation + characters, vocab_size),
             rank,
             piece_length,
+            {i: text for i in quoting if (text := _quoting(tokenizer.decode([i]))) != "x"},
         )
+
+
+def _quoting(text: str) -> str:
+    """A text's quotes and backslashes, each run of other characters as one "x"."""
+    return re.sub(r'[^"\\]+', "x", text)
 
 
 def budget_reserve(max_tokens: int, required_names: int = 0) -> int:
@@ -205,32 +228,37 @@ def count_required(schema: Any) -> int:
 
 
 class RepeatDetector:
-    """Finds a cycle at the end of a token sequence, in O(MAX_PERIOD) per token.
+    """Finds a cycle at the end of a token sequence, in O(MAX_PERIOD) per token (a C-level scan of
+    the last tokens; Python work only for the periods at which the new token repeats).
 
-    ``runs[p - 1]`` counts how many of the latest tokens equal the token ``p`` places before them;
-    the sequence ends in a cycle of period ``p`` once that count reaches ``max(2p, min_span)``.
+    ``runs[p]`` counts how many of the latest tokens equal the token ``p`` places before them
+    (periods with no such run are left out); the sequence ends in a cycle of period ``p`` once
+    that count reaches ``max(2p, min_span)``.
     """
 
     def __init__(self, max_period: int = MAX_PERIOD, min_span: int = MIN_SPAN) -> None:
         self.max_period = max_period
-        self.thresholds = np.maximum(2 * np.arange(1, max_period + 1), min_span)
-        self.history = np.full(max_period, -1, dtype=np.int64)  # the last max_period tokens, newest last
-        self.runs = np.zeros(max_period, dtype=np.int64)
+        self.thresholds = [0] + [max(2 * p, min_span) for p in range(1, max_period + 1)]  # by period
+        self.history: list[int] = []  # the last max_period tokens, newest last
+        self.runs: dict[int, int] = {}
 
     def add(self, token: int) -> bool:
         """Record a token; True if the sequence now ends in a cycle."""
-        same = self.history[::-1] == token  # same[p - 1]: the token p places back equals this one
-        self.runs = (self.runs + 1) * same
-        self.history[:-1] = self.history[1:]
-        self.history[-1] = token
-        return bool((self.runs >= self.thresholds).any())
+        history, runs = self.history, {}
+        i, n = -1, len(history)
+        for _ in range(history.count(token)):
+            i = history.index(token, i + 1)  # the token n - i places back equals this one
+            runs[n - i] = self.runs.get(n - i, 0) + 1
+        self.runs = runs
+        history.append(token)
+        if len(history) > self.max_period:
+            del history[0]
+        return any(count >= self.thresholds[p] for p, count in runs.items())
 
     def cycle(self) -> list[int]:
         """The tokens of the shortest cycle the sequence ends in (empty if none)."""
-        periods = np.flatnonzero(self.runs >= self.thresholds)
-        if not len(periods):
-            return []
-        return self.history[-(int(periods[0]) + 1) :].tolist()
+        periods = [p for p, count in self.runs.items() if count >= self.thresholds[p]]
+        return self.history[-min(periods) :] if periods else []
 
 
 class EarlyCloser:
@@ -255,6 +283,7 @@ class EarlyCloser:
         self.closing = False
         self.reason = ""
         self.banned: frozenset[int] = frozenset()
+        self._banned_row: np.ndarray | None = None  # ``banned`` as a mask row, made at first need
         self._scanned = 0
         self._in_string = False
         self._escaped = False
@@ -267,12 +296,13 @@ class EarlyCloser:
             if not self.closing:
                 self.closing, self.reason = True, "repeat"
             self.banned = self.banned | frozenset(self.detector.cycle())
+            self._banned_row = None
 
     def snapshot(self) -> tuple[Any, ...]:
         d = self.detector
         return (
-            d.history.copy(),
-            d.runs.copy(),
+            list(d.history),
+            dict(d.runs),
             len(self.tokens),
             self.closing,
             self.reason,
@@ -285,6 +315,7 @@ class EarlyCloser:
         )
 
     def restore(self, state: tuple[Any, ...]) -> None:
+        banned = self.banned
         (
             history,
             runs,
@@ -298,7 +329,9 @@ class EarlyCloser:
             self._in_string,
             self._escaped,
         ) = state
-        self.detector.history, self.detector.runs = history, runs
+        self.detector.history, self.detector.runs = list(history), dict(runs)
+        if self.banned is not banned:
+            self._banned_row = None
         del self.tokens[num_tokens:]
 
     def examples(self) -> list[str]:
@@ -330,34 +363,34 @@ class EarlyCloser:
         row[:] = bitmask_row(self.script[:1], len(row) * 32)
         return True
 
-    def in_string(self, tokenizer: Any) -> bool:
-        """Whether the output so far ends inside a JSON string."""
-        if self._scanned < len(self.tokens):
-            for ch in tokenizer.decode(self.tokens[self._scanned :]):
+    def in_string(self, closing: ClosingTokens) -> bool:
+        """Whether the output so far ends inside a JSON string (its new tokens scanned by their
+        quotes and backslashes alone: ``ClosingTokens.quoting``)."""
+        for token in self.tokens[self._scanned :]:
+            text = closing.quoting.get(token)
+            if text is None:  # neither: characters that end an escape
+                self._escaped = False
+                continue
+            for ch in text:
                 if self._escaped:
                     self._escaped = False
                 elif self._in_string and ch == "\\":
                     self._escaped = True
                 elif ch == '"':
                     self._in_string = not self._in_string
-            self._scanned = len(self.tokens)
+        self._scanned = len(self.tokens)
         return self._in_string
 
-    def restrict(
-        self, row: np.ndarray, closing: ClosingTokens, tokenizer: Any, grammar: GrammarView | None = None
-    ) -> bool:
+    def restrict(self, row: np.ndarray, closing: ClosingTokens, grammar: GrammarView | None = None) -> bool:
         """Narrow a bitmask row, in place, to the first class of the module's list that it allows;
         False (the row untouched) if none."""
-        inside = self.in_string(tokenizer)
-        tiers = [closing.in_string] if inside else [closing.outside, closing.ending]
-        for tier in tiers:
-            both = row & tier
-            if both.any():
-                row[:] = both
-                return True
+        inside = self.in_string(closing)
+        tiers = closing.tiers_inside if inside else closing.tiers_outside
+        if narrow(row[None], _FIRST, tiers)[0]:
+            return True
         vocab_size = len(closing.step_rank)
         if grammar is not None:
-            target = np.bitwise_or.reduce(tiers)
+            target = np.bitwise_or.reduce([tier for tier, _ in tiers])
             if inside and not self.plan and self.examples():
                 self.plan = grammar.completion(self.examples(), target)
             if self.plan and _allows(row, self.plan[0]):
@@ -369,12 +402,43 @@ class EarlyCloser:
             if reaching or moving:
                 row[:] = bitmask_row(reaching or moving, vocab_size)
                 return True
-        if self.banned:
-            rest = row & ~bitmask_row(sorted(self.banned), vocab_size)
-            if rest.any():
-                row[:] = rest
-                return True
-        return False
+        return self.unbanned(row)
+
+    def unbanned(self, row: np.ndarray) -> bool:
+        """Narrow the row, in place, to its tokens but the banned ones (of the cycles the output
+        repeated), where it allows any; False (the row untouched) if none or none is banned."""
+        if not self.banned:
+            return False
+        if self._banned_row is None:
+            self._banned_row = ~bitmask_row(sorted(self.banned), len(row) * 32)
+        rest = row & self._banned_row
+        if not rest.any():
+            return False
+        row[:] = rest
+        return True
+
+
+_FIRST = np.zeros(1, dtype=np.int64)
+
+
+def narrow(bitmask: np.ndarray, rows: np.ndarray, tiers: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Narrow each of ``bitmask``'s ``rows``, in place, to the first of ``tiers`` (a class's mask
+    and the words holding its tokens: ``ClosingTokens.tiers_*``) that it allows, for all the rows
+    at once; whether each row was narrowed (one that allows none is left as it was)."""
+    narrowed = np.zeros(len(rows), dtype=bool)
+    left = np.arange(len(rows))
+    for tier, words in tiers:
+        if not len(left):
+            break
+        both = bitmask[rows[left, None], words] & tier[words]
+        hit = both.any(axis=1)
+        if hit.any():
+            rows_hit = rows[left[hit]]
+            bitmask[rows_hit] = 0
+            bitmask[rows_hit[:, None], words] = both[hit]
+            narrowed[left[hit]] = True
+            left = left[~hit]
+    return narrowed
 
 
 def _allows(row: np.ndarray, token: int) -> bool:

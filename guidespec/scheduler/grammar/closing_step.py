@@ -21,7 +21,7 @@ from guidespec.grammar_backends import GrammarBackend, GrammarMatcher
 from guidespec.bitmask import allowed_ids, bitmask_row
 from guidespec.protocol import GuidedDecoding
 from guidespec.model_files import text_encoder
-from guidespec.scheduler.grammar.closing import MAX_STEPS, ClosingTokens, EarlyCloser
+from guidespec.scheduler.grammar.closing import MAX_STEPS, ClosingTokens, EarlyCloser, narrow
 
 MAX_CLOSING_RUN = 2048  # the longest dry run of closing (``dry_run``)
 # the grammar fills a dry run's lookahead may cost; past them it goes on without one (a lexer-heavy
@@ -95,7 +95,7 @@ class ClosingStep:
         if closer is None or closer.script or output_len < closer.next_check:
             return
         remaining = max_tokens - output_len
-        if closer.hopeless and not closer.in_string(self.tokenizer):
+        if closer.hopeless and not closer.in_string(self._closing_tokens()):
             # outside a string each value the model writes takes the tokens the closing would
             # (required names are the grammar's own): the gap stays, and no dry run is made
             closer.recheck *= 2
@@ -141,29 +141,39 @@ class ClosingStep:
 
     def restrict(
         self,
-        request_id: str,
-        index: int,
-        max_tokens: int,
-        row: np.ndarray,
-        backend: GrammarBackend,
-        matcher: GrammarMatcher,
+        bitmask: np.ndarray,
+        rows: Sequence[tuple[str, int, int, int]],
+        grammar_of: Callable[[str], tuple[GrammarBackend, GrammarMatcher]],
     ) -> None:
-        """Narrow the filled ``row`` (the mask for output index ``index``) where the request is
-        closing, or this near its budget's end: steer a JSON output that loops or nears
-        ``max_tokens`` to close."""
-        closer = self.closers.get(request_id)
-        if closer is None:
-            return
-        if closer.closing or (index >= 1 and max_tokens - index <= closer.reserve(max_tokens)):
+        """Narrow filled rows of ``bitmask`` where their request is closing, or this near its
+        budget's end: steer a JSON output that loops or nears ``max_tokens`` to close. ``rows``:
+        (request, output index the row is the mask for, max_tokens, row of ``bitmask``) of tracked
+        requests; ``grammar_of``: a request's backend and matcher. The rows of the common case,
+        closing outside a string where the end is out of reach (no lookahead), are narrowed all
+        at once; the others one by one."""
+        closing = self._closing_tokens()
+        at_once: list[tuple[int, EarlyCloser]] = []
+        for request_id, index, max_tokens, at in rows:
+            closer = self.closers[request_id]
+            if not (closer.closing or (index >= 1 and max_tokens - index <= closer.reserve(max_tokens))):
+                continue
+            row = bitmask[at]
             if closer.follow_script(row):
-                return
+                continue
+            backend, matcher = grammar_of(request_id)
             if matcher.forced_tokens(1):
-                return  # the grammar writes the next tokens itself (a name): narrowing would only split them
+                continue  # the grammar writes the next tokens itself (a name): narrowing would only split them
             # (while the end is out of reach, outside a string: no lookahead, whose trial fills
             # would buy nothing; inside one it still steers to an example of its pattern)
-            cheap = closer.hopeless and not closer.in_string(self.tokenizer)
-            view = None if cheap else _GrammarView(backend, matcher, row, self.encode)
-            closer.restrict(row, self._closing_tokens(), self.tokenizer, view)
+            if closer.hopeless and not closer.in_string(closing):
+                at_once.append((at, closer))
+            else:
+                closer.restrict(row, closing, _GrammarView(backend, matcher, row, self.encode))
+        if at_once:  # (EarlyCloser.restrict without a view, for all of them at once)
+            narrowed = narrow(bitmask, np.array([at for at, _ in at_once]), closing.tiers_outside)
+            for (at, closer), done in zip(at_once, narrowed.tolist()):
+                if not done:
+                    closer.unbanned(bitmask[at])
 
     def dry_run(
         self, request_id: str, backend: GrammarBackend, matcher: GrammarMatcher, limit: int
@@ -199,7 +209,7 @@ class ClosingStep:
                 if len(stops):
                     return run + [int(stops[0])], True
                 view = _GrammarView(backend, matcher, row[0], self.encode) if fills < MAX_DRY_RUN_FILLS else None
-                narrowed = closer.restrict(row[0], closing, self.tokenizer, view)
+                narrowed = closer.restrict(row[0], closing, view)
                 fills += view.fills if view is not None else 0
                 allowed = allowed_ids(row[0], limit=MAX_STEPS)  # the first is taken, or the longest of these
                 if not len(allowed):

@@ -210,11 +210,16 @@ class GrammarManager:
         self._fill_rows([rows[i].request_id for i in to_fill], [firsts[i] + depth for i in to_fill])
         for i in ended:  # a draft ended the grammar: only a stop token may follow
             self.bitmask[firsts[i] + depth] = self._stop_row
-        for i in live:  # early closing, as its own step after the backend's fill
-            r = rows[i]
-            out_row = self.bitmask[firsts[i] + depth]
+        closers = self.closing.closers  # early closing, as its own step after the backend's fill
+        tracked = [i for i in live if rows[i].request_id in closers]
+        if tracked:
             self.closing.restrict(
-                r.request_id, r.output_len + depth, r.max_tokens, out_row, *self._grammar(r.request_id)
+                self.bitmask,
+                [
+                    (rows[i].request_id, rows[i].output_len + depth, rows[i].max_tokens, firsts[i] + depth)
+                    for i in tracked
+                ],
+                self._grammar,
             )
 
     def take_failures(self) -> list[tuple[str, str]]:
@@ -331,21 +336,27 @@ class GrammarManager:
         return self.end_tokens([request_id]).get(request_id)
 
     @_settled
-    def end_tokens(self, request_ids: list[str]) -> dict[str, int]:
+    def end_tokens(self, request_ids: list[str], probes: list[int] | None = None) -> dict[str, int]:
         """The stop token of each request whose grammar allows it and nothing else now (its
-        output is complete: it can end without a step). Checked with a trial accept first, so a
-        grammar that cannot end here costs no fill; those that can are filled in one batch per
-        backend, and the row of one that need not end is the next step's (``_fill_depth``): the
-        check costs no fill more."""
+        output is complete: it can end without a step). Checked with trial accepts first, so a
+        grammar that cannot end here costs no fill: of the stop token, then of ``probes[i]`` (a
+        token that, accepted too, shows request i may go on: its last one, which a grammar that
+        can end after it often takes again, as a pattern's ``[a-z]+`` or a number's digits).
+        Those left are filled in one batch per backend, and the row of one that need not end is
+        the next step's (``_fill_depth``): the check costs no fill more."""
         stops = self.settings.stop_token_ids
         if not stops:
             return {}
         candidates = []
-        for request_id in request_ids:
+        for i, request_id in enumerate(request_ids):
             matcher = self.matchers[request_id][1]
-            if not matcher.is_terminated() and matcher.accept_token(stops[0]):
+            if matcher.is_terminated() or not matcher.accept_token(stops[0]):
+                continue
+            matcher.rollback(1)
+            if probes is not None and probes[i] >= 0 and probes[i] not in stops and matcher.accept_token(probes[i]):
                 matcher.rollback(1)
-                candidates.append(request_id)
+                continue
+            candidates.append(request_id)
         if not candidates:
             return {}
         own = self.bitmask

@@ -15,6 +15,7 @@ from guidespec.scheduler.grammar.closing import (
     ClosingTokens,
     EarlyCloser,
     RepeatDetector,
+    narrow,
     budget_reserve,
     count_required,
     schema_examples,
@@ -80,6 +81,7 @@ def test_detector_fires_on_a_cycle_and_not_on_varied_text() -> None:
     fired = [detector.add(t) for t in cycle * 10]
     # period 4: fires once 24 tokens (= max(2*4, 24)) equal the ones 4 places before them
     assert fired.index(True) == 4 + 24 - 1
+    assert detector.cycle() == cycle  # (the last period's tokens)
     varied = RepeatDetector()
     rng = np.random.default_rng(0)
     assert not any(varied.add(int(t)) for t in rng.integers(0, 1000, size=2000))
@@ -109,12 +111,13 @@ def test_closing_tokens_of_the_default_tokenizer(tokenizer) -> None:  # type: ig
 
 
 def test_string_scanner_follows_quotes_and_escapes(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    closing = ClosingTokens.from_tokenizer(tokenizer, 49152)
     closer = EarlyCloser()
     expected = [('{"a": ["wa\\"ter', True), ('", "x', True), ('"', False), (', "\\\\', True), ('"]}', False)]
     for text, inside in expected:
         for token in tokenizer.encode(text):
             closer.add(token)
-        assert closer.in_string(tokenizer) is inside, text
+        assert closer.in_string(closing) is inside, text
 
 
 def test_restriction_keeps_only_allowed_closing_tokens(tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -124,16 +127,41 @@ def test_restriction_keeps_only_allowed_closing_tokens(tokenizer) -> None:  # ty
         closer.add(token)
     close_bracket, comma = tokenizer.encode("]")[0], tokenizer.encode(",")[0]
     row = _row(close_bracket, comma)
-    assert closer.restrict(row, closing, tokenizer)
+    assert closer.restrict(row, closing)
     assert _ids(row) == [close_bracket]  # the grammar allowed both; closing keeps "]"
     comma_or_digit = _row(comma, tokenizer.encode("7")[0])
-    assert closer.restrict(comma_or_digit, closing, tokenizer)  # no bracket allowed: the value ends
+    assert closer.restrict(comma_or_digit, closing)  # no bracket allowed: the value ends
     assert _ids(comma_or_digit) == [comma]
     closer.add(tokenizer.encode(' "')[0])  # inside a string now: a comma is text, not an end
     letters = _row(*tokenizer.encode("abc"))
     before = letters.copy()
-    assert not closer.restrict(letters, closing, tokenizer)  # nothing closing allowed: untouched
+    assert not closer.restrict(letters, closing)  # nothing closing allowed: untouched
     assert (letters == before).all()
+
+
+def test_rows_narrowed_at_once_are_narrowed_as_one_by_one(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """``narrow`` over many rows (a step's closing rows) keeps in each the first class it allows,
+    as a row alone: a bracket over a comma, a comma where no bracket; a row with neither is left."""
+    closing = ClosingTokens.from_tokenizer(tokenizer, 49152)
+    rng = np.random.default_rng(0)
+    brackets, commas = _ids(closing.outside), _ids(closing.ending)
+    bitmask = np.zeros((40, closing.outside.shape[0]), dtype=np.int32)
+    for i in range(len(bitmask)):
+        picks = [int(t) for t in rng.integers(3, 49152, size=20)]
+        picks += [brackets[i % len(brackets)]] if i % 3 == 0 else []
+        picks += [commas[i % len(commas)]] if i % 2 == 0 else []
+        bitmask[i] = _row(*picks)
+    rows = np.arange(1, 40, 2)  # every other row: the rest stay as they are
+    expected = bitmask.copy()
+    for i in rows:
+        for tier in (closing.outside, closing.ending):
+            if (expected[i] & tier).any():
+                expected[i] &= tier
+                break
+    narrowed = narrow(bitmask, rows, closing.tiers_outside)
+    assert (bitmask == expected).all()
+    assert narrowed.tolist() == [bool((expected[i] & (closing.outside | closing.ending)).any()) for i in rows]
+    assert narrowed.any() and not narrowed.all()
 
 
 LOOPS = [  # (schema, text the output starts with, the tokens a looping model keeps writing)

@@ -308,9 +308,26 @@ def test_a_complete_output_offers_its_end_token_and_nothing_before(manager: tupl
     else:
         assert grammar.end_token("r") == 2
         assert grammar.end_token("r") == 2 and not grammar.is_terminated("r")  # asking changed nothing
+        assert grammar.end_tokens(["r"], [tokens[-1]]) == {"r": 2}  # its last token, tried again: refused
         assert grammar.accept("r", 2) and grammar.is_terminated("r")
         assert grammar.end_token("r") is None
     grammar.release("r")
+
+
+def test_an_output_that_may_end_or_go_on_is_told_apart_without_a_fill(manager: tuple[GrammarManager, Any]) -> None:
+    """A pattern's ``[a-z]+`` may end after each letter and go on: the end check finds that its
+    last token is allowed again by a trial accept, and fills no row (the step's fill does, while
+    the workers compute). Without that token, the check fills the row to know."""
+    grammar, text = manager
+    if not grammar.submit("p", GuidedDecoding(regex="[a-z]+")):
+        _wait(grammar, "p")
+    tokens = text.tokenizer.encode("abc", add_special_tokens=False)
+    for token in tokens:
+        assert grammar.accept("p", token)
+    assert grammar.end_tokens(["p"], [tokens[-1]]) == {} and "p" not in grammar._filled
+    assert grammar.end_tokens(["p"]) == {} and "p" in grammar._filled  # (kept for the next fill)
+    assert grammar.accept("p", tokens[-1])  # the probe left the grammar where it was
+    grammar.release("p")
 
 
 def test_auto_sets_up_every_backend_it_may_fall_back_to_before_the_first_step(real_model_dir: Path) -> None:
