@@ -409,13 +409,17 @@ class EarlyCloser:
         repeated), where it allows any; False (the row untouched) if none or none is banned."""
         if not self.banned:
             return False
-        if self._banned_row is None:
-            self._banned_row = ~bitmask_row(sorted(self.banned), len(row) * 32)
-        rest = row & self._banned_row
+        rest = row & self.unbanned_row(len(row))
         if not rest.any():
             return False
         row[:] = rest
         return True
+
+    def unbanned_row(self, width: int) -> np.ndarray:
+        """A mask row of every token but the banned ones (made once per change of them)."""
+        if self._banned_row is None:
+            self._banned_row = ~bitmask_row(sorted(self.banned), width * 32)
+        return self._banned_row
 
 
 _FIRST = np.zeros(1, dtype=np.int64)

@@ -169,11 +169,17 @@ class ClosingStep:
                 at_once.append((at, closer))
             else:
                 closer.restrict(row, closing, _GrammarView(backend, matcher, row, self.encode))
-        if at_once:  # (EarlyCloser.restrict without a view, for all of them at once)
-            narrowed = narrow(bitmask, np.array([at for at, _ in at_once]), closing.tiers_outside)
-            for (at, closer), done in zip(at_once, narrowed.tolist()):
-                if not done:
-                    closer.unbanned(bitmask[at])
+        if not at_once:
+            return
+        # EarlyCloser.restrict without a view, for all of them at once: the closing classes, then
+        # the rows that allow none of them without the banned tokens, where they allow others
+        narrowed = narrow(bitmask, np.array([at for at, _ in at_once]), closing.tiers_outside)
+        banned = [(at, closer) for (at, closer), done in zip(at_once, narrowed.tolist()) if not done and closer.banned]
+        if banned:
+            ats = np.array([at for at, _ in banned])
+            rest = bitmask[ats] & np.stack([closer.unbanned_row(bitmask.shape[1]) for _, closer in banned])
+            left = rest.any(axis=1)
+            bitmask[ats[left]] = rest[left]
 
     def dry_run(
         self, request_id: str, backend: GrammarBackend, matcher: GrammarMatcher, limit: int

@@ -40,6 +40,7 @@ state would have to follow the drafts).
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import traceback
 from typing import Any
 
@@ -480,16 +481,19 @@ def _allocate(
     def seconds(tokens: int, drafts: int, longest: int) -> float:
         return c0 + c1 * tokens + d0 * longest + d1 * drafts
 
-    while budget > 0:
-        gains = {i: rates[i] ** (lengths[i] + 1) for i in limits if lengths[i] < limits[i]}
-        if not gains:
-            break
-        best = max(gains, key=gains.__getitem__)
-        gain = gains[best]
+    # each row's next draft token, by its gain (the first row on a tie)
+    heap = [(-rates[i], order, i) for order, i in enumerate(limits) if limits[i] > 0]
+    heapq.heapify(heap)
+    while budget > 0 and heap:
+        gain, order, best = -heap[0][0], heap[0][1], heap[0][2]
         longer = max(longest, lengths[best] + 1)
         if (expected + gain) * seconds(tokens, drafts, longest) <= expected * seconds(tokens + 1, drafts + 1, longer):
             break  # one more draft token would lower tokens per second
         lengths[best] += 1
+        if lengths[best] < limits[best]:
+            heapq.heapreplace(heap, (-(rates[best] ** (lengths[best] + 1)), order, best))
+        else:
+            heapq.heappop(heap)
         expected += gain
         tokens += 1
         drafts += 1
