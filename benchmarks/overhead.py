@@ -3,7 +3,7 @@ microseconds, unguided and guided, batch 1 to 256, with async scheduling and wit
 
     python benchmarks/overhead.py [--model DIR] [--modes unguided,json,json-noclose,regex,json+ngram]
         [--batches 1,16,64,256] [--max-tokens 256] [--scheduling async,sync] [--device cpu|cuda]
-        [--peers] [--threads N]
+        [--repeat 3] [--peers] [--threads N]
     python benchmarks/overhead.py --batches 1,4 --max-tokens 32 --modes unguided,regex --peers  # a quick look
 
 The model is ``random_model.py``'s "tiny" preset (2 layers, hidden 64, SmolLM2's 49,152 tokens,
@@ -21,11 +21,15 @@ either way) and ``async-serial-worker`` (async, but the worker waits for each st
 before it launches the next: ``GUIDESPEC_OVERLAP_STEPS=0``). Only ``async`` and ``sync`` run
 unless ``--scheduling`` names it.
 
-For each batch B, B prompts (eight distinct short ones, cycled), greedy, EOS ignored, each run
-to ``--max-tokens``: a warm-up generate of 8 tokens, then the timed one. ms/step is its wall
-time over the longest output's token count (the prompts' step included); tok/s, all output
-tokens over the wall time; guided ÷ unguided, a guided mode's tok/s over unguided's at the same
-batch and scheduling. The span columns are medians over the timed generate's steps of batch B
+The modes of one speculative setting share an engine (per ``--scheduling``): unguided, json,
+json-noclose and regex one, json+ngram another. For each batch B, B prompts (eight distinct short
+ones, cycled), greedy, EOS ignored, each run to ``--max-tokens``: each mode's timed generate (after
+a warm-up generate of 8 tokens) in turn, ``--repeat`` rounds (default 3), so that the modes' runs
+lie side by side in time on a noisy host. ms/step is a timed generate's wall time over the longest
+output's token count (the prompts' step included); tok/s, all output tokens over the wall time:
+each the median over the rounds. Guided ÷ unguided: the median over the rounds of a guided mode's
+tok/s over unguided's in the same round (json+ngram, from another engine: over unguided's median)
+at the same batch and scheduling. The span columns are medians over the timed generates' steps of batch B
 in the step trace the scheduler writes at close (``GUIDESPEC_TRACE``, ``scheduler/trace.py``),
 per process, plus two derived spans: "inputs out", a step's "schedule + write inputs" end to its
 worker's first span (the forward; under async scheduling this includes the wait for the step
@@ -55,6 +59,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import re
@@ -119,11 +124,18 @@ def main() -> None:
     model = model_dir(args.model)
     rows: list[dict[str, Any]] = []
     prompt_ids: list[list[int]] = []
+    engines: dict[str | None, list[str]] = {}  # speculative -> its modes
     for mode in args.modes:
+        engines.setdefault(MODES[mode][1], []).append(mode)
+    for modes in engines.values():
         for scheduling in args.scheduling:
-            rows += run_engine(model, mode, scheduling, args, prompt_ids)
-            print(f"{mode}, {scheduling}: done", flush=True)
+            rows += run_engine(model, modes, scheduling, args, prompt_ids)
+            print(f"{', '.join(modes)}, {scheduling}: done", flush=True)
     add_unguided_ratios(rows)
+    order = {
+        (mode, scheduling): i for i, (mode, scheduling) in enumerate(itertools.product(args.modes, args.scheduling))
+    }
+    rows.sort(key=lambda r: (order[r["mode"], r["scheduling"]], r["batch"]))
     peers = measure_peers(model, args, prompt_ids[0]) if args.peers and prompt_ids else {}
     report = {"meta": meta(args, model), "rows": rows, "peers": peers, "goals": goals(rows, peers)}
     text = markdown(report)
@@ -137,6 +149,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--modes", type=_names(MODES), default=list(MODES))
     parser.add_argument("--batches", type=_integers, default=[1, 16, 64, 256])
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of each mode's timed generate (medians)")
     parser.add_argument("--scheduling", type=_names(SCHEDULING), default=["async", "sync"])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--peers", action="store_true", help="llama.cpp and HF generate at batch 1, same weights")
@@ -156,12 +169,11 @@ def model_dir(model: Path | None) -> Path:
 
 
 def run_engine(
-    model: Path, mode: str, scheduling: str, args: argparse.Namespace, prompt_ids: list[list[int]]
+    model: Path, modes: list[str], scheduling: str, args: argparse.Namespace, prompt_ids: list[list[int]]
 ) -> list[dict[str, Any]]:
-    """One engine for ``mode`` and ``scheduling``: every batch timed, then the step trace's span
-    medians for each. ``prompt_ids`` gets the prompts' token ids if it has none yet."""
-    guided, speculative = MODES[mode]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, guided=guided)
+    """One engine for ``modes`` (one speculative setting) and ``scheduling``: every batch timed
+    in each mode, then the step trace's span medians for each. ``prompt_ids`` gets the prompts'
+    token ids if it has none yet."""
     with tempfile.TemporaryDirectory(prefix="guidespec-overhead-") as tmp:
         trace, profile = Path(tmp) / "trace.json", Path(tmp) / "profile"
         ahead, overlap = SCHEDULING[scheduling]
@@ -176,24 +188,23 @@ def run_engine(
             os.environ, env
         ):  # the engine's processes read these as they start (the trace path: at close)
             try:
-                rows = _measure_engine(model, speculative, params, args, prompt_ids, profile)
+                rows = _measure_engine(model, modes, args, prompt_ids, profile)
             except Exception as exc:
                 traceback.print_exc()
-                return [{"mode": mode, "scheduling": scheduling, "batch": b, "error": repr(exc)} for b in args.batches]
+                return [
+                    {"mode": mode, "scheduling": scheduling, "batch": b, "error": repr(exc)}
+                    for mode in modes
+                    for b in args.batches
+                ]
         events = _read_trace(trace)
     for row in rows:
-        row.update(mode=mode, scheduling=scheduling)
-        row["spans"], row["traced_steps"] = span_medians(events, row.pop("window"), row["batch"])
+        row["scheduling"] = scheduling
+        row["spans"], row["traced_steps"] = span_medians(events, row.pop("windows"), row["batch"])
     return rows
 
 
 def _measure_engine(
-    model: Path,
-    speculative: str | None,
-    params: SamplingParams,
-    args: argparse.Namespace,
-    prompt_ids: list[list[int]],
-    profile: Path,
+    model: Path, modes: list[str], args: argparse.Namespace, prompt_ids: list[list[int]], profile: Path
 ) -> list[dict[str, Any]]:
     llm = LLM(
         str(model),
@@ -201,7 +212,7 @@ def _measure_engine(
         max_model_len=args.max_tokens + 64,
         show_progress=False,
         device=args.device,
-        speculative=speculative,
+        speculative=MODES[modes[0]][1],
     )
     try:
         if not prompt_ids:
@@ -209,12 +220,36 @@ def _measure_engine(
         rows = []
         for batch in args.batches:
             prompts = [{"prompt_token_ids": prompt_ids[i % len(prompt_ids)]} for i in range(batch)]
-            rows.append(time_batch(llm, prompts, params))
-            if args.device == "cuda":
-                rows[-1]["gpu"] = profile_batch(llm, prompts, params, profile)
+            runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+            for _ in range(args.repeat):
+                for mode in modes:
+                    runs[mode].append(time_batch(llm, prompts, _params(mode, args.max_tokens)))
+            for mode in modes:
+                rows.append(_medians(mode, runs[mode]))
+                if args.device == "cuda":
+                    rows[-1]["gpu"] = profile_batch(llm, prompts, _params(mode, args.max_tokens), profile)
         return rows
     finally:
         llm.close()
+
+
+def _params(mode: str, max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, guided=MODES[mode][0])
+
+
+def _medians(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A mode's row at one batch: the medians of its rounds, with each round's tok/s (``rounds``)
+    and every timed generate's window."""
+    row = {key: float(np.median([r[key] for r in runs])) for key in ("ms_per_step", "tok_per_s", "wall_s")}
+    row.update(
+        mode=mode,
+        batch=runs[0]["batch"],
+        tokens=runs[0]["tokens"],
+        longest=runs[0]["longest"],
+        rounds=[r["tok_per_s"] for r in runs],
+        windows=[r["window"] for r in runs],
+    )
+    return row
 
 
 def time_batch(llm: LLM, prompts: list[dict[str, Any]], params: SamplingParams) -> dict[str, Any]:
@@ -236,16 +271,20 @@ def time_batch(llm: LLM, prompts: list[dict[str, Any]], params: SamplingParams) 
     }
 
 
-def span_medians(events: list[dict[str, Any]], window: tuple[float, float], batch: int) -> tuple[dict[str, float], int]:
-    """The median ms of each span over the steps of ``batch`` that began inside ``window``
-    (seconds, time.time()), and how many such steps. Steps overlap under async scheduling:
-    a step's spans are those whose ``args.step`` is its number."""
-    start_us, end_us = window[0] * 1e6, window[1] * 1e6
+def span_medians(
+    events: list[dict[str, Any]], windows: list[tuple[float, float]], batch: int
+) -> tuple[dict[str, float], int]:
+    """The median ms of each span over the steps of ``batch`` that began inside one of
+    ``windows`` (seconds, time.time()), and how many such steps. Steps overlap under async
+    scheduling: a step's spans are those whose ``args.step`` is its number."""
+    windows_us = [(start * 1e6, end * 1e6) for start, end in windows]
     durations: dict[str, list[float]] = {}
     steps = 0
     for spans in _spans_by_step(events).values():
         first = next((e for e in spans if e["pid"] == 1 and e["name"] == "schedule + write inputs"), None)
-        if first is None or first["args"].get("batch") != batch or not start_us <= first["ts"] <= end_us:
+        if first is None or first["args"].get("batch") != batch:
+            continue
+        if not any(start <= first["ts"] <= end for start, end in windows_us):
             continue
         steps += 1
         for name, ms in _step_durations(spans, first).items():
@@ -360,11 +399,16 @@ def measure_peers(model: Path, args: argparse.Namespace, prompt_ids: list[int]) 
 
 
 def add_unguided_ratios(rows: list[dict[str, Any]]) -> None:
-    """Each guided row's tok/s over unguided's at the same batch and scheduling."""
+    """Each guided row's tok/s over unguided's at the same batch and scheduling: the median of
+    the rounds' ratios where unguided ran in the same engine, round by round; else over its median."""
     unguided = {(r["scheduling"], r["batch"]): r for r in rows if r["mode"] == "unguided" and "error" not in r}
     for row in rows:
         base = unguided.get((row["scheduling"], row["batch"]))
-        if row["mode"] != "unguided" and base is not None and "error" not in row:
+        if row["mode"] == "unguided" or base is None or "error" in row:
+            continue
+        if MODES[row["mode"]][1] is None and len(row["rounds"]) == len(base["rounds"]):
+            row["vs_unguided"] = float(np.median(np.array(row["rounds"]) / np.array(base["rounds"])))
+        else:
             row["vs_unguided"] = row["tok_per_s"] / base["tok_per_s"]
 
 
@@ -403,6 +447,7 @@ def meta(args: argparse.Namespace, model: Path) -> dict[str, Any]:
         "model": str(model) if args.model is not None else "tiny random Llama (2 layers, hidden 64)",
         "max_tokens": args.max_tokens,
         "batches": args.batches,
+        "repeat": args.repeat,
         "peer_threads": args.threads,
     }
 
@@ -418,7 +463,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"# Host overhead (issue 48): {m['model']}, {m['device']}",
         "",
         f"- {m['date']}, commit {m['commit']}; {m['machine']}",
-        f"- greedy, EOS ignored, {m['max_tokens']} tokens a request; spans: median ms over the timed "
+        f"- greedy, EOS ignored, {m['max_tokens']} tokens a request; ms/step and tok/s: medians of "
+        f"{m.get('repeat', 1)} rounds, the modes of an engine in turn in each; spans: median ms over the timed "
         "steps of the batch (steps: how many) in the scheduler's step trace",
         "",
         "| " + " | ".join(header) + " |",
