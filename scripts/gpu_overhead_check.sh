@@ -1,6 +1,7 @@
 #!/bin/bash
 # Issue 48's GPU checks in one device call (carry .whl and .gpu: scripts/gpu_carry.sh first): gpu tests touching the changed paths, overhead.py on SmolLM2-135M's
 # shape (overlap on / off), then Llama-3.1-8B's shape at batch 1. Everything lands in $OUT/r.tgz + logs.
+# Knobs: TEST_S, TEST_K (the gpu tests), OVH_S, OVH_REPEAT (default 1 round: the device time is short), SCHED, BIG_S.
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 GUIDESPEC_TOKENIZER_DIR=$PWD/.gpu/tok
@@ -15,13 +16,13 @@ echo "tests done at $((SECONDS - t0)) s"
 python3 -m benchmarks.random_model --preset smollm2-135m --output /tmp/m135 --tokenizer-from .gpu/tok >/dev/null 2>&1
 echo "=== 135M overhead"
 timeout -k 5 ${OVH_S:-200} python3 benchmarks/overhead.py --device cuda --model /tmp/m135 --batches 1,16,64 \
-  --modes unguided,json-noclose --max-tokens 128 --scheduling ${SCHED:-async,async-serial-worker} > "$OUT/r/ovh135.log" 2>&1
+  --modes unguided,json-noclose --max-tokens 128 --repeat ${OVH_REPEAT:-1} --scheduling ${SCHED:-async,async-serial-worker} > "$OUT/r/ovh135.log" 2>&1
 echo "rc=$? at $((SECONDS - t0)) s"; grep -E "^\| (unguided|json)" "$OUT/r/ovh135.log" | cut -c1-200
 mv benchmarks/results/overhead-cuda-* "$OUT/r/" 2>/dev/null
 if [ "${BIG_S:-200}" != 0 ]; then
   echo "=== 8B"
   timeout -k 5 ${BIG_S:-200} bash -c "python3 -m benchmarks.random_model --preset llama-3.1-8b --output /tmp/m8b --tokenizer-from .gpu/tok && \
-    python3 benchmarks/overhead.py --device cuda --model /tmp/m8b --batches 1 --modes unguided --max-tokens 64 --scheduling async" > "$OUT/r/ovh8b.log" 2>&1
+    python3 benchmarks/overhead.py --device cuda --model /tmp/m8b --batches 1 --modes unguided --max-tokens 64 --repeat 1 --scheduling async" > "$OUT/r/ovh8b.log" 2>&1
   echo "rc=$? at $((SECONDS - t0)) s"; grep -E "^\| unguided|built" "$OUT/r/ovh8b.log" | cut -c1-200
   mkdir -p "$OUT/r/8b"; mv benchmarks/results/overhead-cuda-* "$OUT/r/8b/" 2>/dev/null
 fi
