@@ -407,13 +407,7 @@ class EarlyCloser:
     def unbanned(self, row: np.ndarray) -> bool:
         """Narrow the row, in place, to its tokens but the banned ones (of the cycles the output
         repeated), where it allows any; False (the row untouched) if none or none is banned."""
-        if not self.banned:
-            return False
-        rest = row & self.unbanned_row(len(row))
-        if not rest.any():
-            return False
-        row[:] = rest
-        return True
+        return bool(self.banned) and bool(unban(row[None], _FIRST, [self.unbanned_row(len(row))])[0])
 
     def unbanned_row(self, width: int) -> np.ndarray:
         """A mask row of every token but the banned ones (made once per change of them)."""
@@ -443,6 +437,15 @@ def narrow(bitmask: np.ndarray, rows: np.ndarray, tiers: Sequence[tuple[np.ndarr
             narrowed[left[hit]] = True
             left = left[~hit]
     return narrowed
+
+
+def unban(bitmask: np.ndarray, rows: np.ndarray, unbanned: Sequence[np.ndarray]) -> np.ndarray:
+    """Narrow each of ``bitmask``'s ``rows``, in place, to the tokens of its ``unbanned`` row
+    (``EarlyCloser.unbanned_row``) where it allows any, for all the rows at once; whether each was."""
+    rest = bitmask[rows] & np.stack(unbanned)
+    left = rest.any(axis=1)
+    bitmask[rows[left]] = rest[left]
+    return left
 
 
 def _allows(row: np.ndarray, token: int) -> bool:

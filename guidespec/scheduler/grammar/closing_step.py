@@ -21,7 +21,7 @@ from guidespec.grammar_backends import GrammarBackend, GrammarMatcher
 from guidespec.bitmask import allowed_ids, bitmask_row
 from guidespec.protocol import GuidedDecoding
 from guidespec.model_files import text_encoder
-from guidespec.scheduler.grammar.closing import MAX_STEPS, ClosingTokens, EarlyCloser, narrow
+from guidespec.scheduler.grammar.closing import MAX_STEPS, ClosingTokens, EarlyCloser, narrow, unban
 
 MAX_CLOSING_RUN = 2048  # the longest dry run of closing (``dry_run``)
 # the grammar fills a dry run's lookahead may cost; past them it goes on without one (a lexer-heavy
@@ -176,10 +176,7 @@ class ClosingStep:
         narrowed = narrow(bitmask, np.array([at for at, _ in at_once]), closing.tiers_outside)
         banned = [(at, closer) for (at, closer), done in zip(at_once, narrowed.tolist()) if not done and closer.banned]
         if banned:
-            ats = np.array([at for at, _ in banned])
-            rest = bitmask[ats] & np.stack([closer.unbanned_row(bitmask.shape[1]) for _, closer in banned])
-            left = rest.any(axis=1)
-            bitmask[ats[left]] = rest[left]
+            unban(bitmask, np.array([at for at, _ in banned]), [c.unbanned_row(bitmask.shape[1]) for _, c in banned])
 
     def dry_run(
         self, request_id: str, backend: GrammarBackend, matcher: GrammarMatcher, limit: int
