@@ -43,6 +43,7 @@
 
 enum { KEYS = 8, QUERIES_PER_PASS = 3, KEY_TILE = 64, CHUNK_TOKENS = 16 };
 
+#include "parallel.h"
 #include "vmath.h"
 
 /* s[t0 .. t0 + 7] = scale * q . k_t for 8 keys from kt (D floats each) */
@@ -218,7 +219,9 @@ void cache_attention_f32(const float* q, const float* k, const float* v, float* 
     /* tasks: (row, key/value head, chunk of CHUNK_TOKENS tokens' queries): a prefill chunk's
        queries spread over the threads, and their weights over the keys take bounded memory */
     int chunks = (n + CHUNK_TOKENS - 1) / CHUNK_TOKENS;
-    #pragma omp parallel for schedule(dynamic) num_threads(threads)
+    size_t work = 0;  /* query-key products and their weighted values, roughly */
+    for (int r = 0; r < B; r++) work += (size_t)(starts[r] + n) * n * g * hkv * 2 * D;
+    #pragma omp parallel for schedule(dynamic) num_threads(threads) if (work >= PARALLEL_MIN_WORK)
     for (int task = 0; task < B * hkv * chunks; task++) {
         int r = task / (hkv * chunks), h = task / chunks % hkv, chunk = task % chunks;
         int j0 = chunk * CHUNK_TOKENS, tokens = n - j0 < CHUNK_TOKENS ? n - j0 : CHUNK_TOKENS;

@@ -66,6 +66,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "parallel.h"
 #if defined(__AVX2__) && defined(__F16C__)
 #define QUANT_AVX2 1
 #include <immintrin.h>
@@ -619,7 +621,7 @@ static void linear_rows(const float* x, const uint8_t* qs, const void* s0, const
     quantize_rows(x, M, K, &a, threads);
     row_t* views = malloc(sizeof(row_t) * (size_t)m_rows);  /* each row's, once */
     for (int r = 0; r < m_rows; r++) views[r] = row_of(&a, r);
-    #pragma omp parallel for schedule(static) num_threads(threads)
+    #pragma omp parallel for schedule(static) num_threads(threads) if ((size_t)M * N * K >= PARALLEL_MIN_WORK)
     for (int g = 0; g < groups; g++) {
         int n0 = g * ROWS_PER_GROUP, n1 = n0 + ROWS_PER_GROUP < N ? n0 + ROWS_PER_GROUP : N;
         for (int m0 = 0; m0 < M; m0 += rows) {

@@ -15,7 +15,7 @@ _SOURCES = [
     Path(__file__).with_name(name)
     for name in ("packed_linear.c", "gguf_linear.c", "attention.c", "layer_ops.c", "logits_ops.c", "decoder.c")
 ]
-_HEADERS = [Path(__file__).with_name(name) for name in ("vec.h", "vmath.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("vec.h", "vmath.h", "parallel.h")]
 
 
 @lru_cache(maxsize=1)

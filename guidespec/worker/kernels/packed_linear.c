@@ -21,6 +21,7 @@
 #include <stddef.h>
 #include <string.h>
 
+#include "parallel.h"
 #include "vec.h"
 
 /* VW outputs from n0 (sum + bias), cut at N */
@@ -96,7 +97,8 @@ DEFINE_TILES(tileq, signed char, ldq, scaled)
    last tile have one vector) */
 #define RUN_TILES(TILES, WP, SCALE)                                                               \
     int padded = (N + 15) / 16 * 16, ntiles = (padded + 2 * VW - 1) / (2 * VW);                   \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")                             \
+    size_t work = (size_t)M * N * K;                                                              \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (work >= PARALLEL_MIN_WORK)") \
     for (int p = 0; p < ntiles; p++) {                                                            \
         int n0 = 2 * VW * p, two = padded - n0 > VW;                                              \
         for (int m0 = 0; m0 < M; m0 += 6) {                                                       \
