@@ -220,6 +220,19 @@ def import_tokenizers() -> None:
     transformers.TokenizersBackend  # noqa: B018 (the attribute's access is the import)
 
 
+_SHARED_TOKENIZERS: dict[Path, Any] = {}
+
+
+def shared_tokenizer(model_dir: Path) -> Any:
+    """``load_tokenizer(model_dir)``, loaded once in this process: the scheduler loads it before
+    it forks its compile process, and both use that one (with the backends' tables made from it,
+    ``grammar_backends.prepare_tables``)."""
+    key = Path(model_dir).resolve()
+    if key not in _SHARED_TOKENIZERS:
+        _SHARED_TOKENIZERS[key] = load_tokenizer(key)
+    return _SHARED_TOKENIZERS[key]
+
+
 def load_tokenizer(model_dir: Path) -> Any:
     """The model's tokenizer. Where it is the plain ``tokenizers`` one (every GGUF conversion's),
     it is loaded as such: AutoTokenizer would first import the model's config class, ~3 s of

@@ -11,10 +11,20 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from guidespec.grammar_backends.interface import GrammarBackend, GrammarError, GrammarMatcher
+from guidespec.grammar_backends.tables import tokenizer_tables
 
 from guidespec.protocol import GRAMMAR_BACKENDS as BACKENDS
 
-__all__ = ["BACKENDS", "GrammarBackend", "GrammarError", "GrammarMatcher", "create_backend", "import_backends"]
+__all__ = [
+    "BACKENDS",
+    "GrammarBackend",
+    "GrammarError",
+    "GrammarMatcher",
+    "create_backend",
+    "import_backends",
+    "prepare_tables",
+    "tokenizer_tables",
+]
 
 
 def create_backend(
@@ -29,6 +39,23 @@ def create_backend(
 
         return LLGuidanceBackend(tokenizer, vocab_size, stop_token_ids, num_threads)
     raise ValueError(f"unknown grammar backend {name!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def prepare_tables(names: Iterable[str], tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+    """Make the named backends' tables now (``tokenizer_tables``); a backend that fails to import
+    or to make them reports it when it is created."""
+    for name in names:
+        try:
+            if name == "xgrammar":
+                from guidespec.grammar_backends.xgrammar_backend import XGrammarBackend
+
+                XGrammarBackend.tables(tokenizer, vocab_size, stop_token_ids, keep=True)
+            elif name == "llguidance":
+                from guidespec.grammar_backends.llguidance_backend import LLGuidanceBackend
+
+                LLGuidanceBackend.tables(tokenizer, vocab_size, stop_token_ids, keep=True)
+        except Exception:
+            pass
 
 
 def import_backends(names: Iterable[str]) -> None:

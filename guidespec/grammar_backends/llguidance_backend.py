@@ -22,6 +22,7 @@ import numpy as np
 
 from guidespec import envs
 from guidespec.bitmask import allowed_ids, bitmask_width
+from guidespec.grammar_backends.tables import tokenizer_tables
 from guidespec.grammar_backends.interface import (
     COUNTED_OPEN_OBJECT,
     GrammarError,
@@ -170,13 +171,28 @@ class LLGuidanceBackend:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], num_threads: int) -> None:
         self.vocab_size = vocab_size
-        self.tokenizer = llguidance.hf.from_tokenizer(
-            tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids) or None
-        )
+        # the tokenizer, and single-character tokens by character: what the compile-time walk tries
+        self.tokenizer, self._chars = self.tables(tokenizer, vocab_size, stop_token_ids)
         self.executor = llg.LLExecutor(num_threads)
         self.limits = parser_limits()  # (read when the engine starts, not when a zygote imported this)
-        # single-character tokens, by character: what the compile-time walk tries
-        self._chars = _single_char_tokens(tokenizer, vocab_size)
+
+    @staticmethod
+    def tables(
+        tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], keep: bool = False
+    ) -> tuple[Any, list[tuple[str, int]]]:
+        """llguidance's tokenizer and the single-character tokens, once per tokenizer
+        (``tokenizer_tables``)."""
+        return tokenizer_tables(  # type: ignore[no-any-return]
+            "llguidance",
+            tokenizer,
+            vocab_size,
+            stop_token_ids,
+            lambda: (
+                llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(stop_token_ids) or None),
+                _single_char_tokens(tokenizer, vocab_size),
+            ),
+            keep,
+        )
 
     def compile(self, guided: GuidedDecoding) -> Any:
         kind = guided.kind

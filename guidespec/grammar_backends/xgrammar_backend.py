@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from guidespec.grammar_backends.tables import tokenizer_tables
 from guidespec.grammar_backends.interface import (
     COUNTED_OPEN_OBJECT,
     DATA_KEYWORDS,
@@ -81,11 +82,23 @@ class XGrammarBackend:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], num_threads: int) -> None:
         self.vocab_size = vocab_size
         self._encode = text_encoder(tokenizer)
-        self.info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
-        )
+        self.info = self.tables(tokenizer, vocab_size, stop_token_ids)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=num_threads, cache_enabled=False)
         self.batch = xgr.BatchGrammarMatcher(max_threads=num_threads)
+
+    @staticmethod
+    def tables(tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], keep: bool = False) -> Any:
+        """The vocabulary's ``TokenizerInfo``, once per tokenizer (``tokenizer_tables``)."""
+        return tokenizer_tables(
+            "xgrammar",
+            tokenizer,
+            vocab_size,
+            stop_token_ids,
+            lambda: xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+            ),
+            keep,
+        )
 
     def compile(self, guided: GuidedDecoding) -> Any:
         kind = guided.kind

@@ -42,7 +42,7 @@ from guidespec.ipc import codec
 from guidespec.ipc.broadcast import StepBroadcaster
 from guidespec.ipc.shm_ring import RingTimeout
 from guidespec.ipc.zmq_channel import Channel
-from guidespec.model_files import load_tokenizer
+from guidespec.model_files import shared_tokenizer
 from guidespec.process_utils import setup_child_process
 from guidespec.protocol import (
     INTERNAL_ERROR,
@@ -92,7 +92,7 @@ def _lookahead(cfg: SchedulerConfig) -> int:
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, parent_pid: int, compile_process: CompileProcess | None = None) -> None:
         self.cfg = cfg
-        self.tokenizer = load_tokenizer(cfg.model_dir)
+        self.tokenizer = shared_tokenizer(cfg.model_dir)  # (the compile process's too, where forked)
         self.ctx = zmq.Context()
         self.client_in = Channel(self.ctx, zmq.PULL, cfg.client_in, bind=True)
         self.client_out = Channel(self.ctx, zmq.PUSH, cfg.client_out, bind=False)

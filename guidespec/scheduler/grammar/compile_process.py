@@ -17,8 +17,8 @@ import time
 import traceback
 from typing import IO, Any
 
-from guidespec.grammar_backends import import_backends
-from guidespec.model_files import import_tokenizers
+from guidespec.grammar_backends import import_backends, prepare_tables
+from guidespec.model_files import import_tokenizers, shared_tokenizer
 from guidespec.protocol import GuidedDecoding, backend_order
 from guidespec.scheduler.grammar.settings import GrammarSettings
 
@@ -122,6 +122,14 @@ def fork_compile_process(settings: GrammarSettings) -> ForkedCompileProcess:
     scheduler's and the worker's on the same cores: ~1.5 s of each engine start on 2 cores)."""
     import_backends(backend_order(settings.default_backend))
     import_tokenizers()
+    # the tokenizer and the backends' tables of it, made once for both processes (each made its
+    # own beside the other's: ~1 s of CPU twice on the same cores at every engine's start)
+    prepare_tables(
+        backend_order(settings.default_backend),
+        shared_tokenizer(settings.model_dir),
+        settings.vocab_size,
+        tuple(settings.stop_token_ids),
+    )
     to_child, from_parent = os.pipe()
     to_parent, from_child = os.pipe()  # (read end, write end) pairs: child reads to_child's read end
     pid = os.fork()

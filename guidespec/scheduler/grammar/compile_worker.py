@@ -30,14 +30,14 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from guidespec.grammar_backends import GrammarError, create_backend
     from guidespec.grammar_backends.rewrites import rewrite_schema
-    from guidespec.model_files import load_tokenizer
+    from guidespec.model_files import shared_tokenizer
 
     from guidespec import envs
 
     rewrites = envs.schema_rewrites_enabled()
     settings = json.loads(sys.stdin.readline())
     recompile = settings.get("recompile", "auto")
-    tokenizer = load_tokenizer(Path(settings["model_dir"]))
+    tokenizer = shared_tokenizer(Path(settings["model_dir"]))  # (forked: the scheduler's, its tables made)
     store = None
     if settings.get("store_dir"):
         from guidespec.scheduler.grammar.store import GrammarStore, fingerprint
