@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from guidespec.grammar_backends.interface import GrammarBackend, GrammarError, GrammarMatcher
-from guidespec.grammar_backends.tables import tokenizer_tables
 
 from guidespec.protocol import GRAMMAR_BACKENDS as BACKENDS
 
@@ -23,37 +22,33 @@ __all__ = [
     "create_backend",
     "import_backends",
     "prepare_tables",
-    "tokenizer_tables",
 ]
+
+
+def _backend_class(name: str) -> Any:
+    if name == "xgrammar":
+        from guidespec.grammar_backends.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend
+    if name == "llguidance":
+        from guidespec.grammar_backends.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend
+    raise ValueError(f"unknown grammar backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 
 def create_backend(
     name: str, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], num_threads: int = 2
 ) -> GrammarBackend:
-    if name == "xgrammar":
-        from guidespec.grammar_backends.xgrammar_backend import XGrammarBackend
-
-        return XGrammarBackend(tokenizer, vocab_size, stop_token_ids, num_threads)
-    if name == "llguidance":
-        from guidespec.grammar_backends.llguidance_backend import LLGuidanceBackend
-
-        return LLGuidanceBackend(tokenizer, vocab_size, stop_token_ids, num_threads)
-    raise ValueError(f"unknown grammar backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return _backend_class(name)(tokenizer, vocab_size, stop_token_ids, num_threads)  # type: ignore[no-any-return]
 
 
 def prepare_tables(names: Iterable[str], tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
-    """Make the named backends' tables now (``tokenizer_tables``); a backend that fails to import
-    or to make them reports it when it is created."""
+    """Make the named backends' tables now and keep them (``tables.tokenizer_tables``); a backend
+    that fails to import or to make them reports it when it is created."""
     for name in names:
         try:
-            if name == "xgrammar":
-                from guidespec.grammar_backends.xgrammar_backend import XGrammarBackend
-
-                XGrammarBackend.tables(tokenizer, vocab_size, stop_token_ids, keep=True)
-            elif name == "llguidance":
-                from guidespec.grammar_backends.llguidance_backend import LLGuidanceBackend
-
-                LLGuidanceBackend.tables(tokenizer, vocab_size, stop_token_ids, keep=True)
+            _backend_class(name).tables(tokenizer, vocab_size, stop_token_ids, keep=True)
         except Exception:
             pass
 
