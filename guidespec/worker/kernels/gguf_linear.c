@@ -621,7 +621,8 @@ static void linear_rows(const float* x, const uint8_t* qs, const void* s0, const
     quantize_rows(x, M, K, &a, threads);
     row_t* views = malloc(sizeof(row_t) * (size_t)m_rows);  /* each row's, once */
     for (int r = 0; r < m_rows; r++) views[r] = row_of(&a, r);
-    #pragma omp parallel for schedule(static) num_threads(threads) if ((size_t)M * N * K >= PARALLEL_MIN_WORK)
+    int chunk = PARALLEL_CHUNK(groups, threads);
+    #pragma omp parallel for schedule(dynamic, chunk) num_threads(threads) if ((size_t)M * N * K >= PARALLEL_MIN_WORK)
     for (int g = 0; g < groups; g++) {
         int n0 = g * ROWS_PER_GROUP, n1 = n0 + ROWS_PER_GROUP < N ? n0 + ROWS_PER_GROUP : N;
         for (int m0 = 0; m0 < M; m0 += rows) {

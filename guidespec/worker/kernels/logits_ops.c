@@ -10,11 +10,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "parallel.h"
+
 /* logits [*][V]: row rows[i] keeps the tokens bitmask row i allows (bit j of word w: token
    32 w + j) and the others become -inf. bitmask [n][W], W * 32 >= V. */
 void apply_bitmask_f32(float* logits, int V, const int64_t* rows, const int32_t* bitmask, int W, int n,
                        int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads) if (n >= 8)
+    #pragma omp parallel for schedule(dynamic, PARALLEL_CHUNK(n, threads)) num_threads(threads) if (n >= 8)
     for (int i = 0; i < n; i++) {
         float* row = logits + (size_t)rows[i] * V;
         const uint32_t* words = (const uint32_t*)(bitmask + (size_t)i * W);
@@ -40,7 +42,7 @@ void apply_bitmask_f32(float* logits, int V, const int64_t* rows, const int32_t*
    row costs one pass over its allowed tokens instead of a write pass and a read pass over all. */
 void argmax_rows_f32(const float* logits, int R, int V, const int32_t* mask_of_row, const int32_t* bitmask, int W,
                      int64_t* best, uint8_t* dead, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads) if (R >= 8)
+    #pragma omp parallel for schedule(dynamic, PARALLEL_CHUNK(R, threads)) num_threads(threads) if (R >= 8)
     for (int r = 0; r < R; r++) {
         const float* row = logits + (size_t)r * V;
         int mask = mask_of_row ? mask_of_row[r] : -1;

@@ -26,6 +26,10 @@
 
 /* VW outputs from n0 (sum + bias), cut at N */
 static inline void store_vec(vf acc, const float* bias, float* y, int n0, int N) {
+    if (N - n0 >= VW) {  /* a whole vector: one store (a lane-by-lane one cost as much as the sums at K = 64) */
+        st(y + n0, bias ? acc + ld(bias + n0) : acc);
+        return;
+    }
     float lanes[VW];
     memcpy(lanes, &acc, sizeof lanes);
     int n = N - n0 < VW ? N - n0 : VW;
@@ -98,7 +102,8 @@ DEFINE_TILES(tileq, signed char, ldq, scaled)
 #define RUN_TILES(TILES, WP, SCALE)                                                               \
     int padded = (N + 15) / 16 * 16, ntiles = (padded + 2 * VW - 1) / (2 * VW);                   \
     size_t work = (size_t)M * N * K;                                                              \
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if (work >= PARALLEL_MIN_WORK)") \
+    int chunk = PARALLEL_CHUNK(ntiles, threads);                                                  \
+    _Pragma("omp parallel for schedule(dynamic, chunk) num_threads(threads) if (work >= PARALLEL_MIN_WORK)") \
     for (int p = 0; p < ntiles; p++) {                                                            \
         int n0 = 2 * VW * p, two = padded - n0 > VW;                                              \
         for (int m0 = 0; m0 < M; m0 += 6) {                                                       \
