@@ -154,6 +154,13 @@ def llguidance_lexer_fuel() -> int:
     return max(1, int(os.environ.get("GUIDESPEC_LLGUIDANCE_LEXER_FUEL", "1000000")))
 
 
+def compile_nice() -> int:
+    """How much lower than the scheduler's the priority of grammar compiles is
+    (``GUIDESPEC_COMPILE_NICE``, a nice increment, default 10; 0 keeps it): the compile process's
+    and the scheduler's grammar-loading thread's (``scheduler/grammar/compiling.py``)."""
+    return max(0, min(19, int(os.environ.get("GUIDESPEC_COMPILE_NICE", "10"))))
+
+
 def auto_backends() -> tuple[str, ...] | None:
     """The order backend "auto" tries the grammar backends in (``GUIDESPEC_AUTO_BACKENDS``, e.g.
     ``llguidance,xgrammar``); unset: ``protocol.AUTO_BACKEND_ORDER``."""

@@ -42,7 +42,8 @@ def set_process_name(name: str) -> None:
 
 def kill_group(pid: int) -> None:
     """SIGKILL to what is left of the process group ``pid`` leads (each engine process leads a
-    session of its own: the scheduler's compile process is in its group)."""
+    session of its own; the scheduler's compile process leads another, and dies with the
+    scheduler's thread that started it: ``background_process``)."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -51,3 +52,43 @@ def kill_group(pid: int) -> None:
 
 def parent_alive(parent_pid: int) -> bool:
     return os.getppid() == parent_pid
+
+
+def lower_thread_priority(increment: int) -> None:
+    """Raise the calling thread's nice value by ``increment`` (Linux: a thread's own, inherited by
+    the threads it starts afterwards; a process's other threads keep theirs). Background work that
+    must not take the cores from serving (grammar compiles) runs so: on a host whose cores are all
+    busy it gets what serving leaves, and costs nothing where a core is free. Not undone: only a
+    privileged process can lower a nice value again."""
+    if increment <= 0 or not hasattr(os, "setpriority"):
+        return
+    import threading
+
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except OSError:  # (a sandbox that refuses it: the work runs at the usual priority)
+        logging.getLogger(__name__).debug("could not lower thread %d's priority", tid, exc_info=True)
+
+
+def background_process(increment: int) -> None:
+    """Make this process background work: a session of its own whose scheduling group's nice is
+    raised by ``increment``, and this thread's too (:func:`lower_thread_priority`). Where the
+    kernel groups tasks by session (``/proc/sys/kernel/sched_autogroup_enabled``, the default of
+    many distributions), the cores are shared fairly between sessions first and a nice value
+    counts only inside one: a compile process in the scheduler's session took a whole core of
+    two from the worker's session (each of its two threads ran ~125 ms of every 250 beside the
+    worker's two), at nice 10 and even as SCHED_IDLE. Leaving the session also leaves the process
+    group: this process must die by other means (``die_with_parent``)."""
+    if increment <= 0:
+        return
+    try:
+        os.setsid()
+    except OSError:  # (already a session leader)
+        pass
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(increment))
+    except OSError:  # no autogroups here: the threads' own nice values decide
+        pass
+    lower_thread_priority(increment)

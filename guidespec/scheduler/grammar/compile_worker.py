@@ -28,11 +28,14 @@ from guidespec.protocol import GuidedDecoding, backend_order
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from guidespec import envs
+    from guidespec.process_utils import background_process, die_with_parent
+
+    die_with_parent()  # (also when started as a new interpreter: it leaves the scheduler's group)
+    background_process(envs.compile_nice())  # (before any thread starts: they all inherit it)
     from guidespec.grammar_backends import GrammarError, create_backend
     from guidespec.grammar_backends.rewrites import rewrite_schema
     from guidespec.model_files import shared_tokenizer
-
-    from guidespec import envs
 
     rewrites = envs.schema_rewrites_enabled()
     settings = json.loads(sys.stdin.readline())

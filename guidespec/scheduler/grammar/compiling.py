@@ -24,8 +24,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from guidespec import envs
 from guidespec.grammar_backends import GrammarBackend, GrammarError
 from guidespec.grammar_backends.interface import is_refusal
+from guidespec.process_utils import lower_thread_priority
 from guidespec.protocol import GuidedDecoding, backend_order
 from guidespec.scheduler.grammar.compile_process import CompileClient, CompileProcess
 from guidespec.scheduler.grammar.settings import GrammarSettings
@@ -66,8 +68,14 @@ class GrammarCompiler:
         self.process = CompileClient(settings, compile_process)
         # a compiled grammar is loaded (its text read back, or a fast one compiled again) on a
         # thread of its own: xgrammar (0.2.8) lets go of the GIL while it compiles, so the loop
-        # keeps stepping the other requests meanwhile
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guidespec-grammar-load")
+        # keeps stepping the other requests meanwhile, at a lower priority than the loop's
+        # (``envs.compile_nice``: a compile must not take the cores from the running batch)
+        self._loader = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="guidespec-grammar-load",
+            initializer=lower_thread_priority,
+            initargs=(envs.compile_nice(),),
+        )
         self.compiled: OrderedDict[str, Any] = OrderedDict()
         self.recompiled = 0  # grammars compiled again here rather than read back as text
         self.num_compiled = 0  # grammars the compile process compiled
