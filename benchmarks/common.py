@@ -72,3 +72,18 @@ def commit() -> str:
 def fmt(value: float | None, spec: str = ".1f", suffix: str = "") -> str:
     """A table cell: ``value`` formatted, or a dash where there is none."""
     return "–" if value is None else f"{value:{spec}}{suffix}"
+
+
+def print_rounds_table(rounds: dict[str, list[dict[str, float]]], first_column: str = "what") -> None:
+    """A markdown table of per-round measures: a row per measure, a column per setting, each cell
+    the rounds' median and range (seconds, 2 decimals)."""
+    import statistics
+
+    names = list(rounds)
+    print(f"\n| {first_column} | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
+    for key in rounds[names[0]][0]:
+        cells = []
+        for name in names:
+            values = [r[key] for r in rounds[name]]
+            cells.append(f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})")
+        print(f"| {key} | " + " | ".join(cells) + " |")

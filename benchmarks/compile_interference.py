@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import commit, machine  # noqa: E402
+from benchmarks.common import commit, machine, print_rounds_table  # noqa: E402
 from guidespec import LLM, SamplingParams  # noqa: E402
 from guidespec.protocol import GuidedDecoding  # noqa: E402
 
@@ -99,17 +98,9 @@ def main() -> None:
                 os.environ["GUIDESPEC_COMPILE_NICE"] = nice
             results[name].append(measure(args.model, args.values, f"r{r}_{os.getpid()}_{len(results[name])}_{nice}"))
             print(f"round {r + 1}, {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in results[name][-1].items()))
-    keys = list(next(iter(results.values()))[0])
     print(f"\n# Compile interference: {args.values}-value enum, {args.rounds} rounds\n")
-    print(f"- {time.strftime('%Y-%m-%d')}, commit {commit()}; {machine()}; seconds, median (range) of the rounds\n")
-    print("| measure | " + " | ".join(SETTINGS) + " |")
-    print("|---|" + "---:|" * len(SETTINGS))
-    for key in keys:
-        cells = []
-        for name in SETTINGS:
-            values = [r[key] for r in results[name]]
-            cells.append(f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})")
-        print(f"| {key} | " + " | ".join(cells) + " |")
+    print(f"- {time.strftime('%Y-%m-%d')}, commit {commit()}; {machine()}; seconds, median (range) of the rounds")
+    print_rounds_table(results, "measure")
 
 
 if __name__ == "__main__":

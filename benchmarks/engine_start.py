@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import commit, machine  # noqa: E402
+from benchmarks.common import commit, machine, print_rounds_table  # noqa: E402
 
 ROUND = r"""
 import json, sys, time
@@ -86,14 +85,7 @@ def main() -> None:
 
     print(f"\n# Engine start, {args.model or 'the default model'}: seconds, median (range) of {args.rounds} rounds")
     print(f"- {machine()}; commit {commit()}" + (f"; before = {args.compare}" if args.compare else ""))
-    names = list(trees)
-    print("\n| what | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
-    for key in rounds[names[0]][0]:
-        cells = []
-        for name in names:
-            values = [r[key] for r in rounds[name]]
-            cells.append(f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})")
-        print(f"| {key} | " + " | ".join(cells) + " |")
+    print_rounds_table({name: rounds[name] for name in trees})
 
 
 if __name__ == "__main__":
