@@ -22,6 +22,8 @@ from guidespec.scheduler.speculation.prompt_text import (
     PromptText,
     openings,
     places,
+    JsonResume,
+    json_scan,
     text_state,
 )
 
@@ -32,6 +34,19 @@ _STRING_COMMA_END = re.compile(r'("[^"]+")\s*,\s*$')
 _KEY_START = re.compile(r'[{,]\s*("?)$')  # an object's next key begins (its quote, or before it)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _KEY_WORDS = 48  # how many of the prompt's words after the cursor may be the next key
+
+
+class _OutputText:
+    """A request's committed output: its tokens, their texts, the text, and where a JSON scan of
+    the text resumes (``prompt_text.json_scan``)."""
+
+    __slots__ = ("tokens", "pieces", "text", "resume")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.pieces: list[str] = []
+        self.text = ""
+        self.resume: JsonResume = (0, ())
 
 
 class JsonTextDrafter:
@@ -93,6 +108,7 @@ class JsonTextDrafter:
         self.cursors: dict[str, int] = {}  # request -> the prompt token where its last anchored draft began
         self.text_lookup = text_lookup and encode is not None
         self.text_cursors: dict[str, int] = {}  # request -> where the prompt's last value drafted by text starts
+        self.outputs: dict[str, _OutputText] = {}  # request -> its committed output's text, kept as it grows
         # JSON's closings of a value, most likely first: where the prompt's own closing (``";``,
         # ``;``) says more follows, and where its period says the record ends
         ids = {text: i for i, text in enumerate(token_texts)}
@@ -103,6 +119,7 @@ class JsonTextDrafter:
         self.prompts.pop(request_id, None)
         self.cursors.pop(request_id, None)
         self.text_cursors.pop(request_id, None)
+        self.outputs.pop(request_id, None)
 
     @property
     def chained(self) -> tuple[Callable[[str, Sequence[int], int, int, ValidPrefix], list[int]], ...]:
@@ -278,12 +295,16 @@ class JsonTextDrafter:
         ``"}`` or ``"]`` where the record or the list ends; the grammar has the last word."""
         prompt = self._prompt(request_id, context, num_committed)
         output = list(context[len(prompt.tokens) :])
-        out_text = "".join(self._pieces(output))
-        state = text_state(out_text)
+        committed = num_committed - len(prompt.tokens)
+        known = self._output_text(request_id, output[:committed])
+        drafted = self._pieces(output[committed:])  # (a chained call's draft so far)
+        pieces, out_text = known.pieces + drafted, known.text + "".join(drafted)
+        string_at, containers, _ = json_scan(out_text, known.resume)
+        state = text_state(out_text, (string_at, containers[-1] if containers else ""))
         if state is None:
             return [], False
         typed_at, literal, in_list, first_item = state
-        head_tokens = self._string_tokens(output, typed_at) if typed_at is not None else []
+        head_tokens = self._string_tokens(output, typed_at, pieces) if typed_at is not None else []
         if head_tokens is None:
             return [], False
         typed = out_text[typed_at:] if typed_at is not None else ""
@@ -312,11 +333,27 @@ class JsonTextDrafter:
         assert encode is not None
         return encode(text)
 
-    def _string_tokens(self, output: list[int], string_at: int) -> list[int] | None:
+    def _output_text(self, request_id: str, committed: list[int]) -> _OutputText:
+        """The request's committed output tokens as text (and where a JSON scan of it resumes),
+        extended by the tokens committed since the last call rather than made again."""
+        known = self.outputs.get(request_id)
+        n = len(known.tokens) if known is not None else 0
+        if known is None or len(committed) < n or committed[:n] != known.tokens:
+            known, n = _OutputText(), 0
+            self.outputs[request_id] = known
+        if len(committed) > n:
+            new = self._pieces(committed[n:])
+            known.tokens += committed[n:]
+            known.pieces += new
+            known.text += "".join(new)
+            known.resume = json_scan(known.text, known.resume)[2]
+        return known
+
+    def _string_tokens(self, output: list[int], string_at: int, pieces: list[str]) -> list[int] | None:
         """The output's tokens after the one that holds the open string's quote (the string's text
         starts at character ``string_at``), only the last ones from a word's start where the string
-        is long; None where one token holds both the quote and what follows it."""
-        pieces = self._pieces(output)
+        is long; None where one token holds both the quote and what follows it. ``pieces``: the
+        output's tokens' texts."""
         first, start = len(pieces), sum(len(p) for p in pieces)
         while first > 0 and start - len(pieces[first - 1]) >= string_at:
             first -= 1

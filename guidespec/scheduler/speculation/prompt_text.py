@@ -192,18 +192,36 @@ class PromptText:
 
 def json_state(text: str) -> tuple[int | None, str]:
     """Where the output's open string starts (None: not in one) and its innermost open container."""
-    stack: list[str] = []
+    string_at, stack, _ = json_scan(text)
+    return string_at, stack[-1] if stack else ""
+
+
+JsonResume = tuple[int, tuple[str, ...]]  # a scan's safe point: (position, open containers there)
+
+
+def json_scan(text: str, resume: JsonResume = (0, ())) -> tuple[int | None, tuple[str, ...], JsonResume]:
+    """:func:`json_state`'s scan from ``resume`` (a point an earlier scan of a prefix of ``text``
+    returned): (open string's start or None, open containers, the safe point to resume a scan
+    of a longer text from). Every part but an open string at the end (or before a last lone
+    backslash) ends where no later character can change it: the safe point is the end of the
+    last such part, so a text that grows is scanned once, not again at every token."""
+    position, containers = resume
+    stack = list(containers)
     string_at = None
-    for part in _JSON_PARTS.finditer(text):
+    safe = resume
+    for part in _JSON_PARTS.finditer(text, position):
         token = part.group()
         if token[0] == '"':
-            if not part.group(1) and part.end() == len(text):
-                string_at = part.start() + 1
+            if not part.group(1):  # an open string: nothing after it is safe
+                if part.end() == len(text):
+                    string_at = part.start() + 1
+                continue
         elif token in "[{":
             stack.append(token)
         elif stack:
             stack.pop()
-    return string_at, stack[-1] if stack else ""
+        safe = (part.end(), tuple(stack))
+    return string_at, tuple(stack), safe
 
 
 def places(prompt: PromptText, out_text: str, typed: str, next_item: bool, after: int) -> list[tuple[int, int, bool]]:
@@ -224,11 +242,14 @@ def places(prompt: PromptText, out_text: str, typed: str, next_item: bool, after
     return prompt.value_starts(key.group(1), {_normalized(name) for name in _KEYS.findall(out_text)}, after)
 
 
-def text_state(out_text: str) -> tuple[int | None, bool, bool, bool] | None:
+def text_state(
+    out_text: str, scanned: tuple[int | None, str] | None = None
+) -> tuple[int | None, bool, bool, bool] | None:
     """Where the output stands for the text lookup: where the value it has begun starts (None:
     none begun), whether that value is a literal (a number), whether it is in a list and the
-    list's first item; None where no value is due (an object's key, between values)."""
-    string_at, container = json_state(out_text)
+    list's first item; None where no value is due (an object's key, between values).
+    ``scanned``: :func:`json_state` of ``out_text``, where the caller has it."""
+    string_at, container = json_state(out_text) if scanned is None else scanned
     in_list = container == "["
     if string_at is not None:
         before = out_text[: string_at - 1].rstrip()[-1:]

@@ -220,3 +220,31 @@ def test_text_lookup_drafts_values_the_prompt_writes_in_prose(real_model_dir) ->
         }
     assert drafts[True] == expected
     assert all(drafts[False][before] != draft for before, draft in expected.items())  # token lookup alone misses
+
+
+def test_the_text_lookup_reads_a_growing_output_as_it_would_from_nothing(real_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """The text lookup keeps each request's committed output as text (and its JSON scan) from one
+    step to the next: token by token through an output, with chained drafts past it, its drafts
+    are those of a drafter that makes the text again at every call."""
+    from guidespec.scheduler.speculation.ngram import ngram_drafter
+    from guidespec.model_files import load_tokenizer
+
+    tokenizer = load_tokenizer(real_model_dir)
+    prompt = tokenizer.encode(
+        "Turn this into JSON. The device ID is MON123456. The product name is whiskey Glen Oak. "
+        'The heart rate is 78.\nalerts:\n- low battery\n- Gate oxide integrity\nnote: "say \\"hi\\"".'
+    )
+    output = tokenizer.encode(
+        '{"deviceID": "MON123456", "productName": "Glen Oak", "heartRate": 78, '
+        '"alerts": ["low battery", "Gate oxide integrity"], "note": "say \\"hi\\"", "x": [{"y": []}]}'
+    )
+    config = SpeculativeConfig(max_draft_len=6, is_public_pool=False)
+    kept, fresh = (ngram_drafter(config, tokenizer, True) for _ in range(2))
+    for drafter in (kept, fresh):
+        drafter.propose("r", prompt, len(prompt), 6, len)  # the prefill step's call
+    for n in range(len(output) + 1):
+        context = prompt + output[:n]
+        assert fresh.text is not None
+        fresh.text.outputs.clear()
+        assert kept.propose("r", context, len(context), 6, len) == fresh.propose("r", context, len(context), 6, len), n
+    assert kept.text is not None and kept.text.outputs["r"].tokens == output

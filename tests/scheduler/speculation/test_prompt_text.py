@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 
 def test_text_lookup_reads_where_a_value_starts_and_ends_in_the_prompt() -> None:
     """The prompt's text alone (no tokenizer): a name's mentions matched on letters and digits,
@@ -45,3 +48,34 @@ def test_text_lookup_reads_where_a_value_starts_and_ends_in_the_prompt() -> None
     assert json_state('{"a": {"b": "x\\" y"}, "c"') == (None, "{")
     # after an empty item (an output of the JME benchmark, 2026-11-25: StopIteration failed its request)
     assert places(quoted, '{"days": ["", ', "", True, 0) == []
+
+
+@given(st.lists(st.sampled_from(['"', "\\", "[", "]", "{", "}", ":", ",", " ", "a", "1"]), max_size=40), st.data())
+@settings(max_examples=400, deadline=None)
+def test_a_json_scan_resumed_from_a_prefix_equals_a_whole_one(chars: list[str], data: st.DataObject) -> None:
+    """The text drafter scans a growing output once (``json_scan`` from the safe point a scan of
+    its committed prefix returned): the same state as a scan of the whole text, at every cut."""
+    from guidespec.scheduler.speculation.prompt_text import _JSON_PARTS, json_scan
+
+    def whole(text: str) -> tuple[int | None, list[str]]:  # the scan as it was, of the whole text
+        stack: list[str] = []
+        string_at = None
+        for part in _JSON_PARTS.finditer(text):
+            token = part.group()
+            if token[0] == '"':
+                if not part.group(1) and part.end() == len(text):
+                    string_at = part.start() + 1
+            elif token in "[{":
+                stack.append(token)
+            elif stack:
+                stack.pop()
+        return string_at, stack
+
+    text = "".join(chars)
+    resume: tuple[int, tuple[str, ...]] = (0, ())
+    for cut in sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=4))) + [len(text)]:
+        string_at, stack, resume_next = json_scan(text[:cut], resume)
+        assert (string_at, list(stack)) == whole(text[:cut])
+        string_at, stack, _ = json_scan(text, resume)
+        assert (string_at, list(stack)) == whole(text)
+        resume = resume_next
