@@ -199,7 +199,7 @@ class EngineProcesses:
             if process.poll() is None:
                 process.kill()
                 process.wait(timeout=5.0)
-            kill_group(process.pid)  # what it started (the scheduler's compile process), if still there
+            kill_group(process.pid)  # what it started, if still there (the compile process dies with the scheduler)
         if self.ray is not None:
             self.ray.close(grace_s=max(0.0, deadline - time.monotonic()))
         if self.ring is not None:
