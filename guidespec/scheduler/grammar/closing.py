@@ -295,8 +295,10 @@ class EarlyCloser:
         if self.detector.add(token):
             if not self.closing:
                 self.closing, self.reason = True, "repeat"
-            self.banned = self.banned | frozenset(self.detector.cycle())
-            self._banned_row = None
+            cycle = self.detector.cycle()
+            if not self.banned.issuperset(cycle):  # (a cycle that goes on bans nothing new: its row stays)
+                self.banned = self.banned | frozenset(cycle)
+                self._banned_row = None
 
     def snapshot(self) -> tuple[Any, ...]:
         d = self.detector

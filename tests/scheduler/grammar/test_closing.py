@@ -407,3 +407,21 @@ def test_a_budget_no_closing_fits_is_checked_less_often_and_rows_stay_valid(toke
     finally:
         for r in requests:
             grammar.release(r)
+
+
+def test_a_cycle_that_goes_on_keeps_its_banned_row() -> None:
+    """An output that keeps repeating its cycle bans nothing new: the banned tokens' mask row is
+    made once, not again at every token (it was, for every looping row of every step)."""
+    from guidespec.scheduler.grammar.closing import EarlyCloser
+
+    closer = EarlyCloser()
+    for token in [5, 6, 7] * 12:  # (a run of 24 tokens equal to those a period before: a cycle)
+        closer.add(token)
+    assert closer.closing and closer.reason == "repeat" and closer.banned == {5, 6, 7}
+    row = closer.unbanned_row(4)
+    for token in [5, 6, 7] * 4:
+        closer.add(token)
+    assert closer.unbanned_row(4) is row
+    for token in [9] * 30:  # a new cycle: its token joins the banned ones
+        closer.add(token)
+    assert closer.banned == {5, 6, 7, 9} and closer.unbanned_row(4) is not row
