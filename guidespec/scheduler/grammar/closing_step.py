@@ -176,7 +176,7 @@ class ClosingStep:
         narrowed = narrow(bitmask, np.array([at for at, _ in at_once]), closing.tiers_outside)
         banned = [(at, closer) for (at, closer), done in zip(at_once, narrowed.tolist()) if not done and closer.banned]
         if banned:
-            unban(bitmask, np.array([at for at, _ in banned]), [c.unbanned_row(bitmask.shape[1]) for _, c in banned])
+            unban(bitmask, np.array([at for at, _ in banned]), [c.banned_words() for _, c in banned])
 
     def dry_run(
         self, request_id: str, backend: GrammarBackend, matcher: GrammarMatcher, limit: int

@@ -418,10 +418,39 @@ def test_a_cycle_that_goes_on_keeps_its_banned_row() -> None:
     for token in [5, 6, 7] * 12:  # (a run of 24 tokens equal to those a period before: a cycle)
         closer.add(token)
     assert closer.closing and closer.reason == "repeat" and closer.banned == {5, 6, 7}
-    row = closer.unbanned_row(4)
+    row = closer.banned_words()
     for token in [5, 6, 7] * 4:
         closer.add(token)
-    assert closer.unbanned_row(4) is row
+    assert closer.banned_words() is row
     for token in [9] * 30:  # a new cycle: its token joins the banned ones
         closer.add(token)
-    assert closer.banned == {5, 6, 7, 9} and closer.unbanned_row(4) is not row
+    assert closer.banned == {5, 6, 7, 9} and closer.banned_words() is not row
+
+
+def test_unban_clears_only_the_banned_words_as_a_whole_row_would() -> None:
+    """``unban`` touches only the banned tokens' words: on random rows and banned sets, the same rows
+    and the same answer as and-ing each row with a row of every token but the banned ones."""
+    from guidespec.bitmask import bitmask_row
+    from guidespec.scheduler.grammar.closing import unban
+
+    rng = np.random.default_rng(0)
+    width = 8
+    for _ in range(300):
+        n = int(rng.integers(1, 6))
+        bitmask = rng.integers(-(2**31), 2**31, size=(n + 2, width)).astype(np.int32)
+        sparse = rng.random((n + 2, width)) < 0.7  # mostly empty words, some rows nearly empty
+        bitmask[sparse] = 0
+        rows = rng.permutation(n + 2)[:n]
+        closers = []
+        for r in rows:
+            closer = EarlyCloser()
+            allowed = np.flatnonzero(np.unpackbits(bitmask[r].view(np.uint8), bitorder="little"))
+            pick = rng.choice(allowed, size=min(len(allowed), int(rng.integers(1, 4))), replace=False)
+            closer.banned = frozenset(int(t) for t in pick) | {int(rng.integers(0, width * 32))}
+            closers.append(closer)
+        expected = bitmask.copy()
+        rest = expected[rows] & np.stack([~bitmask_row(sorted(c.banned), width * 32) for c in closers])
+        left = rest.any(axis=1)
+        expected[rows[left]] = rest[left]
+        assert unban(bitmask, rows, [c.banned_words() for c in closers]).tolist() == left.tolist()
+        assert np.array_equal(bitmask, expected)
