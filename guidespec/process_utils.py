@@ -7,6 +7,7 @@ import ctypes
 import logging
 import os
 import signal
+import threading
 
 from guidespec import envs
 
@@ -62,8 +63,6 @@ def lower_thread_priority(increment: int) -> None:
     privileged process can lower a nice value again."""
     if increment <= 0 or not hasattr(os, "setpriority"):
         return
-    import threading
-
     tid = threading.get_native_id()
     try:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))

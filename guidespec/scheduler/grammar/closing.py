@@ -415,11 +415,9 @@ class EarlyCloser:
         """The banned tokens as (the mask words holding them, each word's mask of the tokens left):
         a row is unbanned by and-ing those few words (made once per change of the banned set)."""
         if self._banned_words is None:
-            ids = np.array(sorted(self.banned), dtype=np.int64)
-            words = np.unique(ids // 32)
-            cleared = np.zeros(len(words), dtype=np.uint32)
-            np.bitwise_or.at(cleared, np.searchsorted(words, ids // 32), np.uint32(1) << (ids % 32).astype(np.uint32))
-            self._banned_words = (words, (~cleared).view(np.int32))
+            row = bitmask_row(sorted(self.banned), (max(self.banned) // 32 + 1) * 32)
+            words = np.flatnonzero(row)
+            self._banned_words = (words, ~row[words])
         return self._banned_words
 
 
