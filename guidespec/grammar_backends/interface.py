@@ -4,7 +4,7 @@ forced tokens, termination. Bitmasks are laid out as ``guidespec/bitmask.py`` sa
 from __future__ import annotations
 
 import re
-from typing import Any, Protocol, Sequence
+from typing import Any, Hashable, Protocol, Sequence
 
 import numpy as np
 
@@ -34,6 +34,10 @@ class GrammarMatcher(Protocol):
     def error(self) -> str:
         """Why the matcher failed (a backend's resource limit), or empty: a failed matcher
         rejects every token from then on."""
+
+    def state_key(self) -> Hashable | None:
+        """Where the grammar stands, as a key two matchers share only if their next masks are
+        equal (one fill then serves both), or None where the backend cannot tell."""
 
 
 class GrammarBackend(Protocol):

@@ -154,6 +154,9 @@ class LLGuidanceMatcher:
     def error(self) -> str:
         return matcher_error(self.matcher)
 
+    def state_key(self) -> None:
+        return None  # (llguidance keeps the mask of its lexer's state itself: above)
+
 
 def matcher_error(matcher: llg.LLMatcher) -> str:
     """Why an llguidance matcher failed ("" if it did not): its stop reason and the first line

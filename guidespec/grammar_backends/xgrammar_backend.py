@@ -10,7 +10,7 @@ import re
 import sys
 import tempfile
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 import torch
@@ -36,9 +36,10 @@ _TEXT_S_PER_MB = 0.12
 
 
 class XGrammarMatcher:
-    def __init__(self, matcher: xgr.GrammarMatcher, encode: Callable[[str], list[int]]) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, encode: Callable[[str], list[int]], compiled: Any = None) -> None:
         self.matcher = matcher
         self._encode = encode
+        self.compiled = compiled  # held: its id stays this grammar's while the matcher lives (state_key)
 
     def accept_token(self, token: int) -> bool:
         return bool(self.matcher.accept_token(token))
@@ -60,6 +61,28 @@ class XGrammarMatcher:
 
     def error(self) -> str:
         return ""  # xgrammar's matchers do not fail: a rejected token leaves them as they were
+
+    def state_key(self) -> Hashable | None:
+        """Equal for two matchers of one compiled grammar whose next masks are equal, or None.
+
+        xgrammar's Earley parser is where its last step's states are (printed by its debug call,
+        1-2 µs), whether the input so far is a whole match (the stop token's bit), and the steps
+        the states' rules started at, through which a finished rule goes back to its parents.
+        Only states whose rules began at the root (-1) or at the first step (0: the same for
+        every matcher of the grammar) make a key; a rule begun later might return to parents
+        that differ. Without ``is_completed`` the keys would merge ``[a-z]+`` before and after
+        its first letter (test_xgrammar_state_key.py). The debug text is not an API: the fill
+        that shares keys checks some shared rows against their own fill and stops sharing if
+        one differs (``GrammarManager._fill_rows``)."""
+        text = self.matcher._debug_print_internal_state()
+        at = text.find("Last step")
+        if at < 0:
+            return None
+        last = text[at:]
+        states = last.count("rule_start_pos=")
+        if not states or states != last.count("rule_start_pos=-1,") + last.count("rule_start_pos=0,"):
+            return None
+        return (id(self.compiled), bool(self.matcher.is_completed()), last)
 
     def forced_tokens(self, limit: int) -> list[int]:
         """The jump-forward string, tokenized, less its last token (which the model might extend
@@ -153,7 +176,7 @@ class XGrammarBackend:
         return xgr.CompiledGrammar.deserialize_json(text, self.info)
 
     def create_matcher(self, compiled: Any) -> GrammarMatcher:
-        return XGrammarMatcher(xgr.GrammarMatcher(compiled), self._encode)
+        return XGrammarMatcher(xgr.GrammarMatcher(compiled), self._encode, compiled)
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: np.ndarray, rows: Sequence[int]) -> None:
         inner = [m.matcher for m in matchers]  # type: ignore[attr-defined]

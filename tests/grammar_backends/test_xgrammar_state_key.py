@@ -1,0 +1,116 @@
+"""xgrammar's state keys (``XGrammarMatcher.state_key``): two matchers of one grammar with equal
+keys have equal masks, so the scheduler fills one row of a key and copies it to the others
+(``GrammarManager._fill_rows``). Checked on random regexes and choices, walked by random allowed
+tokens, against each matcher's own fill."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from guidespec.bitmask import allowed_ids, bitmask_width
+from guidespec.grammar_backends import create_backend
+from guidespec.protocol import GuidedDecoding
+
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def backend(real_model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return create_backend("xgrammar", AutoTokenizer.from_pretrained(real_model_dir), VOCAB, (2,), 1)
+
+
+def _mask(backend: Any, matcher: Any) -> np.ndarray:
+    row = np.zeros((1, bitmask_width(VOCAB)), dtype=np.int32)
+    backend.fill_bitmasks([matcher], row, [0])
+    return row[0]
+
+
+def _walk_keys(backend: Any, guided: GuidedDecoding, walks: int, steps: int, seed: int) -> tuple[int, int]:
+    """Random walks through ``guided``'s grammar; asserts that equal keys had equal masks.
+    Returns (states with a key, distinct keys)."""
+    compiled = backend.compile(guided)
+    rng = random.Random(seed)
+    seen: dict[Any, np.ndarray] = {}
+    keyed = 0
+    for _ in range(walks):
+        matcher = backend.create_matcher(compiled)
+        for _ in range(steps):
+            if matcher.is_terminated():
+                break
+            mask = _mask(backend, matcher)
+            key = matcher.state_key()
+            if key is not None:
+                keyed += 1
+                first = seen.setdefault(key, mask)
+                assert np.array_equal(first, mask), f"{guided}: one key, two masks"
+            allowed = allowed_ids(mask, VOCAB)
+            assert matcher.accept_token(int(rng.choice(allowed)))
+    return keyed, len(seen)
+
+
+REGEXES = [
+    r"[0-9a-z ]+",
+    r"\d{3}-\d{4}",
+    r"aa|a[ab]x+",  # after "aa" the input is a match, after "ab" not: one state, two masks
+    r"(\+1 )?\(\d{3}\) \d{3}-\d{4}",
+    r"(ab|a)(bc|c)?d*",
+    r"\w+",
+    r"(cat|dog|bird)s?( and (cat|dog|bird)s?)*",
+    r"ab(x+)c|cd(x+)e",  # a rule begun after the first step returns to parents that differ
+]
+
+
+@pytest.mark.parametrize("regex", REGEXES)
+def test_equal_keys_have_equal_masks(backend: Any, regex: str) -> None:
+    keyed, distinct = _walk_keys(backend, GuidedDecoding(regex=regex), walks=40, steps=10, seed=0)
+    assert keyed and distinct  # (every regex here has keyed states: the start at least)
+
+
+def test_a_loop_shares_one_key_and_a_match_is_part_of_it(backend: Any) -> None:
+    compiled = backend.compile(GuidedDecoding(regex="[a-z]+"))
+    before, after, later = (backend.create_matcher(compiled) for _ in range(3))
+    a, b = backend._encode("a")[0], backend._encode("b")[0]
+    assert after.accept_token(a) and later.accept_token(b) and later.accept_token(a)
+    assert after.state_key() == later.state_key() is not None
+    assert before.state_key() != after.state_key()  # the stop token is allowed after a letter only
+    other = backend.create_matcher(backend.compile(GuidedDecoding(regex="[a-z]+")))
+    other.accept_token(a)
+    assert other.state_key() != after.state_key()  # another compiled grammar: never one key
+
+
+def test_choices_share_keys_exactly(backend: Any) -> None:
+    keyed, distinct = _walk_keys(
+        backend, GuidedDecoding(choice=["yes", "no", "not sure", "not now"]), walks=30, steps=6, seed=1
+    )
+    assert keyed >= 30 and distinct >= 2
+
+
+_ATOMS = st.sampled_from(["a", "b", "ab", "[a-c]", "[0-9]", r"\d", "x", " ", "[a-z]", "-"])
+
+
+@st.composite
+def _regexes(draw: st.DrawFn, depth: int = 2) -> str:
+    parts = []
+    for _ in range(draw(st.integers(1, 3))):
+        if depth and draw(st.booleans()):
+            inner = "|".join(draw(st.lists(_regexes(depth=depth - 1), min_size=1, max_size=3)))
+            atom = f"({inner})"
+        else:
+            atom = draw(_ATOMS)
+        parts.append(atom + draw(st.sampled_from(["", "", "*", "+", "?", "{2}", "{1,3}"])))
+    return "".join(parts)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(regex=_regexes(), seed=st.integers(0, 1000))
+def test_random_regexes_equal_keys_have_equal_masks(backend: Any, regex: str, seed: int) -> None:
+    _walk_keys(backend, GuidedDecoding(regex=regex), walks=12, steps=8, seed=seed)
