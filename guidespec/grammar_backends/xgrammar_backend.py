@@ -35,16 +35,22 @@ from guidespec.protocol import GuidedDecoding
 _TEXT_S_PER_MB = 0.12
 
 
+_UNKNOWN = object()
+
+
 class XGrammarMatcher:
     def __init__(self, matcher: xgr.GrammarMatcher, encode: Callable[[str], list[int]], compiled: Any = None) -> None:
         self.matcher = matcher
         self._encode = encode
         self.compiled = compiled  # held: its id stays this grammar's while the matcher lives (state_key)
+        self._key: Any = _UNKNOWN  # state_key's, until the grammar moves
 
     def accept_token(self, token: int) -> bool:
+        self._key = _UNKNOWN
         return bool(self.matcher.accept_token(token))
 
     def advance(self, tokens: Sequence[int]) -> int:
+        self._key = _UNKNOWN
         matcher, count = self.matcher, 0
         for token in tokens:
             if matcher.is_terminated() or not matcher.accept_token(token):
@@ -54,6 +60,7 @@ class XGrammarMatcher:
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
+            self._key = _UNKNOWN
             self.matcher.rollback(num_tokens)
 
     def is_terminated(self) -> bool:
@@ -73,16 +80,17 @@ class XGrammarMatcher:
         that differ. Without ``is_completed`` the keys would merge ``[a-z]+`` before and after
         its first letter (test_xgrammar_state_key.py). The debug text is not an API: the fill
         that shares keys checks some shared rows against their own fill and stops sharing if
-        one differs (``GrammarManager._fill_rows``)."""
-        text = self.matcher._debug_print_internal_state()
-        at = text.find("Last step")
-        if at < 0:
-            return None
-        last = text[at:]
-        states = last.count("rule_start_pos=")
-        if not states or states != last.count("rule_start_pos=-1,") + last.count("rule_start_pos=0,"):
-            return None
-        return (id(self.compiled), bool(self.matcher.is_completed()), last)
+        one differs (``GrammarManager._fill_rows``). Kept until the grammar moves: a step's end
+        check and its fill ask for it in turn."""
+        if self._key is _UNKNOWN:
+            self._key = None
+            text = self.matcher._debug_print_internal_state()
+            at = text.find("Last step")
+            last = text[at:]
+            states = last.count("rule_start_pos=")
+            if at >= 0 and states and states == last.count("rule_start_pos=-1,") + last.count("rule_start_pos=0,"):
+                self._key = (id(self.compiled), bool(self.matcher.is_completed()), last)
+        return self._key  # type: ignore[no-any-return]
 
     def forced_tokens(self, limit: int) -> list[int]:
         """The jump-forward string, tokenized, less its last token (which the model might extend

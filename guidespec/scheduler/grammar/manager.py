@@ -357,14 +357,26 @@ class GrammarManager:
         token that, accepted too, shows request i may go on: its last one, which a grammar that
         can end after it often takes again, as a pattern's ``[a-z]+`` or a number's digits).
         Those left are filled in one batch per backend, and the row of one that need not end is
-        the next step's (``_fill_depth``): the check costs no fill more."""
+        the next step's (``_fill_depth``): the check costs no fill more. Requests whose grammars
+        stand in one state (``state_key``) take the first one's answer."""
         stops = self.settings.stop_token_ids
         if not stops:
             return {}
         candidates = []
+        first_in: dict[Hashable, str] = {}  # a state key -> the request checked for it
+        others: dict[str, list[str]] = {}  # that request -> the others in its state
+        share = self.share_states and self._by_state
         for i, request_id in enumerate(request_ids):
             matcher = self.matchers[request_id][1]
-            if matcher.is_terminated() or not matcher.accept_token(stops[0]):
+            if matcher.is_terminated():
+                continue
+            key = matcher.state_key() if share and request_id in self._by_state else None
+            if key is not None:
+                first = first_in.setdefault(key, request_id)
+                if first != request_id:
+                    others.setdefault(first, []).append(request_id)
+                    continue
+            if not matcher.accept_token(stops[0]):
                 continue
             matcher.rollback(1)
             if probes is not None and probes[i] >= 0 and probes[i] not in stops and matcher.accept_token(probes[i]):
@@ -382,11 +394,22 @@ class GrammarManager:
             self.bitmask = own
         ended = {}
         for request_id, row in zip(candidates, rows):
-            if np.array_equal(row, self._end_row):
-                ended[request_id] = stops[0]
-            else:
-                self._filled[request_id] = row
+            if not np.array_equal(row, self._end_row):
+                self._filled[request_id] = row  # (the others' rows: the next fill's, shared)
+                continue
+            ended[request_id] = stops[0]
+            for other in others.get(request_id, ()):
+                if self._takes(other, stops[0]):  # (an end is never taken on trust)
+                    ended[other] = stops[0]
         return ended
+
+    def _takes(self, request_id: str, token: int) -> bool:
+        """Whether the request's grammar accepts ``token`` now (tried and rolled back)."""
+        matcher = self.matchers[request_id][1]
+        if not matcher.accept_token(token):
+            return False
+        matcher.rollback(1)
+        return True
 
     @_settled
     def is_terminated(self, request_id: str) -> bool:
@@ -435,7 +458,11 @@ class GrammarManager:
             fills.append((request_id, out_row))
         self._fill_each(fills)
         if copies:
-            self.bitmask[[c[1] for c in copies]] = self.bitmask[[c[0] for c in copies]]
+            to: dict[int, list[int]] = {}
+            for leader, row, _ in copies:
+                to.setdefault(leader, []).append(row)
+            for leader, rows in to.items():  # (a row broadcast: half a gather's time)
+                self.bitmask[rows] = self.bitmask[leader]
             self._check_shared(copies)
 
     def _fill_each(self, fills: list[tuple[str, int]]) -> None:

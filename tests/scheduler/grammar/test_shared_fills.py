@@ -125,3 +125,26 @@ def test_a_lying_key_is_caught_and_sharing_stops(grammar: GrammarManager) -> Non
         grammar.share_states = True
         for request_id in ids:
             grammar.release(request_id)
+
+
+def test_end_checks_share_answers(grammar: GrammarManager) -> None:
+    """Requests complete in one state end together; "no" (which "not" goes on from) and a pattern
+    that may go on end none."""
+    encode = grammar.tokenizer.encode
+    walks = {"e0": "yes", "e1": "yes", "e2": "yes", "e3": "no", "e4": "n", "e5": "abc", "e6": "ab"}
+    for request_id, text in walks.items():
+        _start(grammar, request_id, GuidedDecoding(choice=["yes", "no", "not"]) if request_id < "e5" else REGEX)
+        for token in encode(text, add_special_tokens=False):
+            assert grammar.accept(request_id, token)
+    ids = list(walks)
+    try:
+        shared = grammar.end_tokens(ids)
+        grammar._filled.clear()
+        grammar.share_states = False
+        assert grammar.end_tokens(ids) == shared
+        assert sorted(shared) == ["e0", "e1", "e2"] and set(shared.values()) == {2}
+    finally:
+        grammar.share_states = True
+        grammar._filled.clear()
+        for request_id in ids:
+            grammar.release(request_id)
