@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 
 from guidespec.worker import kernels
@@ -395,6 +397,39 @@ def test_argmax_rows_picks_as_torch_does_and_finds_rows_that_allow_nothing() -> 
     np.testing.assert_array_equal(best, logits.argmax(dim=-1).numpy())
     np.testing.assert_array_equal(dead, torch.isneginf(logits).all(dim=-1).numpy())
     assert dead.tolist() == [False, False, True] + [False] * 9
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    vocab=st.integers(1, 100),
+    seed=st.integers(0, 2**31 - 1),
+    values=st.lists(st.sampled_from([0.0, -0.0, 1.0, 2.0, float("inf"), float("-inf"), float("nan")]), max_size=6),
+)
+def test_argmax_rows_in_vectors_picks_as_torch_does(vocab: int, seed: int, values: list[float]) -> None:
+    """The pick of a row, read in vectors: the first of ties (-0.0 equal to 0.0), the first NaN, a
+    row of -inf, rows shorter and longer than a vector, random values placed anywhere; and through
+    masks of three densities."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    logits = torch.from_numpy(rng.choice([-1.0, 0.0, 1.0, 3.0], (4, vocab)).astype(np.float32))
+    logits[1] = float("-inf")
+    for i, value in enumerate(values):
+        logits[i % 4, int(rng.integers(vocab))] = value
+    best, dead = kernels.argmax_rows(logits)  # type: ignore[misc]
+    np.testing.assert_array_equal(best, logits.argmax(dim=-1).numpy())
+    np.testing.assert_array_equal(dead, torch.isneginf(logits).all(dim=-1).numpy())
+    # read through masks, dense (in vectors) and sparse (token by token): as if applied first
+    width = (vocab + 31) // 32
+    for density in (0.02, 0.5, 0.97):
+        bits = rng.random((4, width * 32)) < density
+        bitmask = np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+        rows = np.arange(4)
+        best, dead = kernels.argmax_rows(logits, (rows, bitmask))  # type: ignore[misc]
+        masked = logits.clone()
+        assert kernels.apply_bitmask(masked, rows, bitmask)
+        np.testing.assert_array_equal(dead, torch.isneginf(masked).all(dim=-1).numpy())
+        np.testing.assert_array_equal(best[~dead], masked.argmax(dim=-1).numpy()[~dead])
 
 
 def test_argmax_rows_reading_a_bitmask_picks_as_if_it_were_applied() -> None:
