@@ -68,6 +68,11 @@ def test_packed_embedding_and_unpack_give_the_weight_back() -> None:
     assert torch.equal(kernels.dense(packed), w)
     ids = torch.tensor([0, 15, 16, 999, 17, 17])
     assert torch.equal(kernels.embedding(ids, packed), F.embedding(ids, w))
+    assert torch.equal(kernels.embedding(ids.int(), packed), F.embedding(ids, w))  # (torch's indexing)
+    assert kernels.embedding(ids[:0], packed).shape == (0, 24)
+    for bad in (1000, -1):
+        with pytest.raises(IndexError):
+            kernels.embedding(torch.tensor([3, bad]), packed)
 
 
 def test_weights_the_kernel_cannot_take_stay_as_they_are() -> None:

@@ -37,6 +37,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.packed_linear_f32.restype = None
+    lib.packed_rows_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.packed_rows_f32.argtypes += [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.packed_rows_f32.restype = ctypes.c_int
     lib.packed_linear_i8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
     lib.packed_linear_i8.restype = None
     lib.gguf_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4

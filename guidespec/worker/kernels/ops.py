@@ -95,7 +95,16 @@ def linear_rows(x: torch.Tensor, weight: Weight, ids: np.ndarray) -> torch.Tenso
 def embedding(token_ids: torch.Tensor, weight: Weight) -> torch.Tensor:
     """``F.embedding`` that also reads a packed (tied) or int8 embedding."""
     if isinstance(weight, PackedWeight):
-        return weight.rows(token_ids)
+        lib = loader.library()
+        if lib is None or token_ids.dtype != torch.int64 or token_ids.dim() != 1 or not token_ids.is_contiguous():
+            return weight.rows(token_ids)
+        n, k = weight.shape
+        out = torch.empty(token_ids.shape[0], k)
+        ids = token_ids.data_ptr()
+        bad = lib.packed_rows_f32(weight.blocks.data_ptr(), n, k, ids, token_ids.shape[0], out.data_ptr())
+        if bad >= 0:
+            raise IndexError(f"token id {int(token_ids[bad])} is out of the embedding's range [0, {n})")
+        return out
     if isinstance(weight, GGUFWeight):
         return weight.dequantize(token_ids, loader.library())
     if isinstance(weight, QuantizedWeight):

@@ -19,6 +19,7 @@
  * VW, the vector width, is the machine's own (vec.h).
  */
 #include <stddef.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "parallel.h"
@@ -121,4 +122,17 @@ void packed_linear_f32(const float* x, const float* wp, const float* bias, float
 void packed_linear_i8(const float* x, const signed char* qp, const float* scale, const float* bias, float* y,
                       int M, int N, int K, int threads) {
     RUN_TILES(tileqs, qp, scale)
+}
+
+/* Rows ids[0..n) of a packed fp32 weight wp[ceil(N/16)][K][16] (an embedding lookup): out[n][K].
+ * Returns the index of the first id outside [0, N) (nothing of it written), or -1. torch's
+ * indexing of the packed layout took three tensor ops, 11-16 µs a step. */
+int packed_rows_f32(const float* wp, int N, int K, const int64_t* ids, int n, float* out) {
+    for (int i = 0; i < n; i++) {
+        int64_t id = ids[i];
+        if (id < 0 || id >= N) return i;
+        const float* src = wp + (size_t)(id / 16) * K * 16 + id % 16;
+        for (int k = 0; k < K; k++) out[(size_t)i * K + k] = src[(size_t)k * 16];
+    }
+    return -1;
 }
