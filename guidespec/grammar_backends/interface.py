@@ -35,6 +35,10 @@ class GrammarMatcher(Protocol):
         """Why the matcher failed (a backend's resource limit), or empty: a failed matcher
         rejects every token from then on."""
 
+    def can_end(self, stop_token: int) -> bool:
+        """Whether the grammar would accept ``stop_token`` now (its output is complete), the
+        matcher left as it was."""
+
     def state_key(self) -> Hashable | None:
         """Where the grammar stands, as a key two matchers share only if their next masks are
         equal (one fill then serves both), or None where the backend cannot tell."""

@@ -154,6 +154,12 @@ class LLGuidanceMatcher:
     def error(self) -> str:
         return matcher_error(self.matcher)
 
+    def can_end(self, stop_token: int) -> bool:
+        if not self.accept_token(stop_token):
+            return False
+        self.rollback(1)
+        return True
+
     def state_key(self) -> None:
         return None  # (llguidance keeps the mask of its lexer's state itself: above)
 

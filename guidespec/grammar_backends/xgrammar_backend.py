@@ -69,6 +69,14 @@ class XGrammarMatcher:
     def error(self) -> str:
         return ""  # xgrammar's matchers do not fail: a rejected token leaves them as they were
 
+    def can_end(self, stop_token: int) -> bool:
+        """xgrammar takes one of its stop tokens (the engine's: ``tables``) exactly where the input
+        is complete: ``is_completed``, 0.4 µs, where a trial accept of the stop token cost what an
+        accept does (12 µs at the 200th item of a JSON array with ``minItems: 300``: xgrammar's
+        accepts grow with a long counted repetition) and a rollback (test_xgrammar_state_key.py)."""
+        matcher = self.matcher
+        return not matcher.is_terminated() and bool(matcher.is_completed())
+
     def state_key(self) -> Hashable | None:
         """Equal for two matchers of one compiled grammar whose next masks are equal, or None.
 

@@ -1,7 +1,7 @@
 """xgrammar's state keys (``XGrammarMatcher.state_key``): two matchers of one grammar with equal
 keys have equal masks, so the scheduler fills one row of a key and copies it to the others
 (``GrammarManager._fill_rows``). Checked on random regexes and choices, walked by random allowed
-tokens, against each matcher's own fill."""
+tokens, against each matcher's own fill; and ``can_end`` against a trial accept of the stop token."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ def _walk_keys(backend: Any, guided: GuidedDecoding, walks: int, steps: int, see
             if matcher.is_terminated():
                 break
             mask = _mask(backend, matcher)
+            assert matcher.can_end(2) == _takes(matcher, 2)
             key = matcher.state_key()
             if key is not None:
                 keyed += 1
@@ -55,6 +56,13 @@ def _walk_keys(backend: Any, guided: GuidedDecoding, walks: int, steps: int, see
             allowed = allowed_ids(mask, VOCAB)
             assert matcher.accept_token(int(rng.choice(allowed)))
     return keyed, len(seen)
+
+
+def _takes(matcher: Any, token: int) -> bool:
+    if not matcher.accept_token(token):
+        return False
+    matcher.rollback(1)
+    return True
 
 
 REGEXES = [
@@ -114,3 +122,16 @@ def _regexes(draw: st.DrawFn, depth: int = 2) -> str:
 @given(regex=_regexes(), seed=st.integers(0, 1000))
 def test_random_regexes_equal_keys_have_equal_masks(backend: Any, regex: str, seed: int) -> None:
     _walk_keys(backend, GuidedDecoding(regex=regex), walks=12, steps=8, seed=seed)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "array", "items": {"type": "integer"}, "minItems": 3},
+        {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "array", "items": {}}}},
+    ],
+)
+def test_can_end_is_a_trial_accept_of_the_stop_token(backend: Any, schema: dict[str, Any]) -> None:
+    """``can_end`` (xgrammar's ``is_completed``) answers as accepting the stop token would, on JSON
+    too (the walk checks it at every state, and equal masks wherever a state has a key)."""
+    _walk_keys(backend, GuidedDecoding(json_schema=schema), walks=15, steps=25, seed=2)

@@ -352,10 +352,11 @@ class GrammarManager:
     @_settled
     def end_tokens(self, request_ids: list[str], probes: list[int] | None = None) -> dict[str, int]:
         """The stop token of each request whose grammar allows it and nothing else now (its
-        output is complete: it can end without a step). Checked with trial accepts first, so a
-        grammar that cannot end here costs no fill: of the stop token, then of ``probes[i]`` (a
-        token that, accepted too, shows request i may go on: its last one, which a grammar that
-        can end after it often takes again, as a pattern's ``[a-z]+`` or a number's digits).
+        output is complete: it can end without a step). Checked first without a fill, so a
+        grammar that cannot end here costs none: whether it takes the stop token (``can_end``),
+        then a trial accept of ``probes[i]`` (a token that, accepted too, shows request i may go
+        on: its last one, which a grammar that can end after it often takes again, as a pattern's
+        ``[a-z]+`` or a number's digits).
         Those left are filled in one batch per backend, and the row of one that need not end is
         the next step's (``_fill_depth``): the check costs no fill more. Requests whose grammars
         stand in one state (``state_key``) take the first one's answer."""
@@ -376,9 +377,8 @@ class GrammarManager:
                 if first != request_id:
                     others.setdefault(first, []).append(request_id)
                     continue
-            if not matcher.accept_token(stops[0]):
+            if not matcher.can_end(stops[0]):
                 continue
-            matcher.rollback(1)
             if probes is not None and probes[i] >= 0 and probes[i] not in stops and matcher.accept_token(probes[i]):
                 matcher.rollback(1)
                 continue
@@ -399,17 +399,9 @@ class GrammarManager:
                 continue
             ended[request_id] = stops[0]
             for other in others.get(request_id, ()):
-                if self._takes(other, stops[0]):  # (an end is never taken on trust)
+                if self.matchers[other][1].can_end(stops[0]):  # (an end is never taken on trust)
                     ended[other] = stops[0]
         return ended
-
-    def _takes(self, request_id: str, token: int) -> bool:
-        """Whether the request's grammar accepts ``token`` now (tried and rolled back)."""
-        matcher = self.matchers[request_id][1]
-        if not matcher.accept_token(token):
-            return False
-        matcher.rollback(1)
-        return True
 
     @_settled
     def is_terminated(self, request_id: str) -> bool:
