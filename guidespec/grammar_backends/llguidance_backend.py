@@ -155,10 +155,11 @@ class LLGuidanceMatcher:
         return matcher_error(self.matcher)
 
     def can_end(self, stop_token: int) -> bool:
-        if not self.accept_token(stop_token):
-            return False
-        self.rollback(1)
-        return True
+        """``is_accepting`` (its EOS is the engine's stop token: ``tables``), short of a stopped or
+        failed matcher, which takes nothing: a trial accept of EOS and its rollback cost ~70 µs
+        on a regex's row (the same walks agree: test_can_end.py)."""
+        matcher = self.matcher
+        return not matcher.is_error() and not matcher.is_stopped() and bool(matcher.is_accepting())
 
     def state_key(self) -> None:
         return None  # (llguidance keeps the mask of its lexer's state itself: above)

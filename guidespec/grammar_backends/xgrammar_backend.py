@@ -73,7 +73,7 @@ class XGrammarMatcher:
         """xgrammar takes one of its stop tokens (the engine's: ``tables``) exactly where the input
         is complete: ``is_completed``, 0.4 µs, where a trial accept of the stop token cost what an
         accept does (12 µs at the 200th item of a JSON array with ``minItems: 300``: xgrammar's
-        accepts grow with a long counted repetition) and a rollback (test_xgrammar_state_key.py)."""
+        accepts grow with a long counted repetition) and a rollback (test_can_end.py)."""
         matcher = self.matcher
         return not matcher.is_terminated() and bool(matcher.is_completed())
 

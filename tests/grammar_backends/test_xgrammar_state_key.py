@@ -1,7 +1,8 @@
 """xgrammar's state keys (``XGrammarMatcher.state_key``): two matchers of one grammar with equal
 keys have equal masks, so the scheduler fills one row of a key and copies it to the others
 (``GrammarManager._fill_rows``). Checked on random regexes and choices, walked by random allowed
-tokens, against each matcher's own fill; and ``can_end`` against a trial accept of the stop token."""
+tokens, against each matcher's own fill (and ``can_end`` against a trial accept of the stop token:
+``test_can_end.py`` has it on JSON and both backends)."""
 
 from __future__ import annotations
 
@@ -122,16 +123,3 @@ def _regexes(draw: st.DrawFn, depth: int = 2) -> str:
 @given(regex=_regexes(), seed=st.integers(0, 1000))
 def test_random_regexes_equal_keys_have_equal_masks(backend: Any, regex: str, seed: int) -> None:
     _walk_keys(backend, GuidedDecoding(regex=regex), walks=12, steps=8, seed=seed)
-
-
-@pytest.mark.parametrize(
-    "schema",
-    [
-        {"type": "array", "items": {"type": "integer"}, "minItems": 3},
-        {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "array", "items": {}}}},
-    ],
-)
-def test_can_end_is_a_trial_accept_of_the_stop_token(backend: Any, schema: dict[str, Any]) -> None:
-    """``can_end`` (xgrammar's ``is_completed``) answers as accepting the stop token would, on JSON
-    too (the walk checks it at every state, and equal masks wherever a state has a key)."""
-    _walk_keys(backend, GuidedDecoding(json_schema=schema), walks=15, steps=25, seed=2)
