@@ -39,7 +39,7 @@ _UNKNOWN = object()
 
 
 class XGrammarMatcher:
-    def __init__(self, matcher: xgr.GrammarMatcher, encode: Callable[[str], list[int]], compiled: Any = None) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, encode: Callable[[str], list[int]], compiled: Any) -> None:
         self.matcher = matcher
         self._encode = encode
         self.compiled = compiled  # held: its id stays this grammar's while the matcher lives (state_key)
@@ -80,19 +80,20 @@ class XGrammarMatcher:
     def state_key(self) -> Hashable | None:
         """Equal for two matchers of one compiled grammar whose next masks are equal, or None.
 
-        xgrammar's Earley parser is where its last step's states are (printed by its debug call,
-        1-2 µs), whether the input so far is a whole match (the stop token's bit), and the steps
-        the states' rules started at, through which a finished rule goes back to its parents.
-        Only states whose rules began at the root (-1) or at the first step (0: the same for
-        every matcher of the grammar) make a key; a rule begun later might return to parents
-        that differ. Without ``is_completed`` the keys would merge ``[a-z]+`` before and after
-        its first letter (test_xgrammar_state_key.py). The debug text is not an API: the fill
-        that shares keys checks some shared rows against their own fill and stops sharing if
-        one differs (``GrammarManager._fill_rows``). Kept until the grammar moves: a step's end
-        check and its fill ask for it in turn."""
+        The key is where xgrammar's Earley parser stands: its last step's states (printed by its
+        debug call, 1-2 µs) and whether the input so far is a whole match (the stop token's bit).
+        A finished rule goes back to its parents through the step it started at: only states
+        whose rules began at the root (-1) or at the first step (0: the same for every matcher
+        of the grammar) make a key; a rule begun later might return to parents that differ.
+        Without ``is_completed`` the keys would merge ``[a-z]+`` before and after its first
+        letter (test_xgrammar_state_key.py). The debug text is not an API (an xgrammar without
+        it gives no keys): the fill that shares keys checks some shared rows against their own
+        fill and stops sharing if one differs (``GrammarManager._check_shared``). Kept until the
+        grammar moves: a step's end check and its fill ask for it in turn."""
         if self._key is _UNKNOWN:
             self._key = None
-            text = self.matcher._debug_print_internal_state()
+            debug_text = getattr(self.matcher, "_debug_print_internal_state", None)
+            text = debug_text() if debug_text is not None else ""
             at = text.find("Last step")
             last = text[at:]
             states = last.count("rule_start_pos=")
