@@ -121,18 +121,17 @@ void argmax_rows_f32(const float* logits, int R, int V, const int32_t* mask_of_r
     for (int r = 0; r < R; r++) {
         const float* row = logits + (size_t)r * V;
         int mask = mask_of_row ? mask_of_row[r] : -1;
+        const uint32_t* words = mask >= 0 ? (const uint32_t*)(bitmask + (size_t)mask * W) : NULL;
         int at;
-        if (mask < 0) {
+        if (!words) {
             at = first_max(row, V, NULL);
         } else {
-            const uint32_t* words = (const uint32_t*)(bitmask + (size_t)mask * W);
             int sampled = 0;  /* every eighth word: the sparse read wins below a token in sixteen */
             for (int w = 0; w < W; w += 8) sampled += __builtin_popcount(words[w]);
             at = sampled * 8 < V / 16 ? first_max_sparse(row, V, words, W) : first_max(row, V, words);
         }
-        float top = row[at];
         best[r] = at;
-        dead[r] = top == -INFINITY || (mask >= 0 && !allowed((const uint32_t*)(bitmask + (size_t)mask * W), at));
+        dead[r] = row[at] == -INFINITY || !allowed(words, at);
     }
 }
 
