@@ -482,6 +482,49 @@ def test_async_scheduling_equals_steps_one_after_another(
     assert any(sent[step + 1] < emitted[step] for step in emitted if step + 1 in sent)
 
 
+def test_guided_steps_run_ahead_while_forced_drafts_are_rare(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Verified jump-forward (the default): rows whose grammars force nothing (a pattern of free
+    letters) let the next step run ahead of their outputs once the engine has seen forced drafts
+    to be rare, and a JSON document's names are still drafted where its grammar forces them;
+    every request gets the tokens of the engine that runs its steps one after another."""
+    from guidespec.protocol import GuidedDecoding
+
+    person = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "hobby": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "hobby", "age"],
+    }
+    letters = GuidedDecoding(regex="[a-z ]+")
+    requests = [
+        (CHATS[i], SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True, guided=letters)) for i in range(3)
+    ]
+    named = GuidedDecoding(json_schema=person)
+    requests.append((CHATS[3], SamplingParams(max_tokens=80, temperature=0.0, guided=named)))
+
+    def run(engine: LLM) -> list[GenerationOutput]:
+        async def together() -> list[GenerationOutput]:
+            return await asyncio.gather(*(engine.agenerate(prompt, params) for prompt, params in requests))
+
+        return asyncio.run(together())
+
+    trace = tmp_path / "trace.json"
+    monkeypatch.setenv("GUIDESPEC_TRACE", str(trace))
+    engine = dict(max_batch_size=8, show_progress=False, dtype="float32")
+    with LLM(**engine) as ahead:  # type: ignore[arg-type]
+        overlapped = run(ahead)
+    monkeypatch.delenv("GUIDESPEC_TRACE")
+    monkeypatch.setenv("GUIDESPEC_ASYNC_SCHEDULING", "0")
+    with LLM(**engine) as serial:  # type: ignore[arg-type]
+        in_turn = run(serial)
+    assert [out.token_ids for out in in_turn] == [out.token_ids for out in overlapped]
+    assert json.loads(overlapped[3].text).keys() == person["properties"].keys()
+    assert overlapped[3].stats.num_draft_tokens > 0  # (its names: forced drafts)
+    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and e["pid"] == 1]
+    sent = {e["args"]["step"]: e["ts"] + e["dur"] for e in spans if e["name"] == "schedule + write inputs"}
+    emitted = {e["args"]["step"]: e["ts"] for e in spans if e["name"] == "emit"}
+    assert sum(sent[step + 1] < emitted[step] for step in emitted if step + 1 in sent) >= 10
+
+
 def test_overlapped_decode_steps_equal_steps_one_after_another(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A worker that launches each greedy decode step before the one before's tokens reach the
     host (``GUIDESPEC_OVERLAP_STEPS=1``: CUDA's default, forced here on the CPU), those tokens

@@ -147,6 +147,9 @@ class Scheduler:
         self.emitter = Emitter(cfg, self.grammar, self.speculator, self.table, self.client_out)
         self._stats: SchedulerStats | None = None
         self._stats_sent_at = 0.0
+        # in steps run one after another: the scheduler's planning and emitting (which running
+        # ahead would hide behind the forward) over the rest of the step, a running mean
+        self._host_share = 0.0
 
     # ------------------------------------------------------------------ life cycle
 
@@ -190,6 +193,8 @@ class Scheduler:
             step = self.steps.send_inputs(rows, start, run_ahead) if rows else None
             if in_flight is not None:
                 self._finish(in_flight)
+                if step is not None and self.speculator is not None:
+                    self.speculator.observe_ahead(step.rows)
             in_flight = None
             if step is not None:
                 self.steps.send_bitmask(step)
@@ -197,18 +202,31 @@ class Scheduler:
                     in_flight = step
                 else:
                     self._finish(step)
+                    self._observe_host(step)
 
     def _runs_ahead(self, rows: list[ScheduledRow]) -> bool:
         """Whether the next step may be sent before this one's outputs: with async scheduling,
-        where no row's request may get drafts (they depend on every token before them): in an
-        engine without a drafter, or whose only drafts are guided requests' forced tokens, a step
-        without guided rows. (A drafter's engine runs its steps one after another: a model
-        drafter follows every position the target computes.)"""
+        where no row's request would lose drafts by it (they depend on every token before them):
+        in an engine without a drafter, or whose only drafts are guided requests' forced tokens, a
+        step without guided rows or while forced drafts are rare (``Speculator.may_run_ahead``).
+        (A drafter's engine runs its steps one after another: a model drafter follows every
+        position the target computes.)"""
         if not self.cfg.async_scheduling:
             return False
         if self.speculator is None:
             return True
-        return self.speculator.cfg.method == "forced" and not any(row.request.guided for row in rows)
+        return self.speculator.may_run_ahead(rows, self._host_share)
+
+    def _observe_host(self, step: Step) -> None:
+        """A step run in turn: the host's part of it, outside the workers' (its planning and
+        sending, its emit), over the rest (``_host_share``)."""
+        t = step.times
+        if "outputs" not in t:
+            return
+        host = (t["inputs"] - t["start"]) + (t["end"] - t["outputs"])
+        rest = t["end"] - t["start"] - host
+        if rest > 0:
+            self._host_share = 0.8 * self._host_share + 0.2 * host / rest
 
     def _finish(self, step: Step) -> None:
         """Collect a step's outputs and emit them."""
