@@ -244,16 +244,23 @@ class RepeatDetector:
 
     def add(self, token: int) -> bool:
         """Record a token; True if the sequence now ends in a cycle."""
-        history, runs = self.history, {}
-        i, n = -1, len(history)
-        for _ in range(history.count(token)):
-            i = history.index(token, i + 1)  # the token n - i places back equals this one
-            runs[n - i] = self.runs.get(n - i, 0) + 1
+        history, before, runs = self.history, self.runs, {}
+        thresholds, cycle = self.thresholds, False
+        n = len(history)
+        if token in history:
+            i = history.index(token)
+            while True:  # the token n - i places back equals this one
+                count = runs[n - i] = before.get(n - i, 0) + 1
+                cycle = cycle or count >= thresholds[n - i]
+                try:
+                    i = history.index(token, i + 1)
+                except ValueError:
+                    break
         self.runs = runs
         history.append(token)
-        if len(history) > self.max_period:
+        if n >= self.max_period:
             del history[0]
-        return any(count >= self.thresholds[p] for p, count in runs.items())
+        return cycle
 
     def cycle(self) -> list[int]:
         """The tokens of the shortest cycle the sequence ends in (empty if none)."""
@@ -290,8 +297,10 @@ class EarlyCloser:
 
     def add(self, token: int) -> None:
         self.tokens.append(token)
-        self.plan = self.plan[1:] if self.plan and self.plan[0] == token else []
-        self.script = self.script[1:] if self.script and self.script[0] == token else []
+        if self.plan:
+            self.plan = self.plan[1:] if self.plan[0] == token else []
+        if self.script:
+            self.script = self.script[1:] if self.script[0] == token else []
         if self.detector.add(token):
             if not self.closing:
                 self.closing, self.reason = True, "repeat"

@@ -71,7 +71,7 @@ class ClosingStep:
         """The request has ``produced`` of its ``budget`` output tokens: a JSON output close to
         the end starts closing."""
         closer = self.closers.get(request_id)
-        if closer is not None and budget - produced <= closer.reserve(budget):
+        if closer is not None and not closer.closing and budget - produced <= closer.reserve(budget):
             closer.near_budget()
 
     def reason(self, request_id: str) -> str:
@@ -81,7 +81,11 @@ class ClosingStep:
     # ------------------------------------------------------------------ per fill
 
     def check_budget(
-        self, request_id: str, output_len: int, max_tokens: int, backend: GrammarBackend, matcher: GrammarMatcher
+        self,
+        request_id: str,
+        output_len: int,
+        max_tokens: int,
+        grammar_of: Callable[[str], tuple[GrammarBackend, GrammarMatcher]],
     ) -> None:
         """Start closing a JSON output once a dry run of its closing (``dry_run``), and half as
         many tokens again, and 16 for the model's own choices, no longer fits in what is left of
@@ -94,6 +98,7 @@ class ClosingStep:
         closer = self.closers.get(request_id)
         if closer is None or closer.script or output_len < closer.next_check:
             return
+        backend, matcher = grammar_of(request_id)
         remaining = max_tokens - output_len
         if closer.hopeless and not closer.in_string(self._closing_tokens()):
             # outside a string each value the model writes takes the tokens the closing would
@@ -152,13 +157,13 @@ class ClosingStep:
         closing outside a string where the end is out of reach (no lookahead), are narrowed all
         at once; the others one by one."""
         closing = self._closing_tokens()
+        closers = self.closers
         at_once: list[tuple[int, EarlyCloser]] = []
         for request_id, index, max_tokens, at in rows:
-            closer = self.closers[request_id]
+            closer = closers[request_id]
             if not (closer.closing or (index >= 1 and max_tokens - index <= closer.reserve(max_tokens))):
                 continue
-            row = bitmask[at]
-            if closer.follow_script(row):
+            if closer.script and closer.follow_script(bitmask[at]):
                 continue
             backend, matcher = grammar_of(request_id)
             if matcher.forced_tokens(1):
@@ -168,6 +173,7 @@ class ClosingStep:
             if closer.hopeless and not closer.in_string(closing):
                 at_once.append((at, closer))
             else:
+                row = bitmask[at]
                 closer.restrict(row, closing, _GrammarView(backend, matcher, row, self.encode))
         if not at_once:
             return

@@ -172,8 +172,9 @@ class GrammarManager:
         firsts = np.cumsum([0] + [1 + len(r.drafts) for r in rows]).tolist()
         if firsts[-1] > self.bitmask.shape[0]:
             self.bitmask = np.zeros((firsts[-1], self.bitmask.shape[1]), dtype=np.int32)
-        for r in rows:
-            self.closing.check_budget(r.request_id, r.output_len, r.max_tokens, *self._grammar(r.request_id))
+        if self.closing.closers:
+            for r in rows:
+                self.closing.check_budget(r.request_id, r.output_len, r.max_tokens, self._grammar)
         saved = self.closing.snapshot([r.request_id for r in rows if r.drafts])
         depths = [len(r.drafts) for r in rows]  # how deep each request's grammar can follow its drafts
         drafting = [i for i in range(len(rows)) if depths[i]]
@@ -247,7 +248,7 @@ class GrammarManager:
         """Work for the request's first mask that needs only its grammar (the first budget check's
         dry run of closing: ``ClosingStep.check_budget``), done ahead of the step that needs it."""
         if request_id in self.matchers:
-            self.closing.check_budget(request_id, 0, max_tokens, *self._grammar(request_id))
+            self.closing.check_budget(request_id, 0, max_tokens, self._grammar)
 
     def stop_rows(self, count: int) -> np.ndarray:
         """``count`` mask rows that allow only a stop token (a failed request's rows of a step)."""
