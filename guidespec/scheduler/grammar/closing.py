@@ -241,26 +241,41 @@ class RepeatDetector:
         self.thresholds = [0] + [max(2 * p, min_span) for p in range(1, max_period + 1)]  # by period
         self.history: list[int] = []  # the last max_period tokens, newest last
         self.runs: dict[int, int] = {}
+        self._places: dict[int, list[int]] = {}  # a token -> where it stands in ``history`` (counted by ``_added``)
+        self._added = 0  # tokens recorded so far
 
     def add(self, token: int) -> bool:
         """Record a token; True if the sequence now ends in a cycle."""
-        history, before, runs = self.history, self.runs, {}
-        thresholds, cycle = self.thresholds, False
-        n = len(history)
-        if token in history:
-            i = history.index(token)
-            while True:  # the token n - i places back equals this one
-                count = runs[n - i] = before.get(n - i, 0) + 1
-                cycle = cycle or count >= thresholds[n - i]
-                try:
-                    i = history.index(token, i + 1)
-                except ValueError:
-                    break
+        before, runs, thresholds = self.runs, {}, self.thresholds
+        n, cycle = self._added, False
+        places = self._places.get(token)
+        if places is None:
+            self._places[token] = [n]
+        else:
+            for place in places:  # the token n - place places back equals this one
+                count = runs[n - place] = before.get(n - place, 0) + 1
+                cycle = cycle or count >= thresholds[n - place]
+            places.append(n)
         self.runs = runs
+        self._added = n + 1
+        history = self.history
         history.append(token)
-        if n >= self.max_period:
-            del history[0]
+        if len(history) > self.max_period:
+            gone = history.pop(0)
+            left = self._places[gone]
+            del left[0]
+            if not left:
+                del self._places[gone]
         return cycle
+
+    def state(self) -> tuple[list[int], dict[int, int]]:
+        return list(self.history), dict(self.runs)
+
+    def set_state(self, state: tuple[list[int], dict[int, int]]) -> None:
+        history, runs = state
+        self.history, self.runs, self._added, self._places = list(history), dict(runs), len(history), {}
+        for i, token in enumerate(self.history):
+            self._places.setdefault(token, []).append(i)
 
     def cycle(self) -> list[int]:
         """The tokens of the shortest cycle the sequence ends in (empty if none)."""
@@ -310,10 +325,8 @@ class EarlyCloser:
                 self._banned_words = None
 
     def snapshot(self) -> tuple[Any, ...]:
-        d = self.detector
         return (
-            list(d.history),
-            dict(d.runs),
+            self.detector.state(),
             len(self.tokens),
             self.closing,
             self.reason,
@@ -328,8 +341,7 @@ class EarlyCloser:
     def restore(self, state: tuple[Any, ...]) -> None:
         banned = self.banned
         (
-            history,
-            runs,
+            detected,
             num_tokens,
             self.closing,
             self.reason,
@@ -340,7 +352,7 @@ class EarlyCloser:
             self._in_string,
             self._escaped,
         ) = state
-        self.detector.history, self.detector.runs = list(history), dict(runs)
+        self.detector.set_state(detected)
         if self.banned is not banned:
             self._banned_words = None
         del self.tokens[num_tokens:]

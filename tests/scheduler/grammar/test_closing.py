@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from guidespec.scheduler.grammar.closing import (
     ClosingTokens,
@@ -88,6 +90,45 @@ def test_detector_fires_on_a_cycle_and_not_on_varied_text() -> None:
     long_period = RepeatDetector()
     block = list(range(100, 130))  # period 30: needs 2 * 30 repeated tokens, three copies
     assert [long_period.add(t) for t in block * 3].index(True) == 89
+
+
+def _ends_in_cycle(tokens: list[int], max_period: int = 32, min_span: int = 24) -> bool:
+    """The detector's definition, from the whole sequence: for some period p, the last
+    max(2p, min_span) tokens each equal the token p places before them."""
+    for p in range(1, max_period + 1):
+        span = max(2 * p, min_span)
+        if len(tokens) >= span + p and all(tokens[-i] == tokens[-i - p] for i in range(1, span + 1)):
+            return True
+    return False
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 4), min_size=1, max_size=120),
+    st.lists(st.integers(0, 4), min_size=1, max_size=6),
+    st.integers(0, 12),
+    st.integers(0, 200),
+)
+def test_detector_matches_its_definition_through_snapshots(
+    start: list[int], cycle: list[int], copies: int, saved_at: int
+) -> None:
+    """Token by token, on a few-token alphabet (runs at many periods at once) ending in copies of
+    a cycle, and set back to a saved state once on the way (as a dry run or drafts do): it fires
+    exactly where the sequence ends in a cycle by the definition."""
+    tokens = start + cycle * copies + start[:3]
+    detector = RepeatDetector()
+    saved, seen = None, []
+    for i, token in enumerate(tokens):
+        if i == saved_at % len(tokens):
+            saved = (detector.state(), list(seen))
+        seen.append(token)
+        assert detector.add(token) == _ends_in_cycle(seen)
+    if saved is not None:
+        detector.set_state(saved[0])
+        seen = saved[1]
+        for token in tokens[len(seen) :]:
+            seen.append(token)
+            assert detector.add(token) == _ends_in_cycle(seen)
 
 
 def test_detector_resets_when_the_cycle_breaks() -> None:
