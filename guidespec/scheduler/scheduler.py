@@ -191,13 +191,14 @@ class Scheduler:
                 rows = self._plan_drafts(rows)
             run_ahead = self._runs_ahead(rows)
             step = self.steps.send_inputs(rows, start, run_ahead) if rows else None
+            planned_ahead = in_flight is not None  # (``step``'s rows, without ``in_flight``'s outputs)
             if in_flight is not None:
                 self._finish(in_flight)
-                if step is not None and self.speculator is not None:
-                    self.speculator.observe_ahead(step.rows)
             in_flight = None
             if step is not None:
                 self.steps.send_bitmask(step)
+                if planned_ahead and self.speculator is not None:  # (after the bitmask: not in its way)
+                    self.speculator.observe_ahead(step.rows)
                 if run_ahead:
                     in_flight = step
                 else:

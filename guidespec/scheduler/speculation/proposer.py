@@ -70,7 +70,7 @@ MAX_FORCED_DRAFTS = 16
 # a row's forced tokens (they follow the token still being sampled): such a row takes a step per
 # forced token instead. Stepping in turn costs the scheduler's planning and emitting outside the
 # forward, ``h`` of the rest of a step: forced drafts pay above ``h`` of them per row a step (a
-# quarter or more of a batch-64 step of the tiny model on 2 cores; ~2% of the default model's).
+# quarter or more of a batch-64 step of the tiny model on 2 cores; 2-3% of the default model's).
 _FORCED_WEIGHT = 0.05  # of a step's forced drafts in their running mean (``forced_rate``)
 _AHEAD_CHECKS = 16  # guided rows a step run ahead looks at for forced positions (in turn)
 

@@ -47,6 +47,16 @@ def _speculator(grammars: _Grammars, method: str = "forced") -> Speculator:
     return Speculator(SpeculativeConfig(method=method, adaptive=False), grammars, max_model_len=1024, jump_forward=True)
 
 
+def _learnt(n: int) -> tuple[_Grammars, Speculator, list[ScheduledRow]]:
+    """A speculator that has planned 100 steps of ``n`` guided rows whose grammars forced nothing."""
+    grammars = _Grammars()
+    speculator = _speculator(grammars)
+    rows = _rows(n)
+    for _ in range(100):
+        speculator.plan(rows, max_tokens_per_step=512)
+    return grammars, speculator, rows
+
+
 def test_rows_whose_grammars_force_nothing_run_ahead_after_some_plans() -> None:
     grammars = _Grammars()
     speculator = _speculator(grammars)
@@ -61,11 +71,7 @@ def test_rows_whose_grammars_force_nothing_run_ahead_after_some_plans() -> None:
 
 
 def test_forced_positions_seen_while_running_ahead_bring_the_steps_back_in_turn() -> None:
-    grammars = _Grammars()
-    speculator = _speculator(grammars)
-    rows = _rows(4)
-    for _ in range(100):
-        speculator.plan(rows, max_tokens_per_step=512)
+    grammars, speculator, rows = _learnt(4)
     for _ in range(20):
         speculator.observe_ahead(rows)  # nothing forced: still ahead
     assert speculator.may_run_ahead(rows, HOST)
@@ -86,11 +92,7 @@ def test_forced_positions_seen_while_running_ahead_bring_the_steps_back_in_turn(
 
 
 def test_the_rate_starts_again_when_no_guided_request_is_left() -> None:
-    grammars = _Grammars()
-    speculator = _speculator(grammars)
-    rows = _rows(2)
-    for _ in range(100):
-        speculator.plan(rows, max_tokens_per_step=512)
+    _, speculator, rows = _learnt(2)
     assert speculator.may_run_ahead(rows, HOST)
     speculator.release("r0")
     assert speculator.may_run_ahead(rows, HOST)  # r1 still runs
