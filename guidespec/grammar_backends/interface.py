@@ -47,6 +47,7 @@ class GrammarMatcher(Protocol):
 class GrammarBackend(Protocol):
     name: str
     vocab_size: int
+    matchers_fail: bool  # whether a matcher of this backend can fail (``GrammarMatcher.error``)
 
     def compile(self, guided: GuidedDecoding) -> Any:
         """A compiled grammar (thread-safe, shareable); raises GrammarError."""

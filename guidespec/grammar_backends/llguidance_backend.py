@@ -178,6 +178,7 @@ def matcher_error(matcher: llg.LLMatcher) -> str:
 
 class LLGuidanceBackend:
     name = "llguidance"
+    matchers_fail = True  # (a lexer's or parser's limit met mid-way)
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], num_threads: int) -> None:
         self.vocab_size = vocab_size

@@ -191,17 +191,17 @@ class Emitter:
         """Advance the request (and its grammar) by one token; the finish reason, if any."""
         grammar_done = False
         if request.guided:
-            if not self.grammar.accept(request.request_id, token):
+            budget = output_budget(request, self.cfg.max_model_len)
+            accepted, grammar_done = self.grammar.advance(
+                request.request_id, token, budget, len(request.output_token_ids) + 1
+            )
+            if not accepted:
                 failure = self.grammar.error(request.request_id)
                 if failure:
                     self.table.grammar_failed(request, failure)
                 else:
                     self.table.fail(request, f"internal error: the grammar rejected sampled token {token}")
                 return "error"
-            grammar_done = self.grammar.is_terminated(request.request_id)
-            self.grammar.near_budget(
-                request.request_id, output_budget(request, self.cfg.max_model_len), len(request.output_token_ids) + 1
-            )
         return append_token(request, token, self.cfg.eos_token_ids, self.cfg.max_model_len, grammar_done)
 
     def _jump_forward(self, request: Request) -> str | None:

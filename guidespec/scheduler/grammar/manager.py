@@ -94,6 +94,7 @@ class GrammarManager:
         # before it refused): where it starts again if its grammar fails mid-way
         self.alternatives: dict[str, tuple[GuidedDecoding, list[str], list[str]]] = {}
         self.failures: dict[str, str] = {}  # request -> why its matcher failed (found by a fill)
+        self._failable: set[str] = set()  # requests whose backend's matchers can fail (``matchers_fail``)
         # request -> the mask row ``end_token`` filled where its grammar stands now: the next
         # fill of that state copies it (cleared by every accept that moves the grammar on)
         self._filled: dict[str, np.ndarray] = {}
@@ -144,6 +145,7 @@ class GrammarManager:
         self.refusals.pop(request_id, None)
         self.alternatives.pop(request_id, None)
         self.failures.pop(request_id, None)
+        self._failable.discard(request_id)
         self.matchers.pop(request_id, None)
         self._filled.pop(request_id, None)
         self._by_state.discard(request_id)
@@ -201,8 +203,9 @@ class GrammarManager:
                     self.matchers[r.request_id][1].rollback(accepted[i])
             self.closing.restore(saved)
         self._fill_depth(rows, firsts, 0, drafting)
+        failable = self._failable
         for i, r in enumerate(rows):  # a matcher that failed (at any depth: it stays failed) ends nothing
-            reason = self._error(r.request_id)
+            reason = self._error(r.request_id) if r.request_id in failable else ""
             if reason:
                 self.failures[r.request_id] = reason
                 self.bitmask[firsts[i] : firsts[i + 1]] = self._stop_row  # (its token is never used)
@@ -329,6 +332,23 @@ class GrammarManager:
 
     def near_budget(self, request_id: str, budget: int, produced: int) -> None:
         self.closing.near_budget(request_id, budget, produced)
+
+    def advance(self, request_id: str, token: int, budget: int, produced: int) -> tuple[bool, bool]:
+        """A sampled output token, in one call (the emit's, once a token a row): ``accept`` it,
+        then ``near_budget`` with ``produced`` output tokens of ``budget`` (this one counted).
+        Returns (accepted, the grammar has terminated)."""
+        if self._walks:
+            self.end_draft_walk()
+        self._filled.pop(request_id, None)
+        matcher = self.matchers[request_id][1]
+        closer = self.closing.closers.get(request_id)
+        if closer is not None:
+            closer.add(token)
+        if not matcher.accept_token(token):
+            return False, False
+        if closer is not None:
+            self.closing.near_budget(request_id, budget, produced)
+        return True, matcher.is_terminated()
 
     def closing_reason(self, request_id: str) -> str:
         return self.closing.reason(request_id)
@@ -517,7 +537,10 @@ class GrammarManager:
         return self.backends[name]
 
     def _create_matcher(self, request_id: str, backend: str, compiled: Any, fallback: Fallback) -> None:
-        self.matchers[request_id] = (backend, self._backend(backend).create_matcher(compiled))
+        grammars = self._backend(backend)
+        self.matchers[request_id] = (backend, grammars.create_matcher(compiled))
+        if grammars.matchers_fail:
+            self._failable.add(request_id)
         guided, backends, refusals = fallback
         if guided is not None and guided.kind in _STATE_KINDS:
             self._by_state.add(request_id)
