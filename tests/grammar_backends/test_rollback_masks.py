@@ -45,6 +45,16 @@ def _mask(backend: Any, matcher: Any) -> np.ndarray:
     return row[0]
 
 
+def _matcher(backend: Any, compiled: Any, copies: bool) -> Any:
+    """A matcher; ``copies=False``: an llguidance one that keeps no copy where it was filled (as
+    once a copy costs more than a fill: ``LLGuidanceMatcher._before_walk``), so each rollback
+    there is answered by a refresh."""
+    matcher = backend.create_matcher(compiled)
+    if not copies:
+        matcher._copies = False
+    return matcher
+
+
 def _fresh_mask(backend: Any, compiled: Any, tokens: list[int]) -> np.ndarray:
     matcher = backend.create_matcher(compiled)
     for token in tokens:
@@ -52,7 +62,8 @@ def _fresh_mask(backend: Any, compiled: Any, tokens: list[int]) -> np.ndarray:
     return _mask(backend, matcher)
 
 
-def test_a_draft_rolled_back_leaves_no_trace_in_the_next_mask(tokenizer) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("copies", [True, False], ids=["copies", "no-copies"])
+def test_a_draft_rolled_back_leaves_no_trace_in_the_next_mask(tokenizer, copies: bool) -> None:  # type: ignore[no-untyped-def]
     """The JME_60 failure in small (llguidance's compact JSON; xgrammar's has spaces and no
     such cache): the mask at ``{"k":["`` (a string in an array) was answered again at
     ``{"k":{"`` (a key), so it allowed ``","`` there, and the grammar then refused it."""
@@ -64,7 +75,7 @@ def test_a_draft_rolled_back_leaves_no_trace_in_the_next_mask(tokenizer) -> None
     comma_quote = encode('","')
     assert len(comma_quote) == 1
 
-    matcher = backend.create_matcher(compiled)
+    matcher = _matcher(backend, compiled, copies)
     for t in prefix:
         assert matcher.accept_token(t)
     _mask(backend, matcher)  # the step's mask at its state
@@ -78,11 +89,14 @@ def test_a_draft_rolled_back_leaves_no_trace_in_the_next_mask(tokenizer) -> None
     np.testing.assert_array_equal(mask, _fresh_mask(backend, compiled, prefix + token))
 
 
-@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize(
+    "backend_name, copies", [("xgrammar", True), ("llguidance", True), ("llguidance", False)], ids=str
+)
 @pytest.mark.parametrize("guided", [ANY_OBJECT, NESTED], ids=["any-object", "nested"])
 def test_every_draft_then_another_token_leaves_the_mask_of_the_other(
     tokenizer,  # type: ignore[no-untyped-def]
     backend_name: str,
+    copies: bool,
     guided: GuidedDecoding,
 ) -> None:
     """At states a walk over structural tokens reaches (where rows of the parser begin and end,
@@ -139,7 +153,7 @@ def test_every_draft_then_another_token_leaves_the_mask_of_the_other(
         options = allowed_structural(state)
         pairs = [(draft, token) for draft in options for token in options if draft != token]
         for draft, token in pairs:
-            matcher = backend.create_matcher(compiled)
+            matcher = _matcher(backend, compiled, copies)
             for t in state:
                 assert matcher.accept_token(t)
             _mask(backend, matcher)
