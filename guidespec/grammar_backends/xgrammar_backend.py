@@ -338,11 +338,16 @@ def _counted_items_as_prefix(schema: Any) -> Any:
     up to _PREFIX_ITEMS_MAX, written with that many ``prefixItems``, each a ``$ref`` to its item
     schema (added to the root's ``$defs``). The same arrays: prefix items are optional, and each
     is the item schema; ``minItems`` stays, so the first ones are required; a ``maxItems`` written
-    out as prefix items is ``items: false`` after them. Arrays with ``contains``,
-    ``additionalItems`` or ``unevaluatedItems``, or ``items`` as a list, are left alone."""
+    out as prefix items is ``items: false`` after them (not where a ``$ref`` could point into an
+    array's ``items``). Arrays with ``contains``, ``additionalItems`` or ``unevaluatedItems``, or
+    ``items`` as a list, are left alone; the definitions added never take a name the schema's
+    ``$defs`` hold."""
     if not isinstance(schema, dict) or not isinstance(schema.get("$defs", {}), dict):
         return schema
-    definitions: dict[str, Any] = {}  # the item schema's text -> its definition
+    definitions: dict[str, tuple[str, Any]] = {}  # the item schema's text -> (its name, itself)
+    taken = set(schema.get("$defs", {}))
+    # a reference into an array's items (elsewhere in the schema) must still find them there
+    items_referenced = any("/items" in ref for ref in _references(schema))
 
     def reference(items: Any) -> dict[str, Any]:
         if isinstance(items, dict) and set(items) == {"$ref"}:
@@ -350,8 +355,12 @@ def _counted_items_as_prefix(schema: Any) -> Any:
         item = {} if items is True else items
         key = json.dumps(item, sort_keys=True)
         if key not in definitions:
-            definitions[key] = item
-        return {"$ref": f"#/$defs/{_ITEM_DEFINITION}{list(definitions).index(key)}"}
+            name = f"{_ITEM_DEFINITION}{len(definitions)}"
+            while name in taken:  # (never one of the schema's own)
+                name += "_"
+            taken.add(name)
+            definitions[key] = (name, item)
+        return {"$ref": f"#/$defs/{definitions[key][0]}"}
 
     def rewrite(node: dict[str, Any]) -> dict[str, Any]:
         items, prefix = node.get("items", True), node.get("prefixItems", [])
@@ -366,7 +375,13 @@ def _counted_items_as_prefix(schema: Any) -> Any:
         low, high = (node.get(k) for k in ("minItems", "maxItems"))
         low = low if isinstance(low, int) and not isinstance(low, bool) else 0
         high = high if isinstance(high, int) and not isinstance(high, bool) else None
-        if high is not None and low <= high and len(prefix) <= high and _COUNTED_ITEMS < high <= _PREFIX_ITEMS_MAX:
+        if (
+            high is not None
+            and not items_referenced
+            and low <= high
+            and len(prefix) <= high
+            and _COUNTED_ITEMS < high <= _PREFIX_ITEMS_MAX
+        ):
             out = {k: v for k, v in node.items() if k != "maxItems"}
             out["prefixItems"] = prefix + [reference(items)] * (high - len(prefix))
             out["items"] = False
@@ -378,9 +393,18 @@ def _counted_items_as_prefix(schema: Any) -> Any:
 
     out = _bottom_up(schema, rewrite)
     if definitions:
-        added = {f"{_ITEM_DEFINITION}{i}": item for i, item in enumerate(definitions.values())}
-        out["$defs"] = {**out.get("$defs", {}), **added}
+        out["$defs"] = {**out.get("$defs", {}), **dict(definitions.values())}
     return out
+
+
+def _references(schema: Any) -> list[str]:
+    """Every ``$ref`` in the schema (not in its data: ``enum`` values and the like)."""
+    if isinstance(schema, list):
+        return [ref for item in schema for ref in _references(item)]
+    if not isinstance(schema, dict):
+        return []
+    own = [schema["$ref"]] if isinstance(schema.get("$ref"), str) else []
+    return own + [ref for key, value in schema.items() if key not in DATA_KEYWORDS for ref in _references(value)]
 
 
 _ANNOTATIONS = {

@@ -96,3 +96,35 @@ def test_a_nested_array_refers_to_its_item_definition(backend: Any) -> None:
 )
 def test_other_arrays_are_left_alone(schema: Any) -> None:
     assert _counted_items_as_prefix(schema) == schema
+
+
+def test_the_item_definition_never_takes_a_name_the_schema_holds(backend: Any) -> None:
+    from tests.grammar_backends.dataset import matcher_accepts
+
+    xgrammar, tokenizer = backend
+    own = {"type": "string"}  # the schema's own definition under the name the rewrite would use first
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "array", "items": INTEGER, "minItems": 130},
+            "b": {"$ref": "#/$defs/guidespec-item-0"},
+        },
+        "$defs": {"guidespec-item-0": own},
+    }
+    rewritten = _counted_items_as_prefix(schema)
+    assert rewritten["$defs"]["guidespec-item-0"] == own and len(rewritten["$defs"]) == 2
+    compiled = xgrammar.compile(GuidedDecoding(json_schema=schema))
+    assert matcher_accepts(xgrammar, compiled, tokenizer, '{"a": ' + _array(130, "7") + ', "b": "x"}', 2)
+    assert not matcher_accepts(xgrammar, compiled, tokenizer, '{"a": ' + _array(130, "7") + ', "b": 7}', 2)
+
+
+def test_a_reference_into_items_keeps_them() -> None:
+    """``maxItems`` written out sets ``items: false``: not where a ``$ref`` reads an array's items."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "array", "items": INTEGER, "maxItems": 300},
+            "b": {"$ref": "#/properties/a/items"},
+        },
+    }
+    assert _counted_items_as_prefix(schema) == schema
