@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import struct
 import threading
 import types
@@ -33,6 +32,7 @@ _EXT_ARRAY = 1
 _EXT_MESSAGE = 2
 _ALLOWED_DTYPES = {"bool", "int8", "uint8", "int16", "int32", "int64", "uint32", "float16", "float32", "float64"}
 _DTYPE_NAMES = {np.dtype(name): name for name in _ALLOWED_DTYPES}  # dtype.name costs microseconds a call
+_DTYPES = {name: np.dtype(name) for name in _ALLOWED_DTYPES}
 _HEADER_LEN = struct.Struct("<I")
 _MAX_NESTED_MESSAGES = 8  # the deepest in use: GenerateRequest > SamplingParams > GuidedDecoding
 _MAX_NDIM = 32  # numpy's own limit before 2.0; also bounds the cost of a shape's product
@@ -85,6 +85,7 @@ class _Encoder:
 
     def __init__(self) -> None:
         self.packers: list[msgpack.Packer] = []
+        self.meta_packer = msgpack.Packer(use_bin_type=True, autoreset=True)  # array headers: primitives only
         self.depth = 0
         self.arrays: list[np.ndarray] = []
         self.offset = [0]
@@ -109,7 +110,7 @@ class _Encoder:
 
     def default(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
-            return _encode_array(obj, self.arrays, self.offset, self.pack)
+            return _encode_array(obj, self.arrays, self.offset, self.meta_packer.pack)
         if isinstance(obj, np.generic):
             return obj.item()
         tag = _CLASS_TO_TAG.get(type(obj))
@@ -185,17 +186,22 @@ def _decode_array(data: bytes, view: memoryview, payload_base: int) -> np.ndarra
         dtype_name, shape, offset, nbytes = msgpack.unpackb(data)
     except Exception as e:
         raise MalformedMessage(f"bad array header: {e}") from None
-    if not (isinstance(dtype_name, str) and dtype_name in _ALLOWED_DTYPES):
+    dtype = _DTYPES.get(dtype_name) if type(dtype_name) is str else None
+    if dtype is None:
         raise MalformedMessage(f"array dtype {dtype_name!r} is not allowed")
-    if not (isinstance(shape, list) and len(shape) <= _MAX_NDIM and all(type(d) is int and d >= 0 for d in shape)):
+    if type(shape) is not list or len(shape) > _MAX_NDIM:
         raise MalformedMessage(f"bad array shape {shape!r}")
+    count = 1  # exact (Python integers): a product that overflows int64 must not wrap to a small size
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise MalformedMessage(f"bad array shape {shape!r}")
+        count *= d
     if not (type(offset) is int and type(nbytes) is int and offset >= 0):
         raise MalformedMessage(f"bad array offset {offset!r} or size {nbytes!r}")
-    dtype = np.dtype(dtype_name)
-    count = math.prod(shape)  # exact: a product that overflows int64 must not wrap to a small size
     if count * dtype.itemsize != nbytes or payload_base + offset + nbytes > view.nbytes:
         raise MalformedMessage(f"array of shape {shape} ({nbytes} bytes at {offset}) does not fit the frame")
-    return np.frombuffer(view, dtype=dtype, count=count, offset=payload_base + offset).reshape(shape)
+    array = np.frombuffer(view, dtype=dtype, count=count, offset=payload_base + offset)
+    return array if len(shape) == 1 else array.reshape(shape)
 
 
 def _decode_message(item: Any) -> Any:
