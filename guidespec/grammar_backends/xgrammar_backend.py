@@ -36,6 +36,9 @@ _TEXT_S_PER_MB = 0.12
 
 
 _UNKNOWN = object()
+# a grammar's known moves between keyed states (``XGrammarMatcher.state_key``): at most this many,
+# then forgotten and learnt again; and how many keys back a matcher keeps for its rollbacks
+_MAX_MOVES, _KEYS_KEPT = 1 << 16, 16
 
 
 class XGrammarMatcher:
@@ -44,13 +47,34 @@ class XGrammarMatcher:
         self._encode = encode
         self.compiled = compiled  # held: its id stays this grammar's while the matcher lives (state_key)
         self._key: Any = _UNKNOWN  # state_key's, until the grammar moves
+        self._moved: tuple[Any, int] | None = None  # (key, token): the move since the key was known
+        self._before: list[Any] = []  # the keys before the last accepts (a rollback's), newest last
+        moves = getattr(compiled, "_guidespec_moves", None)
+        if moves is None:
+            moves = {}
+            try:
+                compiled._guidespec_moves = moves  # (the grammar's matchers learn its moves together)
+            except AttributeError:
+                pass
+        self._moves: dict[tuple[Any, int], Any] = moves
 
     def accept_token(self, token: int) -> bool:
-        self._key = _UNKNOWN
-        return bool(self.matcher.accept_token(token))
+        key = self._key
+        if not self.matcher.accept_token(token):
+            return False  # (a rejected token leaves the grammar, and its key, as they were)
+        self._before.append(key)
+        if len(self._before) > _KEYS_KEPT:
+            del self._before[0]
+        if key is _UNKNOWN or key is None:
+            self._key, self._moved = _UNKNOWN, None
+        else:  # a keyed state's move by a token is the grammar's, whichever matcher makes it
+            self._key = self._moves.get((key, token), _UNKNOWN)
+            self._moved = (key, token) if self._key is _UNKNOWN else None
+        return True
 
     def advance(self, tokens: Sequence[int]) -> int:
-        self._key = _UNKNOWN
+        self._key, self._moved = _UNKNOWN, None
+        self._before.clear()
         matcher, count = self.matcher, 0
         for token in tokens:
             if matcher.is_terminated() or not matcher.accept_token(token):
@@ -60,7 +84,10 @@ class XGrammarMatcher:
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
-            self._key = _UNKNOWN
+            before = self._before
+            self._key = before[-num_tokens] if num_tokens <= len(before) else _UNKNOWN  # (where it was)
+            del before[max(0, len(before) - num_tokens) :]
+            self._moved = None
             self.matcher.rollback(num_tokens)
 
     def is_terminated(self) -> bool:
@@ -89,7 +116,12 @@ class XGrammarMatcher:
         letter (test_xgrammar_state_key.py). The debug text is not an API (an xgrammar without
         it gives no keys): the fill that shares keys checks some shared rows against their own
         fill and stops sharing if one differs (``GrammarManager._check_shared``). Kept until the
-        grammar moves: a step's end check and its fill ask for it in turn."""
+        grammar moves: a step's end check and its fill ask for it in turn.
+
+        A keyed state is all of the parser's state that its future depends on (the rest, step 0,
+        is every matcher's), so a token moves it to the same next state whichever matcher takes
+        it: the grammar's matchers share the moves they have seen (``_moves``), and a matcher that
+        moves by a known one knows its next key without the debug text."""
         if self._key is _UNKNOWN:
             self._key = None
             debug_text = getattr(self.matcher, "_debug_print_internal_state", None)
@@ -99,6 +131,11 @@ class XGrammarMatcher:
             states = last.count("rule_start_pos=")
             if at >= 0 and states and states == last.count("rule_start_pos=-1,") + last.count("rule_start_pos=0,"):
                 self._key = (id(self.compiled), bool(self.matcher.is_completed()), last)
+            if self._moved is not None:
+                if len(self._moves) >= _MAX_MOVES:
+                    self._moves.clear()
+                self._moves[self._moved] = self._key
+                self._moved = None
         return self._key  # type: ignore[no-any-return]
 
     def forced_tokens(self, limit: int) -> list[int]:

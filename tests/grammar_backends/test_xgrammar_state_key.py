@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from guidespec.bitmask import allowed_ids, bitmask_width
 from guidespec.grammar_backends import create_backend
+from guidespec.grammar_backends.xgrammar_backend import _UNKNOWN
 from guidespec.protocol import GuidedDecoding
 
 VOCAB = 49152
@@ -114,3 +115,37 @@ def _regexes(draw: st.DrawFn, depth: int = 2) -> str:
 @given(regex=_regexes(), seed=st.integers(0, 1000))
 def test_random_regexes_equal_keys_have_equal_masks(backend: Any, regex: str, seed: int) -> None:
     _walk_keys(backend, GuidedDecoding(regex=regex), walks=12, steps=8, seed=seed)
+
+
+def _fresh_key(backend: Any, compiled: Any, tokens: list[int]) -> Any:
+    """The key of the state ``tokens`` lead to, read from the debug text (no move known)."""
+    matcher = backend.create_matcher(compiled)
+    assert matcher.advance(tokens) == len(tokens)  # (a walk of its own: it learns no move)
+    return matcher.state_key()
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(regex=_regexes() | st.sampled_from(REGEXES), seed=st.integers(0, 1000))
+def test_a_key_known_from_a_move_is_the_states_own(backend: Any, regex: str, seed: int) -> None:
+    """The grammar's matchers share the moves between keyed states they have seen: a matcher that
+    moves by one knows its next key without the debug text, and a rollback gives back the key it
+    had there. Each such key must be the one the state's own debug text gives."""
+    compiled = backend.compile(GuidedDecoding(regex=regex))
+    rng = random.Random(seed)
+    known = 0
+    for _ in range(6):  # (the first walks teach the moves, the later ones use them)
+        matcher, tokens = backend.create_matcher(compiled), []
+        for _ in range(8):
+            if matcher.is_terminated():
+                break
+            from_move = matcher._key is not _UNKNOWN  # (known without asking the debug text)
+            assert matcher.state_key() == _fresh_key(backend, compiled, tokens), (regex, tokens)
+            known += from_move
+            token = int(rng.choice(allowed_ids(_mask(backend, matcher), VOCAB)))
+            assert matcher.accept_token(token)
+            tokens.append(token)
+            if len(tokens) > 1 and rng.random() < 0.3:  # back a step or two: the keys it had there
+                back = rng.randint(1, min(2, len(tokens)))
+                matcher.rollback(back)
+                del tokens[-back:]
+    assert known or not any(k for k in compiled._guidespec_moves.values())
