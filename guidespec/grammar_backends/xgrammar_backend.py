@@ -62,10 +62,16 @@ class XGrammarMatcher:
         key = self._key
         if not self.matcher.accept_token(token):
             return False  # (a rejected token leaves the grammar, and its key, as they were)
-        self._before.append(key)
-        if len(self._before) > _KEYS_KEPT:
-            del self._before[0]
-        if key is _UNKNOWN or key is None:
+        before = self._before
+        if key is _UNKNOWN:  # (a rollback past this token finds no key: none is kept for it, nor before it)
+            if before:
+                before.clear()
+            self._moved = None
+            return True
+        before.append(key)
+        if len(before) > _KEYS_KEPT:
+            del before[0]
+        if key is None:
             self._key, self._moved = _UNKNOWN, None
         else:  # a keyed state's move by a token is the grammar's, whichever matcher makes it
             self._key = self._moves.get((key, token), _UNKNOWN)
