@@ -36,9 +36,10 @@ _TEXT_S_PER_MB = 0.12
 
 
 _UNKNOWN = object()
-# a grammar's known moves between keyed states (``XGrammarMatcher.state_key``): at most this many,
-# then forgotten and learnt again; and how many keys back a matcher keeps for its rollbacks
-_MAX_MOVES, _KEYS_KEPT = 1 << 16, 16
+# a grammar's known moves between keyed states (``XGrammarMatcher.state_key``): at most this many
+# (each holds a key's debug text, a few hundred bytes: ~1-2 MB at most a grammar), then forgotten
+# and learnt again; and how many keys back a matcher keeps for its rollbacks
+_MAX_MOVES, _KEYS_KEPT = 4096, 16
 
 
 class XGrammarMatcher:
@@ -105,8 +106,9 @@ class XGrammarMatcher:
     def can_end(self, stop_token: int) -> bool:
         """xgrammar takes one of its stop tokens (the engine's: ``tables``) exactly where the input
         is complete: ``is_completed``, 0.4 µs, where a trial accept of the stop token cost what an
-        accept does (12 µs at the 200th item of a JSON array with ``minItems: 300``: xgrammar's
-        accepts grow with a long counted repetition) and a rollback (test_can_end.py)."""
+        accept does (12 µs at the 200th item of a JSON array with ``minItems: 300``, before such
+        arrays were written as prefix items: ``_counted_items_as_prefix``) and a rollback
+        (test_can_end.py)."""
         matcher = self.matcher
         return not matcher.is_terminated() and bool(matcher.is_completed())
 
