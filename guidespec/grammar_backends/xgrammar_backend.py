@@ -370,7 +370,7 @@ def _bottom_up(schema: Any, rewrite: Callable[[dict[str, Any]], dict[str, Any]])
 # ``minItems: 300`` took 2 µs an accept in its first 100 tokens, 16 in tokens 600-800 and 19 past
 # its 300th item, where the same array as ``prefixItems`` stays at 1.1 µs. Up to
 # _PREFIX_ITEMS_MAX items such arrays are written as prefix items that all name one definition
-# (compile: 13 ms at 300 items, 34 ms and 4.9 MB at 1,024 for an object of eight properties;
+# (compile: 13 ms at 300 items, 34 ms and 4.9 MB at 1,000 for an object of eight properties;
 # inlined, the object's 300 copies took 320 ms). Past it the compile grows faster (4,000: 0.3 s,
 # 67 MB) than the accepts it saves.
 _COUNTED_ITEMS = 128
@@ -444,12 +444,15 @@ def _counted_items_as_prefix(schema: Any) -> Any:
 
 def _references(schema: Any) -> list[str]:
     """Every ``$ref`` in the schema (not in its data: ``enum`` values and the like)."""
-    if isinstance(schema, list):
-        return [ref for item in schema for ref in _references(item)]
-    if not isinstance(schema, dict):
-        return []
-    own = [schema["$ref"]] if isinstance(schema.get("$ref"), str) else []
-    return own + [ref for key, value in schema.items() if key not in DATA_KEYWORDS for ref in _references(value)]
+    refs: list[str] = []
+
+    def collect(node: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(node.get("$ref"), str):
+            refs.append(node["$ref"])
+        return node
+
+    _bottom_up(schema, collect)
+    return refs
 
 
 _ANNOTATIONS = {

@@ -326,29 +326,26 @@ class GrammarManager:
 
     @_settled
     def accept(self, request_id: str, token: int) -> bool:
-        self._filled.pop(request_id, None)
-        self.closing.add(request_id, token)
-        return self.matchers[request_id][1].accept_token(token)
-
-    def near_budget(self, request_id: str, budget: int, produced: int) -> None:
-        self.closing.near_budget(request_id, budget, produced)
+        return self._accept(request_id, token) is not None
 
     def advance(self, request_id: str, token: int, budget: int, produced: int) -> tuple[bool, bool]:
         """A sampled output token, in one call (the emit's, once a token a row): ``accept`` it,
-        then ``near_budget`` with ``produced`` output tokens of ``budget`` (this one counted).
-        Returns (accepted, the grammar has terminated)."""
-        if self._walks:
+        then tell early closing ``produced`` output tokens of ``budget`` are written (this one
+        counted). Returns (accepted, the grammar has terminated)."""
+        if self._walks:  # (``_settled``, inline: this runs once a token a row)
             self.end_draft_walk()
-        self._filled.pop(request_id, None)
-        matcher = self.matchers[request_id][1]
-        closer = self.closing.closers.get(request_id)
-        if closer is not None:
-            closer.add(token)
-        if not matcher.accept_token(token):
+        matcher = self._accept(request_id, token)
+        if matcher is None:
             return False, False
-        if closer is not None:
-            self.closing.near_budget(request_id, budget, produced)
+        self.closing.near_budget(request_id, budget, produced)
         return True, matcher.is_terminated()
+
+    def _accept(self, request_id: str, token: int) -> GrammarMatcher | None:
+        """Advance the request's grammar by ``token`` (its matcher), or None where it refuses it."""
+        self._filled.pop(request_id, None)
+        self.closing.add(request_id, token)
+        matcher = self.matchers[request_id][1]
+        return matcher if matcher.accept_token(token) else None
 
     def closing_reason(self, request_id: str) -> str:
         return self.closing.reason(request_id)
