@@ -78,13 +78,15 @@ class DraftChannel:
         if lib is None:
             raise RuntimeError("the cuda_ext host library is not built (no C compiler)")
         size = int(lib.gs_channel_bytes(layout.max_rows, layout.max_tokens, layout.num_words))
-        return cls(shared_memory.SharedMemory(name=layout.name, create=True, size=size), layout, owner=True)
+        from guidespec.ipc.segments import create_segment
+
+        return cls(create_segment(layout.name, size), layout, owner=True)
 
     @classmethod
     def attach(cls, layout: ChannelLayout) -> DraftChannel:
-        from guidespec.ipc.shm_ring import _open_untracked
+        from guidespec.ipc.segments import attach_segment
 
-        return cls(_open_untracked(layout.name), layout, owner=False)
+        return cls(attach_segment(layout.name), layout, owner=False)
 
     # ------------------------------------------------------------------ rank 0
 
@@ -181,7 +183,7 @@ class DraftChannel:
         return int(code), step.value, index.value
 
     def close(self) -> None:
-        from guidespec.ipc.shm_ring import close_segment
+        from guidespec.ipc.segments import close_segment
 
         self.rows = self.lens = self.tokens = self.mask = self.mask_ids = None  # type: ignore[assignment]
         del self._anchor

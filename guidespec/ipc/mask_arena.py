@@ -21,7 +21,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from guidespec.ipc.shm_ring import _open_untracked, close_segment
+from guidespec.ipc.segments import attach_segment, close_segment, create_segment
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,11 @@ class MaskArena:
         if layout.num_rows < 1 or layout.num_words < 1 or layout.num_buffers < 2:
             raise ValueError("an arena needs >= 1 row of >= 1 word and >= 2 buffers")
         size = layout.num_buffers * layout.num_rows * layout.num_words * 4
-        return cls(shared_memory.SharedMemory(name=layout.name, create=True, size=size), layout, owner=True)
+        return cls(create_segment(layout.name, size), layout, owner=True)
 
     @classmethod
     def attach(cls, layout: ArenaLayout) -> MaskArena:
-        return cls(_open_untracked(layout.name), layout, owner=False)
+        return cls(attach_segment(layout.name), layout, owner=False)
 
     def fits(self, bitmask: np.ndarray) -> bool:
         return (

@@ -29,14 +29,14 @@ what a message is: it moves bytes (see ``guidespec.ipc.codec``).
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 
 from guidespec.ipc import futex
+from guidespec.ipc.segments import attach_segment, close_segment, create_segment
 from guidespec.ipc.waiting import AwakeTimer
 
 _CTRL_WORDS = 5  # num_readers, num_slots, slot_size, magic, bell (a uint32 futex word in the low half)
@@ -94,7 +94,7 @@ class ShmRing:
         if num_readers < 1 or num_slots < 2 or slot_size < 64:
             raise ValueError("a ring needs >= 1 reader, >= 2 slots of >= 64 bytes")
         layout = RingLayout(name, num_readers, num_slots, slot_size)
-        shm = shared_memory.SharedMemory(name=name, create=True, size=_segment_size(layout))
+        shm = create_segment(name, _segment_size(layout))
         ring = cls(shm, layout, owner=True)
         ring.slot_seq[:] = -1
         ring.cursors[:] = 0
@@ -104,7 +104,7 @@ class ShmRing:
 
     @classmethod
     def attach(cls, layout: RingLayout) -> ShmRing:
-        shm = _open_untracked(layout.name)
+        shm = attach_segment(layout.name)
         ring = cls(shm, layout, owner=False)
         if int(ring.ctrl[3]) != _MAGIC:
             raise RuntimeError(f"shared memory {layout.name!r} is not a guidespec ring")
@@ -256,48 +256,6 @@ class _Backoff:
             time.sleep(self.sleep)
             self.sleep = min(self.sleep * 2, _MAX_SLEEP_S)
         return True
-
-
-def unlink_segment(name: str) -> None:
-    """Remove a segment by name if it still exists (cleanup after a crashed owner)."""
-    try:
-        shm = _open_untracked(name)
-    except FileNotFoundError:
-        return
-    shm.close()
-    try:
-        shm.unlink()
-    except FileNotFoundError:
-        pass
-
-
-def close_segment(shm: shared_memory.SharedMemory, owner: bool) -> None:
-    """Unmap a segment (its numpy views dropped first by the caller); the owner also removes it."""
-    try:
-        shm.close()
-    except BufferError:
-        pass
-    if owner:
-        try:
-            shm.unlink()
-        except FileNotFoundError:
-            pass
-
-
-def _open_untracked(name: str) -> shared_memory.SharedMemory:
-    """Attach without registering with the resource tracker: only the owner may unlink.
-
-    Before Python 3.13 attaching registers the segment, and the tracker (shared with spawned
-    children) would unlink it, or complain, when the attaching process exits.
-    """
-    if sys.version_info >= (3, 13):
-        return shared_memory.SharedMemory(name=name, create=False, track=False)  # type: ignore[call-arg]
-    register = resource_tracker.register
-    resource_tracker.register = lambda *args, **kwargs: None  # type: ignore[assignment]
-    try:
-        return shared_memory.SharedMemory(name=name, create=False)
-    finally:
-        resource_tracker.register = register  # type: ignore[assignment]
 
 
 def _segment_size(layout: RingLayout) -> int:
