@@ -17,6 +17,7 @@ what the scheduler's loop calls; it owns the matchers and fills the masks, and h
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, TypeVar
@@ -171,15 +172,31 @@ class GrammarManager:
             self.bitmask = own
 
     def _fill_rows_of(self, rows: list[FillRow]) -> np.ndarray:
-        firsts = np.cumsum([0] + [1 + len(r.drafts) for r in rows]).tolist()
+        firsts = list(itertools.accumulate((1 + len(r.drafts) for r in rows), initial=0))
         if firsts[-1] > self.bitmask.shape[0]:
             self.bitmask = np.zeros((firsts[-1], self.bitmask.shape[1]), dtype=np.int32)
         if self.closing.closers:
             for r in rows:
                 self.closing.check_budget(r.request_id, r.output_len, r.max_tokens, self._grammar)
-        saved = self.closing.snapshot([r.request_id for r in rows if r.drafts])
+        drafting = [i for i, r in enumerate(rows) if r.drafts]
+        if drafting:
+            self._fill_drafts(rows, firsts, drafting)
+        else:  # (a row a request: its grammar where it stands)
+            self._fill_depth(rows, firsts, 0, list(range(len(rows))))
+        failable = self._failable
+        if failable:
+            for i, r in enumerate(rows):  # a matcher that failed (at any depth: it stays failed) ends nothing
+                reason = self._error(r.request_id) if r.request_id in failable else ""
+                if reason:
+                    self.failures[r.request_id] = reason
+                    self.bitmask[firsts[i] : firsts[i + 1]] = self._stop_row  # (its token is never used)
+        return self.bitmask[: firsts[-1]]
+
+    def _fill_drafts(self, rows: list[FillRow], firsts: list[int], drafting: list[int]) -> None:
+        """The rows of a step where requests ``drafting`` have drafts: each grammar advanced
+        through its drafts, filled at each depth, and rolled back."""
+        saved = self.closing.snapshot([rows[i].request_id for i in drafting])
         depths = [len(r.drafts) for r in rows]  # how deep each request's grammar can follow its drafts
-        drafting = [i for i in range(len(rows)) if depths[i]]
         accepted = [0] * len(rows)
         try:
             for depth in range(max(depths, default=0) + 1):
@@ -203,19 +220,15 @@ class GrammarManager:
                     self.matchers[r.request_id][1].rollback(accepted[i])
             self.closing.restore(saved)
         self._fill_depth(rows, firsts, 0, drafting)
-        failable = self._failable
-        for i, r in enumerate(rows):  # a matcher that failed (at any depth: it stays failed) ends nothing
-            reason = self._error(r.request_id) if r.request_id in failable else ""
-            if reason:
-                self.failures[r.request_id] = reason
-                self.bitmask[firsts[i] : firsts[i + 1]] = self._stop_row  # (its token is never used)
-        return self.bitmask[: firsts[-1]]
 
     def _fill_depth(self, rows: list[FillRow], firsts: list[int], depth: int, which: list[int]) -> None:
         """The rows at ``depth`` of requests ``which`` (their grammars there): filled by their
         backends, a stop token where a draft ended the grammar, then narrowed by early closing."""
-        ended = [i for i in which if self.matchers[rows[i].request_id][1].is_terminated()]
-        live = [i for i in which if i not in ended]
+        matchers = self.matchers
+        live: list[int] = []
+        ended: list[int] = []
+        for i in which:
+            (ended if matchers[rows[i].request_id][1].is_terminated() else live).append(i)
         to_fill = live
         if depth == 0 and self._filled:  # (rows ``end_token`` filled at this state already)
             to_fill = []
