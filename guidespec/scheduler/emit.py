@@ -1,4 +1,4 @@
-"""A step's outputs into its requests, and their deltas out to the client.
+"""A step's outputs into its requests, and their deltas to the client's outbox.
 
 Each row's tokens advance its request (its grammar, detokenizer, stop checks); accepted drafts
 advance its computed tokens; jump-forward appends the tokens the grammar forces ("unverified")
@@ -16,7 +16,7 @@ import numpy as np
 
 from guidespec.config import SchedulerConfig
 from guidespec.ipc.zmq_channel import Channel
-from guidespec.protocol import BAD_REQUEST, NO_TOKEN, RequestOutput, RequestOutputs, StepOutputs
+from guidespec.protocol import BAD_REQUEST, NO_TOKEN, RequestOutput, StepOutputs
 from guidespec.scheduler.batching import ScheduledRow
 from guidespec.scheduler.grammar import GrammarManager
 from guidespec.scheduler.output import append_token, make_delta
@@ -58,13 +58,10 @@ class Emitter:
                 proposed.tolist() if proposed is not None else None,
                 outputs.draft_s,
             )
-        deltas: list[RequestOutput] = []  # one message for the step's deltas: one send, not one per request
         ending: list[Request] = []  # guided requests whose grammar may end here (``_end_complete``)
-        try:
-            self._emit_rows(rows, outputs, offsets, proposals, now, deltas, dropped, outputs.step, ending)
-        finally:
-            if deltas:
-                self.client_out.send(RequestOutputs(deltas))
+        # the deltas wait in the table's outbox (``RequestTable.send_outbox``): a step run ahead
+        # has its bitmask filled and sent before them
+        self._emit_rows(rows, outputs, offsets, proposals, now, self.table.outbox, dropped, outputs.step, ending)
 
     def _emit_rows(
         self,

@@ -51,6 +51,7 @@ from guidespec.protocol import (
     GenerateRequest,
     SchedulerStats,
     Shutdown,
+    StepOutputs,
 )
 from guidespec.scheduler.batching import Batcher, ScheduledRow
 from guidespec.scheduler.emit import Emitter
@@ -192,11 +193,15 @@ class Scheduler:
             run_ahead = self._runs_ahead(rows)
             step = self.steps.send_inputs(rows, start, run_ahead) if rows else None
             planned_ahead = in_flight is not None  # (``step``'s rows, without ``in_flight``'s outputs)
-            if in_flight is not None:
-                self._finish(in_flight)
+            emitted = self._emit(in_flight) if in_flight is not None else None
             in_flight = None
+            try:
+                if step is not None:  # (its grammars stand after the emitted tokens)
+                    self.steps.send_bitmask(step)
+            finally:
+                if emitted is not None:  # what the mask does not wait for: the deltas out, the trace
+                    self._wrap_up(*emitted)
             if step is not None:
-                self.steps.send_bitmask(step)
                 if planned_ahead and self.speculator is not None:  # (after the bitmask: not in its way)
                     self.speculator.observe_ahead(step.rows)
                 if run_ahead:
@@ -231,10 +236,20 @@ class Scheduler:
 
     def _finish(self, step: Step) -> None:
         """Collect a step's outputs and emit them."""
+        self._wrap_up(*self._emit(step))
+
+    def _emit(self, step: Step) -> tuple[Step, StepOutputs]:
+        """Collect a step's outputs and advance its requests by them (their deltas are held until
+        ``_wrap_up``: a step run ahead has its bitmask filled and sent first)."""
         outputs = self.steps.collect(step)
         self.emitter.emit(step.rows, outputs, step.dropped)
-        self.batcher.commit(step.rows)
         step.times["end"] = time.time()
+        return step, outputs
+
+    def _wrap_up(self, step: Step, outputs: StepOutputs) -> None:
+        """A step's deltas out to the client, its blocks keyed for sharing, its trace."""
+        self.table.send_outbox()
+        self.batcher.commit(step.rows)
         if outputs.timings is not None:
             self.trace.record(
                 step.step_id,

@@ -23,6 +23,7 @@ from guidespec.protocol import (
     EngineDead,
     GuidedDecoding,
     RequestOutput,
+    RequestOutputs,
 )
 from guidespec.scheduler.batching import Batcher
 from guidespec.scheduler.grammar import GrammarManager
@@ -53,6 +54,14 @@ class RequestTable:
         self.client_out = client_out
         self.requests: dict[str, Request] = {}
         self.restarts: list[Restart] = []  # requests whose grammar failed, to start again after the step
+        self.outbox: list[RequestOutput] = []  # deltas emitted, not yet sent (``send_outbox``)
+
+    def send_outbox(self) -> None:
+        """The deltas emitted since the last call, in one message (one send, not one per request).
+        Anything else to the client goes after them: a request's error never overtakes its tokens."""
+        if self.outbox:
+            deltas, self.outbox = self.outbox, []
+            self.client_out.send(RequestOutputs(deltas))
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -86,6 +95,7 @@ class RequestTable:
             output = RequestOutput(
                 request.request_id, [], "", True, "error", error, error_status=status, error_code=code
             )
+        self.send_outbox()
         self.client_out.send(output)
         self.forget(request)
 
@@ -123,6 +133,7 @@ class RequestTable:
     def fail_all(self, reason: str) -> None:
         """The engine is dead: every request ends with ``reason``, then the client is told."""
         logger.error("engine failed: %s", reason)
+        self.send_outbox()
         for request in list(self.requests.values()):
             try:
                 output = error_output(request, reason, ENGINE_UNAVAILABLE)

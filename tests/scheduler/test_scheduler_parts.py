@@ -154,3 +154,44 @@ def test_the_decode_stream_and_the_window_give_the_same_text(real_model_dir: Pat
     pieces = [stream.add(t) for t in ids]
     assert pieces == [window.add(t) for t in ids]
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_a_requests_error_never_overtakes_its_tokens(real_model_dir: Path) -> None:
+    """The emit's deltas wait in the table's outbox until the step's bitmask is out
+    (``RequestTable.send_outbox``): an error sent meanwhile (a grammar that failed in that fill)
+    goes after them, so the client sees the request's tokens before its end."""
+    import zmq
+    from transformers import AutoTokenizer
+
+    from guidespec.ipc.zmq_channel import Channel, new_ipc_endpoint
+    from guidespec.protocol import GRAMMAR_FAILED, RequestOutput, RequestOutputs
+    from guidespec.scheduler.grammar import GrammarManager, GrammarSettings
+    from guidespec.scheduler.table import RequestTable
+
+    ctx = zmq.Context()
+    endpoint = new_ipc_endpoint("table-test")
+    receiver = Channel(ctx, zmq.PULL, endpoint, bind=True)
+    sender = Channel(ctx, zmq.PUSH, endpoint, bind=False)
+    grammar = GrammarManager(
+        GrammarSettings(real_model_dir, "xgrammar", 49152, (2,), 60.0, 4), AutoTokenizer.from_pretrained(real_model_dir)
+    )
+    try:
+        table = RequestTable(Batcher(max_batch_size=2, max_num_batched_tokens=16), grammar, None, sender)
+        a, b = _request("a", 3), _request("b", 3)
+        for request in (a, b):
+            table.add(request)
+            table.outbox.append(process_new_token(request, 72, (), 64))  # (what the emit posts)
+        table.grammar_failed(a, "xgrammar gave up: a test")  # (no backend left: it fails)
+        table.send_outbox()  # nothing left to send
+        messages = [receiver.recv(timeout_s=10.0) for _ in range(2)]
+        assert receiver.recv(timeout_s=0.2) is None
+    finally:
+        grammar.shutdown()
+        sender.close()
+        receiver.close()
+        ctx.term()
+    deltas, error = messages
+    assert isinstance(deltas, RequestOutputs) and [d.request_id for d in deltas.outputs] == ["a", "b"]
+    assert [d.new_token_ids for d in deltas.outputs] == [[72], [72]]
+    assert isinstance(error, RequestOutput) and error.request_id == "a" and error.error_code == GRAMMAR_FAILED
+    assert set(table.requests) == {"b"}
