@@ -149,8 +149,13 @@ class ClosingTokens:
     # the tokens whose text has a quote or a backslash: that text's quotes and backslashes, each
     # run of other characters as one "x" (what the string scanner needs: ``EarlyCloser.in_string``)
     quoting: dict[int, str]
+    # one token for each printable ASCII character whose piece is that character alone: where a
+    # grammar forces a text, its first character starts every token allowed, so a row allowing two
+    # of these forces nothing (``forces_nothing``)
+    singles: np.ndarray
     tiers_inside: list[tuple[np.ndarray, np.ndarray]] = field(init=False, repr=False, compare=False)
     tiers_outside: list[tuple[np.ndarray, np.ndarray]] = field(init=False, repr=False, compare=False)
+    probe: tuple[np.ndarray, np.ndarray] = field(init=False, repr=False, compare=False)  # singles, sparse
 
     def __post_init__(self) -> None:
         # closing's classes in a string and outside one, each with the words that hold any of its
@@ -160,12 +165,14 @@ class ClosingTokens:
 
         object.__setattr__(self, "tiers_inside", [sparse(self.in_string)])
         object.__setattr__(self, "tiers_outside", [sparse(self.outside), sparse(self.ending)])
+        object.__setattr__(self, "probe", sparse(self.singles))
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] = ()) -> "ClosingTokens":
         special = set(tokenizer.all_special_ids)
         in_string, outside, ending = [], list(stop_token_ids), []
         punctuation, characters, quoting = [], [], []
+        singles: dict[str, int] = {}
         piece_length = np.zeros(vocab_size, dtype=np.int64)
         for i, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), vocab_size))))):
             if piece is None:
@@ -175,6 +182,8 @@ class ClosingTokens:
                 quoting.append(i)
             if i in special:
                 continue
+            if len(piece) == 1 and "!" <= piece <= "~":
+                singles.setdefault(piece, i)
             text = piece
             for space in _SPACES:
                 text = text.replace(space, "")
@@ -202,6 +211,7 @@ class ClosingTokens:
             rank,
             piece_length,
             {i: text for i in quoting if (text := _quoting(tokenizer.decode([i]))) != "x"},
+            bitmask_row(list(singles.values()), vocab_size),
         )
 
 
@@ -463,6 +473,19 @@ def narrow(bitmask: np.ndarray, rows: np.ndarray, tiers: Sequence[tuple[np.ndarr
             narrowed[left[hit]] = True
             left = left[~hit]
     return narrowed
+
+
+def forces_nothing(bitmask: np.ndarray, rows: np.ndarray, probe: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """Whether each of ``bitmask``'s ``rows`` surely has no text its grammar forces next: it allows
+    two of the one-character tokens ``probe`` holds (``ClosingTokens.probe``). A forced text's first
+    character starts every token the grammar allows (the masks are exact: a token allowed is one the
+    grammar takes), so at most one of those. False says nothing: the row may force a text or not."""
+    singles, words = probe
+    if len(words) and words[-1] - words[0] + 1 == len(words):  # (one run of words: a slice, no gather)
+        hits = bitmask[rows, words[0] : words[-1] + 1] & singles[words[0] : words[-1] + 1]
+    else:
+        hits = bitmask[rows[:, None], words] & singles[words]
+    return np.bitwise_count(hits.view(np.uint32)).sum(axis=1) >= 2
 
 
 def unban(bitmask: np.ndarray, rows: np.ndarray, banned: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:

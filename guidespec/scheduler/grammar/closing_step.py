@@ -21,7 +21,14 @@ from guidespec.grammar_backends import GrammarBackend, GrammarMatcher
 from guidespec.bitmask import allowed_ids, bitmask_row
 from guidespec.protocol import GuidedDecoding
 from guidespec.model_files import text_encoder
-from guidespec.scheduler.grammar.closing import MAX_STEPS, ClosingTokens, EarlyCloser, narrow, unban
+from guidespec.scheduler.grammar.closing import (
+    MAX_STEPS,
+    ClosingTokens,
+    EarlyCloser,
+    forces_nothing,
+    narrow,
+    unban,
+)
 
 MAX_CLOSING_RUN = 2048  # the longest dry run of closing (``dry_run``)
 # the grammar fills a dry run's lookahead may cost; past them it goes on without one (a lexer-heavy
@@ -158,21 +165,30 @@ class ClosingStep:
         at once; the others one by one."""
         closing = self._closing_tokens()
         closers = self.closers
-        at_once: list[tuple[int, EarlyCloser]] = []
+        due: list[tuple[str, int, EarlyCloser]] = []
         for request_id, index, max_tokens, at in rows:
             closer = closers[request_id]
             if not (closer.closing or (index >= 1 and max_tokens - index <= closer.reserve(max_tokens))):
                 continue
             if closer.script and closer.follow_script(bitmask[at]):
                 continue
-            backend, matcher = grammar_of(request_id)
-            if matcher.forced_tokens(1):
-                continue  # the grammar writes the next tokens itself (a name): narrowing would only split them
+            due.append((request_id, at, closer))
+        if not due:
+            return
+        # a row where the grammar writes the next tokens itself (a name) stays as it is: narrowing
+        # would only split them. The grammar is asked (its jump-forward string: 1-3 µs) only where
+        # the row leaves it open: one allowing two one-character tokens forces nothing
+        free = forces_nothing(bitmask, np.array([at for _, at, _ in due]), closing.probe).tolist()
+        at_once: list[tuple[int, EarlyCloser]] = []
+        for (request_id, at, closer), surely_free in zip(due, free):
+            if not surely_free and grammar_of(request_id)[1].forced_tokens(1):
+                continue
             # (while the end is out of reach, outside a string: no lookahead, whose trial fills
             # would buy nothing; inside one it still steers to an example of its pattern)
             if closer.hopeless and not closer.in_string(closing):
                 at_once.append((at, closer))
             else:
+                backend, matcher = grammar_of(request_id)
                 row = bitmask[at]
                 closer.restrict(row, closing, _GrammarView(backend, matcher, row, self.encode))
         if not at_once:

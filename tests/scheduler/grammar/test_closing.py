@@ -495,3 +495,47 @@ def test_unban_clears_only_the_banned_words_as_a_whole_row_would() -> None:
         expected[rows[left]] = rest[left]
         assert unban(bitmask, rows, [c.banned_words() for c in closers]).tolist() == left.tolist()
         assert np.array_equal(bitmask, expected)
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
+def test_a_row_allowing_two_one_character_tokens_forces_nothing(tokenizer, backend_name: str) -> None:  # type: ignore[no-untyped-def]
+    """``forces_nothing`` lets closing skip asking the grammar for forced tokens: walked through
+    real schemas' valid instances (JSONSchemaBench), every row it clears has none, and it clears
+    most rows; rows with forced tokens (names, separators) are met along the way."""
+    import sys
+    from pathlib import Path
+
+    from guidespec.bitmask import bitmask_width
+    from guidespec.grammar_backends import create_backend
+    from guidespec.protocol import GuidedDecoding
+    from guidespec.scheduler.grammar.closing import forces_nothing
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "grammar_backends"))
+    from dataset import SEPARATORS, load_cases, order_like_schema
+
+    closing = ClosingTokens.from_tokenizer(tokenizer, 49152, (2,))
+    backend = create_backend(backend_name, tokenizer, 49152, (2,))
+    row = np.zeros((1, bitmask_width(49152)), dtype=np.int32)
+    item, key = SEPARATORS[backend_name]
+    counts = {"rows": 0, "cleared": 0, "forced": 0}
+    for _, case in load_cases(every=37)[:10]:
+        instance = next((t["data"] for t in case["tests"] if t["valid"]), None)
+        if instance is None:
+            continue
+        try:
+            compiled = backend.compile(GuidedDecoding(json_schema=json.dumps(case["schema"])))
+        except Exception:  # (a schema this backend refuses)
+            continue
+        text = json.dumps(order_like_schema(instance, case["schema"]), separators=(item, key))
+        matcher = backend.create_matcher(compiled)
+        for token in tokenizer.encode(text, add_special_tokens=False):
+            backend.fill_bitmasks([matcher], row, [0])
+            cleared = bool(forces_nothing(row, np.zeros(1, dtype=np.int64), closing.probe)[0])
+            forced = matcher.forced_tokens(1)
+            assert not (cleared and forced), (text, forced)
+            counts["rows"] += 1
+            counts["cleared"] += cleared
+            counts["forced"] += bool(forced)
+            if not matcher.accept_token(token):
+                break  # (an instance the grammar writes otherwise: what was walked counts)
+    assert counts["forced"] > 0 and counts["cleared"] > counts["rows"] // 4, counts
