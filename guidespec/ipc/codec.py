@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import struct
 import threading
 import types
@@ -116,8 +117,7 @@ class _Encoder:
         tag = _CLASS_TO_TAG.get(type(obj))
         if tag is None:
             raise TypeError(f"cannot encode {type(obj).__name__}")
-        fields = [getattr(obj, name) for name in _field_names(type(obj))]
-        return msgpack.ExtType(_EXT_MESSAGE, self.pack([tag, fields]))
+        return _ext(_EXT_MESSAGE, self.pack([tag, _fields_of(obj)]))
 
 
 _local = threading.local()
@@ -159,14 +159,28 @@ def decode(frame: bytes | bytearray | memoryview) -> Any:
     return message
 
 
-def _field_names(cls: type) -> tuple[str, ...]:
-    names = _FIELD_NAMES.get(cls)
-    if names is None:
-        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
-    return names
+def _fields_of(message: Any) -> list[Any]:
+    """A message's field values in order (an ``attrgetter`` per class: 0.5 µs for a 13-field
+    message, against 1.3 for a ``getattr`` each; a step's 64 deltas are 64 messages)."""
+    getter = _FIELD_GETTERS.get(type(message))
+    if getter is None:
+        names = [f.name for f in dataclasses.fields(message)]
+        getter = _FIELD_GETTERS[type(message)] = operator.attrgetter(*names) if len(names) > 1 else _single(names)
+    return list(getter(message))
 
 
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+def _single(names: list[str]) -> Callable[[Any], tuple[Any, ...]]:
+    """The getter of a message with one field or none, as a tuple."""
+    return lambda message: tuple(getattr(message, name) for name in names)
+
+
+_FIELD_GETTERS: dict[type, Callable[[Any], Any]] = {}
+
+
+def _ext(code: int, data: bytes) -> msgpack.ExtType:
+    """``msgpack.ExtType(code, data)`` without its argument checks (0.3 µs against 0.9): the
+    codes are this module's and the data a packer's bytes."""
+    return tuple.__new__(msgpack.ExtType, (code, data))  # type: ignore[type-var, no-any-return]
 
 
 def _encode_array(
@@ -178,7 +192,7 @@ def _encode_array(
     meta = [dtype_name, list(array.shape), offset[0], array.nbytes]  # tobytes() writes C order
     arrays.append(array)
     offset[0] += array.nbytes + (-array.nbytes % 8)
-    return msgpack.ExtType(_EXT_ARRAY, pack(meta))
+    return _ext(_EXT_ARRAY, pack(meta))
 
 
 def _decode_array(data: bytes, view: memoryview, payload_base: int) -> np.ndarray:
@@ -218,9 +232,28 @@ def _decode_message(item: Any) -> Any:
         if not check(value):
             raise MalformedMessage(f"{cls.__name__}.{name} must be {expected}, frame has a {type(value).__name__}")
     try:
-        return cls(*fields)
+        return _builder(cls)(fields)
     except Exception as e:
         raise MalformedMessage(f"cannot build {cls.__name__}: {e}") from None
+
+
+@functools.cache
+def _builder(cls: type) -> Callable[[list[Any]], Any]:
+    """How a decoded message of ``cls`` is made from its checked fields: ``cls(*fields)``, or,
+    where that would only set each field (no ``__post_init__``, no slots), the fields set at
+    once (1 µs for a 13-field frozen ``RequestOutput``, against 3 through its ``__init__``)."""
+    if hasattr(cls, "__post_init__") or hasattr(cls, "__slots__"):
+        return lambda fields: cls(*fields)
+    names = [f.name for f in dataclasses.fields(cls)]
+    if any(not f.init for f in dataclasses.fields(cls)):
+        return lambda fields: cls(*fields)
+
+    def build(fields: list[Any]) -> Any:
+        message: Any = object.__new__(cls)
+        message.__dict__.update(zip(names, fields))
+        return message
+
+    return build
 
 
 @functools.cache
