@@ -153,11 +153,13 @@ class XGrammarMatcher:
         if not text:
             return []
         forced: list[int] = []
+        matcher = self.matcher
         for token in self._encode(text)[:-1][:limit]:
-            if not self.matcher.accept_token(token):
+            if not matcher.accept_token(token):
                 break
             forced.append(token)
-        self.rollback(len(forced))
+        if forced:  # (xgrammar's own rollback: the state, and so its key, are as they were)
+            matcher.rollback(len(forced))
         return forced
 
 

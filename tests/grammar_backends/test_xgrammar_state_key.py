@@ -141,6 +141,9 @@ def test_a_key_known_from_a_move_is_the_states_own(backend: Any, regex: str, see
             from_move = matcher._key is not _UNKNOWN  # (known without asking the debug text)
             assert matcher.state_key() == _fresh_key(backend, compiled, tokens), (regex, tokens)
             known += from_move
+            if rng.random() < 0.3:  # asked for its forced tokens: it stands where it stood
+                matcher.forced_tokens(rng.randint(1, 3))
+                assert matcher.state_key() == _fresh_key(backend, compiled, tokens), (regex, tokens)
             token = int(rng.choice(allowed_ids(_mask(backend, matcher), VOCAB)))
             assert matcher.accept_token(token)
             tokens.append(token)
@@ -149,3 +152,19 @@ def test_a_key_known_from_a_move_is_the_states_own(backend: Any, regex: str, see
                 matcher.rollback(back)
                 del tokens[-back:]
     assert known or not any(k for k in compiled._guidespec_moves.values())
+
+
+def test_forced_tokens_leave_the_key_and_the_end_as_they_were(backend: Any) -> None:
+    """Asking for the forced tokens accepts and rolls them back: the key and the end the matcher
+    knew stay its state's (it once restored the key of an earlier accept: the fill then shared a
+    row of another state with it)."""
+    compiled = backend.compile(GuidedDecoding(regex=r"(x|y)(x|y)@example\.com[a-z]+"))
+    matcher, tokens = backend.create_matcher(compiled), []
+    for token in backend._encode("xy@"):
+        matcher.state_key()  # (keys known from here on: a rollback would give one back)
+        assert matcher.accept_token(token)
+        tokens.append(token)
+    assert not matcher.is_terminated()
+    assert matcher.forced_tokens(1)  # ("example")
+    assert matcher.state_key() == _fresh_key(backend, compiled, tokens)
+    assert not matcher.is_terminated() and not matcher.can_end(2)
