@@ -34,9 +34,15 @@ def tokenizer(real_model_dir: Path) -> Any:
 
 
 def _takes(matcher: Any, token: int) -> bool:
+    """A trial accept of the stop token; the matcher's end follows it there and back (xgrammar's
+    is kept until the grammar moves: ``XGrammarMatcher.is_terminated``)."""
+    ended = matcher.is_terminated()
     if not matcher.accept_token(token):
+        assert matcher.is_terminated() == ended
         return False
+    assert matcher.is_terminated()
     matcher.rollback(1)
+    assert not matcher.is_terminated()
     return True
 
 
