@@ -15,7 +15,6 @@ import time
 import numpy as np
 
 from guidespec.config import SchedulerConfig
-from guidespec.ipc.zmq_channel import Channel
 from guidespec.protocol import BAD_REQUEST, NO_TOKEN, RequestOutput, StepOutputs
 from guidespec.scheduler.batching import ScheduledRow
 from guidespec.scheduler.grammar import GrammarManager
@@ -35,13 +34,11 @@ class Emitter:
         grammar: GrammarManager,
         speculator: Speculator | None,
         table: RequestTable,
-        client_out: Channel,
     ) -> None:
         self.cfg = cfg
         self.grammar = grammar
         self.speculator = speculator
         self.table = table
-        self.client_out = client_out
 
     def emit(self, rows: list[ScheduledRow], outputs: StepOutputs, dropped: set[str]) -> None:
         """``dropped``: the requests whose token this step was sampled without its mask. A row

@@ -145,7 +145,7 @@ class Scheduler:
             self.intake,
             self.health,
         )
-        self.emitter = Emitter(cfg, self.grammar, self.speculator, self.table, self.client_out)
+        self.emitter = Emitter(cfg, self.grammar, self.speculator, self.table)
         self._stats: SchedulerStats | None = None
         self._stats_sent_at = 0.0
         # in steps run one after another: the scheduler's planning and emitting (which running
