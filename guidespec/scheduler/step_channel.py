@@ -129,28 +129,59 @@ class StepChannel:
         return self._late_mask is None
 
     def _step_inputs(self, rows: list[ScheduledRow], has_bitmask: bool) -> StepInputs:
-        token_ids = [t for row in rows for t in row.request.tokens(row.start, row.start + row.num_new_tokens)]
-        params = [row.request.params for row in rows]
+        """The step's inputs, in one pass over its rows: their integers and their floats each
+        gathered as one table, whose columns are the message's arrays (64 decode rows: 75 µs,
+        against 108-114 as eleven lists and arrays, one a field)."""
+        token_ids: list[int] = []
+        ints: list[tuple[int | None, ...]] = []  # slot, start, new tokens, logits, top_k, sample index, prompt tokens
+        floats: list[tuple[float, ...]] = []  # temperature, top_p, the three penalties
+        seeds: list[int] = []
+        for row in rows:
+            request, start, count = row.request, row.start, row.num_new_tokens
+            params = request.params
+            if count == 1:
+                token_ids.append(request.token_at(start))
+            else:
+                token_ids += request.tokens(start, start + count)
+            ints.append(
+                (
+                    request.slot,
+                    start,
+                    count,
+                    row.num_logits,
+                    params.top_k,
+                    len(request.output_token_ids) + (request.pending_step >= 0),
+                    len(request.prompt_token_ids),
+                )
+            )
+            floats.append(
+                (
+                    params.temperature,
+                    params.top_p,
+                    params.repetition_penalty,
+                    params.frequency_penalty,
+                    params.presence_penalty,
+                )
+            )
+            seeds.append(-1 if params.seed is None else params.seed)
+        columns = np.array(ints, dtype=np.int32).reshape(-1, 7).T.copy()  # (each row of it contiguous)
+        table = np.array(floats, dtype=np.float32).reshape(-1, 5)
         proposals = self.speculator.proposal_lengths(rows) if self.speculator is not None else None
         tables = self.table.batcher.table_updates(rows)
         return StepInputs(
             step=self.step_id,
-            slots=np.array([row.request.slot for row in rows], dtype=np.int32),
-            start_positions=np.array([row.start for row in rows], dtype=np.int32),
-            num_new_tokens=np.array([row.num_new_tokens for row in rows], dtype=np.int32),
+            slots=columns[0],
+            start_positions=columns[1],
+            num_new_tokens=columns[2],
             token_ids=np.array(token_ids, dtype=np.int32),
-            num_logits=np.array([row.num_logits for row in rows], dtype=np.int32),
-            temperature=np.array([p.temperature for p in params], dtype=np.float32),
-            top_k=np.array([p.top_k for p in params], dtype=np.int32),
-            top_p=np.array([p.top_p for p in params], dtype=np.float32),
-            seeds=np.array([-1 if p.seed is None else p.seed for p in params], dtype=np.int64),
-            sample_index=np.array(
-                [len(row.request.output_token_ids) + (row.request.pending_step >= 0) for row in rows], dtype=np.int32
-            ),
-            num_prompt_tokens=np.array([row.request.num_prompt_tokens for row in rows], dtype=np.int32),
-            penalties=np.array(
-                [(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params], dtype=np.float32
-            ).reshape(-1, 3),
+            num_logits=columns[3],
+            temperature=np.ascontiguousarray(table[:, 0]),
+            top_k=columns[4],
+            top_p=np.ascontiguousarray(table[:, 1]),
+            seeds=np.array(seeds, dtype=np.int64),
+            sample_index=columns[5],
+            num_prompt_tokens=columns[6],
+            penalties=np.ascontiguousarray(table[:, 2:]),
             has_bitmask=has_bitmask,
             draft_lens=proposals[0] if proposals is not None else None,
             draft_masked=proposals[1] if proposals is not None else None,
