@@ -29,11 +29,15 @@ lie side by side in time on a noisy host. ms/step is a timed generate's wall tim
 output's token count (the prompts' step included); tok/s, all output tokens over the wall time:
 each the median over the rounds. Guided ÷ unguided: the median over the rounds of a guided mode's
 tok/s over unguided's in the same round (json+ngram, from another engine: over unguided's median)
-at the same batch and scheduling. The span columns are medians over the timed generates' steps of batch B
-in the step trace the scheduler writes at close (``GUIDESPEC_TRACE``, ``scheduler/trace.py``),
-per process, plus two derived spans: "inputs out", a step's "schedule + write inputs" end to its
-worker's first span (the forward; under async scheduling this includes the wait for the step
-before), and "tokens back", the worker's last span end to the scheduler's "emit" start.
+at the same batch and scheduling. "CPU ms/step": each engine process's CPU time (user + system,
+every thread, ``/proc``) over a timed generate, per step, the median over the rounds: less noisy
+than wall time on a shared host, and on one whose cores are all busy what each process's work costs
+a step (rank 0's includes its OpenMP thread spinning while it waits). The span columns are medians
+over the timed generates' steps of batch B in the step trace the scheduler writes at close
+(``GUIDESPEC_TRACE``, ``scheduler/trace.py``), per process, plus two derived spans: "inputs out", a
+step's "schedule + write inputs" end to its worker's first span (the forward; under async
+scheduling this includes the wait for the step before), and "tokens back", the worker's last span
+end to the scheduler's "emit" start.
 
 ``--device cuda`` also runs, per batch, a 16-token generate under torch's profiler on rank 0
 (``GUIDESPEC_TORCH_PROFILER_DIR``, ``worker.py``'s ``_StepProfiler``) and reports, over its
@@ -240,7 +244,9 @@ def _params(mode: str, max_tokens: int) -> SamplingParams:
 def _medians(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """A mode's row at one batch: the medians of its rounds, with each round's tok/s (``rounds``)
     and every timed generate's window."""
-    row = {key: float(np.median([r[key] for r in runs])) for key in ("ms_per_step", "tok_per_s", "wall_s")}
+    row: dict[str, Any] = {
+        key: float(np.median([r[key] for r in runs])) for key in ("ms_per_step", "tok_per_s", "wall_s")
+    }
     row.update(
         mode=mode,
         batch=runs[0]["batch"],
@@ -248,16 +254,20 @@ def _medians(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         longest=runs[0]["longest"],
         rounds=[r["tok_per_s"] for r in runs],
         windows=[r["window"] for r in runs],
+        cpu={name: float(np.median([r["cpu"][name] for r in runs])) for name in runs[0]["cpu"]},
     )
     return row
 
 
 def time_batch(llm: LLM, prompts: list[dict[str, Any]], params: SamplingParams) -> dict[str, Any]:
-    """A warm-up generate, then the timed one; ``window``: its wall-clock span (the trace's clock)."""
+    """A warm-up generate, then the timed one; ``window``: its wall-clock span (the trace's clock);
+    ``cpu``: each engine process's CPU time (user + system) over it, ms a step."""
     llm.generate(prompts, dataclasses.replace(params, max_tokens=WARMUP_TOKENS))
+    cpu_before = cpu_seconds(llm)
     start, clock = time.time(), time.perf_counter()
     outputs = llm.generate(prompts, params)
     wall, end = time.perf_counter() - clock, time.time()
+    cpu_after = cpu_seconds(llm)
     longest = max(len(o.token_ids) for o in outputs)
     tokens = sum(len(o.token_ids) for o in outputs)
     return {
@@ -268,7 +278,25 @@ def time_batch(llm: LLM, prompts: list[dict[str, Any]], params: SamplingParams) 
         "longest": longest,
         "wall_s": wall,
         "window": (start, end),
+        "cpu": {name: 1e3 * (cpu_after[name] - cpu_before[name]) / longest for name in cpu_after if name in cpu_before},
     }
+
+
+def cpu_seconds(llm: LLM) -> dict[str, float]:
+    """The CPU time (user + system, all threads) each engine process has used so far, from ``/proc``,
+    in clock ticks of 10 ms (the scheduler's ~90 ms over 256 batch-1 steps reads within ~10%, its
+    seconds at batch 64 within 1%); empty where there is no ``/proc``. Less noisy than wall time on
+    a shared host, and on one whose cores are all busy (2 cores: the scheduler beside rank 0's two
+    threads) what a step costs: every process's milliseconds come out of the same two cores. Rank
+    0's includes its OpenMP thread's spinning while it waits."""
+    seconds = {}
+    for name, process in llm._processes.processes.items():
+        try:
+            fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        seconds[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return seconds
 
 
 def span_medians(
@@ -458,7 +486,9 @@ def markdown(report: dict[str, Any]) -> str:
     spans = [s for s in spans if any(s in r.get("spans", {}) for r in rows)]
     gpu = any("gpu" in r for r in rows)
     gpu_columns = ["launches/step", "graph launches/step", "kernels/step", "GPU busy"] if gpu else []
-    header = ["mode", "scheduling", "batch", "ms/step", "tok/s", "÷ unguided", "steps", *spans, *gpu_columns]
+    cpus = list(dict.fromkeys(name for r in rows for name in r.get("cpu", {})))
+    header = ["mode", "scheduling", "batch", "ms/step", "tok/s", "÷ unguided", "steps"]
+    header += [f"CPU ms/step: {name}" for name in cpus] + [*spans, *gpu_columns]
     lines = [
         f"# Host overhead (issue 48): {m['model']}, {m['device']}",
         "",
@@ -470,7 +500,7 @@ def markdown(report: dict[str, Any]) -> str:
         "| " + " | ".join(header) + " |",
         "|---|---|" + "---:|" * (len(header) - 2),
     ]
-    lines += [_table_row(r, spans, gpu) for r in rows]
+    lines += [_table_row(r, cpus, spans, gpu) for r in rows]
     if report["peers"]:
         lines += ["", f"Peers, batch 1, {m['peer_threads']} threads:", ""]
         lines += ["| system | ms/step | tok/s |", "|---|---:|---:|"]
@@ -484,12 +514,13 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _table_row(r: dict[str, Any], spans: list[str], gpu: bool) -> str:
+def _table_row(r: dict[str, Any], cpus: list[str], spans: list[str], gpu: bool) -> str:
     cells = [r["mode"], r["scheduling"], str(r["batch"])]
     if "error" in r:
         return "| " + " | ".join(cells) + f" | error: {r['error']} |"
     cells += [fmt(r["ms_per_step"], ".3f"), fmt(r["tok_per_s"]), fmt(r.get("vs_unguided"), ".2f")]
-    cells += [str(r["traced_steps"])] + [fmt(r["spans"].get(s), ".3f") for s in spans]
+    cells += [str(r["traced_steps"])] + [fmt(r.get("cpu", {}).get(name), ".2f") for name in cpus]
+    cells += [fmt(r["spans"].get(s), ".3f") for s in spans]
     if gpu:
         g = r.get("gpu", {})
         busy = g.get("gpu_busy")
