@@ -501,17 +501,13 @@ def test_unban_clears_only_the_banned_words_as_a_whole_row_would() -> None:
 def test_a_row_allowing_two_one_character_tokens_forces_nothing(tokenizer, backend_name: str) -> None:  # type: ignore[no-untyped-def]
     """``forces_nothing`` lets closing skip asking the grammar for forced tokens: walked through
     real schemas' valid instances (JSONSchemaBench), every row it clears has none, and it clears
-    most rows; rows with forced tokens (names, separators) are met along the way."""
-    import sys
-    from pathlib import Path
-
+    over a quarter of them (xgrammar 42%, llguidance 66%); rows with forced tokens (names,
+    separators) are met along the way."""
     from guidespec.bitmask import bitmask_width
     from guidespec.grammar_backends import create_backend
     from guidespec.protocol import GuidedDecoding
     from guidespec.scheduler.grammar.closing import forces_nothing
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "grammar_backends"))
-    from dataset import SEPARATORS, load_cases, order_like_schema
+    from tests.grammar_backends.dataset import SEPARATORS, load_cases, order_like_schema
 
     closing = ClosingTokens.from_tokenizer(tokenizer, 49152, (2,))
     backend = create_backend(backend_name, tokenizer, 49152, (2,))
