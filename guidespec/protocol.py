@@ -424,7 +424,10 @@ class StepInputs:
     @property
     def penalized(self) -> np.ndarray:
         """[B] bool: the rows that ask for a repetition, frequency or presence penalty."""
-        return (self.penalties != np.array([1.0, 0.0, 0.0], np.float32)).any(axis=1)
+        return (self.penalties != _NO_PENALTIES).any(axis=1)
+
+
+_NO_PENALTIES = np.array([1.0, 0.0, 0.0], np.float32)  # StepInputs.penalties of a row that asks for none
 
 
 @register_message(21)

@@ -91,6 +91,7 @@ class StepChannel:
         self.intake = intake
         self.health = health
         self.step_id = 0
+        self.timeout_s = envs.step_timeout_s()  # (read once: the environment's lookup costs µs a step)
         self._step_drafts = False  # the last step's rank 0 drafts (and ends with DONE on the channel)
         # the step whose bitmask waits for a grammar that compiles (``send_bitmask``)
         self._late_mask: Step | None = None
@@ -107,7 +108,7 @@ class StepChannel:
         guided = [(int(logits_row[i]), row) for i, row in enumerate(rows) if row.num_logits and row.request.guided]
         inputs = self._step_inputs(rows, has_bitmask=bool(guided))
         self._step_drafts = self.drafts is not None and inputs.draft_lens is not None
-        self.broadcaster.write(codec.encode(inputs), timeout=envs.step_timeout_s())
+        self.broadcaster.write(codec.encode(inputs), timeout=self.timeout_s)
         self.table.batcher.started(rows, self.step_id, run_ahead)
         now = time.time()
         return Step(self.step_id, rows, guided, {"start": start, "inputs": now, "mask_start": now, "mask": now})
@@ -226,7 +227,7 @@ class StepChannel:
         if self.cfg.fused_steps and self._step_drafts:  # rank 0 may run the step as one graph (step_graph.py)
             assert self.drafts is not None
             self.drafts.answer_verify(step.step_id, rows_array, bitmask)
-        self.broadcaster.write_bitmask(StepBitmask(step.step_id, rows_array, bitmask), timeout=envs.step_timeout_s())
+        self.broadcaster.write_bitmask(StepBitmask(step.step_id, rows_array, bitmask), timeout=self.timeout_s)
         step.times["mask"] = time.time()
 
     def _fill(self, rows: list[FillRow], out: np.ndarray | None) -> np.ndarray:
@@ -257,7 +258,7 @@ class StepChannel:
             self.grammar.end_draft_walk()  # (the draft steps' masks walked the grammars)
 
     def _collect(self, step: Step) -> StepOutputs:
-        timer = AwakeTimer(envs.step_timeout_s())  # running time: a pause of the whole engine is no hang
+        timer = AwakeTimer(self.timeout_s)  # running time: a pause of the whole engine is no hang
         early = self._serve_drafts(step, timer) if self._step_drafts and step.step_id == self.step_id else None
         while True:
             compiling = self.grammar.has_pending
@@ -283,7 +284,7 @@ class StepChannel:
             if message is None:
                 self.health.check()
                 if timer.expired():
-                    raise EngineFailure(f"step {step.step_id}: workers gave no result in {envs.step_timeout_s():.0f} s")
+                    raise EngineFailure(f"step {step.step_id}: workers gave no result in {self.timeout_s:.0f} s")
 
     # ------------------------------------------------------------------ the draft steps' masks
 
@@ -303,7 +304,7 @@ class StepChannel:
                     return message
                 self.health.check()
                 if timer.expired():
-                    raise EngineFailure(f"step {self.step_id}: rank 0 drafted nothing in {envs.step_timeout_s():.0f} s")
+                    raise EngineFailure(f"step {self.step_id}: rank 0 drafted nothing in {self.timeout_s:.0f} s")
                 continue
             index, batch_rows, sequences = got
             if index == DRAFTS_DONE:
@@ -325,7 +326,7 @@ class StepChannel:
         assert sequences is not None
         bitmask = self._draft_mask_rows(message.rows, sequences, rows)
         self.broadcaster.write(
-            codec.encode(DraftMask(message.step, message.draft_index, bitmask)), timeout=envs.step_timeout_s()
+            codec.encode(DraftMask(message.step, message.draft_index, bitmask)), timeout=self.timeout_s
         )
 
 

@@ -124,18 +124,20 @@ class ForwardBatch:
 
 def _attention_groups(batch: ForwardBatch) -> list[AttentionGroup]:
     """Group rows by new-token count (each group's causal mask is built on first use)."""
+    counts = batch.num_new_tokens
+    if counts and counts.count(counts[0]) == len(counts):  # every row alike (decode steps): the batch's own arrays
+        n = counts[0]
+        # (torch.from_numpy: torch.tensor of a list costs a few µs more, a step's share at batch 1)
+        starts = torch.from_numpy(np.array(batch.start_positions, dtype=np.int32))
+        length = max(batch.start_positions) + n
+        slot_ids = torch.from_numpy(np.array(batch.slots, dtype=np.int32))
+        return [AttentionGroup(list(range(len(counts))), batch.slots, None, n, length, slot_ids, starts)]
     offsets = [0]
-    for count in batch.num_new_tokens:
+    for count in counts:
         offsets.append(offsets[-1] + count)
     by_count: dict[int, list[int]] = {}
-    for row, count in enumerate(batch.num_new_tokens):
+    for row, count in enumerate(counts):
         by_count.setdefault(count, []).append(row)
-    if len(by_count) == 1:  # every row alike (decode steps): the batch's own arrays
-        ((n, rows),) = by_count.items()
-        starts = torch.tensor(batch.start_positions, dtype=torch.int32)
-        length = max(batch.start_positions) + n
-        slot_ids = torch.tensor(batch.slots, dtype=torch.int32)
-        return [AttentionGroup(rows, batch.slots, None, n, length, slot_ids, starts)]
     groups = []
     for n, rows in by_count.items():
         starts = torch.tensor([batch.start_positions[r] for r in rows])

@@ -95,7 +95,11 @@ class KVCache:
         """Rows' block tables from their slots ([B] int32): [B, blocks_per_slot] int32 (computed
         once per group of rows: the layers all ask)."""
         if self._tables_of is not slot_ids:
-            self._tables_of, self._tables = slot_ids, self.tables.index_select(0, slot_ids.long())
+            if self.tables.device.type == "cpu":  # (NumPy: a torch op's dispatch costs more at a few rows)
+                self._tables = torch.from_numpy(self.tables.numpy()[slot_ids.numpy()])
+            else:
+                self._tables = self.tables.index_select(0, slot_ids.long())
+            self._tables_of = slot_ids
         return self._tables
 
     def cache_rows(self, slot_of_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -107,6 +111,11 @@ class KVCache:
         return self._rows
 
     def _slot_rows(self, slot_of_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.tables.device.type == "cpu" and positions.device.type == "cpu":
+            # (NumPy: five torch ops' dispatch is most of a decode step's indexing at a few rows)
+            size, at = self.block_size, positions.numpy()
+            blocks = self.tables.numpy()[slot_of_token.numpy(), at // size]
+            return torch.from_numpy(blocks.astype(np.int64) * size + at % size)
         blocks, offsets = self.locate(slot_of_token, positions)
         return blocks * self.block_size + offsets
 

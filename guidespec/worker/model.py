@@ -305,7 +305,8 @@ class LlamaModel:
             hidden = self._forward_in_c(x, batch, kv)
             if hidden is not None:
                 self.captured = None
-                return hidden[batch.logits_indices]
+                # (sorted and distinct: as many as the tokens are all of them, a decode step's)
+                return hidden if len(batch.logits_indices) == len(hidden) else hidden[batch.logits_indices]
         delta: torch.Tensor | None = None  # the last block's output, added to x with the next norm
         kept: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
