@@ -40,6 +40,7 @@ from guidespec.worker.kernels import (
     cache_attention,
     embedding,
     linear,
+    linear_argmax,
     linear_rows,
     pack,
     quantize,
@@ -481,6 +482,16 @@ class LlamaModel:
         """[R, hidden] -> fp32 logits [R, vocab] on rank 0, None on the other ranks."""
         local = linear(hidden, self.lm_head).float()
         return gather_vocab(local, self.tp, self.cfg.vocab_size)
+
+    def compute_picks(
+        self, hidden: torch.Tensor, mask: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Greedy picks of [R, hidden] without the logits: (each row's token as ``argmax_rows``
+        picks it from :meth:`compute_logits`' output with ``mask`` read, whether the row is dead),
+        or None where the LM head has no such kernel (one rank, packed CPU weights only)."""
+        if self.tp.size != 1:
+            return None
+        return linear_argmax(hidden, self.lm_head, self.cfg.vocab_size, mask)
 
     @property
     def computes_chosen_logits(self) -> bool:

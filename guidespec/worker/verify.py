@@ -55,10 +55,7 @@ def verify(
     """
     batch = len(num_logits)
     if (num_logits == 1).all() and not temperature.any():  # greedy decode rows: their argmax, no loop
-        best, dead = _argmax_and_dead(logits, unapplied)
-        flat = best.astype(np.int32)
-        flat[dead.astype(bool)] = NO_TOKEN
-        return flat, np.ones(batch, dtype=np.int32)
+        return greedy_tokens(*_argmax_and_dead(logits, unapplied))
     if unapplied is not None:
         apply_bitmask(logits, *unapplied)
     best, dead = _argmax_and_dead(logits)  # [R] each: the greedy picks; rows whose mask allows nothing
@@ -168,6 +165,14 @@ def verify_padded(
     final_dead = dead[rows, count]
     tokens = tokens.scatter(1, count[:, None], torch.where(final_dead, NO_TOKEN, tokens[rows, count])[:, None])
     return tokens, count + 1
+
+
+def greedy_tokens(best: np.ndarray, dead: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`verify`'s answer for greedy decode rows of these picks (``_argmax_and_dead``'s): each
+    row's pick, ``NO_TOKEN`` where its row is dead; one token a row."""
+    flat = best.astype(np.int32)
+    flat[dead.astype(bool)] = NO_TOKEN
+    return flat, np.ones(len(flat), dtype=np.int32)
 
 
 def _argmax_and_dead(

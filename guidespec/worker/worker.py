@@ -53,7 +53,7 @@ from guidespec.worker.drafting.draft_model import DraftRunner, draft_model_bytes
 from guidespec.worker.drafting.eagle import EagleRunner
 from guidespec.worker.drafting.eagle_head import head_bytes
 from guidespec.worker.drafting.step_graph import FusedStepFollower, StepGraphs
-from guidespec.worker.verify import _argmax_and_dead, accept_greedy, verify
+from guidespec.worker.verify import _argmax_and_dead, accept_greedy, greedy_tokens, verify
 from guidespec.worker import tp as tp_mod
 from guidespec.model_files import load_hf_config
 from guidespec.worker.device import check_device_memory, kv_pool_blocks
@@ -312,6 +312,10 @@ class Worker:
             if not defer:  # rows with drafts: accepted by the picks
                 picked = accept_greedy(picked[0], inputs.num_logits, _drafts(inputs))
             return self._outputs(inputs, *picked, (start, wall_start, forward_end, mask_ready))
+        if bitmask is None and not penalized.any() and not inputs.temperature.any() and (inputs.num_logits == 1).all():
+            picked = self.model.compute_picks(hidden)  # greedy decode rows: their picks, without logits
+            if picked is not None:
+                return self._outputs(inputs, *greedy_tokens(*picked), (start, wall_start, forward_end, mask_ready))
         logits, unapplied = _logits_and_masks(self, hidden, bitmask, early)
         if logits is not None and unapplied is not None and not defer:
             self.masks.apply(logits, *unapplied)
@@ -673,20 +677,22 @@ def greedy_masked(
     whole = forced < 0
     whole[rows[few]] = False
     keep = np.flatnonzero(whole)
-    computed = None
+    picked = None
     if len(keep):
-        computed = worker.model.compute_logits(
-            hidden if len(keep) == num_rows else hidden[_index_on(worker.device, keep)]
-        )
-    if not worker.tp.is_driver:
-        return None
-    tokens, dead = forced.copy(), np.zeros(num_rows, dtype=bool)
-    if computed is not None:
-        position = np.full(num_rows, -1, dtype=np.int64)  # logits row -> its row in ``computed``
+        position = np.full(num_rows, -1, dtype=np.int64)  # logits row -> its row among ``keep``
         position[keep] = np.arange(len(keep))
         masked = position[rows] >= 0
         rows_masked = (position[rows], bitmask) if masked.all() else (position[rows[masked]], bitmask[masked])
-        tokens[keep], dead[keep] = _argmax_and_dead(computed, rows_masked)
+        kept = hidden if len(keep) == num_rows else hidden[_index_on(worker.device, keep)]
+        picked = worker.model.compute_picks(kept, rows_masked)  # (no logits where the LM head can)
+        if picked is None:
+            computed = worker.model.compute_logits(kept)
+            picked = _argmax_and_dead(computed, rows_masked) if computed is not None else None
+    if not worker.tp.is_driver:
+        return None
+    tokens, dead = forced.copy(), np.zeros(num_rows, dtype=bool)
+    if picked is not None:
+        tokens[keep], dead[keep] = picked
     for i in np.flatnonzero(few).tolist():
         allowed, row = allowed_ids(bitmask[i], worker.model.cfg.vocab_size), int(rows[i])
         chosen = worker.model.compute_chosen_logits(hidden[row : row + 1], allowed)[0]

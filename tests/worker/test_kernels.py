@@ -458,3 +458,84 @@ def test_argmax_rows_reading_a_bitmask_picks_as_if_it_were_applied() -> None:
         np.testing.assert_array_equal(dead, torch.isneginf(masked).all(dim=-1).numpy())
         np.testing.assert_array_equal(best[~dead], masked.argmax(dim=-1).numpy()[~dead])
         assert (logits[0] == 1.0).all()  # the logits themselves unchanged
+
+
+def _picks_of_logits(
+    x: torch.Tensor, weight: kernels.Weight, vocab: int, mask: tuple[object, object] | None
+) -> tuple[object, object]:
+    """The reference: the LM head's logits made, then picked (``argmax_rows``, checked against torch above)."""
+    picked = kernels.argmax_rows(kernels.linear(x, weight)[:, :vocab].contiguous(), mask)  # type: ignore[arg-type]
+    assert picked is not None
+    return picked
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    vocab=st.integers(1, 300),
+    rows=st.integers(1, 14),
+    seed=st.integers(0, 2**31 - 1),
+    values=st.lists(st.sampled_from([0.0, -0.0, 2.0, float("inf"), float("-inf"), float("nan")]), max_size=6),
+    int8=st.booleans(),
+)
+def test_linear_argmax_picks_what_the_logits_give(vocab: int, rows: int, seed: int, values: list, int8: bool) -> None:
+    """Picks made as the LM head's tiles are summed (no logits written) equal the picks of the
+    logits: ties across tiles and in padding lanes past the vocabulary, NaN and infinite values
+    (one-hot inputs read a weight's column as the logits), rows a mask allows nothing in, and
+    masks of three densities; packed fp32 and int8 weights."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    k = 4
+    w = torch.from_numpy(rng.choice([-1.0, 0.0, 1.0, 3.0], (vocab + int(rng.integers(0, 20)), k)).astype(np.float32))
+    if not int8:  # (an int8 weight holds finite values only)
+        for i, value in enumerate(values):
+            w[int(rng.integers(vocab)), i % k] = value
+    x = torch.from_numpy(rng.choice([0.0, 1.0, -0.5], (rows, k)).astype(np.float32))
+    x[0] = torch.eye(k)[int(rng.integers(k))]
+    weight = kernels.quantize(w) if int8 else kernels.pack(w)
+    masks: list[tuple[object, object] | None] = [None]
+    width = (vocab + 31) // 32
+    for density in (0.0, 0.05, 0.9):
+        bits = rng.random((rows, width * 32)) < density
+        chosen = np.flatnonzero(rng.random(rows) < 0.7)
+        masks.append((chosen, np.packbits(bits[chosen], axis=1, bitorder="little").view(np.int32)))
+    for mask in masks:
+        got = kernels.linear_argmax(x, weight, vocab, mask)  # type: ignore[arg-type]
+        assert got is not None
+        want = _picks_of_logits(x, weight, vocab, mask)
+        np.testing.assert_array_equal(got[0], want[0])  # type: ignore[index]
+        np.testing.assert_array_equal(got[1], want[1])  # type: ignore[index]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_argmax_over_threads_picks_the_first_largest(threads: int) -> None:
+    """A batch-64 LM head of 49,152 tokens (past the parallel threshold: threads take tiles as
+    they come free) picks what its logits give: the first of equal maxima far apart (in tiles of
+    different threads), a NaN row, a row its mask allows nothing in, one allowing a single token,
+    a vocabulary shorter than the weight's rows."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(11)
+    vocab, k = 49152 - 3, 64
+    w = torch.randn(49152, k, generator=g)
+    w[[40000, 320, 12352]] = w[7] * 3  # equal maxima in one vector lane, in tiles far apart
+    x = torch.randn(64, k, generator=g)
+    x[5] = w[7]
+    x[6, 0] = float("nan")
+    bitmask = np.zeros((3, (vocab + 31) // 32), dtype=np.int32)
+    bitmask[1, 40000 // 32] = 1 << (40000 % 32)
+    bitmask[2] = -1
+    mask = (np.array([9, 10, 5]), bitmask)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for weight in (kernels.pack(w), kernels.quantize(w)):
+            for m in (None, mask):
+                got = kernels.linear_argmax(x, weight, vocab, m)  # type: ignore[arg-type]
+                assert got is not None
+                want = _picks_of_logits(x, weight, vocab, m)
+                np.testing.assert_array_equal(got[0], want[0])  # type: ignore[index]
+                np.testing.assert_array_equal(got[1], want[1])  # type: ignore[index]
+            assert got[0][5] == 320 and got[0][10] == 40000 and got[1][9] and not got[1][6]
+    finally:
+        torch.set_num_threads(previous)

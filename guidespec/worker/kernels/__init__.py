@@ -7,7 +7,9 @@ The kernels, fp32 activations:
   the file says why). The model packs its linear weights with :func:`pack` and multiplies with
   :func:`linear`; a tied embedding is packed once and looked up with :func:`embedding`. The same
   tiles read int8 weights with a scale per output row (:class:`QuantizedWeight`, made by
-  :func:`quantize`): a quarter of the bytes, for the target's int8 copy as a draft model.
+  :func:`quantize`): a quarter of the bytes, for the target's int8 copy as a draft model. A
+  greedy step's LM head picks each row's token as its tiles are summed (:func:`linear_argmax`),
+  without writing the logits.
 - ``gguf_linear.c``: linear layers over a GGUF file's own quantized blocks
   (:class:`~guidespec.worker.kernels.gguf_weights.GGUFWeight`, that module says which formats),
   activations rounded to int8 per block of 32 as llama.cpp does: :func:`linear` takes them too.
@@ -38,6 +40,7 @@ from guidespec.worker.kernels.ops import (
     cache_attention,
     embedding,
     linear,
+    linear_argmax,
     linear_rows,
     rope_into_cache,
     silu_mul,
@@ -60,6 +63,7 @@ __all__ = [
     "dense",
     "embedding",
     "linear",
+    "linear_argmax",
     "linear_rows",
     "load",
     "loader",

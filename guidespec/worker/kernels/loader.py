@@ -42,6 +42,11 @@ def load(path: Path) -> ctypes.CDLL:
     lib.packed_rows_f32.restype = ctypes.c_int
     lib.packed_linear_i8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
     lib.packed_linear_i8.restype = None
+    picks = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2
+    lib.packed_linear_argmax_f32.argtypes = picks + [ctypes.c_int]
+    lib.packed_linear_argmax_f32.restype = ctypes.c_int
+    lib.packed_linear_argmax_i8.argtypes = [ctypes.c_void_p] + picks + [ctypes.c_int]
+    lib.packed_linear_argmax_i8.restype = ctypes.c_int
     lib.gguf_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
     lib.gguf_linear.restype = None
     lib.gguf_linear_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]

@@ -294,29 +294,80 @@ def argmax_rows(
     lib = loader.library()
     if lib is None or logits.dim() != 2 or not fp32_cpu(logits) or logits.shape[1] == 0:
         return None
+    masks = _masks_of_rows(logits.shape[0], logits.shape[1], mask)
+    if masks is None:
+        return None
     best = np.empty(logits.shape[0], dtype=np.int64)
     dead = np.empty(logits.shape[0], dtype=np.bool_)
-    mask_of_row = bitmask = None
-    width = 0
-    if mask is not None:
-        rows, bitmask = np.asarray(mask[0], np.int64), np.ascontiguousarray(mask[1], dtype=np.int32)
-        if bitmask.ndim != 2 or bitmask.shape[0] != len(rows) or bitmask.shape[1] * 32 < logits.shape[1]:
-            return None
-        mask_of_row = np.full(logits.shape[0], -1, dtype=np.int32)
-        mask_of_row[rows] = np.arange(len(rows), dtype=np.int32)
-        width = bitmask.shape[1]
+    mask_of_row, bitmask, width = masks
     lib.argmax_rows_f32(
         logits.data_ptr(),
         logits.shape[0],
         logits.shape[1],
-        None if mask_of_row is None else mask_of_row.ctypes.data,
-        None if bitmask is None else bitmask.ctypes.data,
+        _pointer(mask_of_row),
+        _pointer(bitmask),
         width,
         best.ctypes.data,
         dead.ctypes.data,
         torch.get_num_threads(),
     )
     return best, dead
+
+
+def linear_argmax(
+    x: torch.Tensor, weight: Weight, vocab_size: int, mask: tuple[np.ndarray, np.ndarray] | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`argmax_rows` of ``linear(x, weight)[:, :vocab_size]`` without making those logits
+    (``packed_linear.c``: each tile's sums picked from as they are made), or None where no kernel
+    applies (a packed fp32 or int8 weight, fp32 x on the CPU). The same picks, bit for bit."""
+    lib = loader.library()
+    if (
+        lib is None
+        or not isinstance(weight, PackedWeight | QuantizedWeight)
+        or x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or x.dim() != 2
+        or not 0 < vocab_size <= weight.shape[0]
+        or x.shape[1] != weight.shape[1]
+    ):
+        return None
+    masks = _masks_of_rows(x.shape[0], vocab_size, mask)
+    if masks is None:
+        return None
+    x = x.contiguous()
+    best = np.empty(x.shape[0], dtype=np.int64)
+    dead = np.empty(x.shape[0], dtype=np.bool_)
+    if not x.shape[0]:
+        return best, dead
+    mask_of_row, bitmask, width = masks
+    rest = (x.shape[0], vocab_size, x.shape[1], _pointer(mask_of_row), _pointer(bitmask), width)
+    out = (best.ctypes.data, dead.ctypes.data, torch.get_num_threads())
+    if isinstance(weight, QuantizedWeight):
+        failed = lib.packed_linear_argmax_i8(
+            x.data_ptr(), weight.blocks.data_ptr(), weight.scale.data_ptr(), None, *rest, *out
+        )
+    else:
+        failed = lib.packed_linear_argmax_f32(x.data_ptr(), weight.blocks.data_ptr(), None, *rest, *out)
+    return None if failed else (best, dead)
+
+
+def _masks_of_rows(
+    num_rows: int, vocab_size: int, mask: tuple[np.ndarray, np.ndarray] | None
+) -> tuple[np.ndarray | None, np.ndarray | None, int] | None:
+    """The picks' mask arguments of ``mask`` (logits rows, bitmask rows): each row's bitmask row
+    or -1, the bitmask, its width; None where its shape does not fit."""
+    if mask is None:
+        return None, None, 0
+    rows, bitmask = np.asarray(mask[0], np.int64), np.ascontiguousarray(mask[1], dtype=np.int32)
+    if bitmask.ndim != 2 or bitmask.shape[0] != len(rows) or bitmask.shape[1] * 32 < vocab_size:
+        return None
+    mask_of_row = np.full(num_rows, -1, dtype=np.int32)
+    mask_of_row[rows] = np.arange(len(rows), dtype=np.int32)
+    return mask_of_row, bitmask, bitmask.shape[1]
+
+
+def _pointer(array: np.ndarray | None) -> int | None:
+    return None if array is None else array.ctypes.data
 
 
 def single_tokens(bitmask: np.ndarray, vocab_size: int) -> np.ndarray | None:

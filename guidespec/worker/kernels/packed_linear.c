@@ -18,9 +18,17 @@
  *
  * VW, the vector width, is the machine's own (vec.h).
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#define THREAD_NUM() omp_get_thread_num()
+#else
+#define THREAD_NUM() 0
+#endif
 
 #include "parallel.h"
 #include "vec.h"
@@ -59,11 +67,9 @@ static inline vf scaled(vf acc, const float* scale, int n0) { return acc * ld(sc
 /* where output n's weight for k = 0 sits in the packed layout (n a multiple of VW) */
 static inline size_t packed_at(int n, int K) { return (size_t)(n / 16) * K * 16 + n % 16; }
 
-/* NAME##MC: MC input rows x the two output vectors from n0 (the second one only if `two`),
-   weights of type WT read by LOAD, sums finished by FINISH */
-#define DEFINE_TILE(NAME, MC, WT, LOAD, FINISH)                                                   \
-static void NAME##MC(const float* x, int K, const WT* wp, const float* scale, const float* bias, \
-                     float* y, int N, int n0, int two) {                                          \
+/* The sums of MC input rows x the two output vectors from n0 (the second one only if `two`), in
+   acc0[c] and acc1[c], weights of type WT read by LOAD */
+#define TILE_SUMS(MC, WT, LOAD)                                                                   \
     vf acc0[MC], acc1[MC];                                                                        \
     for (int c = 0; c < MC; c++) { acc0[c] = (vf){0}; acc1[c] = (vf){0}; }                        \
     const WT* w0 = wp + packed_at(n0, K);                                                         \
@@ -82,10 +88,28 @@ static void NAME##MC(const float* x, int K, const WT* wp, const float* scale, co
             vf a = LOAD(w0 + (size_t)k * 16);                                                     \
             for (int c = 0; c < MC; c++) acc0[c] += a * x[(size_t)c * K + k];                     \
         }                                                                                         \
-    }                                                                                             \
+    }
+
+/* NAME##MC: the tile's sums finished by FINISH, plus the bias, stored into y [MC][N]; NAME##MC##o:
+   the same into out [MC][2 * VW] (lanes past N hold their sums without a bias: the picks skip them) */
+#define DEFINE_TILE(NAME, MC, WT, LOAD, FINISH)                                                   \
+static void NAME##MC(const float* x, int K, const WT* wp, const float* scale, const float* bias, \
+                     float* y, int N, int n0, int two) {                                          \
+    TILE_SUMS(MC, WT, LOAD)                                                                       \
     for (int c = 0; c < MC; c++) {                                                                \
         store_vec(FINISH(acc0[c], scale, n0), bias, y + (size_t)c * N, n0, N);                    \
         if (two) store_vec(FINISH(acc1[c], scale, n0 + VW), bias, y + (size_t)c * N, n0 + VW, N); \
+    }                                                                                             \
+}                                                                                                 \
+static void NAME##MC##o(const float* x, int K, const WT* wp, const float* scale, const float* bias, \
+                        float* out, int N, int n0, int two) {                                     \
+    TILE_SUMS(MC, WT, LOAD)                                                                       \
+    for (int c = 0; c < MC; c++) {                                                                \
+        float* row = out + (size_t)c * 2 * VW;                                                    \
+        st(row, FINISH(acc0[c], scale, n0));                                                      \
+        if (two) st(row + VW, FINISH(acc1[c], scale, n0 + VW));                                  \
+        if (bias) store_vec(ld(row), bias, row - n0, n0, N);                                      \
+        if (bias && two) store_vec(ld(row + VW), bias, row - n0, n0 + VW, N);                   \
     }                                                                                             \
 }
 #define DEFINE_TILES(NAME, WT, LOAD, FINISH)                                                      \
@@ -93,7 +117,9 @@ static void NAME##MC(const float* x, int K, const WT* wp, const float* scale, co
     DEFINE_TILE(NAME, 3, WT, LOAD, FINISH) DEFINE_TILE(NAME, 4, WT, LOAD, FINISH)                 \
     DEFINE_TILE(NAME, 5, WT, LOAD, FINISH) DEFINE_TILE(NAME, 6, WT, LOAD, FINISH)                 \
     static void (*const NAME##s[7])(const float*, int, const WT*, const float*, const float*, float*, int, int, int) = \
-        {0, NAME##1, NAME##2, NAME##3, NAME##4, NAME##5, NAME##6};
+        {0, NAME##1, NAME##2, NAME##3, NAME##4, NAME##5, NAME##6};                                 \
+    static void (*const NAME##os[7])(const float*, int, const WT*, const float*, const float*, float*, int, int, int) = \
+        {0, NAME##1o, NAME##2o, NAME##3o, NAME##4o, NAME##5o, NAME##6o};
 DEFINE_TILES(tile, float, ld, unscaled)
 DEFINE_TILES(tileq, signed char, ldq, scaled)
 
@@ -122,6 +148,128 @@ void packed_linear_f32(const float* x, const float* wp, const float* bias, float
 void packed_linear_i8(const float* x, const signed char* qp, const float* scale, const float* bias, float* y,
                       int M, int N, int K, int threads) {
     RUN_TILES(tileqs, qp, scale)
+}
+
+/* Greedy picks without the logits: for each of the M rows of y = x @ w^T + bias (N outputs), the
+ * index argmax_rows_f32 (logits_ops.c) gives of it (the first largest among the tokens its mask
+ * allows; the first NaN where there is one; 0 where every allowed value is -inf or none is
+ * allowed) and whether the row is dead (no NaN and every allowed value -inf). mask_of_row, bitmask
+ * and W as there.
+ *
+ * Why: a greedy decode step of a small-hidden model wrote its [M, N] logits only for the pick to
+ * read them back: at 64 rows of 49,152 that is 12.6 MB each way, a fifth of rank 0's step (tiny
+ * model: LM head 3.0 ms, pick 0.8). Each tile's sums go to a buffer the size of the tile instead,
+ * and each row keeps, per vector lane, its largest value and the first index that held it (what
+ * first_max keeps), per thread; a thread's tiles come in increasing order, so merging the threads
+ * lane by lane (the larger value; of equal ones the lower index), then the lanes, gives the first
+ * largest of the row. The sums are the tiles' own: every value equals the logits' value. */
+static inline void pick_vec(vf v, vi index, int n0, int N, const uint32_t* words, vf* top, vi* first, vi* nan) {
+    if (n0 + VW > N || words) {  /* tokens past N, or not allowed: -inf */
+        vi keep = index < N;
+        if (words) keep &= -((((vi){0} + (int)(words[n0 >> 5] >> (n0 & 31))) >> (index - n0)) & 1);
+        v = (vf)(((vi)v & keep) | ((vi)((vf){0} - INFINITY) & ~keep));
+    }
+    vi greater = v > *top;  /* (false where either is NaN: a row with a NaN is picked again, pick_nan) */
+    *top = (vf)(((vi)v & greater) | ((vi)*top & ~greater));
+    *first = (index & greater) | (*first & ~greater);
+    *nan |= v != v;
+}
+
+/* The row's first allowed NaN (as argmax_rows_f32 picks it), its logits computed again: rare */
+#define PICK_NAN(TILES, WP, SCALE, r, words, out)                                                 \
+    do {                                                                                          \
+        float* y = malloc(sizeof(float) * (size_t)padded);                                        \
+        for (int p = 0; y && p < ntiles; p++)                                                     \
+            TILES[1](x + (size_t)(r) * K, K, WP, SCALE, bias, y, N, 2 * VW * p, padded - 2 * VW * p > VW); \
+        for (int t = 0; y && t < N; t++)                                                          \
+            if ((!(words) || ((words)[t >> 5] >> (t & 31)) & 1u) && y[t] != y[t]) { out = t; break; } \
+        free(y);                                                                                  \
+    } while (0)
+
+#define RUN_PICKS(TILES, OTILES, WP, SCALE)                                                       \
+    int padded = (N + 15) / 16 * 16, ntiles = (padded + 2 * VW - 1) / (2 * VW);                   \
+    size_t work = (size_t)M * N * K;                                                              \
+    int chunk = PARALLEL_CHUNK(ntiles, threads), team = threads > 0 ? threads : 1;                \
+    size_t states = (size_t)team * M;                                                             \
+    vf* tops = aligned_alloc(sizeof(vf), sizeof(vf) * states); /* (vectors: aligned) */          \
+    vi* firsts = aligned_alloc(sizeof(vi), sizeof(vi) * states);                                  \
+    vi* nans = aligned_alloc(sizeof(vi), sizeof(vi) * states);                                    \
+    if (!tops || !firsts || !nans) { free(tops); free(firsts); free(nans); return -1; }           \
+    for (size_t i = 0; i < states; i++) {                                                         \
+        tops[i] = (vf){0} - INFINITY;                                                             \
+        firsts[i] = nans[i] = (vi){0};                                                            \
+    }                                                                                             \
+    vi lane;                                                                                      \
+    for (int l = 0; l < VW; l++) lane[l] = l;                                                     \
+    _Pragma("omp parallel num_threads(team) if (work >= PARALLEL_MIN_WORK)")                      \
+    {                                                                                             \
+        size_t me = (size_t)THREAD_NUM() * M;                                                     \
+        float out[6 * 2 * VW] __attribute__((aligned(64)));                                       \
+        _Pragma("omp for schedule(dynamic, chunk)")                                               \
+        for (int p = 0; p < ntiles; p++) {                                                        \
+            int n0 = 2 * VW * p, two = padded - n0 > VW;                                          \
+            vi index0 = lane + n0, index1 = lane + (n0 + VW);                                     \
+            for (int m0 = 0; m0 < M; m0 += 6) {                                                   \
+                int mc = M - m0 < 6 ? M - m0 : 6;                                                 \
+                OTILES[mc](x + (size_t)m0 * K, K, WP, SCALE, bias, out, N, n0, two);              \
+                for (int c = 0; c < mc; c++) {                                                    \
+                    size_t r = (size_t)m0 + c;                                                    \
+                    int mask = mask_of_row ? mask_of_row[r] : -1;                                 \
+                    const uint32_t* words = mask >= 0 ? (const uint32_t*)(bitmask + (size_t)mask * W) : NULL; \
+                    vf* top = tops + me + r;                                                      \
+                    vi *first = firsts + me + r, *nan = nans + me + r;                            \
+                    pick_vec(ld(out + c * 2 * VW), index0, n0, N, words, top, first, nan);        \
+                    if (two) pick_vec(ld(out + c * 2 * VW + VW), index1, n0 + VW, N, words, top, first, nan); \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    int failed = 0;                                                                               \
+    for (int r = 0; r < M; r++) {                                                                 \
+        vf m = tops[r];                                                                           \
+        vi at = firsts[r], nan = nans[r];                                                         \
+        for (int t = 1; t < team; t++) {  /* lane by lane: the larger value, of equal ones the lower index */ \
+            vf v = tops[(size_t)t * M + r];                                                       \
+            vi i = firsts[(size_t)t * M + r];                                                     \
+            vi take = (v > m) | ((v == m) & (i < at));                                            \
+            m = (vf)(((vi)v & take) | ((vi)m & ~take));                                           \
+            at = (i & take) | (at & ~take);                                                       \
+            nan |= nans[(size_t)t * M + r];                                                       \
+        }                                                                                         \
+        float top = -INFINITY;                                                                    \
+        int pick = N, any_nan = 0;                                                                \
+        for (int l = 0; l < VW; l++) {                                                            \
+            top = m[l] > top ? m[l] : top;                                                        \
+            any_nan |= nan[l];                                                                    \
+        }                                                                                         \
+        for (int l = 0; l < VW; l++)                                                              \
+            if (m[l] == top && at[l] < pick) pick = at[l];                                        \
+        if (top == -INFINITY) pick = 0;                                                           \
+        if (any_nan) {                                                                            \
+            int mask = mask_of_row ? mask_of_row[r] : -1, found = -1;                             \
+            const uint32_t* words = mask >= 0 ? (const uint32_t*)(bitmask + (size_t)mask * W) : NULL; \
+            PICK_NAN(TILES, WP, SCALE, r, words, found);                                          \
+            failed |= found < 0;                                                                  \
+            pick = found;                                                                         \
+        }                                                                                         \
+        best[r] = pick;                                                                           \
+        dead[r] = !any_nan && top == -INFINITY;                                                   \
+    }                                                                                             \
+    free(tops);                                                                                   \
+    free(firsts);                                                                                 \
+    free(nans);                                                                                   \
+    return -failed;
+
+int packed_linear_argmax_f32(const float* x, const float* wp, const float* bias, int M, int N, int K,
+                             const int32_t* mask_of_row, const int32_t* bitmask, int W, int64_t* best,
+                             uint8_t* dead, int threads) {
+    RUN_PICKS(tiles, tileos, wp, (const float*)0)
+}
+
+int packed_linear_argmax_i8(const float* x, const signed char* qp, const float* scale, const float* bias, int M,
+                            int N, int K, const int32_t* mask_of_row, const int32_t* bitmask, int W,
+                            int64_t* best, uint8_t* dead, int threads) {
+    RUN_PICKS(tileqs, tileqos, qp, scale)
 }
 
 /* Rows ids[0..n) of a packed fp32 weight wp[ceil(N/16)][K][16] (an embedding lookup): out[n][K].
