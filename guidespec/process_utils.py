@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -22,6 +23,17 @@ def setup_child_process(name: str) -> None:
     die_with_parent()
     set_process_name(name)
     logging.basicConfig(level=envs.log_level(), format=f"%(asctime)s {name} %(levelname)s %(message)s")
+
+
+def freeze_startup_objects() -> int:
+    """Collect the garbage of a process's start, then keep the objects left out of every later
+    collection (``gc.freeze``); returns how many. A scheduler holds ~240,000 tracked objects after
+    its start (the tokenizer, the vocabulary's tables): a full collection during serving walked
+    them all, 128-237 ms in the middle of a step, stalling every request; frozen, a collection
+    walks only what came since."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def die_with_parent() -> None:

@@ -43,7 +43,7 @@ from guidespec.ipc.broadcast import StepBroadcaster
 from guidespec.ipc.shm_ring import RingTimeout
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.model_files import shared_tokenizer
-from guidespec.process_utils import setup_child_process
+from guidespec.process_utils import freeze_startup_objects, setup_child_process
 from guidespec.protocol import (
     INTERNAL_ERROR,
     AbortRequest,
@@ -167,6 +167,7 @@ class Scheduler:
         num_blocks = min(self.health.kv_blocks.values())  # (every rank holds each block's share)
         self.batcher.use_pool(BlockPool(num_blocks, self.cfg.kv_block_size))
         logger.info("KV cache: %d blocks of %d positions", num_blocks, self.cfg.kv_block_size)
+        logger.info("%d objects of the start kept out of garbage collection", freeze_startup_objects())
         cfg = self.cfg
         self.client_out.send(
             EngineReady(cfg.num_workers, cfg.max_batch_size, cfg.max_model_len, num_blocks, cfg.kv_block_size)

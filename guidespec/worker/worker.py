@@ -35,7 +35,7 @@ from guidespec.ipc import codec
 from guidespec.ipc.broadcast import create_step_reader
 from guidespec.ipc.shm_ring import RingTimeout
 from guidespec.ipc.zmq_channel import Channel
-from guidespec.process_utils import parent_alive, setup_child_process
+from guidespec.process_utils import freeze_startup_objects, parent_alive, setup_child_process
 from guidespec.protocol import (
     LAST_SAMPLED,
     NO_TOKEN,
@@ -80,6 +80,7 @@ def run_worker(cfg: WorkerConfig, parent_pid: int) -> None:
     worker = None
     try:
         worker = Worker(cfg, ctx)
+        freeze_startup_objects()  # (the model's loading: no full collection walks it again)
         results.send(WorkerReady(cfg.rank, os.getpid(), worker.kv.scratch_block))
         worker.loop(results, parent_pid)
     except Exception as e:
