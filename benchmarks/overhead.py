@@ -37,7 +37,9 @@ over the timed generates' steps of batch B in the step trace the scheduler write
 (``GUIDESPEC_TRACE``, ``scheduler/trace.py``), per process, plus two derived spans: "inputs out", a
 step's "schedule + write inputs" end to its worker's first span (the forward; under async
 scheduling this includes the wait for the step before), and "tokens back", the worker's last span
-end to the scheduler's "emit" start.
+end to the scheduler's "advance grammars" start (where its emit begins: a step's grammars advanced
+by its tokens; the rest of its emit, the "emit" span, comes after the next step's bitmask when that
+step was sent ahead).
 
 ``--device cuda`` also runs, per batch, a 16-token generate under torch's profiler on rank 0
 (``GUIDESPEC_TORCH_PROFILER_DIR``, ``worker.py``'s ``_StepProfiler``) and reports, over its
@@ -109,6 +111,7 @@ SPAN_COLUMNS = (  # the usual spans, in this order; any others follow in the ord
     "scheduler: schedule + write inputs",
     "scheduler: fill + write bitmask",
     "scheduler: wait for outputs",
+    "scheduler: advance grammars",
     "scheduler: emit",
     "worker: forward",
     "worker: wait for bitmask",
@@ -327,11 +330,11 @@ def _step_durations(spans: list[dict[str, Any]], first: dict[str, Any]) -> dict[
         name = f"{PROCESSES[e['pid']]}: {e['name']}"
         out[name] = out.get(name, 0.0) + e["dur"] / 1e3
     worker = [e for e in spans if e["pid"] == 2]
-    emit = next((e for e in spans if e["pid"] == 1 and e["name"] == "emit"), None)
+    back = next((e for e in spans if e["pid"] == 1 and e["name"] == "advance grammars"), None)
     if worker:
         out["inputs out"] = (min(e["ts"] for e in worker) - (first["ts"] + first["dur"])) / 1e3
-        if emit is not None:
-            out["tokens back"] = (emit["ts"] - max(e["ts"] + e["dur"] for e in worker)) / 1e3
+        if back is not None:
+            out["tokens back"] = (back["ts"] - max(e["ts"] + e["dur"] for e in worker)) / 1e3
     return out
 
 

@@ -59,6 +59,44 @@ class Emitter:
         # the deltas wait in the table's outbox (``RequestTable.send_outbox``): a step run ahead
         # has its bitmask filled and sent before them
         self._emit_rows(rows, outputs, offsets, proposals, now, self.table.outbox, dropped, outputs.step, ending)
+        for row in rows:  # (a request failed since its grammar was advanced: its answer goes unused)
+            row.request.advanced = None
+
+    def advance_grammars(self, rows: list[ScheduledRow], outputs: StepOutputs, dropped: set[str]) -> None:
+        """The part of :meth:`emit` the next step's bitmask waits for, run before it: each guided
+        row's grammar advanced by the first token the emit will append to it (the emit takes the
+        answer, ``Request.advanced``, instead of asking again), so that the bitmask is filled and
+        sent before the rest of the emit (detokenizing, stop checks, deltas) runs."""
+        offsets = None
+        for i, row in enumerate(rows):
+            request = row.request
+            if not request.guided or not self._appends_to(row, dropped):
+                continue
+            if offsets is None:
+                offsets = np.concatenate([[0], np.cumsum(outputs.num_tokens)])
+            tokens = outputs.token_ids[offsets[i] : offsets[i + 1]]
+            if not len(tokens) or (tokens == NO_TOKEN).any():  # (none appended: the emit fails it)
+                continue
+            token = int(tokens[0])
+            try:
+                budget = output_budget(request, self.cfg.max_model_len)
+                accepted, done = self.grammar.advance(
+                    request.request_id, token, budget, len(request.output_token_ids) + 1
+                )
+            except Exception as e:
+                self.table.fail_internal(request, "emitting its tokens", e)
+                continue
+            request.advanced = (token, accepted, done)
+
+    def _appends_to(self, row: ScheduledRow, dropped: set[str]) -> bool:
+        """Whether the emit appends the row's tokens to its request (``_emit_rows``, ``_emit_row``)."""
+        request = row.request
+        return (
+            self.table.holds(request)
+            and request.request_id not in dropped
+            and not (row.num_logits and row.start + row.num_new_tokens - (row.num_logits - 1) != request.num_tokens)
+            and not request.finished
+        )
 
     def _emit_rows(
         self,
@@ -185,10 +223,14 @@ class Emitter:
         """Advance the request (and its grammar) by one token; the finish reason, if any."""
         grammar_done = False
         if request.guided:
-            budget = output_budget(request, self.cfg.max_model_len)
-            accepted, grammar_done = self.grammar.advance(
-                request.request_id, token, budget, len(request.output_token_ids) + 1
-            )
+            advanced, request.advanced = request.advanced, None
+            if advanced is not None and advanced[0] == token:  # asked before the bitmask: advance_grammars
+                accepted, grammar_done = advanced[1], advanced[2]
+            else:
+                budget = output_budget(request, self.cfg.max_model_len)
+                accepted, grammar_done = self.grammar.advance(
+                    request.request_id, token, budget, len(request.output_token_ids) + 1
+                )
             if not accepted:
                 failure = self.grammar.error(request.request_id)
                 if failure:

@@ -54,6 +54,9 @@ class Request:
     draft_tokens: list[int] = field(default_factory=list)  # this step's drafts, after the known tokens
     # the in-flight step whose sampled token the next step runs before the scheduler has it (-1: none)
     pending_step: int = -1
+    # its grammar's answer to the step's first token, asked before the rest of the emit
+    # (``Emitter.advance_grammars``): (token, accepted, the grammar has terminated)
+    advanced: tuple[int, bool, bool] | None = None
     stream: bool = True  # the client takes its deltas as they come (else only the finished output)
     stats: DecodeStats = field(default_factory=DecodeStats)
 

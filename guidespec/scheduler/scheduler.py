@@ -194,14 +194,14 @@ class Scheduler:
             run_ahead = self._runs_ahead(rows)
             step = self.steps.send_inputs(rows, start, run_ahead) if rows else None
             planned_ahead = in_flight is not None  # (``step``'s rows, without ``in_flight``'s outputs)
-            emitted = self._emit(in_flight) if in_flight is not None else None
+            collected = self._collect(in_flight) if in_flight is not None else None
             in_flight = None
             try:
-                if step is not None:  # (its grammars stand after the emitted tokens)
+                if step is not None:  # (its grammars stand after the collected tokens)
                     self.steps.send_bitmask(step)
             finally:
-                if emitted is not None:  # what the mask does not wait for: the deltas out, the trace
-                    self._wrap_up(*emitted)
+                if collected is not None:  # what the mask does not wait for: the rest of the emit, the deltas out
+                    self._wrap_up(*self._emit(*collected))
             if step is not None:
                 if planned_ahead and self.speculator is not None:  # (after the bitmask: not in its way)
                     self.speculator.observe_ahead(step.rows)
@@ -237,12 +237,19 @@ class Scheduler:
 
     def _finish(self, step: Step) -> None:
         """Collect a step's outputs and emit them."""
-        self._wrap_up(*self._emit(step))
+        self._wrap_up(*self._emit(*self._collect(step)))
 
-    def _emit(self, step: Step) -> tuple[Step, StepOutputs]:
-        """Collect a step's outputs and advance its requests by them (their deltas are held until
-        ``_wrap_up``: a step run ahead has its bitmask filled and sent first)."""
+    def _collect(self, step: Step) -> tuple[Step, StepOutputs]:
+        """Collect a step's outputs and advance its guided requests' grammars by them: what the next
+        step's bitmask waits for (a step run ahead has it filled and sent before the rest)."""
         outputs = self.steps.collect(step)
+        self.emitter.advance_grammars(step.rows, outputs, step.dropped)
+        step.times["advanced"] = time.time()
+        return step, outputs
+
+    def _emit(self, step: Step, outputs: StepOutputs) -> tuple[Step, StepOutputs]:
+        """Advance a step's requests by its outputs (their deltas wait in the outbox: ``_wrap_up``)."""
+        step.times["emit_start"] = time.time()
         self.emitter.emit(step.rows, outputs, step.dropped)
         step.times["end"] = time.time()
         return step, outputs

@@ -49,7 +49,9 @@ class StepTrace:
         fused: bool = False,
         mask_waits: np.ndarray | None = None,
     ) -> None:
-        """``t``: scheduler wall times (start, inputs, mask_start, mask, outputs, end); ``worker``:
+        """``t``: scheduler wall times (start, inputs, mask_start, mask, outputs, advanced: the
+        grammars advanced by the outputs, emit_start, end: the rest of the emit, which a step run
+        ahead of the next leaves until that one's bitmask is sent); ``worker``:
         rank 0's (forward_start, forward_end, mask_ready, done); ``draft_s``: rank 0's drafter
         proposing the next step's drafts, at the end of its step; ``draft_fills``: the scheduler
         filling each of those draft steps' masks (draft step, start, end), which rank 0 waits for;
@@ -59,7 +61,8 @@ class StepTrace:
         forward_start, forward_end, mask_ready, done = (float(x) for x in worker)
         exposed_fill = max(0.0, t["mask"] - forward_end) if guided_rows else 0.0
         self.step_s += t["end"] - t["start"]
-        self.outside_forward_s += (t["inputs"] - t["start"]) + (t["end"] - t["outputs"]) + exposed_fill
+        emitting = (t["advanced"] - t["outputs"]) + (t["end"] - t["emit_start"])  # (the next step's fill between)
+        self.outside_forward_s += (t["inputs"] - t["start"]) + emitting + exposed_fill
         self.fill_s += t["mask"] - t["mask_start"]
         self.forward_s += forward_end - forward_start
         self.draft_s += draft_s
@@ -73,7 +76,8 @@ class StepTrace:
         if guided_rows:
             self._span("fill + write bitmask", t["mask_start"], t["mask"], 1, args)
         self._span("wait for outputs", t["mask"], t["outputs"], 1, args)
-        self._span("emit", t["outputs"], t["end"], 1, args)
+        self._span("advance grammars", t["outputs"], t["advanced"], 1, args)
+        self._span("emit", t["emit_start"], t["end"], 1, args)
         if fused:
             self._span("fused step (verify, accept, draft)", forward_start, done, 2, args)
             if draft_s > 0:  # its draft steps, timed apart (nested in it)

@@ -195,3 +195,65 @@ def test_a_requests_error_never_overtakes_its_tokens(real_model_dir: Path) -> No
     assert [d.new_token_ids for d in deltas.outputs] == [[72], [72]]
     assert isinstance(error, RequestOutput) and error.request_id == "a" and error.error_code == GRAMMAR_FAILED
     assert set(table.requests) == {"b"}
+
+
+def test_grammars_advanced_before_the_bitmask_take_each_token_once(real_model_dir: Path) -> None:
+    """A step run ahead of the next has its rows' grammars advanced first (``advance_grammars``:
+    the next bitmask waits for that alone), the rest of its emit after the bitmask: the emit
+    then appends each token without asking the grammar again (asked twice, "a" would be refused
+    by ``ab+`` and the request fail), and a row whose token is dropped (sampled without its mask)
+    leaves its grammar where it stood."""
+    import time
+    from types import SimpleNamespace
+
+    import numpy as np
+    import zmq
+    from transformers import AutoTokenizer
+
+    from guidespec.bitmask import allowed_ids
+    from guidespec.ipc.zmq_channel import Channel, new_ipc_endpoint
+    from guidespec.protocol import GuidedDecoding, StepOutputs
+    from guidespec.scheduler.batching import ScheduledRow
+    from guidespec.scheduler.emit import Emitter
+    from guidespec.scheduler.grammar import FillRow, GrammarManager, GrammarSettings
+    from guidespec.scheduler.table import RequestTable
+
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    a, b = tokenizer.convert_tokens_to_ids("a"), tokenizer.convert_tokens_to_ids("b")
+    ctx = zmq.Context()
+    endpoint = new_ipc_endpoint("emit-test")
+    receiver = Channel(ctx, zmq.PULL, endpoint, bind=True)
+    sender = Channel(ctx, zmq.PUSH, endpoint, bind=False)
+    grammar = GrammarManager(GrammarSettings(real_model_dir, "xgrammar", 49152, (2,), 60.0, 4), tokenizer)
+    try:
+        guided = GuidedDecoding(regex="ab+")
+        table = RequestTable(Batcher(max_batch_size=2, max_num_batched_tokens=16), grammar, None, sender)
+        requests = [_request(rid, 3, guided=guided, max_tokens=8) for rid in ("kept", "dropped")]
+        for request in requests:
+            table.add(request)
+            request.num_computed_tokens = 3  # (the step went out: ``Batcher.started``)
+            if not grammar.submit(request.request_id, guided):
+                deadline = time.monotonic() + 60
+                while request.request_id not in grammar.poll()[0]:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+        cfg = SimpleNamespace(max_model_len=64, jump_forward="off", eos_token_ids=(2,))
+        emitter = Emitter(cfg, grammar, None, table)  # type: ignore[arg-type]
+        rows = [ScheduledRow(request, 2, 1, 1) for request in requests]
+        outputs = StepOutputs(1, np.array([a, a], np.int32), np.ones(2, np.int32))
+
+        def allows(request_id: str) -> set[int]:
+            mask = grammar.fill([FillRow(request_id, [], 1, 8)])
+            return set(allowed_ids(mask[0], 49152).tolist()) & {a, b}
+
+        emitter.advance_grammars(rows, outputs, {"dropped"})
+        assert allows("kept") == {b} and allows("dropped") == {a}
+        emitter.emit(rows, outputs, {"dropped"})
+        kept, dropped = requests
+        assert table.holds(kept) and kept.output_token_ids == [a] and kept.advanced is None
+        assert allows("kept") == {b} and allows("dropped") == {a} and dropped.output_token_ids == []
+    finally:
+        grammar.shutdown()
+        sender.close()
+        receiver.close()
+        ctx.term()
