@@ -2,8 +2,8 @@
 
     wait for workers and the grammar compile process -> EngineReady ->
     loop: receive -> poll grammars -> schedule -> [plan drafts] -> send inputs
-          -> [collect and emit the step before, run ahead] -> send bitmasks
-          -> [collect (answering draft-step mask requests) -> emit]
+          -> [collect the step before, run ahead; advance its grammars] -> send bitmasks
+          -> [the rest of its emit] -> [collect (answering draft-step mask requests) -> emit]
 
 It owns every request's state (and, with guided decoding, every grammar). Workers see only
 StepInputs on the shared-memory ring; rank 0 answers with StepOutputs over ZeroMQ. A worker
@@ -177,8 +177,9 @@ class Scheduler:
         """The loop. With ``async_scheduling`` (and no request that may get drafts in step N:
         ``_runs_ahead``), step N+1 is planned and sent while step N runs:
         its rows run the tokens N samples as the workers sampled them (``LAST_SAMPLED``); N's
-        outputs are emitted meanwhile, and N+1's bitmask filled after them (its grammars then
-        stand after N's tokens), still while N+1's forward runs."""
+        outputs advance their grammars meanwhile, N+1's bitmask is filled after that (its
+        grammars then stand after N's tokens), still while N+1's forward runs, and the rest of
+        N's emit comes after the bitmask."""
         in_flight: Step | None = None
         while not self.health.stopping:
             self.receive(busy=in_flight is not None)
