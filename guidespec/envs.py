@@ -37,6 +37,15 @@ def cpu_kernels_enabled() -> bool:
     return os.environ.get("GUIDESPEC_CPU_KERNELS", "1") != "0"
 
 
+def kernel_spin_us() -> int:
+    """``GUIDESPEC_KERNEL_SPIN_US=N``: how long the CPU kernels' helper threads spin after a
+    parallel region before they sleep, unless the worker parks them first (``pool.c``; default 1000)."""
+    value = int(os.environ.get("GUIDESPEC_KERNEL_SPIN_US", "1000"))
+    if value < 0:
+        raise ValueError(f"GUIDESPEC_KERNEL_SPIN_US must be >= 0, got {value}")
+    return value
+
+
 def trace_path() -> str | None:
     """``GUIDESPEC_TRACE=FILE``: the scheduler writes a Chrome trace of every step there at shutdown."""
     return os.environ.get("GUIDESPEC_TRACE") or None

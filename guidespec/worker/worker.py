@@ -58,6 +58,7 @@ from guidespec.worker import tp as tp_mod
 from guidespec.model_files import load_hf_config
 from guidespec.worker.device import check_device_memory, kv_pool_blocks
 from guidespec.worker.graphs import GraphRunner
+from guidespec.worker.kernels import park_threads
 from guidespec.bitmask import allowed_counts, allowed_ids, bitmask_width
 from guidespec.worker.mask import DeviceMasks, only_allowed
 from guidespec.worker.forward_batch import ForwardBatch
@@ -539,14 +540,18 @@ class Worker:
     def _read_bitmask(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """The step's bitmask: (logits rows, bitmask rows), read in place from the mask arena
         where they are there."""
-        if self.tp.is_driver and not self.reader.poll():  # (the scheduler may hold it for a compile)
-            self.results.send(MaskWanted(step))
+        if not self.reader.poll():
+            park_threads()  # (the scheduler fills it: the kernels' helpers leave it the core)
+            if self.tp.is_driver:  # (the scheduler may hold it for a compile)
+                self.results.send(MaskWanted(step))
         message = codec.decode(self.reader.read(timeout=60.0))
         if not isinstance(message, StepBitmask) or message.step != step:
             raise RuntimeError(f"step {step}: expected its bitmask, got {type(message).__name__}")
         return message.rows, self.reader.bitmask(message)
 
     def _next_message(self, parent_pid: int) -> object:
+        if not self.reader.poll():
+            park_threads()  # (the kernels' helpers sleep while the scheduler plans the next step)
         while True:
             try:
                 return codec.decode(self.reader.read(timeout=_IDLE_READ_TIMEOUT_S))

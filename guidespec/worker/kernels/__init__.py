@@ -22,6 +22,8 @@ The kernels, fp32 activations:
   (:func:`single_tokens`), each read to its second allowed token.
 - ``decoder.c``: every layer of a forward in one call (:class:`DecoderStack`), the same kernels
   in the same order as the model's Python loop, without the Python between them.
+- ``pool.c``: the thread pool their parallel loops share; its helpers spin between a step's
+  regions and sleep when the worker is about to wait (:func:`park_threads`).
 
 Without a compiler, or with ``GUIDESPEC_CPU_KERNELS=0``, :func:`pack` leaves weights as they
 are, :func:`cache_attention` is unavailable, and everything runs on ``torch.nn.functional``.
@@ -42,6 +44,7 @@ from guidespec.worker.kernels.ops import (
     linear,
     linear_argmax,
     linear_rows,
+    park_threads,
     rope_into_cache,
     silu_mul,
     single_tokens,
@@ -68,6 +71,7 @@ __all__ = [
     "load",
     "loader",
     "pack",
+    "park_threads",
     "quantize",
     "rope_into_cache",
     "silu_mul",

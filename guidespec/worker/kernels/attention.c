@@ -44,6 +44,7 @@
 enum { KEYS = 8, QUERIES_PER_PASS = 3, KEY_TILE = 64, CHUNK_TOKENS = 16 };
 
 #include "parallel.h"
+#include "pool.h"
 #include "vmath.h"
 
 /* s[t0 .. t0 + 7] = scale * q . k_t for 8 keys from kt (D floats each) */
@@ -213,6 +214,26 @@ static void attend(const float* q, const float* k, const float* v, const int* ta
     free(lo);
 }
 
+typedef struct {
+    const float *q, *k, *v;
+    float* out;
+    const int *tables, *starts;
+    int width, n, hkv, g, D, block_size, num_blocks, window, chunks;
+    float scale;
+} attention_args;
+
+static void attend_tasks(void* ctx, int begin, int end, int thread) {
+    const attention_args* a = ctx;
+    int hkv = a->hkv, chunks = a->chunks, n = a->n, g = a->g;
+    (void)thread;
+    for (int task = begin; task < end; task++) {
+        int r = task / (hkv * chunks), h = task / chunks % hkv, chunk = task % chunks;
+        int j0 = chunk * CHUNK_TOKENS, tokens = n - j0 < CHUNK_TOKENS ? n - j0 : CHUNK_TOKENS;
+        attend(a->q, a->k, a->v, a->tables + (size_t)r * a->width, a->out, r, h, a->starts[r], n, j0 * g, tokens * g,
+               hkv, g, a->D, a->block_size, a->num_blocks, a->scale, a->window);
+    }
+}
+
 void cache_attention_f32(const float* q, const float* k, const float* v, float* out,
                          const int* tables, int width, const int* starts, int B, int n, int hkv, int g, int D,
                          int block_size, int num_blocks, float scale, int window, int threads) {
@@ -221,11 +242,7 @@ void cache_attention_f32(const float* q, const float* k, const float* v, float* 
     int chunks = (n + CHUNK_TOKENS - 1) / CHUNK_TOKENS;
     size_t work = 0;  /* query-key products and their weighted values, roughly */
     for (int r = 0; r < B; r++) work += (size_t)(starts[r] + n) * n * g * hkv * 2 * D;
-    #pragma omp parallel for schedule(dynamic) num_threads(threads) if (work >= PARALLEL_MIN_WORK)
-    for (int task = 0; task < B * hkv * chunks; task++) {
-        int r = task / (hkv * chunks), h = task / chunks % hkv, chunk = task % chunks;
-        int j0 = chunk * CHUNK_TOKENS, tokens = n - j0 < CHUNK_TOKENS ? n - j0 : CHUNK_TOKENS;
-        attend(q, k, v, tables + (size_t)r * width, out, r, h, starts[r], n, j0 * g, tokens * g, hkv, g, D,
-               block_size, num_blocks, scale, window);
-    }
+    attention_args a = {q, k, v, out, tables, starts, width, n, hkv, g, D, block_size, num_blocks, window, chunks,
+                        scale};
+    pool_for(B * hkv * chunks, 1, threads, work >= PARALLEL_MIN_WORK, attend_tasks, &a);
 }

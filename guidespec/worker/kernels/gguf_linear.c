@@ -68,6 +68,7 @@
 #include <string.h>
 
 #include "parallel.h"
+#include "pool.h"
 #if defined(__AVX2__) && defined(__F16C__)
 #define QUANT_AVX2 1
 #include <immintrin.h>
@@ -217,21 +218,24 @@ static void quantize_block(const float* xb, int8_t* lo, int8_t* hi, float* d_out
 #endif
 }
 
-static void quantize_rows(const float* x, int M, int K, act_t* a, int threads) {
-    int nb = K / QK, nbp = a->nbp, rows = a->paired ? (M + 1) / 2 * 2 : M;
-    /* the padding's quants, scales and sums zero (a zero weight block times NaN is NaN): the last
-       group's blocks past the row's end, and a paired layout's padding row */
-    memset(a->q, 0, (size_t)rows * nbp * QK);
-    memset(a->d, 0, sizeof(float) * (size_t)rows * nbp);
-    memset(a->s, 0, sizeof(float) * (size_t)rows * nbp);
-    #pragma omp parallel for schedule(static) num_threads(threads) if (M >= 16)
-    for (int r = 0; r < M; r++) {
-        int8_t* q = a->q;
-        float *d = a->d, *s = a->s;
+typedef struct {
+    const float* x;
+    int K;
+    act_t* a;
+} quantize_args;
+
+static void quantize_some(void* ctx, int begin, int end, int thread) {
+    const quantize_args* args = ctx;
+    act_t* a = args->a;
+    int K = args->K, nb = K / QK;
+    int8_t* q = a->q;
+    float *d = a->d, *s = a->s;
+    (void)thread;
+    for (int r = begin; r < end; r++) {
         for (int b = 0; b < nb; b++) {
             int8_t tmp[QK];
             size_t at = act_at(a->full, b, 0), lane = lane_in(a, r, lane_at(a->full, b));
-            quantize_block(x + (size_t)r * K + b * QK, tmp, tmp + 16, d + lane, s + lane);
+            quantize_block(args->x + (size_t)r * K + b * QK, tmp, tmp + 16, d + lane, s + lane);
             if (b < a->full) {  /* interleaved: the block's 8 words, a vector apart */
                 for (int w = 0; w < 8; w++) memcpy(q + q_at(a, r, at + 32 * w), tmp + 4 * w, 4);
             } else {  /* a pair's low half, its high half 32 bytes on */
@@ -240,6 +244,17 @@ static void quantize_rows(const float* x, int M, int K, act_t* a, int threads) {
             }
         }
     }
+}
+
+static void quantize_rows(const float* x, int M, int K, act_t* a, int threads) {
+    int nbp = a->nbp, rows = a->paired ? (M + 1) / 2 * 2 : M;
+    /* the padding's quants, scales and sums zero (a zero weight block times NaN is NaN): the last
+       group's blocks past the row's end, and a paired layout's padding row */
+    memset(a->q, 0, (size_t)rows * nbp * QK);
+    memset(a->d, 0, sizeof(float) * (size_t)rows * nbp);
+    memset(a->s, 0, sizeof(float) * (size_t)rows * nbp);
+    quantize_args args = {x, K, a};
+    pool_for(M, PARALLEL_CHUNK(M, threads), threads, M >= 16, quantize_some, &args);
 }
 
 /* ---------------------------------------------------------------- the AVX2 tile */
@@ -599,6 +614,46 @@ static int tile_rows(const format_t* f) {
 #endif
 }
 
+typedef struct {
+    const format_t* f;
+    const uint8_t* qs;
+    const void *s0, *s1;
+    int format;
+    const float* bias;
+    const int32_t* ids;
+    float* y;
+    int M, N, nbw, rows, m_rows;
+    size_t qs_row, s_row;
+    act_t* a;
+    const row_t* views;
+} rows_args;
+
+static void linear_groups(void* ctx, int begin, int end, int thread) {
+    const rows_args* c = ctx;
+    int M = c->M, N = c->N, rows = c->rows, m_rows = c->m_rows, nbw = c->nbw;
+    (void)thread;
+    for (int g = begin; g < end; g++) {
+        int n0 = g * ROWS_PER_GROUP, n1 = n0 + ROWS_PER_GROUP < N ? n0 + ROWS_PER_GROUP : N;
+        for (int m0 = 0; m0 < M; m0 += rows) {
+            int mc = m_rows - m0 < rows ? m_rows - m0 : rows;
+            for (int n = n0; n < n1; n++) {
+                float out[MAX_TILE];
+                size_t w = c->ids ? (size_t)c->ids[n] : (size_t)n;
+                const uint8_t* row_qs = c->qs + w * c->qs_row;
+                const char* row_s0 = (const char*)c->s0 + w * c->s_row;
+                const char* row_s1 = c->s1 ? (const char*)c->s1 + w * c->s_row : 0;
+#if QUANT_AVX2
+                TILES[c->format](row_qs, row_s0, row_s1, nbw, c->a, c->views + m0, mc, out);
+#else
+                scalar_tile(c->f, row_qs, row_s0, row_s1, nbw, c->a, m0, mc, out);
+#endif
+                for (int k = 0; k < mc && m0 + k < M; k++)
+                    c->y[(size_t)(m0 + k) * N + n] = out[k] + (c->bias ? c->bias[w] : 0.f);
+            }
+        }
+    }
+}
+
 /* y [M][N]: output n is weight row ids[n] (ids NULL: row n) */
 static void linear_rows(const float* x, const uint8_t* qs, const void* s0, const void* s1, int format,
                         const float* bias, const int32_t* ids, float* y, int M, int N, int K, int threads) {
@@ -621,27 +676,8 @@ static void linear_rows(const float* x, const uint8_t* qs, const void* s0, const
     quantize_rows(x, M, K, &a, threads);
     row_t* views = malloc(sizeof(row_t) * (size_t)m_rows);  /* each row's, once */
     for (int r = 0; r < m_rows; r++) views[r] = row_of(&a, r);
-    int chunk = PARALLEL_CHUNK(groups, threads);
-    #pragma omp parallel for schedule(dynamic, chunk) num_threads(threads) if ((size_t)M * N * K >= PARALLEL_MIN_WORK)
-    for (int g = 0; g < groups; g++) {
-        int n0 = g * ROWS_PER_GROUP, n1 = n0 + ROWS_PER_GROUP < N ? n0 + ROWS_PER_GROUP : N;
-        for (int m0 = 0; m0 < M; m0 += rows) {
-            int mc = m_rows - m0 < rows ? m_rows - m0 : rows;
-            for (int n = n0; n < n1; n++) {
-                float out[MAX_TILE];
-                size_t w = ids ? (size_t)ids[n] : (size_t)n;
-                const uint8_t* row_qs = qs + w * qs_row;
-                const char* row_s0 = (const char*)s0 + w * s_row;
-                const char* row_s1 = s1 ? (const char*)s1 + w * s_row : 0;
-#if QUANT_AVX2
-                TILES[format](row_qs, row_s0, row_s1, nbw, &a, views + m0, mc, out);
-#else
-                scalar_tile(f, row_qs, row_s0, row_s1, nbw, &a, m0, mc, out);
-#endif
-                for (int c = 0; c < mc && m0 + c < M; c++) y[(size_t)(m0 + c) * N + n] = out[c] + (bias ? bias[w] : 0.f);
-            }
-        }
-    }
+    rows_args c = {f, qs, s0, s1, format, bias, ids, y, M, N, nbw, rows, m_rows, qs_row, s_row, &a, views};
+    pool_for(groups, PARALLEL_CHUNK(groups, threads), threads, (size_t)M * N * K >= PARALLEL_MIN_WORK, linear_groups, &c);
     free(views);
     free(a.q);
     free(a.d);
@@ -661,19 +697,27 @@ void gguf_linear_rows(const float* x, const uint8_t* qs, const void* s0, const v
     linear_rows(x, qs, s0, s1, format, 0, ids, y, M, num_ids, K, threads);
 }
 
-/* rows `ids` of w (the kernel's layout) dequantized into out [len(ids)][K] (embedding lookups) */
-void gguf_dequantize_rows(const uint8_t* qs, const void* s0, const void* s1, int format, const int64_t* ids,
-                          int num_ids, int K, float* out, int threads) {
-    const format_t* f = &FORMATS[format];
-    int nb = K / QK, nbw = (nb + 1) / 2 * 2, full = interleaved_blocks(f, nbw);
-    #pragma omp parallel for schedule(static) num_threads(threads) if (num_ids >= 64)
-    for (int i = 0; i < num_ids; i++) {
-        size_t n = (size_t)ids[i];
-        const uint8_t* row = qs + n * nbw * (f->qs_bytes + f->qh_bytes);
+typedef struct {
+    const format_t* f;
+    const uint8_t* qs;
+    const void *s0, *s1;
+    const int64_t* ids;
+    int K, nb, nbw, full;
+    float* out;
+} dequantize_args;
+
+static void dequantize_some(void* ctx, int begin, int end, int thread) {
+    const dequantize_args* a = ctx;
+    const format_t* f = a->f;
+    int nb = a->nb, nbw = a->nbw, full = a->full, K = a->K;
+    (void)thread;
+    for (int i = begin; i < end; i++) {
+        size_t n = (size_t)a->ids[i];
+        const uint8_t* row = a->qs + n * nbw * (f->qs_bytes + f->qh_bytes);
         for (int b = 0; b < nb; b++) {
-            float w0 = scale_at(s0, f->f16, n * nbw + b);
-            float w1 = f->has_offset || f->halves ? scale_at(s1, f->f16, n * nbw + b) : 0.f;
-            float* o = out + (size_t)i * K + b * QK;
+            float w0 = scale_at(a->s0, f->f16, n * nbw + b);
+            float w1 = f->has_offset || f->halves ? scale_at(a->s1, f->f16, n * nbw + b) : 0.f;
+            float* o = a->out + (size_t)i * K + b * QK;
             for (int j = 0; j < QK; j++) {
                 float q = (float)quant(f, row, nbw, full, b, j);
                 o[j] = f->halves ? (j < 16 ? w0 : w1) * q : w0 * q + w1;
@@ -682,3 +726,11 @@ void gguf_dequantize_rows(const uint8_t* qs, const void* s0, const void* s1, int
     }
 }
 
+/* rows `ids` of w (the kernel's layout) dequantized into out [len(ids)][K] (embedding lookups) */
+void gguf_dequantize_rows(const uint8_t* qs, const void* s0, const void* s1, int format, const int64_t* ids,
+                          int num_ids, int K, float* out, int threads) {
+    const format_t* f = &FORMATS[format];
+    int nb = K / QK, nbw = (nb + 1) / 2 * 2, full = interleaved_blocks(f, nbw);
+    dequantize_args a = {f, qs, s0, s1, ids, K, nb, nbw, full, out};
+    pool_for(num_ids, PARALLEL_CHUNK(num_ids, threads), threads, num_ids >= 64, dequantize_some, &a);
+}

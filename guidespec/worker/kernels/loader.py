@@ -13,9 +13,17 @@ from guidespec import envs, native
 
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("packed_linear.c", "gguf_linear.c", "attention.c", "layer_ops.c", "logits_ops.c", "decoder.c")
+    for name in (
+        "pool.c",
+        "packed_linear.c",
+        "gguf_linear.c",
+        "attention.c",
+        "layer_ops.c",
+        "logits_ops.c",
+        "decoder.c",
+    )
 ]
-_HEADERS = [Path(__file__).with_name(name) for name in ("vec.h", "vmath.h", "parallel.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("vec.h", "vmath.h", "parallel.h", "pool.h")]
 
 
 @lru_cache(maxsize=1)
@@ -23,18 +31,26 @@ def library() -> ctypes.CDLL | None:
     if not envs.cpu_kernels_enabled():
         return None
     path = build(["-march=native"])
-    return None if path is None else load(path)
+    if path is None:
+        return None
+    lib = load(path)
+    lib.pool_set_spin_us(envs.kernel_spin_us())
+    return lib
 
 
 def build(arch_flags: list[str]) -> Path | None:
     """The kernels compiled for ``arch_flags`` (the engine's: ``-march=native``), cached by source,
     compiler, flags and CPU; None (with a warning) where there is no compiler or it fails."""
-    return native.build_shared("guidespec-cpu", _SOURCES, _HEADERS, ["-O3", *arch_flags, "-fopenmp"], ["-lm"])
+    return native.build_shared("guidespec-cpu", _SOURCES, _HEADERS, ["-O3", *arch_flags, "-pthread"], ["-lm"])
 
 
 def load(path: Path) -> ctypes.CDLL:
     """A built kernel library, its functions typed."""
     lib = ctypes.CDLL(str(path))
+    lib.pool_park.argtypes = []
+    lib.pool_park.restype = None
+    lib.pool_set_spin_us.argtypes = [ctypes.c_long]
+    lib.pool_set_spin_us.restype = None
     lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.packed_linear_f32.restype = None
     lib.packed_rows_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]

@@ -11,16 +11,24 @@
 #include <stdint.h>
 
 #include "parallel.h"
+#include "pool.h"
 #include "vec.h"
 
-/* logits [*][V]: row rows[i] keeps the tokens bitmask row i allows (bit j of word w: token
-   32 w + j) and the others become -inf. bitmask [n][W], W * 32 >= V. */
-void apply_bitmask_f32(float* logits, int V, const int64_t* rows, const int32_t* bitmask, int W, int n,
-                       int threads) {
-    #pragma omp parallel for schedule(dynamic, PARALLEL_CHUNK(n, threads)) num_threads(threads) if (n >= 8)
-    for (int i = 0; i < n; i++) {
-        float* row = logits + (size_t)rows[i] * V;
-        const uint32_t* words = (const uint32_t*)(bitmask + (size_t)i * W);
+typedef struct {
+    float* logits;
+    int V;
+    const int64_t* rows;
+    const int32_t* bitmask;
+    int W;
+} mask_args;
+
+static void mask_rows(void* ctx, int begin, int end, int thread) {
+    const mask_args* a = ctx;
+    int V = a->V, W = a->W;
+    (void)thread;
+    for (int i = begin; i < end; i++) {
+        float* row = a->logits + (size_t)a->rows[i] * V;
+        const uint32_t* words = (const uint32_t*)(a->bitmask + (size_t)i * W);
         for (int w = 0; w < W; w++) {
             uint32_t word = words[w];
             if (word == 0xffffffffu) continue;
@@ -33,6 +41,14 @@ void apply_bitmask_f32(float* logits, int V, const int64_t* rows, const int32_t*
                 if (!((word >> (t - first)) & 1u)) row[t] = -INFINITY;
         }
     }
+}
+
+/* logits [*][V]: row rows[i] keeps the tokens bitmask row i allows (bit j of word w: token
+   32 w + j) and the others become -inf. bitmask [n][W], W * 32 >= V. */
+void apply_bitmask_f32(float* logits, int V, const int64_t* rows, const int32_t* bitmask, int W, int n,
+                       int threads) {
+    mask_args a = {logits, V, rows, bitmask, W};
+    pool_for(n, PARALLEL_CHUNK(n, threads), threads, n >= 8, mask_rows, &a);
 }
 
 static inline int allowed(const uint32_t* words, int t) { return !words || (words[t >> 5] >> (t & 31)) & 1u; }
@@ -109,19 +125,23 @@ static int first_max_sparse(const float* row, int V, const uint32_t* words, int 
     return at;
 }
 
-/* For each of R rows of logits [R][V]: the index of its largest value (the first one where
-   several tie, the first NaN where there is one: as torch.argmax) and whether every value is
-   -inf (a row whose mask allows nothing; its index is then 0). With mask_of_row (NULL: none),
-   row r whose mask_of_row[r] = i >= 0 is read as if bitmask row i had been applied to it
-   (apply_bitmask_f32, then this): only the tokens the mask allows are read, so a guided greedy
-   row costs one pass over its allowed tokens instead of a write pass and a read pass over all. */
-void argmax_rows_f32(const float* logits, int R, int V, const int32_t* mask_of_row, const int32_t* bitmask, int W,
-                     int64_t* best, uint8_t* dead, int threads) {
-    #pragma omp parallel for schedule(dynamic, PARALLEL_CHUNK(R, threads)) num_threads(threads) if (R >= 8)
-    for (int r = 0; r < R; r++) {
-        const float* row = logits + (size_t)r * V;
-        int mask = mask_of_row ? mask_of_row[r] : -1;
-        const uint32_t* words = mask >= 0 ? (const uint32_t*)(bitmask + (size_t)mask * W) : NULL;
+typedef struct {
+    const float* logits;
+    int V;
+    const int32_t *mask_of_row, *bitmask;
+    int W;
+    int64_t* best;
+    uint8_t* dead;
+} argmax_args;
+
+static void argmax_some(void* ctx, int begin, int end, int thread) {
+    const argmax_args* a = ctx;
+    int V = a->V, W = a->W;
+    (void)thread;
+    for (int r = begin; r < end; r++) {
+        const float* row = a->logits + (size_t)r * V;
+        int mask = a->mask_of_row ? a->mask_of_row[r] : -1;
+        const uint32_t* words = mask >= 0 ? (const uint32_t*)(a->bitmask + (size_t)mask * W) : NULL;
         int at;
         if (!words) {
             at = first_max(row, V, NULL);
@@ -130,9 +150,21 @@ void argmax_rows_f32(const float* logits, int R, int V, const int32_t* mask_of_r
             for (int w = 0; w < W; w += 8) sampled += __builtin_popcount(words[w]);
             at = sampled * 8 < V / 16 ? first_max_sparse(row, V, words, W) : first_max(row, V, words);
         }
-        best[r] = at;
-        dead[r] = row[at] == -INFINITY || !allowed(words, at);
+        a->best[r] = at;
+        a->dead[r] = row[at] == -INFINITY || !allowed(words, at);
     }
+}
+
+/* For each of R rows of logits [R][V]: the index of its largest value (the first one where
+   several tie, the first NaN where there is one: as torch.argmax) and whether every value is
+   -inf (a row whose mask allows nothing; its index is then 0). With mask_of_row (NULL: none),
+   row r whose mask_of_row[r] = i >= 0 is read as if bitmask row i had been applied to it
+   (apply_bitmask_f32, then this): only the tokens the mask allows are read, so a guided greedy
+   row costs one pass over its allowed tokens instead of a write pass and a read pass over all. */
+void argmax_rows_f32(const float* logits, int R, int V, const int32_t* mask_of_row, const int32_t* bitmask, int W,
+                     int64_t* best, uint8_t* dead, int threads) {
+    argmax_args a = {logits, V, mask_of_row, bitmask, W, best, dead};
+    pool_for(R, PARALLEL_CHUNK(R, threads), threads, R >= 8, argmax_some, &a);
 }
 
 /* For each of n bitmask rows [n][W]: the one token it allows, or -1 where it allows none or more

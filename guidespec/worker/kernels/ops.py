@@ -382,3 +382,11 @@ def single_tokens(bitmask: np.ndarray, vocab_size: int) -> np.ndarray | None:
     if len(out):
         lib.single_token_rows(bitmask.ctypes.data, bitmask.shape[0], bitmask.shape[1], vocab_size, out.ctypes.data)
     return out
+
+
+def park_threads() -> None:
+    """The kernels' helper threads sleep until the next parallel region instead of spinning
+    (``pool.c``): their caller is about to wait, and the host's other processes want the cores."""
+    lib = loader.library()
+    if lib is not None:
+        lib.pool_park()

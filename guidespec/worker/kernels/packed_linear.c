@@ -23,14 +23,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#define THREAD_NUM() omp_get_thread_num()
-#else
-#define THREAD_NUM() 0
-#endif
-
 #include "parallel.h"
+#include "pool.h"
 #include "vec.h"
 
 /* VW outputs from n0 (sum + bias), cut at N */
@@ -123,21 +117,43 @@ static void NAME##MC##o(const float* x, int K, const WT* wp, const float* scale,
 DEFINE_TILES(tile, float, ld, unscaled)
 DEFINE_TILES(tileq, signed char, ldq, scaled)
 
+/* A loop over tiles' arguments (the picks' fields only for them) */
+typedef struct {
+    const float* x;
+    const void* wp;
+    const float *scale, *bias;
+    float* y;
+    int M, N, K, padded;
+    const int32_t *mask_of_row, *bitmask;
+    int W;
+    vf* tops;
+    vi *firsts, *nans;
+} tiles_args;
+
 /* each thread owns whole tiles of 2 x VW outputs: their weights stay in its cache while every
    input row passes over them (the padded width is a multiple of 16, so only with VW = 16 can a
    last tile have one vector) */
+#define DEFINE_RUN(TILES, WT)                                                                     \
+static void TILES##_run(void* ctx, int begin, int end, int thread) {                              \
+    const tiles_args* a = ctx;                                                                    \
+    int M = a->M, N = a->N, K = a->K;                                                             \
+    (void)thread;                                                                                 \
+    for (int p = begin; p < end; p++) {                                                           \
+        int n0 = 2 * VW * p, two = a->padded - n0 > VW;                                           \
+        for (int m0 = 0; m0 < M; m0 += 6) {                                                       \
+            int mc = M - m0 < 6 ? M - m0 : 6;                                                     \
+            TILES[mc](a->x + (size_t)m0 * K, K, (const WT*)a->wp, a->scale, a->bias, a->y + (size_t)m0 * N, N, n0, two); \
+        }                                                                                         \
+    }                                                                                             \
+}
+DEFINE_RUN(tiles, float)
+DEFINE_RUN(tileqs, signed char)
+
 #define RUN_TILES(TILES, WP, SCALE)                                                               \
     int padded = (N + 15) / 16 * 16, ntiles = (padded + 2 * VW - 1) / (2 * VW);                   \
     size_t work = (size_t)M * N * K;                                                              \
-    int chunk = PARALLEL_CHUNK(ntiles, threads);                                                  \
-    _Pragma("omp parallel for schedule(dynamic, chunk) num_threads(threads) if (work >= PARALLEL_MIN_WORK)") \
-    for (int p = 0; p < ntiles; p++) {                                                            \
-        int n0 = 2 * VW * p, two = padded - n0 > VW;                                              \
-        for (int m0 = 0; m0 < M; m0 += 6) {                                                       \
-            int mc = M - m0 < 6 ? M - m0 : 6;                                                     \
-            TILES[mc](x + (size_t)m0 * K, K, WP, SCALE, bias, y + (size_t)m0 * N, N, n0, two);    \
-        }                                                                                         \
-    }
+    tiles_args a = {x, WP, SCALE, bias, y, M, N, K, padded, 0, 0, 0, 0, 0, 0};                    \
+    pool_for(ntiles, PARALLEL_CHUNK(ntiles, threads), threads, work >= PARALLEL_MIN_WORK, TILES##_run, &a);
 
 void packed_linear_f32(const float* x, const float* wp, const float* bias, float* y,
                        int M, int N, int K, int threads) {
@@ -186,10 +202,40 @@ static inline void pick_vec(vf v, vi index, int n0, int N, const uint32_t* words
         free(y);                                                                                  \
     } while (0)
 
-#define RUN_PICKS(TILES, OTILES, WP, SCALE)                                                       \
+/* a thread's tiles (increasing: pool_for's chunks are) picked into its lane states */
+#define DEFINE_PICKS(TILES, OTILES, WT)                                                           \
+static void TILES##_picks(void* ctx, int begin, int end, int thread) {                            \
+    const tiles_args* a = ctx;                                                                    \
+    int M = a->M, N = a->N, K = a->K, W = a->W;                                                   \
+    size_t me = (size_t)thread * M;                                                               \
+    float out[6 * 2 * VW] __attribute__((aligned(64)));                                           \
+    vi lane;                                                                                      \
+    for (int l = 0; l < VW; l++) lane[l] = l;                                                     \
+    for (int p = begin; p < end; p++) {                                                           \
+        int n0 = 2 * VW * p, two = a->padded - n0 > VW;                                           \
+        vi index0 = lane + n0, index1 = lane + (n0 + VW);                                         \
+        for (int m0 = 0; m0 < M; m0 += 6) {                                                       \
+            int mc = M - m0 < 6 ? M - m0 : 6;                                                     \
+            OTILES[mc](a->x + (size_t)m0 * K, K, (const WT*)a->wp, a->scale, a->bias, out, N, n0, two); \
+            for (int c = 0; c < mc; c++) {                                                        \
+                size_t r = (size_t)m0 + c;                                                        \
+                int mask = a->mask_of_row ? a->mask_of_row[r] : -1;                               \
+                const uint32_t* words = mask >= 0 ? (const uint32_t*)(a->bitmask + (size_t)mask * W) : NULL; \
+                vf* top = a->tops + me + r;                                                       \
+                vi *first = a->firsts + me + r, *nan = a->nans + me + r;                          \
+                pick_vec(ld(out + c * 2 * VW), index0, n0, N, words, top, first, nan);            \
+                if (two) pick_vec(ld(out + c * 2 * VW + VW), index1, n0 + VW, N, words, top, first, nan); \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+}
+DEFINE_PICKS(tiles, tileos, float)
+DEFINE_PICKS(tileqs, tileqos, signed char)
+
+#define RUN_PICKS(TILES, WP, SCALE)                                                               \
     int padded = (N + 15) / 16 * 16, ntiles = (padded + 2 * VW - 1) / (2 * VW);                   \
     size_t work = (size_t)M * N * K;                                                              \
-    int chunk = PARALLEL_CHUNK(ntiles, threads), team = threads > 0 ? threads : 1;                \
+    int team = threads > 0 ? threads : 1;                                                         \
     size_t states = (size_t)team * M;                                                             \
     vf* tops = aligned_alloc(sizeof(vf), sizeof(vf) * states); /* (vectors: aligned) */          \
     vi* firsts = aligned_alloc(sizeof(vi), sizeof(vi) * states);                                  \
@@ -199,31 +245,8 @@ static inline void pick_vec(vf v, vi index, int n0, int N, const uint32_t* words
         tops[i] = (vf){0} - INFINITY;                                                             \
         firsts[i] = nans[i] = (vi){0};                                                            \
     }                                                                                             \
-    vi lane;                                                                                      \
-    for (int l = 0; l < VW; l++) lane[l] = l;                                                     \
-    _Pragma("omp parallel num_threads(team) if (work >= PARALLEL_MIN_WORK)")                      \
-    {                                                                                             \
-        size_t me = (size_t)THREAD_NUM() * M;                                                     \
-        float out[6 * 2 * VW] __attribute__((aligned(64)));                                       \
-        _Pragma("omp for schedule(dynamic, chunk)")                                               \
-        for (int p = 0; p < ntiles; p++) {                                                        \
-            int n0 = 2 * VW * p, two = padded - n0 > VW;                                          \
-            vi index0 = lane + n0, index1 = lane + (n0 + VW);                                     \
-            for (int m0 = 0; m0 < M; m0 += 6) {                                                   \
-                int mc = M - m0 < 6 ? M - m0 : 6;                                                 \
-                OTILES[mc](x + (size_t)m0 * K, K, WP, SCALE, bias, out, N, n0, two);              \
-                for (int c = 0; c < mc; c++) {                                                    \
-                    size_t r = (size_t)m0 + c;                                                    \
-                    int mask = mask_of_row ? mask_of_row[r] : -1;                                 \
-                    const uint32_t* words = mask >= 0 ? (const uint32_t*)(bitmask + (size_t)mask * W) : NULL; \
-                    vf* top = tops + me + r;                                                      \
-                    vi *first = firsts + me + r, *nan = nans + me + r;                            \
-                    pick_vec(ld(out + c * 2 * VW), index0, n0, N, words, top, first, nan);        \
-                    if (two) pick_vec(ld(out + c * 2 * VW + VW), index1, n0 + VW, N, words, top, first, nan); \
-                }                                                                                 \
-            }                                                                                     \
-        }                                                                                         \
-    }                                                                                             \
+    tiles_args a = {x, WP, SCALE, bias, 0, M, N, K, padded, mask_of_row, bitmask, W, tops, firsts, nans}; \
+    pool_for(ntiles, PARALLEL_CHUNK(ntiles, team), team, work >= PARALLEL_MIN_WORK, TILES##_picks, &a); \
     int failed = 0;                                                                               \
     for (int r = 0; r < M; r++) {                                                                 \
         vf m = tops[r];                                                                           \
@@ -263,13 +286,13 @@ static inline void pick_vec(vf v, vi index, int n0, int N, const uint32_t* words
 int packed_linear_argmax_f32(const float* x, const float* wp, const float* bias, int M, int N, int K,
                              const int32_t* mask_of_row, const int32_t* bitmask, int W, int64_t* best,
                              uint8_t* dead, int threads) {
-    RUN_PICKS(tiles, tileos, wp, (const float*)0)
+    RUN_PICKS(tiles, wp, (const float*)0)
 }
 
 int packed_linear_argmax_i8(const float* x, const signed char* qp, const float* scale, const float* bias, int M,
                             int N, int K, const int32_t* mask_of_row, const int32_t* bitmask, int W,
                             int64_t* best, uint8_t* dead, int threads) {
-    RUN_PICKS(tileqs, tileqos, qp, scale)
+    RUN_PICKS(tileqs, qp, scale)
 }
 
 /* Rows ids[0..n) of a packed fp32 weight wp[ceil(N/16)][K][16] (an embedding lookup): out[n][K].

@@ -1,6 +1,6 @@
-/* When a kernel's parallel region is worth its team.
+/* When a kernel's parallel region is worth its team (pool.c's threads).
  *
- * Waking OpenMP's threads for a region costs microseconds when they spin, and a scheduler tick
+ * Handing a region to the helper threads costs microseconds when they spin, and a scheduler tick
  * when one of them was descheduled (a 2-core host running the scheduler and a worker's two
  * threads): a tiny model's decode step spent 30% of rank 0's loop in its decoder stack's ten
  * regions a step, each a few thousand multiply-adds. A region of fewer than PARALLEL_MIN_WORK

@@ -1,0 +1,129 @@
+"""The CPU kernels' thread pool (``kernels/pool.c``): loops from several callers at once, a forked
+child's loops, and helpers that sleep when parked. Each case runs in a fresh interpreter on two
+threads (the pool's state is per process; a broken pool hangs rather than fails, so each has a
+timeout)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from guidespec.worker import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the kernel is not built")
+
+_SETUP = """
+import os, threading, time
+import numpy as np
+import torch
+from guidespec.worker import kernels
+torch.set_num_threads(2)
+g = torch.Generator().manual_seed(0)
+w = kernels.pack(torch.randn(4096, 256, generator=g))
+xs = [torch.randn(64, 256, generator=g) for _ in range(4)]
+expected = [torch.nn.functional.linear(x, kernels.dense(w)) for x in xs]
+
+expected = [e.numpy() for e in expected]
+
+def check(i):
+    got = kernels.linear(xs[i], w).numpy()  # 64 x 4096 x 256: a parallel region
+    np.testing.assert_allclose(got, expected[i], atol=1e-3, rtol=1e-4)  # (NumPy: no torch op after a fork)
+    return got
+
+def helper_tids():  # the pool's threads (named by pool.c)
+    tids = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().strip() == "gs-kernels":
+                tids.append(tid)
+    return tids
+
+def run_ns(tid):
+    with open(f"/proc/self/task/{tid}/schedstat") as f:
+        return int(f.read().split()[0])
+"""
+
+_CONCURRENT = """
+firsts = [check(i) for i in range(4)]
+errors = []
+def caller(i):
+    try:
+        for _ in range(40):
+            assert np.array_equal(check(i), firsts[i])  # bit for bit: who ran which tile does not matter
+    except BaseException as e:
+        errors.append(e)
+threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+for t in threads: t.start()
+for t in threads: t.join()
+assert not errors, errors
+print("ok")
+"""
+
+_FORK = """
+check(0)  # the parent's helper starts
+assert len(helper_tids()) == 1
+pid = os.fork()
+if pid == 0:
+    try:
+        before = len(helper_tids())
+        check(1)
+        after = len(helper_tids())
+        # the child's loops get a helper of its own (the parent's is not there)
+        os._exit(0 if before == 0 and after == 1 else 3)
+    except BaseException:
+        os._exit(4)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+print("ok")
+"""
+
+_PARK = """
+check(0)
+(tid,) = helper_tids()
+def spun(seconds=0.2):
+    start = run_ns(tid)
+    time.sleep(seconds)
+    return (run_ns(tid) - start) / 1e9
+busy = spun()
+assert busy > 0.05, f"a helper told to spin for 10 s ran {busy:.3f} s of 0.2"  # (it spins: the set-up)
+kernels.park_threads()
+time.sleep(0.02)
+idle = spun()
+assert idle < 0.01, f"a parked helper ran {idle:.3f} s of 0.2"
+check(1)  # the next region wakes it
+busy_again = spun()
+assert busy_again > 0.05, f"after a region the helper ran {busy_again:.3f} s of 0.2"
+print("ok")
+"""
+
+
+def _run(script: str, **env: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _SETUP + script],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_callers_on_several_threads_each_get_their_own_loop() -> None:
+    """Four Python threads call a parallel kernel at once (ctypes lets go of the GIL): one caller's
+    loop runs on the pool, the others' on their own thread; every result is what it is alone."""
+    _run(_CONCURRENT)
+
+
+def test_a_forked_child_starts_helpers_of_its_own() -> None:
+    """After a fork the pool has none of the parent's helper threads: the child's first parallel
+    loop starts one (a pool that counted the parent's would run every loop on one thread)."""
+    _run(_FORK)
+
+
+def test_parked_helpers_sleep_until_the_next_region() -> None:
+    """With a 10 s spin a helper keeps its core after a region; parked, it sleeps at once (the
+    worker parks before it waits for the ring or a bitmask), and the next region wakes it."""
+    _run(_PARK, GUIDESPEC_KERNEL_SPIN_US="10000000")
