@@ -110,6 +110,8 @@ static void start_helpers(int wanted) {
     if (wanted > MAX_HELPERS) wanted = MAX_HELPERS;
     sigset_t all, old;
     sigfillset(&all);  /* (signals stay the caller's: Python's handlers run on its main thread) */
+    int faults[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};  /* (a fault's handler, faulthandler's, still runs) */
+    for (size_t i = 0; i < sizeof faults / sizeof *faults; i++) sigdelset(&all, faults[i]);
     pthread_sigmask(SIG_SETMASK, &all, &old);
     while (helpers < wanted) {
         pthread_t thread;
