@@ -32,7 +32,7 @@ tok/s over unguided's in the same round (json+ngram, from another engine: over u
 at the same batch and scheduling. "CPU ms/step": each engine process's CPU time (user + system,
 every thread, ``/proc``) over a timed generate, per step, the median over the rounds: less noisy
 than wall time on a shared host, and on one whose cores are all busy what each process's work costs
-a step (rank 0's includes its OpenMP thread spinning while it waits). The span columns are medians
+a step (rank 0's includes its kernels' helper thread spinning between a step's regions). The span columns are medians
 over the timed generates' steps of batch B in the step trace the scheduler writes at close
 (``GUIDESPEC_TRACE``, ``scheduler/trace.py``), per process, plus two derived spans: "inputs out", a
 step's "schedule + write inputs" end to its worker's first span (the forward; under async
@@ -291,7 +291,7 @@ def cpu_seconds(llm: LLM) -> dict[str, float]:
     seconds at batch 64 within 1%); empty where there is no ``/proc``. Less noisy than wall time on
     a shared host, and on one whose cores are all busy (2 cores: the scheduler beside rank 0's two
     threads) what a step costs: every process's milliseconds come out of the same two cores. Rank
-    0's includes its OpenMP thread's spinning while it waits."""
+    0's includes its kernels' helper thread spinning between a step's regions."""
     seconds = {}
     for name, process in llm._processes.processes.items():
         try:
