@@ -100,6 +100,21 @@ print("ok")
 """
 
 
+_LATE_HELPER = """
+import sys
+lib = kernels.load(kernels.build(["-march=native", "-DPOOL_PUBLISH_DELAY_NS=50000"]))
+kernels.loader.library = lambda: lib
+ws = [kernels.pack(torch.randn(n, 64, generator=g)) for n in (160, 4096, 640)]
+x = torch.randn(64, 64, generator=g)
+firsts = [kernels.linear(x, w).numpy().copy() for w in ws]
+for _ in range(400):
+    kernels.park_threads()  # (the helper sleeps: the next loop wakes it late, while the caller runs it)
+    for w, first in zip(ws, firsts):
+        assert np.array_equal(kernels.linear(x, w).numpy(), first)
+print("ok")
+"""
+
+
 def _run(script: str, **env: str) -> None:
     result = subprocess.run(
         [sys.executable, "-c", _SETUP + script],
@@ -127,3 +142,10 @@ def test_parked_helpers_sleep_until_the_next_region() -> None:
     """With a 10 s spin a helper keeps its core after a region; parked, it sleeps at once (the
     worker parks before it waits for the ring or a bitmask), and the next region wakes it."""
     _run(_PARK, GUIDESPEC_KERNEL_SPIN_US="10000000")
+
+
+def test_a_late_helper_takes_no_chunk_of_a_finished_loop() -> None:
+    """A helper woken late for a loop the caller has finished meets the next loop's fields being
+    written (a build that waits 50 µs there): it must take nothing, neither a chunk past the old
+    loop's end under the new loop's task nor a count that lets the caller return early."""
+    _run(_LATE_HELPER)

@@ -13,7 +13,8 @@
  *
  * A loop's items are handed out in chunks from one counter, (generation << 32 | next item): a
  * thread takes a chunk with one compare-and-swap, which fails if the loop it read is no longer
- * the current one, so a late helper never runs a chunk of a finished loop. The caller returns
+ * the current one, so a late helper never runs a chunk of a finished loop (nor of the next,
+ * whose fields it may have read half-written: pool_for). The caller returns
  * when the finished items count n; each item is run by exactly one thread, in the same way
  * whichever, so results do not depend on the number of threads or on who ran what.
  */
@@ -58,21 +59,22 @@ static long now_ns(void) {
 
 /* Chunks of generation gen's loop run on this thread until none is left (or the loop is gone) */
 static void run_chunks(uint32_t gen, int thread) {
-    uint64_t v = atomic_load(&counter);
+    uint64_t v = atomic_load_explicit(&counter, memory_order_acquire);
     for (;;) {
         if ((uint32_t)(v >> 32) != gen) return;
-        /* the loop's fields, read before the swap that proves they were still this loop's */
         int n = atomic_load_explicit(&job_n, memory_order_relaxed);
         int chunk = atomic_load_explicit(&job_chunk, memory_order_relaxed);
         pool_task task = atomic_load_explicit(&job_task, memory_order_relaxed);
         void* ctx = atomic_load_explicit(&job_ctx, memory_order_relaxed);
-        int begin = (int)(uint32_t)v;
-        if (begin >= n) return;
+        /* (the fields before the swap: it succeeds only if they were this loop's, see pool_for) */
+        atomic_thread_fence(memory_order_acquire);
+        uint32_t begin = (uint32_t)v;
+        if (begin >= (uint32_t)n) return;
         if (!atomic_compare_exchange_weak(&counter, &v, v + (uint64_t)chunk)) continue;
-        int end = n - begin < chunk ? n : begin + chunk;
-        task(ctx, begin, end, thread);
-        atomic_fetch_add_explicit(&finished, end - begin, memory_order_release);
-        v = atomic_load(&counter);
+        int end = n - (int)begin < chunk ? n : (int)begin + chunk;
+        task(ctx, (int)begin, end, thread);
+        atomic_fetch_add_explicit(&finished, end - (int)begin, memory_order_release);
+        v = atomic_load_explicit(&counter, memory_order_acquire);
     }
 }
 
@@ -84,7 +86,7 @@ static void* helper_main(void* arg) {
     long idle_from = now_ns();
     for (unsigned spins = 0;; spins++) {
         uint32_t gen = (uint32_t)(atomic_load(&counter) >> 32);
-        if (gen != seen) {
+        if (gen != seen && !(gen & 1)) {  /* (odd: the next loop's fields are being written) */
             seen = gen;
             awake_since = atomic_load(&parks);  /* (a park before this loop is not for after it) */
             if (id < atomic_load_explicit(&job_team, memory_order_relaxed)) run_chunks(gen, id);
@@ -145,13 +147,24 @@ void pool_for(int n, int chunk, int threads, int parallel, pool_task task, void*
         return;
     }
     if (helpers < threads - 1) start_helpers(threads - 1);
+    /* The generation goes odd while the loop's fields are written, even when they are: a helper
+       that read the last loop's counter (finished, its next item at its end) and then this loop's
+       n would otherwise take a chunk past the last loop's end, under this loop's task, and count
+       it towards this loop's items. Odd, the counter matches no helper's stale value and offers
+       no chunk; the fence orders it before the fields, so a helper that read any of them fails
+       its swap (run_chunks' fence). */
+    uint32_t gen = (uint32_t)(atomic_load(&counter) >> 32) + 2;  /* (even) */
+    atomic_store_explicit(&counter, (uint64_t)(gen - 1) << 32, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release);
     atomic_store_explicit(&job_task, task, memory_order_relaxed);
     atomic_store_explicit(&job_ctx, ctx, memory_order_relaxed);
     atomic_store_explicit(&job_n, n, memory_order_relaxed);
     atomic_store_explicit(&job_chunk, chunk, memory_order_relaxed);
     atomic_store_explicit(&job_team, threads, memory_order_relaxed);
     atomic_store_explicit(&finished, 0, memory_order_relaxed);
-    uint32_t gen = (uint32_t)(atomic_load(&counter) >> 32) + 1;
+#ifdef POOL_PUBLISH_DELAY_NS /* (tests: widens the window in which a late helper meets the next loop's fields) */
+    for (long until = now_ns() + POOL_PUBLISH_DELAY_NS; now_ns() < until;) RELAX();
+#endif
     atomic_store(&counter, (uint64_t)gen << 32);  /* the loop is on: (its fields before it) */
     if (atomic_load(&sleepers)) {
         pthread_mutex_lock(&lock);
