@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -149,3 +150,23 @@ def test_a_late_helper_takes_no_chunk_of_a_finished_loop() -> None:
     written (a build that waits 50 µs there): it must take nothing, neither a chunk past the old
     loop's end under the new loop's task nor a count that lets the caller return early."""
     _run(_LATE_HELPER)
+
+
+def test_parking_builds_nothing(tmp_path: Path) -> None:
+    """A GPU rank's loop parks the kernels' threads too: where the CPU kernels were never loaded,
+    parking must not build them (a compile of seconds in the middle of serving)."""
+    script = (
+        "from guidespec.worker import kernels\n"
+        "kernels.park_threads()\n"
+        "assert kernels.loader.library.cache_info().currsize == 0\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "GUIDESPEC_CACHE_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+    assert not list(tmp_path.rglob("*.so"))
