@@ -24,6 +24,8 @@ _SOURCES = [
     )
 ]
 _HEADERS = [Path(__file__).with_name(name) for name in ("vec.h", "vmath.h", "parallel.h", "pool.h")]
+# every kernel library this process has loaded (``load``), each with its thread pool
+LOADED: list[ctypes.CDLL] = []
 
 
 @lru_cache(maxsize=1)
@@ -51,6 +53,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.pool_park.restype = None
     lib.pool_set_spin_us.argtypes = [ctypes.c_long]
     lib.pool_set_spin_us.restype = None
+    if all(other._handle != lib._handle for other in LOADED):  # (a build loaded again: the same pool)
+        LOADED.append(lib)
     lib.packed_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.packed_linear_f32.restype = None
     lib.packed_rows_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]

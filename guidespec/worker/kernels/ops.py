@@ -387,7 +387,6 @@ def single_tokens(bitmask: np.ndarray, vocab_size: int) -> np.ndarray | None:
 def park_threads() -> None:
     """The kernels' helper threads sleep until the next parallel region instead of spinning
     (``pool.c``): their caller is about to wait, and the host's other processes want the cores.
-    Only a library already loaded has threads to park (a GPU rank's may never be built)."""
-    lib = loader.library() if loader.library.cache_info().currsize else None
-    if lib is not None:
+    Each library loaded has its own pool; none is built for this (a GPU rank's may never be)."""
+    for lib in loader.LOADED:
         lib.pool_park()
