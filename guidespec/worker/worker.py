@@ -58,6 +58,7 @@ from guidespec.worker import tp as tp_mod
 from guidespec.model_files import load_hf_config
 from guidespec.worker.device import check_device_memory, kv_pool_blocks
 from guidespec.worker.graphs import GraphRunner
+from guidespec.worker import kernels
 from guidespec.worker.kernels import park_threads
 from guidespec.bitmask import allowed_counts, allowed_ids, bitmask_width
 from guidespec.worker.mask import DeviceMasks, only_allowed
@@ -76,6 +77,9 @@ def run_worker(cfg: WorkerConfig, parent_pid: int) -> None:
     """Process entry point."""
     setup_child_process(f"worker{cfg.rank}")
     torch.set_num_threads(cfg.num_threads)
+    if cfg.device == "cpu" and kernels.available():  # the kernels' pool has the threads (ops.set_threads)
+        kernels.set_threads(cfg.num_threads)
+        torch.set_num_threads(1)
     ctx = zmq.Context()
     results = Channel(ctx, zmq.PUSH, cfg.worker_results, bind=False)
     worker = None

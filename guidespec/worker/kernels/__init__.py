@@ -34,7 +34,7 @@ kinds, :mod:`.ops` the operations, :mod:`.decoder` the whole-stack call.
 
 from guidespec.worker.kernels import loader
 from guidespec.worker.kernels.decoder import DecoderStack
-from guidespec.worker.kernels.loader import available, build, load
+from guidespec.worker.kernels.loader import available, build, load, set_threads, threads
 from guidespec.worker.kernels.ops import (
     add_rms_norm,
     apply_bitmask,
@@ -74,6 +74,8 @@ __all__ = [
     "park_threads",
     "quantize",
     "rope_into_cache",
+    "set_threads",
     "silu_mul",
     "single_tokens",
+    "threads",
 ]

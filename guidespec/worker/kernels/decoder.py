@@ -140,6 +140,6 @@ class DecoderStack:
             kv.k[0].shape[1],
             d**-0.5,
             hidden.data_ptr(),
-            torch.get_num_threads(),
+            loader.threads(),
         )
         return hidden

@@ -31,6 +31,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from guidespec.worker.kernels import loader
+
 QK = 32  # inputs per kernel block
 Q4_1, Q4F, Q8_0, Q8H, Q5_1, Q5F = range(6)  # the kernel's formats (gguf_linear.c: FMT_*)
 BLOCK_BYTES = {Q4_1: 20, Q4F: 24, Q8_0: 34, Q8H: 40, Q5_1: 24, Q5F: 28}
@@ -98,7 +100,7 @@ class GGUFWeight:
                 len(flat),
                 self.shape[1],
                 out.data_ptr(),
-                torch.get_num_threads(),
+                loader.threads(),
             )
         shape = (self.shape[0],) if ids is None else tuple(ids.shape)
         return out.view(*shape, self.shape[1])

@@ -9,6 +9,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from guidespec import envs, native
 
 _SOURCES = [
@@ -112,3 +114,21 @@ def _signature(*types: Any) -> list[Any]:
 
 def available() -> bool:
     return library() is not None
+
+
+_threads: int | None = None  # set_threads'
+
+
+def set_threads(count: int | None) -> None:
+    """The kernels' thread count (their pool's team), apart from torch's own (None: torch's).
+
+    A CPU worker gives the kernels its threads and torch one: torch's OpenMP team, spinning
+    after its own parallel ops, and the kernels' pool otherwise ran three busy threads on two
+    cores (the default model at 16 requests lost a quarter of its tokens a second)."""
+    global _threads
+    _threads = count
+
+
+def threads() -> int:
+    """The kernels' thread count: :func:`set_threads`', else torch's."""
+    return _threads if _threads is not None else torch.get_num_threads()

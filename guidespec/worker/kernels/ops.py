@@ -37,7 +37,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
                 x.shape[0],
                 n,
                 k,
-                torch.get_num_threads(),
+                loader.threads(),
             )
         elif isinstance(weight, QuantizedWeight):
             lib.packed_linear_i8(
@@ -49,7 +49,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
                 x.shape[0],
                 n,
                 k,
-                torch.get_num_threads(),
+                loader.threads(),
             )
         else:
             lib.packed_linear_f32(
@@ -60,7 +60,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
                 x.shape[0],
                 n,
                 k,
-                torch.get_num_threads(),
+                loader.threads(),
             )
     return out
 
@@ -87,7 +87,7 @@ def linear_rows(x: torch.Tensor, weight: Weight, ids: np.ndarray) -> torch.Tenso
             out.data_ptr(),
             x.shape[0],
             k,
-            torch.get_num_threads(),
+            loader.threads(),
         )
     return out
 
@@ -166,7 +166,7 @@ def cache_attention(
         num_blocks,
         d**-0.5,
         window or 0,
-        torch.get_num_threads(),
+        loader.threads(),
     )
     return out
 
@@ -195,7 +195,7 @@ def add_rms_norm(
         norm.data_ptr(),
         t,
         h,
-        torch.get_num_threads(),
+        loader.threads(),
     )
     return out, norm
 
@@ -244,7 +244,7 @@ def rope_into_cache(
         k_cache.shape[2],
         k_cache.shape[1],
         q.data_ptr(),
-        torch.get_num_threads(),
+        loader.threads(),
     )
     return q
 
@@ -256,7 +256,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return None
     t, i = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(t, i, dtype=torch.float32)
-    lib.silu_mul_f32(gate_up.data_ptr(), t, i, out.data_ptr(), torch.get_num_threads())
+    lib.silu_mul_f32(gate_up.data_ptr(), t, i, out.data_ptr(), loader.threads())
     return out
 
 
@@ -280,7 +280,7 @@ def apply_bitmask(logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray) -
         bitmask.ctypes.data,
         bitmask.shape[1],
         len(rows),
-        torch.get_num_threads(),
+        loader.threads(),
     )
     return True
 
@@ -309,7 +309,7 @@ def argmax_rows(
         width,
         best.ctypes.data,
         dead.ctypes.data,
-        torch.get_num_threads(),
+        loader.threads(),
     )
     return best, dead
 
@@ -341,7 +341,7 @@ def linear_argmax(
         return best, dead
     mask_of_row, bitmask, width = masks
     rest = (x.shape[0], vocab_size, x.shape[1], _pointer(mask_of_row), _pointer(bitmask), width)
-    out = (best.ctypes.data, dead.ctypes.data, torch.get_num_threads())
+    out = (best.ctypes.data, dead.ctypes.data, loader.threads())
     if isinstance(weight, QuantizedWeight):
         failed = lib.packed_linear_argmax_i8(
             x.data_ptr(), weight.blocks.data_ptr(), weight.scale.data_ptr(), None, *rest, *out
