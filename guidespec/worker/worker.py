@@ -59,7 +59,6 @@ from guidespec.model_files import load_hf_config
 from guidespec.worker.device import check_device_memory, kv_pool_blocks
 from guidespec.worker.graphs import GraphRunner
 from guidespec.worker import kernels
-from guidespec.worker.kernels import park_threads
 from guidespec.bitmask import allowed_counts, allowed_ids, bitmask_width
 from guidespec.worker.mask import DeviceMasks, only_allowed
 from guidespec.worker.forward_batch import ForwardBatch
@@ -545,7 +544,7 @@ class Worker:
         """The step's bitmask: (logits rows, bitmask rows), read in place from the mask arena
         where they are there."""
         if not self.reader.poll():
-            park_threads()  # (the scheduler fills it: the kernels' helpers leave it the core)
+            kernels.park_threads()  # (the scheduler fills it: the kernels' helpers leave it the core)
             if self.tp.is_driver:  # (the scheduler may hold it for a compile)
                 self.results.send(MaskWanted(step))
         message = codec.decode(self.reader.read(timeout=60.0))
@@ -555,7 +554,7 @@ class Worker:
 
     def _next_message(self, parent_pid: int) -> object:
         if not self.reader.poll():
-            park_threads()  # (the kernels' helpers sleep while the scheduler plans the next step)
+            kernels.park_threads()  # (the kernels' helpers sleep while the scheduler plans the next step)
         while True:
             try:
                 return codec.decode(self.reader.read(timeout=_IDLE_READ_TIMEOUT_S))
