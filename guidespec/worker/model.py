@@ -34,6 +34,8 @@ from guidespec.config import ModelConfig
 from guidespec.worker.checkpoint import GGUFTensors, ShardReader, gguf_source
 from guidespec.worker.kernels import (
     DecoderStack,
+    PackedWeight,
+    QuantizedWeight,
     Weight,
     add_rms_norm,
     available,
@@ -492,6 +494,18 @@ class LlamaModel:
         if self.tp.size != 1:
             return None
         return linear_argmax(hidden, self.lm_head, self.cfg.vocab_size, mask)
+
+    @property
+    def picks_skip_masked(self) -> bool:
+        """Whether :meth:`compute_picks` applies and computes a masked row's LM head only in the
+        tiles its mask allows a token in (``packed_linear.c``): one rank, packed CPU weights."""
+        return (
+            self.tp.size == 1
+            and self.device == "cpu"
+            and self.dtype == torch.float32
+            and isinstance(self.lm_head, PackedWeight | QuantizedWeight)
+            and available()
+        )
 
     @property
     def computes_chosen_logits(self) -> bool:

@@ -291,24 +291,25 @@ class Worker:
         if self.drafter is not None:
             self.drafter.follow(batch, self.model.captured)
         forward_end = mask_ready = time.time()
-        # the bitmask before the LM head (filled while the layers ran): rows whose mask allows one
-        # token get it without logits, on every rank alike (the LM head's gather is collective).
-        # One rank whose bitmask is not there yet computes the LM head meanwhile instead.
-        bitmask = early = None
-        if inputs.has_bitmask:
-            if self.tp.size == 1 and not self.reader.poll():
-                early = self.model.compute_logits(hidden)
-            bitmask = self._read_bitmask(inputs.step)
-            mask_ready = time.time()
         penalized = inputs.penalized  # [B]: requests that ask for one
         # greedy rows on the CPU: a row's mask is read by its pick (verify.py), not applied
         greedy = (
             self.device.type == "cpu"
-            and bitmask is not None
+            and inputs.has_bitmask
             and self.drafter is None
             and not penalized.any()
             and not inputs.temperature.any()
         )
+        # the bitmask before the LM head (filled while the layers ran): rows whose mask allows one
+        # token get it without logits, on every rank alike (the LM head's gather is collective).
+        # One rank whose bitmask is not there yet computes the LM head meanwhile instead, unless
+        # its greedy picks skip what the masks forbid (a JSON row between values needs ~2% of it)
+        bitmask = early = None
+        if inputs.has_bitmask:
+            if self.tp.size == 1 and not (greedy and self.model.picks_skip_masked) and not self.reader.poll():
+                early = self.model.compute_logits(hidden)
+            bitmask = self._read_bitmask(inputs.step)
+            mask_ready = time.time()
         defer = greedy and (inputs.num_logits == 1).all()
         if greedy and early is None:  # (no logits rows for what the mask settles: greedy_masked)
             picked = greedy_masked(self, hidden, bitmask)  # type: ignore[arg-type]

@@ -315,6 +315,9 @@ def test_each_vector_width_builds_and_matches_torch(
     x = _case(23, 1, 576)[1]
     alone = torch.cat([kernels.linear(x[i : i + 1], w) for i in range(len(x))])
     assert torch.equal(kernels.linear(x, w), alone)
+    mask = _sparse_masks(23, 300, 0)  # (the picks' tiles are 2 vectors wide: what a mask word covers differs)
+    got, want = kernels.linear_argmax(x, w, 300, mask), _picks_of_logits(x, w, 300, mask)  # type: ignore[arg-type]
+    assert got is not None and (got[0] == want[0]).all() and (got[1] == want[1]).all()  # type: ignore[index,union-attr]
     test_cache_attention_matches_torch(4, 3, 64)
     test_cache_attention_of_a_token_does_not_depend_on_later_tokens_or_other_rows()
 
@@ -539,3 +542,46 @@ def test_linear_argmax_over_threads_picks_the_first_largest(threads: int) -> Non
             assert got[0][5] == 320 and got[0][10] == 40000 and got[1][9] and not got[1][6]
     finally:
         torch.set_num_threads(previous)
+
+
+def _sparse_masks(num_rows: int, vocab: int, seed: int) -> tuple[object, object]:
+    """Masks of a guided batch: rows without a mask, rows allowing a few tokens each (where the
+    picks skip the LM head's other tiles), scattered among rows allowing most tokens, and one
+    allowing a token of the last tile only; the sparse rows are not consecutive."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    width = (vocab + 31) // 32
+    rows = np.flatnonzero(rng.random(num_rows) < 0.8)
+    bits = rng.random((len(rows), width * 32)) < 0.9  # dense
+    sparse = rng.random(len(rows)) < 0.6
+    bits[sparse] = False
+    for i in np.flatnonzero(sparse):
+        bits[i, rng.choice(vocab, int(rng.integers(1, 40)), replace=False)] = True
+    bits[int(np.flatnonzero(sparse)[0]), : vocab - 1] = False
+    bits[int(np.flatnonzero(sparse)[0]), vocab - 1] = True
+    bits[:, vocab:] = False
+    return rows, np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_argmax_skipping_the_tiles_a_mask_forbids_picks_the_same(
+    monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    """Sparse masked rows get the LM head only in the tiles their mask allows a token in (in
+    groups gathered from rows that are not consecutive): at batch 64 of 49,152 tokens (past the
+    parallel threshold) beside unmasked and dense rows, the picks are those of the logits."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(5)
+    vocab, k = 49152 - 7, 64
+    w, x = torch.randn(49152, k, generator=g), torch.randn(64, k, generator=g)
+    monkeypatch.setattr(kernels.loader, "_threads", threads)
+    for weight in (kernels.pack(w), kernels.quantize(w)):
+        for seed in range(3):
+            mask = _sparse_masks(64, vocab, seed)
+            got = kernels.linear_argmax(x, weight, vocab, mask)  # type: ignore[arg-type]
+            assert got is not None
+            want = _picks_of_logits(x, weight, vocab, mask)
+            np.testing.assert_array_equal(got[0], want[0])  # type: ignore[index]
+            np.testing.assert_array_equal(got[1], want[1])  # type: ignore[index]

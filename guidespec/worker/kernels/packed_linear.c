@@ -128,6 +128,8 @@ typedef struct {
     int W;
     vf* tops;
     vi *firsts, *nans;
+    float* scratch;      /* the picks': 6 x K floats a thread */
+    const uint8_t* sparse; /* the picks': rows whose mask allows tokens in few tiles (NULL: none does) */
 } tiles_args;
 
 /* each thread owns whole tiles of 2 x VW outputs: their weights stay in its cache while every
@@ -152,7 +154,7 @@ DEFINE_RUN(tileqs, signed char)
 #define RUN_TILES(TILES, WP, SCALE)                                                               \
     int padded = (N + 15) / 16 * 16, ntiles = (padded + 2 * VW - 1) / (2 * VW);                   \
     size_t work = (size_t)M * N * K;                                                              \
-    tiles_args a = {x, WP, SCALE, bias, y, M, N, K, padded, 0, 0, 0, 0, 0, 0};                    \
+    tiles_args a = {x, WP, SCALE, bias, y, M, N, K, padded, 0, 0, 0, 0, 0, 0, 0, 0};                    \
     pool_for(ntiles, PARALLEL_CHUNK(ntiles, threads), threads, work >= PARALLEL_MIN_WORK, TILES##_run, &a);
 
 void packed_linear_f32(const float* x, const float* wp, const float* bias, float* y,
@@ -202,30 +204,85 @@ static inline void pick_vec(vf v, vi index, int n0, int N, const uint32_t* words
         free(y);                                                                                  \
     } while (0)
 
-/* a thread's tiles (increasing: pool_for's chunks are) picked into its lane states */
+/* Whether row r needs the `span` tokens' tile from n0 (n0 a multiple of span, span <= 32 dividing
+ * 32: the tokens sit in one mask word): a row not marked sparse always does */
+static inline int tile_needed(const tiles_args* a, size_t r, int n0, int span) {
+    if (!a->sparse[r]) return 1;
+    uint32_t word = (uint32_t)a->bitmask[(size_t)a->mask_of_row[r] * a->W + (n0 >> 5)] >> (n0 & 31);
+    return span >= 32 ? word != 0 : (word & ((1u << span) - 1)) != 0;
+}
+
+/* Which rows' masks allow tokens in at most a quarter of their words (the tiles skipped for them
+ * pay for the checks); NULL where none does. A row is read until more than W / 4 of its words are seen to allow tokens. */
+static uint8_t* sparse_rows(const int32_t* mask_of_row, const int32_t* bitmask, int W, int M) {
+    if (!mask_of_row) return NULL;
+    uint8_t* sparse = NULL;
+    for (int r = 0; r < M; r++) {
+        if (mask_of_row[r] < 0) continue;
+        const int32_t* words = bitmask + (size_t)mask_of_row[r] * W;
+        int allowing = 0;
+        for (int i0 = 0; i0 < W && allowing <= W / 4; i0 += 64) {  /* (blocks: the count vectorizes) */
+            int n = W - i0 < 64 ? W - i0 : 64;
+            for (int i = 0; i < n; i++) allowing += words[i0 + i] != 0;
+        }
+        if (allowing > W / 4) continue;
+        if (!sparse && !(sparse = calloc((size_t)M, 1))) return NULL;  /* (no memory: no skipping) */
+        sparse[r] = 1;
+    }
+    return sparse;
+}
+
+/* a thread's tiles (increasing: pool_for's chunks are) picked into its lane states. Where some rows
+ * are sparse (sparse_rows), a tile is computed only for the rows that need it (a guided row between
+ * JSON values allows a few dozen tokens of 49,152: ~2% of the LM head), in groups of up to 6 such
+ * rows; a group's rows that are not consecutive are copied together first (scratch: 6 x K floats
+ * a thread). A tile skipped for a row would only have offered it -inf: its picks are the same. */
+/* one group's tile (rows[0..mc), their inputs at x) and its picks */
+#define PICK_GROUP(OTILES, WT, x)                                                                 \
+    do {                                                                                          \
+        OTILES[mc](x, K, (const WT*)a->wp, a->scale, a->bias, out, N, n0, two);                   \
+        for (int c = 0; c < mc; c++) {                                                            \
+            size_t row = (size_t)rows[c];                                                         \
+            int mask = a->mask_of_row ? a->mask_of_row[row] : -1;                                 \
+            const uint32_t* words = mask >= 0 ? (const uint32_t*)(a->bitmask + (size_t)mask * W) : NULL; \
+            vf* top = a->tops + me + row;                                                         \
+            vi *first = a->firsts + me + row, *nan = a->nans + me + row;                          \
+            pick_vec(ld(out + c * 2 * VW), index0, n0, N, words, top, first, nan);                \
+            if (two) pick_vec(ld(out + c * 2 * VW + VW), index1, n0 + VW, N, words, top, first, nan); \
+        }                                                                                         \
+    } while (0)
+
 #define DEFINE_PICKS(TILES, OTILES, WT)                                                           \
 static void TILES##_picks(void* ctx, int begin, int end, int thread) {                            \
     const tiles_args* a = ctx;                                                                    \
     int M = a->M, N = a->N, K = a->K, W = a->W;                                                   \
     size_t me = (size_t)thread * M;                                                               \
+    float* xs = a->scratch + (size_t)thread * 6 * K;                                              \
     float out[6 * 2 * VW] __attribute__((aligned(64)));                                           \
+    int rows[6];                                                                                  \
     vi lane;                                                                                      \
     for (int l = 0; l < VW; l++) lane[l] = l;                                                     \
     for (int p = begin; p < end; p++) {                                                           \
         int n0 = 2 * VW * p, two = a->padded - n0 > VW;                                           \
         vi index0 = lane + n0, index1 = lane + (n0 + VW);                                         \
-        for (int m0 = 0; m0 < M; m0 += 6) {                                                       \
-            int mc = M - m0 < 6 ? M - m0 : 6;                                                     \
-            OTILES[mc](a->x + (size_t)m0 * K, K, (const WT*)a->wp, a->scale, a->bias, out, N, n0, two); \
-            for (int c = 0; c < mc; c++) {                                                        \
-                size_t r = (size_t)m0 + c;                                                        \
-                int mask = a->mask_of_row ? a->mask_of_row[r] : -1;                               \
-                const uint32_t* words = mask >= 0 ? (const uint32_t*)(a->bitmask + (size_t)mask * W) : NULL; \
-                vf* top = a->tops + me + r;                                                       \
-                vi *first = a->firsts + me + r, *nan = a->nans + me + r;                          \
-                pick_vec(ld(out + c * 2 * VW), index0, n0, N, words, top, first, nan);            \
-                if (two) pick_vec(ld(out + c * 2 * VW + VW), index1, n0 + VW, N, words, top, first, nan); \
+        if (!a->sparse) { /* every row needs every tile */                                       \
+            for (int m0 = 0; m0 < M; m0 += 6) {                                                   \
+                int mc = M - m0 < 6 ? M - m0 : 6;                                                 \
+                for (int c = 0; c < mc; c++) rows[c] = m0 + c;                                    \
+                PICK_GROUP(OTILES, WT, a->x + (size_t)m0 * K);                                    \
             }                                                                                     \
+            continue;                                                                             \
+        }                                                                                         \
+        for (int r = 0, mc = 0; r < M; r++) {                                                     \
+            if (tile_needed(a, (size_t)r, n0, two ? 2 * VW : VW)) rows[mc++] = r;                 \
+            if ((mc < 6 && r < M - 1) || !mc) continue;                                           \
+            const float* x = a->x + (size_t)rows[0] * K;                                          \
+            if (rows[mc - 1] - rows[0] != mc - 1) { /* not consecutive: gathered */               \
+                for (int c = 0; c < mc; c++) memcpy(xs + (size_t)c * K, a->x + (size_t)rows[c] * K, sizeof(float) * K); \
+                x = xs;                                                                           \
+            }                                                                                     \
+            PICK_GROUP(OTILES, WT, x);                                                            \
+            mc = 0;                                                                               \
         }                                                                                         \
     }                                                                                             \
 }
@@ -240,12 +297,17 @@ DEFINE_PICKS(tileqs, tileqos, signed char)
     vf* tops = aligned_alloc(sizeof(vf), sizeof(vf) * states); /* (vectors: aligned) */          \
     vi* firsts = aligned_alloc(sizeof(vi), sizeof(vi) * states);                                  \
     vi* nans = aligned_alloc(sizeof(vi), sizeof(vi) * states);                                    \
-    if (!tops || !firsts || !nans) { free(tops); free(firsts); free(nans); return -1; }           \
+    float* scratch = malloc(sizeof(float) * 6 * (size_t)K * team);                                \
+    if (!tops || !firsts || !nans || !scratch) {                                                  \
+        free(tops); free(firsts); free(nans); free(scratch);                                      \
+        return -1;                                                                                \
+    }                                                                                             \
     for (size_t i = 0; i < states; i++) {                                                         \
         tops[i] = (vf){0} - INFINITY;                                                             \
         firsts[i] = nans[i] = (vi){0};                                                            \
     }                                                                                             \
-    tiles_args a = {x, WP, SCALE, bias, 0, M, N, K, padded, mask_of_row, bitmask, W, tops, firsts, nans}; \
+    uint8_t* sparse = sparse_rows(mask_of_row, bitmask, W, M);                                    \
+    tiles_args a = {x, WP, SCALE, bias, 0, M, N, K, padded, mask_of_row, bitmask, W, tops, firsts, nans, scratch, sparse}; \
     pool_for(ntiles, PARALLEL_CHUNK(ntiles, team), team, work >= PARALLEL_MIN_WORK, TILES##_picks, &a); \
     int failed = 0;                                                                               \
     for (int r = 0; r < M; r++) {                                                                 \
@@ -281,6 +343,8 @@ DEFINE_PICKS(tileqs, tileqos, signed char)
     free(tops);                                                                                   \
     free(firsts);                                                                                 \
     free(nans);                                                                                   \
+    free(scratch);                                                                                \
+    free(sparse);                                                                                 \
     return -failed;
 
 int packed_linear_argmax_f32(const float* x, const float* wp, const float* bias, int M, int N, int K,
