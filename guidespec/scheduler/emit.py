@@ -67,17 +67,19 @@ class Emitter:
         row's grammar advanced by the first token the emit will append to it (the emit takes the
         answer, ``Request.advanced``, instead of asking again), so that the bitmask is filled and
         sent before the rest of the emit (detokenizing, stop checks, deltas) runs."""
-        offsets = None
+        token_ids: list[int] | None = None  # (as lists, once a step: a row's numpy slice and test cost ~5 µs)
+        offsets: list[int] = []
         for i, row in enumerate(rows):
             request = row.request
             if not request.guided or not self._appends_to(row, dropped):
                 continue
-            if offsets is None:
-                offsets = np.concatenate([[0], np.cumsum(outputs.num_tokens)])
-            tokens = outputs.token_ids[offsets[i] : offsets[i + 1]]
-            if not len(tokens) or (tokens == NO_TOKEN).any():  # (none appended: the emit fails it)
+            if token_ids is None:
+                token_ids = outputs.token_ids.tolist()
+                offsets = [0, *np.cumsum(outputs.num_tokens).tolist()]
+            tokens = token_ids[offsets[i] : offsets[i + 1]]
+            if not tokens or NO_TOKEN in tokens:  # (none appended: the emit fails it)
                 continue
-            token = int(tokens[0])
+            token = tokens[0]
             try:
                 budget = output_budget(request, self.cfg.max_model_len)
                 accepted, done = self.grammar.advance(
