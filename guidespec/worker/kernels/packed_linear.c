@@ -128,8 +128,8 @@ typedef struct {
     int W;
     vf* tops;
     vi *firsts, *nans;
-    float* scratch;      /* the picks': 6 x K floats a thread */
-    const uint8_t* sparse; /* the picks': rows whose mask allows tokens in few tiles (NULL: none does) */
+    float* scratch;         /* the picks': 6 x K floats a thread */
+    const uint8_t* sparse;  /* the picks': rows whose mask allows tokens in few tiles (NULL: none) */
 } tiles_args;
 
 /* each thread owns whole tiles of 2 x VW outputs: their weights stay in its cache while every
@@ -154,7 +154,7 @@ DEFINE_RUN(tileqs, signed char)
 #define RUN_TILES(TILES, WP, SCALE)                                                               \
     int padded = (N + 15) / 16 * 16, ntiles = (padded + 2 * VW - 1) / (2 * VW);                   \
     size_t work = (size_t)M * N * K;                                                              \
-    tiles_args a = {x, WP, SCALE, bias, y, M, N, K, padded, 0, 0, 0, 0, 0, 0, 0, 0};                    \
+    tiles_args a = {x, WP, SCALE, bias, y, M, N, K, padded, 0, 0, 0, 0, 0, 0, 0, 0};              \
     pool_for(ntiles, PARALLEL_CHUNK(ntiles, threads), threads, work >= PARALLEL_MIN_WORK, TILES##_run, &a);
 
 void packed_linear_f32(const float* x, const float* wp, const float* bias, float* y,
@@ -213,7 +213,8 @@ static inline int tile_needed(const tiles_args* a, size_t r, int n0, int span) {
 }
 
 /* Which rows' masks allow tokens in at most a quarter of their words (the tiles skipped for them
- * pay for the checks); NULL where none does. A row is read until more than W / 4 of its words are seen to allow tokens. */
+ * pay for the checks); NULL where none does. A row is read until more than W / 4 of its words
+ * are seen to allow tokens. */
 static uint8_t* sparse_rows(const int32_t* mask_of_row, const int32_t* bitmask, int W, int M) {
     if (!mask_of_row) return NULL;
     uint8_t* sparse = NULL;
@@ -232,11 +233,6 @@ static uint8_t* sparse_rows(const int32_t* mask_of_row, const int32_t* bitmask, 
     return sparse;
 }
 
-/* a thread's tiles (increasing: pool_for's chunks are) picked into its lane states. Where some rows
- * are sparse (sparse_rows), a tile is computed only for the rows that need it (a guided row between
- * JSON values allows a few dozen tokens of 49,152: ~2% of the LM head), in groups of up to 6 such
- * rows; a group's rows that are not consecutive are copied together first (scratch: 6 x K floats
- * a thread). A tile skipped for a row would only have offered it -inf: its picks are the same. */
 /* one group's tile (rows[0..mc), their inputs at x) and its picks */
 #define PICK_GROUP(OTILES, WT, x)                                                                 \
     do {                                                                                          \
@@ -252,6 +248,11 @@ static uint8_t* sparse_rows(const int32_t* mask_of_row, const int32_t* bitmask, 
         }                                                                                         \
     } while (0)
 
+/* a thread's tiles (increasing: pool_for's chunks are) picked into its lane states. Where some rows
+ * are sparse (sparse_rows), a tile is computed only for the rows that need it (a guided row between
+ * JSON values allows a few dozen tokens of 49,152: ~2% of the LM head), in groups of up to 6 such
+ * rows; a group's rows that are not consecutive are copied together first (scratch: 6 x K floats
+ * a thread). A tile skipped for a row would only have offered it -inf: its picks are the same. */
 #define DEFINE_PICKS(TILES, OTILES, WT)                                                           \
 static void TILES##_picks(void* ctx, int begin, int end, int thread) {                            \
     const tiles_args* a = ctx;                                                                    \
