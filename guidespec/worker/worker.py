@@ -75,10 +75,11 @@ logger = logging.getLogger(__name__)
 def run_worker(cfg: WorkerConfig, parent_pid: int) -> None:
     """Process entry point."""
     setup_child_process(f"worker{cfg.rank}")
-    torch.set_num_threads(cfg.num_threads)
-    if cfg.device == "cpu" and kernels.available():  # the kernels' pool has the threads (ops.set_threads)
+    if cfg.device == "cpu" and kernels.available():  # the kernels' pool has the threads (loader.set_threads)
         kernels.set_threads(cfg.num_threads)
         torch.set_num_threads(1)
+    else:
+        torch.set_num_threads(cfg.num_threads)
     ctx = zmq.Context()
     results = Channel(ctx, zmq.PUSH, cfg.worker_results, bind=False)
     worker = None
