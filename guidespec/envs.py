@@ -33,7 +33,8 @@ def log_level() -> str:
 
 
 def cpu_kernels_enabled() -> bool:
-    """``GUIDESPEC_CPU_KERNELS=0`` turns off the compiled CPU kernels (torch is used instead)."""
+    """``GUIDESPEC_CPU_KERNELS=0`` turns off the compiled CPU kernels (torch is used instead) and
+    early closing's compiled narrowing (NumPy is)."""
     return os.environ.get("GUIDESPEC_CPU_KERNELS", "1") != "0"
 
 

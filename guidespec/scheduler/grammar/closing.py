@@ -56,6 +56,7 @@ import numpy as np
 
 from guidespec.bitmask import allowed_ids, bitmask_row
 from guidespec.grammar_backends.interface import DATA_KEYWORDS
+from guidespec.scheduler.grammar.narrowing import NARROWED, UNBANNED, Banned, Probe, Tiers, narrow_rows
 
 MAX_PERIOD = 32
 MIN_SPAN = 24
@@ -153,19 +154,14 @@ class ClosingTokens:
     # grammar forces a text, its first character starts every token allowed, so a row allowing two
     # of these forces nothing (``forces_nothing``)
     singles: np.ndarray
-    tiers_inside: list[tuple[np.ndarray, np.ndarray]] = field(init=False, repr=False, compare=False)
-    tiers_outside: list[tuple[np.ndarray, np.ndarray]] = field(init=False, repr=False, compare=False)
-    probe: tuple[np.ndarray, np.ndarray] = field(init=False, repr=False, compare=False)  # singles, sparse
+    tiers_inside: Tiers = field(init=False, repr=False, compare=False)  # closing's classes in a string
+    tiers_outside: Tiers = field(init=False, repr=False, compare=False)  # and outside one
+    probe: Probe = field(init=False, repr=False, compare=False)  # the singles, for ``forces_nothing``
 
     def __post_init__(self) -> None:
-        # closing's classes in a string and outside one, each with the words that hold any of its
-        # tokens (a class is a few tokens: the narrowing compares those words alone)
-        def sparse(row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            return row, np.flatnonzero(row)
-
-        object.__setattr__(self, "tiers_inside", [sparse(self.in_string)])
-        object.__setattr__(self, "tiers_outside", [sparse(self.outside), sparse(self.ending)])
-        object.__setattr__(self, "probe", sparse(self.singles))
+        object.__setattr__(self, "tiers_inside", Tiers([self.in_string]))
+        object.__setattr__(self, "tiers_outside", Tiers([self.outside, self.ending]))
+        object.__setattr__(self, "probe", Probe(self.singles))
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] = ()) -> "ClosingTokens":
@@ -315,7 +311,7 @@ class EarlyCloser:
         self.closing = False
         self.reason = ""
         self.banned: frozenset[int] = frozenset()
-        self._banned_words: tuple[np.ndarray, np.ndarray] | None = None  # ``banned_words``, made at first need
+        self._banned_words: Banned | None = None  # ``banned_words``, made at first need
         self._scanned = 0
         self._in_string = False
         self._escaped = False
@@ -419,11 +415,11 @@ class EarlyCloser:
         False (the row untouched) if none."""
         inside = self.in_string(closing)
         tiers = closing.tiers_inside if inside else closing.tiers_outside
-        if narrow(row[None], _FIRST, tiers)[0]:
+        if narrow_rows(row[None], _FIRST, tiers)[0] == NARROWED:
             return True
         vocab_size = len(closing.step_rank)
         if grammar is not None:
-            target = np.bitwise_or.reduce([tier for tier, _ in tiers])
+            target = tiers.union
             if inside and not self.plan and self.examples():
                 self.plan = grammar.completion(self.examples(), target)
             if self.plan and _allows(row, self.plan[0]):
@@ -440,75 +436,17 @@ class EarlyCloser:
     def unbanned(self, row: np.ndarray) -> bool:
         """Narrow the row, in place, to its tokens but the banned ones (of the cycles the output
         repeated), where it allows any; False (the row untouched) if none or none is banned."""
-        return bool(self.banned) and bool(unban(row[None], _FIRST, [self.banned_words()])[0])
+        return bool(self.banned) and narrow_rows(row[None], _FIRST, _NO_TIERS, [self.banned_words()])[0] == UNBANNED
 
-    def banned_words(self) -> tuple[np.ndarray, np.ndarray]:
-        """The banned tokens as (the mask words holding them, each word's mask of the tokens left):
-        a row is unbanned by and-ing those few words (made once per change of the banned set)."""
+    def banned_words(self) -> Banned:
+        """The banned tokens, as ``narrow_rows`` takes them (made once per change of the banned set)."""
         if self._banned_words is None:
-            row = bitmask_row(sorted(self.banned), (max(self.banned) // 32 + 1) * 32)
-            words = np.flatnonzero(row)
-            self._banned_words = (words, ~row[words])
+            self._banned_words = Banned(self.banned)
         return self._banned_words
 
 
-_FIRST = np.zeros(1, dtype=np.int64)
-
-
-def narrow(bitmask: np.ndarray, rows: np.ndarray, tiers: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-    """Narrow each of ``bitmask``'s ``rows``, in place, to the first of ``tiers`` (a class's mask
-    and the words holding its tokens: ``ClosingTokens.tiers_*``) that it allows, for all the rows
-    at once; whether each row was narrowed (one that allows none is left as it was)."""
-    narrowed = np.zeros(len(rows), dtype=bool)
-    left = np.arange(len(rows))
-    for tier, words in tiers:
-        if not len(left):
-            break
-        both = bitmask[rows[left, None], words] & tier[words]
-        hit = both.any(axis=1)
-        if hit.any():
-            rows_hit = rows[left[hit]]
-            bitmask[rows_hit] = 0
-            bitmask[rows_hit[:, None], words] = both[hit]
-            narrowed[left[hit]] = True
-            left = left[~hit]
-    return narrowed
-
-
-def forces_nothing(bitmask: np.ndarray, rows: np.ndarray, probe: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """Whether each of ``bitmask``'s ``rows`` surely has no text its grammar forces next: it allows
-    two of the one-character tokens ``probe`` holds (``ClosingTokens.probe``). A forced text's first
-    character starts every token the grammar allows (the masks are exact: a token allowed is one the
-    grammar takes), so at most one of those. False says nothing: the row may force a text or not."""
-    singles, words = probe
-    if len(words) and words[-1] - words[0] + 1 == len(words):  # (one run of words: a slice, no gather)
-        hits = bitmask[rows, words[0] : words[-1] + 1] & singles[words[0] : words[-1] + 1]
-    else:
-        hits = bitmask[rows[:, None], words] & singles[words]
-    return np.bitwise_count(hits.view(np.uint32)).sum(axis=1) >= 2
-
-
-def unban(bitmask: np.ndarray, rows: np.ndarray, banned: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-    """Clear each of ``bitmask``'s ``rows``' banned tokens, in place, where it allows any other
-    (``banned``: each row's ``EarlyCloser.banned_words``), for all the rows at once; whether each
-    was. Only the banned tokens' words are written, and the rows read once, to see which still
-    allow a token (a row that would allow none gets its words back). And-ing each row whole with
-    a row of every token but a few cost five passes over the rows (~5% of the scheduler at
-    batch 64)."""
-    if not len(rows):
-        return np.zeros(0, dtype=bool)
-    sizes = [len(words) for words, _ in banned]
-    at = np.repeat(rows, sizes)
-    words = np.concatenate([w for w, _ in banned])
-    old = bitmask[at, words]
-    bitmask[at, words] = old & np.concatenate([k for _, k in banned])
-    first = int(rows[0])
-    contiguous = int(rows[-1]) - first + 1 == len(rows) and bool((np.diff(rows) == 1).all())
-    after = bitmask[first : first + len(rows)] if contiguous else bitmask[rows]
-    left = np.bitwise_or.reduce(after, axis=1) != 0
-    back = ~np.repeat(left, sizes)
-    bitmask[at[back], words[back]] = old[back]
-    return left
+_FIRST = [0]  # (a row alone: ``narrow_rows(row[None], _FIRST, ...)``)
+_NO_TIERS = Tiers([])
 
 
 def _allows(row: np.ndarray, token: int) -> bool:

@@ -21,14 +21,8 @@ from guidespec.grammar_backends import GrammarBackend, GrammarMatcher
 from guidespec.bitmask import allowed_ids, bitmask_row
 from guidespec.protocol import GuidedDecoding
 from guidespec.model_files import text_encoder
-from guidespec.scheduler.grammar.closing import (
-    MAX_STEPS,
-    ClosingTokens,
-    EarlyCloser,
-    forces_nothing,
-    narrow,
-    unban,
-)
+from guidespec.scheduler.grammar.closing import MAX_STEPS, ClosingTokens, EarlyCloser
+from guidespec.scheduler.grammar.narrowing import ASK, forces_nothing, narrow_rows
 
 MAX_CLOSING_RUN = 2048  # the longest dry run of closing (``dry_run``)
 # the grammar fills a dry run's lookahead may cost; past them it goes on without one (a lexer-heavy
@@ -165,40 +159,43 @@ class ClosingStep:
         at once; the others one by one."""
         closing = self._closing_tokens()
         closers = self.closers
-        due: list[tuple[str, int, EarlyCloser]] = []
+        at_once: list[tuple[str, int, EarlyCloser]] = []
+        one_by_one: list[tuple[str, int, EarlyCloser]] = []
         for request_id, index, max_tokens, at in rows:
             closer = closers[request_id]
             if not (closer.closing or (index >= 1 and max_tokens - index <= closer.reserve(max_tokens))):
                 continue
             if closer.script and closer.follow_script(bitmask[at]):
                 continue
-            due.append((request_id, at, closer))
-        if not due:
-            return
-        # a row where the grammar writes the next tokens itself (a name) stays as it is: narrowing
-        # would only split them. The grammar is asked (its jump-forward string: 1-3 µs) only where
-        # the row leaves it open: one allowing two one-character tokens forces nothing
-        free = forces_nothing(bitmask, np.array([at for _, at, _ in due]), closing.probe).tolist()
-        at_once: list[tuple[int, EarlyCloser]] = []
-        for (request_id, at, closer), surely_free in zip(due, free):
-            if not surely_free and grammar_of(request_id)[1].forced_tokens(1):
-                continue
             # (while the end is out of reach, outside a string: no lookahead, whose trial fills
             # would buy nothing; inside one it still steers to an example of its pattern)
             if closer.hopeless and not closer.in_string(closing):
-                at_once.append((at, closer))
+                at_once.append((request_id, at, closer))
             else:
+                one_by_one.append((request_id, at, closer))
+        # a row where the grammar writes the next tokens itself (a name) stays as it is: narrowing
+        # would only split them. The grammar is asked (its jump-forward string: 1-3 µs) only where
+        # the narrowing would change the row and the row leaves it open: one allowing two
+        # one-character tokens forces nothing
+        if at_once:  # EarlyCloser.restrict without a view, for all of them at once
+            ats = [at for _, at, _ in at_once]
+            banned = [closer.banned_words() if closer.banned else None for _, _, closer in at_once]
+            status = narrow_rows(bitmask, ats, closing.tiers_outside, banned, closing.probe)
+            if ASK in status:
+                free = [
+                    i
+                    for i, told in enumerate(status)
+                    if told == ASK and not grammar_of(at_once[i][0])[1].forced_tokens(1)
+                ]
+                narrow_rows(bitmask, [ats[i] for i in free], closing.tiers_outside, [banned[i] for i in free])
+        if one_by_one:
+            surely = forces_nothing(bitmask, np.array([at for _, at, _ in one_by_one]), closing.probe)
+            for (request_id, at, closer), surely_free in zip(one_by_one, surely):
                 backend, matcher = grammar_of(request_id)
+                if not surely_free and matcher.forced_tokens(1):
+                    continue
                 row = bitmask[at]
                 closer.restrict(row, closing, _GrammarView(backend, matcher, row, self.encode))
-        if not at_once:
-            return
-        # EarlyCloser.restrict without a view, for all of them at once: the closing classes, then
-        # the rows that allow none of them without the banned tokens, where they allow others
-        narrowed = narrow(bitmask, np.array([at for at, _ in at_once]), closing.tiers_outside)
-        banned = [(at, closer) for (at, closer), done in zip(at_once, narrowed.tolist()) if not done and closer.banned]
-        if banned:
-            unban(bitmask, np.array([at for at, _ in banned]), [c.banned_words() for _, c in banned])
 
     def dry_run(
         self, request_id: str, backend: GrammarBackend, matcher: GrammarMatcher, limit: int

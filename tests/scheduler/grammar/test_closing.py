@@ -17,7 +17,6 @@ from guidespec.scheduler.grammar.closing import (
     ClosingTokens,
     EarlyCloser,
     RepeatDetector,
-    narrow,
     budget_reserve,
     count_required,
     schema_examples,
@@ -178,31 +177,6 @@ def test_restriction_keeps_only_allowed_closing_tokens(tokenizer) -> None:  # ty
     before = letters.copy()
     assert not closer.restrict(letters, closing)  # nothing closing allowed: untouched
     assert (letters == before).all()
-
-
-def test_rows_narrowed_at_once_are_narrowed_as_one_by_one(tokenizer) -> None:  # type: ignore[no-untyped-def]
-    """``narrow`` over many rows (a step's closing rows) keeps in each the first class it allows,
-    as a row alone: a bracket over a comma, a comma where no bracket; a row with neither is left."""
-    closing = ClosingTokens.from_tokenizer(tokenizer, 49152)
-    rng = np.random.default_rng(0)
-    brackets, commas = _ids(closing.outside), _ids(closing.ending)
-    bitmask = np.zeros((40, closing.outside.shape[0]), dtype=np.int32)
-    for i in range(len(bitmask)):
-        picks = [int(t) for t in rng.integers(3, 49152, size=20)]
-        picks += [brackets[i % len(brackets)]] if i % 3 == 0 else []
-        picks += [commas[i % len(commas)]] if i % 2 == 0 else []
-        bitmask[i] = _row(*picks)
-    rows = np.arange(1, 40, 2)  # every other row: the rest stay as they are
-    expected = bitmask.copy()
-    for i in rows:
-        for tier in (closing.outside, closing.ending):
-            if (expected[i] & tier).any():
-                expected[i] &= tier
-                break
-    narrowed = narrow(bitmask, rows, closing.tiers_outside)
-    assert (bitmask == expected).all()
-    assert narrowed.tolist() == [bool((expected[i] & (closing.outside | closing.ending)).any()) for i in rows]
-    assert narrowed.any() and not narrowed.all()
 
 
 LOOPS = [  # (schema, text the output starts with, the tokens a looping model keeps writing)
@@ -468,35 +442,6 @@ def test_a_cycle_that_goes_on_keeps_its_banned_row() -> None:
     assert closer.banned == {5, 6, 7, 9} and closer.banned_words() is not row
 
 
-def test_unban_clears_only_the_banned_words_as_a_whole_row_would() -> None:
-    """``unban`` touches only the banned tokens' words: on random rows and banned sets, the same rows
-    and the same answer as and-ing each row with a row of every token but the banned ones."""
-    from guidespec.bitmask import bitmask_row
-    from guidespec.scheduler.grammar.closing import unban
-
-    rng = np.random.default_rng(0)
-    width = 8
-    for _ in range(300):
-        n = int(rng.integers(1, 6))
-        bitmask = rng.integers(-(2**31), 2**31, size=(n + 2, width)).astype(np.int32)
-        sparse = rng.random((n + 2, width)) < 0.7  # mostly empty words, some rows nearly empty
-        bitmask[sparse] = 0
-        rows = rng.permutation(n + 2)[:n]
-        closers = []
-        for r in rows:
-            closer = EarlyCloser()
-            allowed = np.flatnonzero(np.unpackbits(bitmask[r].view(np.uint8), bitorder="little"))
-            pick = rng.choice(allowed, size=min(len(allowed), int(rng.integers(1, 4))), replace=False)
-            closer.banned = frozenset(int(t) for t in pick) | {int(rng.integers(0, width * 32))}
-            closers.append(closer)
-        expected = bitmask.copy()
-        rest = expected[rows] & np.stack([~bitmask_row(sorted(c.banned), width * 32) for c in closers])
-        left = rest.any(axis=1)
-        expected[rows[left]] = rest[left]
-        assert unban(bitmask, rows, [c.banned_words() for c in closers]).tolist() == left.tolist()
-        assert np.array_equal(bitmask, expected)
-
-
 @pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
 def test_a_row_allowing_two_one_character_tokens_forces_nothing(tokenizer, backend_name: str) -> None:  # type: ignore[no-untyped-def]
     """``forces_nothing`` lets closing skip asking the grammar for forced tokens: walked through
@@ -506,7 +451,7 @@ def test_a_row_allowing_two_one_character_tokens_forces_nothing(tokenizer, backe
     from guidespec.bitmask import bitmask_width
     from guidespec.grammar_backends import create_backend
     from guidespec.protocol import GuidedDecoding
-    from guidespec.scheduler.grammar.closing import forces_nothing
+    from guidespec.scheduler.grammar.narrowing import forces_nothing
     from tests.grammar_backends.dataset import SEPARATORS, load_cases, order_like_schema
 
     closing = ClosingTokens.from_tokenizer(tokenizer, 49152, (2,))
