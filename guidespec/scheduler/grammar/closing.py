@@ -46,8 +46,10 @@ Switch it off per request with ``GuidedDecoding(close_early=False)``.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import re
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -56,7 +58,7 @@ import numpy as np
 
 from guidespec.bitmask import allowed_ids, bitmask_row
 from guidespec.grammar_backends.interface import DATA_KEYWORDS
-from guidespec.scheduler.grammar.narrowing import NARROWED, UNBANNED, Banned, Probe, Tiers, narrow_rows
+from guidespec.scheduler.grammar.narrowing import NARROWED, UNBANNED, Banned, Probe, Tiers, library, narrow_rows
 
 MAX_PERIOD = 32
 MIN_SPAN = 24
@@ -235,7 +237,8 @@ def count_required(schema: Any) -> int:
 
 class RepeatDetector:
     """Finds a cycle at the end of a token sequence, in O(MAX_PERIOD) per token (a C-level scan of
-    the last tokens; Python work only for the periods at which the new token repeats).
+    the last tokens; Python work only for the periods at which the new token repeats). The
+    fallback of ``NativeRepeatDetector``, and its reference.
 
     ``runs[p]`` counts how many of the latest tokens equal the token ``p`` places before them
     (periods with no such run are left out); the sequence ends in a cycle of period ``p`` once
@@ -249,6 +252,7 @@ class RepeatDetector:
         self.runs: dict[int, int] = {}
         self._places: dict[int, list[int]] = {}  # a token -> where it stands in ``history`` (counted by ``_added``)
         self._added = 0  # tokens recorded so far
+        self.period = 0  # the shortest cycle's the sequence ends in (0: none)
 
     def add(self, token: int) -> bool:
         """Record a token; True if the sequence now ends in a cycle."""
@@ -264,6 +268,7 @@ class RepeatDetector:
             places.append(n)
         self.runs = runs
         self._added = n + 1
+        self.period = min(p for p, count in runs.items() if count >= thresholds[p]) if cycle else 0
         history = self.history
         history.append(token)
         if len(history) > self.max_period:
@@ -274,19 +279,62 @@ class RepeatDetector:
                 del self._places[gone]
         return cycle
 
-    def state(self) -> tuple[list[int], dict[int, int]]:
-        return list(self.history), dict(self.runs)
+    def state(self) -> tuple[list[int], dict[int, int], int]:
+        return list(self.history), dict(self.runs), self.period
 
-    def set_state(self, state: tuple[list[int], dict[int, int]]) -> None:
-        history, runs = state
+    def set_state(self, state: tuple[list[int], dict[int, int], int]) -> None:
+        history, runs, self.period = state
         self.history, self.runs, self._added, self._places = list(history), dict(runs), len(history), {}
         for i, token in enumerate(self.history):
             self._places.setdefault(token, []).append(i)
 
     def cycle(self) -> list[int]:
         """The tokens of the shortest cycle the sequence ends in (empty if none)."""
-        periods = [p for p, count in self.runs.items() if count >= self.thresholds[p]]
-        return self.history[-min(periods) :] if periods else []
+        return self.history[-self.period :] if self.period else []
+
+
+class NativeRepeatDetector:
+    """``RepeatDetector`` in C (``repeats.c``): its state one buffer, a token one call. Used where
+    ``repeats.c`` is built (``repeat_detector``); the tests hold it to the Python one."""
+
+    def __init__(self, max_period: int = MAX_PERIOD, min_span: int = MIN_SPAN) -> None:
+        lib = library()
+        assert lib is not None and 1 <= max_period <= _NATIVE_MAX_PERIOD
+        self.max_period = max_period
+        self._buffer = bytearray(lib.repeats_bytes())
+        struct.pack_into("4i", self._buffer, 0, 0, 0, max_period, min_span)
+        self._view = ctypes.c_char.from_buffer(self._buffer)  # (held: the buffer keeps its place)
+        self._address = ctypes.addressof(self._view)
+        self._add = lib.repeats_add
+        self.period = 0  # the shortest cycle's the sequence ends in (0: none)
+
+    def add(self, token: int) -> bool:
+        """Record a token; True if the sequence now ends in a cycle."""
+        self.period = self._add(self._address, token)
+        return self.period > 0
+
+    def state(self) -> tuple[bytes, int]:
+        return bytes(self._buffer), self.period
+
+    def set_state(self, state: tuple[bytes, int]) -> None:
+        self._buffer[:], self.period = state
+
+    def cycle(self) -> list[int]:
+        """The tokens of the shortest cycle the sequence ends in (empty if none)."""
+        period = self.period
+        if not period:
+            return []
+        head, _, periods, _ = struct.unpack_from("4i", self._buffer)
+        history = struct.unpack_from(f"{periods}i", self._buffer, 16)  # (a ring: the next token at head)
+        return [history[(head - period + i) % periods] for i in range(period)]
+
+
+_NATIVE_MAX_PERIOD = 64  # repeats.c's REPEATS_MAX_PERIOD
+
+
+def repeat_detector() -> RepeatDetector | NativeRepeatDetector:
+    """A cycle detector: ``repeats.c``'s where it is built, else the Python one."""
+    return NativeRepeatDetector() if library() is not None else RepeatDetector()
 
 
 class EarlyCloser:
@@ -306,7 +354,7 @@ class EarlyCloser:
         # without the grammar's lookahead (its trial fills would buy nothing but cost a fill each)
         self.hopeless = False
         self.recheck = 0  # tokens from one check to the next while hopeless (doubling)
-        self.detector = RepeatDetector()
+        self.detector = repeat_detector()
         self.tokens: list[int] = []
         self.closing = False
         self.reason = ""
@@ -325,7 +373,7 @@ class EarlyCloser:
         if self.detector.add(token):
             if not self.closing:
                 self.closing, self.reason = True, "repeat"
-            cycle = self.detector.cycle()
+            cycle = self.tokens[-self.detector.period :]  # (the detector's cycle(): it saw these tokens)
             if not self.banned.issuperset(cycle):  # (a cycle that goes on bans nothing new: its row stays)
                 self.banned = self.banned | frozenset(cycle)
                 self._banned_words = None

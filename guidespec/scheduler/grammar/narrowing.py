@@ -1,7 +1,8 @@
 """Early closing's narrowing of mask rows, a step's rows in one call: each row kept to the first of
 closing's classes it allows, or its banned tokens cleared (``closing.py`` says which classes, and
-why). ``narrow_rows`` runs ``narrowing.c`` (built at first use), or its NumPy twin here where
-there is no C compiler or ``GUIDESPEC_CPU_KERNELS=0``.
+why). ``narrow_rows`` runs ``narrowing.c``, or its NumPy twin here where there is no C compiler or
+``GUIDESPEC_CPU_KERNELS=0``. ``library`` builds and loads closing's C (``narrowing.c``, and the
+cycle detector's ``repeats.c``) at first use.
 
 NumPy's per-call cost, not the data, made the narrowing of a step's rows cost more than the
 grammar backend's fill of them (a dozen calls of 5-20 µs each for a few words a row): in C one
@@ -20,7 +21,6 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from guidespec import envs, native
-from guidespec.bitmask import bitmask_row
 
 KEPT, NARROWED, UNBANNED, ASK = 0, 1, 2, 3  # a row's status (``narrow_rows``)
 
@@ -29,15 +29,18 @@ _NONE = np.zeros(1, dtype=np.int32)  # (an empty argument's pointer)
 
 class Banned:
     """A row's banned tokens as the mask words holding them (ascending) and each word's bits kept:
-    a row is unbanned by and-ing those few words."""
+    a row is unbanned by and-ing those few words. Made at each new cycle of a looping output: in
+    plain Python over its few tokens (a NumPy row and its arrays' addresses cost ~15 µs)."""
 
     def __init__(self, tokens: Iterable[int]) -> None:
-        ordered = sorted(tokens)
-        row = bitmask_row(ordered, (ordered[-1] // 32 + 1) * 32)
-        self.words = np.flatnonzero(row).astype(np.int32)
-        self.keep = ~row[self.words]
+        bits: dict[int, int] = {}
+        for token in tokens:
+            bits[token >> 5] = bits.get(token >> 5, 0) | 1 << (token & 31)
+        words = sorted(bits)
+        self.words = array.array("i", words)
+        self.keep = array.array("I", [~bits[word] & 0xFFFFFFFF for word in words])
         # ``narrowing.c``'s record of them: their addresses and count (``Tiers.at``)
-        self.record = struct.pack("qqq", self.words.ctypes.data, self.keep.ctypes.data, len(self.words))
+        self.record = struct.pack("qqq", self.words.buffer_info()[0], self.keep.buffer_info()[0], len(words))
 
 
 class Tiers:
@@ -84,7 +87,7 @@ def narrow_rows(
     narrowing must not split. The caller asks the grammar and narrows the rows where it forces
     nothing with a second call without ``probe``."""
     n = len(rows)
-    lib = _library()
+    lib = library()
     words_apart = bitmask.dtype == np.int32 and bitmask.strides[1] == 4  # (rows of int32 words, strided)
     if lib is None or not words_apart or (tiers.classes and tiers.rows.shape[1] != bitmask.shape[1]):
         return list(_narrow_rows_numpy(bitmask, np.asarray(rows, dtype=np.int64), tiers, banned, probe))
@@ -152,27 +155,36 @@ def _narrow_rows_numpy(
         if ban is None:
             continue
         row = bitmask[rows[i]]
-        gone = int(np.bitwise_count((row[ban.words] & ~ban.keep).view(np.uint32)).sum())
+        words, keep = np.asarray(ban.words), np.frombuffer(ban.keep, dtype=np.int32)
+        gone = int(np.bitwise_count((row[words] & ~keep).view(np.uint32)).sum())
         if total[i] == gone:
             continue  # it allows banned tokens alone (or nothing): they stay
         if gone and not free[i]:
             status[i] = ASK
             continue
-        row[ban.words] &= ban.keep
+        row[words] &= keep
         status[i] = UNBANNED
     return status
 
 
 @lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
+def library() -> ctypes.CDLL | None:
+    """Early closing's C library (``narrowing.c``, ``repeats.c``), built at first use; None where
+    there is no C compiler or ``GUIDESPEC_CPU_KERNELS=0``."""
     if not envs.cpu_kernels_enabled():
         return None
-    source = Path(__file__).with_name("narrowing.c")
-    path = native.build_shared("guidespec-narrowing", [source], [], ["-O3", "-march=native"], [])
+    sources = [Path(__file__).with_name(name) for name in ("narrowing.c", "repeats.c")]
+    path = native.build_shared("guidespec-closing", sources, [], ["-O3", "-march=native"], [])
     if path is None:
         return None
-    lib = ctypes.CDLL(str(path))
+    # (PyDLL: a call keeps the GIL. A CDLL call gives it up and must win it back, which behind
+    # the scheduler's other threads cost ~2 µs a call: more than the work)
+    lib = ctypes.PyDLL(str(path))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     lib.closing_narrow_rows.argtypes = [p, i64, i64, p, i64, p, p, p, i32, p, p, i32, ctypes.c_char_p, i32, p]
     lib.closing_narrow_rows.restype = None
+    lib.repeats_bytes.argtypes = []
+    lib.repeats_bytes.restype = i64
+    lib.repeats_add.argtypes = [p, i32]
+    lib.repeats_add.restype = i32
     return lib

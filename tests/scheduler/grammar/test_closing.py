@@ -16,12 +16,19 @@ from hypothesis import strategies as st
 from guidespec.scheduler.grammar.closing import (
     ClosingTokens,
     EarlyCloser,
+    NativeRepeatDetector,
     RepeatDetector,
     budget_reserve,
     count_required,
     schema_examples,
 )
 from guidespec.model_files import default_model_path, resolve_model_dir
+from guidespec.scheduler.grammar.narrowing import library
+
+DETECTORS = [  # (the C one where repeats.c is built, the Python one everywhere: its fallback)
+    pytest.param(NativeRepeatDetector, id="c", marks=pytest.mark.skipif(library() is None, reason="no C compiler")),
+    pytest.param(RepeatDetector, id="python"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -76,17 +83,18 @@ def _ids(mask: np.ndarray) -> list[int]:
     return np.nonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))[0].tolist()
 
 
-def test_detector_fires_on_a_cycle_and_not_on_varied_text() -> None:
+@pytest.mark.parametrize("detector_class", DETECTORS)
+def test_detector_fires_on_a_cycle_and_not_on_varied_text(detector_class: Any) -> None:
     cycle = [5, 6, 7, 8]
-    detector = RepeatDetector()
+    detector = detector_class()
     fired = [detector.add(t) for t in cycle * 10]
     # period 4: fires once 24 tokens (= max(2*4, 24)) equal the ones 4 places before them
     assert fired.index(True) == 4 + 24 - 1
     assert detector.cycle() == cycle  # (the last period's tokens)
-    varied = RepeatDetector()
+    varied = detector_class()
     rng = np.random.default_rng(0)
     assert not any(varied.add(int(t)) for t in rng.integers(0, 1000, size=2000))
-    long_period = RepeatDetector()
+    long_period = detector_class()
     block = list(range(100, 130))  # period 30: needs 2 * 30 repeated tokens, three copies
     assert [long_period.add(t) for t in block * 3].index(True) == 89
 
@@ -101,6 +109,7 @@ def _ends_in_cycle(tokens: list[int], max_period: int = 32, min_span: int = 24) 
     return False
 
 
+@pytest.mark.parametrize("detector_class", DETECTORS)
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.integers(0, 4), min_size=1, max_size=120),
@@ -109,29 +118,37 @@ def _ends_in_cycle(tokens: list[int], max_period: int = 32, min_span: int = 24) 
     st.integers(0, 200),
 )
 def test_detector_matches_its_definition_through_snapshots(
-    start: list[int], cycle: list[int], copies: int, saved_at: int
+    detector_class: Any, start: list[int], cycle: list[int], copies: int, saved_at: int
 ) -> None:
     """Token by token, on a few-token alphabet (runs at many periods at once) ending in copies of
     a cycle, and set back to a saved state once on the way (as a dry run or drafts do): it fires
-    exactly where the sequence ends in a cycle by the definition."""
+    exactly where the sequence ends in a cycle by the definition, and its cycle is the last
+    tokens of the shortest period that does."""
     tokens = start + cycle * copies + start[:3]
-    detector = RepeatDetector()
+    detector = detector_class()
     saved, seen = None, []
+
+    def add(token: int) -> None:
+        seen.append(token)
+        fired = detector.add(token)
+        assert fired == _ends_in_cycle(seen)
+        shortest = next((p for p in range(1, 33) if _ends_in_cycle(seen, max_period=p)), 0)
+        assert detector.cycle() == (seen[-shortest:] if fired else [])
+
     for i, token in enumerate(tokens):
         if i == saved_at % len(tokens):
             saved = (detector.state(), list(seen))
-        seen.append(token)
-        assert detector.add(token) == _ends_in_cycle(seen)
+        add(token)
     if saved is not None:
         detector.set_state(saved[0])
         seen = saved[1]
         for token in tokens[len(seen) :]:
-            seen.append(token)
-            assert detector.add(token) == _ends_in_cycle(seen)
+            add(token)
 
 
-def test_detector_resets_when_the_cycle_breaks() -> None:
-    detector = RepeatDetector()
+@pytest.mark.parametrize("detector_class", DETECTORS)
+def test_detector_resets_when_the_cycle_breaks(detector_class: Any) -> None:
+    detector = detector_class()
     for t in [1, 2] * 12:
         detector.add(t)
     assert not detector.add(3)

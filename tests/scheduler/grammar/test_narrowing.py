@@ -18,7 +18,7 @@ IMPLEMENTATIONS = [
     pytest.param(
         narrowing.narrow_rows,
         id="c",
-        marks=pytest.mark.skipif(narrowing._library() is None, reason="no C compiler: narrowing.c is not built"),
+        marks=pytest.mark.skipif(narrowing.library() is None, reason="no C compiler: narrowing.c is not built"),
     ),
     pytest.param(
         lambda bitmask, rows, tiers, banned=None, probe=None: narrowing._narrow_rows_numpy(
