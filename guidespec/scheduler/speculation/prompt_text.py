@@ -42,6 +42,7 @@ _FUNCTION_WORDS = frozenset(
 _SEPARATORS = frozenset("is are was were equals as".split())  # a name's copula: its value follows
 _DASHES = frozenset(("-", "–", "—", "->", "=>"))
 _TYPED_NUMBER = re.compile(r"([:,\[])\s*(-?\d[\d.]*)$")  # a number the output has begun, and what precedes it
+_NUMBER_TAIL = re.compile(r"[\s\d.-]*")  # what a text ending in a number may end with
 _JSON_PARTS = re.compile(r'"(?:[^"\\]|\\.)*("?)|[\[\]{}]')
 _LAST_KEY = re.compile(r'"([^"\\]{1,64})"\s*:\s*\[?\s*"?$')
 _LAST_ITEM = re.compile(r'(?:"((?:[^"\\]|\\.)*)"|([-\w.+]+))\s*,\s*"?$')  # a list's last item and its comma
@@ -209,10 +210,12 @@ def json_scan(text: str, resume: JsonResume = (0, ())) -> tuple[int | None, tupl
     stack = list(containers)
     string_at = None
     safe = resume
+    open_string = False
     for part in _JSON_PARTS.finditer(text, position):
         token = part.group()
         if token[0] == '"':
             if not part.group(1):  # an open string: nothing after it is safe
+                open_string = True
                 if part.end() == len(text):
                     string_at = part.start() + 1
                 continue
@@ -221,6 +224,8 @@ def json_scan(text: str, resume: JsonResume = (0, ())) -> tuple[int | None, tupl
         elif stack:
             stack.pop()
         safe = (part.end(), tuple(stack))
+    if not open_string:  # (the characters after the last part start none: a list of numbers is scanned once)
+        safe = (len(text), tuple(stack))
     return string_at, tuple(stack), safe
 
 
@@ -256,13 +261,24 @@ def text_state(
         if before not in (":", "[", ","):  # an object's key
             return None
         return string_at, False, in_list, before != ","
-    number = _TYPED_NUMBER.search(out_text)
+    number = _typed_number(out_text)
     if number is not None:
         return number.start(2), True, in_list, number.group(1) == "["
     end = out_text.rstrip()[-1:]
     if end == ":" or (in_list and end in ",["):
         return None, False, in_list, end != ","
     return None
+
+
+def _typed_number(out_text: str) -> re.Match[str] | None:
+    """``_TYPED_NUMBER`` searched in the text's last characters, and in all of it only where they
+    could all be the number's (a search of all of it at every step grew with the output: a
+    separator, space, sign and digits end the text, so at most one place can match)."""
+    at = max(0, len(out_text) - 64)
+    found = _TYPED_NUMBER.search(out_text, at)
+    if found is None and at and _NUMBER_TAIL.fullmatch(out_text, at):
+        found = _TYPED_NUMBER.search(out_text)
+    return found
 
 
 def openings(out_text: str, in_string: bool, value: str, quoted: bool) -> tuple[str, ...]:

@@ -79,3 +79,22 @@ def test_a_json_scan_resumed_from_a_prefix_equals_a_whole_one(chars: list[str], 
         string_at, stack, _ = json_scan(text, resume)
         assert (string_at, list(stack)) == whole(text)
         resume = resume_next
+
+
+@given(
+    st.lists(st.sampled_from([":", ",", "[", " ", "\n", "-", ".", "1", "7", "a", '"']), max_size=40),
+    st.integers(0, 90),
+    st.sampled_from(["", "-", " -", "  "]),
+)
+@settings(max_examples=400, deadline=None)
+def test_a_typed_number_is_found_as_a_search_of_the_whole_text_finds_it(
+    chars: list[str], digits: int, sign: str
+) -> None:
+    """``text_state`` looks for a number the output has begun in the text's last characters (a
+    whole search at each step grew with the output): the same match as a search of all of it,
+    numbers longer than that window included."""
+    from guidespec.scheduler.speculation.prompt_text import _TYPED_NUMBER, _typed_number
+
+    text = "".join(chars) + sign + "3" * digits
+    found, expected = _typed_number(text), _TYPED_NUMBER.search(text)
+    assert (found and (found.span(), found.groups())) == (expected and (expected.span(), expected.groups()))
