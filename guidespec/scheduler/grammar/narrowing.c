@@ -47,16 +47,19 @@ static int any_set(const uint32_t *row, int64_t words) {
     return 0;
 }
 
-/* bitmask: the mask rows, `stride` words apart; rows: the n rows to narrow; tiers: num_tiers whole
+/* bitmask: num_rows mask rows, `stride` words apart; rows: the n rows to narrow; tiers: num_tiers whole
  * rows of `words` words; tier_words[tier_ends[t - 1] .. tier_ends[t]): tier t's nonzero words
  * (tier_ends[-1] read as 0); probe, probe_words: the one-character tokens' row and its nonzero
  * words; banned[3i], banned[3i + 1], banned[3i + 2]: row i's banned words (ascending), each one's
  * bits kept, and their count (0: none banned). status: one of KEPT, NARROWED, UNBANNED, ASK a row. */
-void closing_narrow_rows(uint32_t *bitmask, int64_t stride, int64_t words, const int64_t *rows, int64_t n,
+void closing_narrow_rows(uint32_t *bitmask, int64_t stride, int64_t words, int64_t num_rows, const int64_t *rows, int64_t n,
                          const uint32_t *tiers, const int32_t *tier_words, const int32_t *tier_ends, int32_t num_tiers,
                          const uint32_t *probe, const int32_t *probe_words, int32_t num_probe_words,
                          const int64_t *banned, int32_t ask, uint8_t *status) {
     for (int64_t i = 0; i < n; i++) {
+        status[i] = KEPT;
+        if (rows[i] < 0 || rows[i] >= num_rows)
+            continue;  /* (never asked: the caller's rows are the bitmask's) */
         uint32_t *row = bitmask + rows[i] * stride;
         int free = !ask;
         if (ask) {
@@ -92,12 +95,11 @@ void closing_narrow_rows(uint32_t *bitmask, int64_t stride, int64_t words, const
         }
         if (done)
             continue;
-        status[i] = KEPT;
         const int32_t *listed = (const int32_t *)banned[3 * i];
         const uint32_t *keep = (const uint32_t *)banned[3 * i + 1];
         int64_t count = banned[3 * i + 2];
-        if (!count)
-            continue;
+        if (!count || listed[count - 1] >= words)
+            continue;  /* (a banned word past the row, never made: the tokens are the vocabulary's) */
         uint32_t old[count];
         int gone = 0;
         for (int64_t k = 0; k < count; k++) {

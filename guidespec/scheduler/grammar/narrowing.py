@@ -89,7 +89,10 @@ def narrow_rows(
     n = len(rows)
     lib = library()
     words_apart = bitmask.dtype == np.int32 and bitmask.strides[1] == 4  # (rows of int32 words, strided)
-    if lib is None or not words_apart or (tiers.classes and tiers.rows.shape[1] != bitmask.shape[1]):
+    widths = (tiers.classes and tiers.rows.shape[1] != bitmask.shape[1]) or (
+        probe is not None and probe.row.shape[0] != bitmask.shape[1]
+    )
+    if lib is None or not words_apart or widths:
         return list(_narrow_rows_numpy(bitmask, np.asarray(rows, dtype=np.int64), tiers, banned, probe))
     if not n:
         return array.array("B")
@@ -101,6 +104,7 @@ def narrow_rows(
         bitmask.ctypes.data,
         bitmask.strides[0] // 4,
         bitmask.shape[1],
+        bitmask.shape[0],
         at.buffer_info()[0],
         n,
         *tiers.at,
@@ -181,7 +185,7 @@ def library() -> ctypes.CDLL | None:
     # the scheduler's other threads cost ~2 µs a call: more than the work)
     lib = ctypes.PyDLL(str(path))
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-    lib.closing_narrow_rows.argtypes = [p, i64, i64, p, i64, p, p, p, i32, p, p, i32, ctypes.c_char_p, i32, p]
+    lib.closing_narrow_rows.argtypes = [p, i64, i64, i64, p, i64, p, p, p, i32, p, p, i32, ctypes.c_char_p, i32, p]
     lib.closing_narrow_rows.restype = None
     lib.repeats_bytes.argtypes = []
     lib.repeats_bytes.restype = i64

@@ -151,3 +151,17 @@ def test_the_default_vocabularys_brackets_go_before_its_commas(narrow_rows: Call
 
 def _unpacked(row: np.ndarray) -> np.ndarray:
     return np.unpackbits(row.view(np.uint8), bitorder="little")
+
+
+@pytest.mark.skipif(narrowing.library() is None, reason="no C compiler: narrowing.c is not built")
+def test_the_c_narrowing_writes_nothing_outside_the_bitmask() -> None:
+    """Memory safety beside the NumPy twin's IndexError: a row index past the bitmask, or banned
+    tokens past its rows' width, leave everything as it was (KEPT)."""
+    memory = np.full((4, 2), -1, dtype=np.int32)
+    bitmask = memory[:2]  # (rows 2 and 3 of the same memory lie past it)
+    tiers = Tiers([bitmask_row([5], 64)])
+    told = narrowing.narrow_rows(bitmask, [0, 2, 3], tiers)
+    assert list(told) == [NARROWED, KEPT, KEPT]
+    assert (memory[1:] == -1).all() and memory[0].tolist() == [32, 0]
+    told = narrowing.narrow_rows(bitmask, [1], Tiers([]), [Banned([3, 200])])
+    assert list(told) == [KEPT] and (memory[1] == -1).all()
