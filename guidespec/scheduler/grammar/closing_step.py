@@ -22,7 +22,7 @@ from guidespec.bitmask import allowed_ids, bitmask_row
 from guidespec.protocol import GuidedDecoding
 from guidespec.model_files import text_encoder
 from guidespec.scheduler.grammar.closing import MAX_STEPS, ClosingTokens, EarlyCloser
-from guidespec.scheduler.grammar.narrowing import ASK, forces_nothing, narrow_rows
+from guidespec.scheduler.grammar.narrowing import ASK, forces_nothing, library, narrow_rows
 
 MAX_CLOSING_RUN = 2048  # the longest dry run of closing (``dry_run``)
 # the grammar fills a dry run's lookahead may cost; past them it goes on without one (a lexer-heavy
@@ -252,8 +252,10 @@ class ClosingStep:
     def build_tokens(self) -> None:
         """Sort the vocabulary into closing's classes now (``ClosingTokens``: a pass over every
         token's piece, 0.3 s at 49k tokens and 3 s at Gemma 3's 262k on a loaded 2-core host),
-        not in the step of the first request that closes."""
+        and build closing's C library (0.3 s where it is not cached), not in the step of the first
+        request that closes."""
         self._closing_tokens()
+        library()
 
     def _closing_tokens(self) -> ClosingTokens:
         if self._tokens is None:
