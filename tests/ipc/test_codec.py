@@ -113,6 +113,7 @@ def test_unknown_tag_and_wrong_arity_raise() -> None:
 
 def test_array_out_of_frame_bounds_raises() -> None:
     frame = codec.encode(protocol.StepOutputs(1, I32, I32, 0.0))
+    codec.decode(frame)  # (its arrays' headers read once: the next frame repeats them, cut short)
     with pytest.raises(codec.MalformedMessage, match="does not fit"):
         codec.decode(frame[:-16])
     bad_dtype = _frame_with_ext(2, msgpack.packb([24, [1, msgpack.ExtType(1, msgpack.packb(["object", [1], 0, 8]))]]))
