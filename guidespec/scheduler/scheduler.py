@@ -62,7 +62,7 @@ from guidespec.scheduler.kv_blocks import BlockPool
 from guidespec.scheduler.speculation.proposer import MAX_FORCED_DRAFTS, Speculator
 from guidespec.scheduler.step_channel import COMPILE_POLL_S, IDLE_POLL_S, Step, StepChannel
 from guidespec.scheduler.table import RequestTable
-from guidespec.scheduler.trace import StepTrace
+from guidespec.scheduler.trace import step_trace
 
 logger = logging.getLogger(__name__)
 _STATS_INTERVAL_S = 0.1  # SchedulerStats to the client at most this often
@@ -130,7 +130,7 @@ class Scheduler:
             if speculative
             else None
         )
-        self.trace = StepTrace()
+        self.trace = step_trace()  # (None unless GUIDESPEC_TRACE asks for one)
         self.health = Health(parent_pid)
         self.table = RequestTable(self.batcher, self.grammar, self.speculator, self.client_out)
         self.intake = Intake(cfg, self.tokenizer, self.batcher, self.grammar, self.table, self.client_out)
@@ -259,7 +259,7 @@ class Scheduler:
         """A step's deltas out to the client, its blocks keyed for sharing, its trace."""
         self.table.send_outbox()
         self.batcher.commit(step.rows)
-        if outputs.timings is not None:
+        if outputs.timings is not None and self.trace is not None:
             self.trace.record(
                 step.step_id,
                 step.times,
@@ -306,7 +306,7 @@ class Scheduler:
             channel.close()
         self.grammar.shutdown()
         trace_path = envs.trace_path()
-        if trace_path:
+        if trace_path and self.trace is not None:
             self.trace.write(Path(trace_path))
         self.broadcaster.close()
         if self.drafts is not None:

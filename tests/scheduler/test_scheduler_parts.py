@@ -317,3 +317,21 @@ def _tokenizer(path: Path) -> Any:
     if path not in _TOKENIZERS:
         _TOKENIZERS[path] = AutoTokenizer.from_pretrained(path)
     return _TOKENIZERS[path]
+
+
+def test_an_engine_keeps_a_step_trace_only_where_asked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Without ``GUIDESPEC_TRACE`` the scheduler keeps no trace: one kept every step's spans
+    until the engine stopped (a server's memory grew with every step). With it, every step's."""
+    import numpy as np
+
+    from guidespec.scheduler.trace import step_trace
+
+    monkeypatch.delenv("GUIDESPEC_TRACE", raising=False)
+    assert step_trace() is None
+    monkeypatch.setenv("GUIDESPEC_TRACE", str(tmp_path / "trace.json"))
+    trace = step_trace()
+    assert trace is not None
+    times = {"start": 0.0, "inputs": 0.1, "mask_start": 0.1, "mask": 0.2, "outputs": 0.5, "advanced": 0.6}
+    for step in range(3):
+        trace.record(step, {**times, "emit_start": 0.6, "end": 0.7}, np.array([0.1, 0.4, 0.4, 0.5]), 1, 0)
+    assert trace.steps == 3 and len(trace.events) == 3 * 6  # (an unguided step: six spans)
