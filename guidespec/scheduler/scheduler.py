@@ -305,9 +305,8 @@ class Scheduler:
         for channel in (self.client_in, self.client_out, self.worker_results):
             channel.close()
         self.grammar.shutdown()
-        trace_path = envs.trace_path()
-        if trace_path and self.trace is not None:
-            self.trace.write(Path(trace_path))
+        if self.trace is not None:  # (made where GUIDESPEC_TRACE names its file)
+            self.trace.write(Path(str(envs.trace_path())))
         self.broadcaster.close()
         if self.drafts is not None:
             self.drafts.close()

@@ -63,11 +63,10 @@ class Probe:
 
     def __init__(self, row: np.ndarray) -> None:
         self.row = row
-        self.words = np.flatnonzero(row)
-        self.words32 = self.words.astype(np.int32)
+        self.words = np.flatnonzero(row).astype(np.int32)
         run = len(self.words) and self.words[-1] - self.words[0] + 1 == len(self.words)
         self.run = slice(int(self.words[0]), int(self.words[-1]) + 1) if run else None  # (one run: a slice)
-        self.at = (self.row.ctypes.data, self.words32.ctypes.data, len(self.words32))
+        self.at = (self.row.ctypes.data, self.words.ctypes.data, len(self.words))
 
 
 def narrow_rows(
