@@ -80,6 +80,12 @@ def worker_threads() -> int | None:
     return int(value) if value else None
 
 
+def step_next() -> bool:
+    """``GUIDESPEC_STEP_NEXT=0``: every step's inputs go whole (a StepInputs), never as a
+    StepNext after the step before (``protocol.StepNext``): to measure the difference."""
+    return os.environ.get("GUIDESPEC_STEP_NEXT", "1") != "0"
+
+
 def draft_spin_us() -> int | None:
     """``GUIDESPEC_DRAFT_SPIN_US=N``: how long each side of the draft channel spins before it
     sleeps on a futex, in microseconds (default: 500 beside a GPU, where a draft step's round trip

@@ -14,6 +14,7 @@ Messages by direction:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -421,13 +422,78 @@ class StepInputs:
     def batch_size(self) -> int:
         return int(self.slots.shape[0])
 
-    @property
+    @functools.cached_property
     def penalized(self) -> np.ndarray:
-        """[B] bool: the rows that ask for a repetition, frequency or presence penalty."""
+        """[B] bool: the rows that ask for a repetition, frequency or presence penalty (kept: a
+        step asks several times; a StepInputs derived from this one shares its penalties)."""
         return (self.penalties != _NO_PENALTIES).any(axis=1)
 
 
 _NO_PENALTIES = np.array([1.0, 0.0, 0.0], np.float32)  # StepInputs.penalties of a row that asks for none
+
+
+@register_message(28)
+@dataclass(frozen=True)
+class StepNext:
+    """A steady decode step's first broadcast, in place of its StepInputs: the step before's
+    rows again, each one position on. Sent only where the step before was all decode rows (one
+    new token, its logits, no drafts) and this one has the same requests, in the same slots and
+    order, each one token further and one more sample in: every rank then derives the step's
+    StepInputs from the one before (:func:`next_inputs`) instead of the scheduler building and
+    every rank decoding all of its arrays. Its size does not grow with the batch unless tokens
+    or block tables come with it."""
+
+    step: int
+    token_ids: np.ndarray | None = None  # [B] int32; None: every row's is LAST_SAMPLED
+    has_bitmask: bool = False
+    table_slots: np.ndarray | None = None  # as StepInputs'
+    table_lens: np.ndarray | None = None
+    table_blocks: np.ndarray | None = None
+
+
+def next_inputs(before: StepInputs, message: StepNext) -> StepInputs:
+    """The StepInputs ``message`` stands for, after ``before`` (the last step's, as received or
+    derived). The arrays that do not change are ``before``'s own (read-only: decoded ones are
+    views of an immutable frame; derived ones are never written)."""
+    size = before.batch_size
+    token_ids = message.token_ids
+    if token_ids is None:
+        token_ids = _last_sampled_row(size)
+    elif token_ids.shape != (size,):
+        raise ValueError(f"step {message.step}: {token_ids.shape[0]} tokens for {size} rows")
+    derived = object.__new__(StepInputs)  # (the dataclass's __init__ and frozen checks: ~6 µs a step)
+    derived.__dict__.update(
+        before.__dict__,
+        step=message.step,
+        start_positions=before.start_positions + 1,
+        token_ids=token_ids,
+        sample_index=before.sample_index + 1,
+        has_bitmask=message.has_bitmask,
+        table_slots=message.table_slots,
+        table_lens=message.table_lens,
+        table_blocks=message.table_blocks,
+    )
+    return derived
+
+
+def follows_as_next(inputs: StepInputs) -> bool:
+    """Whether a StepNext may follow ``inputs``: every row a decode row (one new token, its
+    logits) and no drafts wanted."""
+    return (
+        inputs.draft_lens is None and bool((inputs.num_new_tokens == 1).all()) and bool((inputs.num_logits == 1).all())
+    )
+
+
+_LAST_SAMPLED_ROWS: dict[int, np.ndarray] = {}
+
+
+def _last_sampled_row(size: int) -> np.ndarray:
+    row = _LAST_SAMPLED_ROWS.get(size)
+    if row is None:
+        row = np.full(size, LAST_SAMPLED, np.int32)
+        row.setflags(write=False)
+        _LAST_SAMPLED_ROWS[size] = row
+    return row
 
 
 @register_message(21)

@@ -40,6 +40,15 @@ CHATS = [
 ]
 
 
+def _together(engine: LLM, requests: list[tuple[Any, SamplingParams]]) -> list[GenerationOutput]:
+    """Every request's output, the requests sent together (``agenerate``)."""
+
+    async def together() -> list[GenerationOutput]:
+        return await asyncio.gather(*(engine.agenerate(prompt, params) for prompt, params in requests))
+
+    return asyncio.run(together())
+
+
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     # fp32 weights: Hugging Face's, to compare outputs with (the default on the CPU keeps the GGUF's blocks)
@@ -462,10 +471,7 @@ def test_async_scheduling_equals_steps_one_after_another(
     ]
 
     def run(engine: LLM) -> list[list[int]]:
-        async def together() -> list[GenerationOutput]:
-            return await asyncio.gather(*(engine.agenerate(prompt, params) for prompt, params in requests))
-
-        return [out.token_ids for out in asyncio.run(together())]
+        return [out.token_ids for out in _together(engine, requests)]
 
     trace = tmp_path / "trace.json"
     monkeypatch.setenv("GUIDESPEC_TRACE", str(trace))
@@ -502,10 +508,7 @@ def test_guided_steps_run_ahead_while_forced_drafts_are_rare(monkeypatch: pytest
     requests.append((CHATS[3], SamplingParams(max_tokens=80, temperature=0.0, guided=named)))
 
     def run(engine: LLM) -> list[GenerationOutput]:
-        async def together() -> list[GenerationOutput]:
-            return await asyncio.gather(*(engine.agenerate(prompt, params) for prompt, params in requests))
-
-        return asyncio.run(together())
+        return _together(engine, requests)
 
     trace = tmp_path / "trace.json"
     monkeypatch.setenv("GUIDESPEC_TRACE", str(trace))
@@ -541,10 +544,7 @@ def test_overlapped_decode_steps_equal_steps_one_after_another(monkeypatch: pyte
     ]
 
     def run(engine: LLM) -> list[list[int]]:
-        async def together() -> list[GenerationOutput]:
-            return await asyncio.gather(*(engine.agenerate(prompt, params) for prompt, params in requests))
-
-        return [out.token_ids for out in asyncio.run(together())]
+        return [out.token_ids for out in _together(engine, requests)]
 
     engine = dict(max_batch_size=8, show_progress=False, dtype="float32")
     runs, trace = {}, tmp_path / "trace.json"
@@ -561,3 +561,41 @@ def test_overlapped_decode_steps_equal_steps_one_after_another(monkeypatch: pyte
     forward = {e["args"]["step"]: e["ts"] for e in spans if e["name"] == "forward"}
     outputs = {e["args"]["step"]: e["ts"] + e["dur"] for e in spans if e["name"] == "mask + sample"}
     assert any(forward[step + 1] < outputs[step] for step in outputs if step + 1 in forward)
+
+
+def test_steady_decode_steps_go_as_step_next_and_change_no_token(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Steps whose rows are the step before's, each a token on, go as a StepNext (``protocol.py``:
+    every rank derives the step's inputs from the last one's): requests of different prompt
+    lengths ending at different steps (the batch changes, then steadies again), one guided (the
+    bitmask flag), one seeded (its sample index), one penalized, outputs long enough to cross
+    KV blocks (table updates with a StepNext), on two tensor-parallel ranks (both derive): every
+    token as the engine that sends every step's inputs whole gives, and most steps as StepNext."""
+    from guidespec.protocol import GuidedDecoding
+
+    letters = GuidedDecoding(regex="[a-z ]+")
+    requests = [
+        (CHATS[0], SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)),
+        (CHATS[4], SamplingParams(max_tokens=45, temperature=0.0, ignore_eos=True, guided=letters)),
+        (CHATS[1], SamplingParams(max_tokens=60, temperature=0.9, seed=11, ignore_eos=True)),
+        (CHATS[2], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)),
+        ("1, 2, 3,", SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)),
+    ]
+
+    def run(engine: LLM) -> list[list[int]]:
+        return [out.token_ids for out in _together(engine, requests)]
+
+    trace = tmp_path / "trace.json"
+    engine = dict(max_batch_size=8, show_progress=False, dtype="float32", tensor_parallel_size=2)
+    monkeypatch.setenv("GUIDESPEC_TRACE", str(trace))
+    with LLM(**engine) as following:  # type: ignore[arg-type]
+        derived = run(following)
+    monkeypatch.delenv("GUIDESPEC_TRACE")
+    monkeypatch.setenv("GUIDESPEC_STEP_NEXT", "0")
+    with LLM(**engine) as whole:  # type: ignore[arg-type]
+        assert run(whole) == derived
+    assert [len(tokens) for tokens in derived] == [params.max_tokens for _, params in requests]
+    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and e["pid"] == 1]
+    sent = [e["args"]["inputs"] for e in spans if e["name"] == "schedule + write inputs"]
+    assert sent.count("StepNext") > len(sent) / 2, sent

@@ -271,6 +271,7 @@ class Scheduler:
                 step.draft_fills,
                 outputs.fused,
                 outputs.mask_waits,
+                step.as_next,
             )
 
     def send_stats(self) -> None:

@@ -33,18 +33,22 @@ from guidespec.ipc.broadcast import StepBroadcaster
 from guidespec.ipc.waiting import AwakeTimer
 from guidespec.ipc.zmq_channel import Channel
 from guidespec.protocol import (
+    LAST_SAMPLED,
     DraftMask,
     DraftTokens,
     MaskWanted,
     StepBitmask,
     StepInputs,
+    StepNext,
     StepOutputs,
     WorkerError,
+    follows_as_next,
 )
 from guidespec.scheduler.batching import ScheduledRow
 from guidespec.scheduler.grammar import FillRow, GrammarManager
 from guidespec.scheduler.health import EngineFailure, Health, worker_failure
 from guidespec.scheduler.intake import Intake
+from guidespec.scheduler.request import Request
 from guidespec.scheduler.speculation.proposer import Speculator
 from guidespec.scheduler.table import RequestTable, output_budget
 
@@ -65,6 +69,12 @@ class Step:
     times: dict[str, float]  # its wall times, for the trace (scheduler.py)
     dropped: set[str] = field(default_factory=set)  # requests whose token is dropped (``_write_bitmask``)
     draft_fills: list[tuple[int, float, float]] = field(default_factory=list)  # (draft step, start, end)
+    as_next: bool = False  # its inputs went as a StepNext
+
+
+def _follow_rows(rows: list[ScheduledRow], inputs: StepInputs) -> list[tuple[Request, int | None, int, int]]:
+    """A step's rows as ``StepChannel._step_next`` checks the next step's against them."""
+    return [(row.request, row.request.slot, row.start, index) for row, index in zip(rows, inputs.sample_index.tolist())]
 
 
 class StepChannel:
@@ -96,6 +106,9 @@ class StepChannel:
         # the step whose bitmask waits for a grammar that compiles (``send_bitmask``)
         self._late_mask: Step | None = None
         self._late_timer = AwakeTimer(_LATE_MASK_MAX_S)
+        # the last step's rows, where a StepNext may follow it: (request, slot, start, sample index)
+        self._follow: list[tuple[Request, int | None, int, int]] | None = None
+        self._step_next_on = envs.step_next()
 
     # ------------------------------------------------------------------ the broadcast
 
@@ -106,12 +119,19 @@ class StepChannel:
         self.step_id += 1
         logits_row = np.cumsum([0] + [row.num_logits for row in rows])
         guided = [(int(logits_row[i]), row) for i, row in enumerate(rows) if row.num_logits and row.request.guided]
-        inputs = self._step_inputs(rows, has_bitmask=bool(guided))
-        self._step_drafts = self.drafts is not None and inputs.draft_lens is not None
-        self.broadcaster.write(codec.encode(inputs), timeout=self.timeout_s)
+        message: StepInputs | StepNext | None = None
+        if self._follow is not None:
+            message = self._step_next(rows, self._follow, has_bitmask=bool(guided))
+        if message is None:
+            message = self._step_inputs(rows, has_bitmask=bool(guided))
+            self._step_drafts = self.drafts is not None and message.draft_lens is not None
+            follows = self._step_next_on and follows_as_next(message)
+            self._follow = _follow_rows(rows, message) if follows else None
+        self.broadcaster.write(codec.encode(message), timeout=self.timeout_s)
         self.table.batcher.started(rows, self.step_id, run_ahead)
         now = time.time()
-        return Step(self.step_id, rows, guided, {"start": start, "inputs": now, "mask_start": now, "mask": now})
+        times = {"start": start, "inputs": now, "mask_start": now, "mask": now}
+        return Step(self.step_id, rows, guided, times, as_next=isinstance(message, StepNext))
 
     def send_bitmask(self, step: Step) -> None:
         """The step's bitmask, filled while the workers compute; held back (``collect`` writes
@@ -189,6 +209,38 @@ class StepChannel:
             table_slots=tables[0] if tables is not None else None,
             table_lens=tables[1] if tables is not None else None,
             table_blocks=tables[2] if tables is not None else None,
+        )
+
+    def _step_next(
+        self, rows: list[ScheduledRow], follow: list[tuple[Request, int | None, int, int]], has_bitmask: bool
+    ) -> StepNext | None:
+        """The step as a StepNext where it follows the last one so (its rows the last step's
+        requests, in the same slots and order, each one position and one sample on, decode rows
+        again), else None; ``_follow`` then holds this step's rows. 64 rows: ~40 µs, against
+        ~100 for their StepInputs and its encoding, and ~30 µs less for each rank's decoding."""
+        if len(rows) != len(follow):
+            return None
+        tokens: list[int] = []
+        after: list[tuple[Request, int | None, int, int]] = []
+        last_sampled = True
+        for row, (request, slot, start, sample_index) in zip(rows, follow):
+            r = row.request
+            if r is not request or r.slot != slot or row.start != start + 1 or row.num_new_tokens != 1:
+                return None
+            index = len(r.output_token_ids) + (r.pending_step >= 0)
+            if row.num_logits != 1 or index != sample_index + 1:
+                return None
+            token = r.token_at(row.start)
+            last_sampled = last_sampled and token == LAST_SAMPLED
+            tokens.append(token)
+            after.append((r, slot, row.start, index))
+        self._follow, self._step_drafts = after, False  # (no drafts: the step before wanted none)
+        tables = self.table.batcher.table_updates(rows)
+        return StepNext(
+            self.step_id,
+            None if last_sampled else np.array(tokens, dtype=np.int32),
+            has_bitmask,
+            *(tables if tables is not None else (None, None, None)),
         )
 
     def _write_bitmask(self, step: Step) -> None:

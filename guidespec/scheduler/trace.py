@@ -56,6 +56,7 @@ class StepTrace:
         draft_fills: Sequence[tuple[int, float, float]] = (),
         fused: bool = False,
         mask_waits: np.ndarray | None = None,
+        as_next: bool = False,
     ) -> None:
         """``t``: scheduler wall times (start, inputs, mask_start, mask, outputs, advanced: the
         grammars advanced by the outputs, emit_start, end: the rest of the emit, which a step run
@@ -65,7 +66,8 @@ class StepTrace:
         filling each of those draft steps' masks (draft step, start, end), which rank 0 waits for;
         ``fused``: rank 0 ran the whole step as one graph (worker/drafting/step_graph.py), one span;
         ``mask_waits``: rank 0's other waits for masks, rows of (draft index or -2 for a fused
-        step's verify masks, start, end), nested in its spans."""
+        step's verify masks, start, end), nested in its spans; ``as_next``: its inputs went as a
+        StepNext (``protocol.py``)."""
         forward_start, forward_end, mask_ready, done = (float(x) for x in worker)
         exposed_fill = max(0.0, t["mask"] - forward_end) if guided_rows else 0.0
         self.step_s += t["end"] - t["start"]
@@ -80,6 +82,7 @@ class StepTrace:
         self.guided_steps += bool(guided_rows)
         self.fused_steps += fused
         args: dict[str, object] = {"step": step, "batch": batch, "tokens": tokens, "guided_rows": guided_rows}
+        args["inputs"] = "StepNext" if as_next else "StepInputs"
         self._span("schedule + write inputs", t["start"], t["inputs"], 1, args)
         if guided_rows:
             self._span("fill + write bitmask", t["mask_start"], t["mask"], 1, args)

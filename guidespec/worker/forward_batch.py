@@ -94,6 +94,21 @@ class ForwardBatch:
         ]
         return moved
 
+    def advanced(self, token_ids: np.ndarray) -> ForwardBatch:
+        """This batch of decode rows (a token each, each row's logits: what a StepNext follows),
+        each row one position on with ``token_ids``: what :meth:`create` makes of the next step's
+        arrays, from this one's (64 rows: ~10 µs against ~30)."""
+        (group,) = self.groups
+        assert group.num_new_tokens == 1 and len(self.logits_indices) == len(self.slots)
+        advanced = copy.copy(self)
+        advanced.token_ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64))
+        advanced.positions = self.positions + 1
+        advanced.start_positions = [start + 1 for start in self.start_positions]
+        advanced.groups = [
+            AttentionGroup(group.rows, group.slots, None, 1, group.length + 1, group.slot_ids, group.starts + 1)
+        ]
+        return advanced
+
     @classmethod
     def create(cls, token_ids, slots, start_positions, num_new_tokens, num_logits) -> ForwardBatch:  # type: ignore[no-untyped-def]
         """From a step's arrays (NumPy: a step's host work is no Python loop over its tokens)."""

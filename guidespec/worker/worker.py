@@ -45,9 +45,12 @@ from guidespec.protocol import (
     Shutdown,
     StepBitmask,
     StepInputs,
+    StepNext,
     StepOutputs,
     WorkerError,
     WorkerReady,
+    follows_as_next,
+    next_inputs,
 )
 from guidespec.worker.drafting.draft_model import DraftRunner, draft_model_bytes
 from guidespec.worker.drafting.eagle import EagleRunner
@@ -229,6 +232,9 @@ class Worker:
         # overlapped decode steps (``_overlapped_step``): a step's picks, two steps' worth of page-locked rows
         self.overlap = envs.overlap_steps(self.device.type)
         self.pending: _Pending | None = None
+        self._before: StepInputs | None = None  # the last step's inputs, where a StepNext may follow them
+        self._follows = (-1, -1)  # (the last StepNext's step, the step it follows)
+        self._made: tuple[int, ForwardBatch] | None = None  # the last batch ``step`` made, and its step
         self._picked = [torch.zeros(max_rows, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
         self._flip = 0
         self.graphs = None
@@ -281,9 +287,14 @@ class Worker:
                 self._read_bitmask(inputs.step)
             return None
         start, wall_start = time.perf_counter(), time.time()
-        batch = ForwardBatch.create(
-            inputs.token_ids, inputs.slots, inputs.start_positions, inputs.num_new_tokens, inputs.num_logits
-        )
+        made = self._made
+        if made is not None and self._follows == (inputs.step, made[0]):  # a StepNext's: the batch before's, on
+            batch = made[1].advanced(inputs.token_ids)
+        else:
+            batch = ForwardBatch.create(
+                inputs.token_ids, inputs.slots, inputs.start_positions, inputs.num_new_tokens, inputs.num_logits
+            )
+        self._made = (inputs.step, batch)
         key = self.graphs.plan(batch) if self.graphs is not None else None
         if key is not None:  # decode and verify steps: a replayed CUDA graph (graphs.py)
             hidden = self.graphs.run(batch, key)  # type: ignore[union-attr]
@@ -559,10 +570,20 @@ class Worker:
             kernels.park_threads()  # (the kernels' helpers sleep while the scheduler plans the next step)
         while True:
             try:
-                return codec.decode(self.reader.read(timeout=_IDLE_READ_TIMEOUT_S))
+                message = codec.decode(self.reader.read(timeout=_IDLE_READ_TIMEOUT_S))
+                break
             except RingTimeout:
                 if not parent_alive(parent_pid):
                     return Shutdown("parent process is gone")
+        if isinstance(message, StepNext):  # the step before's rows, each one position on
+            if self._before is None:
+                raise RuntimeError(f"step {message.step}: a StepNext after a step it cannot follow")
+            self._follows = (message.step, self._before.step)
+            message = next_inputs(self._before, message)
+            self._before = message
+        elif isinstance(message, StepInputs):
+            self._before = message if follows_as_next(message) else None
+        return message
 
 
 @dataclasses.dataclass

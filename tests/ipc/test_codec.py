@@ -46,6 +46,8 @@ EXAMPLES = [
         np.ones((3, 3), np.float32),
         True,
     ),
+    protocol.StepNext(4),
+    protocol.StepNext(5, I32, True, np.array([1], np.int32), np.array([2], np.int32), np.array([7, 8], np.int32)),
     protocol.StepBitmask(3, np.array([0, 2], np.int32), np.arange(8, dtype=np.int32).reshape(2, 4)),
     protocol.StepOutputs(3, I32, np.ones(3, np.int32), 0.25, np.arange(4, dtype=np.float64)),
     protocol.StepOutputs(4, I32, np.ones(3, np.int32), 0.1, None, I32, np.ones(3, np.int32)),
@@ -128,3 +130,49 @@ def test_refuses_to_encode_unregistered_objects() -> None:
         codec.encode(protocol.AbortRequest(object()))  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         codec.encode(protocol.StepOutputs(1, np.array([object()]), I32, 0.0))
+
+
+def test_a_step_next_stands_for_the_step_befores_rows_one_position_on() -> None:
+    """``next_inputs``: a StepNext's StepInputs is the one before's with each row one position
+    and one sample on, its own tokens (LAST_SAMPLED where it sends none), bitmask flag and table
+    updates, through the codec as the workers get them; tokens for another batch are refused."""
+    ones = np.ones(3, np.int32)
+    before = protocol.StepInputs(
+        7, np.array([4, 0, 2], np.int32), np.array([10, 30, 20], np.int32), ones, np.array([5, 6, 7], np.int32),
+        ones, np.zeros(3, np.float32), ones * 0, np.ones(3, np.float32), np.array([-1, 5, -1], np.int64),
+        np.array([2, 0, 9], np.int32), np.array([8, 28, 18], np.int32),
+        np.tile(np.array([1.0, 0, 0], np.float32), (3, 1)),
+    )  # fmt: skip
+    before = codec.decode(codec.encode(before))
+    assert protocol.follows_as_next(before)
+    derived = protocol.next_inputs(before, codec.decode(codec.encode(protocol.StepNext(8))))
+    expected = dataclasses.replace(
+        before,
+        step=8,
+        start_positions=np.array([11, 31, 21], np.int32),
+        token_ids=np.full(3, protocol.LAST_SAMPLED, np.int32),
+        sample_index=np.array([3, 1, 10], np.int32),
+    )
+    assert _equal(derived, expected)
+    assert not derived.penalized.any()
+    tables = (np.array([0], np.int32), np.array([2], np.int32), np.array([3, 9], np.int32))
+    message = codec.decode(codec.encode(protocol.StepNext(9, np.array([1, 2, 3], np.int32), True, *tables)))
+    again = protocol.next_inputs(derived, message)
+    assert _equal(
+        again,
+        dataclasses.replace(
+            expected,
+            step=9,
+            start_positions=np.array([12, 32, 22], np.int32),
+            token_ids=np.array([1, 2, 3], np.int32),
+            sample_index=np.array([4, 2, 11], np.int32),
+            has_bitmask=True,
+            table_slots=tables[0],
+            table_lens=tables[1],
+            table_blocks=tables[2],
+        ),
+    )
+    with pytest.raises(ValueError, match="2 tokens for 3 rows"):
+        protocol.next_inputs(again, protocol.StepNext(10, np.array([1, 2], np.int32)))
+    prefill = dataclasses.replace(before, num_new_tokens=np.array([1, 4, 1], np.int32))
+    assert not protocol.follows_as_next(prefill)
