@@ -484,6 +484,12 @@ def follows_as_next(inputs: StepInputs) -> bool:
     )
 
 
+def all_last_sampled(token_ids: np.ndarray) -> bool:
+    """Whether ``token_ids`` is a StepNext's that sent none: every row's is ``LAST_SAMPLED``
+    (known by identity: no comparison a step)."""
+    return token_ids is _LAST_SAMPLED_ROWS.get(len(token_ids))
+
+
 _LAST_SAMPLED_ROWS: dict[int, np.ndarray] = {}
 
 

@@ -163,6 +163,12 @@ class RingWriter:
     def _wait_free(self, chunk: int, timer: AwakeTimer) -> None:
         ring = self.ring
         oldest_allowed = chunk - ring.layout.num_slots
+        cursors = ring.cursors
+        for r in range(ring.layout.num_readers):  # (every reader past it, the usual case: no backoff made)
+            if cursors[r] <= oldest_allowed:
+                break
+        else:
+            return
         backoff = _Backoff(timer)
         while True:
             lagging = [

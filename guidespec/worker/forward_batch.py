@@ -99,14 +99,25 @@ class ForwardBatch:
         each row one position on with ``token_ids``: what :meth:`create` makes of the next step's
         arrays, from this one's (64 rows: ~10 µs against ~30)."""
         (group,) = self.groups
-        assert group.num_new_tokens == 1 and len(self.logits_indices) == len(self.slots)
-        advanced = copy.copy(self)
-        advanced.token_ids = torch.from_numpy(np.asarray(token_ids, dtype=np.int64))
-        advanced.positions = self.positions + 1
-        advanced.start_positions = [start + 1 for start in self.start_positions]
-        advanced.groups = [
-            AttentionGroup(group.rows, group.slots, None, 1, group.length + 1, group.slot_ids, group.starts + 1)
-        ]
+        assert group.num_new_tokens == 1 and self.logits_indices.shape[0] == len(self.slots)
+        advanced = object.__new__(ForwardBatch)  # (copy.copy's reduce protocol: a few µs more)
+        advanced.__dict__.update(
+            self.__dict__,
+            token_ids=torch.from_numpy(np.asarray(token_ids, dtype=np.int64)),
+            positions=torch.from_numpy(self.positions.numpy() + 1),  # (NumPy's add: a µs less than torch's)
+            start_positions=[start + 1 for start in self.start_positions],
+            groups=[
+                AttentionGroup(
+                    group.rows,
+                    group.slots,
+                    None,
+                    1,
+                    group.length + 1,
+                    group.slot_ids,
+                    torch.from_numpy(group.starts.numpy() + 1),
+                )
+            ],
+        )
         return advanced
 
     @classmethod

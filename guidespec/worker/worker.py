@@ -49,6 +49,7 @@ from guidespec.protocol import (
     StepOutputs,
     WorkerError,
     WorkerReady,
+    all_last_sampled,
     follows_as_next,
     next_inputs,
 )
@@ -275,7 +276,7 @@ class Worker:
                 results.send(outputs)
 
     def step(self, inputs: StepInputs) -> StepOutputs | None:
-        if (inputs.token_ids == LAST_SAMPLED).any():
+        if all_last_sampled(inputs.token_ids) or (inputs.token_ids == LAST_SAMPLED).any():
             inputs = self._with_last_sampled(inputs)
         if inputs.table_slots is not None:
             self.kv.set_tables(inputs.table_slots, inputs.table_lens, inputs.table_blocks)  # type: ignore[arg-type]
@@ -504,13 +505,21 @@ class Worker:
         """``inputs`` with each ``LAST_SAMPLED`` token replaced by the one rank 0 sampled for its
         row's slot in the step before (a step sent before that one's outputs came back: async
         scheduling); rank 0 gives the other ranks its tokens."""
-        token_ids = inputs.token_ids.copy()
-        where = np.flatnonzero(token_ids == LAST_SAMPLED)
-        slots = np.repeat(inputs.slots, inputs.num_new_tokens)[where]
-        token_ids[where] = tp_mod.broadcast_ints(self.last_sampled[slots].astype(np.int64), self.tp, self.device)
+        if all_last_sampled(inputs.token_ids):  # (a StepNext's: a token a row, each row's)
+            sampled = self.last_sampled[inputs.slots]
+            token_ids = sampled if self.tp.size == 1 else self._broadcast_tokens(sampled)
+        else:
+            token_ids = inputs.token_ids.copy()
+            where = np.flatnonzero(token_ids == LAST_SAMPLED)
+            slots = np.repeat(inputs.slots, inputs.num_new_tokens)[where]
+            token_ids[where] = self._broadcast_tokens(self.last_sampled[slots])
         replaced = object.__new__(StepInputs)  # (dataclasses.replace's checks, 8 µs, find nothing to check here)
         replaced.__dict__.update(inputs.__dict__, token_ids=token_ids)
         return replaced
+
+    def _broadcast_tokens(self, tokens: np.ndarray) -> np.ndarray:
+        """Rank 0's ``tokens`` (int32) on every rank."""
+        return tp_mod.broadcast_ints(tokens.astype(np.int64), self.tp, self.device).astype(np.int32)
 
     def _fused_step(self, inputs: StepInputs) -> StepOutputs:
         """A step of a model drafter as one graph (worker/drafting/step_graph.py): its verify masks come through
