@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from itertools import accumulate
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -117,8 +118,8 @@ class StepChannel:
         that samples one token lets the next step run that token before its outputs come back
         (``Batcher.started``). Rows of unguided requests will get no bitmask row."""
         self.step_id += 1
-        logits_row = np.cumsum([0] + [row.num_logits for row in rows])
-        guided = [(int(logits_row[i]), row) for i, row in enumerate(rows) if row.num_logits and row.request.guided]
+        logits_row = list(accumulate((row.num_logits for row in rows), initial=0))
+        guided = [(logits_row[i], row) for i, row in enumerate(rows) if row.num_logits and row.request.guided]
         message: StepInputs | StepNext | None = None
         if self._follow is not None:
             message = self._step_next(rows, self._follow, has_bitmask=bool(guided))
