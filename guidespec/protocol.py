@@ -436,12 +436,13 @@ _NO_PENALTIES = np.array([1.0, 0.0, 0.0], np.float32)  # StepInputs.penalties of
 @dataclass(frozen=True)
 class StepNext:
     """A steady decode step's first broadcast, in place of its StepInputs: the step before's
-    rows again, each one position on. Sent only where the step before was all decode rows (one
-    new token, its logits, no drafts) and this one has the same requests, in the same slots and
-    order, each one token further and one more sample in: every rank then derives the step's
-    StepInputs from the one before (:func:`next_inputs`) instead of the scheduler building and
-    every rank decoding all of its arrays. Its size does not grow with the batch unless tokens
-    or block tables come with it."""
+    rows again (or those of them ``keep`` names: requests that ended drop out), each one
+    position on. Sent only where the step before was all decode rows (one new token, its logits,
+    no drafts) and this one has those requests, in the same slots and order, each one token
+    further and one more sample in: every rank then derives the step's StepInputs from the one
+    before (:func:`next_inputs`) instead of the scheduler building and every rank decoding all of
+    its arrays. Its size does not grow with the batch unless tokens, block tables or a row's
+    end come with it."""
 
     step: int
     token_ids: np.ndarray | None = None  # [B] int32; None: every row's is LAST_SAMPLED
@@ -449,12 +450,23 @@ class StepNext:
     table_slots: np.ndarray | None = None  # as StepInputs'
     table_lens: np.ndarray | None = None
     table_blocks: np.ndarray | None = None
+    keep: np.ndarray | None = None  # [B] int32: the rows of the step before that go on, in order (None: all)
 
 
 def next_inputs(before: StepInputs, message: StepNext) -> StepInputs:
     """The StepInputs ``message`` stands for, after ``before`` (the last step's, as received or
     derived). The arrays that do not change are ``before``'s own (read-only: decoded ones are
     views of an immutable frame; derived ones are never written)."""
+    keep = message.keep
+    if keep is not None:
+        if (
+            keep.ndim != 1
+            or not len(keep)
+            or (np.diff(keep) <= 0).any()
+            or not 0 <= keep[0] <= keep[-1] < before.batch_size
+        ):
+            raise ValueError(f"step {message.step}: rows to keep {keep.tolist()} of {before.batch_size}")
+        before = _rows_of(before, keep)
     size = before.batch_size
     token_ids = message.token_ids
     if token_ids is None:
@@ -474,6 +486,32 @@ def next_inputs(before: StepInputs, message: StepNext) -> StepInputs:
         table_blocks=message.table_blocks,
     )
     return derived
+
+
+def _rows_of(inputs: StepInputs, rows: np.ndarray) -> StepInputs:
+    """The per-row arrays of ``inputs`` (decode rows: a token each) at ``rows``."""
+    taken = object.__new__(StepInputs)
+    taken.__dict__.update(
+        {name: value for name, value in inputs.__dict__.items() if name != "penalized"},  # (per row: made again)
+        **{name: getattr(inputs, name)[rows] for name in _PER_ROW},
+    )
+    return taken
+
+
+_PER_ROW = (
+    "slots",
+    "start_positions",
+    "num_new_tokens",
+    "token_ids",
+    "num_logits",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seeds",
+    "sample_index",
+    "num_prompt_tokens",
+    "penalties",
+)
 
 
 def follows_as_next(inputs: StepInputs) -> bool:

@@ -566,9 +566,9 @@ def test_overlapped_decode_steps_equal_steps_one_after_another(monkeypatch: pyte
 def test_steady_decode_steps_go_as_step_next_and_change_no_token(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """Steps whose rows are the step before's, each a token on, go as a StepNext (``protocol.py``:
-    every rank derives the step's inputs from the last one's): requests of different prompt
-    lengths ending at different steps (the batch changes, then steadies again), one guided (the
+    """Steps whose rows are the step before's (or some of them), each a token on, go as a
+    StepNext (``protocol.py``: every rank derives the step's inputs from the last one's): requests
+    of different prompt lengths ending at different steps (the rows that end drop out), one guided (the
     bitmask flag), one seeded (its sample index), one penalized, outputs long enough to cross
     KV blocks (table updates with a StepNext), on two tensor-parallel ranks (both derive): every
     token as the engine that sends every step's inputs whole gives, and most steps as StepNext."""
@@ -597,5 +597,7 @@ def test_steady_decode_steps_go_as_step_next_and_change_no_token(
         assert run(whole) == derived
     assert [len(tokens) for tokens in derived] == [params.max_tokens for _, params in requests]
     spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and e["pid"] == 1]
-    sent = [e["args"]["inputs"] for e in spans if e["name"] == "schedule + write inputs"]
-    assert sent.count("StepNext") > len(sent) / 2, sent
+    sent = [(e["args"]["inputs"], e["args"]["batch"]) for e in spans if e["name"] == "schedule + write inputs"]
+    assert [kind for kind, _ in sent].count("StepNext") > len(sent) / 2, sent
+    # a request that ended drops out of a StepNext (its ``keep``): fewer rows than the step before
+    assert any(kind == "StepNext" and rows < before for (kind, rows), (_, before) in zip(sent[1:], sent)), sent

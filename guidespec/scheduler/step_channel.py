@@ -216,17 +216,27 @@ class StepChannel:
         self, rows: list[ScheduledRow], follow: list[tuple[Request, int | None, int, int]], has_bitmask: bool
     ) -> StepNext | None:
         """The step as a StepNext where it follows the last one so (its rows the last step's
-        requests, in the same slots and order, each one position and one sample on, decode rows
-        again), else None; ``_follow`` then holds this step's rows. 64 rows: ~40 µs, against
-        ~100 for their StepInputs and its encoding, and ~30 µs less for each rank's decoding."""
-        if len(rows) != len(follow):
+        requests or some of them, in the same slots and order, each one position and one sample
+        on, decode rows again), else None; ``_follow`` then holds this step's rows. 64 rows: ~40
+        µs, against ~100 for their StepInputs and its encoding, and ~30 µs less for each rank's
+        decoding."""
+        if not rows or len(rows) > len(follow):
             return None
         tokens: list[int] = []
         after: list[tuple[Request, int | None, int, int]] = []
+        keep: list[int] = []  # the last step's rows that go on (a request that ended drops out)
         last_sampled = True
-        for row, (request, slot, start, sample_index) in zip(rows, follow):
+        j = 0
+        for row in rows:
             r = row.request
-            if r is not request or r.slot != slot or row.start != start + 1 or row.num_new_tokens != 1:
+            while j < len(follow) and follow[j][0] is not r:
+                j += 1
+            if j == len(follow):
+                return None
+            _, slot, start, sample_index = follow[j]
+            keep.append(j)
+            j += 1
+            if r.slot != slot or row.start != start + 1 or row.num_new_tokens != 1:
                 return None
             index = len(r.output_token_ids) + (r.pending_step >= 0)
             if row.num_logits != 1 or index != sample_index + 1:
@@ -236,12 +246,15 @@ class StepChannel:
             tokens.append(token)
             after.append((r, slot, row.start, index))
         self._follow, self._step_drafts = after, False  # (no drafts: the step before wanted none)
-        tables = self.table.batcher.table_updates(rows)
+        slots, lens, blocks = self.table.batcher.table_updates(rows) or (None, None, None)
         return StepNext(
             self.step_id,
             None if last_sampled else np.array(tokens, dtype=np.int32),
             has_bitmask,
-            *(tables if tables is not None else (None, None, None)),
+            slots,
+            lens,
+            blocks,
+            None if len(keep) == len(follow) else np.array(keep, dtype=np.int32),
         )
 
     def _write_bitmask(self, step: Step) -> None:

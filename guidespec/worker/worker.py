@@ -587,7 +587,7 @@ class Worker:
         if isinstance(message, StepNext):  # the step before's rows, each one position on
             if self._before is None:
                 raise RuntimeError(f"step {message.step}: a StepNext after a step it cannot follow")
-            self._follows = (message.step, self._before.step)
+            self._follows = (message.step, self._before.step) if message.keep is None else (-1, -1)
             message = next_inputs(self._before, message)
             self._before = message
         elif isinstance(message, StepInputs):

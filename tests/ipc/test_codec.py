@@ -48,6 +48,7 @@ EXAMPLES = [
     ),
     protocol.StepNext(4),
     protocol.StepNext(5, I32, True, np.array([1], np.int32), np.array([2], np.int32), np.array([7, 8], np.int32)),
+    protocol.StepNext(6, None, False, None, None, None, np.array([0, 2], np.int32)),
     protocol.StepBitmask(3, np.array([0, 2], np.int32), np.arange(8, dtype=np.int32).reshape(2, 4)),
     protocol.StepOutputs(3, I32, np.ones(3, np.int32), 0.25, np.arange(4, dtype=np.float64)),
     protocol.StepOutputs(4, I32, np.ones(3, np.int32), 0.1, None, I32, np.ones(3, np.int32)),
@@ -174,5 +175,37 @@ def test_a_step_next_stands_for_the_step_befores_rows_one_position_on() -> None:
     )
     with pytest.raises(ValueError, match="2 tokens for 3 rows"):
         protocol.next_inputs(again, protocol.StepNext(10, np.array([1, 2], np.int32)))
+    # a request that ended drops out: the rows kept, in order, each one on
+    kept = protocol.next_inputs(
+        again, codec.decode(codec.encode(protocol.StepNext(10, keep=np.array([0, 2], np.int32))))
+    )
+    rows = np.array([0, 2])
+    assert _equal(
+        kept,
+        dataclasses.replace(
+            again,
+            step=10,
+            slots=again.slots[rows],
+            start_positions=np.array([13, 23], np.int32),
+            num_new_tokens=again.num_new_tokens[rows],
+            token_ids=np.full(2, protocol.LAST_SAMPLED, np.int32),
+            num_logits=again.num_logits[rows],
+            temperature=again.temperature[rows],
+            top_k=again.top_k[rows],
+            top_p=again.top_p[rows],
+            seeds=np.array([-1, -1], np.int64),
+            sample_index=np.array([5, 12], np.int32),
+            num_prompt_tokens=np.array([8, 18], np.int32),
+            penalties=again.penalties[rows],
+            has_bitmask=False,
+            table_slots=None,
+            table_lens=None,
+            table_blocks=None,
+        ),
+    )
+    assert kept.penalized.shape == (2,) and protocol.follows_as_next(kept)
+    for bad in ([2, 0], [], [0, 3], [1, 1]):
+        with pytest.raises(ValueError, match="rows to keep"):
+            protocol.next_inputs(again, protocol.StepNext(11, keep=np.array(bad, np.int32)))
     prefill = dataclasses.replace(before, num_new_tokens=np.array([1, 4, 1], np.int32))
     assert not protocol.follows_as_next(prefill)
