@@ -49,6 +49,23 @@ def _together(engine: LLM, requests: list[tuple[Any, SamplingParams]]) -> list[G
     return asyncio.run(together())
 
 
+def _traced_then_plain(
+    monkeypatch: pytest.MonkeyPatch, trace: Path, engine: dict[str, Any], run: Any, off: str
+) -> tuple[Any, Any, list[dict[str, Any]]]:
+    """``run`` on an engine that writes its step trace to ``trace``, then on one with the
+    environment variable ``off`` set to 0 and no trace: both results, and the first one's
+    scheduler spans."""
+    monkeypatch.setenv("GUIDESPEC_TRACE", str(trace))
+    with LLM(**engine) as traced:
+        first = run(traced)
+    monkeypatch.delenv("GUIDESPEC_TRACE")
+    monkeypatch.setenv(off, "0")
+    with LLM(**engine) as plain:
+        second = run(plain)
+    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and e["pid"] == 1]
+    return first, second, spans
+
+
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     # fp32 weights: Hugging Face's, to compare outputs with (the default on the CPU keeps the GGUF's blocks)
@@ -473,16 +490,11 @@ def test_async_scheduling_equals_steps_one_after_another(
     def run(engine: LLM) -> list[list[int]]:
         return [out.token_ids for out in _together(engine, requests)]
 
-    trace = tmp_path / "trace.json"
-    monkeypatch.setenv("GUIDESPEC_TRACE", str(trace))
     engine = dict(max_batch_size=8, show_progress=False, dtype="float32", jump_forward="unverified")
-    with LLM(**engine) as ahead:  # type: ignore[arg-type]
-        overlapped = run(ahead)
-    monkeypatch.delenv("GUIDESPEC_TRACE")
-    monkeypatch.setenv("GUIDESPEC_ASYNC_SCHEDULING", "0")
-    with LLM(**engine) as serial:  # type: ignore[arg-type]
-        assert run(serial) == overlapped
-    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and e["pid"] == 1]
+    overlapped, serial, spans = _traced_then_plain(
+        monkeypatch, tmp_path / "trace.json", engine, run, "GUIDESPEC_ASYNC_SCHEDULING"
+    )
+    assert serial == overlapped
     sent = {e["args"]["step"]: e["ts"] + e["dur"] for e in spans if e["name"] == "schedule + write inputs"}
     emitted = {e["args"]["step"]: e["ts"] for e in spans if e["name"] == "emit"}
     assert any(sent[step + 1] < emitted[step] for step in emitted if step + 1 in sent)
@@ -510,19 +522,13 @@ def test_guided_steps_run_ahead_while_forced_drafts_are_rare(monkeypatch: pytest
     def run(engine: LLM) -> list[GenerationOutput]:
         return _together(engine, requests)
 
-    trace = tmp_path / "trace.json"
-    monkeypatch.setenv("GUIDESPEC_TRACE", str(trace))
     engine = dict(max_batch_size=8, show_progress=False, dtype="float32")
-    with LLM(**engine) as ahead:  # type: ignore[arg-type]
-        overlapped = run(ahead)
-    monkeypatch.delenv("GUIDESPEC_TRACE")
-    monkeypatch.setenv("GUIDESPEC_ASYNC_SCHEDULING", "0")
-    with LLM(**engine) as serial:  # type: ignore[arg-type]
-        in_turn = run(serial)
+    overlapped, in_turn, spans = _traced_then_plain(
+        monkeypatch, tmp_path / "trace.json", engine, run, "GUIDESPEC_ASYNC_SCHEDULING"
+    )
     assert [out.token_ids for out in in_turn] == [out.token_ids for out in overlapped]
     assert json.loads(overlapped[3].text).keys() == person["properties"].keys()
     assert overlapped[3].stats.num_draft_tokens > 0  # (its names: forced drafts)
-    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and e["pid"] == 1]
     sent = {e["args"]["step"]: e["ts"] + e["dur"] for e in spans if e["name"] == "schedule + write inputs"}
     emitted = {e["args"]["step"]: e["ts"] for e in spans if e["name"] == "emit"}
     assert sum(sent[step + 1] < emitted[step] for step in emitted if step + 1 in sent) >= 10
@@ -586,17 +592,10 @@ def test_steady_decode_steps_go_as_step_next_and_change_no_token(
     def run(engine: LLM) -> list[list[int]]:
         return [out.token_ids for out in _together(engine, requests)]
 
-    trace = tmp_path / "trace.json"
     engine = dict(max_batch_size=8, show_progress=False, dtype="float32", tensor_parallel_size=2)
-    monkeypatch.setenv("GUIDESPEC_TRACE", str(trace))
-    with LLM(**engine) as following:  # type: ignore[arg-type]
-        derived = run(following)
-    monkeypatch.delenv("GUIDESPEC_TRACE")
-    monkeypatch.setenv("GUIDESPEC_STEP_NEXT", "0")
-    with LLM(**engine) as whole:  # type: ignore[arg-type]
-        assert run(whole) == derived
+    derived, whole, spans = _traced_then_plain(monkeypatch, tmp_path / "trace.json", engine, run, "GUIDESPEC_STEP_NEXT")
+    assert whole == derived
     assert [len(tokens) for tokens in derived] == [params.max_tokens for _, params in requests]
-    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and e["pid"] == 1]
     sent = [(e["args"]["inputs"], e["args"]["batch"]) for e in spans if e["name"] == "schedule + write inputs"]
     assert [kind for kind, _ in sent].count("StepNext") > len(sent) / 2, sent
     # a request that ended drops out of a StepNext (its ``keep``): fewer rows than the step before

@@ -163,13 +163,7 @@ class RingWriter:
     def _wait_free(self, chunk: int, timer: AwakeTimer) -> None:
         ring = self.ring
         oldest_allowed = chunk - ring.layout.num_slots
-        cursors = ring.cursors
-        for r in range(ring.layout.num_readers):  # (every reader past it, the usual case: no backoff made)
-            if cursors[r] <= oldest_allowed:
-                break
-        else:
-            return
-        backoff = _Backoff(timer)
+        backoff = None  # (made on the first wait: the usual write has none)
         while True:
             lagging = [
                 r
@@ -178,6 +172,8 @@ class RingWriter:
             ]
             if not lagging:
                 return
+            if backoff is None:
+                backoff = _Backoff(timer)
             if not backoff.wait():
                 raise RingTimeout(
                     f"ring {ring.layout.name}: reader(s) {lagging} did not free a slot in time"

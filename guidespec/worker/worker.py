@@ -506,8 +506,7 @@ class Worker:
         row's slot in the step before (a step sent before that one's outputs came back: async
         scheduling); rank 0 gives the other ranks its tokens."""
         if all_last_sampled(inputs.token_ids):  # (a StepNext's: a token a row, each row's)
-            sampled = self.last_sampled[inputs.slots]
-            token_ids = sampled if self.tp.size == 1 else self._broadcast_tokens(sampled)
+            token_ids = self._broadcast_tokens(self.last_sampled[inputs.slots])
         else:
             token_ids = inputs.token_ids.copy()
             where = np.flatnonzero(token_ids == LAST_SAMPLED)
@@ -518,7 +517,9 @@ class Worker:
         return replaced
 
     def _broadcast_tokens(self, tokens: np.ndarray) -> np.ndarray:
-        """Rank 0's ``tokens`` (int32) on every rank."""
+        """Rank 0's ``tokens`` (int32) on every rank (one rank: ``tokens`` themselves)."""
+        if self.tp.size == 1:
+            return tokens
         return tp_mod.broadcast_ints(tokens.astype(np.int64), self.tp, self.device).astype(np.int32)
 
     def _fused_step(self, inputs: StepInputs) -> StepOutputs:
