@@ -217,9 +217,9 @@ class StepChannel:
     ) -> StepNext | None:
         """The step as a StepNext where it follows the last one so (its rows the last step's
         requests or some of them, in the same slots and order, each one position and one sample
-        on, decode rows again), else None; ``_follow`` then holds this step's rows. 64 rows: ~40
-        µs, against ~100 for their StepInputs and its encoding, and ~30 µs less for each rank's
-        decoding."""
+        on, decode rows again), else None; ``_follow`` then holds this step's rows. (At 64 rows
+        the "schedule + write inputs" span 0.84 -> 0.62 ms, docs/benchmarks.md; each rank decodes
+        a few hundred bytes instead of a StepInputs, 26-46 µs.)"""
         if not rows or len(rows) > len(follow):
             return None
         tokens: list[int] = []
