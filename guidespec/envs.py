@@ -86,6 +86,17 @@ def step_next() -> bool:
     return os.environ.get("GUIDESPEC_STEP_NEXT", "1") != "0"
 
 
+def draft_gate() -> str:
+    """``GUIDESPEC_DRAFT_GATE``: ``open`` (the default), the draft gate of an n-gram (or user) drafter
+    starts open (``scheduler/speculation/gate.py``); ``closed``, it starts closed (its first trial
+    is of drafting); ``off``, no gate: the drafter drafts where its drafts do not pay for the whole
+    step (for A/B runs)."""
+    value = os.environ.get("GUIDESPEC_DRAFT_GATE", "open")
+    if value not in ("open", "closed", "off"):
+        raise ValueError(f"GUIDESPEC_DRAFT_GATE must be open, closed or off, got {value!r}")
+    return value
+
+
 def draft_spin_us() -> int | None:
     """``GUIDESPEC_DRAFT_SPIN_US=N``: how long each side of the draft channel spins before it
     sleeps on a futex, in microseconds (default: 500 beside a GPU, where a draft step's round trip

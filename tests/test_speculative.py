@@ -326,6 +326,22 @@ def test_a_request_with_penalties_fuses_with_speculating_ones(monkeypatch: pytes
     assert any(str(e["name"]).startswith("fused step") and e["args"]["batch"] == 3 for e in events)
 
 
+def test_a_closed_draft_gate_drafts_forced_tokens_alone_and_changes_no_token(
+    references: dict[str, list[list[int]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An n-gram engine whose draft gate starts closed (``scheduler/speculation/gate.py``: as where
+    drafts cost more than they give) drafts the grammars' forced tokens alone and lets its steps
+    run ahead, until a trial of drafting (after 64 steady steps: the guided requests' later
+    steps): every token is plain greedy decoding's, and the unguided requests, done before any
+    trial, got no drafts."""
+    monkeypatch.setenv("GUIDESPEC_DRAFT_GATE", "closed")
+    with LLM(max_batch_size=8, show_progress=False, speculative=DRAFTERS["ngram"]) as llm:
+        outs = _run(llm, _requests())
+    assert [o.token_ids for o in outs] == references["xgrammar"]
+    assert [o.stats.num_draft_tokens for o in outs[3:]] == [0, 0]
+    assert sum(o.stats.num_accepted_tokens for o in outs[:3]) > 0  # (forced tokens, verified as drafts)
+
+
 def test_bad_speculative_options_are_refused_in_the_client() -> None:
     with pytest.raises(ValueError, match="speculative method"):
         LLM(speculative="medusa")

@@ -39,11 +39,14 @@ class Emitter:
         self.grammar = grammar
         self.speculator = speculator
         self.table = table
+        self._appended = 0  # tokens the emit under way has appended
 
-    def emit(self, rows: list[ScheduledRow], outputs: StepOutputs, dropped: set[str]) -> None:
+    def emit(self, rows: list[ScheduledRow], outputs: StepOutputs, dropped: set[str]) -> int:
         """``dropped``: the requests whose token this step was sampled without its mask. A row
         run ahead of the step before on a token that step followed with more (jump-forward
-        tokens, an end) has its sample dropped: its request's next step computes those."""
+        tokens, an end) has its sample dropped: its request's next step computes those. Returns
+        how many tokens the step appended to its requests."""
+        self._appended = 0
         # (lists: NumPy's cumsum and a row's slice and tolist cost µs each on a step's few values)
         offsets = [0, *accumulate(outputs.num_tokens.tolist())]
         token_ids = outputs.token_ids.tolist()
@@ -51,11 +54,13 @@ class Emitter:
         now = time.time()
         if self.speculator is not None:
             proposed = outputs.num_draft_tokens  # (a fused step times its draft steps apart too)
+            timings = outputs.timings  # (forward start, forward end, mask ready, done)
             self.speculator.observe_step(
                 sum(row.num_new_tokens for row in rows),
                 outputs.forward_s,
                 proposed.tolist() if proposed is not None else None,
                 outputs.draft_s,
+                float(timings[3] - timings[2]) if timings is not None and len(timings) == 4 else 0.0,
             )
         ending: list[Request] = []  # guided requests whose grammar may end here (``_end_complete``)
         # the deltas wait in the table's outbox (``RequestTable.send_outbox``): a step run ahead
@@ -63,6 +68,7 @@ class Emitter:
         self._emit_rows(rows, token_ids, offsets, proposals, now, self.table.outbox, dropped, outputs.step, ending)
         for row in rows:  # (a request failed since its grammar was advanced: its answer goes unused)
             row.request.advanced = None
+        return self._appended
 
     def advance_grammars(self, rows: list[ScheduledRow], outputs: StepOutputs, dropped: set[str]) -> None:
         """The part of :meth:`emit` the next step's bitmask waits for, run before it: each guided
@@ -183,6 +189,7 @@ class Emitter:
             request.first_token_time = now
         known = request.num_tokens
         reason, appended = self._append_all(request, new_tokens)
+        self._appended += appended
         # accepted drafts are in the KV cache now; rejected drafts' entries get overwritten later
         request.advance_computed(min(accepted, appended))
         if proposal is not None and self.speculator is not None and appended == len(new_tokens):

@@ -194,6 +194,8 @@ class Scheduler:
                 rows = self._plan_drafts(rows)
             run_ahead = self._runs_ahead(rows)
             step = self.steps.send_inputs(rows, start, run_ahead) if rows else None
+            if step is not None and self.speculator is not None:
+                step.drafted = self.speculator.drafted
             planned_ahead = in_flight is not None  # (``step``'s rows, without ``in_flight``'s outputs)
             collected = self._collect(in_flight) if in_flight is not None else None
             in_flight = None
@@ -251,8 +253,10 @@ class Scheduler:
     def _emit(self, step: Step, outputs: StepOutputs) -> tuple[Step, StepOutputs]:
         """Advance a step's requests by its outputs (their deltas wait in the outbox: ``_wrap_up``)."""
         step.times["emit_start"] = time.time()
-        self.emitter.emit(step.rows, outputs, step.dropped)
+        tokens = self.emitter.emit(step.rows, outputs, step.dropped)
         step.times["end"] = time.time()
+        if self.speculator is not None:
+            self.speculator.observe_emitted(step.drafted, step.rows, tokens, step.times["end"])
         return step, outputs
 
     def _wrap_up(self, step: Step, outputs: StepOutputs) -> None:

@@ -71,6 +71,7 @@ class Step:
     dropped: set[str] = field(default_factory=set)  # requests whose token is dropped (``_write_bitmask``)
     draft_fills: list[tuple[int, float, float]] = field(default_factory=list)  # (draft step, start, end)
     as_next: bool = False  # its inputs went as a StepNext
+    drafted: bool = False  # planned with its drafter's drafts (``Speculator.drafted``: the draft gate)
 
 
 def _follow_rows(rows: list[ScheduledRow], inputs: StepInputs) -> list[tuple[Request, int | None, int, int]]:

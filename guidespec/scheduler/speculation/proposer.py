@@ -46,10 +46,12 @@ from typing import Any
 
 import numpy as np
 
+from guidespec import envs
 from guidespec.config import SpeculativeConfig
 from guidespec.scheduler.batching import ScheduledRow
 from guidespec.scheduler.request import Request
 from guidespec.scheduler.speculation.drafters import Drafter, ModelDrafter, create_drafter
+from guidespec.scheduler.speculation.gate import DraftGate
 from guidespec.scheduler.speculation.ngram import NGramDrafter, ngram_drafter
 
 _PROBE_EVERY = 8
@@ -192,6 +194,14 @@ class Speculator:
         self.forced_rate = 1.0
         self._guided: set[str] = set()  # the guided requests planned and not yet released
         self._checked = 0  # rows looked at by ``observe_ahead`` so far: where the next look starts
+        # whether a drafter's drafts pay for the whole step, measured (``gate.py``): not a model
+        # drafter's, whose proposing cost the plan models (``DraftCost``) and clears by a margin
+        self.gate: DraftGate | None = None
+        if cfg.adaptive and cfg.method in ("ngram", "user") and envs.draft_gate() != "off":
+            self.gate = DraftGate(open=envs.draft_gate() == "open")
+        # whether the last plan was its drafter's: a row of it speculates, and the gate is open
+        self.drafted = True
+        self.busy = CostModel()  # rank 0's forward, masking and sampling (not its waits) by tokens
 
     def speculates(self, request: Request) -> bool:
         params = request.params
@@ -205,8 +215,12 @@ class Speculator:
         rooms: dict[int, int] = {}  # row -> the most drafts of any kind (max_tokens, model length)
         forced_only: dict[int, int] = {}  # row -> room: guided rows that do not speculate (jump-forward)
         model = isinstance(self.drafter, ModelDrafter)
+        drafting = self.gate is None or self.gate.drafting
+        self.drafted = False
         for i, row in enumerate(rows):
             request = row.request
+            speculates = drafting and self.speculates(request)
+            self.drafted = self.drafted or speculates  # (a row run ahead too: the next step's would draft)
             # a row that ends at its last known token drafts: a decode row, or the prompt's last
             # chunk (its drafts verified in the prefill step; not with a model drafter, whose
             # proposals come from a decode step, nor while the request's grammar still compiles)
@@ -222,7 +236,7 @@ class Speculator:
                 self.max_model_len - request.num_tokens,
                 _kv_room(request, request.num_tokens),  # (drafts are written where its blocks are)
             )
-            if not self.speculates(request):
+            if not speculates:
                 if self.jump_forward and request.guided and not request.params.has_penalties and room > 0:
                     forced_only[i] = room
                 continue
@@ -276,8 +290,9 @@ class Speculator:
         the guided rows' forced drafts a row a step have lately been fewer than ``host_share``
         (the scheduler's time outside the workers over the rest, in steps run in turn: what
         running ahead saves a step). A drafter's drafts follow every token: its steps run one
-        after another."""
-        if self.cfg.method != "forced":
+        after another, except an n-gram (or user) drafter's where its last plan had no request to
+        draft for (its gate closed: ``gate.py``; none that speculates)."""
+        if self.cfg.method != "forced" and (self.gate is None or self.drafted):
             return False
         return self.forced_rate < host_share or not any(row.request.guided for row in rows)
 
@@ -379,12 +394,28 @@ class Speculator:
             self.prior = 0.9 * self.prior + 0.1 * observed
         stats.rate = 0.7 * stats.rate + 0.3 * observed
 
+    def observe_emitted(self, drafted: bool, rows: list[ScheduledRow], tokens: int, end: float) -> None:
+        """A step emitted at ``end`` (``time.time()``), planned with its drafter's drafts or without
+        (``drafted``), whose rows gave ``tokens``: the draft gate's measure."""
+        if self.gate is not None:
+            steady = all(row.start >= len(row.request.prompt_token_ids) for row in rows)
+            c0, c1 = self.busy.coefficients()  # (steps without drafts give at most a token a row a forward)
+            self.gate.observe(drafted, tokens, len(rows), end, steady, len(rows) / (c0 + c1 * len(rows)))
+
     def observe_step(
-        self, num_tokens: int, forward_s: float, proposed: list[int] | None = None, draft_s: float = 0.0
+        self,
+        num_tokens: int,
+        forward_s: float,
+        proposed: list[int] | None = None,
+        draft_s: float = 0.0,
+        sample_s: float = 0.0,
     ) -> None:
         """A step's forward time for its token count, and what rank 0's drafter spent proposing
-        ``proposed[b]`` drafts for each row."""
+        ``proposed[b]`` drafts for each row; ``sample_s``: rank 0's masking and sampling after the
+        forward (the draft gate's bound: ``observe_emitted``)."""
         self.cost.observe(num_tokens, forward_s)
+        if self.gate is not None:
+            self.busy.observe(num_tokens, forward_s + sample_s)
         if proposed and max(proposed) > 0:
             self.draft_cost.observe(max(proposed), sum(proposed), draft_s)
 

@@ -1,0 +1,158 @@
+"""The draft gate: an n-gram drafter's drafts are kept where they give more tokens a second than
+steps without them, measured over whole steps, and turned off where they give fewer."""
+
+from __future__ import annotations
+
+import pytest
+
+from guidespec.config import SpeculativeConfig
+from guidespec.protocol import SamplingParams
+from guidespec.scheduler.batching import ScheduledRow
+from guidespec.scheduler.detokenizer import IncrementalDetokenizer
+from guidespec.scheduler.request import Request
+from guidespec.scheduler.speculation.gate import FIRST, LONGEST, SETTLE, WINDOW, DraftGate
+from guidespec.scheduler.speculation.proposer import Speculator
+
+
+class _Host:
+    """Steps of a batch of ``rows`` rows that take ``drafting`` or ``plain`` seconds each and
+    give ``tokens_drafting`` or ``rows`` tokens, fed to a gate as the scheduler does: each
+    step planned in the mode the gate is in, emitted one step later than planned when the
+    step ran ahead (the step before's emit comes after the next step is planned)."""
+
+    def __init__(
+        self,
+        gate: DraftGate,
+        rows: int,
+        drafting: float,
+        plain: float,
+        tokens_drafting: int,
+        ceiling: float = float("inf"),
+    ) -> None:
+        self.gate, self.rows, self.ceiling = gate, rows, ceiling
+        self.seconds = {True: drafting, False: plain}
+        self.tokens = {True: tokens_drafting, False: rows}
+        self.now = 0.0
+        self.modes: list[bool] = []  # each step's mode, as planned
+
+    def run(self, steps: int, rows: int | None = None) -> None:
+        rows = self.rows if rows is None else rows
+        in_flight: bool | None = None
+        for _ in range(steps):
+            mode = self.gate.drafting
+            self.modes.append(mode)
+            if in_flight is not None:  # the step before, run ahead: emitted now
+                self.now += self.seconds[in_flight]
+                self.gate.observe(in_flight, self.tokens[in_flight], rows, self.now, True, self.ceiling)
+                in_flight = None
+            if mode:
+                self.now += self.seconds[mode]
+                self.gate.observe(mode, self.tokens[mode], rows, self.now, True, self.ceiling)
+            else:
+                in_flight = mode
+
+
+def test_drafts_that_cost_more_than_they_give_are_turned_off_and_tried_again_later() -> None:
+    gate = DraftGate()
+    # 64 rows: drafting gives 3.7 tokens a row in 20 ms, steps without drafts 1 token in 3 ms
+    host = _Host(gate, 64, drafting=0.020, plain=0.003, tokens_drafting=237)
+    host.run(FIRST + SETTLE + WINDOW + 2)
+    assert not gate.open, "drafting at 11.8k tokens/s against 21k without: the gate closes"
+    assert host.modes[: FIRST - 1] == [True] * (FIRST - 1)
+    host.modes.clear()
+    host.run(4 * FIRST)
+    trials = [i for i, mode in enumerate(host.modes) if mode]
+    assert trials, "drafting is tried again"
+    assert len(trials) <= SETTLE + WINDOW + 2 and not gate.open
+    assert gate.interval == 4 * FIRST  # a decisive loss: tried four times less often
+
+
+def test_drafts_that_pay_stay_on_and_are_questioned_less_and_less() -> None:
+    gate = DraftGate()
+    # one request of a large model: 2.6 tokens a step drafting (12 ms), 1 token without (10 ms)
+    host = _Host(gate, 1, drafting=0.012, plain=0.010, tokens_drafting=3)
+    host.run(20 * FIRST)
+    assert gate.open
+    off = host.modes.count(False)
+    assert off <= 4 * (SETTLE + WINDOW + 2), f"{off} of {len(host.modes)} steps without drafts"
+    assert gate.interval >= 16 * FIRST
+
+
+def test_no_trial_where_drafting_beats_what_steps_without_drafts_could_give() -> None:
+    gate = DraftGate()
+    # 4 rows at 3 tokens a row in 12 ms (1,000 tokens/s); rank 0 alone takes 8 ms for 4 rows (500/s)
+    host = _Host(gate, 4, drafting=0.012, plain=0.008, tokens_drafting=12, ceiling=500.0)
+    host.run(40 * FIRST)
+    assert all(host.modes) and gate.interval == LONGEST
+
+
+def test_the_interval_is_bounded_and_a_new_batch_size_is_tried_again_soon() -> None:
+    gate = DraftGate()
+    host = _Host(gate, 8, drafting=0.004, plain=0.004, tokens_drafting=20)
+    host.run(60 * FIRST)
+    assert gate.open and gate.interval == LONGEST
+    # the batch grows eightfold: the next trial comes within FIRST steady steps
+    host.modes.clear()
+    host.run(FIRST + WINDOW + SETTLE + 4, rows=64)
+    assert False in host.modes
+
+
+def test_a_trial_across_a_change_of_batch_size_decides_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = DraftGate()
+    host = _Host(gate, 64, drafting=0.020, plain=0.003, tokens_drafting=237)
+    host.run(FIRST + SETTLE + 1)  # the trial of steps without drafts has begun
+    assert not gate.drafting
+    host.run(WINDOW, rows=8)  # (the batch shrinks during it)
+    assert gate.open, "no verdict from a trial whose batch is not the one it is compared with"
+
+
+def test_steps_with_a_prompt_or_an_idle_gap_are_not_measured() -> None:
+    gate = DraftGate()
+    now = 0.0
+    for _ in range(FIRST * 4):
+        now += 0.010
+        gate.observe(True, 64, 64, now, steady=False)  # every step computes a prompt chunk
+    assert gate.drafting and gate.open
+
+
+def _rows(n: int) -> list[ScheduledRow]:
+    rows = []
+    for i in range(n):
+        prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+        request = Request(
+            f"r{i}",
+            prompt,
+            SamplingParams(max_tokens=1000, temperature=0.0),
+            0.0,
+            IncrementalDetokenizer(None, prompt),  # type: ignore[arg-type]
+        )
+        request.output_token_ids = [3]
+        request.num_computed_tokens = len(prompt)
+        rows.append(ScheduledRow(request, len(prompt), 1, 1))
+    return rows
+
+
+def test_a_closed_gate_plans_no_drafts_and_lets_the_steps_run_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    speculator = Speculator(SpeculativeConfig(method="ngram", max_draft_len=3), grammar=None, max_model_len=1024)
+    for tokens in (1, 4, 16, 64, 1, 4, 16, 64):  # a forward whose tokens are cheap: drafts pay in its eyes
+        speculator.observe_step(tokens, (1.0 + 0.01 * tokens) / 1000)
+    rows = _rows(4)
+    assert [row.num_logits for row in speculator.plan(rows, 512)] == [4, 4, 4, 4]
+    assert speculator.drafted and not speculator.may_run_ahead(rows, 0.25)
+    assert speculator.gate is not None
+    speculator.gate.open = False
+    for row in rows:
+        row.request.draft_tokens = []
+    assert [row.num_logits for row in speculator.plan(rows, 512)] == [1, 1, 1, 1]
+    assert not speculator.drafted and speculator.may_run_ahead(rows, 0.25)
+
+
+@pytest.mark.parametrize(("setting", "gated"), [("open", True), ("closed", True), ("off", False)])
+def test_the_gate_follows_its_setting(monkeypatch: pytest.MonkeyPatch, setting: str, gated: bool) -> None:
+    monkeypatch.setenv("GUIDESPEC_DRAFT_GATE", setting)
+    speculator = Speculator(SpeculativeConfig(method="ngram"), grammar=None, max_model_len=1024)
+    assert (speculator.gate is not None) == gated
+    if speculator.gate is not None:
+        assert speculator.gate.open == (setting == "open")
+    fixed = Speculator(SpeculativeConfig(method="ngram", adaptive=False), grammar=None, max_model_len=1024)
+    assert fixed.gate is None, "a fixed draft length drafts whatever it costs"
