@@ -70,12 +70,14 @@ class KVCache:
         if not self.paged:
             raise RuntimeError("block tables come from the scheduler only with a pool of blocks")
         host = self._host_tables
-        given = torch.from_numpy(blocks.astype(np.int32))  # (a copy: the message's buffer is read-only)
-        offset = 0
-        for slot, length in zip(slots.tolist(), lengths.tolist()):
-            host[slot, length:] = self.scratch_block
-            host[slot, :length] = given[offset : offset + length]
-            offset += length
+        slots, lengths = np.asarray(slots, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        if len(np.unique(slots)) != len(slots) or lengths.sum() != len(blocks) or (lengths < 0).any():
+            raise ValueError("block tables: each slot once, its length of the blocks given")
+        # in one indexed write (a torch slice a slot cost ~10 µs: 64 tables a step at 64 rows)
+        table = host.numpy()
+        table[slots] = self.scratch_block
+        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        table[np.repeat(slots, lengths), np.arange(len(blocks)) - starts] = blocks
         if self.tables is not host:  # (copies that do not wait for the steps still running)
             index = torch.from_numpy(slots.astype(np.int64))
             device = self.tables.device
