@@ -1,7 +1,8 @@
 #!/bin/bash
 # Issue 48's GPU checks in one device call (carry .whl and .gpu: scripts/gpu_carry.sh first): gpu tests touching the changed paths, overhead.py on SmolLM2-135M's
 # shape (overlap on / off), then Llama-3.1-8B's shape at batch 1. Everything lands in $OUT/r.tgz + logs.
-# Knobs: TEST_S, TEST_K (the gpu tests), OVH_S, OVH_REPEAT (default 1 round: the device time is short), SCHED, BIG_S.
+# Knobs: TEST_S, TEST_K (the gpu tests), OVH_S, OVH_REPEAT (default 1 round: the device time is short), SCHED, BIG_S,
+# OVH_MODES (default unguided,json-noclose; add json+ngram for the draft gate: an engine of its own, ~30 s more).
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 GUIDESPEC_TOKENIZER_DIR=$PWD/.gpu/tok
@@ -16,7 +17,7 @@ echo "tests done at $((SECONDS - t0)) s"
 python3 -m benchmarks.random_model --preset smollm2-135m --output /tmp/m135 --tokenizer-from .gpu/tok >/dev/null 2>&1
 echo "=== 135M overhead"
 timeout -k 5 ${OVH_S:-200} python3 benchmarks/overhead.py --device cuda --model /tmp/m135 --batches 1,16,64 \
-  --modes unguided,json-noclose --max-tokens 128 --repeat ${OVH_REPEAT:-1} --scheduling ${SCHED:-async,async-serial-worker} > "$OUT/r/ovh135.log" 2>&1
+  --modes ${OVH_MODES:-unguided,json-noclose} --max-tokens 128 --repeat ${OVH_REPEAT:-1} --scheduling ${SCHED:-async,async-serial-worker} > "$OUT/r/ovh135.log" 2>&1
 echo "rc=$? at $((SECONDS - t0)) s"; grep -E "^\| (unguided|json)" "$OUT/r/ovh135.log" | cut -c1-200
 mv benchmarks/results/overhead-cuda-* "$OUT/r/" 2>/dev/null
 if [ "${BIG_S:-200}" != 0 ]; then

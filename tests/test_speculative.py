@@ -331,7 +331,7 @@ def test_a_closed_draft_gate_drafts_forced_tokens_alone_and_changes_no_token(
 ) -> None:
     """An n-gram engine whose draft gate starts closed (``scheduler/speculation/gate.py``: as where
     drafts cost more than they give) drafts the grammars' forced tokens alone and lets its steps
-    run ahead, until a trial of drafting (after 64 steady steps: the guided requests' later
+    run ahead, until a trial of drafting (after 64 steps measured: the guided requests' later
     steps): every token is plain greedy decoding's, and the unguided requests, done before any
     trial, got no drafts."""
     monkeypatch.setenv("GUIDESPEC_DRAFT_GATE", "closed")

@@ -256,7 +256,7 @@ class Scheduler:
         tokens = self.emitter.emit(step.rows, outputs, step.dropped)
         step.times["end"] = time.time()
         if self.speculator is not None:
-            self.speculator.observe_emitted(step.drafted, step.rows, tokens, step.times["end"])
+            self.speculator.observe_emitted(step.drafted, step.rows, tokens, (step.times["start"], step.times["end"]))
         return step, outputs
 
     def _wrap_up(self, step: Step, outputs: StepOutputs) -> None:

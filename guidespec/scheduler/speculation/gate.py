@@ -9,8 +9,9 @@ scheduling). Where the forward is cheap beside all that (a large batch, a small 
 the plan drafts at a loss it cannot see: SmolLM2's config with random weights, 64 JSON rows on 2
 cores, drafted 3.7 tokens a row a step and made 9.7k tokens a second, 16k without drafts.
 
-So the gate measures it. In steady decoding (no prompt in the step) it times the steps from one
-emit to the next and counts the tokens they gave, in the mode it is in (drafting, or not). Every
+So the gate measures it. It times the steps from one emit to the next (less the forward's time
+for the prompt tokens a step computed, by the plan's cost model) and counts the tokens they gave,
+in the mode it is in (drafting, or not). Every
 ``interval`` such steps it tries the other mode for ``WINDOW`` steps (after ``SETTLE`` steps of
 change-over) and keeps the mode it is in unless the other gave ``MARGIN`` more tokens a second.
 The interval starts at ``FIRST`` and grows while the mode it is in keeps winning (x4 where it won
@@ -31,20 +32,21 @@ import math
 
 logger = logging.getLogger(__name__)
 
-FIRST = 64  # steady steps before the first trial
-WINDOW = 12  # steady steps a mode is judged on
+FIRST = 64  # steps measured before the first trial
+WINDOW = 12  # steps a mode is judged on
 SETTLE = 2  # steps of a trial not judged: the change-over (steps in flight, the drafter catching up)
 MARGIN = 0.15  # a trial wins by this much or the gate stays as it is (a window is noisy)
 DECISIVE = 0.3  # a mode that wins by this much is tried against less often (x4, not x2)
-LONGEST = 4096  # the longest interval between trials, in steady steps
+LONGEST = 4096  # the longest interval between trials, in steps measured
 RESIZE = 1.5  # a batch grown or shrunk by this factor since the last decision is tried again soon
+IDLE = 0.5  # a step planned this share of its own time after the emit before it followed an idle engine
 
 
 class DraftGate:
     def __init__(self, open: bool = True) -> None:
         self.open = open  # drafting, outside a trial
         self.interval = FIRST
-        self._steps = 0  # steady steps judged in the mode since the last decision
+        self._steps = 0  # steps judged in the mode since the last decision
         self._recent: collections.deque[tuple[float, int, int]] = collections.deque(maxlen=WINDOW)
         self._trial: list[tuple[float, int, int]] | None = None  # the other mode's steps while it is tried
         self._settle = 0
@@ -57,16 +59,29 @@ class DraftGate:
         return self.open != (self._trial is not None)
 
     def observe(
-        self, drafted: bool, tokens: int, rows: int, end: float, steady: bool, ceiling: float = math.inf
+        self,
+        drafted: bool,
+        tokens: int,
+        rows: int,
+        times: tuple[float, float],
+        prompt_s: float = 0.0,
+        ceiling: float = math.inf,
     ) -> None:
-        """A step emitted at ``end`` (seconds), planned with drafts or without, whose ``rows`` gave
-        ``tokens``; ``steady``: no prompt was computed in it (its time is decoding's alone);
-        ``ceiling``: the most tokens a second steps without drafts could give (a token a row in
-        rank 0's time alone), which spares their trial where drafting already beats it."""
+        """A step planned with drafts or without, whose ``rows`` gave ``tokens``; ``times``: when it
+        was planned and when its emit ended (seconds); ``prompt_s``: the forward's time for the
+        prompt tokens it computed, taken off (prompts arrive whatever the mode: serving many
+        requests, most steps compute one); ``ceiling``: the most tokens a second steps without
+        drafts could give (a token a row in rank 0's time alone), which spares their trial where
+        drafting already beats it. A step planned well after the emit before it (an idle engine
+        between) is not measured."""
+        start, end = times
         last, self._last_end = self._last_end, end
-        if last is None or not steady or rows == 0 or end <= last:
+        if last is None or rows == 0 or end <= last or start - last > IDLE * (end - start):
             return
-        sample = (end - last, tokens, rows)
+        seconds = end - last - prompt_s
+        if seconds <= 0:
+            return
+        sample = (seconds, tokens, rows)
         if self._trial is None:
             if drafted != self.open:  # (a trial's last steps, emitted after it ended)
                 return

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import traceback
 from typing import Any
 
@@ -394,13 +395,16 @@ class Speculator:
             self.prior = 0.9 * self.prior + 0.1 * observed
         stats.rate = 0.7 * stats.rate + 0.3 * observed
 
-    def observe_emitted(self, drafted: bool, rows: list[ScheduledRow], tokens: int, end: float) -> None:
-        """A step emitted at ``end`` (``time.time()``), planned with its drafter's drafts or without
-        (``drafted``), whose rows gave ``tokens``: the draft gate's measure."""
+    def observe_emitted(self, drafted: bool, rows: list[ScheduledRow], tokens: int, times: tuple[float, float]) -> None:
+        """A step planned with its drafter's drafts or without (``drafted``), whose rows gave
+        ``tokens``; ``times``: when it was planned and when its emit ended (``time.time()``): the
+        draft gate's measure."""
         if self.gate is not None:
-            steady = all(row.start >= len(row.request.prompt_token_ids) for row in rows)
+            prompts = [row for row in rows if row.start < len(row.request.prompt_token_ids)]
+            prompt, decoding = sum(row.num_new_tokens for row in prompts), len(rows) - len(prompts)
             c0, c1 = self.busy.coefficients()  # (steps without drafts give at most a token a row a forward)
-            self.gate.observe(drafted, tokens, len(rows), end, steady, len(rows) / (c0 + c1 * len(rows)))
+            ceiling = decoding / (c0 + c1 * decoding) if decoding else math.inf
+            self.gate.observe(drafted, tokens, len(rows), times, prompt * self.cost.coefficients()[1], ceiling)
 
     def observe_step(
         self,

@@ -37,19 +37,20 @@ class _Host:
 
     def run(self, steps: int, rows: int | None = None) -> None:
         rows = self.rows if rows is None else rows
-        in_flight: bool | None = None
+        in_flight: tuple[bool, float] | None = None  # (its mode, when it was planned)
         for _ in range(steps):
-            mode = self.gate.drafting
+            mode, planned = self.gate.drafting, self.now
             self.modes.append(mode)
             if in_flight is not None:  # the step before, run ahead: emitted now
-                self.now += self.seconds[in_flight]
-                self.gate.observe(in_flight, self.tokens[in_flight], rows, self.now, True, self.ceiling)
+                before, at = in_flight
+                self.now += self.seconds[before]
+                self.gate.observe(before, self.tokens[before], rows, (at, self.now), 0.0, self.ceiling)
                 in_flight = None
             if mode:
                 self.now += self.seconds[mode]
-                self.gate.observe(mode, self.tokens[mode], rows, self.now, True, self.ceiling)
+                self.gate.observe(mode, self.tokens[mode], rows, (planned, self.now), 0.0, self.ceiling)
             else:
-                in_flight = mode
+                in_flight = (mode, planned)
 
 
 def test_drafts_that_cost_more_than_they_give_are_turned_off_and_tried_again_later() -> None:
@@ -106,13 +107,22 @@ def test_a_trial_across_a_change_of_batch_size_decides_nothing(monkeypatch: pyte
     assert gate.open, "no verdict from a trial whose batch is not the one it is compared with"
 
 
-def test_steps_with_a_prompt_or_an_idle_gap_are_not_measured() -> None:
+def test_a_steps_prompt_work_is_taken_off_and_an_idle_gap_is_not_measured() -> None:
     gate = DraftGate()
     now = 0.0
-    for _ in range(FIRST * 4):
+    for _ in range(FIRST * 4):  # every step computes a prompt chunk that is all of its time (or more)
+        gate.observe(True, 64, 64, (now, now + 0.010), prompt_s=0.012)
         now += 0.010
-        gate.observe(True, 64, 64, now, steady=False)  # every step computes a prompt chunk
-    assert gate.drafting and gate.open
+    for _ in range(FIRST * 4):  # every step follows an idle engine
+        now += 1.0
+        gate.observe(True, 64, 64, (now, now + 0.010))
+        now += 0.010
+    assert gate.drafting and gate.open and gate.interval == FIRST, "nothing measured, nothing tried"
+    # serving: a prompt chunk in every step, taken off: drafts at 9k tokens/s of decoding against
+    # 20k without are turned off as without the prompts
+    host = _Host(gate, 64, drafting=0.020, plain=0.003, tokens_drafting=180)
+    host.run(FIRST + SETTLE + WINDOW + 2)
+    assert not gate.open
 
 
 def _rows(n: int) -> list[ScheduledRow]:
