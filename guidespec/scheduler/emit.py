@@ -39,14 +39,12 @@ class Emitter:
         self.grammar = grammar
         self.speculator = speculator
         self.table = table
-        self._appended = 0  # tokens the emit under way has appended
 
     def emit(self, rows: list[ScheduledRow], outputs: StepOutputs, dropped: set[str]) -> int:
         """``dropped``: the requests whose token this step was sampled without its mask. A row
         run ahead of the step before on a token that step followed with more (jump-forward
         tokens, an end) has its sample dropped: its request's next step computes those. Returns
         how many tokens the step appended to its requests."""
-        self._appended = 0
         # (lists: NumPy's cumsum and a row's slice and tolist cost µs each on a step's few values)
         offsets = [0, *accumulate(outputs.num_tokens.tolist())]
         token_ids = outputs.token_ids.tolist()
@@ -65,10 +63,12 @@ class Emitter:
         ending: list[Request] = []  # guided requests whose grammar may end here (``_end_complete``)
         # the deltas wait in the table's outbox (``RequestTable.send_outbox``): a step run ahead
         # has its bitmask filled and sent before them
-        self._emit_rows(rows, token_ids, offsets, proposals, now, self.table.outbox, dropped, outputs.step, ending)
+        appended = self._emit_rows(
+            rows, token_ids, offsets, proposals, now, self.table.outbox, dropped, outputs.step, ending
+        )
         for row in rows:  # (a request failed since its grammar was advanced: its answer goes unused)
             row.request.advanced = None
-        return self._appended
+        return appended
 
     def advance_grammars(self, rows: list[ScheduledRow], outputs: StepOutputs, dropped: set[str]) -> None:
         """The part of :meth:`emit` the next step's bitmask waits for, run before it: each guided
@@ -119,7 +119,9 @@ class Emitter:
         dropped: set[str],
         step: int,
         ending: list[Request],
-    ) -> None:
+    ) -> int:
+        """Each row's tokens appended to its request (``_emit_row``); returns how many were."""
+        appended = 0
         for i, row in enumerate(rows):
             if not self.table.holds(row.request):  # failed during this step
                 continue
@@ -140,11 +142,14 @@ class Emitter:
                     BAD_REQUEST,
                 )
                 continue
+            known = row.request.num_tokens
             try:
                 self._emit_row(row, new_tokens, proposals[i] if proposals is not None else None, now, deltas, ending)
             except Exception as e:
                 self.table.fail_internal(row.request, "emitting its tokens", e)
+            appended += row.request.num_tokens - known
         self._end_complete(ending, deltas)
+        return appended
 
     def _end_complete(self, ending: list[Request], deltas: list[RequestOutput]) -> None:
         """The guided requests whose grammar could end here: those whose output is complete (the
@@ -189,7 +194,6 @@ class Emitter:
             request.first_token_time = now
         known = request.num_tokens
         reason, appended = self._append_all(request, new_tokens)
-        self._appended += appended
         # accepted drafts are in the KV cache now; rejected drafts' entries get overwritten later
         request.advance_computed(min(accepted, appended))
         if proposal is not None and self.speculator is not None and appended == len(new_tokens):

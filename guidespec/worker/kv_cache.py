@@ -79,7 +79,7 @@ class KVCache:
         starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
         table[np.repeat(slots, lengths), np.arange(len(blocks)) - starts] = blocks
         if self.tables is not host:  # (copies that do not wait for the steps still running)
-            index = torch.from_numpy(slots.astype(np.int64))
+            index = torch.from_numpy(slots)
             device = self.tables.device
             self.tables.index_copy_(0, index.to(device, non_blocking=True), host[index].to(device, non_blocking=True))
         self._rows_of = self._tables_of = None

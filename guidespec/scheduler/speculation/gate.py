@@ -2,18 +2,19 @@
 
 The adaptive plan (``proposer.py``) weighs each draft token against the forward's cost of one
 more token. A drafter's drafts cost more than that: the scheduler proposes them (prompt lookup:
-~90 µs a row on 2 cores), checks them against the grammar, fills a bitmask row at each draft
-depth and verifies them; rank 0 masks and samples a row of logits for each; and a step with
-drafts waits for the step before's tokens, where a step without them runs ahead of them (async
-scheduling). Where the forward is cheap beside all that (a large batch, a small model, a GPU)
-the plan drafts at a loss it cannot see: SmolLM2's config with random weights, 64 JSON rows on 2
-cores, drafted 3.7 tokens a row a step and made 9.7k tokens a second, 16k without drafts.
+~90 µs a row at 64 JSON rows on 2 cores, its share of a py-spy profile), checks them against the
+grammar, fills a bitmask row at each draft depth and verifies them; rank 0 masks and samples a
+row of logits for each; and a step with drafts waits for the step before's tokens, where a step
+without them runs ahead of them (async scheduling). Where the forward is cheap beside all that (a
+large batch, a small model, a GPU) the plan drafts at a loss it cannot see: SmolLM2's config with
+random weights, 64 JSON rows on 2 cores, drafted 3.7 tokens a row a step and made 9.7k tokens a
+second, 16k without drafts.
 
 So the gate measures it. It times the steps from one emit to the next (less the forward's time
 for the prompt tokens a step computed, by the plan's cost model) and counts the tokens they gave,
-in the mode it is in (drafting, or not). Every
-``interval`` such steps it tries the other mode for ``WINDOW`` steps (after ``SETTLE`` steps of
-change-over) and keeps the mode it is in unless the other gave ``MARGIN`` more tokens a second.
+in the mode it is in (drafting, or not). Every ``interval`` such steps it tries the other mode for
+``WINDOW`` steps (after ``SETTLE`` steps of change-over) and keeps the mode it is in unless the
+other gave ``MARGIN`` more tokens a second.
 The interval starts at ``FIRST`` and grows while the mode it is in keeps winning (x4 where it won
 by ``DECISIVE``, else x2, up to ``LONGEST``). Where drafting already gives ``DECISIVE`` more tokens
 a second than a token a row in rank 0's own time for the rows could (its forward, masking and

@@ -198,8 +198,9 @@ class Speculator:
         # whether a drafter's drafts pay for the whole step, measured (``gate.py``): not a model
         # drafter's, whose proposing cost the plan models (``DraftCost``) and clears by a margin
         self.gate: DraftGate | None = None
-        if cfg.adaptive and cfg.method in ("ngram", "user") and envs.draft_gate() != "off":
-            self.gate = DraftGate(open=envs.draft_gate() == "open")
+        setting = envs.draft_gate()
+        if cfg.adaptive and cfg.method in ("ngram", "user") and setting != "off":
+            self.gate = DraftGate(open=setting == "open")
         # whether the last plan was its drafter's: a row of it speculates, and the gate is open
         self.drafted = True
         self.busy = CostModel()  # rank 0's forward, masking and sampling (not its waits) by tokens
