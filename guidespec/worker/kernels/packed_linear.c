@@ -1,12 +1,10 @@
 /* fp32 linear layers on the CPU over packed weights: y[M, N] = x[M, K] @ w[N, K]^T + bias[N].
  *
  * The weight is packed once, at load, as blocks of 16 output rows: wp[N/16][K][16] holds
- * w[16b + i][k] at [b][k][i] (the last block zero-padded). A tile multiplies two vectors of
- * outputs (2 x VW: two blocks with AVX-512, one block with AVX2) by up to 6 input rows: per k it
- * loads the two weight vectors, broadcasts each row's x[k], and accumulates 2 x 6 vectors of
- * products in registers (12 accumulators: AVX2's 16 registers hold them with the two weight
- * vectors and the broadcast); no horizontal sums, one sequential pass over the weight whatever
- * M is.
+ * w[16b + i][k] at [b][k][i] (the last block zero-padded). A tile multiplies up to NV vectors of
+ * outputs (4 x VW with AVX-512, 2 x VW with AVX2: below) by up to 6 input rows: per k it loads the
+ * weight vectors, broadcasts each row's x[k], and accumulates the products in registers; no
+ * horizontal sums, one sequential pass over the weight whatever M is.
  *
  * Why: decoding and verifying drafts multiply a few rows by large weights. With the usual
  * [N, K] layout, torch's BLAS reaches ~11 GB/s on such shapes here, and a row-blocked kernel
@@ -61,59 +59,87 @@ static inline vf scaled(vf acc, const float* scale, int n0) { return acc * ld(sc
 /* where output n's weight for k = 0 sits in the packed layout (n a multiple of VW) */
 static inline size_t packed_at(int n, int K) { return (size_t)(n / 16) * K * 16 + n % 16; }
 
-/* The sums of MC input rows x the two output vectors from n0 (the second one only if `two`), in
-   acc0[c] and acc1[c], weights of type WT read by LOAD */
-#define TILE_SUMS(MC, WT, LOAD)                                                                   \
-    vf acc0[MC], acc1[MC];                                                                        \
-    for (int c = 0; c < MC; c++) { acc0[c] = (vf){0}; acc1[c] = (vf){0}; }                        \
-    const WT* w0 = wp + packed_at(n0, K);                                                         \
-    const WT* w1 = wp + packed_at(n0 + VW, K);                                                    \
-    if (two) {                                                                                    \
-        for (int k = 0; k < K; k++) {                                                             \
-            vf a = LOAD(w0 + (size_t)k * 16), b = LOAD(w1 + (size_t)k * 16);                      \
-            for (int c = 0; c < MC; c++) {                                                        \
-                float s = x[(size_t)c * K + k];                                                   \
-                acc0[c] += a * s;                                                                 \
-                acc1[c] += b * s;                                                                 \
-            }                                                                                     \
-        }                                                                                         \
-    } else {                                                                                      \
-        for (int k = 0; k < K; k++) {                                                             \
-            vf a = LOAD(w0 + (size_t)k * 16);                                                     \
-            for (int c = 0; c < MC; c++) acc0[c] += a * x[(size_t)c * K + k];                     \
+/* The widest tile, in vectors of outputs: with AVX-512's 32 registers 4 x 6 rows = 24
+ * accumulators beside the 4 weight vectors and the broadcast (10 loads a k for 24 multiply-adds);
+ * AVX2's 16 hold 2 x 6. Tiles of 1, 2 and NV vectors are made: a loop's range of vectors is cut
+ * into the widest that fit.
+ *
+ * Why 4 and not 2 with AVX-512: a batch-64 LM head of the tiny model (49,152 x 64) is compute
+ * bound, and 2 x 6 tiles (8 loads for 12 multiply-adds) reached ~65 GFLOP/s a core here against
+ * ~105 for 4 x 6 and 112 for MKL's sgemm; each tile is also a function of its own (a `two` flag
+ * read at run time kept the accumulators in memory, zeroed by `rep stos` at every call). */
+#if VW == 16
+#define NV 4
+#else
+#define NV 2
+#endif
+#define UNROLL _Pragma("GCC unroll 8")
+
+/* the widest tile within `left` vectors */
+static inline int tile_width(int left) { return left >= NV ? NV : left >= 2 ? 2 : 1; }
+
+/* The sums of MC input rows x WIDTH output vectors from n0 in acc[v][c], weights of type WT read by
+   LOAD (all sizes compile-time: the accumulators stay in registers) */
+#define TILE_SUMS(WIDTH, MC, WT, LOAD)                                                            \
+    vf acc[WIDTH][MC];                                                                            \
+    const WT* w[WIDTH];                                                                           \
+    UNROLL for (int v = 0; v < WIDTH; v++) {                                                      \
+        w[v] = wp + packed_at(n0 + v * VW, K);                                                    \
+        UNROLL for (int c = 0; c < MC; c++) acc[v][c] = (vf){0};                                  \
+    }                                                                                             \
+    for (int k = 0; k < K; k++) {                                                                 \
+        vf a[WIDTH];                                                                              \
+        UNROLL for (int v = 0; v < WIDTH; v++) a[v] = LOAD(w[v] + (size_t)k * 16);                \
+        UNROLL for (int c = 0; c < MC; c++) {                                                     \
+            float s = x[(size_t)c * K + k];                                                       \
+            UNROLL for (int v = 0; v < WIDTH; v++) acc[v][c] += a[v] * s;                         \
         }                                                                                         \
     }
 
-/* NAME##MC: the tile's sums finished by FINISH, plus the bias, stored into y [MC][N]; NAME##MC##o:
-   the same into out [MC][2 * VW] (lanes past N hold their sums without a bias: the picks skip them) */
-#define DEFINE_TILE(NAME, MC, WT, LOAD, FINISH)                                                   \
-static void NAME##MC(const float* x, int K, const WT* wp, const float* scale, const float* bias, \
-                     float* y, int N, int n0, int two) {                                          \
-    TILE_SUMS(MC, WT, LOAD)                                                                       \
-    for (int c = 0; c < MC; c++) {                                                                \
-        store_vec(FINISH(acc0[c], scale, n0), bias, y + (size_t)c * N, n0, N);                    \
-        if (two) store_vec(FINISH(acc1[c], scale, n0 + VW), bias, y + (size_t)c * N, n0 + VW, N); \
-    }                                                                                             \
+/* NAME_WIDTH_MC: the tile's sums finished by FINISH, plus the bias, stored into y [MC][N];
+   NAMEo_WIDTH_MC: the same into out [MC][NV * VW] (lanes past N hold their sums without a bias: the
+   picks skip them) */
+#define DEFINE_TILE(NAME, WIDTH, MC, WT, LOAD, FINISH)                                            \
+static void NAME##_##WIDTH##_##MC(const float* x, int K, const WT* wp, const float* scale,        \
+                                  const float* bias, float* y, int N, int n0) {                   \
+    TILE_SUMS(WIDTH, MC, WT, LOAD)                                                                \
+    UNROLL for (int c = 0; c < MC; c++)                                                           \
+        UNROLL for (int v = 0; v < WIDTH; v++)                                                    \
+            store_vec(FINISH(acc[v][c], scale, n0 + v * VW), bias, y + (size_t)c * N, n0 + v * VW, N); \
 }                                                                                                 \
-static void NAME##MC##o(const float* x, int K, const WT* wp, const float* scale, const float* bias, \
-                        float* out, int N, int n0, int two) {                                     \
-    TILE_SUMS(MC, WT, LOAD)                                                                       \
-    for (int c = 0; c < MC; c++) {                                                                \
-        float* row = out + (size_t)c * 2 * VW;                                                    \
-        st(row, FINISH(acc0[c], scale, n0));                                                      \
-        if (two) st(row + VW, FINISH(acc1[c], scale, n0 + VW));                                  \
-        if (bias) store_vec(ld(row), bias, row - n0, n0, N);                                      \
-        if (bias && two) store_vec(ld(row + VW), bias, row - n0, n0 + VW, N);                   \
-    }                                                                                             \
+static void NAME##o_##WIDTH##_##MC(const float* x, int K, const WT* wp, const float* scale,       \
+                                   const float* bias, float* out, int N, int n0) {                \
+    TILE_SUMS(WIDTH, MC, WT, LOAD)                                                                \
+    UNROLL for (int c = 0; c < MC; c++)                                                           \
+        UNROLL for (int v = 0; v < WIDTH; v++) {                                                  \
+            float* lanes = out + (size_t)c * NV * VW + v * VW;                                    \
+            st(lanes, FINISH(acc[v][c], scale, n0 + v * VW));                                     \
+            if (bias) store_vec(ld(lanes), bias, lanes - (n0 + v * VW), n0 + v * VW, N);          \
+        }                                                                                         \
 }
+#define DEFINE_WIDTH(NAME, WIDTH, WT, LOAD, FINISH)                                               \
+    DEFINE_TILE(NAME, WIDTH, 1, WT, LOAD, FINISH) DEFINE_TILE(NAME, WIDTH, 2, WT, LOAD, FINISH)   \
+    DEFINE_TILE(NAME, WIDTH, 3, WT, LOAD, FINISH) DEFINE_TILE(NAME, WIDTH, 4, WT, LOAD, FINISH)   \
+    DEFINE_TILE(NAME, WIDTH, 5, WT, LOAD, FINISH) DEFINE_TILE(NAME, WIDTH, 6, WT, LOAD, FINISH)
+#define WIDTH_ROW(NAME, WIDTH) {0, NAME##_##WIDTH##_1, NAME##_##WIDTH##_2, NAME##_##WIDTH##_3,     \
+                                NAME##_##WIDTH##_4, NAME##_##WIDTH##_5, NAME##_##WIDTH##_6}
+/* NAMEs[width][rows] and NAMEos[width][rows] */
+#if NV == 4
 #define DEFINE_TILES(NAME, WT, LOAD, FINISH)                                                      \
-    DEFINE_TILE(NAME, 1, WT, LOAD, FINISH) DEFINE_TILE(NAME, 2, WT, LOAD, FINISH)                 \
-    DEFINE_TILE(NAME, 3, WT, LOAD, FINISH) DEFINE_TILE(NAME, 4, WT, LOAD, FINISH)                 \
-    DEFINE_TILE(NAME, 5, WT, LOAD, FINISH) DEFINE_TILE(NAME, 6, WT, LOAD, FINISH)                 \
-    static void (*const NAME##s[7])(const float*, int, const WT*, const float*, const float*, float*, int, int, int) = \
-        {0, NAME##1, NAME##2, NAME##3, NAME##4, NAME##5, NAME##6};                                 \
-    static void (*const NAME##os[7])(const float*, int, const WT*, const float*, const float*, float*, int, int, int) = \
-        {0, NAME##1o, NAME##2o, NAME##3o, NAME##4o, NAME##5o, NAME##6o};
+    DEFINE_WIDTH(NAME, 1, WT, LOAD, FINISH) DEFINE_WIDTH(NAME, 2, WT, LOAD, FINISH)               \
+    DEFINE_WIDTH(NAME, 4, WT, LOAD, FINISH)                                                       \
+    static void (*const NAME##s[NV + 1][7])(const float*, int, const WT*, const float*, const float*, float*, int, int) = \
+        {[1] = WIDTH_ROW(NAME, 1), [2] = WIDTH_ROW(NAME, 2), [4] = WIDTH_ROW(NAME, 4)};          \
+    static void (*const NAME##os[NV + 1][7])(const float*, int, const WT*, const float*, const float*, float*, int, int) = \
+        {[1] = WIDTH_ROW(NAME##o, 1), [2] = WIDTH_ROW(NAME##o, 2), [4] = WIDTH_ROW(NAME##o, 4)};
+#else
+#define DEFINE_TILES(NAME, WT, LOAD, FINISH)                                                      \
+    DEFINE_WIDTH(NAME, 1, WT, LOAD, FINISH) DEFINE_WIDTH(NAME, 2, WT, LOAD, FINISH)               \
+    static void (*const NAME##s[NV + 1][7])(const float*, int, const WT*, const float*, const float*, float*, int, int) = \
+        {[1] = WIDTH_ROW(NAME, 1), [2] = WIDTH_ROW(NAME, 2)};                                    \
+    static void (*const NAME##os[NV + 1][7])(const float*, int, const WT*, const float*, const float*, float*, int, int) = \
+        {[1] = WIDTH_ROW(NAME##o, 1), [2] = WIDTH_ROW(NAME##o, 2)};
+#endif
 DEFINE_TILES(tile, float, ld, unscaled)
 DEFINE_TILES(tileq, signed char, ldq, scaled)
 
@@ -123,7 +149,7 @@ typedef struct {
     const void* wp;
     const float *scale, *bias;
     float* y;
-    int M, N, K, padded;
+    int M, N, K;
     const int32_t *mask_of_row, *bitmask;
     int W;
     vf* tops;
@@ -132,19 +158,27 @@ typedef struct {
     const uint8_t* sparse;  /* the picks': rows whose mask allows tokens in few tiles (NULL: none) */
 } tiles_args;
 
-/* each thread owns whole tiles of 2 x VW outputs: their weights stay in its cache while every
-   input row passes over them (the padded width is a multiple of 16, so only with VW = 16 can a
-   last tile have one vector) */
+/* The loops' items are vectors of outputs (ceil(N / 16) * 16 / VW of them), in chunks of whole
+ * widest tiles where PARALLEL_CHUNK's holds one (a batch-64 LM head of 49,152: 48 tiles a chunk),
+ * else of two vectors, as the tiles of two were before (a small N has few: a last tile of one
+ * vector where their count is odd). Each thread owns whole tiles: their weights stay in its
+ * cache while every input row passes over them. */
+static inline int vector_chunk(int vectors, int threads) {
+    int chunk = PARALLEL_CHUNK(vectors, threads);
+    return chunk >= NV ? chunk - chunk % NV : 2;
+}
+
 #define DEFINE_RUN(TILES, WT)                                                                     \
 static void TILES##_run(void* ctx, int begin, int end, int thread) {                              \
     const tiles_args* a = ctx;                                                                    \
     int M = a->M, N = a->N, K = a->K;                                                             \
     (void)thread;                                                                                 \
-    for (int p = begin; p < end; p++) {                                                           \
-        int n0 = 2 * VW * p, two = a->padded - n0 > VW;                                           \
+    for (int v = begin, width; v < end; v += width) {                                             \
+        int n0 = VW * v;                                                                          \
+        width = tile_width(end - v);                                                              \
         for (int m0 = 0; m0 < M; m0 += 6) {                                                       \
             int mc = M - m0 < 6 ? M - m0 : 6;                                                     \
-            TILES[mc](a->x + (size_t)m0 * K, K, (const WT*)a->wp, a->scale, a->bias, a->y + (size_t)m0 * N, N, n0, two); \
+            TILES[width][mc](a->x + (size_t)m0 * K, K, (const WT*)a->wp, a->scale, a->bias, a->y + (size_t)m0 * N, N, n0); \
         }                                                                                         \
     }                                                                                             \
 }
@@ -152,10 +186,10 @@ DEFINE_RUN(tiles, float)
 DEFINE_RUN(tileqs, signed char)
 
 #define RUN_TILES(TILES, WP, SCALE)                                                               \
-    int padded = (N + 15) / 16 * 16, ntiles = (padded + 2 * VW - 1) / (2 * VW);                   \
+    int vectors = (N + 15) / 16 * 16 / VW;                                                        \
     size_t work = (size_t)M * N * K;                                                              \
-    tiles_args a = {x, WP, SCALE, bias, y, M, N, K, padded, 0, 0, 0, 0, 0, 0, 0, 0};              \
-    pool_for(ntiles, PARALLEL_CHUNK(ntiles, threads), threads, work >= PARALLEL_MIN_WORK, TILES##_run, &a);
+    tiles_args a = {x, WP, SCALE, bias, y, M, N, K, 0, 0, 0, 0, 0, 0, 0, 0};                      \
+    pool_for(vectors, vector_chunk(vectors, threads), threads, work >= PARALLEL_MIN_WORK, TILES##_run, &a);
 
 void packed_linear_f32(const float* x, const float* wp, const float* bias, float* y,
                        int M, int N, int K, int threads) {
@@ -196,20 +230,22 @@ static inline void pick_vec(vf v, vi index, int n0, int N, const uint32_t* words
 /* The row's first allowed NaN (as argmax_rows_f32 picks it), its logits computed again: rare */
 #define PICK_NAN(TILES, WP, SCALE, r, words, out)                                                 \
     do {                                                                                          \
-        float* y = malloc(sizeof(float) * (size_t)padded);                                        \
-        for (int p = 0; y && p < ntiles; p++)                                                     \
-            TILES[1](x + (size_t)(r) * K, K, WP, SCALE, bias, y, N, 2 * VW * p, padded - 2 * VW * p > VW); \
+        float* y = malloc(sizeof(float) * (size_t)vectors * VW);                                  \
+        for (int v = 0; y && v < vectors; v++) TILES[1][1](x + (size_t)(r) * K, K, WP, SCALE, bias, y, N, VW * v); \
         for (int t = 0; y && t < N; t++)                                                          \
             if ((!(words) || ((words)[t >> 5] >> (t & 31)) & 1u) && y[t] != y[t]) { out = t; break; } \
         free(y);                                                                                  \
     } while (0)
 
-/* Whether row r needs the `span` tokens' tile from n0 (n0 a multiple of span, span <= 32 dividing
- * 32: the tokens sit in one mask word): a row not marked sparse always does */
+/* Whether row r needs the `span` tokens' tile from n0 (a span under 32 divides 32 and its tokens
+ * sit in one mask word; a longer one is whole words): a row not marked sparse always does */
 static inline int tile_needed(const tiles_args* a, size_t r, int n0, int span) {
     if (!a->sparse[r]) return 1;
-    uint32_t word = (uint32_t)a->bitmask[(size_t)a->mask_of_row[r] * a->W + (n0 >> 5)] >> (n0 & 31);
-    return span >= 32 ? word != 0 : (word & ((1u << span) - 1)) != 0;
+    const uint32_t* words = (const uint32_t*)a->bitmask + (size_t)a->mask_of_row[r] * a->W;
+    if (span < 32) return ((words[n0 >> 5] >> (n0 & 31)) & ((1u << span) - 1)) != 0;
+    for (int i = n0 >> 5; i < (n0 + span) >> 5; i++)
+        if (words[i]) return 1;
+    return 0;
 }
 
 /* Which rows' masks allow tokens in at most a quarter of their words (the tiles skipped for them
@@ -236,15 +272,15 @@ static uint8_t* sparse_rows(const int32_t* mask_of_row, const int32_t* bitmask, 
 /* one group's tile (rows[0..mc), their inputs at x) and its picks */
 #define PICK_GROUP(OTILES, WT, x)                                                                 \
     do {                                                                                          \
-        OTILES[mc](x, K, (const WT*)a->wp, a->scale, a->bias, out, N, n0, two);                   \
+        OTILES[width][mc](x, K, (const WT*)a->wp, a->scale, a->bias, out, N, n0);                 \
         for (int c = 0; c < mc; c++) {                                                            \
             size_t row = (size_t)rows[c];                                                         \
             int mask = a->mask_of_row ? a->mask_of_row[row] : -1;                                 \
             const uint32_t* words = mask >= 0 ? (const uint32_t*)(a->bitmask + (size_t)mask * W) : NULL; \
             vf* top = a->tops + me + row;                                                         \
             vi *first = a->firsts + me + row, *nan = a->nans + me + row;                          \
-            pick_vec(ld(out + c * 2 * VW), index0, n0, N, words, top, first, nan);                \
-            if (two) pick_vec(ld(out + c * 2 * VW + VW), index1, n0 + VW, N, words, top, first, nan); \
+            for (int u = 0; u < width; u++)                                                       \
+                pick_vec(ld(out + (c * NV + u) * VW), lane + (n0 + u * VW), n0 + u * VW, N, words, top, first, nan); \
         }                                                                                         \
     } while (0)
 
@@ -259,13 +295,13 @@ static void TILES##_picks(void* ctx, int begin, int end, int thread) {          
     int M = a->M, N = a->N, K = a->K, W = a->W;                                                   \
     size_t me = (size_t)thread * M;                                                               \
     float* xs = a->scratch + (size_t)thread * 6 * K;                                              \
-    float out[6 * 2 * VW] __attribute__((aligned(64)));                                           \
+    float out[6 * NV * VW] __attribute__((aligned(64)));                                          \
     int rows[6];                                                                                  \
     vi lane;                                                                                      \
     for (int l = 0; l < VW; l++) lane[l] = l;                                                     \
-    for (int p = begin; p < end; p++) {                                                           \
-        int n0 = 2 * VW * p, two = a->padded - n0 > VW;                                           \
-        vi index0 = lane + n0, index1 = lane + (n0 + VW);                                         \
+    for (int v = begin, width; v < end; v += width) {                                             \
+        int n0 = VW * v;                                                                          \
+        width = tile_width(end - v);                                                              \
         if (!a->sparse) { /* every row needs every tile */                                       \
             for (int m0 = 0; m0 < M; m0 += 6) {                                                   \
                 int mc = M - m0 < 6 ? M - m0 : 6;                                                 \
@@ -275,7 +311,7 @@ static void TILES##_picks(void* ctx, int begin, int end, int thread) {          
             continue;                                                                             \
         }                                                                                         \
         for (int r = 0, mc = 0; r < M; r++) {                                                     \
-            if (tile_needed(a, (size_t)r, n0, two ? 2 * VW : VW)) rows[mc++] = r;                 \
+            if (tile_needed(a, (size_t)r, n0, width * VW)) rows[mc++] = r;                        \
             if ((mc < 6 && r < M - 1) || !mc) continue;                                           \
             const float* x = a->x + (size_t)rows[0] * K;                                          \
             if (rows[mc - 1] - rows[0] != mc - 1) { /* not consecutive: gathered */               \
@@ -291,7 +327,7 @@ DEFINE_PICKS(tiles, tileos, float)
 DEFINE_PICKS(tileqs, tileqos, signed char)
 
 #define RUN_PICKS(TILES, WP, SCALE)                                                               \
-    int padded = (N + 15) / 16 * 16, ntiles = (padded + 2 * VW - 1) / (2 * VW);                   \
+    int vectors = (N + 15) / 16 * 16 / VW;                                                        \
     size_t work = (size_t)M * N * K;                                                              \
     int team = threads > 0 ? threads : 1;                                                         \
     size_t states = (size_t)team * M;                                                             \
@@ -308,8 +344,8 @@ DEFINE_PICKS(tileqs, tileqos, signed char)
         firsts[i] = nans[i] = (vi){0};                                                            \
     }                                                                                             \
     uint8_t* sparse = sparse_rows(mask_of_row, bitmask, W, M);                                    \
-    tiles_args a = {x, WP, SCALE, bias, 0, M, N, K, padded, mask_of_row, bitmask, W, tops, firsts, nans, scratch, sparse}; \
-    pool_for(ntiles, PARALLEL_CHUNK(ntiles, team), team, work >= PARALLEL_MIN_WORK, TILES##_picks, &a); \
+    tiles_args a = {x, WP, SCALE, bias, 0, M, N, K, mask_of_row, bitmask, W, tops, firsts, nans, scratch, sparse}; \
+    pool_for(vectors, vector_chunk(vectors, team), team, work >= PARALLEL_MIN_WORK, TILES##_picks, &a); \
     int failed = 0;                                                                               \
     for (int r = 0; r < M; r++) {                                                                 \
         vf m = tops[r];                                                                           \
