@@ -126,12 +126,16 @@ static void attend(const float* q, const float* k, const float* v, const int* ta
     int last = start + (a0 + nq - 1) / g + 1;  /* keys the chunk's last query attends */
     int blocks = (last + KEYS - 1) / KEYS, padded = blocks * KEYS;
     /* query a0 + a = j * g + i: token j, head h * g + i; p[a] its weights over the keys */
-    float* p = malloc(sizeof(float) * (size_t)nq * padded);
-    float* top = malloc(sizeof(float) * KEYS * (size_t)nq);
-    float* acc = calloc((size_t)nq * D, sizeof(float));
-    float* inv = malloc(sizeof(float) * (size_t)nq);
-    int* length = malloc(sizeof(int) * (size_t)nq);
-    int* lo = malloc(sizeof(int) * (size_t)nq);  /* query a's first key: 0, or its window's first */
+    /* one allocation for the task's buffers (six malloc/free pairs a task cost ~10% of a
+       batch-64 step's attention on the tiny model: 256 tasks a step) */
+    size_t floats = (size_t)nq * padded + KEYS * (size_t)nq + (size_t)nq * D + (size_t)nq;
+    float* p = malloc(sizeof(float) * floats + 2 * sizeof(int) * (size_t)nq);
+    float* top = p + (size_t)nq * padded;
+    float* acc = top + KEYS * (size_t)nq;
+    float* inv = acc + (size_t)nq * D;
+    int* length = (int*)(inv + nq);
+    int* lo = length + nq;  /* query a's first key: 0, or its window's first */
+    memset(acc, 0, sizeof(float) * (size_t)nq * D);
     for (int a = 0; a < nq; a++) {
         length[a] = start + (a0 + a) / g + 1;
         lo[a] = window > 0 && length[a] > window ? length[a] - window : 0;
@@ -149,7 +153,10 @@ static void attend(const float* q, const float* k, const float* v, const int* ta
                 const float* kt = k + ((size_t)table[b * KEYS / bs] * bs + off) * D;
                 v8 sc;
                 if (off + KEYS <= bs) {
-                    sc = D == 64 ? scores8(qa, kt, 64, scale) : scores8(qa, kt, D, scale);
+                    sc = D == 64   ? scores8(qa, kt, 64, scale)
+                         : D == 16 ? scores8(qa, kt, 16, scale)
+                         : D == 32 ? scores8(qa, kt, 32, scale)
+                                   : scores8(qa, kt, D, scale);
                 } else {  /* a block's last keys (one block a row): not a whole vector of them to read */
                     sc = splat(-3.0e38f);
                     for (int c = 0; c < KEYS && b * KEYS + c < length[a]; c++) {
@@ -195,10 +202,22 @@ static void attend(const float* q, const float* k, const float* v, const int* ta
                     w[c] = p + (size_t)(c0 + c) * padded;
                     o[c] = acc + (size_t)(c0 + c) * D + d0;
                 }
-                if (dims == 64 && na == QUERIES_PER_PASS)
-                    weighted_sum(v + d0, table, bs, D, w, lo + c0, length + c0, t0, t1, QUERIES_PER_PASS, 64, o);
+                /* (sizes the compiler knows: the accumulators stay in registers. A head of 16 or
+                   32 dims, or 2 queries a pass (2 query heads a key head), took the general path
+                   and its accumulators went through memory: 57% of the tiny model's batch-64
+                   decoder stack) */
+#define WEIGHTED_SUM(NA, DIMS) weighted_sum(v + d0, table, bs, D, w, lo + c0, length + c0, t0, t1, NA, DIMS, o)
+#define BY_QUERIES(DIMS) (na == 3 ? WEIGHTED_SUM(3, DIMS) : na == 2 ? WEIGHTED_SUM(2, DIMS) : WEIGHTED_SUM(1, DIMS))
+                if (dims == 64)
+                    BY_QUERIES(64);
+                else if (dims == 32)
+                    BY_QUERIES(32);
+                else if (dims == 16)
+                    BY_QUERIES(16);
                 else
                     weighted_sum(v + d0, table, bs, D, w, lo + c0, length + c0, t0, t1, na, dims, o);
+#undef BY_QUERIES
+#undef WEIGHTED_SUM
             }
         }
     }
@@ -207,11 +226,6 @@ static void attend(const float* q, const float* k, const float* v, const int* ta
         for (int d = 0; d < D; d += 8) store(o + d, load(acc + (size_t)a * D + d) * inv[a]);
     }
     free(p);
-    free(top);
-    free(acc);
-    free(inv);
-    free(length);
-    free(lo);
 }
 
 typedef struct {
