@@ -400,6 +400,8 @@ class Worker:
                 if self.drafter.graphs is not None:  # (draft steps as a graph: their trampolines timed the waits)
                     waits += self.drafter.graphs.take_waits()
         draft_s = time.perf_counter() - verified
+        if self.device.type == "cpu":  # (the step's last parallel region is done: the scheduler gets the core)
+            kernels.park_threads()
         timings = np.array([wall_start, forward_end, mask_ready, time.time()], dtype=np.float64)
         return StepOutputs(
             inputs.step,
