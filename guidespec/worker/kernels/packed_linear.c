@@ -65,9 +65,10 @@ static inline size_t packed_at(int n, int K) { return (size_t)(n / 16) * K * 16 
  * into the widest that fit.
  *
  * Why 4 and not 2 with AVX-512: a batch-64 LM head of the tiny model (49,152 x 64) is compute
- * bound, and 2 x 6 tiles (8 loads for 12 multiply-adds) reached ~65 GFLOP/s a core here against
- * ~105 for 4 x 6 and 112 for MKL's sgemm; each tile is also a function of its own (a `two` flag
- * read at run time kept the accumulators in memory, zeroed by `rep stos` at every call). */
+ * bound. In a loop of tiles alone (48 rows, one core, Sapphire Rapids) 2 x 6 tiles (8 loads for 12
+ * multiply-adds) reached 89-99 GFLOP/s, 4 x 6 106-111, MKL's sgemm 112. Each tile is a function of
+ * its own: the 2 x 6 tiles before read a `two` flag at run time, which kept their accumulators in
+ * memory, zeroed by `rep stos` at every call (the fused head + picks: ~67 GFLOP/s a core). */
 #if VW == 16
 #define NV 4
 #else
@@ -123,23 +124,21 @@ static void NAME##o_##WIDTH##_##MC(const float* x, int K, const WT* wp, const fl
     DEFINE_TILE(NAME, WIDTH, 5, WT, LOAD, FINISH) DEFINE_TILE(NAME, WIDTH, 6, WT, LOAD, FINISH)
 #define WIDTH_ROW(NAME, WIDTH) {0, NAME##_##WIDTH##_1, NAME##_##WIDTH##_2, NAME##_##WIDTH##_3,     \
                                 NAME##_##WIDTH##_4, NAME##_##WIDTH##_5, NAME##_##WIDTH##_6}
-/* NAMEs[width][rows] and NAMEos[width][rows] */
+/* NAMEs[width][rows] and NAMEos[width][rows]: widths 1 and 2, and NV where it is 4 */
 #if NV == 4
-#define DEFINE_TILES(NAME, WT, LOAD, FINISH)                                                      \
-    DEFINE_WIDTH(NAME, 1, WT, LOAD, FINISH) DEFINE_WIDTH(NAME, 2, WT, LOAD, FINISH)               \
-    DEFINE_WIDTH(NAME, 4, WT, LOAD, FINISH)                                                       \
-    static void (*const NAME##s[NV + 1][7])(const float*, int, const WT*, const float*, const float*, float*, int, int) = \
-        {[1] = WIDTH_ROW(NAME, 1), [2] = WIDTH_ROW(NAME, 2), [4] = WIDTH_ROW(NAME, 4)};          \
-    static void (*const NAME##os[NV + 1][7])(const float*, int, const WT*, const float*, const float*, float*, int, int) = \
-        {[1] = WIDTH_ROW(NAME##o, 1), [2] = WIDTH_ROW(NAME##o, 2), [4] = WIDTH_ROW(NAME##o, 4)};
+#define DEFINE_WIDE(NAME, WT, LOAD, FINISH) DEFINE_WIDTH(NAME, 4, WT, LOAD, FINISH)
+#define WIDE_ROW(NAME) , [4] = WIDTH_ROW(NAME, 4)
 #else
+#define DEFINE_WIDE(NAME, WT, LOAD, FINISH)
+#define WIDE_ROW(NAME)
+#endif
 #define DEFINE_TILES(NAME, WT, LOAD, FINISH)                                                      \
     DEFINE_WIDTH(NAME, 1, WT, LOAD, FINISH) DEFINE_WIDTH(NAME, 2, WT, LOAD, FINISH)               \
+    DEFINE_WIDE(NAME, WT, LOAD, FINISH)                                                           \
     static void (*const NAME##s[NV + 1][7])(const float*, int, const WT*, const float*, const float*, float*, int, int) = \
-        {[1] = WIDTH_ROW(NAME, 1), [2] = WIDTH_ROW(NAME, 2)};                                    \
+        {[1] = WIDTH_ROW(NAME, 1), [2] = WIDTH_ROW(NAME, 2) WIDE_ROW(NAME)};                      \
     static void (*const NAME##os[NV + 1][7])(const float*, int, const WT*, const float*, const float*, float*, int, int) = \
-        {[1] = WIDTH_ROW(NAME##o, 1), [2] = WIDTH_ROW(NAME##o, 2)};
-#endif
+        {[1] = WIDTH_ROW(NAME##o, 1), [2] = WIDTH_ROW(NAME##o, 2) WIDE_ROW(NAME##o)};
 DEFINE_TILES(tile, float, ld, unscaled)
 DEFINE_TILES(tileq, signed char, ldq, scaled)
 
