@@ -563,7 +563,7 @@ class StepOutputs:
     step: int
     token_ids: np.ndarray  # [sum(num_tokens)] int32, the tokens each row produced
     num_tokens: np.ndarray  # [B] int32
-    forward_s: float = 0.0
+    forward_s: float = 0.0  # rank 0's step until its tokens were picked, less its wait for the bitmask
     timings: np.ndarray | None = None  # [4] float64 wall times: forward start, forward end, mask ready, done
     draft_tokens: np.ndarray | None = None  # [sum(num_draft_tokens)] int32: the draft model's proposals
     num_draft_tokens: np.ndarray | None = None  # [B] int32, they follow each row's last produced token

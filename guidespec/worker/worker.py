@@ -321,8 +321,13 @@ class Worker:
         if inputs.has_bitmask:
             if self.tp.size == 1 and not (greedy and self.model.picks_skip_masked) and not self.reader.poll():
                 early = self.model.compute_logits(hidden)
+            waiting = time.perf_counter()
             bitmask = self._read_bitmask(inputs.step)
             mask_ready = time.time()
+            # forward_s is the step's work (the plan's cost model: ``CostModel``), not its wait:
+            # a new request's first mask can wait for its grammar (a prefill of 19 tokens of the
+            # tiny model read 35 ms, and its fit then priced a draft token at a whole step)
+            start += time.perf_counter() - waiting
         defer = greedy and (inputs.num_logits == 1).all()
         if greedy and early is None:  # (no logits rows for what the mask settles: greedy_masked)
             picked = greedy_masked(self, hidden, bitmask)  # type: ignore[arg-type]
