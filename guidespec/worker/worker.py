@@ -30,7 +30,7 @@ import zmq
 
 from guidespec import envs
 from guidespec.config import ModelConfig, WorkerConfig
-from guidespec.cuda_ext.channel import DraftChannel, DraftChannelError, StreamExchange
+from guidespec.cuda_ext.channel import VERIFY, DraftChannel, DraftChannelError, StreamExchange
 from guidespec.ipc import codec
 from guidespec.ipc.broadcast import create_step_reader
 from guidespec.ipc.shm_ring import RingTimeout
@@ -542,15 +542,18 @@ class Worker:
         if inputs.has_bitmask:
             self._read_bitmask(inputs.step)
         end = time.time()
-        # (the draft steps ran last: forward_s is the rest, timed as an unfused step's verify is)
+        # (the draft steps ran last: forward_s is the rest, less its wait for the verify masks,
+        # timed as an unfused step's verify is)
         draft_s = fused.draft_s
+        waits = fused.mask_waits
+        verify_wait = float((waits[:, 2] - waits[:, 1])[waits[:, 0] == VERIFY].sum()) if len(waits) else 0.0
         timings = np.array([wall_start, end - draft_s, end - draft_s, end], dtype=np.float64)
         proposals, draft_counts = fused.proposals if fused.proposals is not None else (None, None)
         return StepOutputs(
             inputs.step,
             fused.tokens,
             fused.counts,
-            time.perf_counter() - start - draft_s,
+            time.perf_counter() - start - draft_s - verify_wait,
             timings,
             proposals,
             draft_counts,
