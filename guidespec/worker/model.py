@@ -37,6 +37,7 @@ from guidespec.worker.kernels import (
     PackedWeight,
     QuantizedWeight,
     Weight,
+    add_picks_check,
     add_rms_norm,
     available,
     cache_attention,
@@ -118,6 +119,8 @@ class LlamaModel:
             self.lm_head = self.embed
         else:
             self.lm_head = self._load_vocab_rows(reader, blocks, "lm_head.weight")
+        if self.tp.size == 1:  # (a few rows' picks read its int8 copy: ``compute_picks``)
+            add_picks_check(self.lm_head)
         self.final_norm = self._norm_weight(reader.get("model.norm.weight"))
         layer_ids = range(cfg.num_layers)
         if show_progress:

@@ -298,7 +298,7 @@ def test_each_vector_width_builds_and_matches_torch(
 ) -> None:
     """The kernels at each vector width vec.h picks, not only this machine's: built, and where
     the CPU can run them, checked against torch (linear, int8, attention) and for rows that do
-    not depend on their batch."""
+    not depend on their batch; a few rows' picks from an int8 copy equal the exact picks."""
     path = arch_builds[arch]
     assert path is not None and path.exists()
     if not runs:
@@ -318,6 +318,7 @@ def test_each_vector_width_builds_and_matches_torch(
     mask = _sparse_masks(23, 300, 0)  # (the picks' tiles are 2 vectors wide: what a mask word covers differs)
     got, want = kernels.linear_argmax(x, w, 300, mask), _picks_of_logits(x, w, 300, mask)  # type: ignore[arg-type]
     assert got is not None and (got[0] == want[0]).all() and (got[1] == want[1]).all()  # type: ignore[index,union-attr]
+    test_picks_from_the_int8_copy_are_the_exact_picks(monkeypatch, 2, 300, 4)
     test_cache_attention_matches_torch(4, 3, 64)
     test_cache_attention_of_a_token_does_not_depend_on_later_tokens_or_other_rows()
 
@@ -585,3 +586,92 @@ def test_linear_argmax_skipping_the_tiles_a_mask_forbids_picks_the_same(
             want = _picks_of_logits(x, weight, vocab, mask)
             np.testing.assert_array_equal(got[0], want[0])  # type: ignore[index]
             np.testing.assert_array_equal(got[1], want[1])  # type: ignore[index]
+
+
+def _checked_case(seed: int, rows: int, vocab: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random weight with equal logits far apart (row 0's input picks tokens 3 and vocab // 2),
+    logits one ulp apart (row 1's: vocab - 2 above 7 and vocab - 1), and a row of outliers (its
+    int8 copy is coarse), and random inputs past the first two."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(vocab + 5, k, generator=g)
+    w[11] *= 8
+    w[[3, vocab // 2], 1] = 50.0
+    w[[7, vocab - 1], 0] = 40.0
+    w[vocab - 2, 0] = torch.nextafter(torch.tensor(40.0), torch.tensor(float("inf")))
+    x = torch.randn(rows, k, generator=g)
+    x[0] = torch.eye(k)[1] * 2
+    if rows > 1:
+        x[1] = torch.eye(k)[0]
+    return w, x
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("vocab,k", [(49152 - 9, 64), (300, 4), (1000, 576)])
+def test_picks_from_the_int8_copy_are_the_exact_picks(
+    monkeypatch: pytest.MonkeyPatch, threads: int, vocab: int, k: int
+) -> None:
+    """A packed LM head with its int8 copy (``add_picks_check``) picks 1-6 rows' tokens from the
+    copy and sums the candidates again in fp32: the same tokens as the exact picks, bit for bit,
+    unmasked and under dense masks, with equal logits far apart, logits one ulp apart, and a row
+    of outliers; the copy's path is the one taken (the C call settles: 0), except where it must
+    leave the row to the exact picks (a row allowing nothing, a NaN input)."""
+    import numpy as np
+
+    monkeypatch.setattr(kernels.loader, "_threads", threads)
+    lib = kernels.loader.library()
+    assert lib is not None
+    for seed in range(3):
+        for rows in (1, 2, 6):
+            w, x = _checked_case(seed, rows, vocab, k)
+            exact, checked = kernels.pack(w), kernels.pack(w)
+            kernels.add_picks_check(checked)
+            assert isinstance(checked, kernels.PackedWeight) and checked.check is not None
+            rng = np.random.default_rng(seed)
+            width = (vocab + 31) // 32
+            dense = np.packbits(rng.random((rows, width * 32)) < 0.6, axis=1, bitorder="little").view(np.int32)
+            for mask in (None, (np.arange(rows), dense)):
+                got = kernels.linear_argmax(x, checked, vocab, mask)  # type: ignore[arg-type]
+                want = kernels.linear_argmax(x, exact, vocab, mask)  # type: ignore[arg-type]
+                assert got is not None and want is not None
+                np.testing.assert_array_equal(got[0], want[0])
+                np.testing.assert_array_equal(got[1], want[1])
+                assert _settles(lib, x, checked, vocab, mask) == 0
+                if mask is None:
+                    assert got[0][0] == 3 and (rows == 1 or got[0][1] == vocab - 2)
+    w, x = _checked_case(0, 2, 300, 4)
+    checked = kernels.pack(w)
+    kernels.add_picks_check(checked)
+    nothing = (np.array([1]), np.zeros((1, 10), dtype=np.int32))
+    x_nan = x.clone()
+    x_nan[0, 1] = float("nan")
+    for case_x, mask in ((x, nothing), (x_nan, None)):
+        assert _settles(lib, case_x, checked, 300, mask) == 1
+        got = kernels.linear_argmax(case_x, checked, 300, mask)  # type: ignore[arg-type]
+        want = kernels.linear_argmax(case_x, kernels.pack(w), 300, mask)  # type: ignore[arg-type]
+        assert got is not None and want is not None
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+
+
+def _settles(lib: object, x: torch.Tensor, weight: kernels.PackedWeight, vocab: int, mask: object) -> int:
+    """The checked C call's own answer: 0 where it made the picks, 1 where it left them to the exact picks."""
+    import numpy as np
+
+    from guidespec.worker.kernels.ops import _masks_of_rows, _pointer
+
+    check = weight.check
+    assert check is not None
+    masks = _masks_of_rows(x.shape[0], vocab, mask)  # type: ignore[arg-type]
+    assert masks is not None
+    best, dead = np.empty(x.shape[0], dtype=np.int64), np.empty(x.shape[0], dtype=np.bool_)
+    q = check.quantized
+    return int(
+        lib.packed_linear_argmax_checked(  # type: ignore[attr-defined]
+            *(x.contiguous().data_ptr(), weight.blocks.data_ptr(), q.blocks.data_ptr(), q.scale.data_ptr()),
+            check.err.data_ptr(),
+            check.reach,
+            None,
+            *(x.shape[0], vocab, x.shape[1], _pointer(masks[0]), _pointer(masks[1]), masks[2]),
+            *(best.ctypes.data, dead.ctypes.data, kernels.loader.threads()),
+        )
+    )

@@ -9,7 +9,8 @@ The kernels, fp32 activations:
   tiles read int8 weights with a scale per output row (:class:`QuantizedWeight`, made by
   :func:`quantize`): a quarter of the bytes, for the target's int8 copy as a draft model. A
   greedy step's LM head picks each row's token as its tiles are summed (:func:`linear_argmax`),
-  without writing the logits.
+  without writing the logits; a few rows' picks, from the head's int8 copy where it has one
+  (:func:`add_picks_check`), the tokens that could win summed again exactly.
 - ``gguf_linear.c``: linear layers over a GGUF file's own quantized blocks
   (:class:`~guidespec.worker.kernels.gguf_weights.GGUFWeight`, that module says which formats),
   activations rounded to int8 per block of 32 as llama.cpp does: :func:`linear` takes them too.
@@ -49,7 +50,16 @@ from guidespec.worker.kernels.ops import (
     silu_mul,
     single_tokens,
 )
-from guidespec.worker.kernels.weights import BLOCK, PackedWeight, QuantizedWeight, Weight, dense, pack, quantize
+from guidespec.worker.kernels.weights import (
+    BLOCK,
+    PackedWeight,
+    QuantizedWeight,
+    Weight,
+    add_picks_check,
+    dense,
+    pack,
+    quantize,
+)
 
 __all__ = [
     "BLOCK",
@@ -57,6 +67,7 @@ __all__ = [
     "PackedWeight",
     "QuantizedWeight",
     "Weight",
+    "add_picks_check",
     "add_rms_norm",
     "apply_bitmask",
     "argmax_rows",

@@ -13,6 +13,10 @@ from guidespec.worker.kernels import loader
 from guidespec.worker.kernels.gguf_weights import GGUFWeight
 from guidespec.worker.kernels.weights import BLOCK, PackedWeight, QuantizedWeight, Weight, dense
 
+# rows whose picks :func:`linear_argmax` makes from a packed LM head's int8 copy where it has one
+# (``PicksCheck``), checked exactly: the head is read from memory for so few rows, a quarter of its bytes
+CHECKED_ROWS = 6
+
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for 2-D x; packed, int8 and GGUF weights go to the kernels."""
@@ -342,6 +346,13 @@ def linear_argmax(
     mask_of_row, bitmask, width = masks
     rest = (x.shape[0], vocab_size, x.shape[1], _pointer(mask_of_row), _pointer(bitmask), width)
     out = (best.ctypes.data, dead.ctypes.data, loader.threads())
+    check = weight.check if isinstance(weight, PackedWeight) else None
+    if check is not None and x.shape[0] <= CHECKED_ROWS:  # a few rows: from the int8 copy, checked
+        q = check.quantized
+        pointers = (x.data_ptr(), weight.blocks.data_ptr(), q.blocks.data_ptr(), q.scale.data_ptr())
+        settled = lib.packed_linear_argmax_checked(*pointers, check.err.data_ptr(), check.reach, None, *rest, *out)
+        if settled == 0:
+            return best, dead
     if isinstance(weight, QuantizedWeight):
         failed = lib.packed_linear_argmax_i8(
             x.data_ptr(), weight.blocks.data_ptr(), weight.scale.data_ptr(), None, *rest, *out

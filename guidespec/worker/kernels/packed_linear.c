@@ -395,6 +395,187 @@ int packed_linear_argmax_i8(const float* x, const signed char* qp, const float* 
     RUN_PICKS(tileqs, qp, scale)
 }
 
+/* Greedy picks of a few rows, as packed_linear_argmax_f32 makes them, from the int8 copy of the
+ * weight (qp, scale: QuantizedWeight's) and an exact look at the few tokens that could win.
+ *
+ * Why: one row's LM head reads its whole weight for 2 x K flops a token: 12.6 MB of fp32 for the
+ * tiny model's 49,152 x 64, 0.29-0.40 ms on two cores here (6 rows cost 0.35-0.51), most of a
+ * batch-1 step. The int8 copy is a quarter of it.
+ *
+ * How it stays exact: err[t] (weights.py: ``PicksCheck``) bounds, per unit of max|x|, how far
+ * token t's logit from the int8 copy (sums in fp32 of x times the int8 values, times the scale,
+ * plus the bias) can be from the fp32 one (the same, of the fp32 weight): the L1 distance of the
+ * two rows plus both sums' rounding (Higham's gamma_{K+1} of the rows' L1 norms); a relative
+ * 2^-21 of the value covers the scale's product and the bias's sum. With a_t the int8 logit and
+ * e_t = max|x| err[t] + 2^-21 |a_t|, L = max over allowed t of a_t - e_t is at most the largest
+ * exact logit, and a token with a_t + e_t < L is below it. Each thread, as its tiles' int8 sums
+ * come out, keeps its running L and notes each vector of tokens with an allowed a_t + e_t at or
+ * above it; after, the vectors noted that reach the final L (a few, for weights and inputs of
+ * the usual sizes) are summed again in fp32 by the very tile the exact picks use (the same bits),
+ * and the first largest allowed token among them is the pick.
+ *
+ * Returns 0 with best and dead written, or 1 where the exact picks must run instead: more than
+ * CHECKED_ROWS rows, an input whose sums could overflow (reach: the weight rows' largest L1
+ * norm) or that is not finite, a row whose mask allows few tiles (the exact picks skip the rest:
+ * cheaper), an int8 logit that is not finite, a row whose mask allows nothing (dead rows are the
+ * exact picks'), more than CHECKED_NOTES vectors noted in a row by a thread, or no memory. */
+#define CHECKED_ROWS 8
+#define CHECKED_NOTES 256
+typedef struct {
+    int vector;  /* in VW tokens */
+    float top;   /* its largest allowed a_t + e_t */
+} checked_note;
+typedef struct {
+    const float* x;
+    const signed char* qp;
+    const float *scale, *err, *bias, *nx;
+    int M, N, K, W;
+    const int32_t *mask_of_row, *bitmask;
+    float* lower;          /* [thread][row]: the running L */
+    checked_note* notes;   /* [thread][row][CHECKED_NOTES] */
+    int* counts;           /* [thread][row] */
+    int* failed;           /* [thread]: a NaN, or too many notes */
+} checked_args;
+
+/* whether any lane of a is at or above b's */
+static inline int any_at_least(vf a, vf b) {
+#if VW == 16
+    return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_GE_OQ) != 0;
+#elif VW == 8 && defined(__AVX__)
+    return _mm256_movemask_ps(_mm256_cmp_ps((__m256)a, (__m256)b, _CMP_GE_OQ)) != 0;
+#else
+    int any = 0;
+    for (int l = 0; l < VW; l++) any |= a[l] >= b[l];
+    return any;
+#endif
+}
+static inline float lanes_max(vf a) {
+    float m = a[0];
+    for (int l = 1; l < VW; l++) m = a[l] > m ? a[l] : m;
+    return m;
+}
+/* the lanes of the VW tokens from n0 that exist and row `words` allows (all where words is NULL) */
+static inline vi allowed_lanes(vi lane, int n0, int N, const uint32_t* words) {
+    vi index = lane + n0, keep = index < N;
+    if (words) keep &= -((((vi){0} + (int)(words[n0 >> 5] >> (n0 & 31))) >> (index - n0)) & 1);
+    return keep;
+}
+
+static void checked_run(void* ctx, int begin, int end, int thread) {
+    const checked_args* a = ctx;
+    int M = a->M, N = a->N, K = a->K, W = a->W;
+    float out[6 * NV * VW] __attribute__((aligned(64)));
+    float* lower = a->lower + (size_t)thread * M;
+    int* counts = a->counts + (size_t)thread * M;
+    checked_note* notes = a->notes + (size_t)thread * M * CHECKED_NOTES;
+    const vf relative = (vf){0} + 0x1p-21f, minus_inf = (vf){0} - INFINITY;
+    vi lane, nan = (vi){0};
+    for (int l = 0; l < VW; l++) lane[l] = l;
+    for (int v = begin, width; v < end; v += width) {
+        int n0 = VW * v;
+        width = tile_width(end - v);
+        for (int m0 = 0; m0 < M; m0 += 6) {
+            int mc = M - m0 < 6 ? M - m0 : 6;
+            tileqos[width][mc](a->x + (size_t)m0 * K, K, a->qp, a->scale, a->bias, out, N, n0);
+            for (int c = 0; c < mc; c++) {
+                int r = m0 + c, mask = a->mask_of_row ? a->mask_of_row[r] : -1;
+                const uint32_t* words = mask >= 0 ? (const uint32_t*)(a->bitmask + (size_t)mask * W) : NULL;
+                vf scale_x = (vf){0} + a->nx[r];
+                for (int u = 0; u < width; u++) {
+                    int at = n0 + u * VW;
+                    vi keep = allowed_lanes(lane, at, N, words);
+                    vf av = ld(out + (c * NV + u) * VW);
+                    vf e = scale_x * ld(a->err + at) + relative * (vf)((vi)av & 0x7fffffff);
+                    vf low = (vf)(((vi)(av - e) & keep) | ((vi)minus_inf & ~keep));
+                    vf up = (vf)(((vi)(av + e) & keep) | ((vi)minus_inf & ~keep));
+                    nan |= keep & (av != av);
+                    if (any_at_least(low, (vf){0} + lower[r])) {  /* (rare once L has grown) */
+                        float m = lanes_max(low);
+                        lower[r] = m > lower[r] ? m : lower[r];
+                    }
+                    if (any_at_least(up, (vf){0} + lower[r])) {
+                        if (counts[r] == CHECKED_NOTES) {
+                            a->failed[thread] = 1;
+                            continue;
+                        }
+                        notes[(size_t)r * CHECKED_NOTES + counts[r]++] = (checked_note){at / VW, lanes_max(up)};
+                    }
+                }
+            }
+        }
+    }
+    for (int l = 0; l < VW; l++) a->failed[thread] |= nan[l];
+}
+
+int packed_linear_argmax_checked(const float* x, const float* wp, const signed char* qp, const float* scale,
+                                 const float* err, float reach, const float* bias, int M, int N, int K,
+                                 const int32_t* mask_of_row, const int32_t* bitmask, int W, int64_t* best,
+                                 uint8_t* dead, int threads) {
+    if (M < 1 || M > CHECKED_ROWS) return 1;
+    uint8_t* sparse = sparse_rows(mask_of_row, bitmask, W, M);
+    if (sparse) {
+        free(sparse);
+        return 1;
+    }
+    float nx[CHECKED_ROWS];
+    for (int r = 0; r < M; r++) {
+        float m = 0.f;
+        for (int k = 0; k < K; k++) {
+            float v = x[(size_t)r * K + k];
+            if (v != v) return 1;
+            m = fmaxf(m, fabsf(v));
+        }
+        if (!(m * reach <= 1e37f && m <= 1e30f)) return 1;  /* (no sum may overflow) */
+        nx[r] = m;
+    }
+    int team = threads > 0 ? threads : 1;
+    size_t states = (size_t)team * M;
+    float* lower = malloc(sizeof(float) * states);
+    int* counts = calloc(states, sizeof(int));
+    int* failed = calloc((size_t)team, sizeof(int));
+    checked_note* notes = malloc(sizeof(checked_note) * states * CHECKED_NOTES);
+    int settled = lower && counts && failed && notes;
+    if (settled) {
+        for (size_t i = 0; i < states; i++) lower[i] = -INFINITY;
+        int vectors = (N + 15) / 16 * 16 / VW;
+        checked_args a = {x, qp, scale, err, bias, nx, M, N, K, W, mask_of_row, bitmask, lower, notes, counts, failed};
+        pool_for(vectors, vector_chunk(vectors, team), team, (size_t)M * N * K >= PARALLEL_MIN_WORK, checked_run, &a);
+        for (int t = 0; t < team; t++) settled &= !failed[t];
+    }
+    float out[NV * VW] __attribute__((aligned(64)));
+    vi lane;
+    for (int l = 0; l < VW; l++) lane[l] = l;
+    for (int r = 0; settled && r < M; r++) {
+        float bound = -INFINITY, top = -INFINITY;
+        for (int t = 0; t < team; t++) bound = lower[(size_t)t * M + r] > bound ? lower[(size_t)t * M + r] : bound;
+        int mask = mask_of_row ? mask_of_row[r] : -1;
+        const uint32_t* words = mask >= 0 ? (const uint32_t*)(bitmask + (size_t)mask * W) : NULL;
+        int64_t pick = -1;
+        for (int t = 0; bound > -INFINITY && t < team; t++) {
+            const checked_note* noted = notes + ((size_t)t * M + r) * CHECKED_NOTES;
+            for (int i = 0; i < counts[(size_t)t * M + r]; i++) {
+                if (noted[i].top < bound) continue;
+                int n0 = noted[i].vector * VW;
+                vi keep = allowed_lanes(lane, n0, N, words);
+                tileos[1][1](x + (size_t)r * K, K, wp, (const float*)0, bias, out, N, n0);
+                for (int l = 0; l < VW; l++) {
+                    if (!keep[l]) continue;
+                    if (out[l] != out[l]) settled = 0;  /* (a NaN: the exact picks' rules) */
+                    if (out[l] > top || (out[l] == top && n0 + l < pick) || pick < 0) top = out[l], pick = n0 + l;
+                }
+            }
+        }
+        if (pick < 0) settled = 0;  /* nothing allowed */
+        best[r] = pick;
+        dead[r] = 0;
+    }
+    free(lower);
+    free(counts);
+    free(failed);
+    free(notes);
+    return settled ? 0 : 1;
+}
+
 /* Rows ids[0..n) of a packed fp32 weight wp[ceil(N/16)][K][16] (an embedding lookup): out[n][K].
  * Returns the index of the first id outside [0, N) (nothing of it written), or -1. torch's
  * indexing of the packed layout took three tensor ops, 11-16 µs a step. */

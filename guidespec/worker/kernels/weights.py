@@ -24,6 +24,8 @@ class PackedWeight:
         self.shape = torch.Size((n, k))
         self.dtype = torch.float32
         self.device = torch.device("cpu")
+        # an LM head's int8 copy for a few rows' picks (``add_picks_check``), or None
+        self.check: PicksCheck | None = None
 
     def unpack(self) -> torch.Tensor:
         return self.blocks.transpose(1, 2).reshape(-1, self.shape[1])[: self.shape[0]]
@@ -54,6 +56,38 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         n, k = self.shape
         return self.blocks.transpose(1, 2).reshape(-1, k)[:n].float() * self.scale[:n, None]
+
+
+class PicksCheck:
+    """What ``packed_linear_argmax_checked`` (``packed_linear.c``) reads beside a packed fp32 LM
+    head to pick a few rows' tokens exactly from a quarter of its bytes: the weight as int8
+    (``quantized``), and per token the bound ``err`` [ceil(N/16) * 16] on how far its logit from the
+    int8 copy can be from the fp32 one per unit of max|x| (the two rows' L1 distance, plus both
+    fp32 sums' rounding: gamma_{K+1} of their L1 norms; rounded up), ``reach`` the rows' largest
+    L1 norm (no sum of an input under 1e37 / reach overflows)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
+        self.quantized = QuantizedWeight(weight)
+        w = weight.double()
+        q = self.quantized.blocks.transpose(1, 2).reshape(-1, k)[:n].double()
+        distance = (w - q * self.quantized.scale[:n, None].double()).abs().sum(dim=1)
+        norm = w.abs().sum(dim=1)
+        u = 2.0**-24
+        gamma = (k + 1) * u / (1 - (k + 1) * u)
+        bound = (distance + gamma * (2 * norm + distance)) * (1 + 2.0**-10)
+        self.err = torch.zeros(self.quantized.scale.shape[0], dtype=torch.float32)
+        self.err[:n] = torch.nextafter(bound.float(), torch.tensor(float("inf")))
+        self.reach = float(norm.max()) * (1 + 2.0**-10)
+
+
+def add_picks_check(weight: Weight) -> None:
+    """Give a packed fp32 LM head the int8 copy its few-row picks read (:class:`PicksCheck`): a
+    quarter more memory. Not where a weight is not finite (the bound would not hold)."""
+    if isinstance(weight, PackedWeight) and weight.check is None:
+        dense = weight.unpack()
+        if bool(torch.isfinite(dense).all()):
+            weight.check = PicksCheck(dense)
 
 
 Weight = torch.Tensor | PackedWeight | QuantizedWeight | GGUFWeight
