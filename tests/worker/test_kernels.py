@@ -610,8 +610,8 @@ def _checked_case(seed: int, rows: int, vocab: int, k: int) -> tuple[torch.Tenso
 def test_picks_from_the_int8_copy_are_the_exact_picks(
     monkeypatch: pytest.MonkeyPatch, threads: int, vocab: int, k: int
 ) -> None:
-    """A packed LM head with its int8 copy (``add_picks_check``) picks 1-6 rows' tokens from the
-    copy and sums the candidates again in fp32: the same tokens as the exact picks, bit for bit,
+    """A packed LM head with its int8 copy (``add_picks_check``) picks 1-6 rows' tokens (64 with
+    VNNI) from the copy and sums the candidates again in fp32: the same tokens as the exact picks, bit for bit,
     unmasked and under dense masks, with equal logits far apart, logits one ulp apart, and a row
     of outliers; the copy's path is the one taken (the C call settles: 0), except where it must
     leave the row to the exact picks (a row allowing nothing, a NaN input)."""
@@ -620,8 +620,9 @@ def test_picks_from_the_int8_copy_are_the_exact_picks(
     monkeypatch.setattr(kernels.loader, "_threads", threads)
     lib = kernels.loader.library()
     assert lib is not None
+    vnni = bool(lib.packed_checked_vnni())  # (with AVX-512 VNNI every row count: a batch of 64 too)
     for seed in range(3):
-        for rows in (1, 2, 6):
+        for rows in (1, 2, 6, 64) if vnni else (1, 2, 6):
             w, x = _checked_case(seed, rows, vocab, k)
             exact, checked = kernels.pack(w), kernels.pack(w)
             kernels.add_picks_check(checked)
@@ -664,11 +665,10 @@ def _settles(lib: object, x: torch.Tensor, weight: kernels.PackedWeight, vocab: 
     masks = _masks_of_rows(x.shape[0], vocab, mask)  # type: ignore[arg-type]
     assert masks is not None
     best, dead = np.empty(x.shape[0], dtype=np.int64), np.empty(x.shape[0], dtype=np.bool_)
-    q = check.quantized
     return int(
         lib.packed_linear_argmax_checked(  # type: ignore[attr-defined]
-            *(x.contiguous().data_ptr(), weight.blocks.data_ptr(), q.blocks.data_ptr(), q.scale.data_ptr()),
-            check.err.data_ptr(),
+            *(x.contiguous().data_ptr(), weight.blocks.data_ptr(), check.blocks.data_ptr(), check.scale.data_ptr()),
+            *(check.sums.data_ptr(), check.err[0].data_ptr(), check.err[1].data_ptr()),
             check.reach,
             None,
             *(x.shape[0], vocab, x.shape[1], _pointer(masks[0]), _pointer(masks[1]), masks[2]),

@@ -69,7 +69,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.packed_linear_argmax_f32.restype = ctypes.c_int
     lib.packed_linear_argmax_i8.argtypes = [ctypes.c_void_p] + picks + [ctypes.c_int]
     lib.packed_linear_argmax_i8.restype = ctypes.c_int
-    checked: list[Any] = [ctypes.c_void_p] * 5 + [ctypes.c_float]  # x, wp, qp, scale, err, reach
+    checked: list[Any] = [ctypes.c_void_p] * 7 + [ctypes.c_float]  # x, wp, qp, scale, sums, err, err2, reach
+    lib.packed_checked_vnni.argtypes = []
+    lib.packed_checked_vnni.restype = ctypes.c_int
     lib.packed_linear_argmax_checked.argtypes = checked + picks[2:] + [ctypes.c_int]
     lib.packed_linear_argmax_checked.restype = ctypes.c_int
     lib.gguf_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4

@@ -14,7 +14,8 @@ from guidespec.worker.kernels.gguf_weights import GGUFWeight
 from guidespec.worker.kernels.weights import BLOCK, PackedWeight, QuantizedWeight, Weight, dense
 
 # rows whose picks :func:`linear_argmax` makes from a packed LM head's int8 copy where it has one
-# (``PicksCheck``), checked exactly: the head is read from memory for so few rows, a quarter of its bytes
+# (``PicksCheck``), checked exactly, without AVX-512 VNNI: the head is read from memory for so few
+# rows, a quarter of its bytes (with VNNI every row count: its int8 sums are 4x an fp32 FMA's)
 CHECKED_ROWS = 6
 
 
@@ -347,10 +348,10 @@ def linear_argmax(
     rest = (x.shape[0], vocab_size, x.shape[1], _pointer(mask_of_row), _pointer(bitmask), width)
     out = (best.ctypes.data, dead.ctypes.data, loader.threads())
     check = weight.check if isinstance(weight, PackedWeight) else None
-    if check is not None and x.shape[0] <= CHECKED_ROWS:  # a few rows: from the int8 copy, checked
-        q = check.quantized
-        pointers = (x.data_ptr(), weight.blocks.data_ptr(), q.blocks.data_ptr(), q.scale.data_ptr())
-        settled = lib.packed_linear_argmax_checked(*pointers, check.err.data_ptr(), check.reach, None, *rest, *out)
+    if check is not None and (check.vnni or x.shape[0] <= CHECKED_ROWS):  # from the int8 copy, checked
+        weights = (weight.blocks.data_ptr(), check.blocks.data_ptr(), check.scale.data_ptr(), check.sums.data_ptr())
+        bounds = (check.err[0].data_ptr(), check.err[1].data_ptr(), check.reach)
+        settled = lib.packed_linear_argmax_checked(x.data_ptr(), *weights, *bounds, None, *rest, *out)
         if settled == 0:
             return best, dead
     if isinstance(weight, QuantizedWeight):

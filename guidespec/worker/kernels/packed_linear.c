@@ -395,30 +395,29 @@ int packed_linear_argmax_i8(const float* x, const signed char* qp, const float* 
     RUN_PICKS(tileqs, qp, scale)
 }
 
-/* Greedy picks of a few rows, as packed_linear_argmax_f32 makes them, from the int8 copy of the
- * weight (qp, scale: QuantizedWeight's) and an exact look at the few tokens that could win.
+/* Greedy picks, as packed_linear_argmax_f32 makes them, from an int8 copy of the weight (qp, scale,
+ * sums: weights.py's ``PicksCheck``) and an exact look at the few tokens that could win.
  *
  * Why: one row's LM head reads its whole weight for 2 x K flops a token: 12.6 MB of fp32 for the
  * tiny model's 49,152 x 64, 0.29-0.40 ms on two cores here (6 rows cost 0.35-0.51), most of a
- * batch-1 step. The int8 copy is a quarter of it.
+ * batch-1 step; the int8 copy is a quarter of it. At 64 rows the head is compute bound, and AVX-512
+ * VNNI's int8 sums (below) are 4x an fp32 FMA's.
  *
- * How it stays exact: err[t] (weights.py: ``PicksCheck``) bounds, per unit of max|x|, how far
- * token t's logit from the int8 copy (sums in fp32 of x times the int8 values, times the scale,
- * plus the bias) can be from the fp32 one (the same, of the fp32 weight): the L1 distance of the
- * two rows plus both sums' rounding (Higham's gamma_{K+1} of the rows' L1 norms); a relative
- * 2^-21 of the value covers the scale's product and the bias's sum. With a_t the int8 logit and
- * e_t = max|x| err[t] + 2^-21 |a_t|, L = max over allowed t of a_t - e_t is at most the largest
- * exact logit, and a token with a_t + e_t < L is below it. Each thread, as its tiles' int8 sums
- * come out, keeps its running L and notes each vector of tokens with an allowed a_t + e_t at or
- * above it; after, the vectors noted that reach the final L (a few, for weights and inputs of
- * the usual sizes) are summed again in fp32 by the very tile the exact picks use (the same bits),
- * and the first largest allowed token among them is the pick.
+ * How it stays exact: for each token t, err[t] and err2[t] bound how far its logit from the copy
+ * (a_t) can be from the fp32 one, per unit of the row's ||x||_2 and of ||x - x's int8 rounding||_2
+ * (VNNI's; 0 otherwise): Cauchy-Schwarz over the rows' difference, both sums' rounding and the
+ * copy's own. With e_t the bound, L = max over allowed t of a_t - e_t is at most the largest exact
+ * logit, and a token with a_t + e_t < L is below it. Each thread, as its tiles' int8 sums come
+ * out, keeps its running L and notes each vector of tokens with an allowed a_t + e_t at or above
+ * it; after, the vectors noted that reach the final L (a few, for weights and inputs of the usual
+ * sizes) are summed again in fp32 by the very tile the exact picks use (the same bits), and the
+ * first largest allowed token among them is the pick.
  *
- * Returns 0 with best and dead written, or 1 where the exact picks must run instead: more than
- * CHECKED_ROWS rows, an input whose sums could overflow (reach: the weight rows' largest L1
- * norm) or that is not finite, a row whose mask allows few tiles (the exact picks skip the rest:
- * cheaper), an int8 logit that is not finite, a row whose mask allows nothing (dead rows are the
- * exact picks'), more than CHECKED_NOTES vectors noted in a row by a thread, or no memory. */
+ * Returns 0 with best and dead written, or 1 where the exact picks must run instead: without VNNI
+ * more than CHECKED_ROWS rows, a bias, an input that is not finite or whose sums could overflow
+ * (reach: the weight rows' largest L1 norm), a row whose mask allows few tiles (the exact picks
+ * skip the rest: cheaper), a row whose mask allows nothing (dead rows are the exact picks'), more
+ * than CHECKED_NOTES vectors noted in a row by a thread, or no memory. */
 #define CHECKED_ROWS 8
 #define CHECKED_NOTES 256
 typedef struct {
@@ -428,13 +427,18 @@ typedef struct {
 typedef struct {
     const float* x;
     const signed char* qp;
-    const float *scale, *err, *bias, *nx;
+    const float *scale, *err, *err2, *bias;
+    const float *x2, *r2;  /* [M]: each row's ||x||_2, and ||x - its int8 rounding||_2 (0 without VNNI) */
     int M, N, K, W;
     const int32_t *mask_of_row, *bitmask;
     float* lower;          /* [thread][row]: the running L */
     checked_note* notes;   /* [thread][row][CHECKED_NOTES] */
     int* counts;           /* [thread][row] */
     int* failed;           /* [thread]: a NaN, or too many notes */
+    const uint8_t* xq;     /* VNNI: the inputs as uint8 [M][K4] (128 + x / xscale) */
+    const float* xscale;   /* VNNI: [M] */
+    const int32_t* sums;   /* VNNI: each token's sum of its int8 weights */
+    int K4;                /* VNNI: K rounded up to 4 */
 } checked_args;
 
 /* whether any lane of a is at or above b's */
@@ -460,86 +464,198 @@ static inline vi allowed_lanes(vi lane, int n0, int N, const uint32_t* words) {
     if (words) keep &= -((((vi){0} + (int)(words[n0 >> 5] >> (n0 & 31))) >> (index - n0)) & 1);
     return keep;
 }
+static inline const uint32_t* row_words(const checked_args* a, int r) {
+    int mask = a->mask_of_row ? a->mask_of_row[r] : -1;
+    return mask >= 0 ? (const uint32_t*)(a->bitmask + (size_t)mask * a->W) : NULL;
+}
 
+/* A thread's look at row r's approximate logits av of the VW tokens from `at`: its running L
+ * (lower), and a note of the vector where an allowed token's upper bound reaches it. No value is
+ * NaN or infinite: the inputs are finite, the weights too (weights.py), no sum overflows. */
+static inline void checked_look(const checked_args* a, int thread, int r, int at, vf av, vi lane,
+                                const uint32_t* words) {
+    float* lower = a->lower + (size_t)thread * a->M + r;
+    vf e = ((vf){0} + a->x2[r]) * ld(a->err + at) + ((vf){0} + a->r2[r]) * ld(a->err2 + at);
+    vf low = av - e, up = av + e;
+#if VW == 16  /* (the mask word's 16 bits are the lanes' mask) */
+    __mmask16 keep = at + 16 <= a->N ? 0xffff : (__mmask16)((1u << (a->N - at)) - 1);
+    if (words) keep &= (__mmask16)(words[at >> 5] >> (at & 31));
+    __m512 floor = _mm512_set1_ps(*lower);
+    __mmask16 rising = _mm512_mask_cmp_ps_mask(keep, (__m512)low, floor, _CMP_GT_OQ);
+    if (rising) {  /* (rare once L has grown) */
+        float m = _mm512_mask_reduce_max_ps(rising, (__m512)low);
+        *lower = m > *lower ? m : *lower;
+        floor = _mm512_set1_ps(*lower);
+    }
+    __mmask16 reach = _mm512_mask_cmp_ps_mask(keep, (__m512)up, floor, _CMP_GE_OQ);
+    if (!reach) return;
+    float top = _mm512_mask_reduce_max_ps(reach, (__m512)up);
+    (void)lane;
+#else
+    const vf minus_inf = (vf){0} - INFINITY;
+    vi keep = allowed_lanes(lane, at, a->N, words);
+    low = (vf)(((vi)low & keep) | ((vi)minus_inf & ~keep));
+    up = (vf)(((vi)up & keep) | ((vi)minus_inf & ~keep));
+    if (any_at_least(low, (vf){0} + *lower)) {
+        float m = lanes_max(low);
+        *lower = m > *lower ? m : *lower;
+    }
+    if (!any_at_least(up, (vf){0} + *lower)) return;
+    float top = lanes_max(up);
+#endif
+    int* count = a->counts + (size_t)thread * a->M + r;
+    if (*count == CHECKED_NOTES) {
+        a->failed[thread] = 1;
+        return;
+    }
+    a->notes[((size_t)thread * a->M + r) * CHECKED_NOTES + (*count)++] = (checked_note){at / VW, top};
+}
+
+/* the int8 weight widened to fp32 in the tiles (tileqos) */
 static void checked_run(void* ctx, int begin, int end, int thread) {
     const checked_args* a = ctx;
-    int M = a->M, N = a->N, K = a->K, W = a->W;
+    int M = a->M, N = a->N, K = a->K;
     float out[6 * NV * VW] __attribute__((aligned(64)));
-    float* lower = a->lower + (size_t)thread * M;
-    int* counts = a->counts + (size_t)thread * M;
-    checked_note* notes = a->notes + (size_t)thread * M * CHECKED_NOTES;
-    const vf relative = (vf){0} + 0x1p-21f, minus_inf = (vf){0} - INFINITY;
-    vi lane, nan = (vi){0};
+    vi lane;
     for (int l = 0; l < VW; l++) lane[l] = l;
     for (int v = begin, width; v < end; v += width) {
         int n0 = VW * v;
         width = tile_width(end - v);
         for (int m0 = 0; m0 < M; m0 += 6) {
             int mc = M - m0 < 6 ? M - m0 : 6;
-            tileqos[width][mc](a->x + (size_t)m0 * K, K, a->qp, a->scale, a->bias, out, N, n0);
+            tileqos[width][mc](a->x + (size_t)m0 * K, K, a->qp, a->scale, (const float*)0, out, N, n0);
             for (int c = 0; c < mc; c++) {
-                int r = m0 + c, mask = a->mask_of_row ? a->mask_of_row[r] : -1;
-                const uint32_t* words = mask >= 0 ? (const uint32_t*)(a->bitmask + (size_t)mask * W) : NULL;
-                vf scale_x = (vf){0} + a->nx[r];
+                const uint32_t* words = row_words(a, m0 + c);
+                for (int u = 0; u < width; u++)
+                    checked_look(a, thread, m0 + c, n0 + u * VW, ld(out + (c * NV + u) * VW), lane, words);
+            }
+        }
+    }
+}
+
+/* With AVX-512 VNNI the inputs are rounded to int8 too (per row: xscale = max|x| / 127), and each
+ * 32-bit lane sums four uint8 x int8 products an instruction (vpdpbusd: 64 multiply-adds against
+ * an fp32 FMA's 16), exactly, in int32. The weight is packed for it as qp[N/16][K4/4][16][4]; the
+ * uint8 inputs are 128 + x / xscale, the 128 taken off with each token's weight sum. err then
+ * also bounds the inputs' rounding (weights.py: ``PicksCheck``). A batch-64 LM head's sums are
+ * compute bound: what this is for. */
+#if VW == 16 && defined(__AVX512VNNI__)
+#define CHECKED_VNNI 1
+#define VNNI_SUMS(WIDTH, MC)                                                                      \
+static void vnni_##WIDTH##_##MC(const uint8_t* xq, int K4, const signed char* qp, int n0, int32_t* out) { \
+    __m512i acc[WIDTH][MC];                                                                       \
+    const signed char* w[WIDTH];                                                                  \
+    UNROLL for (int v = 0; v < WIDTH; v++) {                                                      \
+        w[v] = qp + (size_t)(n0 / 16 + v) * K4 * 16;                                              \
+        UNROLL for (int c = 0; c < MC; c++) acc[v][c] = _mm512_setzero_si512();                   \
+    }                                                                                             \
+    for (int j = 0; j < K4; j += 4) {                                                             \
+        __m512i b[WIDTH];                                                                         \
+        UNROLL for (int v = 0; v < WIDTH; v++) b[v] = _mm512_loadu_si512(w[v] + (size_t)j * 16); \
+        UNROLL for (int c = 0; c < MC; c++) {                                                     \
+            int32_t four;                                                                         \
+            memcpy(&four, xq + (size_t)c * K4 + j, 4);                                            \
+            __m512i s = _mm512_set1_epi32(four);                                                  \
+            UNROLL for (int v = 0; v < WIDTH; v++) acc[v][c] = _mm512_dpbusd_epi32(acc[v][c], s, b[v]); \
+        }                                                                                         \
+    }                                                                                             \
+    UNROLL for (int c = 0; c < MC; c++)                                                           \
+        UNROLL for (int v = 0; v < WIDTH; v++) _mm512_storeu_si512(out + (c * NV + v) * 16, acc[v][c]); \
+}
+#define VNNI_WIDTH(WIDTH) VNNI_SUMS(WIDTH, 1) VNNI_SUMS(WIDTH, 2) VNNI_SUMS(WIDTH, 3) VNNI_SUMS(WIDTH, 4) \
+    VNNI_SUMS(WIDTH, 5) VNNI_SUMS(WIDTH, 6)
+#define VNNI_ROW(WIDTH) {0, vnni_##WIDTH##_1, vnni_##WIDTH##_2, vnni_##WIDTH##_3, vnni_##WIDTH##_4, \
+                         vnni_##WIDTH##_5, vnni_##WIDTH##_6}
+VNNI_WIDTH(1) VNNI_WIDTH(2) VNNI_WIDTH(4)
+static void (*const vnnis[NV + 1][7])(const uint8_t*, int, const signed char*, int, int32_t*) = {
+    [1] = VNNI_ROW(1), [2] = VNNI_ROW(2), [4] = VNNI_ROW(4)};
+
+static void vnni_run(void* ctx, int begin, int end, int thread) {
+    const checked_args* a = ctx;
+    int M = a->M;
+    int32_t out[6 * NV * VW] __attribute__((aligned(64)));
+    vi lane;
+    for (int l = 0; l < VW; l++) lane[l] = l;
+    for (int v = begin, width; v < end; v += width) {
+        int n0 = VW * v;
+        width = tile_width(end - v);
+        for (int m0 = 0; m0 < M; m0 += 6) {
+            int mc = M - m0 < 6 ? M - m0 : 6;
+            vnnis[width][mc](a->xq + (size_t)m0 * a->K4, a->K4, a->qp, n0, out);
+            for (int c = 0; c < mc; c++) {
+                const uint32_t* words = row_words(a, m0 + c);
                 for (int u = 0; u < width; u++) {
                     int at = n0 + u * VW;
-                    vi keep = allowed_lanes(lane, at, N, words);
-                    vf av = ld(out + (c * NV + u) * VW);
-                    vf e = scale_x * ld(a->err + at) + relative * (vf)((vi)av & 0x7fffffff);
-                    vf low = (vf)(((vi)(av - e) & keep) | ((vi)minus_inf & ~keep));
-                    vf up = (vf)(((vi)(av + e) & keep) | ((vi)minus_inf & ~keep));
-                    nan |= keep & (av != av);
-                    if (any_at_least(low, (vf){0} + lower[r])) {  /* (rare once L has grown) */
-                        float m = lanes_max(low);
-                        lower[r] = m > lower[r] ? m : lower[r];
-                    }
-                    if (any_at_least(up, (vf){0} + lower[r])) {
-                        if (counts[r] == CHECKED_NOTES) {
-                            a->failed[thread] = 1;
-                            continue;
-                        }
-                        notes[(size_t)r * CHECKED_NOTES + counts[r]++] = (checked_note){at / VW, lanes_max(up)};
-                    }
+                    __m512i i = _mm512_sub_epi32(_mm512_load_si512(out + (c * NV + u) * VW), _mm512_loadu_si512(a->sums + at));
+                    vf av = (vf)_mm512_cvtepi32_ps(i) * a->xscale[m0 + c] * ld(a->scale + at);
+                    checked_look(a, thread, m0 + c, at, av, lane, words);
                 }
             }
         }
     }
-    for (int l = 0; l < VW; l++) a->failed[thread] |= nan[l];
 }
+#else
+#define CHECKED_VNNI 0
+#endif
+
+/* Which int8 layout packed_linear_argmax_checked reads: 1, VNNI's (qp[N/16][K4/4][16][4], with
+ * sums); 0, the tiles' (qp[N/16][K][16]) */
+int packed_checked_vnni(void) { return CHECKED_VNNI; }
 
 int packed_linear_argmax_checked(const float* x, const float* wp, const signed char* qp, const float* scale,
-                                 const float* err, float reach, const float* bias, int M, int N, int K,
-                                 const int32_t* mask_of_row, const int32_t* bitmask, int W, int64_t* best,
-                                 uint8_t* dead, int threads) {
-    if (M < 1 || M > CHECKED_ROWS) return 1;
+                                 const int32_t* sums, const float* err, const float* err2, float reach,
+                                 const float* bias, int M,
+                                 int N, int K, const int32_t* mask_of_row, const int32_t* bitmask, int W,
+                                 int64_t* best, uint8_t* dead, int threads) {
+    if (M < 1 || (!CHECKED_VNNI && M > CHECKED_ROWS) || bias) return 1;
     uint8_t* sparse = sparse_rows(mask_of_row, bitmask, W, M);
     if (sparse) {
         free(sparse);
         return 1;
     }
-    float nx[CHECKED_ROWS];
-    for (int r = 0; r < M; r++) {
-        float m = 0.f;
-        for (int k = 0; k < K; k++) {
-            float v = x[(size_t)r * K + k];
-            if (v != v) return 1;
-            m = fmaxf(m, fabsf(v));
-        }
-        if (!(m * reach <= 1e37f && m <= 1e30f)) return 1;  /* (no sum may overflow) */
-        nx[r] = m;
-    }
-    int team = threads > 0 ? threads : 1;
+    int team = threads > 0 ? threads : 1, K4 = (K + 3) / 4 * 4;
     size_t states = (size_t)team * M;
+    float* nx = malloc(sizeof(float) * 4 * (size_t)M);
     float* lower = malloc(sizeof(float) * states);
     int* counts = calloc(states, sizeof(int));
     int* failed = calloc((size_t)team, sizeof(int));
     checked_note* notes = malloc(sizeof(checked_note) * states * CHECKED_NOTES);
-    int settled = lower && counts && failed && notes;
+    uint8_t* xq = CHECKED_VNNI ? malloc((size_t)M * K4) : NULL;
+    int settled = nx && lower && counts && failed && notes && (xq || !CHECKED_VNNI);
+    float *xscale = nx ? nx + M : NULL, *x2 = nx ? nx + 2 * M : NULL, *r2 = nx ? nx + 3 * M : NULL;
+    for (int r = 0; settled && r < M; r++) {
+        float m = 0.f;
+        for (int k = 0; k < K; k++) {
+            float v = x[(size_t)r * K + k];
+            settled &= v == v;
+            m = fmaxf(m, fabsf(v));
+        }
+        settled &= m * reach <= 1e37f && m <= 1e30f;  /* (finite, and no sum may overflow) */
+        nx[r] = m;
+        double squares = 0, residue = 0;  /* (in double: exact to far below the float rounding up) */
+        for (int k = 0; k < K; k++) squares += (double)x[(size_t)r * K + k] * x[(size_t)r * K + k];
+        if (xq) {  /* (|x / xscale| < 127: rounded, in [-127, 127]) */
+            xscale[r] = m > 0 ? m * (1.0f / 127) * (1 + 0x1p-20f) : 1.f;
+            for (int k = 0; k < K4; k++) {
+                int rounded = k < K ? (int)lrintf(x[(size_t)r * K + k] / xscale[r]) : 0;
+                xq[(size_t)r * K4 + k] = (uint8_t)(128 + rounded);
+                double off = k < K ? (double)x[(size_t)r * K + k] - (double)xscale[r] * rounded : 0.0;
+                residue += off * off;
+            }
+        }
+        x2[r] = nextafterf((float)(sqrt(squares) * (1 + 0x1p-40)), INFINITY);
+        r2[r] = residue > 0 ? nextafterf((float)(sqrt(residue) * (1 + 0x1p-40)), INFINITY) : 0.f;
+    }
     if (settled) {
         for (size_t i = 0; i < states; i++) lower[i] = -INFINITY;
         int vectors = (N + 15) / 16 * 16 / VW;
-        checked_args a = {x, qp, scale, err, bias, nx, M, N, K, W, mask_of_row, bitmask, lower, notes, counts, failed};
-        pool_for(vectors, vector_chunk(vectors, team), team, (size_t)M * N * K >= PARALLEL_MIN_WORK, checked_run, &a);
+        checked_args a = {x, qp, scale, err, err2, bias, x2, r2, M, N, K, W, mask_of_row, bitmask, lower, notes,
+                          counts, failed, xq, xscale, sums, K4};
+        pool_task run = checked_run;
+#if CHECKED_VNNI
+        run = vnni_run;
+#endif
+        pool_for(vectors, vector_chunk(vectors, team), team, (size_t)M * N * K >= PARALLEL_MIN_WORK, run, &a);
         for (int t = 0; t < team; t++) settled &= !failed[t];
     }
     float out[NV * VW] __attribute__((aligned(64)));
@@ -569,10 +685,12 @@ int packed_linear_argmax_checked(const float* x, const float* wp, const signed c
         best[r] = pick;
         dead[r] = 0;
     }
+    free(nx);
     free(lower);
     free(counts);
     free(failed);
     free(notes);
+    free(xq);
     return settled ? 0 : 1;
 }
 

@@ -60,34 +60,55 @@ class QuantizedWeight:
 
 class PicksCheck:
     """What ``packed_linear_argmax_checked`` (``packed_linear.c``) reads beside a packed fp32 LM
-    head to pick a few rows' tokens exactly from a quarter of its bytes: the weight as int8
-    (``quantized``), and per token the bound ``err`` [ceil(N/16) * 16] on how far its logit from the
-    int8 copy can be from the fp32 one per unit of max|x| (the two rows' L1 distance, plus both
-    fp32 sums' rounding: gamma_{K+1} of their L1 norms; rounded up), ``reach`` the rows' largest
-    L1 norm (no sum of an input under 1e37 / reach overflows)."""
+    head to pick rows' tokens exactly from an int8 copy: the weight rounded to int8 with a scale
+    per row (``scale``, as :class:`QuantizedWeight` rounds it) in ``blocks``, laid out for the
+    kernel's build (``vnni``: [ceil(N/16), K4/4, 16, 4] with each token's weight sum times 128,
+    ``sums``, K4 = K rounded up to 4; else [ceil(N/16), K, 16]); ``err`` [2, ceil(N/16) * 16], per
+    token what bounds how far its logit from the copy can be from the fp32 one, per unit of a
+    row's ||x||_2 (``err[0]``: the L2 distance of the two weight rows, both fp32 sums' rounding,
+    gamma_{K+1} of their L2 norms, and 2^-21 of the copy's for its logit's own roundings) and per
+    unit of ||x - x's int8 rounding||_2 (``err[1]``: the copy's L2 norm; VNNI rounds the inputs
+    too): Cauchy-Schwarz, rounded up; ``reach`` the rows' largest L1 norm (no sum of an input
+    under 1e37 / reach overflows)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, vnni: bool) -> None:
         n, k = weight.shape
-        self.quantized = QuantizedWeight(weight)
-        w = weight.double()
-        q = self.quantized.blocks.transpose(1, 2).reshape(-1, k)[:n].double()
-        distance = (w - q * self.quantized.scale[:n, None].double()).abs().sum(dim=1)
-        norm = w.abs().sum(dim=1)
+        self.vnni = vnni
+        padded = -(-n // BLOCK) * BLOCK
+        w = weight.float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+        q = torch.zeros(padded, k, dtype=torch.int8)
+        q[:n] = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.scale = torch.zeros(padded, dtype=torch.float32)
+        self.scale[:n] = scale
+        wd = weight.double()
+        copy = q[:n].double() * scale[:, None].double()
+        distance, norm, copy_norm = (wd - copy).norm(dim=1), wd.norm(dim=1), copy.norm(dim=1)
         u = 2.0**-24
         gamma = (k + 1) * u / (1 - (k + 1) * u)
-        bound = (distance + gamma * (2 * norm + distance)) * (1 + 2.0**-10)
-        self.err = torch.zeros(self.quantized.scale.shape[0], dtype=torch.float32)
-        self.err[:n] = torch.nextafter(bound.float(), torch.tensor(float("inf")))
-        self.reach = float(norm.max()) * (1 + 2.0**-10)
+        if vnni:
+            k4 = -(-k // 4) * 4
+            q4 = torch.zeros(padded, k4, dtype=torch.int8)
+            q4[:, :k] = q
+            self.blocks = q4.view(-1, BLOCK, k4 // 4, 4).transpose(1, 2).contiguous()
+            self.sums = q4.sum(dim=1, dtype=torch.int32) * 128  # (the uint8 inputs' offset, taken off)
+        else:
+            self.blocks = q.view(-1, BLOCK, k).transpose(1, 2).contiguous()
+            self.sums = torch.zeros(0, dtype=torch.int32)
+        bounds = torch.stack([distance + gamma * (norm + copy_norm) + 2.0**-21 * copy_norm, copy_norm * (1 + 2.0**-21)])
+        self.err = torch.zeros(2, padded, dtype=torch.float32)
+        self.err[:, :n] = torch.nextafter((bounds * (1 + 2.0**-10)).float(), torch.tensor(float("inf")))
+        self.reach = float(wd.abs().sum(dim=1).max()) * (1 + 2.0**-10)
 
 
 def add_picks_check(weight: Weight) -> None:
     """Give a packed fp32 LM head the int8 copy its few-row picks read (:class:`PicksCheck`): a
     quarter more memory. Not where a weight is not finite (the bound would not hold)."""
-    if isinstance(weight, PackedWeight) and weight.check is None:
+    lib = loader.library()
+    if isinstance(weight, PackedWeight) and weight.check is None and lib is not None:
         dense = weight.unpack()
         if bool(torch.isfinite(dense).all()):
-            weight.check = PicksCheck(dense)
+            weight.check = PicksCheck(dense, bool(lib.packed_checked_vnni()))
 
 
 Weight = torch.Tensor | PackedWeight | QuantizedWeight | GGUFWeight
