@@ -511,28 +511,6 @@ static inline void checked_look(const checked_args* a, int thread, int r, int at
     a->notes[((size_t)thread * a->M + r) * CHECKED_NOTES + (*count)++] = (checked_note){at / VW, top};
 }
 
-/* the int8 weight widened to fp32 in the tiles (tileqos) */
-static void checked_run(void* ctx, int begin, int end, int thread) {
-    const checked_args* a = ctx;
-    int M = a->M, N = a->N, K = a->K;
-    float out[6 * NV * VW] __attribute__((aligned(64)));
-    vi lane;
-    for (int l = 0; l < VW; l++) lane[l] = l;
-    for (int v = begin, width; v < end; v += width) {
-        int n0 = VW * v;
-        width = tile_width(end - v);
-        for (int m0 = 0; m0 < M; m0 += 6) {
-            int mc = M - m0 < 6 ? M - m0 : 6;
-            tileqos[width][mc](a->x + (size_t)m0 * K, K, a->qp, a->scale, (const float*)0, out, N, n0);
-            for (int c = 0; c < mc; c++) {
-                const uint32_t* words = row_words(a, m0 + c);
-                for (int u = 0; u < width; u++)
-                    checked_look(a, thread, m0 + c, n0 + u * VW, ld(out + (c * NV + u) * VW), lane, words);
-            }
-        }
-    }
-}
-
 /* With AVX-512 VNNI the inputs are rounded to int8 too (per row: xscale = max|x| / 127), and each
  * 32-bit lane sums four uint8 x int8 products an instruction (vpdpbusd: 64 multiply-adds against
  * an fp32 FMA's 16), exactly, in int32. The weight is packed for it as qp[N/16][K4/4][16][4]; the
@@ -570,10 +548,27 @@ VNNI_WIDTH(1) VNNI_WIDTH(2) VNNI_WIDTH(4)
 static void (*const vnnis[NV + 1][7])(const uint8_t*, int, const signed char*, int, int32_t*) = {
     [1] = VNNI_ROW(1), [2] = VNNI_ROW(2), [4] = VNNI_ROW(4)};
 
-static void vnni_run(void* ctx, int begin, int end, int thread) {
+/* row r's int8 logits of the tile's vector u from `at` (out: the tile's int32 sums) */
+static inline vf checked_values(const checked_args* a, const int32_t* out, int c, int u, int at, int r) {
+    __m512i i = _mm512_sub_epi32(_mm512_load_si512(out + (c * NV + u) * VW), _mm512_loadu_si512(a->sums + at));
+    return (vf)_mm512_cvtepi32_ps(i) * a->xscale[r] * ld(a->scale + at);
+}
+typedef int32_t checked_sum;
+#else
+#define CHECKED_VNNI 0
+/* without VNNI the int8 weight is widened to fp32 in the tiles (tileqos): out holds the logits */
+static inline vf checked_values(const checked_args* a, const float* out, int c, int u, int at, int r) {
+    (void)a, (void)at, (void)r;
+    return ld(out + (c * NV + u) * VW);
+}
+typedef float checked_sum;
+#endif
+
+/* a thread's tiles of the int8 copy, each vector of each row looked at as it comes out */
+static void checked_run(void* ctx, int begin, int end, int thread) {
     const checked_args* a = ctx;
     int M = a->M;
-    int32_t out[6 * NV * VW] __attribute__((aligned(64)));
+    checked_sum out[6 * NV * VW] __attribute__((aligned(64)));
     vi lane;
     for (int l = 0; l < VW; l++) lane[l] = l;
     for (int v = begin, width; v < end; v += width) {
@@ -581,22 +576,21 @@ static void vnni_run(void* ctx, int begin, int end, int thread) {
         width = tile_width(end - v);
         for (int m0 = 0; m0 < M; m0 += 6) {
             int mc = M - m0 < 6 ? M - m0 : 6;
+#if CHECKED_VNNI
             vnnis[width][mc](a->xq + (size_t)m0 * a->K4, a->K4, a->qp, n0, out);
+#else
+            tileqos[width][mc](a->x + (size_t)m0 * a->K, a->K, a->qp, a->scale, (const float*)0, out, a->N, n0);
+#endif
             for (int c = 0; c < mc; c++) {
                 const uint32_t* words = row_words(a, m0 + c);
                 for (int u = 0; u < width; u++) {
                     int at = n0 + u * VW;
-                    __m512i i = _mm512_sub_epi32(_mm512_load_si512(out + (c * NV + u) * VW), _mm512_loadu_si512(a->sums + at));
-                    vf av = (vf)_mm512_cvtepi32_ps(i) * a->xscale[m0 + c] * ld(a->scale + at);
-                    checked_look(a, thread, m0 + c, at, av, lane, words);
+                    checked_look(a, thread, m0 + c, at, checked_values(a, out, c, u, at, m0 + c), lane, words);
                 }
             }
         }
     }
 }
-#else
-#define CHECKED_VNNI 0
-#endif
 
 /* Which int8 layout packed_linear_argmax_checked reads: 1, VNNI's (qp[N/16][K4/4][16][4], with
  * sums); 0, the tiles' (qp[N/16][K][16]) */
@@ -651,11 +645,7 @@ int packed_linear_argmax_checked(const float* x, const float* wp, const signed c
         int vectors = (N + 15) / 16 * 16 / VW;
         checked_args a = {x, qp, scale, err, err2, bias, x2, r2, M, N, K, W, mask_of_row, bitmask, lower, notes,
                           counts, failed, xq, xscale, sums, K4};
-        pool_task run = checked_run;
-#if CHECKED_VNNI
-        run = vnni_run;
-#endif
-        pool_for(vectors, vector_chunk(vectors, team), team, (size_t)M * N * K >= PARALLEL_MIN_WORK, run, &a);
+        pool_for(vectors, vector_chunk(vectors, team), team, (size_t)M * N * K >= PARALLEL_MIN_WORK, checked_run, &a);
         for (int t = 0; t < team; t++) settled &= !failed[t];
     }
     float out[NV * VW] __attribute__((aligned(64)));
