@@ -77,6 +77,9 @@ class Emitter:
         sent before the rest of the emit (detokenizing, stop checks, deltas) runs."""
         token_ids: list[int] | None = None  # (as lists, once a step: a row's numpy slice and test cost ~5 µs)
         offsets: list[int] = []
+        guided: list[tuple[Request, int]] = []
+        asks: list[tuple[str, int, int, int]] = []
+        max_model_len = self.cfg.max_model_len
         for i, row in enumerate(rows):
             request = row.request
             if not request.guided or not self._appends_to(row, dropped):
@@ -87,16 +90,16 @@ class Emitter:
             tokens = token_ids[offsets[i] : offsets[i + 1]]
             if not tokens or NO_TOKEN in tokens:  # (none appended: the emit fails it)
                 continue
-            token = tokens[0]
-            try:
-                budget = output_budget(request, self.cfg.max_model_len)
-                accepted, done = self.grammar.advance(
-                    request.request_id, token, budget, len(request.output_token_ids) + 1
-                )
-            except Exception as e:
-                self.table.fail_internal(request, "emitting its tokens", e)
-                continue
-            request.advanced = (token, accepted, done)
+            guided.append((request, tokens[0]))
+            produced = len(request.output_token_ids) + 1
+            asks.append((request.request_id, tokens[0], output_budget(request, max_model_len), produced))
+        if not asks:
+            return
+        for (request, token), answer in zip(guided, self.grammar.advance_rows(asks)):
+            if isinstance(answer, Exception):
+                self.table.fail_internal(request, "emitting its tokens", answer)
+            else:
+                request.advanced = (token, *answer)
 
     def _appends_to(self, row: ScheduledRow, dropped: set[str]) -> bool:
         """Whether the emit appends the row's tokens to its request (``_emit_rows``, ``_emit_row``)."""

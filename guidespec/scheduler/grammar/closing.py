@@ -304,13 +304,13 @@ class NativeRepeatDetector:
         self._buffer = bytearray(lib.repeats_bytes())
         struct.pack_into("4i", self._buffer, 0, 0, 0, max_period, min_span)
         self._view = ctypes.c_char.from_buffer(self._buffer)  # (held: the buffer keeps its place)
-        self._address = ctypes.addressof(self._view)
+        self.address = ctypes.addressof(self._view)
         self._add = lib.repeats_add
         self.period = 0  # the shortest cycle's the sequence ends in (0: none)
 
     def add(self, token: int) -> bool:
         """Record a token; True if the sequence now ends in a cycle."""
-        self.period = self._add(self._address, token)
+        self.period = self._add(self.address, token)
         return self.period > 0
 
     def state(self) -> tuple[bytes, int]:
@@ -365,12 +365,17 @@ class EarlyCloser:
         self._escaped = False
 
     def add(self, token: int) -> None:
+        self.added(token, self.detector.add(token))
+
+    def added(self, token: int, repeats: bool) -> None:
+        """``add`` once the cycle detector has the token (``repeats``: its answer), as
+        ``ClosingStep.add_many`` gives it for a step's rows together."""
         self.tokens.append(token)
         if self.plan:
             self.plan = self.plan[1:] if self.plan[0] == token else []
         if self.script:
             self.script = self.script[1:] if self.script[0] == token else []
-        if self.detector.add(token):
+        if repeats:
             if not self.closing:
                 self.closing, self.reason = True, "repeat"
             cycle = self.tokens[-self.detector.period :]  # (the detector's cycle(): it saw these tokens)

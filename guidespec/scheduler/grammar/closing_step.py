@@ -11,6 +11,7 @@ accept is rolled back. It does not fill rows and does not own matchers (``manage
 
 from __future__ import annotations
 
+import ctypes
 import json
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
@@ -21,7 +22,7 @@ from guidespec.grammar_backends import GrammarBackend, GrammarMatcher
 from guidespec.bitmask import allowed_ids, bitmask_row
 from guidespec.protocol import GuidedDecoding
 from guidespec.model_files import text_encoder
-from guidespec.scheduler.grammar.closing import MAX_STEPS, ClosingTokens, EarlyCloser
+from guidespec.scheduler.grammar.closing import MAX_STEPS, ClosingTokens, EarlyCloser, NativeRepeatDetector
 from guidespec.scheduler.grammar.narrowing import ASK, forces_nothing, library, narrow_rows
 
 MAX_CLOSING_RUN = 2048  # the longest dry run of closing (``dry_run``)
@@ -60,6 +61,34 @@ class ClosingStep:
         closer = self.closers.get(request_id)
         if closer is not None:
             closer.add(token)
+
+    def add_many(self, request_ids: Sequence[str], tokens: Sequence[int]) -> dict[str, Exception]:
+        """``add`` for a step's rows (a token each), their native cycle detectors in one C call
+        (a call a row cost ~1 µs of ctypes each); returns the requests whose closer raised."""
+        closers = self.closers
+        pairs = [(r, closer, t) for r, t in zip(request_ids, tokens) if (closer := closers.get(r)) is not None]
+        failed: dict[str, Exception] = {}
+        lib = library()
+        detectors = [closer.detector for _, closer, _ in pairs]
+        natives = [d for d in detectors if isinstance(d, NativeRepeatDetector)]
+        if lib is not None and len(pairs) > 1 and len(natives) == len(pairs):
+            n = len(pairs)
+            addresses = (ctypes.c_void_p * n)(*(d.address for d in natives))
+            periods = (ctypes.c_int32 * n)()
+            lib.repeats_add_many(addresses, (ctypes.c_int32 * n)(*(t for _, _, t in pairs)), n, periods)
+            for (request_id, closer, token), period in zip(pairs, periods):
+                closer.detector.period = period
+                try:
+                    closer.added(token, period > 0)
+                except Exception as e:
+                    failed[request_id] = e
+            return failed
+        for request_id, closer, token in pairs:
+            try:
+                closer.add(token)
+            except Exception as e:
+                failed[request_id] = e
+        return failed
 
     def snapshot(self, request_ids: Sequence[str]) -> dict[str, tuple[Any, ...]]:
         return {r: closer.snapshot() for r in request_ids if (closer := self.closers.get(r))}

@@ -20,7 +20,7 @@ import functools
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, TypeVar
+from typing import Any, Callable, Hashable, Sequence, TypeVar
 
 import numpy as np
 
@@ -342,16 +342,39 @@ class GrammarManager:
         return self._accept(request_id, token) is not None
 
     def advance(self, request_id: str, token: int, budget: int, produced: int) -> tuple[bool, bool]:
-        """A sampled output token, in one call (the emit's, once a token a row): ``accept`` it,
-        then tell early closing ``produced`` output tokens of ``budget`` are written (this one
-        counted). Returns (accepted, the grammar has terminated)."""
-        if self._walks:  # (``_settled``, inline: this runs once a token a row)
+        """A sampled output token, in one call: ``accept`` it, then tell early closing
+        ``produced`` output tokens of ``budget`` are written (this one counted). Returns
+        (accepted, the grammar has terminated)."""
+        (answer,) = self.advance_rows([(request_id, token, budget, produced)])
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def advance_rows(self, rows: Sequence[tuple[str, int, int, int]]) -> list[tuple[bool, bool] | Exception]:
+        """``advance`` for a step's rows (request, token, budget, produced), the emit's: early
+        closing hears every token first, its cycle detectors in one C call
+        (``ClosingStep.add_many``), then each grammar accepts its own. A row whose grammar (or
+        closer) raised gets the exception instead of its answer: the caller fails that request."""
+        if self._walks:  # (``_settled``, inline)
             self.end_draft_walk()
-        matcher = self._accept(request_id, token)
-        if matcher is None:
-            return False, False
-        self.closing.near_budget(request_id, budget, produced)
-        return True, matcher.is_terminated()
+        failed = self.closing.add_many([r[0] for r in rows], [r[1] for r in rows])
+        filled, matchers, closing = self._filled, self.matchers, self.closing
+        answers: list[tuple[bool, bool] | Exception] = []
+        for request_id, token, budget, produced in rows:
+            if request_id in failed:
+                answers.append(failed[request_id])
+                continue
+            try:
+                filled.pop(request_id, None)
+                matcher = matchers[request_id][1]
+                if not matcher.accept_token(token):
+                    answers.append((False, False))
+                    continue
+                closing.near_budget(request_id, budget, produced)
+                answers.append((True, matcher.is_terminated()))
+            except Exception as e:
+                answers.append(e)
+        return answers
 
     def _accept(self, request_id: str, token: int) -> GrammarMatcher | None:
         """Advance the request's grammar by ``token`` (its matcher), or None where it refuses it."""

@@ -190,4 +190,6 @@ def library() -> ctypes.CDLL | None:
     lib.repeats_bytes.restype = i64
     lib.repeats_add.argtypes = [p, i32]
     lib.repeats_add.restype = i32
+    lib.repeats_add_many.argtypes = [p, p, i32, p]
+    lib.repeats_add_many.restype = None
     return lib

@@ -39,3 +39,9 @@ int32_t repeats_add(repeats_t *d, int32_t token) {
         d->count++;
     return shortest;
 }
+
+/* repeats_add for n requests' detectors at once (a step's guided rows: one call, not n) */
+void repeats_add_many(repeats_t *const *states, const int32_t *tokens, int32_t n, int32_t *periods) {
+    for (int32_t i = 0; i < n; i++)
+        periods[i] = repeats_add(states[i], tokens[i]);
+}

@@ -497,3 +497,46 @@ def test_a_row_allowing_two_one_character_tokens_forces_nothing(tokenizer, backe
             if not matcher.accept_token(token):
                 break  # (an instance the grammar writes otherwise: what was walked counts)
     assert counts["forced"] > 0 and counts["cleared"] > counts["rows"] // 4, counts
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    streams=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=90), min_size=2, max_size=6),
+    broken=st.integers(0, 5),
+)
+def test_a_steps_tokens_given_together_leave_each_closer_as_one_by_one(
+    tokenizer, streams: list[list[int]], broken: int
+) -> None:  # type: ignore[no-untyped-def]
+    """``ClosingStep.add_many`` (a step's rows: the native cycle detectors in one C call) leaves
+    every closer where ``add``, a token at a time, leaves its twin: the detector's period, the
+    closing, its reason and banned tokens; a closer that raises fails its request alone."""
+    from guidespec.scheduler.grammar.closing import EarlyCloser
+    from guidespec.scheduler.grammar.closing_step import ClosingStep
+
+    together, alone = ClosingStep(tokenizer, 100, (0,)), ClosingStep(tokenizer, 100, (0,))
+    names = [f"r{i}" for i in range(len(streams))]
+    for step in (together, alone):
+        step.closers = {name: EarlyCloser() for name in names}
+    broken_name = names[broken % len(names)]
+
+    def fail(token: int, repeats: bool) -> None:
+        raise RuntimeError("a closer's fault")
+
+    together.closers[broken_name].added = fail  # type: ignore[method-assign]
+    for depth in range(max(len(s) for s in streams)):
+        live = [(name, s[depth]) for name, s in zip(names, streams) if depth < len(s)]
+        failed = together.add_many([name for name, _ in live] + ["not tracked"], [t for _, t in live] + [7])
+        assert set(failed) == ({broken_name} & {name for name, _ in live})
+        for name, token in live:
+            alone.add(name, token)
+    for name in names:
+        if name == broken_name:
+            continue
+        a, b = together.closers[name], alone.closers[name]
+        assert (a.detector.period, a.closing, a.reason, a.banned, a.tokens) == (
+            b.detector.period,
+            b.closing,
+            b.reason,
+            b.banned,
+            b.tokens,
+        )
