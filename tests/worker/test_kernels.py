@@ -611,10 +611,11 @@ def test_picks_from_the_int8_copy_are_the_exact_picks(
     monkeypatch: pytest.MonkeyPatch, threads: int, vocab: int, k: int
 ) -> None:
     """A packed LM head with its int8 copy (``add_picks_check``) picks 1-6 rows' tokens (64 with
-    VNNI) from the copy and sums the candidates again in fp32: the same tokens as the exact picks, bit for bit,
-    unmasked and under dense masks, with equal logits far apart, logits one ulp apart, and a row
-    of outliers; the copy's path is the one taken (the C call settles: 0), except where it must
-    leave the row to the exact picks (a row allowing nothing, a NaN input)."""
+    VNNI) from the copy and sums the candidates again in fp32: the same tokens as the exact
+    picks, bit for bit, unmasked, under dense masks and beside rows of sparse masks (those picked
+    exactly), with equal logits far apart, logits one ulp apart, and a row of outliers; the
+    copy's path is the one taken (the C call settles: 0), except where it must
+    leave the rows to the exact picks (every row allowing nothing, a NaN input)."""
     import numpy as np
 
     monkeypatch.setattr(kernels.loader, "_threads", threads)
@@ -629,8 +630,13 @@ def test_picks_from_the_int8_copy_are_the_exact_picks(
             assert isinstance(checked, kernels.PackedWeight) and checked.check is not None
             rng = np.random.default_rng(seed)
             width = (vocab + 31) // 32
-            dense = np.packbits(rng.random((rows, width * 32)) < 0.6, axis=1, bitorder="little").view(np.int32)
-            for mask in (None, (np.arange(rows), dense)):
+            bits = rng.random((rows, width * 32)) < 0.6
+            dense = np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+            bits[: rows // 2] = False  # the first half sparse (the exact picks' rows), the rest dense
+            for i in range(rows // 2):
+                bits[i, rng.choice(vocab, 5, replace=False)] = True
+            mixed = np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+            for mask in (None, (np.arange(rows), dense), (np.arange(rows), mixed)):
                 got = kernels.linear_argmax(x, checked, vocab, mask)  # type: ignore[arg-type]
                 want = kernels.linear_argmax(x, exact, vocab, mask)  # type: ignore[arg-type]
                 assert got is not None and want is not None
@@ -642,11 +648,12 @@ def test_picks_from_the_int8_copy_are_the_exact_picks(
     w, x = _checked_case(0, 2, 300, 4)
     checked = kernels.pack(w)
     kernels.add_picks_check(checked)
-    nothing = (np.array([1]), np.zeros((1, 10), dtype=np.int32))
+    nothing = (np.array([0, 1]), np.zeros((2, 10), dtype=np.int32))
+    beside = (np.array([1]), np.zeros((1, 10), dtype=np.int32))  # (a dead row beside an unmasked one)
     x_nan = x.clone()
     x_nan[0, 1] = float("nan")
-    for case_x, mask in ((x, nothing), (x_nan, None)):
-        assert _settles(lib, case_x, checked, 300, mask) == 1
+    for case_x, mask, settles in ((x, nothing, 1), (x_nan, None, 1), (x, beside, 0)):
+        assert _settles(lib, case_x, checked, 300, mask) == settles
         got = kernels.linear_argmax(case_x, checked, 300, mask)  # type: ignore[arg-type]
         want = kernels.linear_argmax(case_x, kernels.pack(w), 300, mask)  # type: ignore[arg-type]
         assert got is not None and want is not None

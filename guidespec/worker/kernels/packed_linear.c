@@ -413,11 +413,12 @@ int packed_linear_argmax_i8(const float* x, const signed char* qp, const float* 
  * sizes) are summed again in fp32 by the very tile the exact picks use (the same bits), and the
  * first largest allowed token among them is the pick.
  *
- * Returns 0 with best and dead written, or 1 where the exact picks must run instead: without VNNI
- * more than CHECKED_ROWS rows, a bias, an input that is not finite or whose sums could overflow
- * (reach: the weight rows' largest L1 norm), a row whose mask allows few tiles (the exact picks
- * skip the rest: cheaper), a row whose mask allows nothing (dead rows are the exact picks'), more
- * than CHECKED_NOTES vectors noted in a row by a thread, or no memory. */
+ * Rows whose mask allows few tiles (sparse_rows) are picked by the exact picks, which skip the
+ * rest: cheaper. Returns 0 with best and dead written, or 1 where the exact picks must run
+ * instead: without VNNI more than CHECKED_ROWS rows, a bias, every row sparse, an input that is
+ * not finite or whose sums could overflow (reach: the weight rows' largest L1 norm), a row whose
+ * mask allows nothing (dead rows are the exact picks'), more than CHECKED_NOTES vectors noted in
+ * a row by a thread, or no memory. */
 #define CHECKED_ROWS 8
 #define CHECKED_NOTES 256
 typedef struct {
@@ -596,17 +597,11 @@ static void checked_run(void* ctx, int begin, int end, int thread) {
  * sums); 0, the tiles' (qp[N/16][K][16]) */
 int packed_checked_vnni(void) { return CHECKED_VNNI; }
 
-int packed_linear_argmax_checked(const float* x, const float* wp, const signed char* qp, const float* scale,
-                                 const int32_t* sums, const float* err, const float* err2, float reach,
-                                 const float* bias, int M,
-                                 int N, int K, const int32_t* mask_of_row, const int32_t* bitmask, int W,
-                                 int64_t* best, uint8_t* dead, int threads) {
-    if (M < 1 || (!CHECKED_VNNI && M > CHECKED_ROWS) || bias) return 1;
-    uint8_t* sparse = sparse_rows(mask_of_row, bitmask, W, M);
-    if (sparse) {
-        free(sparse);
-        return 1;
-    }
+/* the checked picks of rows none of which is sparse (packed_linear_argmax_checked's) */
+static int checked_rows(const float* x, const float* wp, const signed char* qp, const float* scale,
+                        const int32_t* sums, const float* err, const float* err2, float reach, const float* bias,
+                        int M, int N, int K, const int32_t* mask_of_row, const int32_t* bitmask, int W,
+                        int64_t* best, uint8_t* dead, int threads) {
     int team = threads > 0 ? threads : 1, K4 = (K + 3) / 4 * 4;
     size_t states = (size_t)team * M;
     float* nx = malloc(sizeof(float) * 4 * (size_t)M);
@@ -681,6 +676,48 @@ int packed_linear_argmax_checked(const float* x, const float* wp, const signed c
     free(failed);
     free(notes);
     free(xq);
+    return settled ? 0 : 1;
+}
+
+int packed_linear_argmax_checked(const float* x, const float* wp, const signed char* qp, const float* scale,
+                                 const int32_t* sums, const float* err, const float* err2, float reach,
+                                 const float* bias, int M, int N, int K, const int32_t* mask_of_row,
+                                 const int32_t* bitmask, int W, int64_t* best, uint8_t* dead, int threads) {
+    if (M < 1 || (!CHECKED_VNNI && M > CHECKED_ROWS) || bias) return 1;
+    uint8_t* sparse = sparse_rows(mask_of_row, bitmask, W, M);
+    if (!sparse)
+        return checked_rows(x, wp, qp, scale, sums, err, err2, reach, bias, M, N, K, mask_of_row, bitmask, W, best,
+                            dead, threads);
+    /* a batch of both (a JSON row between values beside unguided ones): the dense rows checked,
+       the sparse ones by the exact picks, which skip the tiles their masks forbid */
+    int dense = 0;
+    for (int r = 0; r < M; r++) dense += !sparse[r];
+    float* xs = dense ? malloc(sizeof(float) * (size_t)M * K) : NULL;
+    int32_t* masks = xs ? malloc(sizeof(int32_t) * (size_t)M) : NULL;
+    int* order = masks ? malloc(sizeof(int) * (size_t)M) : NULL;
+    int64_t* picks = order ? malloc(sizeof(int64_t) * (size_t)M) : NULL;
+    uint8_t* deads = picks ? malloc((size_t)M) : NULL;
+    int settled = deads != NULL;
+    for (int r = 0, d = 0, f = dense; settled && r < M; r++) {  /* the dense rows first, in order */
+        int at = sparse[r] ? f++ : d++;
+        order[at] = r;
+        masks[at] = mask_of_row[r];
+        memcpy(xs + (size_t)at * K, x + (size_t)r * K, sizeof(float) * K);
+    }
+    settled = settled && checked_rows(xs, wp, qp, scale, sums, err, err2, reach, bias, dense, N, K, masks, bitmask, W,
+                                      picks, deads, threads) == 0;
+    settled = settled && packed_linear_argmax_f32(xs + (size_t)dense * K, wp, bias, M - dense, N, K, masks + dense,
+                                                  bitmask, W, picks + dense, deads + dense, threads) == 0;
+    for (int i = 0; settled && i < M; i++) {
+        best[order[i]] = picks[i];
+        dead[order[i]] = deads[i];
+    }
+    free(sparse);
+    free(xs);
+    free(masks);
+    free(order);
+    free(picks);
+    free(deads);
     return settled ? 0 : 1;
 }
 
