@@ -119,7 +119,7 @@ class LlamaModel:
             self.lm_head = self.embed
         else:
             self.lm_head = self._load_vocab_rows(reader, blocks, "lm_head.weight")
-        if self.tp.size == 1:  # (a few rows' picks read its int8 copy: ``compute_picks``)
+        if self.tp.size == 1:  # (its greedy picks read an int8 copy: ``compute_picks``)
             add_picks_check(self.lm_head)
         self.final_norm = self._norm_weight(reader.get("model.norm.weight"))
         layer_ids = range(cfg.num_layers)

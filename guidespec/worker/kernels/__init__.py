@@ -9,8 +9,9 @@ The kernels, fp32 activations:
   tiles read int8 weights with a scale per output row (:class:`QuantizedWeight`, made by
   :func:`quantize`): a quarter of the bytes, for the target's int8 copy as a draft model. A
   greedy step's LM head picks each row's token as its tiles are summed (:func:`linear_argmax`),
-  without writing the logits; a few rows' picks, from the head's int8 copy where it has one
-  (:func:`add_picks_check`), the tokens that could win summed again exactly.
+  without writing the logits; or from the head's int8 copy where it has one
+  (:func:`add_picks_check`: every row count with AVX-512 VNNI, up to 6 rows without), the tokens
+  that could win summed again exactly.
 - ``gguf_linear.c``: linear layers over a GGUF file's own quantized blocks
   (:class:`~guidespec.worker.kernels.gguf_weights.GGUFWeight`, that module says which formats),
   activations rounded to int8 per block of 32 as llama.cpp does: :func:`linear` takes them too.

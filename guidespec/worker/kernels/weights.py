@@ -24,7 +24,7 @@ class PackedWeight:
         self.shape = torch.Size((n, k))
         self.dtype = torch.float32
         self.device = torch.device("cpu")
-        # an LM head's int8 copy for a few rows' picks (``add_picks_check``), or None
+        # an LM head's int8 copy its greedy picks read (``add_picks_check``), or None
         self.check: PicksCheck | None = None
 
     def unpack(self) -> torch.Tensor:
@@ -102,8 +102,8 @@ class PicksCheck:
 
 
 def add_picks_check(weight: Weight) -> None:
-    """Give a packed fp32 LM head the int8 copy its few-row picks read (:class:`PicksCheck`): a
-    quarter more memory. Not where a weight is not finite (the bound would not hold)."""
+    """Give a packed fp32 LM head the int8 copy its greedy picks read (:class:`PicksCheck`): a
+    quarter more memory. Not where a weight is not finite (the bounds would not hold)."""
     lib = loader.library()
     if isinstance(weight, PackedWeight) and weight.check is None and lib is not None:
         dense = weight.unpack()
