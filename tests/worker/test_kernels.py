@@ -615,7 +615,8 @@ def test_picks_from_the_int8_copy_are_the_exact_picks(
     picks, bit for bit, unmasked, under dense masks and beside rows of sparse masks (those picked
     exactly), with equal logits far apart, logits one ulp apart, and a row of outliers; the
     copy's path is the one taken (the C call settles: 0), except where it must
-    leave the rows to the exact picks (every row allowing nothing, a NaN input)."""
+    leave the rows to the exact picks (every row allowing nothing, a NaN input, inputs so small
+    that a scale could underflow)."""
     import numpy as np
 
     monkeypatch.setattr(kernels.loader, "_threads", threads)
@@ -650,9 +651,9 @@ def test_picks_from_the_int8_copy_are_the_exact_picks(
     kernels.add_picks_check(checked)
     nothing = (np.array([0, 1]), np.zeros((2, 10), dtype=np.int32))
     beside = (np.array([1]), np.zeros((1, 10), dtype=np.int32))  # (a dead row beside an unmasked one)
-    x_nan = x.clone()
+    x_nan, x_tiny = x.clone(), x * 1e-35  # (a scale for int8 inputs that tiny could underflow)
     x_nan[0, 1] = float("nan")
-    for case_x, mask, settles in ((x, nothing, 1), (x_nan, None, 1), (x, beside, 0)):
+    for case_x, mask, settles in ((x, nothing, 1), (x_nan, None, 1), (x_tiny, None, 1), (x, beside, 0)):
         assert _settles(lib, case_x, checked, 300, mask) == settles
         got = kernels.linear_argmax(case_x, checked, 300, mask)  # type: ignore[arg-type]
         want = kernels.linear_argmax(case_x, kernels.pack(w), 300, mask)  # type: ignore[arg-type]

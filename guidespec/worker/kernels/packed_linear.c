@@ -619,7 +619,8 @@ static int checked_rows(const float* x, const float* wp, const signed char* qp, 
             settled &= v == v;
             m = fmaxf(m, fabsf(v));
         }
-        settled &= m * reach <= 1e37f && m <= 1e30f;  /* (finite, and no sum may overflow) */
+        /* (finite, no sum may overflow, and no int8 scale of VNNI's underflows) */
+        settled &= m * reach <= 1e37f && m <= 1e30f && (m == 0 || m >= 1e-30f);
         nx[r] = m;
         double squares = 0, residue = 0;  /* (in double: exact to far below the float rounding up) */
         for (int k = 0; k < K; k++) squares += (double)x[(size_t)r * K + k] * x[(size_t)r * K + k];
