@@ -643,7 +643,7 @@ def test_picks_from_the_int8_copy_are_the_exact_picks(
                 assert got is not None and want is not None
                 np.testing.assert_array_equal(got[0], want[0])
                 np.testing.assert_array_equal(got[1], want[1])
-                assert _settles(lib, x, checked, vocab, mask) == 0
+                assert _settles(x, checked, vocab, mask) == 0
                 if mask is None:
                     assert got[0][0] == 3 and (rows == 1 or got[0][1] == vocab - 2)
     w, x = _checked_case(0, 2, 300, 4)
@@ -654,7 +654,7 @@ def test_picks_from_the_int8_copy_are_the_exact_picks(
     x_nan, x_tiny = x.clone(), x * 1e-35  # (a scale for int8 inputs that tiny could underflow)
     x_nan[0, 1] = float("nan")
     for case_x, mask, settles in ((x, nothing, 1), (x_nan, None, 1), (x_tiny, None, 1), (x, beside, 0)):
-        assert _settles(lib, case_x, checked, 300, mask) == settles
+        assert _settles(case_x, checked, 300, mask) == settles
         got = kernels.linear_argmax(case_x, checked, 300, mask)  # type: ignore[arg-type]
         want = kernels.linear_argmax(case_x, kernels.pack(w), 300, mask)  # type: ignore[arg-type]
         assert got is not None and want is not None
@@ -662,24 +662,15 @@ def test_picks_from_the_int8_copy_are_the_exact_picks(
         np.testing.assert_array_equal(got[1], want[1])
 
 
-def _settles(lib: object, x: torch.Tensor, weight: kernels.PackedWeight, vocab: int, mask: object) -> int:
+def _settles(x: torch.Tensor, weight: kernels.PackedWeight, vocab: int, mask: object) -> int:
     """The checked C call's own answer: 0 where it made the picks, 1 where it left them to the exact picks."""
     import numpy as np
 
-    from guidespec.worker.kernels.ops import _masks_of_rows, _pointer
+    from guidespec.worker.kernels.ops import _masks_of_rows, _pointer, checked_picks
 
-    check = weight.check
-    assert check is not None
     masks = _masks_of_rows(x.shape[0], vocab, mask)  # type: ignore[arg-type]
     assert masks is not None
     best, dead = np.empty(x.shape[0], dtype=np.int64), np.empty(x.shape[0], dtype=np.bool_)
-    return int(
-        lib.packed_linear_argmax_checked(  # type: ignore[attr-defined]
-            *(x.contiguous().data_ptr(), weight.blocks.data_ptr(), check.blocks.data_ptr(), check.scale.data_ptr()),
-            *(check.sums.data_ptr(), check.err[0].data_ptr(), check.err[1].data_ptr()),
-            check.reach,
-            None,
-            *(x.shape[0], vocab, x.shape[1], _pointer(masks[0]), _pointer(masks[1]), masks[2]),
-            *(best.ctypes.data, dead.ctypes.data, kernels.loader.threads()),
-        )
-    )
+    rest = (x.shape[0], vocab, x.shape[1], _pointer(masks[0]), _pointer(masks[1]), masks[2])
+    out = (best.ctypes.data, dead.ctypes.data, kernels.loader.threads())
+    return 0 if checked_picks(x.contiguous(), weight, rest, out) else 1

@@ -348,11 +348,9 @@ def linear_argmax(
     rest = (x.shape[0], vocab_size, x.shape[1], _pointer(mask_of_row), _pointer(bitmask), width)
     out = (best.ctypes.data, dead.ctypes.data, loader.threads())
     check = weight.check if isinstance(weight, PackedWeight) else None
-    if check is not None and (check.vnni or x.shape[0] <= CHECKED_ROWS):  # from the int8 copy, checked
-        weights = (weight.blocks.data_ptr(), check.blocks.data_ptr(), check.scale.data_ptr(), check.sums.data_ptr())
-        bounds = (check.err[0].data_ptr(), check.err[1].data_ptr(), check.reach)
-        settled = lib.packed_linear_argmax_checked(x.data_ptr(), *weights, *bounds, None, *rest, *out)
-        if settled == 0:
+    if check is not None and (check.vnni or x.shape[0] <= CHECKED_ROWS):
+        assert isinstance(weight, PackedWeight)
+        if checked_picks(x, weight, rest, out):
             return best, dead
     if isinstance(weight, QuantizedWeight):
         failed = lib.packed_linear_argmax_i8(
@@ -361,6 +359,21 @@ def linear_argmax(
     else:
         failed = lib.packed_linear_argmax_f32(x.data_ptr(), weight.blocks.data_ptr(), None, *rest, *out)
     return None if failed else (best, dead)
+
+
+def checked_picks(
+    x: torch.Tensor, weight: PackedWeight, rest: tuple[int | None, ...], out: tuple[int | None, ...]
+) -> bool:
+    """``packed_linear_argmax_checked`` (picks from ``weight.check``'s int8 copy, exactly) for
+    contiguous ``x``; ``rest`` and ``out``: :func:`linear_argmax`'s rows, sizes and mask arguments
+    and its outputs' addresses and threads. Whether it made the picks (else the exact picks must)."""
+    check = weight.check
+    assert check is not None
+    lib = loader.library()
+    assert lib is not None
+    weights = (weight.blocks.data_ptr(), check.blocks.data_ptr(), check.scale.data_ptr(), check.sums.data_ptr())
+    bounds = (check.err[0].data_ptr(), check.err[1].data_ptr(), check.reach)
+    return bool(lib.packed_linear_argmax_checked(x.data_ptr(), *weights, *bounds, *rest, *out) == 0)
 
 
 def _masks_of_rows(

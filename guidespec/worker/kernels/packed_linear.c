@@ -214,10 +214,16 @@ void packed_linear_i8(const float* x, const signed char* qp, const float* scale,
  * first_max keeps), per thread; a thread's tiles come in increasing order, so merging the threads
  * lane by lane (the larger value; of equal ones the lower index), then the lanes, gives the first
  * largest of the row. The sums are the tiles' own: every value equals the logits' value. */
+/* the lanes of the VW tokens index (from n0) that exist and row `words` allows (all where words is NULL) */
+static inline vi allowed_lanes(vi index, int n0, int N, const uint32_t* words) {
+    vi keep = index < N;
+    if (words) keep &= -((((vi){0} + (int)(words[n0 >> 5] >> (n0 & 31))) >> (index - n0)) & 1);
+    return keep;
+}
+
 static inline void pick_vec(vf v, vi index, int n0, int N, const uint32_t* words, vf* top, vi* first, vi* nan) {
     if (n0 + VW > N || words) {  /* tokens past N, or not allowed: -inf */
-        vi keep = index < N;
-        if (words) keep &= -((((vi){0} + (int)(words[n0 >> 5] >> (n0 & 31))) >> (index - n0)) & 1);
+        vi keep = allowed_lanes(index, n0, N, words);
         v = (vf)(((vi)v & keep) | ((vi)((vf){0} - INFINITY) & ~keep));
     }
     vi greater = v > *top;  /* (false where either is NaN: a row with a NaN is picked again, pick_nan) */
@@ -413,13 +419,12 @@ int packed_linear_argmax_i8(const float* x, const signed char* qp, const float* 
  * sizes) are summed again in fp32 by the very tile the exact picks use (the same bits), and the
  * first largest allowed token among them is the pick.
  *
- * Rows whose mask allows few tiles (sparse_rows) are picked by the exact picks, which skip the
- * rest: cheaper. Returns 0 with best and dead written, or 1 where the exact picks must run
- * instead: without VNNI more than CHECKED_ROWS rows, a bias, every row sparse, an input that is
- * not finite or whose sums could overflow (reach: the weight rows' largest L1 norm), a row whose
- * mask allows nothing (dead rows are the exact picks'), more than CHECKED_NOTES vectors noted in
- * a row by a thread, or no memory. */
-#define CHECKED_ROWS 8
+ * No bias (an LM head's). Rows whose mask allows few tiles (sparse_rows) are picked by the exact
+ * picks, which skip the rest: cheaper. Returns 0 with best and dead written, or 1 where the
+ * exact picks must run instead: every row sparse, an input that is not finite, whose sums could
+ * overflow (reach: the weight rows' largest L1 norm) or whose int8 scale could underflow, a row
+ * whose mask allows nothing (dead rows are the exact picks'), more than CHECKED_NOTES vectors
+ * noted in a row by a thread, or no memory. */
 #define CHECKED_NOTES 256
 typedef struct {
     int vector;  /* in VW tokens */
@@ -428,14 +433,14 @@ typedef struct {
 typedef struct {
     const float* x;
     const signed char* qp;
-    const float *scale, *err, *err2, *bias;
+    const float *scale, *err, *err2;
     const float *x2, *r2;  /* [M]: each row's ||x||_2, and ||x - its int8 rounding||_2 (0 without VNNI) */
     int M, N, K, W;
     const int32_t *mask_of_row, *bitmask;
     float* lower;          /* [thread][row]: the running L */
     checked_note* notes;   /* [thread][row][CHECKED_NOTES] */
     int* counts;           /* [thread][row] */
-    int* failed;           /* [thread]: a NaN, or too many notes */
+    int* failed;           /* [thread]: too many notes */
     const uint8_t* xq;     /* VNNI: the inputs as uint8 [M][K4] (128 + x / xscale) */
     const float* xscale;   /* VNNI: [M] */
     const int32_t* sums;   /* VNNI: each token's sum of its int8 weights */
@@ -458,12 +463,6 @@ static inline float lanes_max(vf a) {
     float m = a[0];
     for (int l = 1; l < VW; l++) m = a[l] > m ? a[l] : m;
     return m;
-}
-/* the lanes of the VW tokens from n0 that exist and row `words` allows (all where words is NULL) */
-static inline vi allowed_lanes(vi lane, int n0, int N, const uint32_t* words) {
-    vi index = lane + n0, keep = index < N;
-    if (words) keep &= -((((vi){0} + (int)(words[n0 >> 5] >> (n0 & 31))) >> (index - n0)) & 1);
-    return keep;
 }
 static inline const uint32_t* row_words(const checked_args* a, int r) {
     int mask = a->mask_of_row ? a->mask_of_row[r] : -1;
@@ -494,7 +493,7 @@ static inline void checked_look(const checked_args* a, int thread, int r, int at
     (void)lane;
 #else
     const vf minus_inf = (vf){0} - INFINITY;
-    vi keep = allowed_lanes(lane, at, a->N, words);
+    vi keep = allowed_lanes(lane + at, at, a->N, words);
     low = (vf)(((vi)low & keep) | ((vi)minus_inf & ~keep));
     up = (vf)(((vi)up & keep) | ((vi)minus_inf & ~keep));
     if (any_at_least(low, (vf){0} + *lower)) {
@@ -599,19 +598,21 @@ int packed_checked_vnni(void) { return CHECKED_VNNI; }
 
 /* the checked picks of rows none of which is sparse (packed_linear_argmax_checked's) */
 static int checked_rows(const float* x, const float* wp, const signed char* qp, const float* scale,
-                        const int32_t* sums, const float* err, const float* err2, float reach, const float* bias,
-                        int M, int N, int K, const int32_t* mask_of_row, const int32_t* bitmask, int W,
-                        int64_t* best, uint8_t* dead, int threads) {
+                        const int32_t* sums, const float* err, const float* err2, float reach, int M, int N, int K,
+                        const int32_t* mask_of_row, const int32_t* bitmask, int W, int64_t* best, uint8_t* dead,
+                        int threads) {
     int team = threads > 0 ? threads : 1, K4 = (K + 3) / 4 * 4;
     size_t states = (size_t)team * M;
-    float* nx = malloc(sizeof(float) * 4 * (size_t)M);
+    float* figures = malloc(sizeof(float) * 3 * (size_t)M);  /* xscale, x2, r2 */
     float* lower = malloc(sizeof(float) * states);
     int* counts = calloc(states, sizeof(int));
     int* failed = calloc((size_t)team, sizeof(int));
     checked_note* notes = malloc(sizeof(checked_note) * states * CHECKED_NOTES);
     uint8_t* xq = CHECKED_VNNI ? malloc((size_t)M * K4) : NULL;
-    int settled = nx && lower && counts && failed && notes && (xq || !CHECKED_VNNI);
-    float *xscale = nx ? nx + M : NULL, *x2 = nx ? nx + 2 * M : NULL, *r2 = nx ? nx + 3 * M : NULL;
+    int settled = figures && lower && counts && failed && notes && (xq || !CHECKED_VNNI);
+    float *xscale = figures, *x2 = figures ? figures + M : NULL, *r2 = figures ? figures + 2 * M : NULL;
+    checked_args a = {x, qp, scale, err, err2, x2, r2, M, N, K, W, mask_of_row, bitmask, lower, notes, counts, failed,
+                      xq, xscale, sums, K4};
     for (int r = 0; settled && r < M; r++) {
         float m = 0.f;
         for (int k = 0; k < K; k++) {
@@ -621,7 +622,6 @@ static int checked_rows(const float* x, const float* wp, const signed char* qp, 
         }
         /* (finite, no sum may overflow, and no int8 scale of VNNI's underflows) */
         settled &= m * reach <= 1e37f && m <= 1e30f && (m == 0 || m >= 1e-30f);
-        nx[r] = m;
         double squares = 0, residue = 0;  /* (in double: exact to far below the float rounding up) */
         for (int k = 0; k < K; k++) squares += (double)x[(size_t)r * K + k] * x[(size_t)r * K + k];
         if (xq) {  /* (|x / xscale| < 127: rounded, in [-127, 127]) */
@@ -639,8 +639,6 @@ static int checked_rows(const float* x, const float* wp, const signed char* qp, 
     if (settled) {
         for (size_t i = 0; i < states; i++) lower[i] = -INFINITY;
         int vectors = (N + 15) / 16 * 16 / VW;
-        checked_args a = {x, qp, scale, err, err2, bias, x2, r2, M, N, K, W, mask_of_row, bitmask, lower, notes,
-                          counts, failed, xq, xscale, sums, K4};
         pool_for(vectors, vector_chunk(vectors, team), team, (size_t)M * N * K >= PARALLEL_MIN_WORK, checked_run, &a);
         for (int t = 0; t < team; t++) settled &= !failed[t];
     }
@@ -650,16 +648,15 @@ static int checked_rows(const float* x, const float* wp, const signed char* qp, 
     for (int r = 0; settled && r < M; r++) {
         float bound = -INFINITY, top = -INFINITY;
         for (int t = 0; t < team; t++) bound = lower[(size_t)t * M + r] > bound ? lower[(size_t)t * M + r] : bound;
-        int mask = mask_of_row ? mask_of_row[r] : -1;
-        const uint32_t* words = mask >= 0 ? (const uint32_t*)(bitmask + (size_t)mask * W) : NULL;
+        const uint32_t* words = row_words(&a, r);
         int64_t pick = -1;
         for (int t = 0; bound > -INFINITY && t < team; t++) {
             const checked_note* noted = notes + ((size_t)t * M + r) * CHECKED_NOTES;
             for (int i = 0; i < counts[(size_t)t * M + r]; i++) {
                 if (noted[i].top < bound) continue;
                 int n0 = noted[i].vector * VW;
-                vi keep = allowed_lanes(lane, n0, N, words);
-                tileos[1][1](x + (size_t)r * K, K, wp, (const float*)0, bias, out, N, n0);
+                vi keep = allowed_lanes(lane + n0, n0, N, words);
+                tileos[1][1](x + (size_t)r * K, K, wp, (const float*)0, (const float*)0, out, N, n0);
                 for (int l = 0; l < VW; l++) {
                     if (!keep[l]) continue;
                     if (out[l] != out[l]) settled = 0;  /* (a NaN: the exact picks' rules) */
@@ -671,7 +668,7 @@ static int checked_rows(const float* x, const float* wp, const signed char* qp, 
         best[r] = pick;
         dead[r] = 0;
     }
-    free(nx);
+    free(figures);
     free(lower);
     free(counts);
     free(failed);
@@ -681,14 +678,14 @@ static int checked_rows(const float* x, const float* wp, const signed char* qp, 
 }
 
 int packed_linear_argmax_checked(const float* x, const float* wp, const signed char* qp, const float* scale,
-                                 const int32_t* sums, const float* err, const float* err2, float reach,
-                                 const float* bias, int M, int N, int K, const int32_t* mask_of_row,
-                                 const int32_t* bitmask, int W, int64_t* best, uint8_t* dead, int threads) {
-    if (M < 1 || (!CHECKED_VNNI && M > CHECKED_ROWS) || bias) return 1;
+                                 const int32_t* sums, const float* err, const float* err2, float reach, int M, int N,
+                                 int K, const int32_t* mask_of_row, const int32_t* bitmask, int W, int64_t* best,
+                                 uint8_t* dead, int threads) {
+    if (M < 1) return 1;
     uint8_t* sparse = sparse_rows(mask_of_row, bitmask, W, M);
     if (!sparse)
-        return checked_rows(x, wp, qp, scale, sums, err, err2, reach, bias, M, N, K, mask_of_row, bitmask, W, best,
-                            dead, threads);
+        return checked_rows(x, wp, qp, scale, sums, err, err2, reach, M, N, K, mask_of_row, bitmask, W, best, dead,
+                            threads);
     /* a batch of both (a JSON row between values beside unguided ones): the dense rows checked,
        the sparse ones by the exact picks, which skip the tiles their masks forbid */
     int dense = 0;
@@ -705,9 +702,9 @@ int packed_linear_argmax_checked(const float* x, const float* wp, const signed c
         masks[at] = mask_of_row[r];
         memcpy(xs + (size_t)at * K, x + (size_t)r * K, sizeof(float) * K);
     }
-    settled = settled && checked_rows(xs, wp, qp, scale, sums, err, err2, reach, bias, dense, N, K, masks, bitmask, W,
-                                      picks, deads, threads) == 0;
-    settled = settled && packed_linear_argmax_f32(xs + (size_t)dense * K, wp, bias, M - dense, N, K, masks + dense,
+    settled = settled && checked_rows(xs, wp, qp, scale, sums, err, err2, reach, dense, N, K, masks, bitmask, W, picks,
+                                      deads, threads) == 0;
+    settled = settled && packed_linear_argmax_f32(xs + (size_t)dense * K, wp, NULL, M - dense, N, K, masks + dense,
                                                   bitmask, W, picks + dense, deads + dense, threads) == 0;
     for (int i = 0; settled && i < M; i++) {
         best[order[i]] = picks[i];

@@ -42,13 +42,8 @@ class QuantizedWeight:
 
     def __init__(self, weight: torch.Tensor) -> None:
         n, k = weight.shape
-        w = weight.float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
-        padded = torch.zeros(-(-n // BLOCK) * BLOCK, k, dtype=torch.int8)
-        padded[:n] = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        padded, self.scale = _int8_rows(weight)
         self.blocks = padded.view(-1, BLOCK, k).transpose(1, 2).contiguous()
-        self.scale = torch.zeros(padded.shape[0], dtype=torch.float32)
-        self.scale[:n] = scale
         self.shape = torch.Size((n, k))
         self.dtype = torch.float32
         self.device = torch.device("cpu")
@@ -56,6 +51,19 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         n, k = self.shape
         return self.blocks.transpose(1, 2).reshape(-1, k)[:n].float() * self.scale[:n, None]
+
+
+def _int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An [N, K] weight rounded to int8 with one fp32 scale per row (its largest magnitude maps to
+    127): (int8 [ceil(N/16) * 16, K], scale [ceil(N/16) * 16]), both zero past N."""
+    n, k = weight.shape
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+    padded = torch.zeros(-(-n // BLOCK) * BLOCK, k, dtype=torch.int8)
+    padded[:n] = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    scales = torch.zeros(padded.shape[0], dtype=torch.float32)
+    scales[:n] = scale
+    return padded, scales
 
 
 class PicksCheck:
@@ -74,15 +82,10 @@ class PicksCheck:
     def __init__(self, weight: torch.Tensor, vnni: bool) -> None:
         n, k = weight.shape
         self.vnni = vnni
-        padded = -(-n // BLOCK) * BLOCK
-        w = weight.float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
-        q = torch.zeros(padded, k, dtype=torch.int8)
-        q[:n] = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.scale = torch.zeros(padded, dtype=torch.float32)
-        self.scale[:n] = scale
+        q, self.scale = _int8_rows(weight)
+        padded = q.shape[0]
         wd = weight.double()
-        copy = q[:n].double() * scale[:, None].double()
+        copy = q[:n].double() * self.scale[:n, None].double()
         distance, norm, copy_norm = (wd - copy).norm(dim=1), wd.norm(dim=1), copy.norm(dim=1)
         u = 2.0**-24
         gamma = (k + 1) * u / (1 - (k + 1) * u)
