@@ -355,6 +355,7 @@ class EarlyCloser:
         self.hopeless = False
         self.recheck = 0  # tokens from one check to the next while hopeless (doubling)
         self.detector = repeat_detector()
+        self.native = getattr(self.detector, "address", 0)  # the C detector's state (0: the Python one)
         self.tokens: list[int] = []
         self.closing = False
         self.reason = ""
@@ -448,8 +449,12 @@ class EarlyCloser:
     def in_string(self, closing: ClosingTokens) -> bool:
         """Whether the output so far ends inside a JSON string (its new tokens scanned by their
         quotes and backslashes alone: ``ClosingTokens.quoting``)."""
-        for token in self.tokens[self._scanned :]:
-            text = closing.quoting.get(token)
+        tokens, scanned, quoting = self.tokens, self._scanned, closing.quoting
+        if scanned == len(tokens) - 1 and tokens[-1] not in quoting:  # (a step's one new token, mostly)
+            self._scanned, self._escaped = scanned + 1, False
+            return self._in_string
+        for token in tokens[scanned:]:
+            text = quoting.get(token)
             if text is None:  # neither: characters that end an escape
                 self._escaped = False
                 continue

@@ -11,7 +11,7 @@ accept is rolled back. It does not fill rows and does not own matchers (``manage
 
 from __future__ import annotations
 
-import ctypes
+import array
 import json
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
@@ -22,8 +22,9 @@ from guidespec.grammar_backends import GrammarBackend, GrammarMatcher
 from guidespec.bitmask import allowed_ids, bitmask_row
 from guidespec.protocol import GuidedDecoding
 from guidespec.model_files import text_encoder
-from guidespec.scheduler.grammar.closing import MAX_STEPS, ClosingTokens, EarlyCloser, NativeRepeatDetector
+from guidespec.scheduler.grammar.closing import MAX_STEPS, ClosingTokens, EarlyCloser
 from guidespec.scheduler.grammar.narrowing import ASK, forces_nothing, library, narrow_rows
+from guidespec.scheduler.grammar.settings import FillRow
 
 MAX_CLOSING_RUN = 2048  # the longest dry run of closing (``dry_run``)
 # the grammar fills a dry run's lookahead may cost; past them it goes on without one (a lexer-heavy
@@ -69,13 +70,12 @@ class ClosingStep:
         pairs = [(r, closer, t) for r, t in zip(request_ids, tokens) if (closer := closers.get(r)) is not None]
         failed: dict[str, Exception] = {}
         lib = library()
-        detectors = [closer.detector for _, closer, _ in pairs]
-        natives = [d for d in detectors if isinstance(d, NativeRepeatDetector)]
-        if lib is not None and len(pairs) > 1 and len(natives) == len(pairs):
-            n = len(pairs)
-            addresses = (ctypes.c_void_p * n)(*(d.address for d in natives))
-            periods = (ctypes.c_int32 * n)()
-            lib.repeats_add_many(addresses, (ctypes.c_int32 * n)(*(t for _, _, t in pairs)), n, periods)
+        n = len(pairs)
+        addresses = array.array("q", [closer.native for _, closer, _ in pairs])
+        if lib is not None and n > 1 and all(addresses):
+            given = array.array("i", [t for _, _, t in pairs])  # (held through the call, as each array here)
+            periods = array.array("i", bytes(4 * n))
+            lib.repeats_add_many(addresses.buffer_info()[0], given.buffer_info()[0], n, periods.buffer_info()[0])
             for (request_id, closer, token), period in zip(pairs, periods):
                 closer.detector.period = period
                 try:
@@ -109,6 +109,16 @@ class ClosingStep:
         return closer.reason if closer is not None else ""
 
     # ------------------------------------------------------------------ per fill
+
+    def check_budgets(
+        self, rows: Sequence[FillRow], grammar_of: Callable[[str], tuple[GrammarBackend, GrammarMatcher]]
+    ) -> None:
+        """``check_budget`` for a fill's rows: the rows whose check is due (most are not)."""
+        closers = self.closers
+        for r in rows:
+            closer = closers.get(r.request_id)
+            if closer is not None and not closer.script and r.output_len >= closer.next_check:
+                self.check_budget(r.request_id, r.output_len, r.max_tokens, grammar_of)
 
     def check_budget(
         self,

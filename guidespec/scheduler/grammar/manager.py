@@ -176,8 +176,7 @@ class GrammarManager:
         if firsts[-1] > self.bitmask.shape[0]:
             self.bitmask = np.zeros((firsts[-1], self.bitmask.shape[1]), dtype=np.int32)
         if self.closing.closers:
-            for r in rows:
-                self.closing.check_budget(r.request_id, r.output_len, r.max_tokens, self._grammar)
+            self.closing.check_budgets(rows, self._grammar)
         drafting = [i for i, r in enumerate(rows) if r.drafts]
         if drafting:
             self._fill_drafts(rows, firsts, drafting)
@@ -359,6 +358,7 @@ class GrammarManager:
             self.end_draft_walk()
         failed = self.closing.add_many([r[0] for r in rows], [r[1] for r in rows])
         filled, matchers, closing = self._filled, self.matchers, self.closing
+        closers = closing.closers
         answers: list[tuple[bool, bool] | Exception] = []
         for request_id, token, budget, produced in rows:
             if request_id in failed:
@@ -370,7 +370,9 @@ class GrammarManager:
                 if not matcher.accept_token(token):
                     answers.append((False, False))
                     continue
-                closing.near_budget(request_id, budget, produced)
+                closer = closers.get(request_id)
+                if closer is not None and not closer.closing:  # (``near_budget``'s own test first)
+                    closing.near_budget(request_id, budget, produced)
                 answers.append((True, matcher.is_terminated()))
             except Exception as e:
                 answers.append(e)
