@@ -47,6 +47,12 @@ def kernel_spin_us() -> int:
     return value
 
 
+def core_share() -> bool:
+    """``GUIDESPEC_CORE_SHARE=0``: a CPU rank 0 whose kernels take every core keeps its whole team
+    for masked steps' forwards even while they wait for their masks (``worker/core_share.py``)."""
+    return os.environ.get("GUIDESPEC_CORE_SHARE", "1") != "0"
+
+
 def trace_path() -> str | None:
     """``GUIDESPEC_TRACE=FILE``: the scheduler writes a Chrome trace of every step there at shutdown."""
     return os.environ.get("GUIDESPEC_TRACE") or None

@@ -68,6 +68,7 @@ from guidespec.worker.mask import DeviceMasks, only_allowed
 from guidespec.worker.forward_batch import ForwardBatch
 from guidespec.worker.model import LlamaModel
 from guidespec.worker.penalties import TokenHistory
+from guidespec.worker.core_share import CoreShare
 
 _IDLE_READ_TIMEOUT_S = 1.0
 _ROWS_PER_REQUEST = 9  # logits rows a request has in a step (1 + drafts), without a mask arena to say
@@ -238,6 +239,11 @@ class Worker:
         self._made: tuple[int, ForwardBatch] | None = None  # the last batch ``step`` made, and its step
         self._picked = [torch.zeros(max_rows, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
         self._flip = 0
+        # a CPU rank 0 whose kernels take every core: one left to the scheduler while masked steps
+        # wait for their masks (core_share.py)
+        self.core_share = None
+        if self.device.type == "cpu" and self.tp.size == 1 and self.drafter is None and envs.core_share():
+            self.core_share = CoreShare.create(cfg.num_threads)
         self.graphs = None
         if use_graphs:
             features = self.drafter.capture if self.drafter is not None else None
@@ -297,10 +303,14 @@ class Worker:
             )
         self._made = (inputs.step, batch)
         key = self.graphs.plan(batch) if self.graphs is not None else None
+        share = self.core_share if inputs.has_bitmask else None
+        narrowed = share is not None and share.begin()
         if key is not None:  # decode and verify steps: a replayed CUDA graph (graphs.py)
             hidden = self.graphs.run(batch, key)  # type: ignore[union-attr]
         else:
             hidden = self.model.forward(batch, self.kv, self.drafter.capture if self.drafter is not None else None)
+        if narrowed:
+            share.end()  # type: ignore[union-attr]
         if self.drafter is not None:
             self.drafter.follow(batch, self.model.captured)
         forward_end = mask_ready = time.time()
@@ -324,10 +334,13 @@ class Worker:
             waiting = time.perf_counter()
             bitmask = self._read_bitmask(inputs.step)
             mask_ready = time.time()
+            waited = time.perf_counter() - waiting
+            if share is not None:
+                share.observe(waiting - start, waited)
             # forward_s is the step's work (the plan's cost model: ``CostModel``), not its wait:
             # a new request's first mask can wait for its grammar (a prefill of 19 tokens of the
             # tiny model read 35 ms, and its fit then priced a draft token at a whole step)
-            start += time.perf_counter() - waiting
+            start += waited
         defer = greedy and (inputs.num_logits == 1).all()
         if greedy and early is None:  # (no logits rows for what the mask settles: greedy_masked)
             picked = greedy_masked(self, hidden, bitmask)  # type: ignore[arg-type]

@@ -100,6 +100,29 @@ assert busy_again > 0.05, f"after a region the helper ran {busy_again:.3f} s of 
 print("ok")
 """
 
+_BENCHED = """
+kernels.set_threads(3)
+check(0)
+tids = helper_tids()
+assert len(tids) == 2, tids
+def spun(seconds=0.2):
+    start = [run_ns(tid) for tid in tids]
+    time.sleep(seconds)
+    return sorted((run_ns(tid) - s) / 1e9 for tid, s in zip(tids, start))
+first = check(1)
+assert min(spun()) > 0.05, "helpers told to spin for 10 s did not (the set-up)"
+kernels.set_threads(2)  # a team of two: one helper is left out of the next loops
+assert np.array_equal(check(1), first)  # (bit for bit: the team's size changes no result)
+time.sleep(0.02)
+idle, busy = spun()
+assert busy > 0.05, f"the team's helper ran {busy:.3f} s of 0.2"
+assert idle < 0.01, f"a helper left out of the team ran {idle:.3f} s of 0.2"
+kernels.set_threads(3)
+assert np.array_equal(check(1), first)  # the next loop with it in the team wakes it
+assert min(spun()) > 0.05, "after a loop of three, a helper slept"
+print("ok")
+"""
+
 
 _LATE_HELPER = """
 import sys
@@ -143,6 +166,13 @@ def test_parked_helpers_sleep_until_the_next_region() -> None:
     """With a 10 s spin a helper keeps its core after a region; parked, it sleeps at once (the
     worker parks before it waits for the ring or a bitmask), and the next region wakes it."""
     _run(_PARK, GUIDESPEC_KERNEL_SPIN_US="10000000")
+
+
+def test_a_helper_left_out_of_a_loops_team_sleeps() -> None:
+    """A loop on fewer threads than the pool has helpers (the worker leaves a core to the scheduler:
+    ``core_share.py``) puts the helpers it leaves out to sleep at once, where they would spin on
+    the core they were left out to free; the next loop that wants them wakes them."""
+    _run(_BENCHED, GUIDESPEC_KERNEL_SPIN_US="10000000")
 
 
 def test_a_late_helper_takes_no_chunk_of_a_finished_loop() -> None:

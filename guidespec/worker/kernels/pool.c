@@ -10,6 +10,8 @@
  * between regions as OpenMP's do, and sleep as soon as the caller says it is about to wait
  * (pool_park, from the worker's loop), or after a millisecond without a region
  * (pool_set_spin_us); the next region wakes them (the caller starts on its chunks meanwhile).
+ * A helper left out of a region's team (a smaller `threads`: the worker's core_share.py gives a
+ * core back to the scheduler) sleeps at once, not spinning on the core it was left out to free.
  *
  * A loop's items are handed out in chunks from one counter, (generation << 32 | next item): a
  * thread takes a chunk with one compare-and-swap, which fails if the loop it read is no longer
@@ -84,18 +86,21 @@ static void* helper_main(void* arg) {
     uint32_t seen = (uint32_t)(atomic_load(&counter) >> 32);
     unsigned awake_since = atomic_load(&parks);
     long idle_from = now_ns();
+    int benched = 0;  /* left out of the last loop's team: it sleeps until the next loop */
     for (unsigned spins = 0;; spins++) {
         uint32_t gen = (uint32_t)(atomic_load(&counter) >> 32);
         if (gen != seen && !(gen & 1)) {  /* (odd: the next loop's fields are being written) */
             seen = gen;
             awake_since = atomic_load(&parks);  /* (a park before this loop is not for after it) */
-            if (id < atomic_load_explicit(&job_team, memory_order_relaxed)) run_chunks(gen, id);
+            benched = id >= atomic_load_explicit(&job_team, memory_order_relaxed);
+            if (!benched) run_chunks(gen, id);
             idle_from = now_ns();
             continue;
         }
         long spin = atomic_load_explicit(&spin_ns, memory_order_relaxed);
-        if (atomic_load_explicit(&parks, memory_order_relaxed) != awake_since ||
+        if (benched || atomic_load_explicit(&parks, memory_order_relaxed) != awake_since ||
             (spins % 256 == 0 && now_ns() - idle_from > spin)) {
+            benched = 0;
             pthread_mutex_lock(&lock);
             atomic_fetch_add(&sleepers, 1);
             while ((uint32_t)(atomic_load(&counter) >> 32) == seen) pthread_cond_wait(&bell, &lock);
