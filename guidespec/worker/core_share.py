@@ -8,12 +8,14 @@ for their masks, the forward's speed is not what they wait for: with the share, 
 JSON array at 64 rows on 2 cores ran at 0.92-0.98 of unguided's tokens a second, 0.87-0.90
 without (``overhead.py``, four pairs of runs; the regex 0.79-0.85 against 0.64-0.76).
 
-``CoreShare`` decides per step from the steps' own timings: while the masked steps run with the
-whole team it watches how long each waited for its bitmask against how long its forward took (a
-running mean), and once the wait is half the forward or more (the forward, on one thread fewer,
-would still end about when the mask comes), their forwards run on one thread fewer; it goes back
-to the whole team once those steps' masks are there, mostly, when their forward ends (the forward
-is what they wait for). Unmasked steps, a draft model's and the fused ones keep the whole team.
+``CoreShare`` decides from the steps' own timings, as a trial: while masked steps run with the
+whole team it keeps a running mean of each one's wait for its bitmask over its forward; once that
+is half or more (the forward, on one thread fewer, could still end about when the mask comes), their
+forwards run on one thread fewer, and after a few steps the two are compared by what a step waits
+for before its picks, its forward and its wait for the mask together. A narrowing that does not
+take less is undone and not tried again for 64 masked steps, doubling to 4096 while they keep
+losing; one that does is kept, and every 256 steps the whole team is timed again. Unmasked steps,
+a draft model's and the fused ones keep the whole team.
 """
 
 from __future__ import annotations
@@ -26,17 +28,24 @@ from guidespec.worker import kernels
 logger = logging.getLogger(__name__)
 
 _MEMORY = 0.2  # the running means' weight of a step
-_NARROW_AT = 0.5  # a masked step's wait for its mask, over its forward, that narrows the team
-_WIDEN_AT = 0.05  # and, with the team narrowed, that widens it again
-_SETTLE = 4  # steps in a mode before its mean decides
+_NARROW_AT = 0.5  # a masked step's wait for its mask over its forward (the whole team's mean) that tries narrowing
+_SETTLE = 4  # steps after a change-over left out of the means
+_JUDGE = 8  # steps then counted before a narrowing is judged
+_RECHECK = 256  # narrowed steps before the whole team is timed again
+_BACKOFF = (64, 4096)  # masked steps before a narrowing that lost is tried again (doubling)
 
 
 class CoreShare:
     def __init__(self, threads: int) -> None:
         self.threads = threads
         self.narrow = False  # whether masked steps' forwards run on one thread fewer
-        self._ratio = 0.0  # the running mean of wait / forward in the current mode
-        self._seen = 0  # steps seen in the current mode
+        self._seen = 0  # masked steps since the last change-over
+        self._ratio = 0.0  # the whole team's running mean of wait / forward
+        self._took = 0.0  # the current mode's running mean of forward + wait
+        self._whole = 0.0  # the whole team's, when it last ran
+        self._backoff = _BACKOFF[0]
+        self._steps = 0  # masked steps seen
+        self._retry_at = 0  # (a count of them) before which no narrowing is tried
 
     @staticmethod
     def create(threads: int, cores: int | None = None) -> CoreShare | None:
@@ -59,13 +68,37 @@ class CoreShare:
 
     def observe(self, forward_s: float, wait_s: float) -> None:
         """A masked step's forward, and its wait for its bitmask after it."""
-        ratio = wait_s / max(forward_s, 1e-6)
-        self._ratio = ratio if not self._seen else (1 - _MEMORY) * self._ratio + _MEMORY * ratio
+        self._steps += 1
         self._seen += 1
-        if self._seen < _SETTLE:
+        if self._seen <= _SETTLE:
             return
-        if (self._ratio >= _NARROW_AT) if not self.narrow else (self._ratio <= _WIDEN_AT):
-            self.narrow, self._seen = not self.narrow, 0
-            logger.debug(
-                "masked steps' forwards: %d threads (wait / forward %.2f)", self.threads - self.narrow, self._ratio
-            )
+        took, ratio = forward_s + wait_s, wait_s / max(forward_s, 1e-6)
+        if self._seen == _SETTLE + 1:
+            self._took, self._ratio = took, ratio
+        else:
+            self._took += _MEMORY * (took - self._took)
+            self._ratio += _MEMORY * (ratio - self._ratio)
+        if self._seen < _SETTLE + _JUDGE:
+            return
+        if not self.narrow:
+            if self._ratio >= _NARROW_AT and self._steps >= self._retry_at:
+                self._whole = self._took
+                self._switch()
+        elif self._seen == _SETTLE + _JUDGE and self._took >= self._whole:  # the narrowing lost
+            self._retry_at = self._steps + self._backoff
+            self._backoff = min(2 * self._backoff, _BACKOFF[1])
+            self._switch()
+        elif self._seen == _SETTLE + _JUDGE:
+            self._backoff = _BACKOFF[0]
+        elif self._seen >= _RECHECK:  # (it narrows again at once where the wait is still long)
+            self._switch()
+
+    def _switch(self) -> None:
+        self.narrow, self._seen = not self.narrow, 0
+        logger.debug(
+            "masked forwards: %d threads (wait / forward %.2f, forward + wait %.3f ms, the whole team's %.3f)",
+            self.threads - self.narrow,
+            self._ratio,
+            self._took * 1e3,
+            self._whole * 1e3,
+        )
