@@ -5,8 +5,8 @@ While a step's forward runs, the scheduler advances the step before's grammars a
 step's bitmask (async scheduling), and the forward then waits for it. On a host whose cores the
 kernels' team takes all of, the scheduler shares a core with a kernel thread. Where the steps wait
 for their masks, the forward's speed is not what they wait for: with the share, the tiny model's
-JSON array at 64 rows on 2 cores ran at 0.92-0.98 of unguided's tokens a second, 0.87-0.90
-without (``overhead.py``, four pairs of runs; the regex 0.79-0.85 against 0.64-0.76).
+JSON array at 64 rows on 2 cores ran at 0.94-1.08 of unguided's tokens a second, 0.72-0.88
+without (``overhead.py``, four alternating pairs; the regex 0.69-0.78 against 0.63-0.79).
 
 ``CoreShare`` decides from the steps' own timings, as a trial: while masked steps run with the
 whole team it keeps a running mean of each one's wait for its bitmask over its forward; once that
