@@ -54,14 +54,12 @@ class CoreShare:
         cores = cores if cores is not None else len(os.sched_getaffinity(0))
         return CoreShare(threads) if kernels.available() and threads >= 2 and threads + 1 > cores else None
 
-    def begin(self) -> bool:
+    def begin(self) -> None:
         """Before a masked step's forward: narrow the team where it is narrowed (the helper left
-        out sleeps: ``kernels.park_threads``). Returns whether it did; ``end`` undoes it."""
-        if not self.narrow:
-            return False
-        kernels.park_threads()
-        kernels.set_threads(self.threads - 1)
-        return True
+        out sleeps: ``kernels.park_threads``); ``end`` widens it again."""
+        if self.narrow:
+            kernels.park_threads()
+            kernels.set_threads(self.threads - 1)
 
     def end(self) -> None:
         kernels.set_threads(self.threads)

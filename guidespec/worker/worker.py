@@ -304,13 +304,14 @@ class Worker:
         self._made = (inputs.step, batch)
         key = self.graphs.plan(batch) if self.graphs is not None else None
         share = self.core_share if inputs.has_bitmask else None
-        narrowed = share is not None and share.begin()
+        if share is not None:
+            share.begin()
         if key is not None:  # decode and verify steps: a replayed CUDA graph (graphs.py)
             hidden = self.graphs.run(batch, key)  # type: ignore[union-attr]
         else:
             hidden = self.model.forward(batch, self.kv, self.drafter.capture if self.drafter is not None else None)
-        if narrowed:
-            share.end()  # type: ignore[union-attr]
+        if share is not None:
+            share.end()
         if self.drafter is not None:
             self.drafter.follow(batch, self.model.captured)
         forward_end = mask_ready = time.time()

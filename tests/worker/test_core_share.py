@@ -28,7 +28,8 @@ def _run(share: CoreShare, steps: int, whole: tuple[float, float], narrowed: tup
     on one thread fewer; whether each ran narrowed."""
     modes = []
     for _ in range(steps):
-        narrow = share.begin()
+        narrow = share.narrow
+        share.begin()
         assert kernels.loader.threads() == (1 if narrow else 2)
         share.end()
         assert kernels.loader.threads() == 2

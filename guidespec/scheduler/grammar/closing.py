@@ -247,6 +247,7 @@ class RepeatDetector:
 
     def __init__(self, max_period: int = MAX_PERIOD, min_span: int = MIN_SPAN) -> None:
         self.max_period = max_period
+        self.address = 0  # (no C state: ``NativeRepeatDetector``'s is its buffer's address)
         self.thresholds = [0] + [max(2 * p, min_span) for p in range(1, max_period + 1)]  # by period
         self.history: list[int] = []  # the last max_period tokens, newest last
         self.runs: dict[int, int] = {}
@@ -355,7 +356,6 @@ class EarlyCloser:
         self.hopeless = False
         self.recheck = 0  # tokens from one check to the next while hopeless (doubling)
         self.detector = repeat_detector()
-        self.native = getattr(self.detector, "address", 0)  # the C detector's state (0: the Python one)
         self.tokens: list[int] = []
         self.closing = False
         self.reason = ""

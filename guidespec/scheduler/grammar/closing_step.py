@@ -71,7 +71,7 @@ class ClosingStep:
         failed: dict[str, Exception] = {}
         lib = library()
         n = len(pairs)
-        addresses = array.array("q", [closer.native for _, closer, _ in pairs])
+        addresses = array.array("q", [closer.detector.address for _, closer, _ in pairs])
         if lib is not None and n > 1 and all(addresses):
             given = array.array("i", [t for _, _, t in pairs])  # (held through the call, as each array here)
             periods = array.array("i", bytes(4 * n))
@@ -113,16 +113,18 @@ class ClosingStep:
     def check_budgets(
         self, rows: Sequence[FillRow], grammar_of: Callable[[str], tuple[GrammarBackend, GrammarMatcher]]
     ) -> None:
-        """``check_budget`` for a fill's rows: the rows whose check is due (most are not)."""
+        """The budget check (``_check_budget``) of each of a fill's rows whose check is due: most
+        are not; a request's first, at output length 0, is."""
         closers = self.closers
         for r in rows:
             closer = closers.get(r.request_id)
             if closer is not None and not closer.script and r.output_len >= closer.next_check:
-                self.check_budget(r.request_id, r.output_len, r.max_tokens, grammar_of)
+                self._check_budget(r.request_id, closer, r.output_len, r.max_tokens, grammar_of)
 
-    def check_budget(
+    def _check_budget(
         self,
         request_id: str,
+        closer: EarlyCloser,
         output_len: int,
         max_tokens: int,
         grammar_of: Callable[[str], tuple[GrammarBackend, GrammarMatcher]],
@@ -135,9 +137,6 @@ class ClosingStep:
         again at doubling intervals, with a dry run only where the output is inside a string, and
         rows outside strings are narrowed without the grammar's lookahead meanwhile
         (``EarlyCloser.hopeless``)."""
-        closer = self.closers.get(request_id)
-        if closer is None or closer.script or output_len < closer.next_check:
-            return
         backend, matcher = grammar_of(request_id)
         remaining = max_tokens - output_len
         if closer.hopeless and not closer.in_string(self._closing_tokens()):

@@ -261,9 +261,9 @@ class GrammarManager:
     @_settled
     def prepare(self, request_id: str, max_tokens: int) -> None:
         """Work for the request's first mask that needs only its grammar (the first budget check's
-        dry run of closing: ``ClosingStep.check_budget``), done ahead of the step that needs it."""
+        dry run of closing: ``ClosingStep.check_budgets``), done ahead of the step that needs it."""
         if request_id in self.matchers:
-            self.closing.check_budget(request_id, 0, max_tokens, self._grammar)
+            self.closing.check_budgets([FillRow(request_id, (), 0, max_tokens)], self._grammar)
 
     def stop_rows(self, count: int) -> np.ndarray:
         """``count`` mask rows that allow only a stop token (a failed request's rows of a step)."""
@@ -358,7 +358,6 @@ class GrammarManager:
             self.end_draft_walk()
         failed = self.closing.add_many([r[0] for r in rows], [r[1] for r in rows])
         filled, matchers, closing = self._filled, self.matchers, self.closing
-        closers = closing.closers
         answers: list[tuple[bool, bool] | Exception] = []
         for request_id, token, budget, produced in rows:
             if request_id in failed:
@@ -370,9 +369,7 @@ class GrammarManager:
                 if not matcher.accept_token(token):
                     answers.append((False, False))
                     continue
-                closer = closers.get(request_id)
-                if closer is not None and not closer.closing:  # (``near_budget``'s own test first)
-                    closing.near_budget(request_id, budget, produced)
+                closing.near_budget(request_id, budget, produced)
                 answers.append((True, matcher.is_terminated()))
             except Exception as e:
                 answers.append(e)
