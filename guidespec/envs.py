@@ -47,6 +47,12 @@ def kernel_spin_us() -> int:
     return value
 
 
+def amx() -> bool:
+    """``GUIDESPEC_AMX=0``: the CPU kernels' checked greedy picks sum with AVX-512 VNNI even where
+    the CPU has AMX tiles and Linux grants them (``packed_linear.c``)."""
+    return os.environ.get("GUIDESPEC_AMX", "1") != "0"
+
+
 def core_share() -> bool:
     """``GUIDESPEC_CORE_SHARE=0``: a CPU rank 0 whose kernels take every core keeps its whole team
     for masked steps' forwards even while they wait for their masks (``worker/core_share.py``)."""

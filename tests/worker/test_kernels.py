@@ -610,8 +610,9 @@ def _checked_case(seed: int, rows: int, vocab: int, k: int) -> tuple[torch.Tenso
 def test_picks_from_the_int8_copy_are_the_exact_picks(
     monkeypatch: pytest.MonkeyPatch, threads: int, vocab: int, k: int
 ) -> None:
-    """A packed LM head with its int8 copy (``add_picks_check``) picks 1-6 rows' tokens (64 with
-    VNNI) from the copy and sums the candidates again in fp32: the same tokens as the exact
+    """A packed LM head with its int8 copy (``add_picks_check``) picks 1-6 rows' tokens (17 and 64
+    with VNNI; with AMX in its tiles and in VNNI's sums, each in turn) from the copy and sums the
+    candidates again in fp32: the same tokens as the exact
     picks, bit for bit, unmasked, under dense masks and beside rows of sparse masks (those picked
     exactly), with equal logits far apart, logits one ulp apart, and a row of outliers; the
     copy's path is the one taken (the C call settles: 0), except where it must
@@ -623,8 +624,34 @@ def test_picks_from_the_int8_copy_are_the_exact_picks(
     lib = kernels.loader.library()
     assert lib is not None
     vnni = bool(lib.packed_checked_vnni())  # (with AVX-512 VNNI every row count: a batch of 64 too)
+    amx = bool(lib.packed_checked_amx(-1))  # (with AMX too: its tiles' sums where k is 64s, and VNNI's)
+    try:
+        for use in (1, 0) if amx else (0,):
+            lib.packed_checked_amx(use)
+            _check_int8_copy_picks(vnni, vocab, k)
+    finally:
+        lib.packed_checked_amx(int(amx))
+    w, x = _checked_case(0, 2, 300, 4)
+    checked = kernels.pack(w)
+    kernels.add_picks_check(checked)
+    nothing = (np.array([0, 1]), np.zeros((2, 10), dtype=np.int32))
+    beside = (np.array([1]), np.zeros((1, 10), dtype=np.int32))  # (a dead row beside an unmasked one)
+    x_nan, x_tiny = x.clone(), x * 1e-35  # (a scale for int8 inputs that tiny could underflow)
+    x_nan[0, 1] = float("nan")
+    for case_x, mask, settles in ((x, nothing, 1), (x_nan, None, 1), (x_tiny, None, 1), (x, beside, 0)):
+        assert _settles(case_x, checked, 300, mask) == settles
+        got = kernels.linear_argmax(case_x, checked, 300, mask)  # type: ignore[arg-type]
+        want = kernels.linear_argmax(case_x, kernels.pack(w), 300, mask)  # type: ignore[arg-type]
+        assert got is not None and want is not None
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+
+
+def _check_int8_copy_picks(vnni: bool, vocab: int, k: int) -> None:
+    import numpy as np
+
     for seed in range(3):
-        for rows in (1, 2, 6, 64) if vnni else (1, 2, 6):
+        for rows in (1, 2, 6, 17, 64) if vnni else (1, 2, 6):
             w, x = _checked_case(seed, rows, vocab, k)
             exact, checked = kernels.pack(w), kernels.pack(w)
             kernels.add_picks_check(checked)
@@ -646,20 +673,6 @@ def test_picks_from_the_int8_copy_are_the_exact_picks(
                 assert _settles(x, checked, vocab, mask) == 0
                 if mask is None:
                     assert got[0][0] == 3 and (rows == 1 or got[0][1] == vocab - 2)
-    w, x = _checked_case(0, 2, 300, 4)
-    checked = kernels.pack(w)
-    kernels.add_picks_check(checked)
-    nothing = (np.array([0, 1]), np.zeros((2, 10), dtype=np.int32))
-    beside = (np.array([1]), np.zeros((1, 10), dtype=np.int32))  # (a dead row beside an unmasked one)
-    x_nan, x_tiny = x.clone(), x * 1e-35  # (a scale for int8 inputs that tiny could underflow)
-    x_nan[0, 1] = float("nan")
-    for case_x, mask, settles in ((x, nothing, 1), (x_nan, None, 1), (x_tiny, None, 1), (x, beside, 0)):
-        assert _settles(case_x, checked, 300, mask) == settles
-        got = kernels.linear_argmax(case_x, checked, 300, mask)  # type: ignore[arg-type]
-        want = kernels.linear_argmax(case_x, kernels.pack(w), 300, mask)  # type: ignore[arg-type]
-        assert got is not None and want is not None
-        np.testing.assert_array_equal(got[0], want[0])
-        np.testing.assert_array_equal(got[1], want[1])
 
 
 def _settles(x: torch.Tensor, weight: kernels.PackedWeight, vocab: int, mask: object) -> int:

@@ -39,6 +39,8 @@ def library() -> ctypes.CDLL | None:
         return None
     lib = load(path)
     lib.pool_set_spin_us(envs.kernel_spin_us())
+    if not envs.amx():
+        lib.packed_checked_amx(0)
     return lib
 
 
@@ -72,6 +74,8 @@ def load(path: Path) -> ctypes.CDLL:
     checked: list[Any] = [ctypes.c_void_p] * 7 + [ctypes.c_float]  # x, wp, qp, scale, sums, err, err2, reach
     lib.packed_checked_vnni.argtypes = []
     lib.packed_checked_vnni.restype = ctypes.c_int
+    lib.packed_checked_amx.argtypes = [ctypes.c_int]
+    lib.packed_checked_amx.restype = ctypes.c_int
     lib.packed_linear_argmax_checked.argtypes = checked + picks[3:] + [ctypes.c_int]  # (no bias)
     lib.packed_linear_argmax_checked.restype = ctypes.c_int
     lib.gguf_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4

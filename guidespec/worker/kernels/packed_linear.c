@@ -445,6 +445,7 @@ typedef struct {
     const float* xscale;   /* VNNI: [M] */
     const int32_t* sums;   /* VNNI: each token's sum of its int8 weights */
     int K4;                /* VNNI: K rounded up to 4 */
+    int32_t* amx_out;      /* AMX: [thread][16 rows][AMX_ROW] sums */
 } checked_args;
 
 /* whether any lane of a is at or above b's */
@@ -564,6 +565,140 @@ static inline vf checked_values(const checked_args* a, const float* out, int c, 
 typedef float checked_sum;
 #endif
 
+/* With AMX (Sapphire Rapids on), the same int8 sums in tiles: a TDPBSSD multiplies 16 rows of 64
+ * int8 inputs by 64 x 16 int8 weights into 16 x 16 int32 sums, 16x a vpdpbusd's work an
+ * instruction at a sixteenth of its rate. VNNI's layout is AMX's: a 16-token block's K4/4 groups
+ * of 16 x 4 bytes are a B tile's rows. The inputs are signed here (no 128 to take off: the same
+ * integer sums). At batch 64 of the tiny model's head (49,152 x 64) the checked picks took
+ * 1.9 -> 1.2-1.5 ms on one thread, 0.9-1.1 -> 0.7-0.75 on two (scratch runs, min of 15).
+ *
+ * A thread takes its blocks of tokens AMX_SPAN at a time: for each 16 rows, the span's sums are
+ * stored (a row's contiguous) and then looked at row by row, with the row's running L in
+ * registers (checked_span). Looking at each 16 x 16 tile as it was stored cost more than the sums
+ * did: every look reloaded its row's state. Only where K is whole chunks of 64 (no partial tile)
+ * and for AMX_MIN_ROWS rows or more; rows are padded to 16 with zeros (xq's rows past M, whose
+ * sums nothing reads). Linux hands a process AMX's state on request (arch_prctl); where it
+ * refuses, VNNI's sums run. */
+#if CHECKED_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define CHECKED_AMX 1
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_SPAN 16  /* blocks of 16 tokens: 16 rows' sums in 17 KB, within L1 (64 blocks: 66 KB, slower) */
+#define AMX_MIN_ROWS 8  /* (fewer: VNNI's sums, unpadded; 1-2 rows took them 0.10-0.15 ms against AMX's 0.15-0.16) */
+#define AMX_ROW (AMX_SPAN * 16 + 16)  /* int32s a row's sums take (padded: rows a power of two apart share L1 sets) */
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) amx_config;
+static int amx_granted;
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+static void amx_request(void) { amx_granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0; }
+static int amx_off;
+static int amx_available(void) {
+    pthread_once(&amx_once, amx_request);
+    return amx_granted && !amx_off;
+}
+/* every tile 16 rows of 64 bytes: 0-3 sums (C), 4 and 7 inputs (A), 5 and 6 weights (B) */
+static void amx_configure(void) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
+    _tile_loadconfig(&c);
+}
+
+/* Row r's looks at its int8 logits' sums of `vectors` blocks from token n0 (sums: [vectors][16]
+ * int32, the inputs signed: no offset to take off), checked_look's with its state in registers:
+ * the lanes' running maxima of a_t - e_t, whose largest is L (broadcast every 4 vectors: a vector
+ * compared with a lower L is noted where it need not be, never missed). */
+static void checked_span(const checked_args* a, int thread, int r, int n0, int vectors, const int32_t* sums) {
+    float* lower = a->lower + (size_t)thread * a->M + r;
+    const uint32_t* words = row_words(a, r);
+    __m512 xscale = _mm512_set1_ps(a->xscale[r]), x2 = _mm512_set1_ps(a->x2[r]), r2 = _mm512_set1_ps(a->r2[r]);
+    __m512 floor = _mm512_set1_ps(*lower), lows = floor;
+    for (int u = 0; u < vectors; u++) {
+        int at = n0 + 16 * u;
+        __m512 av = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * u)), xscale),
+                                  _mm512_loadu_ps(a->scale + at));
+        __m512 e = _mm512_fmadd_ps(x2, _mm512_loadu_ps(a->err + at), _mm512_mul_ps(r2, _mm512_loadu_ps(a->err2 + at)));
+        __mmask16 keep = at + 16 <= a->N ? 0xffff : (__mmask16)((1u << (a->N - at)) - 1);
+        if (words) keep &= ((const uint16_t*)words)[at >> 4];  /* (at is a multiple of 16; little-endian words) */
+        lows = _mm512_mask_max_ps(lows, keep, lows, _mm512_sub_ps(av, e));
+        __mmask16 reach = _mm512_mask_cmp_ps_mask(keep, _mm512_add_ps(av, e), floor, _CMP_GE_OQ);
+        if (u % 4 == 3) floor = _mm512_set1_ps(_mm512_reduce_max_ps(lows));
+        if (!reach) continue;
+        int* count = a->counts + (size_t)thread * a->M + r;
+        if (*count == CHECKED_NOTES) {
+            a->failed[thread] = 1;
+            return;
+        }
+        a->notes[((size_t)thread * a->M + r) * CHECKED_NOTES + (*count)++] =
+            (checked_note){at / 16, _mm512_mask_reduce_max_ps(reach, _mm512_add_ps(av, e))};
+    }
+    *lower = _mm512_reduce_max_ps(lows);
+}
+
+/* the sums of 16 rows (A tile `at`, their inputs from x) by `blocks` (up to 4) blocks of weights
+   from w into C tiles 0-3, the chunks of 64 inputs in turn */
+#define AMX_BLOCK(c, at, bt)                                                                       \
+    if (blocks > c) {                                                                             \
+        _tile_loadd(bt, w + (size_t)(c) * K4 * 16 + (size_t)k * 16, 64);                          \
+        _tile_dpbssd(c, at, bt);                                                                  \
+    }
+#define AMX_SUMS(at)                                                                              \
+    for (int k = 0; k < K4; k += 64) {                                                            \
+        if (K4 > 64) _tile_loadd(at, x + k, K4);                                                  \
+        AMX_BLOCK(0, at, 5) AMX_BLOCK(1, at, 6) AMX_BLOCK(2, at, 5) AMX_BLOCK(3, at, 6)                      \
+    }
+static void checked_run_amx(void* ctx, int begin, int end, int thread) {
+    const checked_args* a = ctx;
+    int M = a->M, K4 = a->K4;
+    int32_t* out = a->amx_out + (size_t)thread * 16 * AMX_ROW;
+    size_t stride = AMX_ROW * 4;  /* bytes: a row's span of sums */
+    amx_configure();
+    for (int v0 = begin; v0 < end; v0 += AMX_SPAN) {  /* (VW == 16: a vector is a block of 16 tokens) */
+        int span = end - v0 < AMX_SPAN ? end - v0 : AMX_SPAN;
+        for (int m0 = 0; m0 < M; m0 += 16) {
+            const uint8_t* x = a->xq + (size_t)m0 * K4;
+            if (K4 == 64) _tile_loadd(4, x, K4);  /* (one chunk: the rows' inputs stay in their tile) */
+            for (int u = 0; u < span; u += 4) {
+                int blocks = span - u < 4 ? span - u : 4;
+                const signed char* w = a->qp + (size_t)(v0 + u) * K4 * 16;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                if (K4 > 64 && (u / 4) % 2) {  /* (the inputs' tile alternates: a load waits for the reads of its tile) */
+                    AMX_SUMS(7)
+                } else {
+                    AMX_SUMS(4)
+                }
+                int32_t* o = out + (size_t)u * 16;
+                _tile_stored(0, o, stride);
+                if (blocks > 1) _tile_stored(1, o + 16, stride);
+                if (blocks > 2) _tile_stored(2, o + 32, stride);
+                if (blocks > 3) _tile_stored(3, o + 48, stride);
+            }
+            int rows = M - m0 < 16 ? M - m0 : 16;
+            for (int r = 0; r < rows && !a->failed[thread]; r++)
+                checked_span(a, thread, m0 + r, 16 * v0, span, out + (size_t)r * AMX_ROW);
+        }
+    }
+    _tile_release();
+}
+#define CHECKED_AMX_RUN checked_run_amx
+#else
+#define CHECKED_AMX 0
+#define CHECKED_AMX_RUN checked_run
+#define AMX_SPAN 1
+#define AMX_ROW 1
+#define AMX_MIN_ROWS 1
+static int amx_available(void) { return 0; }
+#endif
+
 /* a thread's tiles of the int8 copy, each vector of each row looked at as it comes out */
 static void checked_run(void* ctx, int begin, int end, int thread) {
     const checked_args* a = ctx;
@@ -592,6 +727,17 @@ static void checked_run(void* ctx, int begin, int end, int thread) {
     }
 }
 
+/* Whether the checked picks sum in AMX's tiles (where K is whole chunks of 64): built for them,
+ * granted by Linux, and not turned off. `use`: 0 turns them off, 1 on again, -1 asks. */
+int packed_checked_amx(int use) {
+#if CHECKED_AMX
+    if (use >= 0) amx_off = !use;
+#else
+    (void)use;
+#endif
+    return amx_available();
+}
+
 /* Which int8 layout packed_linear_argmax_checked reads: 1, VNNI's (qp[N/16][K4/4][16][4], with
  * sums); 0, the tiles' (qp[N/16][K][16]) */
 int packed_checked_vnni(void) { return CHECKED_VNNI; }
@@ -608,11 +754,14 @@ static int checked_rows(const float* x, const float* wp, const signed char* qp, 
     int* counts = calloc(states, sizeof(int));
     int* failed = calloc((size_t)team, sizeof(int));
     checked_note* notes = malloc(sizeof(checked_note) * states * CHECKED_NOTES);
-    uint8_t* xq = CHECKED_VNNI ? malloc((size_t)M * K4) : NULL;
-    int settled = figures && lower && counts && failed && notes && (xq || !CHECKED_VNNI);
+    int amx = CHECKED_AMX && K % 64 == 0 && M >= AMX_MIN_ROWS && amx_available();
+    size_t padded = amx ? (size_t)(M + 15) / 16 * 16 : (size_t)M;  /* (AMX's tiles: rows of zeros past M) */
+    uint8_t* xq = CHECKED_VNNI ? calloc(padded, K4) : NULL;
+    int32_t* amx_out = amx ? aligned_alloc(64, sizeof(int32_t) * team * 16 * AMX_ROW) : NULL;
+    int settled = figures && lower && counts && failed && notes && (xq || !CHECKED_VNNI) && (amx_out || !amx);
     float *xscale = figures, *x2 = figures ? figures + M : NULL, *r2 = figures ? figures + 2 * M : NULL;
     checked_args a = {x, qp, scale, err, err2, x2, r2, M, N, K, W, mask_of_row, bitmask, lower, notes, counts, failed,
-                      xq, xscale, sums, K4};
+                      xq, xscale, sums, K4, amx_out};
     for (int r = 0; settled && r < M; r++) {
         float m = 0.f;
         for (int k = 0; k < K; k++) {
@@ -628,7 +777,7 @@ static int checked_rows(const float* x, const float* wp, const signed char* qp, 
             xscale[r] = m > 0 ? m * (1.0f / 127) * (1 + 0x1p-20f) : 1.f;
             for (int k = 0; k < K4; k++) {
                 int rounded = k < K ? (int)lrintf(x[(size_t)r * K + k] / xscale[r]) : 0;
-                xq[(size_t)r * K4 + k] = (uint8_t)(128 + rounded);
+                xq[(size_t)r * K4 + k] = (uint8_t)(amx ? rounded : 128 + rounded);  /* (AMX's sums are signed) */
                 double off = k < K ? (double)x[(size_t)r * K + k] - (double)xscale[r] * rounded : 0.0;
                 residue += off * off;
             }
@@ -639,7 +788,8 @@ static int checked_rows(const float* x, const float* wp, const signed char* qp, 
     if (settled) {
         for (size_t i = 0; i < states; i++) lower[i] = -INFINITY;
         int vectors = (N + 15) / 16 * 16 / VW;
-        pool_for(vectors, vector_chunk(vectors, team), team, (size_t)M * N * K >= PARALLEL_MIN_WORK, checked_run, &a);
+        pool_for(vectors, vector_chunk(vectors, team), team, (size_t)M * N * K >= PARALLEL_MIN_WORK,
+                 amx ? CHECKED_AMX_RUN : checked_run, &a);
         for (int t = 0; t < team; t++) settled &= !failed[t];
     }
     float out[NV * VW] __attribute__((aligned(64)));
@@ -674,6 +824,7 @@ static int checked_rows(const float* x, const float* wp, const signed char* qp, 
     free(failed);
     free(notes);
     free(xq);
+    free(amx_out);
     return settled ? 0 : 1;
 }
 
