@@ -372,7 +372,7 @@ def checked_picks(
     lib = loader.library()
     assert lib is not None
     weights = (weight.blocks.data_ptr(), check.blocks.data_ptr(), check.scale.data_ptr(), check.sums.data_ptr())
-    bounds = (check.err[0].data_ptr(), check.err[1].data_ptr(), check.reach)
+    bounds = (check.err[0].data_ptr(), check.err[1].data_ptr(), check.block_err.data_ptr(), check.reach)
     return bool(lib.packed_linear_argmax_checked(x.data_ptr(), *weights, *bounds, *rest, *out) == 0)
 
 

@@ -434,6 +434,7 @@ typedef struct {
     const float* x;
     const signed char* qp;
     const float *scale, *err, *err2;
+    const float* block_err;  /* [2][N/16 blocks]: each block's largest err and err2 (AMX's looks) */
     const float *x2, *r2;  /* [M]: each row's ||x||_2, and ||x - its int8 rounding||_2 (0 without VNNI) */
     int M, N, K, W;
     const int32_t *mask_of_row, *bitmask;
@@ -584,7 +585,7 @@ typedef float checked_sum;
 #include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#define AMX_SPAN 16  /* blocks of 16 tokens: 16 rows' sums in 17 KB, within L1 (64 blocks: 66 KB, slower) */
+#define AMX_SPAN 16  /* blocks of 16 tokens (at most 16: checked_span): 16 rows' sums in 17 KB, within L1 (64: slower) */
 #define AMX_MIN_ROWS 8  /* (fewer: VNNI's sums, unpadded; 1-2 rows took them 0.10-0.15 ms against AMX's 0.15-0.16) */
 #define AMX_ROW (AMX_SPAN * 16 + 16)  /* int32s a row's sums take (padded: rows a power of two apart share L1 sets) */
 typedef struct {
@@ -610,20 +611,31 @@ static void amx_configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* Row r's looks at its int8 logits' sums of `vectors` blocks from token n0 (sums: [vectors][16]
- * int32, the inputs signed: no offset to take off), checked_look's with its state in registers:
- * the lanes' running maxima of a_t - e_t, whose largest is L (broadcast every 4 vectors: a vector
- * compared with a lower L is noted where it need not be, never missed). */
+/* Row r's looks at its int8 logits' sums of `vectors` (<= 16) blocks from token n0 (sums:
+ * [vectors][16] int32, the inputs signed: no offset to take off), checked_look's with its state
+ * in registers: the lanes' running maxima of a_t - E, whose largest is L (broadcast every 4
+ * vectors: a vector compared with a lower L is noted where it need not be, never missed). E is
+ * the block's bound, from its tokens' largest err and err2 (block_err): at least each token's
+ * e_t (the same roundings of larger terms), so L is still at most the largest exact logit and no
+ * token within e_t of it is missed; a bound a block, not a token, saves two loads and two
+ * products a look (a few more vectors noted). */
 static void checked_span(const checked_args* a, int thread, int r, int n0, int vectors, const int32_t* sums) {
     float* lower = a->lower + (size_t)thread * a->M + r;
     const uint32_t* words = row_words(a, r);
-    __m512 xscale = _mm512_set1_ps(a->xscale[r]), x2 = _mm512_set1_ps(a->x2[r]), r2 = _mm512_set1_ps(a->r2[r]);
+    __m512 xscale = _mm512_set1_ps(a->xscale[r]);
     __m512 floor = _mm512_set1_ps(*lower), lows = floor;
+    float bound[16] __attribute__((aligned(64)));
+    __mmask16 blocks = (__mmask16)((1u << vectors) - 1);
+    const float* block_err = a->block_err + n0 / 16;
+    size_t stride = (size_t)(a->N + 15) / 16;
+    _mm512_store_ps(bound, _mm512_fmadd_ps(_mm512_set1_ps(a->x2[r]), _mm512_maskz_loadu_ps(blocks, block_err),
+                                           _mm512_mul_ps(_mm512_set1_ps(a->r2[r]),
+                                                         _mm512_maskz_loadu_ps(blocks, block_err + stride))));
     for (int u = 0; u < vectors; u++) {
         int at = n0 + 16 * u;
         __m512 av = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * u)), xscale),
                                   _mm512_loadu_ps(a->scale + at));
-        __m512 e = _mm512_fmadd_ps(x2, _mm512_loadu_ps(a->err + at), _mm512_mul_ps(r2, _mm512_loadu_ps(a->err2 + at)));
+        __m512 e = _mm512_set1_ps(bound[u]);
         __mmask16 keep = at + 16 <= a->N ? 0xffff : (__mmask16)((1u << (a->N - at)) - 1);
         if (words) keep &= ((const uint16_t*)words)[at >> 4];  /* (at is a multiple of 16; little-endian words) */
         lows = _mm512_mask_max_ps(lows, keep, lows, _mm512_sub_ps(av, e));
@@ -744,7 +756,8 @@ int packed_checked_vnni(void) { return CHECKED_VNNI; }
 
 /* the checked picks of rows none of which is sparse (packed_linear_argmax_checked's) */
 static int checked_rows(const float* x, const float* wp, const signed char* qp, const float* scale,
-                        const int32_t* sums, const float* err, const float* err2, float reach, int M, int N, int K,
+                        const int32_t* sums, const float* err, const float* err2, const float* block_err, float reach,
+                        int M, int N, int K,
                         const int32_t* mask_of_row, const int32_t* bitmask, int W, int64_t* best, uint8_t* dead,
                         int threads) {
     int team = threads > 0 ? threads : 1, K4 = (K + 3) / 4 * 4;
@@ -760,7 +773,7 @@ static int checked_rows(const float* x, const float* wp, const signed char* qp, 
     int32_t* amx_out = amx ? aligned_alloc(64, sizeof(int32_t) * team * 16 * AMX_ROW) : NULL;
     int settled = figures && lower && counts && failed && notes && (xq || !CHECKED_VNNI) && (amx_out || !amx);
     float *xscale = figures, *x2 = figures ? figures + M : NULL, *r2 = figures ? figures + 2 * M : NULL;
-    checked_args a = {x, qp, scale, err, err2, x2, r2, M, N, K, W, mask_of_row, bitmask, lower, notes, counts, failed,
+    checked_args a = {x, qp, scale, err, err2, block_err, x2, r2, M, N, K, W, mask_of_row, bitmask, lower, notes, counts, failed,
                       xq, xscale, sums, K4, amx_out};
     for (int r = 0; settled && r < M; r++) {
         float m = 0.f;
@@ -829,13 +842,14 @@ static int checked_rows(const float* x, const float* wp, const signed char* qp, 
 }
 
 int packed_linear_argmax_checked(const float* x, const float* wp, const signed char* qp, const float* scale,
-                                 const int32_t* sums, const float* err, const float* err2, float reach, int M, int N,
+                                 const int32_t* sums, const float* err, const float* err2, const float* block_err,
+                                 float reach, int M, int N,
                                  int K, const int32_t* mask_of_row, const int32_t* bitmask, int W, int64_t* best,
                                  uint8_t* dead, int threads) {
     if (M < 1) return 1;
     uint8_t* sparse = sparse_rows(mask_of_row, bitmask, W, M);
     if (!sparse)
-        return checked_rows(x, wp, qp, scale, sums, err, err2, reach, M, N, K, mask_of_row, bitmask, W, best, dead,
+        return checked_rows(x, wp, qp, scale, sums, err, err2, block_err, reach, M, N, K, mask_of_row, bitmask, W, best, dead,
                             threads);
     /* a batch of both (a JSON row between values beside unguided ones): the dense rows checked,
        the sparse ones by the exact picks, which skip the tiles their masks forbid */
@@ -853,7 +867,7 @@ int packed_linear_argmax_checked(const float* x, const float* wp, const signed c
         masks[at] = mask_of_row[r];
         memcpy(xs + (size_t)at * K, x + (size_t)r * K, sizeof(float) * K);
     }
-    settled = settled && checked_rows(xs, wp, qp, scale, sums, err, err2, reach, dense, N, K, masks, bitmask, W, picks,
+    settled = settled && checked_rows(xs, wp, qp, scale, sums, err, err2, block_err, reach, dense, N, K, masks, bitmask, W, picks,
                                       deads, threads) == 0;
     settled = settled && packed_linear_argmax_f32(xs + (size_t)dense * K, wp, NULL, M - dense, N, K, masks + dense,
                                                   bitmask, W, picks + dense, deads + dense, threads) == 0;

@@ -76,7 +76,8 @@ class PicksCheck:
     row's ||x||_2 (``err[0]``: the L2 distance of the two weight rows, both fp32 sums' rounding,
     gamma_{K+1} of their L2 norms, and 2^-21 of the copy's for its logit's own roundings) and per
     unit of ||x - x's int8 rounding||_2 (``err[1]``: the copy's L2 norm; VNNI rounds the inputs
-    too): Cauchy-Schwarz, rounded up; ``reach`` the rows' largest L1 norm (no sum of an input
+    too): Cauchy-Schwarz, rounded up; ``block_err`` [2, ceil(N/16)] each block of 16 tokens'
+    largest of both (AMX's looks bound a block at once); ``reach`` the rows' largest L1 norm (no sum of an input
     under 1e37 / reach overflows)."""
 
     def __init__(self, weight: torch.Tensor, vnni: bool) -> None:
@@ -101,6 +102,7 @@ class PicksCheck:
         bounds = torch.stack([distance + gamma * (norm + copy_norm) + 2.0**-21 * copy_norm, copy_norm * (1 + 2.0**-21)])
         self.err = torch.zeros(2, padded, dtype=torch.float32)
         self.err[:, :n] = torch.nextafter((bounds * (1 + 2.0**-10)).float(), torch.tensor(float("inf")))
+        self.block_err = self.err.view(2, -1, BLOCK).amax(dim=2).contiguous()  # [2, blocks]: each block's largest
         self.reach = float(wd.abs().sum(dim=1).max()) * (1 + 2.0**-10)
 
 
