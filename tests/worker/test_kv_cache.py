@@ -56,6 +56,36 @@ def test_a_pool_follows_the_tables_the_scheduler_sets() -> None:
         )
 
 
+def test_block_table_changes_of_few_slots_and_of_many_write_the_same_tables() -> None:
+    """``set_tables`` writes a few slots' changes slot by slot and many in one indexed write: over
+    random changes of 1-20 slots (lengths 0 up to a whole table), each slot's table is its blocks
+    then the scratch block, the others as they were; a slot named twice, lengths that do not add
+    up to the blocks given, or a negative length are refused either way."""
+    rng = np.random.default_rng(3)
+    pool = KVCache(1, 24, 1, 64, 4, torch.float32, block_size=8, num_blocks=100)
+    want = np.full((24, 8), 100, dtype=np.int32)
+    for _ in range(200):
+        slots = rng.choice(24, rng.integers(1, 21), replace=False).astype(np.int32)
+        lengths = rng.integers(0, 9, len(slots)).astype(np.int32)
+        blocks = rng.integers(0, 100, int(lengths.sum())).astype(np.int32)
+        pool.set_tables(slots, lengths, blocks)
+        start = 0
+        for slot, length in zip(slots.tolist(), lengths.tolist()):
+            want[slot] = 100
+            want[slot, :length] = blocks[start : start + length]
+            start += length
+        assert np.array_equal(pool.block_tables(torch.arange(24, dtype=torch.int32)).numpy(), want)
+    for count in (2, 12):  # (the slot-by-slot path, then the indexed one)
+        slots = np.arange(count, dtype=np.int32)
+        for bad_slots, bad_lengths, bad_blocks in (
+            (np.r_[slots[:-1], 0].astype(np.int32), np.ones(count, np.int32), np.zeros(count, np.int32)),
+            (slots, np.ones(count, np.int32), np.zeros(count + 1, np.int32)),
+            (slots, np.r_[-1, np.full(count - 1, 1)].astype(np.int32), np.zeros(count - 2, np.int32)),
+        ):
+            with pytest.raises(ValueError):
+                pool.set_tables(bad_slots, bad_lengths, bad_blocks)
+
+
 @pytest.mark.parametrize("kernels_on", [True, False])
 def test_a_forward_over_blocks_of_16_equals_one_over_a_block_a_slot(
     real_model_dir, monkeypatch: pytest.MonkeyPatch, kernels_on: bool
