@@ -77,8 +77,8 @@ class PicksCheck:
     gamma_{K+1} of their L2 norms, and 2^-21 of the copy's for its logit's own roundings) and per
     unit of ||x - x's int8 rounding||_2 (``err[1]``: the copy's L2 norm; VNNI rounds the inputs
     too): Cauchy-Schwarz, rounded up; ``block_err`` [2, ceil(N/16)] each block of 16 tokens'
-    largest of both (AMX's looks bound a block at once); ``reach`` the rows' largest L1 norm (no sum of an input
-    under 1e37 / reach overflows)."""
+    largest of both (AMX's looks bound a block at once); ``reach`` the rows' largest L1 norm (no
+    sum of an input under 1e37 / reach overflows)."""
 
     def __init__(self, weight: torch.Tensor, vnni: bool) -> None:
         n, k = weight.shape
