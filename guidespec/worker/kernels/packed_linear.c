@@ -471,6 +471,26 @@ static inline const uint32_t* row_words(const checked_args* a, int r) {
     return mask >= 0 ? (const uint32_t*)(a->bitmask + (size_t)mask * a->W) : NULL;
 }
 
+/* A note of row r's vector of tokens from `at`, whose largest allowed upper bound is top (summed
+ * again exactly after: checked_rows); 0 where the thread's notes of the row are full (failed). */
+static inline int checked_note_add(const checked_args* a, int thread, int r, int at, float top) {
+    int* count = a->counts + (size_t)thread * a->M + r;
+    if (*count == CHECKED_NOTES) {
+        a->failed[thread] = 1;
+        return 0;
+    }
+    a->notes[((size_t)thread * a->M + r) * CHECKED_NOTES + (*count)++] = (checked_note){at / VW, top};
+    return 1;
+}
+
+#if VW == 16
+/* the lanes of the 16 tokens from `at` (a multiple of 16) below N that row words allows (NULL: all) */
+static inline __mmask16 allowed16(const checked_args* a, int at, const uint32_t* words) {
+    __mmask16 keep = at + 16 <= a->N ? 0xffff : (__mmask16)((1u << (a->N - at)) - 1);
+    return words ? keep & (__mmask16)(words[at >> 5] >> (at & 31)) : keep;
+}
+#endif
+
 /* A thread's look at row r's approximate logits av of the VW tokens from `at`: its running L
  * (lower), and a note of the vector where an allowed token's upper bound reaches it. No value is
  * NaN or infinite: the inputs are finite, the weights too (weights.py), no sum overflows. */
@@ -480,8 +500,7 @@ static inline void checked_look(const checked_args* a, int thread, int r, int at
     vf e = ((vf){0} + a->x2[r]) * ld(a->err + at) + ((vf){0} + a->r2[r]) * ld(a->err2 + at);
     vf low = av - e, up = av + e;
 #if VW == 16  /* (the mask word's 16 bits are the lanes' mask) */
-    __mmask16 keep = at + 16 <= a->N ? 0xffff : (__mmask16)((1u << (a->N - at)) - 1);
-    if (words) keep &= (__mmask16)(words[at >> 5] >> (at & 31));
+    __mmask16 keep = allowed16(a, at, words);
     __m512 floor = _mm512_set1_ps(*lower);
     __mmask16 rising = _mm512_mask_cmp_ps_mask(keep, (__m512)low, floor, _CMP_GT_OQ);
     if (rising) {  /* (rare once L has grown) */
@@ -505,12 +524,7 @@ static inline void checked_look(const checked_args* a, int thread, int r, int at
     if (!any_at_least(up, (vf){0} + *lower)) return;
     float top = lanes_max(up);
 #endif
-    int* count = a->counts + (size_t)thread * a->M + r;
-    if (*count == CHECKED_NOTES) {
-        a->failed[thread] = 1;
-        return;
-    }
-    a->notes[((size_t)thread * a->M + r) * CHECKED_NOTES + (*count)++] = (checked_note){at / VW, top};
+    checked_note_add(a, thread, r, at, top);
 }
 
 /* With AVX-512 VNNI the inputs are rounded to int8 too (per row: xscale = max|x| / 127), and each
@@ -571,7 +585,7 @@ typedef float checked_sum;
  * instruction at a sixteenth of its rate. VNNI's layout is AMX's: a 16-token block's K4/4 groups
  * of 16 x 4 bytes are a B tile's rows. The inputs are signed here (no 128 to take off: the same
  * integer sums). At batch 64 of the tiny model's head (49,152 x 64) the checked picks took
- * 1.9 -> 1.2-1.5 ms on one thread, 0.9-1.1 -> 0.7-0.75 on two (scratch runs, min of 15).
+ * 1.6-1.9 -> 1.15-1.46 ms on one thread, 0.9-1.2 -> 0.63-0.80 on two (scratch runs, min of 15-40).
  *
  * A thread takes its blocks of tokens AMX_SPAN at a time: for each 16 rows, the span's sums are
  * stored (a row's contiguous) and then looked at row by row, with the row's running L in
@@ -636,19 +650,12 @@ static void checked_span(const checked_args* a, int thread, int r, int n0, int v
         __m512 av = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * u)), xscale),
                                   _mm512_loadu_ps(a->scale + at));
         __m512 e = _mm512_set1_ps(bound[u]);
-        __mmask16 keep = at + 16 <= a->N ? 0xffff : (__mmask16)((1u << (a->N - at)) - 1);
-        if (words) keep &= ((const uint16_t*)words)[at >> 4];  /* (at is a multiple of 16; little-endian words) */
+        __mmask16 keep = allowed16(a, at, words);
         lows = _mm512_mask_max_ps(lows, keep, lows, _mm512_sub_ps(av, e));
         __mmask16 reach = _mm512_mask_cmp_ps_mask(keep, _mm512_add_ps(av, e), floor, _CMP_GE_OQ);
         if (u % 4 == 3) floor = _mm512_set1_ps(_mm512_reduce_max_ps(lows));
-        if (!reach) continue;
-        int* count = a->counts + (size_t)thread * a->M + r;
-        if (*count == CHECKED_NOTES) {
-            a->failed[thread] = 1;
+        if (reach && !checked_note_add(a, thread, r, at, _mm512_mask_reduce_max_ps(reach, _mm512_add_ps(av, e))))
             return;
-        }
-        a->notes[((size_t)thread * a->M + r) * CHECKED_NOTES + (*count)++] =
-            (checked_note){at / 16, _mm512_mask_reduce_max_ps(reach, _mm512_add_ps(av, e))};
     }
     *lower = _mm512_reduce_max_ps(lows);
 }
