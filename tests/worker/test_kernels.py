@@ -590,8 +590,10 @@ def test_linear_argmax_skipping_the_tiles_a_mask_forbids_picks_the_same(
 
 def _checked_case(seed: int, rows: int, vocab: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A random weight with equal logits far apart (row 0's input picks tokens 3 and vocab // 2),
-    logits one ulp apart (row 1's: vocab - 2 above 7 and vocab - 1), and a row of outliers (its
-    int8 copy is coarse), and random inputs past the first two."""
+    logits one ulp apart (row 1's: vocab - 2 above 7 and vocab - 1), a row of outliers (its int8
+    copy is coarse), a row of +-3 whose every product with row 2's input of +-1 of the same signs
+    is the int8 sums' largest (AVX2's int16 pairs reach 2 x 127 x 127 but not 32767), and random
+    inputs past the first three."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(vocab + 5, k, generator=g)
     w[11] *= 8
@@ -602,6 +604,10 @@ def _checked_case(seed: int, rows: int, vocab: int, k: int) -> tuple[torch.Tenso
     x[0] = torch.eye(k)[1] * 2
     if rows > 1:
         x[1] = torch.eye(k)[0]
+    signs = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0)
+    w[5] = signs * 3
+    if rows > 2:
+        x[2] = signs
     return w, x
 
 
@@ -611,7 +617,8 @@ def test_picks_from_the_int8_copy_are_the_exact_picks(
     monkeypatch: pytest.MonkeyPatch, threads: int, vocab: int, k: int
 ) -> None:
     """A packed LM head with its int8 copy (``add_picks_check``) picks 1-6 rows' tokens (17 and 64
-    with VNNI; with AMX in its tiles and in VNNI's sums, each in turn) from the copy and sums the
+    where it sums int8 inputs, AVX-512 VNNI's or AVX2's; with AMX in its tiles and in VNNI's sums,
+    each in turn) from the copy and sums the
     candidates again in fp32: the same tokens as the exact
     picks, bit for bit, unmasked, under dense masks and beside rows of sparse masks (those picked
     exactly), with equal logits far apart, logits one ulp apart, and a row of outliers; the
@@ -623,12 +630,12 @@ def test_picks_from_the_int8_copy_are_the_exact_picks(
     monkeypatch.setattr(kernels.loader, "_threads", threads)
     lib = kernels.loader.library()
     assert lib is not None
-    vnni = bool(lib.packed_checked_vnni())  # (with AVX-512 VNNI every row count: a batch of 64 too)
+    summed = bool(lib.packed_checked_offset())  # (int8 sums: every row count, a batch of 64 too)
     amx = bool(lib.packed_checked_amx(-1))  # (with AMX too: its tiles' sums where k is 64s, and VNNI's)
     try:
         for use in (1, 0) if amx else (0,):
             lib.packed_checked_amx(use)
-            _check_int8_copy_picks(vnni, vocab, k)
+            _check_int8_copy_picks(summed, vocab, k)
     finally:
         lib.packed_checked_amx(int(amx))
     w, x = _checked_case(0, 2, 300, 4)
@@ -647,11 +654,11 @@ def test_picks_from_the_int8_copy_are_the_exact_picks(
         np.testing.assert_array_equal(got[1], want[1])
 
 
-def _check_int8_copy_picks(vnni: bool, vocab: int, k: int) -> None:
+def _check_int8_copy_picks(summed: bool, vocab: int, k: int) -> None:
     import numpy as np
 
     for seed in range(3):
-        for rows in (1, 2, 6, 17, 64) if vnni else (1, 2, 6):
+        for rows in (1, 2, 6, 17, 64) if summed else (1, 2, 6):
             w, x = _checked_case(seed, rows, vocab, k)
             exact, checked = kernels.pack(w), kernels.pack(w)
             kernels.add_picks_check(checked)

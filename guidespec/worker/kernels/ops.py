@@ -14,8 +14,9 @@ from guidespec.worker.kernels.gguf_weights import GGUFWeight
 from guidespec.worker.kernels.weights import BLOCK, PackedWeight, QuantizedWeight, Weight, dense
 
 # rows whose picks :func:`linear_argmax` makes from a packed LM head's int8 copy where it has one
-# (``PicksCheck``), checked exactly, without AVX-512 VNNI: the head is read from memory for so few
-# rows, a quarter of its bytes (with VNNI every row count: its int8 sums are 4x an fp32 FMA's)
+# (``PicksCheck``), checked exactly, where the kernel's int8 copy is widened to fp32 (no AVX2): the
+# head is read from memory for so few rows, a quarter of its bytes (with int8 sums, AVX-512 VNNI's
+# or AVX2's, every row count: they are 2-4x an fp32 FMA's)
 CHECKED_ROWS = 6
 
 
@@ -348,7 +349,7 @@ def linear_argmax(
     rest = (x.shape[0], vocab_size, x.shape[1], _pointer(mask_of_row), _pointer(bitmask), width)
     out = (best.ctypes.data, dead.ctypes.data, loader.threads())
     check = weight.check if isinstance(weight, PackedWeight) else None
-    if check is not None and (check.vnni or x.shape[0] <= CHECKED_ROWS):
+    if check is not None and (check.offset or x.shape[0] <= CHECKED_ROWS):
         assert isinstance(weight, PackedWeight)
         if checked_picks(x, weight, rest, out):
             return best, dead

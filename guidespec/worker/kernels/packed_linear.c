@@ -532,34 +532,67 @@ static inline void checked_look(const checked_args* a, int thread, int r, int at
  * an fp32 FMA's 16), exactly, in int32. The weight is packed for it as qp[N/16][K4/4][16][4]; the
  * uint8 inputs are 128 + x / xscale, the 128 taken off with each token's weight sum. err then
  * also bounds the inputs' rounding (weights.py: ``PicksCheck``). A batch-64 LM head's sums are
- * compute bound: what this is for. */
-#if VW == 16 && defined(__AVX512VNNI__)
+ * compute bound: what this is for.
+ *
+ * With AVX2 alone the same layout and sums take three instructions: vpmaddubsw's int16 sums of
+ * two products, vpmaddwd's of two of those into int32, an add. vpmaddubsw saturates at 32767, so
+ * the inputs are rounded to 7 bits (xscale = max|x| / 63, uint8 64 + x / xscale: two products
+ * reach 2 x 127 x 127 = 32258 at most): exact, the inputs' rounding twice VNNI's, which err2's
+ * term bounds as it is. 32 multiply-adds for three instructions against an fp32 FMA's 8: on a
+ * Zen 3, two threads, the tiny model's head (49,152 x 64): 64 rows' picks 7.3 -> 2.2 ms (they
+ * were the exact fp32 picks past 6 rows), 1 row's 0.25 -> 0.10 (fp32 sums of the copy before). */
+#if (VW == 16 && defined(__AVX512VNNI__)) || (VW == 8 && defined(__AVX2__))
 #define CHECKED_VNNI 1
+#if VW == 16
+#define CHECKED_LEVELS 127  /* the inputs' int8 range: [-LEVELS, LEVELS] + OFFSET */
+#define CHECKED_OFFSET 128
+#define CHECKED_MC 6        /* rows a tile of sums */
+typedef __m512i vsum;
+#define SUM_ZERO _mm512_setzero_si512
+#define SUM_LOAD(p) _mm512_loadu_si512(p)
+#define SUM_STORE(p, v) _mm512_storeu_si512(p, v)
+#define SUM_ADD(acc, s, b) _mm512_dpbusd_epi32(acc, s, b)
+#define SUM_BROADCAST _mm512_set1_epi32
+#else
+#define CHECKED_LEVELS 63
+#define CHECKED_OFFSET 64
+#define CHECKED_MC 6
+typedef __m256i vsum;
+#define SUM_ZERO _mm256_setzero_si256
+#define SUM_LOAD(p) _mm256_loadu_si256((const __m256i*)(p))
+#define SUM_STORE(p, v) _mm256_storeu_si256((__m256i*)(p), v)
+#define SUM_ADD(acc, s, b) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(s, b), _mm256_set1_epi16(1)))
+#define SUM_BROADCAST _mm256_set1_epi32
+#endif
+/* the sums of MC input rows by WIDTH vectors of VW tokens from n0: vector v's VW tokens are a
+   block's (16's) first or second half, its 4 k's VW x 4 bytes at the block's group of 16 x 4 */
 #define VNNI_SUMS(WIDTH, MC)                                                                      \
 static void vnni_##WIDTH##_##MC(const uint8_t* xq, int K4, const signed char* qp, int n0, int32_t* out) { \
-    __m512i acc[WIDTH][MC];                                                                       \
+    vsum acc[WIDTH][MC];                                                                          \
     const signed char* w[WIDTH];                                                                  \
     UNROLL for (int v = 0; v < WIDTH; v++) {                                                      \
-        w[v] = qp + (size_t)(n0 / 16 + v) * K4 * 16;                                              \
-        UNROLL for (int c = 0; c < MC; c++) acc[v][c] = _mm512_setzero_si512();                   \
+        int t = n0 + v * VW;                                                                      \
+        w[v] = qp + (size_t)(t / 16) * K4 * 16 + t % 16 * 4;                                      \
+        UNROLL for (int c = 0; c < MC; c++) acc[v][c] = SUM_ZERO();                               \
     }                                                                                             \
     for (int j = 0; j < K4; j += 4) {                                                             \
-        __m512i b[WIDTH];                                                                         \
-        UNROLL for (int v = 0; v < WIDTH; v++) b[v] = _mm512_loadu_si512(w[v] + (size_t)j * 16); \
+        vsum b[WIDTH];                                                                            \
+        UNROLL for (int v = 0; v < WIDTH; v++) b[v] = SUM_LOAD(w[v] + (size_t)j * 16);           \
         UNROLL for (int c = 0; c < MC; c++) {                                                     \
             int32_t four;                                                                         \
             memcpy(&four, xq + (size_t)c * K4 + j, 4);                                            \
-            __m512i s = _mm512_set1_epi32(four);                                                  \
-            UNROLL for (int v = 0; v < WIDTH; v++) acc[v][c] = _mm512_dpbusd_epi32(acc[v][c], s, b[v]); \
+            vsum s = SUM_BROADCAST(four);                                                         \
+            UNROLL for (int v = 0; v < WIDTH; v++) acc[v][c] = SUM_ADD(acc[v][c], s, b[v]);       \
         }                                                                                         \
     }                                                                                             \
     UNROLL for (int c = 0; c < MC; c++)                                                           \
-        UNROLL for (int v = 0; v < WIDTH; v++) _mm512_storeu_si512(out + (c * NV + v) * 16, acc[v][c]); \
+        UNROLL for (int v = 0; v < WIDTH; v++) SUM_STORE(out + (c * NV + v) * VW, acc[v][c]);     \
 }
 #define VNNI_WIDTH(WIDTH) VNNI_SUMS(WIDTH, 1) VNNI_SUMS(WIDTH, 2) VNNI_SUMS(WIDTH, 3) VNNI_SUMS(WIDTH, 4) \
     VNNI_SUMS(WIDTH, 5) VNNI_SUMS(WIDTH, 6)
 #define VNNI_ROW(WIDTH) {0, vnni_##WIDTH##_1, vnni_##WIDTH##_2, vnni_##WIDTH##_3, vnni_##WIDTH##_4, \
                          vnni_##WIDTH##_5, vnni_##WIDTH##_6}
+#if VW == 16
 VNNI_WIDTH(1) VNNI_WIDTH(2) VNNI_WIDTH(4)
 static void (*const vnnis[NV + 1][7])(const uint8_t*, int, const signed char*, int, int32_t*) = {
     [1] = VNNI_ROW(1), [2] = VNNI_ROW(2), [4] = VNNI_ROW(4)};
@@ -569,9 +602,22 @@ static inline vf checked_values(const checked_args* a, const int32_t* out, int c
     __m512i i = _mm512_sub_epi32(_mm512_load_si512(out + (c * NV + u) * VW), _mm512_loadu_si512(a->sums + at));
     return (vf)_mm512_cvtepi32_ps(i) * a->xscale[r] * ld(a->scale + at);
 }
+#else
+VNNI_WIDTH(1) VNNI_WIDTH(2)
+static void (*const vnnis[NV + 1][7])(const uint8_t*, int, const signed char*, int, int32_t*) = {
+    [1] = VNNI_ROW(1), [2] = VNNI_ROW(2)};
+
+static inline vf checked_values(const checked_args* a, const int32_t* out, int c, int u, int at, int r) {
+    __m256i i = _mm256_sub_epi32(_mm256_load_si256((const __m256i*)(out + (c * NV + u) * VW)),
+                                 _mm256_loadu_si256((const __m256i*)(a->sums + at)));
+    return (vf)_mm256_cvtepi32_ps(i) * a->xscale[r] * ld(a->scale + at);
+}
+#endif
 typedef int32_t checked_sum;
 #else
 #define CHECKED_VNNI 0
+#define CHECKED_LEVELS 127
+#define CHECKED_OFFSET 0
 /* without VNNI the int8 weight is widened to fp32 in the tiles (tileqos): out holds the logits */
 static inline vf checked_values(const checked_args* a, const float* out, int c, int u, int at, int r) {
     (void)a, (void)at, (void)r;
@@ -594,7 +640,7 @@ typedef float checked_sum;
  * and for AMX_MIN_ROWS rows or more; rows are padded to 16 with zeros (xq's rows past M, whose
  * sums nothing reads). Linux hands a process AMX's state on request (arch_prctl); where it
  * refuses, VNNI's sums run. */
-#if CHECKED_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if CHECKED_VNNI && VW == 16 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define CHECKED_AMX 1
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -757,9 +803,10 @@ int packed_checked_amx(int use) {
     return amx_available();
 }
 
-/* Which int8 layout packed_linear_argmax_checked reads: 1, VNNI's (qp[N/16][K4/4][16][4], with
- * sums); 0, the tiles' (qp[N/16][K][16]) */
-int packed_checked_vnni(void) { return CHECKED_VNNI; }
+/* Which int8 layout packed_linear_argmax_checked reads: the uint8 inputs' offset (128 with VNNI,
+ * 64 with AVX2's maddubs) where it sums int8 inputs, in VNNI's layout (qp[N/16][K4/4][16][4], with
+ * each token's weight sum times the offset); 0, the tiles' (qp[N/16][K][16]) */
+int packed_checked_offset(void) { return CHECKED_OFFSET; }
 
 /* the checked picks of rows none of which is sparse (packed_linear_argmax_checked's) */
 static int checked_rows(const float* x, const float* wp, const signed char* qp, const float* scale,
@@ -793,11 +840,11 @@ static int checked_rows(const float* x, const float* wp, const signed char* qp, 
         settled &= m * reach <= 1e37f && m <= 1e30f && (m == 0 || m >= 1e-30f);
         double squares = 0, residue = 0;  /* (in double: exact to far below the float rounding up) */
         for (int k = 0; k < K; k++) squares += (double)x[(size_t)r * K + k] * x[(size_t)r * K + k];
-        if (xq) {  /* (|x / xscale| < 127: rounded, in [-127, 127]) */
-            xscale[r] = m > 0 ? m * (1.0f / 127) * (1 + 0x1p-20f) : 1.f;
+        if (xq) {  /* (|x / xscale| < LEVELS: rounded, in [-LEVELS, LEVELS]) */
+            xscale[r] = m > 0 ? m * (1.0f / CHECKED_LEVELS) * (1 + 0x1p-20f) : 1.f;
             for (int k = 0; k < K4; k++) {
                 int rounded = k < K ? (int)lrintf(x[(size_t)r * K + k] / xscale[r]) : 0;
-                xq[(size_t)r * K4 + k] = (uint8_t)(amx ? rounded : 128 + rounded);  /* (AMX's sums are signed) */
+                xq[(size_t)r * K4 + k] = (uint8_t)(amx ? rounded : CHECKED_OFFSET + rounded);  /* (AMX's sums are signed) */
                 double off = k < K ? (double)x[(size_t)r * K + k] - (double)xscale[r] * rounded : 0.0;
                 residue += off * off;
             }

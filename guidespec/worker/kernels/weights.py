@@ -70,19 +70,20 @@ class PicksCheck:
     """What ``packed_linear_argmax_checked`` (``packed_linear.c``) reads beside a packed fp32 LM
     head to pick rows' tokens exactly from an int8 copy: the weight rounded to int8 with a scale
     per row (``scale``, as :class:`QuantizedWeight` rounds it) in ``blocks``, laid out for the
-    kernel's build (``vnni``: [ceil(N/16), K4/4, 16, 4] with each token's weight sum times 128,
-    ``sums``, K4 = K rounded up to 4; else [ceil(N/16), K, 16]); ``err`` [2, ceil(N/16) * 16], per
+    kernel's build (``offset``, the kernel's uint8 inputs' offset where it sums int8 inputs:
+    128 with AVX-512 VNNI, 64 with AVX2; [ceil(N/16), K4/4, 16, 4] with each token's weight sum
+    times it, ``sums``, K4 = K rounded up to 4; 0: [ceil(N/16), K, 16]); ``err`` [2, ceil(N/16) * 16], per
     token what bounds how far its logit from the copy can be from the fp32 one, per unit of a
     row's ||x||_2 (``err[0]``: the L2 distance of the two weight rows, both fp32 sums' rounding,
     gamma_{K+1} of their L2 norms, and 2^-21 of the copy's for its logit's own roundings) and per
-    unit of ||x - x's int8 rounding||_2 (``err[1]``: the copy's L2 norm; VNNI rounds the inputs
-    too): Cauchy-Schwarz, rounded up; ``block_err`` [2, ceil(N/16)] each block of 16 tokens'
+    unit of ||x - x's int8 rounding||_2 (``err[1]``: the copy's L2 norm; the int8 sums round the
+    inputs too): Cauchy-Schwarz, rounded up; ``block_err`` [2, ceil(N/16)] each block of 16 tokens'
     largest of both (AMX's looks bound a block at once); ``reach`` the rows' largest L1 norm (no
     sum of an input under 1e37 / reach overflows)."""
 
-    def __init__(self, weight: torch.Tensor, vnni: bool) -> None:
+    def __init__(self, weight: torch.Tensor, offset: int) -> None:
         n, k = weight.shape
-        self.vnni = vnni
+        self.offset = offset
         q, self.scale = _int8_rows(weight)
         padded = q.shape[0]
         wd = weight.double()
@@ -90,12 +91,12 @@ class PicksCheck:
         distance, norm, copy_norm = (wd - copy).norm(dim=1), wd.norm(dim=1), copy.norm(dim=1)
         u = 2.0**-24
         gamma = (k + 1) * u / (1 - (k + 1) * u)
-        if vnni:
+        if offset:
             k4 = -(-k // 4) * 4
             q4 = torch.zeros(padded, k4, dtype=torch.int8)
             q4[:, :k] = q
             self.blocks = q4.view(-1, BLOCK, k4 // 4, 4).transpose(1, 2).contiguous()
-            self.sums = q4.sum(dim=1, dtype=torch.int32) * 128  # (the uint8 inputs' offset, taken off)
+            self.sums = q4.sum(dim=1, dtype=torch.int32) * offset  # (the uint8 inputs' offset, taken off)
         else:
             self.blocks = q.view(-1, BLOCK, k).transpose(1, 2).contiguous()
             self.sums = torch.zeros(0, dtype=torch.int32)
@@ -113,7 +114,7 @@ def add_picks_check(weight: Weight) -> None:
     if isinstance(weight, PackedWeight) and weight.check is None and lib is not None:
         dense = weight.unpack()
         if bool(torch.isfinite(dense).all()):
-            weight.check = PicksCheck(dense, bool(lib.packed_checked_vnni()))
+            weight.check = PicksCheck(dense, int(lib.packed_checked_offset()))
 
 
 Weight = torch.Tensor | PackedWeight | QuantizedWeight | GGUFWeight
