@@ -513,6 +513,9 @@ static inline void checked_look(const checked_args* a, int thread, int r, int at
     float top = _mm512_mask_reduce_max_ps(reach, (__m512)up);
     (void)lane;
 #else
+    /* (most looks: no token's upper bound reaches L, masked or not, so none's lower bound rises
+       above it either) */
+    if (!any_at_least(up, (vf){0} + *lower)) return;
     const vf minus_inf = (vf){0} - INFINITY;
     vi keep = allowed_lanes(lane + at, at, a->N, words);
     low = (vf)(((vi)low & keep) | ((vi)minus_inf & ~keep));
