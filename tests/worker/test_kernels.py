@@ -654,6 +654,31 @@ def test_picks_from_the_int8_copy_are_the_exact_picks(
         np.testing.assert_array_equal(got[1], want[1])
 
 
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 instruction sets")
+@pytest.mark.parametrize(
+    "arch,flag,offset",
+    [
+        ("-march=x86-64", "sse2", 0),  # the portable tiles: the copy widened to fp32, up to 6 rows
+        ("-march=x86-64-v3", "avx2", 64),  # AVX2: maddubs' sums of 7-bit inputs, every row count
+        ("-march=x86-64-v4", "avx512f", 0),  # AVX-512 without VNNI: widened, in 16-wide tiles
+    ],
+)
+def test_int8_copy_picks_of_each_instruction_set_are_the_exact_picks(
+    monkeypatch: pytest.MonkeyPatch, arch: str, flag: str, offset: int
+) -> None:
+    """The checked picks as each build makes them, whatever this CPU's own build is (an AVX-512
+    host runs AVX2's too): the exact picks' tokens, with the copy's path taken."""
+    path = kernels.build([arch])
+    assert path is not None and path.exists()
+    if flag not in open("/proc/cpuinfo").read().split():
+        pytest.skip(f"built with {arch}; this CPU lacks {flag} to run it")
+    lib = kernels.load(path)
+    monkeypatch.setattr(kernels.loader, "library", lambda: lib)
+    assert lib.packed_checked_offset() == offset
+    for vocab, k in ((49152 - 9, 64), (1000, 576)):
+        _check_int8_copy_picks(bool(offset), vocab, k)
+
+
 def _check_int8_copy_picks(summed: bool, vocab: int, k: int) -> None:
     import numpy as np
 

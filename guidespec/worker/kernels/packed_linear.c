@@ -549,7 +549,6 @@ static inline void checked_look(const checked_args* a, int thread, int r, int at
 #if VW == 16
 #define CHECKED_LEVELS 127  /* the inputs' int8 range: [-LEVELS, LEVELS] + OFFSET */
 #define CHECKED_OFFSET 128
-#define CHECKED_MC 6        /* rows a tile of sums */
 typedef __m512i vsum;
 #define SUM_ZERO _mm512_setzero_si512
 #define SUM_LOAD(p) _mm512_loadu_si512(p)
@@ -559,7 +558,6 @@ typedef __m512i vsum;
 #else
 #define CHECKED_LEVELS 63
 #define CHECKED_OFFSET 64
-#define CHECKED_MC 6
 typedef __m256i vsum;
 #define SUM_ZERO _mm256_setzero_si256
 #define SUM_LOAD(p) _mm256_loadu_si256((const __m256i*)(p))
