@@ -10,8 +10,8 @@ The kernels, fp32 activations:
   :func:`quantize`): a quarter of the bytes, for the target's int8 copy as a draft model. A
   greedy step's LM head picks each row's token as its tiles are summed (:func:`linear_argmax`),
   without writing the logits; or from the head's int8 copy where it has one
-  (:func:`add_picks_check`: every row count with AVX-512 VNNI, up to 6 rows without), the tokens
-  that could win summed again exactly.
+  (:func:`add_picks_check`: every row count where its sums take int8 inputs, AVX-512 VNNI's or
+  AVX2's, up to 6 rows otherwise), the tokens that could win summed again exactly.
 - ``gguf_linear.c``: linear layers over a GGUF file's own quantized blocks
   (:class:`~guidespec.worker.kernels.gguf_weights.GGUFWeight`, that module says which formats),
   activations rounded to int8 per block of 32 as llama.cpp does: :func:`linear` takes them too.

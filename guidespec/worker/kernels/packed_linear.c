@@ -407,11 +407,11 @@ int packed_linear_argmax_i8(const float* x, const signed char* qp, const float* 
  * Why: one row's LM head reads its whole weight for 2 x K flops a token: 12.6 MB of fp32 for the
  * tiny model's 49,152 x 64, 0.29-0.40 ms on two cores here (6 rows cost 0.35-0.51), most of a
  * batch-1 step; the int8 copy is a quarter of it. At 64 rows the head is compute bound, and AVX-512
- * VNNI's int8 sums (below) are 4x an fp32 FMA's.
+ * VNNI's int8 sums (below) are 4x an fp32 FMA's, AVX2's 2-4x.
  *
  * How it stays exact: for each token t, err[t] and err2[t] bound how far its logit from the copy
  * (a_t) can be from the fp32 one, per unit of the row's ||x||_2 and of ||x - x's int8 rounding||_2
- * (VNNI's; 0 otherwise): Cauchy-Schwarz over the rows' difference, both sums' rounding and the
+ * (the int8 sums'; 0 otherwise): Cauchy-Schwarz over the rows' difference, both sums' rounding and the
  * copy's own. With e_t the bound, L = max over allowed t of a_t - e_t is at most the largest exact
  * logit, and a token with a_t + e_t < L is below it. Each thread, as its tiles' int8 sums come
  * out, keeps its running L and notes each vector of tokens with an allowed a_t + e_t at or above
@@ -435,17 +435,17 @@ typedef struct {
     const signed char* qp;
     const float *scale, *err, *err2;
     const float* block_err;  /* [2][N/16 blocks]: each block's largest err and err2 (AMX's looks) */
-    const float *x2, *r2;  /* [M]: each row's ||x||_2, and ||x - its int8 rounding||_2 (0 without VNNI) */
+    const float *x2, *r2;  /* [M]: each row's ||x||_2, and ||x - its int8 rounding||_2 (0 without int8 sums) */
     int M, N, K, W;
     const int32_t *mask_of_row, *bitmask;
     float* lower;          /* [thread][row]: the running L */
     checked_note* notes;   /* [thread][row][CHECKED_NOTES] */
     int* counts;           /* [thread][row] */
     int* failed;           /* [thread]: too many notes */
-    const uint8_t* xq;     /* VNNI: the inputs as uint8 [M][K4] (128 + x / xscale) */
-    const float* xscale;   /* VNNI: [M] */
-    const int32_t* sums;   /* VNNI: each token's sum of its int8 weights */
-    int K4;                /* VNNI: K rounded up to 4 */
+    const uint8_t* xq;     /* int8 sums: the inputs as uint8 [M][K4] (OFFSET + x / xscale) */
+    const float* xscale;   /* int8 sums: [M] */
+    const int32_t* sums;   /* int8 sums: each token's sum of its int8 weights, times OFFSET */
+    int K4;                /* int8 sums: K rounded up to 4 */
     int32_t* amx_out;      /* AMX: [thread][16 rows][AMX_ROW] sums */
 } checked_args;
 
@@ -545,7 +545,7 @@ static inline void checked_look(const checked_args* a, int thread, int r, int at
  * Zen 3, two threads, the tiny model's head (49,152 x 64): 64 rows' picks 7.3 -> 2.2 ms (they
  * were the exact fp32 picks past 6 rows), 1 row's 0.25 -> 0.10 (fp32 sums of the copy before). */
 #if (VW == 16 && defined(__AVX512VNNI__)) || (VW == 8 && defined(__AVX2__))
-#define CHECKED_VNNI 1
+#define CHECKED_INT8 1
 #if VW == 16
 #define CHECKED_LEVELS 127  /* the inputs' int8 range: [-LEVELS, LEVELS] + OFFSET */
 #define CHECKED_OFFSET 128
@@ -616,10 +616,10 @@ static inline vf checked_values(const checked_args* a, const int32_t* out, int c
 #endif
 typedef int32_t checked_sum;
 #else
-#define CHECKED_VNNI 0
+#define CHECKED_INT8 0
 #define CHECKED_LEVELS 127
 #define CHECKED_OFFSET 0
-/* without VNNI the int8 weight is widened to fp32 in the tiles (tileqos): out holds the logits */
+/* without int8 sums (VNNI's or AVX2's) the int8 weight is widened to fp32 in the tiles (tileqos): out holds the logits */
 static inline vf checked_values(const checked_args* a, const float* out, int c, int u, int at, int r) {
     (void)a, (void)at, (void)r;
     return ld(out + (c * NV + u) * VW);
@@ -641,7 +641,7 @@ typedef float checked_sum;
  * and for AMX_MIN_ROWS rows or more; rows are padded to 16 with zeros (xq's rows past M, whose
  * sums nothing reads). Linux hands a process AMX's state on request (arch_prctl); where it
  * refuses, VNNI's sums run. */
-#if CHECKED_VNNI && VW == 16 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if CHECKED_INT8 && VW == 16 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define CHECKED_AMX 1
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -777,7 +777,7 @@ static void checked_run(void* ctx, int begin, int end, int thread) {
         width = tile_width(end - v);
         for (int m0 = 0; m0 < M; m0 += 6) {
             int mc = M - m0 < 6 ? M - m0 : 6;
-#if CHECKED_VNNI
+#if CHECKED_INT8
             vnnis[width][mc](a->xq + (size_t)m0 * a->K4, a->K4, a->qp, n0, out);
 #else
             tileqos[width][mc](a->x + (size_t)m0 * a->K, a->K, a->qp, a->scale, (const float*)0, out, a->N, n0);
@@ -824,9 +824,9 @@ static int checked_rows(const float* x, const float* wp, const signed char* qp, 
     checked_note* notes = malloc(sizeof(checked_note) * states * CHECKED_NOTES);
     int amx = CHECKED_AMX && K % 64 == 0 && M >= AMX_MIN_ROWS && amx_available();
     size_t padded = amx ? (size_t)(M + 15) / 16 * 16 : (size_t)M;  /* (AMX's tiles: rows of zeros past M) */
-    uint8_t* xq = CHECKED_VNNI ? calloc(padded, K4) : NULL;
+    uint8_t* xq = CHECKED_INT8 ? calloc(padded, K4) : NULL;
     int32_t* amx_out = amx ? aligned_alloc(64, sizeof(int32_t) * team * 16 * AMX_ROW) : NULL;
-    int settled = figures && lower && counts && failed && notes && (xq || !CHECKED_VNNI) && (amx_out || !amx);
+    int settled = figures && lower && counts && failed && notes && (xq || !CHECKED_INT8) && (amx_out || !amx);
     float *xscale = figures, *x2 = figures ? figures + M : NULL, *r2 = figures ? figures + 2 * M : NULL;
     checked_args a = {x, qp, scale, err, err2, block_err, x2, r2, M, N, K, W, mask_of_row, bitmask, lower, notes, counts, failed,
                       xq, xscale, sums, K4, amx_out};
