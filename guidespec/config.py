@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from guidespec.cuda_ext.channel import ChannelLayout
 from guidespec.ipc.broadcast import BroadcastLayout
+from guidespec.ipc.collectives import CollectivesLayout
 from guidespec.ipc.mask_arena import ArenaLayout
 from guidespec.ipc.shm_ring import RingLayout
 
@@ -373,6 +374,7 @@ class WorkerConfig:
     fused_steps: bool = False
     kv_block_size: int = 16
     kv_cache_tokens: int | None = None  # EngineConfig.kv_cache_tokens
+    collectives: CollectivesLayout | None = None  # the ranks' shared-memory collectives (CPU, one host)
 
 
 def config_to_dict(config: SchedulerConfig | WorkerConfig) -> dict[str, object]:
@@ -393,6 +395,8 @@ def config_from_dict(cls: type[_C], data: dict[str, Any]) -> _C:
         fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
     if fields.get("draft_channel") is not None:
         fields["draft_channel"] = ChannelLayout(**fields["draft_channel"])
+    if fields.get("collectives") is not None:
+        fields["collectives"] = CollectivesLayout(**fields["collectives"])
     if fields.get("speculative") is not None:
         fields["speculative"] = SpeculativeConfig(**fields["speculative"])
     return cls(**fields)

@@ -92,6 +92,12 @@ def worker_threads() -> int | None:
     return int(value) if value else None
 
 
+def tp_shared_memory() -> bool:
+    """``GUIDESPEC_TP_SHM=0``: tensor-parallel CPU ranks on one host collect over gloo alone, not
+    through shared memory (``ipc/collectives.py``): to measure the difference."""
+    return os.environ.get("GUIDESPEC_TP_SHM", "1") != "0"
+
+
 def step_next() -> bool:
     """``GUIDESPEC_STEP_NEXT=0``: every step's inputs go whole (a StepInputs), never as a
     StepNext after the step before (``protocol.StepNext``): to measure the difference."""

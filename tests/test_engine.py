@@ -178,12 +178,19 @@ def test_bad_models_raise_before_any_process_starts(tmp_path: Path) -> None:
 
 
 def test_tensor_parallel_2_equals_tp_1(llm: LLM) -> None:
+    """Two CPU ranks on this host: their collectives through shared memory (``ipc/collectives.py``),
+    its segment removed with the engine."""
     expected = [o.token_ids for o in llm.generate(CHATS[:3], GREEDY)]
     with LLM(tensor_parallel_size=2, max_batch_size=4, show_progress=False, dtype="float32") as tp2:
+        collectives = tp2._processes.collectives
+        assert collectives is not None
+        segment = Path(f"/dev/shm/{collectives.layout.name}")
         assert [o.token_ids for o in tp2.generate(CHATS[:3], GREEDY)] == expected
         one_by_one = [tp2.generate(chat, GREEDY)[0] for chat in CHATS[:3]]  # each after a finished one: prefix caching
         assert [o.token_ids for o in one_by_one] == expected
         assert all(o.stats.num_cached_tokens > 0 for o in one_by_one)
+        assert segment.exists() and collectives._seq.min() > 100  # (each rank's collectives so far)
+    assert not segment.exists()
 
 
 def test_prefix_caching_maps_cached_blocks_and_changes_no_output(llm: LLM) -> None:

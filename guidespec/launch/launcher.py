@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import platform
 import secrets
 import signal
 import socket
@@ -31,6 +32,7 @@ from guidespec.config import MODEL_DRAFTERS, EngineConfig, SchedulerConfig, Work
 from guidespec.cuda_ext.channel import ChannelLayout, DraftChannel
 from guidespec.cuda_ext.channel import available as channel_available
 from guidespec.ipc.broadcast import BroadcastLayout
+from guidespec.ipc.collectives import CollectivesLayout, ShmCollectives
 from guidespec.ipc.mask_arena import ArenaLayout, MaskArena
 from guidespec.ipc.shm_ring import ShmRing
 from guidespec.ipc.zmq_channel import new_ipc_endpoint
@@ -41,6 +43,9 @@ from guidespec.worker.device import rank_device
 logger = logging.getLogger(__name__)
 _RING_SLOTS = 16
 _RING_SLOT_SIZE = 1 << 20
+# a rank's part of a collective in shared memory: a decode step's all-reduces and the LM head's
+# gather of ~40 rows of the default model at TP=2 (larger ones, long prefills' all-reduces, go over gloo)
+_COLLECTIVE_SLOT = 4 << 20
 _MONITOR_INTERVAL_S = 0.05
 
 
@@ -94,6 +99,13 @@ class EngineProcesses:
             secrets.token_hex(32),
             num_remote,
             self.arena.layout if self.arena is not None else None,
+        )
+        self.collectives = (
+            ShmCollectives.create(
+                CollectivesLayout(f"guidespec-{uuid.uuid4().hex[:12]}-tp", cfg.tensor_parallel_size, _COLLECTIVE_SLOT)
+            )
+            if _shared_collectives(cfg, self.local_ranks)
+            else None
         )
         # model drafts and their masks between rank 0 and the scheduler (cuda_ext), where rank 0 is local
         self.drafts = DraftChannel.create(_channel_spec(cfg)) if _uses_channel(cfg, self.local_ranks) else None
@@ -167,6 +179,7 @@ class EngineProcesses:
                 fused_steps=fused,
                 kv_block_size=cfg.kv_block_size,
                 kv_cache_tokens=cfg.kv_cache_tokens,
+                collectives=self.collectives.layout if self.collectives is not None else None,
             )
             for rank in range(cfg.tensor_parallel_size)
         ]
@@ -208,6 +221,8 @@ class EngineProcesses:
             self.arena.close()
         if self.drafts is not None:
             self.drafts.close()
+        if self.collectives is not None:
+            self.collectives.close()
         for endpoint in (self.endpoints.client_in, self.endpoints.client_out, self.endpoints.worker_results):
             path = endpoint.removeprefix("ipc://")
             if endpoint.startswith("ipc://") and os.path.exists(path):
@@ -223,6 +238,19 @@ class EngineProcesses:
             if dead is not None and not self._stopping.is_set():
                 self.on_death(dead)
                 return
+
+
+def _shared_collectives(cfg: EngineConfig, local_ranks: list[int]) -> bool:
+    """Whether the ranks' collectives go through shared memory (``ipc/collectives.py``): CPU ranks,
+    every one local (not under Ray, none remote), on x86-64 (its store order), unless
+    ``GUIDESPEC_TP_SHM=0``."""
+    return (
+        cfg.device == "cpu"
+        and cfg.tensor_parallel_size > 1
+        and len(local_ranks) == cfg.tensor_parallel_size
+        and platform.machine() in ("x86_64", "AMD64")
+        and envs.tp_shared_memory()
+    )
 
 
 def _arena_spec(cfg: EngineConfig) -> ArenaLayout:

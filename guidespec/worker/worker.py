@@ -140,7 +140,7 @@ class Worker:
             torch.cuda.set_device(self.device)  # before NCCL: its communicator binds the current device
         captured = cuda and not cfg.enforce_eager and self.tp.size > 1  # (collectives inside CUDA graphs)
         backend = collective_backend(self.device.type, envs.tp_backend(), captured)
-        tp_mod.init_distributed(self.tp, cfg.dist_init_method, backend)
+        tp_mod.init_distributed(self.tp, cfg.dist_init_method, backend, cfg.collectives)
         hf_config = load_hf_config(cfg.model_dir, cfg.hf_config)
         model_cfg = ModelConfig.from_hf(hf_config)
         dtype = getattr(torch, cfg.dtype)
