@@ -84,19 +84,30 @@ class PicksCheck:
     def __init__(self, weight: torch.Tensor, offset: int) -> None:
         n, k = weight.shape
         self.offset = offset
-        q, self.scale = _int8_rows(weight)
-        padded = q.shape[0]
-        wd = weight.double()
-        copy = q[:n].double() * self.scale[:n, None].double()
-        distance, norm, copy_norm = (wd - copy).norm(dim=1), wd.norm(dim=1), copy.norm(dim=1)
+        padded, k4 = -(-n // BLOCK) * BLOCK, -(-k // 4) * 4 if offset else k
+        q = torch.zeros(padded, k4, dtype=torch.int8)
+        self.scale = torch.zeros(padded, dtype=torch.float32)
+        # per row: ||w - copy||, ||w||, ||copy|| and ||w||_1, in fp64, a chunk of rows at a time
+        # (the whole head's fp64 copies took 2.0 s of a worker's start, one thread; chunks 0.45)
+        stats = torch.empty(4, n, dtype=torch.float64)
+        for start in range(0, n, _CHUNK_ROWS):
+            w = weight[start : start + _CHUNK_ROWS].float()
+            end = start + w.shape[0]
+            scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (as _int8_rows rounds)
+            rows = torch.round(w / scale[:, None]).clamp(-127, 127)
+            q[start:end, :k] = rows.to(torch.int8)
+            self.scale[start:end] = scale
+            wd, copy = w.double(), rows.double() * scale[:, None].double()
+            stats[0, start:end] = (wd - copy).norm(dim=1)
+            stats[1, start:end] = wd.norm(dim=1)
+            stats[2, start:end] = copy.norm(dim=1)
+            stats[3, start:end] = wd.abs().sum(dim=1)
+        distance, norm, copy_norm = stats[0], stats[1], stats[2]
         u = 2.0**-24
         gamma = (k + 1) * u / (1 - (k + 1) * u)
         if offset:
-            k4 = -(-k // 4) * 4
-            q4 = torch.zeros(padded, k4, dtype=torch.int8)
-            q4[:, :k] = q
-            self.blocks = q4.view(-1, BLOCK, k4 // 4, 4).transpose(1, 2).contiguous()
-            self.sums = q4.sum(dim=1, dtype=torch.int32) * offset  # (the uint8 inputs' offset, taken off)
+            self.blocks = q.view(-1, BLOCK, k4 // 4, 4).transpose(1, 2).contiguous()
+            self.sums = q.sum(dim=1, dtype=torch.int32) * offset  # (the uint8 inputs' offset, taken off)
         else:
             self.blocks = q.view(-1, BLOCK, k).transpose(1, 2).contiguous()
             self.sums = torch.zeros(0, dtype=torch.int32)
@@ -104,7 +115,10 @@ class PicksCheck:
         self.err = torch.zeros(2, padded, dtype=torch.float32)
         self.err[:, :n] = torch.nextafter((bounds * (1 + 2.0**-10)).float(), torch.tensor(float("inf")))
         self.block_err = self.err.view(2, -1, BLOCK).amax(dim=2).contiguous()  # [2, blocks]: each block's largest
-        self.reach = float(wd.abs().sum(dim=1).max()) * (1 + 2.0**-10)
+        self.reach = float(stats[3].max()) * (1 + 2.0**-10)
+
+
+_CHUNK_ROWS = 4096
 
 
 def add_picks_check(weight: Weight) -> None:
