@@ -176,7 +176,8 @@ def test_tensor_parallel_speculative_equals_plain_and_llguidance(
 def eagle_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny EAGLE-3 head for the default model, trained for a few seconds by ``train-eagle``'s
     own code on the target's generations in the committed sweep results (JME cases left out). The
-    features' time budget of 0 keeps the first 2 of the 8 generations."""
+    features' time budget of 0 keeps the first 2 of the 8 generations (64 output tokens and 48 of
+    the prompt's each); 16 updates: the tests need drafts, right or wrong, not a good head."""
     from guidespec.entrypoints.train_eagle import TrainConfig, train
 
     results = sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob("sweep-*.jsonl"))
@@ -188,11 +189,14 @@ def eagle_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
             max_sequences=8,
             draft_vocab_size=2048,
             max_minutes=0.15,
+            max_updates=16,
+            max_output_tokens=64,
+            prompt_window=48,
             max_feature_minutes=0.0,
             num_heads=3,
             num_kv_heads=1,
             intermediate_size=256,
-            threads=1,
+            threads=2,  # (nothing else runs while a fixture sets up)
         ),
         log=lambda *_: None,
     )
