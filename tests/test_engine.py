@@ -521,7 +521,7 @@ def test_guided_steps_run_ahead_while_forced_drafts_are_rare(monkeypatch: pytest
     }
     letters = GuidedDecoding(regex="[a-z ]+")
     requests = [
-        (CHATS[i], SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True, guided=letters)) for i in range(3)
+        (CHATS[i], SamplingParams(max_tokens=112, temperature=0.0, ignore_eos=True, guided=letters)) for i in range(3)
     ]
     named = GuidedDecoding(json_schema=person)
     requests.append((CHATS[3], SamplingParams(max_tokens=80, temperature=0.0, guided=named)))
@@ -589,11 +589,11 @@ def test_steady_decode_steps_go_as_step_next_and_change_no_token(
 
     letters = GuidedDecoding(regex="[a-z ]+")
     requests = [
-        (CHATS[0], SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)),
-        (CHATS[4], SamplingParams(max_tokens=45, temperature=0.0, ignore_eos=True, guided=letters)),
-        (CHATS[1], SamplingParams(max_tokens=60, temperature=0.9, seed=11, ignore_eos=True)),
+        (CHATS[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)),
+        (CHATS[4], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, guided=letters)),
+        (CHATS[1], SamplingParams(max_tokens=36, temperature=0.9, seed=11, ignore_eos=True)),
         (CHATS[2], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)),
-        ("1, 2, 3,", SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)),
+        ("1, 2, 3,", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)),
     ]
 
     def run(engine: LLM) -> list[list[int]]:
