@@ -220,17 +220,27 @@ def import_tokenizers() -> None:
     transformers.TokenizersBackend  # noqa: B018 (the attribute's access is the import)
 
 
-_SHARED_TOKENIZERS: dict[Path, Any] = {}
+_SHARED_TOKENIZERS: dict[tuple[Path, tuple[tuple[str, int, int], ...]], Any] = {}
 
 
 def shared_tokenizer(model_dir: Path) -> Any:
     """``load_tokenizer(model_dir)``, loaded once in this process: the scheduler loads it before
     it forks its compile process, and both use that one (with the backends' tables made from it,
     ``grammar_backends.prepare_tables``)."""
-    key = Path(model_dir).resolve()
+    folder = Path(model_dir).resolve()
+    key = (folder, _tokenizer_files(folder))  # (a folder whose tokenizer was written again: loaded again)
     if key not in _SHARED_TOKENIZERS:
-        _SHARED_TOKENIZERS[key] = load_tokenizer(key)
+        _SHARED_TOKENIZERS[key] = load_tokenizer(folder)
     return _SHARED_TOKENIZERS[key]
+
+
+def _tokenizer_files(folder: Path) -> tuple[tuple[str, int, int], ...]:
+    """(name, size, mtime) of the files a tokenizer is loaded from."""
+    try:
+        files = [f for f in folder.iterdir() if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges"))]
+        return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    except OSError:
+        return ()
 
 
 def load_tokenizer(model_dir: Path) -> Any:

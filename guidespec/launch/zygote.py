@@ -183,6 +183,7 @@ def _serve(sock: socket.socket, children: dict[int, int]) -> None:
         if not data:
             return
         request = json.loads(data)
+        _prepare(request)
         pid = os.fork()
         if pid == 0:
             sock.close()
@@ -193,6 +194,34 @@ def _serve(sock: socket.socket, children: dict[int, int]) -> None:
             os.close(fd)
         children[os.pidfd_open(pid)] = pid
         _send(sock, {"pid": pid})
+
+
+_schedulers_of: set[tuple[str, ...]] = set()  # the models (and grammar tables) a scheduler was forked for
+
+
+def _prepare(request: dict[str, Any]) -> None:
+    """Before forking a scheduler of a model it has forked one of before: the model's tokenizer and
+    the grammar backends' tables of it (1.5-1.7 s of a scheduler's CPU at each start, on the
+    critical path), made here and kept, so that this scheduler and every later one has them (a
+    client that starts engines again: restarts, replicas, tests). Not for a client's first engine,
+    whose scheduler makes them beside its workers' loads; they start no thread (``tables.py``).
+    A failure here is the scheduler's to meet: it makes them itself."""
+    job = request.get("job", {})
+    if job.get("role") != "scheduler":
+        return
+    try:
+        from guidespec.config import SchedulerConfig, config_from_dict
+        from guidespec.scheduler.grammar import grammar_settings
+        from guidespec.scheduler.grammar.compile_process import prepare_grammar_tables
+
+        settings = grammar_settings(config_from_dict(SchedulerConfig, job["config"]))
+        s = settings
+        key = tuple(map(str, (s.model_dir, s.vocab_size, s.stop_token_ids, s.default_backend)))
+        if key in _schedulers_of:
+            prepare_grammar_tables(settings)
+        _schedulers_of.add(key)
+    except Exception:
+        logger.debug("the zygote could not make a scheduler's tables", exc_info=True)
 
 
 def _run_child(request: dict[str, Any], fds: list[int]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -96,3 +97,35 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"
+
+
+def test_a_zygote_keeps_the_tokenizer_and_tables_of_a_model_it_started_a_scheduler_of(
+    tiny_base_model: Path, tmp_path: Path
+) -> None:
+    """The zygote's preparation of a scheduler request (``zygote._prepare``, run here in this
+    process): nothing for a model's first scheduler (its scheduler makes them beside the workers'
+    loads), the model's tokenizer and both backends' tables made and kept for the next, so that
+    a scheduler forked after has them (the same objects ``fork_compile_process`` then finds)."""
+    from guidespec.config import SchedulerConfig, config_to_dict
+    from guidespec.grammar_backends.llguidance_backend import LLGuidanceBackend
+    from guidespec.grammar_backends.tables import _TABLES
+    from guidespec.ipc.broadcast import BroadcastLayout
+    from guidespec.model_files import _SHARED_TOKENIZERS, shared_tokenizer
+
+    folder = Path(shutil.copytree(tiny_base_model, tmp_path / "model"))  # (a folder no other test loaded)
+    config = SchedulerConfig(
+        folder, 2, 64, 64, (256,), 1, BroadcastLayout(None), "ipc://a", "ipc://b", "ipc://c", 257,
+        "auto", 10.0, "verified",
+    )  # fmt: skip
+    request = {"job": {"role": "scheduler", "config": config_to_dict(config)}}
+    folder = folder.resolve()
+    ours = lambda: [key for key in _SHARED_TOKENIZERS if key[0] == folder]  # noqa: E731
+    assert ours() == []
+    zygote._prepare(request)
+    assert ours() == []  # (a first scheduler makes its own)
+    zygote._prepare(request)
+    tokenizer = shared_tokenizer(folder)
+    assert ours() and sum(found[0] is tokenizer for found in _TABLES.values()) == 2  # xgrammar's and llguidance's
+    # a scheduler's own preparation after finds them: the same llguidance tokenizer
+    assert LLGuidanceBackend.tables(tokenizer, 257, (256,)) is LLGuidanceBackend.tables(tokenizer, 257, (256,))
+    zygote._prepare({"job": {"role": "worker", "config": {}}})  # (a worker's request: nothing)

@@ -115,21 +115,28 @@ class ForkedCompileProcess:
 CompileProcess = subprocess.Popen[str] | ForkedCompileProcess
 
 
-def fork_compile_process(settings: GrammarSettings) -> ForkedCompileProcess:
-    """The compile process, forked from this one: the scheduler's process calls it once its
-    imports (torch, xgrammar, transformers: ~3 s of CPU) are done and before it starts a thread,
-    so the compile process has them for nothing (spawned, it ran them again beside the
-    scheduler's and the worker's on the same cores: ~1.5 s of each engine start on 2 cores)."""
+def prepare_grammar_tables(settings: GrammarSettings) -> None:
+    """The tokenizer and the backends' tables of it, made and kept in this process (where they
+    are already, nothing): the scheduler makes them before it forks its compile process, once for
+    both (each made its own beside the other's: ~1 s of CPU twice on the same cores at every
+    engine's start); the zygote, for a model it has started a scheduler of before, before it forks
+    the next one (``launch/zygote.py``)."""
     import_backends(backend_order(settings.default_backend))
     import_tokenizers()
-    # the tokenizer and the backends' tables of it, made once for both processes (each made its
-    # own beside the other's: ~1 s of CPU twice on the same cores at every engine's start)
     prepare_tables(
         backend_order(settings.default_backend),
         shared_tokenizer(settings.model_dir),
         settings.vocab_size,
         tuple(settings.stop_token_ids),
     )
+
+
+def fork_compile_process(settings: GrammarSettings) -> ForkedCompileProcess:
+    """The compile process, forked from this one: the scheduler's process calls it once its
+    imports (torch, xgrammar, transformers: ~3 s of CPU) are done and before it starts a thread,
+    so the compile process has them for nothing (spawned, it ran them again beside the
+    scheduler's and the worker's on the same cores: ~1.5 s of each engine start on 2 cores)."""
+    prepare_grammar_tables(settings)
     to_child, from_parent = os.pipe()
     to_parent, from_child = os.pipe()  # (read end, write end) pairs: child reads to_child's read end
     pid = os.fork()
