@@ -7,7 +7,8 @@ code before a change, e.g. ``git worktree add DIR <commit>``; its rounds alterna
 one's, so both meet the same moments of a noisy machine). In it: ``import guidespec``; the
 client's first ``LLM(max_batch_size=2)`` (the zygote's imports beside the client's); its first
 answer (4 greedy tokens of a short chat); ``close()``; then a second ``LLM()`` in the same, warm
-Python (its processes forked from the zygote) and its first answer. Seconds, the rounds' median
+Python (its processes forked from the zygote) and its first answer; then a third ``LLM()`` (the
+zygote made the model's tokenizer and grammar tables before forking the second's scheduler). Seconds, the rounds' median
 and range. The model's one-time preparation (a GGUF's conversion, its tensor index) happens before
 the first round and is not counted.
 """
@@ -44,6 +45,10 @@ t_ready2 = time.monotonic()
 again.generate(chat, params)
 t_answer2 = time.monotonic()
 again.close()
+t_closed2 = time.monotonic()
+third = LLM(model=model, max_batch_size=2, show_progress=False)
+t_ready3 = time.monotonic()
+third.close()
 print(json.dumps({
     "import": t_import - t0,
     "first LLM()": t_ready - t_import,
@@ -51,6 +56,7 @@ print(json.dumps({
     "close()": t_closed - t_answer,
     "second LLM(), warm Python": t_ready2 - t_closed,
     "its first answer (warm)": t_answer2 - t_ready2,
+    "third LLM() (the zygote has the model's tables)": t_ready3 - t_closed2,
 }))
 """
 
