@@ -237,8 +237,9 @@ def shared_tokenizer(model_dir: Path) -> Any:
 def _tokenizer_files(folder: Path) -> tuple[tuple[str, int, int], ...]:
     """(name, size, mtime) of the files a tokenizer is loaded from."""
     try:
-        files = [f for f in folder.iterdir() if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges"))]
-        return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+        prefixes = ("tokenizer", "special_tokens", "vocab", "merges")
+        stats = [(f.name, f.stat()) for f in folder.iterdir() if f.name.startswith(prefixes)]
+        return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats))
     except OSError:
         return ()
 

@@ -67,6 +67,21 @@ def parent_alive(parent_pid: int) -> bool:
     return os.getppid() == parent_pid
 
 
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+
 def lower_thread_priority(increment: int) -> None:
     """Raise the calling thread's nice value by ``increment`` (Linux: a thread's own, inherited by
     the threads it starts afterwards; a process's other threads keep theirs). Background work that

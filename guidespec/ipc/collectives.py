@@ -37,6 +37,7 @@ import numpy as np
 
 from guidespec.ipc import futex
 from guidespec.ipc.segments import attach_segment, close_segment, create_segment
+from guidespec.process_utils import process_alive
 
 if TYPE_CHECKING:  # (torch is imported where a rank attaches: the layout travels in configs the client builds)
     import torch
@@ -140,36 +141,18 @@ class ShmCollectives:
 
     def _wait(self, other: int, count: int) -> None:
         """Until rank ``other`` has posted collective ``count`` (it may be one past it already)."""
-        seq = self._seq
         for _ in range(_SPINS):
-            if (int(seq[other]) - count) & 0xFFFFFFFF <= 1:
-                return
-        while True:
-            seen = int(seq[other])
+            seen = int(self._seq[other])
             if (seen - count) & 0xFFFFFFFF <= 1:
                 return
+        while (seen - count) & 0xFFFFFFFF > 1:
             futex.wait(self._addresses[other], seen, _SLEEP_S)
-            if (int(seq[other]) - count) & 0xFFFFFFFF <= 1:
-                return
             pid = int(self._pids[other])
-            if pid and not _alive(pid):
+            seen = int(self._seq[other])
+            if (seen - count) & 0xFFFFFFFF > 1 and pid and not process_alive(pid):
                 raise RankDied(f"tensor-parallel rank {other} (pid {pid}) died during a collective")
 
     def close(self) -> None:
         self._slots = None  # type: ignore[assignment]  # drop the views before closing the mapping
         self._seq = self._pids = None  # type: ignore[assignment]
         close_segment(self._shm, self._owner)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped by its parent) is dead
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True

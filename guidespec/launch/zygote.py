@@ -215,8 +215,7 @@ def _prepare(request: dict[str, Any]) -> None:
         from guidespec.scheduler.grammar.compile_process import prepare_grammar_tables
 
         settings = grammar_settings(config_from_dict(SchedulerConfig, job["config"]))
-        s = settings
-        key = tuple(map(str, (s.model_dir, s.vocab_size, s.stop_token_ids, s.default_backend)))
+        key = tuple(str(getattr(settings, f)) for f in ("model_dir", "vocab_size", "stop_token_ids", "default_backend"))
         if key in _schedulers_of:
             prepare_grammar_tables(settings)
         _schedulers_of.add(key)

@@ -8,12 +8,11 @@ gone only stops the loop (``Health.stopping``): there is no one left to answer.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from guidespec import envs
 from guidespec.ipc.zmq_channel import Channel
-from guidespec.process_utils import parent_alive
+from guidespec.process_utils import parent_alive, process_alive
 from guidespec.protocol import WorkerError, WorkerReady
 
 logger = logging.getLogger(__name__)
@@ -62,17 +61,3 @@ def worker_failure(message: WorkerError) -> str:
     if message.details:
         logger.error("worker rank %d failed at step %d:\n%s", message.rank, message.step, message.details)
     return message.message.splitlines()[0] if message.message else f"worker rank {message.rank} failed"
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False

@@ -70,7 +70,7 @@ def broadcast_ints(values: np.ndarray, tp: TPInfo, device: torch.device) -> np.n
     if tp.size == 1:
         return values
     t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(device)
-    if _shm is not None and t.device.type == "cpu" and _shm.fits(t):
+    if _shm is not None and _shm.fits(t):  # (CPU ranks only have one)
         return _shm.broadcast(t).numpy()
     dist.broadcast(t, src=0)
     return t.cpu().numpy()

@@ -128,4 +128,6 @@ def test_a_zygote_keeps_the_tokenizer_and_tables_of_a_model_it_started_a_schedul
     assert ours() and sum(found[0] is tokenizer for found in _TABLES.values()) == 2  # xgrammar's and llguidance's
     # a scheduler's own preparation after finds them: the same llguidance tokenizer
     assert LLGuidanceBackend.tables(tokenizer, 257, (256,)) is LLGuidanceBackend.tables(tokenizer, 257, (256,))
-    zygote._prepare({"job": {"role": "worker", "config": {}}})  # (a worker's request: nothing)
+    kept = len(_TABLES)
+    zygote._prepare({"job": {"role": "worker", "config": {}}})  # (a worker's request: nothing made)
+    assert len(_TABLES) == kept and len(ours()) == 1
