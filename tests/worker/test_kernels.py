@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import torch.nn.functional as F
 
 from guidespec.worker import kernels
+from tests.worker.builds import build_for
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the kernel is not built")
 
@@ -279,9 +280,9 @@ ARCHS = ("-march=x86-64", "-march=x86-64-v3", "-march=x86-64-v4")
 
 @pytest.fixture(scope="module")
 def arch_builds() -> dict[str, Path | None]:
-    """Each vector width's build, the three compilers side by side (12-20 s each, one core)."""
+    """Each vector width's build, built side by side (tests/worker/builds.py)."""
     with ThreadPoolExecutor(len(ARCHS)) as pool:
-        return dict(zip(ARCHS, pool.map(lambda arch: kernels.build([arch]), ARCHS)))
+        return dict(zip(ARCHS, pool.map(build_for, ARCHS)))
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 instruction sets")
@@ -668,7 +669,7 @@ def test_int8_copy_picks_of_each_instruction_set_are_the_exact_picks(
 ) -> None:
     """The checked picks as each build makes them, whatever this CPU's own build is (an AVX-512
     host runs AVX2's too): the exact picks' tokens, with the copy's path taken."""
-    path = kernels.build([arch])
+    path = build_for(arch)
     assert path is not None and path.exists()
     if flag not in open("/proc/cpuinfo").read().split():
         pytest.skip(f"built with {arch}; this CPU lacks {flag} to run it")

@@ -126,7 +126,7 @@ print("ok")
 
 _LATE_HELPER = """
 import sys
-lib = kernels.load(kernels.build(["-march=native", "-DPOOL_PUBLISH_DELAY_NS=50000"]))
+lib = kernels.load(kernels.build(["-march=native", "-O1", "-DPOOL_PUBLISH_DELAY_NS=50000"]))  # (-O1: a fast build)
 kernels.loader.library = lambda: lib
 ws = [kernels.pack(torch.randn(n, 64, generator=g)) for n in (160, 4096, 640)]
 x = torch.randn(64, 64, generator=g)

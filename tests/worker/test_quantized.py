@@ -28,6 +28,7 @@ from guidespec.worker.kernels.gguf_weights import GGUFWeight, from_gguf
 from guidespec.worker.forward_batch import ForwardBatch
 from guidespec.worker.model import LINEAR_WEIGHTS, LlamaModel
 from guidespec.worker.tp import TPInfo, destroy_distributed, init_distributed
+from tests.worker.builds import build_for
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler: the kernel is not built")
@@ -175,7 +176,7 @@ def test_types_not_kept_as_blocks() -> None:
     ],
 )
 def test_each_instruction_set_builds_and_matches(monkeypatch: pytest.MonkeyPatch, arch: str, flag: str) -> None:
-    path = kernels.build([arch])
+    path = build_for(arch)
     assert path is not None and path.exists()
     if flag not in open("/proc/cpuinfo").read().split():
         pytest.skip(f"built with {arch}; this CPU lacks {flag} to run it")
@@ -203,7 +204,7 @@ def test_vnni_products_give_the_maddubs_kernels_results_bit_for_bit(monkeypatch:
     blocks outside the whole groups (the default model's width)."""
     results = []
     for arch in ("-march=x86-64-v4", "-march=native"):  # maddubs, then dpbusd (and 512-bit pairs)
-        path = kernels.build([arch])
+        path = build_for(arch)
         assert path is not None
         monkeypatch.setattr(kernels.loader, "library", lambda path=path: kernels.load(path))
         outs = []
