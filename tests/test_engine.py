@@ -81,11 +81,28 @@ def hf(real_model_dir: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32).eval()
 
 
+def hf_greedy(hf: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Hugging Face's greedy outputs of ``prompts`` in one batch, left-padded (a third of the time
+    of one ``generate`` each; the same tokens here), each cut after its first end-of-sequence
+    token as one ``generate`` of it alone ends."""
+    width = max(map(len, prompts))
+    ends = hf.generation_config.eos_token_id
+    ends = set(ends if isinstance(ends, list) else [ends])
+    pad = next(iter(ends))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    refs = []
+    for row in out[:, width:].tolist():
+        end = next((i for i, token in enumerate(row) if token in ends), len(row) - 1)
+        refs.append(row[: end + 1])
+    return refs
+
+
 def test_greedy_equals_hugging_face_generate(llm: LLM, hf: Any) -> None:
     ours = llm.generate(CHATS, GREEDY)
-    for chat, out in zip(CHATS, ours):
-        ids = torch.tensor([llm.encode_prompt(chat)])
-        ref = hf.generate(ids, max_new_tokens=GREEDY.max_tokens, do_sample=False)[0, ids.shape[1] :].tolist()
+    refs = hf_greedy(hf, [llm.encode_prompt(chat) for chat in CHATS], GREEDY.max_tokens)
+    for out, ref in zip(ours, refs):
         assert out.token_ids == ref[: len(out.token_ids)]
         assert len(out.token_ids) == len(ref) or out.finish_reason == "stop"
 
