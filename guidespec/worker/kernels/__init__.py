@@ -1,5 +1,6 @@
-"""CPU kernels built at first use: the C source is compiled with the system's C compiler into
-the cache directory and called through ctypes (no torch headers, so it builds in a second).
+"""CPU kernels built at first use: the C sources are compiled with the system's C compiler into
+the cache directory, side by side (17 s on two cores, once per CPU and source), and called through
+ctypes (no torch headers).
 
 The kernels, fp32 activations:
 
