@@ -96,12 +96,14 @@ def verify(
             torch.from_numpy(np.repeat(top_k[sampled], reps).astype(np.int64)),
             torch.from_numpy(np.repeat(top_p[sampled], reps).astype(np.float32)),
         )
+        # the seeded rows' numbers, all at once ([R, 2, n]: ACCEPT, DRAW; an unseeded row's are
+        # its generator's, drawn in turn)
+        numbers = seeded_uniforms(np.maximum(seeds[sampled], 0), sample_index[sampled], int(reps.max()))
         start = 0
-        for b, n in zip(sampled, reps.tolist()):
+        for i, (b, n) in enumerate(zip(sampled, reps.tolist())):
             q = draft_probs[b] if draft_probs is not None else None
-            out[b] = _verify_sampled(
-                probs[start : start + n], drafts[b], q, int(seeds[b]), int(sample_index[b]), generator
-            )
+            row_numbers = numbers[i] if seeds[b] >= 0 else None
+            out[b] = _verify_sampled(probs[start : start + n], drafts[b], q, row_numbers, generator)
             start += n
     if dead.any():
         for b in range(batch):  # only a row's last token can come from a dead row (a draft accepted at
@@ -225,15 +227,17 @@ def _verify_sampled(
     probs: torch.Tensor,
     drafts: np.ndarray,
     q: torch.Tensor | None,
-    seed: int,
-    first_index: int,
+    numbers: np.ndarray | None,
     generator: torch.Generator | None,
 ) -> list[int]:
+    """A sampled row's drafts accepted or corrected; ``numbers`` [2, >= len(drafts) + 1] are a
+    seeded row's (ACCEPT, DRAW) at its output indices (``seeded_uniforms``), None where the row
+    is unseeded (its numbers come from ``generator``)."""
     tokens: list[int] = []
     for j, draft in enumerate(drafts.tolist()):
         p = probs[j]
         q_draft = float(q[j, draft]) if q is not None else 1.0
-        u = _uniform(seed, first_index + j, ACCEPT, generator, p.device)
+        u = float(torch.rand(1, generator=generator, device=p.device)) if numbers is None else float(numbers[0, j])
         if q_draft > 0 and u * q_draft < float(p[draft]):  # u < p'/q', without dividing
             tokens.append(draft)
             continue
@@ -242,20 +246,13 @@ def _verify_sampled(
             residual[draft] = 0
         if float(residual.sum()) <= 0:  # p' == q': nothing left to correct, draw from p'
             residual = p
-        tokens.append(_draw_one(residual, seed, first_index + j, generator))
+        tokens.append(_draw_one(residual, numbers, j, generator))
         return tokens
-    tokens.append(_draw_one(probs[len(drafts)], seed, first_index + len(drafts), generator))
+    tokens.append(_draw_one(probs[len(drafts)], numbers, len(drafts), generator))
     return tokens
 
 
-def _uniform(seed: int, index: int, stream: int, shared: torch.Generator | None, device: torch.device) -> float:
-    if seed < 0:
-        return float(torch.rand(1, generator=shared, device=device))
-    return float(counter_uniforms(np.array([seed]), np.array([index]), stream)[0])
-
-
-def _draw_one(weights: torch.Tensor, seed: int, index: int, shared: torch.Generator | None) -> int:
-    if seed < 0:
+def _draw_one(weights: torch.Tensor, numbers: np.ndarray | None, j: int, shared: torch.Generator | None) -> int:
+    if numbers is None:
         return int(torch.multinomial(weights, 1, generator=shared))
-    u = torch.from_numpy(counter_uniforms(np.array([seed]), np.array([index]), DRAW))
-    return int(inverse_cdf(weights[None], u)[0])
+    return int(inverse_cdf(weights[None], torch.from_numpy(numbers[1, j : j + 1]))[0])
