@@ -74,6 +74,8 @@ def load(path: Path) -> ctypes.CDLL:
     checked: list[Any] = [ctypes.c_void_p] * 8 + [ctypes.c_float]  # x, wp, qp, scale, sums, err, err2, block_err, reach
     lib.packed_checked_offset.argtypes = []
     lib.packed_checked_offset.restype = ctypes.c_int
+    lib.packed_checked_weight_levels.argtypes = []
+    lib.packed_checked_weight_levels.restype = ctypes.c_int
     lib.packed_checked_amx.argtypes = [ctypes.c_int]
     lib.packed_checked_amx.restype = ctypes.c_int
     lib.packed_linear_argmax_checked.argtypes = checked + picks[3:] + [ctypes.c_int]  # (no bias)

@@ -558,7 +558,12 @@ static inline void checked_look(const checked_args* a, int thread, int r, int at
  * reach 2 x 127 x 127 = 32258 at most): exact, the inputs' rounding twice VNNI's, which err2's
  * term bounds as it is. 32 multiply-adds for three instructions against an fp32 FMA's 8: on a
  * Zen 3, two threads, the tiny model's head (49,152 x 64): 64 rows' picks 7.3 -> 2.2 ms (they
- * were the exact fp32 picks past 6 rows), 1 row's 0.25 -> 0.10 (fp32 sums of the copy before). */
+ * were the exact fp32 picks past 6 rows), 1 row's 0.25 -> 0.10 (fp32 sums of the copy before).
+ * The copy's weights are rounded to 7 bits there (|w| <= 63, CHECKED_WEIGHT_LEVELS): two products
+ * reach 2 x 127 x 63 = 16002, so the int16 sums of two groups of 4 k's add before one vpmaddwd
+ * widens them (SUM_ADD2): 64 multiply-adds for five instructions, three of them multiplies where
+ * there were four; err bounds the coarser copy
+ * as it is. Rank 0's mask + sample at 64 rows 1.59 -> 1.41 ms. */
 #if (VW == 16 && defined(__AVX512VNNI__)) || (VW == 8 && defined(__AVX2__))
 #define CHECKED_INT8 1
 #if VW == 16
@@ -569,6 +574,8 @@ typedef __m512i vsum;
 #define SUM_LOAD(p) _mm512_loadu_si512(p)
 #define SUM_STORE(p, v) _mm512_storeu_si512(p, v)
 #define SUM_ADD(acc, s, b) _mm512_dpbusd_epi32(acc, s, b)
+#define SUM_ADD2(acc, s, b, s2, b2) _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, s, b), s2, b2)
+#define CHECKED_WEIGHT_LEVELS 127
 #define SUM_BROADCAST _mm512_set1_epi32
 #define SUM_SUB _mm512_sub_epi32
 #define SUM_FLOAT _mm512_cvtepi32_ps
@@ -580,6 +587,11 @@ typedef __m256i vsum;
 #define SUM_LOAD(p) _mm256_loadu_si256((const __m256i*)(p))
 #define SUM_STORE(p, v) _mm256_storeu_si256((__m256i*)(p), v)
 #define SUM_ADD(acc, s, b) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(s, b), _mm256_set1_epi16(1)))
+/* two groups of 4 k's: their int16 pair sums added before they are widened (|w| <= 63: no overflow) */
+#define SUM_ADD2(acc, s, b, s2, b2)                                                                   \
+    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(s, b), _mm256_maddubs_epi16(s2, b2)), \
+                                            _mm256_set1_epi16(1)))
+#define CHECKED_WEIGHT_LEVELS 63
 #define SUM_BROADCAST _mm256_set1_epi32
 #define SUM_SUB _mm256_sub_epi32
 #define SUM_FLOAT _mm256_cvtepi32_ps
@@ -595,7 +607,19 @@ static void vnni_##WIDTH##_##MC(const uint8_t* xq, int K4, const signed char* qp
         w[v] = qp + (size_t)(t / 16) * K4 * 16 + t % 16 * 4;                                      \
         UNROLL for (int c = 0; c < MC; c++) acc[v][c] = SUM_ZERO();                               \
     }                                                                                             \
-    for (int j = 0; j < K4; j += 4) {                                                             \
+    int j = 0;                                                                                    \
+    for (; j + 8 <= K4; j += 8) {  /* (two groups of 4 k's a pass: SUM_ADD2) */                   \
+        UNROLL for (int c = 0; c < MC; c++) {                                                     \
+            int32_t four, next;                                                                   \
+            memcpy(&four, xq + (size_t)c * K4 + j, 4);                                            \
+            memcpy(&next, xq + (size_t)c * K4 + j + 4, 4);                                        \
+            vsum s = SUM_BROADCAST(four), s2 = SUM_BROADCAST(next);                               \
+            UNROLL for (int v = 0; v < WIDTH; v++)                                                \
+                acc[v][c] = SUM_ADD2(acc[v][c], s, SUM_LOAD(w[v] + (size_t)j * 16), s2,           \
+                                     SUM_LOAD(w[v] + (size_t)(j + 4) * 16));                      \
+        }                                                                                         \
+    }                                                                                             \
+    for (; j < K4; j += 4) {                                                                      \
         vsum b[WIDTH];                                                                            \
         UNROLL for (int v = 0; v < WIDTH; v++) b[v] = SUM_LOAD(w[v] + (size_t)j * 16);           \
         UNROLL for (int c = 0; c < MC; c++) {                                                     \
@@ -632,6 +656,7 @@ typedef int32_t checked_sum;
 #else
 #define CHECKED_INT8 0
 #define CHECKED_LEVELS 127
+#define CHECKED_WEIGHT_LEVELS 127
 #define CHECKED_OFFSET 0
 /* without int8 sums (VNNI's or AVX2's) the int8 weight is widened to fp32 in the tiles (tileqos): out holds the logits */
 static inline vf checked_values(const checked_args* a, const float* out, int c, int u, int at, int r) {
@@ -861,6 +886,10 @@ int packed_checked_amx(int use) {
  * each token's weight sum times the offset); 0, the tiles' (qp[N/16][K][16]) */
 int packed_checked_offset(void) { return CHECKED_OFFSET; }
 
+/* The int8 copy's largest level (its scale per token: the row's largest magnitude over it): 63 with
+ * AVX2's maddubs, whose int16 sums of two groups of 4 k's then cannot overflow (SUM_ADD2), else 127 */
+int packed_checked_weight_levels(void) { return CHECKED_WEIGHT_LEVELS; }
+
 /* the checked picks of rows none of which is sparse (packed_linear_argmax_checked's) */
 static int checked_rows(const float* x, const float* wp, const signed char* qp, const float* scale,
                         const int32_t* sums, const float* err, const float* err2, const float* block_err, float reach,
@@ -885,8 +914,8 @@ static int checked_rows(const float* x, const float* wp, const signed char* qp, 
                       lower ? lower + states : NULL, notes, counts, failed, xq, xscale, sums, K4, amx_out};
     float most = 0.f, most2 = 0.f;  /* every token's largest err and err2 (their blocks') */
     for (int b = 0; b < (N + 15) / 16; b++) {
-        most = fmaxf(most, block_err[b]);
-        most2 = fmaxf(most2, block_err[(N + 15) / 16 + b]);
+        most = block_err[b] > most ? block_err[b] : most;
+        most2 = block_err[(N + 15) / 16 + b] > most2 ? block_err[(N + 15) / 16 + b] : most2;
     }
     for (int r = 0; settled && r < M; r++) {
         float m = 0.f;

@@ -53,14 +53,14 @@ class QuantizedWeight:
         return self.blocks.transpose(1, 2).reshape(-1, k)[:n].float() * self.scale[:n, None]
 
 
-def _int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _int8_rows(weight: torch.Tensor, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
     """An [N, K] weight rounded to int8 with one fp32 scale per row (its largest magnitude maps to
-    127): (int8 [ceil(N/16) * 16, K], scale [ceil(N/16) * 16]), both zero past N."""
+    ``levels``): (int8 [ceil(N/16) * 16, K], scale [ceil(N/16) * 16]), both zero past N."""
     n, k = weight.shape
     w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / levels
     padded = torch.zeros(-(-n // BLOCK) * BLOCK, k, dtype=torch.int8)
-    padded[:n] = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    padded[:n] = torch.round(w / scale[:, None]).clamp(-levels, levels).to(torch.int8)
     scales = torch.zeros(padded.shape[0], dtype=torch.float32)
     scales[:n] = scale
     return padded, scales
@@ -69,7 +69,9 @@ def _int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class PicksCheck:
     """What ``packed_linear_argmax_checked`` (``packed_linear.c``) reads beside a packed fp32 LM
     head to pick rows' tokens exactly from an int8 copy: the weight rounded to int8 with a scale
-    per row (``scale``, as :class:`QuantizedWeight` rounds it) in ``blocks``, laid out for the
+    per row (``scale``: the row's largest magnitude over ``levels``, the kernel's: 127 as
+    :class:`QuantizedWeight` rounds it, 63 with AVX2, whose int16 pair sums then take two groups of
+    k's before they are widened) in ``blocks``, laid out for the
     kernel's build (``offset``, the kernel's uint8 inputs' offset where it sums int8 inputs:
     128 with AVX-512 VNNI, 64 with AVX2; [ceil(N/16), K4/4, 16, 4] with each token's weight sum
     times it, ``sums``, K4 = K rounded up to 4; 0: [ceil(N/16), K, 16]); ``err`` [2, ceil(N/16) * 16], per
@@ -81,7 +83,7 @@ class PicksCheck:
     largest of both (AMX's looks bound a block at once); ``reach`` the rows' largest L1 norm (no
     sum of an input under 1e37 / reach overflows)."""
 
-    def __init__(self, weight: torch.Tensor, offset: int) -> None:
+    def __init__(self, weight: torch.Tensor, offset: int, levels: int = 127) -> None:
         n, k = weight.shape
         self.offset = offset
         padded, k4 = -(-n // BLOCK) * BLOCK, -(-k // 4) * 4 if offset else k
@@ -91,7 +93,7 @@ class PicksCheck:
         # (whole-head fp64 copies made this 1.8-2.0 s of a worker's start on one thread; 0.7-0.9)
         stats = torch.empty(4, n, dtype=torch.float64)
         for start in range(0, n, _CHUNK_ROWS):  # (_CHUNK_ROWS is whole blocks: only the last is padded)
-            rows, scale = _int8_rows(weight[start : start + _CHUNK_ROWS])
+            rows, scale = _int8_rows(weight[start : start + _CHUNK_ROWS], levels)
             q[start : start + rows.shape[0], :k] = rows
             self.scale[start : start + rows.shape[0]] = scale
             w = weight[start : start + _CHUNK_ROWS].float()
@@ -127,7 +129,7 @@ def add_picks_check(weight: Weight) -> None:
     if isinstance(weight, PackedWeight) and weight.check is None and lib is not None:
         dense = weight.unpack()
         if bool(torch.isfinite(dense).all()):
-            weight.check = PicksCheck(dense, int(lib.packed_checked_offset()))
+            weight.check = PicksCheck(dense, int(lib.packed_checked_offset()), int(lib.packed_checked_weight_levels()))
 
 
 Weight = torch.Tensor | PackedWeight | QuantizedWeight | GGUFWeight
