@@ -593,8 +593,9 @@ def _checked_case(seed: int, rows: int, vocab: int, k: int) -> tuple[torch.Tenso
     """A random weight with equal logits far apart (row 0's input picks tokens 3 and vocab // 2),
     logits one ulp apart (row 1's: vocab - 2 above 7 and vocab - 1), a row of outliers (its int8
     copy is coarse), a row of +-3 whose every product with row 2's input of +-1 of the same signs
-    is the int8 sums' largest (AVX2's int16 pairs reach 2 x 127 x 127 but not 32767), and random
-    inputs past the first three."""
+    is the int8 sums' largest, a row of 20s whose every product with row 3's input of 1s is the
+    largest positive one (AVX2's uint8 127 x int8 63: its int16 sums of two groups of k's reach
+    4 x 8001 = 32004 but not 32767; that row is row 3's pick), and random inputs past the first four."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(vocab + 5, k, generator=g)
     w[11] *= 8
@@ -609,6 +610,9 @@ def _checked_case(seed: int, rows: int, vocab: int, k: int) -> tuple[torch.Tenso
     w[5] = signs * 3
     if rows > 2:
         x[2] = signs
+    w[13] = 20.0
+    if rows > 3:
+        x[3] = 1.0
     return w, x
 
 
@@ -706,6 +710,7 @@ def _check_int8_copy_picks(summed: bool, vocab: int, k: int) -> None:
                 assert _settles(x, checked, vocab, mask) == 0
                 if mask is None:
                     assert got[0][0] == 3 and (rows == 1 or got[0][1] == vocab - 2)
+                    assert rows <= 3 or got[0][3] == 13
 
 
 def _settles(x: torch.Tensor, weight: kernels.PackedWeight, vocab: int, mask: object) -> int:
