@@ -83,7 +83,7 @@ class PicksCheck:
     largest of both (AMX's looks bound a block at once); ``reach`` the rows' largest L1 norm (no
     sum of an input under 1e37 / reach overflows)."""
 
-    def __init__(self, weight: torch.Tensor, offset: int, levels: int = 127) -> None:
+    def __init__(self, weight: torch.Tensor, offset: int, levels: int) -> None:
         n, k = weight.shape
         self.offset = offset
         padded, k4 = -(-n // BLOCK) * BLOCK, -(-k // 4) * 4 if offset else k
