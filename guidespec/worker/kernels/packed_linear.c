@@ -564,8 +564,8 @@ static inline void checked_look(const checked_args* a, int thread, int r, int at
  * The copy's weights are rounded to 7 bits there (|w| <= 63, CHECKED_WEIGHT_LEVELS): two products
  * reach 2 x 127 x 63 = 16002, so the int16 sums of two groups of 4 k's add before one vpmaddwd
  * widens them (SUM_ADD2): 64 multiply-adds for five instructions, three of them multiplies where
- * there were four; err bounds the coarser copy
- * as it is. Rank 0's mask + sample at 64 rows 1.59 -> 1.41 ms. */
+ * there were four; err bounds the coarser copy as it is. Rank 0's mask + sample at 64 rows 1.59 ->
+ * 1.41 ms. */
 #if (VW == 16 && defined(__AVX512VNNI__)) || (VW == 8 && defined(__AVX2__))
 #define CHECKED_INT8 1
 #if VW == 16
@@ -915,9 +915,9 @@ static int checked_rows(const float* x, const float* wp, const signed char* qp, 
     checked_args a = {x, qp, scale, err, err2, block_err, x2, r2, emax, M, N, K, W, mask_of_row, bitmask, lower,
                       lower ? lower + states : NULL, notes, counts, failed, xq, xscale, sums, K4, amx_out};
     float most = 0.f, most2 = 0.f;  /* every token's largest err and err2 (their blocks') */
-    for (int b = 0; b < (N + 15) / 16; b++) {
+    for (int b = 0, blocks = (N + 15) / 16; b < blocks; b++) {
         most = block_err[b] > most ? block_err[b] : most;
-        most2 = block_err[(N + 15) / 16 + b] > most2 ? block_err[(N + 15) / 16 + b] : most2;
+        most2 = block_err[blocks + b] > most2 ? block_err[blocks + b] : most2;
     }
     for (int r = 0; settled && r < M; r++) {
         float m = 0.f;
