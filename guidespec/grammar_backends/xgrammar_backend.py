@@ -42,7 +42,26 @@ _UNKNOWN = object()
 _MAX_MOVES, _KEYS_KEPT = 4096, 16
 
 
+def _shared(compiled: Any, name: str) -> dict[Any, Any]:
+    """A table the matchers of ``compiled`` share, kept on it (each matcher its own where it takes
+    no attribute)."""
+    table = getattr(compiled, name, None)
+    if table is None:
+        table = {}
+        try:
+            setattr(compiled, name, table)
+        except AttributeError:
+            pass
+    return table  # type: ignore[no-any-return]
+
+
 class XGrammarMatcher:
+    """xgrammar's matcher, which a token moving it between keyed states by a move the grammar
+    already knows does not reach until it is read: the token waits in ``_pending``, and
+    :meth:`synced` gives it the waiting tokens first. A regex's or a choice's rows stand in few
+    states, and a step fills one row of each (``GrammarManager._fill_rows``): the other rows'
+    matchers are never read, and their accepts (xgrammar's, ~1.2 µs each) are not made."""
+
     def __init__(self, matcher: xgr.GrammarMatcher, encode: Callable[[str], list[int]], compiled: Any) -> None:
         self.matcher = matcher
         self._encode = encode
@@ -50,24 +69,41 @@ class XGrammarMatcher:
         self._key: Any = _UNKNOWN  # state_key's, until the grammar moves
         self._moved: tuple[Any, int] | None = None  # (key, token): the move since the key was known
         self._before: list[Any] = []  # the keys before the last accepts (a rollback's), newest last
+        self._pending: list[int] = []  # tokens accepted by known moves that ``matcher`` has not taken yet
         # is_terminated's answer until the grammar moves: a step asks it of a guided row three times
         # or more (the emit's advance, the fill, the end check), and xgrammar's costs ~0.6 µs
         self._ended: bool | None = None
-        moves = getattr(compiled, "_guidespec_moves", None)
-        if moves is None:
-            moves = {}
-            try:
-                compiled._guidespec_moves = moves  # (the grammar's matchers learn its moves together)
-            except AttributeError:
-                pass
-        self._moves: dict[tuple[Any, int], Any] = moves
+        # the grammar's matchers learn its keyed states' moves ((key, token) -> key: never into a
+        # terminated state) and forced tokens together
+        self._moves: dict[tuple[Any, int], Any] = _shared(compiled, "_guidespec_moves")
+        self._forced: dict[Any, list[int]] = _shared(compiled, "_guidespec_forced")
+
+    def synced(self) -> xgr.GrammarMatcher:
+        """xgrammar's matcher, where this one stands: given the tokens its known moves took."""
+        pending = self._pending
+        if pending:
+            matcher = self.matcher
+            for token in pending:
+                if not matcher.accept_token(token):  # (a known move is the grammar's: never)
+                    raise RuntimeError(f"xgrammar refused token {token} of a move it had made before")
+            pending.clear()
+        return self.matcher
 
     def accept_token(self, token: int) -> bool:
-        key = self._key
-        if not self.matcher.accept_token(token):
+        key, after = self._key, _UNKNOWN
+        before = self._before
+        if key is not _UNKNOWN and key is not None:
+            after = self._moves.get((key, token), _UNKNOWN)
+            if after is not _UNKNOWN and after is not None and not self.is_terminated():
+                before.append(key)  # a move the grammar knows: its next key, no accept yet
+                if len(before) > _KEYS_KEPT:
+                    del before[0]
+                self._key, self._moved, self._ended = after, None, False
+                self._pending.append(token)
+                return True
+        if not self.synced().accept_token(token):
             return False  # (a rejected token leaves the grammar, and its key, as they were)
         self._ended = None
-        before = self._before
         if key is _UNKNOWN:  # (a rollback past this token finds no key: none is kept for it, nor before it)
             if before:
                 before.clear()
@@ -79,14 +115,15 @@ class XGrammarMatcher:
         if key is None:
             self._key, self._moved = _UNKNOWN, None
         else:  # a keyed state's move by a token is the grammar's, whichever matcher makes it
-            self._key = self._moves.get((key, token), _UNKNOWN)
-            self._moved = (key, token) if self._key is _UNKNOWN else None
+            self._key = after  # (known: a move into an unkeyed state)
+            self._moved = (key, token) if after is _UNKNOWN else None
         return True
 
     def advance(self, tokens: Sequence[int]) -> int:
+        matcher = self.synced()
         self._key, self._moved, self._ended = _UNKNOWN, None, None
         self._before.clear()
-        matcher, count = self.matcher, 0
+        count = 0
         for token in tokens:
             if matcher.is_terminated() or not matcher.accept_token(token):
                 break
@@ -98,13 +135,20 @@ class XGrammarMatcher:
             before = self._before
             self._key = before[-num_tokens] if num_tokens <= len(before) else _UNKNOWN  # (where it was)
             del before[max(0, len(before) - num_tokens) :]
-            self._moved = self._ended = None
-            self.matcher.rollback(num_tokens)
+            self._moved = None
+            pending = self._pending
+            waiting = min(num_tokens, len(pending))  # (tokens xgrammar never took: dropped)
+            if waiting:
+                del pending[len(pending) - waiting :]
+            if num_tokens > waiting:
+                self.matcher.rollback(num_tokens - waiting)
+            # (a state a known move reached, or left for one, is not terminated)
+            self._ended = False if pending else None
 
     def is_terminated(self) -> bool:
         ended = self._ended
         if ended is None:
-            ended = self._ended = bool(self.matcher.is_terminated())
+            ended = self._ended = bool(self.synced().is_terminated())
         return ended
 
     def error(self) -> str:
@@ -115,8 +159,13 @@ class XGrammarMatcher:
         is complete: ``is_completed``, 0.4 µs, where a trial accept of the stop token cost what an
         accept does (12 µs at the 200th item of a JSON array with ``minItems: 300``, before such
         arrays were written as prefix items: ``_counted_items_as_prefix``) and a rollback
-        (test_can_end.py)."""
-        return not self.is_terminated() and bool(self.matcher.is_completed())
+        (test_can_end.py). A keyed state's key holds the answer."""
+        if self.is_terminated():
+            return False
+        key = self._key
+        if key is not _UNKNOWN and key is not None:
+            return bool(key[1])
+        return bool(self.synced().is_completed())
 
     def state_key(self) -> Hashable | None:
         """Equal for two matchers of one compiled grammar whose next masks are equal, or None.
@@ -135,31 +184,47 @@ class XGrammarMatcher:
         A keyed state is all of the parser's state that its future depends on (the rest, step 0,
         is every matcher's), so a token moves it to the same next state whichever matcher takes
         it: the grammar's matchers share the moves they have seen (``_moves``), and a matcher that
-        moves by a known one knows its next key without the debug text."""
+        moves by a known one knows its next key without the debug text, and without xgrammar's
+        accept until it is read (``synced``). A move into a terminated state is not kept: its key
+        may be the state's before the stop token."""
         if self._key is _UNKNOWN:
+            matcher = self.synced()
             self._key = None
-            debug_text = getattr(self.matcher, "_debug_print_internal_state", None)
+            debug_text = getattr(matcher, "_debug_print_internal_state", None)
             text = debug_text() if debug_text is not None else ""
             at = text.find("Last step")
             last = text[at:]
             states = last.count("rule_start_pos=")
             if at >= 0 and states and states == last.count("rule_start_pos=-1,") + last.count("rule_start_pos=0,"):
-                self._key = (id(self.compiled), bool(self.matcher.is_completed()), last)
+                self._key = (id(self.compiled), bool(matcher.is_completed()), last)
             if self._moved is not None:
-                if len(self._moves) >= _MAX_MOVES:
-                    self._moves.clear()
-                self._moves[self._moved] = self._key
+                if not self.is_terminated():
+                    if len(self._moves) >= _MAX_MOVES:
+                        self._moves.clear()
+                    self._moves[self._moved] = self._key
                 self._moved = None
         return self._key  # type: ignore[no-any-return]
 
     def forced_tokens(self, limit: int) -> list[int]:
         """The jump-forward string, tokenized, less its last token (which the model might extend
-        into a longer one), cut where the grammar stops accepting; the matcher is left unchanged."""
-        text = self.matcher.find_jump_forward_string()
+        into a longer one), cut where the grammar stops accepting; the matcher is left unchanged.
+        A keyed state's are the grammar's: found once, kept with its moves."""
+        key = self._key
+        if key is _UNKNOWN or key is None:
+            return self._forced_tokens(limit)
+        forced = self._forced.get(key)
+        if forced is None:
+            if len(self._forced) >= _MAX_MOVES:
+                self._forced.clear()
+            forced = self._forced[key] = self._forced_tokens(None)
+        return forced[:limit]
+
+    def _forced_tokens(self, limit: int | None) -> list[int]:
+        matcher = self.synced()
+        text = matcher.find_jump_forward_string()
         if not text:
             return []
         forced: list[int] = []
-        matcher = self.matcher
         for token in self._encode(text)[:-1][:limit]:
             if not matcher.accept_token(token):
                 break
@@ -249,7 +314,7 @@ class XGrammarBackend:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled), self._encode, compiled)
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: np.ndarray, rows: Sequence[int]) -> None:
-        inner = [m.matcher for m in matchers]  # type: ignore[attr-defined]
+        inner = [m.synced() for m in matchers]  # type: ignore[attr-defined]
         self.batch.batch_fill_next_token_bitmask(inner, torch.from_numpy(bitmask), list(rows))
 
 

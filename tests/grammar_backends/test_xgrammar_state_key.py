@@ -180,3 +180,58 @@ def test_forced_tokens_leave_the_key_and_the_end_as_they_were(backend: Any) -> N
     assert matcher.forced_tokens(1)  # ("example")
     assert matcher.state_key() == _fresh_key(backend, compiled, tokens)
     assert not matcher.is_terminated() and not matcher.can_end(2)
+
+
+@settings(max_examples=20, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(regex=_regexes() | st.sampled_from(REGEXES), seed=st.integers(0, 1000))
+def test_tokens_taken_by_known_moves_reach_xgrammar_when_read(backend: Any, regex: str, seed: int) -> None:
+    """A matcher whose accepts follow known moves leaves them waiting (``_pending``) until it is
+    read: its masks, ends, forced tokens and rollbacks (across waiting tokens and taken ones) stay
+    those of a matcher that never asks for keys, step by step."""
+    compiled = backend.compile(GuidedDecoding(regex=regex))
+    rng = random.Random(seed)
+    for _ in range(6):  # (the first walks teach the moves, the later ones wait on them)
+        lazy, plain, tokens = backend.create_matcher(compiled), backend.create_matcher(compiled), []
+        for _ in range(10):
+            lazy.state_key()  # (the fill's question: it keys the state)
+            assert lazy.is_terminated() == plain.is_terminated()
+            assert lazy.can_end(2) == plain.can_end(2)
+            if plain.is_terminated():
+                break
+            if rng.random() < 0.3:
+                limit = rng.randint(1, 4)
+                assert lazy.forced_tokens(limit) == plain.forced_tokens(limit)
+            mask = _mask(backend, plain)
+            if rng.random() < 0.5:  # (a row another row's fill stood for: not read this step)
+                assert np.array_equal(_mask(backend, lazy), mask), (regex, tokens)
+            token = int(rng.choice(allowed_ids(mask, VOCAB)))
+            assert lazy.accept_token(token) and plain.accept_token(token)
+            tokens.append(token)
+            # a refused token: both refuse it, and stand where they stood
+            if rng.random() < 0.25 and not plain.is_terminated():
+                refused = allowed_ids(np.bitwise_not(_mask(backend, plain)), VOCAB)
+                if len(refused):
+                    bad = int(rng.choice(refused))
+                    assert not lazy.accept_token(bad) and not plain.accept_token(bad)
+            if len(tokens) > 1 and rng.random() < 0.3:
+                back = rng.randint(1, min(3, len(tokens)))
+                lazy.rollback(back)
+                plain.rollback(back)
+                del tokens[-back:]
+        if not plain.is_terminated():
+            assert np.array_equal(_mask(backend, lazy), _mask(backend, plain)), (regex, tokens)
+
+
+def test_a_loops_rows_share_its_moves_and_wait(backend: Any) -> None:
+    """``[0-9a-z ]+``: once one matcher has walked a token, the others take it without xgrammar;
+    a fill reads the tokens first."""
+    compiled = backend.compile(GuidedDecoding(regex="[0-9a-z ]+"))
+    a, b = backend._encode("a")[0], backend._encode("b")[0]
+    teacher, learner = backend.create_matcher(compiled), backend.create_matcher(compiled)
+    for matcher in (teacher, learner):
+        for token in (a, b, a, b):
+            matcher.state_key()
+            assert matcher.accept_token(token)
+    assert learner._pending == [a, b, a, b][-len(learner._pending) :] and len(learner._pending) >= 2
+    mask = _mask(backend, learner)
+    assert not learner._pending and np.array_equal(mask, _mask(backend, teacher))
