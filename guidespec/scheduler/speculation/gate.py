@@ -20,7 +20,11 @@ by ``DECISIVE``, else x2, up to ``LONGEST``). Where drafting already gives ``DEC
 a second than a token a row in rank 0's own time for the rows could (its forward, masking and
 sampling, fit by tokens as the plan's cost model is), no trial runs: a model whose forward is
 most of a step (the default model on a CPU) keeps drafting without one. A batch whose size
-changed by ``RESIZE`` or more since the last decision is tried again ``FIRST`` steps after it.
+changed by ``RESIZE`` or more since the last decision takes the verdict last reached at its size
+(sizes in steps of ``RESIZE``: the mode and the interval then), or without one is tried again
+``FIRST`` steps after it: a server's batches come and go at the sizes its load gives, and each
+new one at a size whose drafts lost would otherwise draft at a loss until its first trial (64 JSON
+rows of the tiny model, 256 tokens each: 64 of its ~250 steps).
 Closed, the requests still draft their grammars' forced tokens (jump-forward), and with async
 scheduling the steps run ahead as without a drafter.
 """
@@ -52,6 +56,7 @@ class DraftGate:
         self._trial: list[tuple[float, int, int]] | None = None  # the other mode's steps while it is tried
         self._settle = 0
         self._rows = 0.0  # the batch size the last decision saw
+        self._verdicts: dict[int, tuple[bool, int]] = {}  # a size's step (_size_step) -> (open, interval) there
         self._last_end: float | None = None
 
     @property
@@ -89,14 +94,24 @@ class DraftGate:
             if not self._rows:
                 self._rows = rows
             elif not self._rows / RESIZE < rows < self._rows * RESIZE:
-                # another batch: the other mode tried again FIRST steps after the last decision at most
-                self._rows, self.interval = rows, min(self.interval, FIRST)
+                # another batch: the verdict last reached at its size, else the other mode tried
+                # again FIRST steps after the last decision at most
+                self._rows = rows
                 self._recent.clear()
+                verdict = self._verdicts.get(_size_step(rows))
+                if verdict is None:
+                    self.interval = min(self.interval, FIRST)
+                else:
+                    self.open, self.interval = verdict
+                    self._steps = 0
+                    if drafted != self.open:  # (a step of the mode left)
+                        return
             self._recent.append(sample)
             self._steps += 1
             if self._steps >= self.interval and len(self._recent) == WINDOW:
                 if self.open and _rate(self._recent) > ceiling * (1 + DECISIVE):
                     self._steps, self.interval = 0, min(LONGEST, self.interval * 4)  # a win by the bound
+                    self._verdicts[_size_step(rows)] = (self.open, self.interval)
                 else:
                     self._trial, self._settle = [], SETTLE
             return
@@ -124,6 +139,7 @@ class DraftGate:
             self._recent = collections.deque(trial, maxlen=WINDOW)
         else:
             self.interval = min(LONGEST, self.interval * (4 if ours > theirs * (1 + DECISIVE) else 2))
+        self._verdicts[_size_step(rows)] = (self.open, self.interval)
         logger.info(
             "draft gate %s: %.0f tokens/s drafting, %.0f without drafts (%.0f rows); next trial in %d steps",
             "open" if self.open else "closed",
@@ -138,3 +154,8 @@ def _rate(samples: collections.deque[tuple[float, int, int]] | list[tuple[float,
     """Tokens a second over the samples."""
     seconds = sum(s for s, _, _ in samples)
     return sum(t for _, t, _ in samples) / seconds if seconds > 0 else 0.0
+
+
+def _size_step(rows: float) -> int:
+    """A batch size's step in a scale of ``RESIZE`` (the verdicts' sizes)."""
+    return round(math.log(max(rows, 1.0)) / math.log(RESIZE))

@@ -166,3 +166,20 @@ def test_the_gate_follows_its_setting(monkeypatch: pytest.MonkeyPatch, setting: 
         assert speculator.gate.open == (setting == "open")
     fixed = Speculator(SpeculativeConfig(method="ngram", adaptive=False), grammar=None, max_model_len=1024)
     assert fixed.gate is None, "a fixed draft length drafts whatever it costs"
+
+
+def test_a_batch_at_a_size_whose_drafts_lost_starts_without_them() -> None:
+    """The verdict reached at a batch size holds when a batch of that size comes again: 64 rows
+    whose drafts lost do not draft for FIRST steps again after a spell of 4 rows (where they win)."""
+    gate = DraftGate()
+    host = _Host(gate, 64, drafting=0.020, plain=0.003, tokens_drafting=237)
+    host.run(FIRST + SETTLE + WINDOW + 2)
+    assert not gate.open
+    small = _Host(gate, 4, drafting=0.004, plain=0.004, tokens_drafting=10)
+    small.now = host.now
+    small.run(3 * FIRST)
+    assert gate.open, "4 rows: drafts at 2.5 tokens a step for the time of one win"
+    host.now, host.modes = small.now, []
+    host.run(FIRST)
+    assert host.modes.count(True) <= 2, "64 rows again: no drafts (a step of the change-over at most)"
+    assert not gate.open
