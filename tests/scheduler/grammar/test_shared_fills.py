@@ -148,3 +148,38 @@ def test_end_checks_share_answers(grammar: GrammarManager) -> None:
         grammar._filled.clear()
         for request_id in ids:
             grammar.release(request_id)
+
+
+def test_a_batch_walked_step_by_step_keeps_its_own_rows(grammar: GrammarManager) -> None:
+    """Regex and choice rows advanced a token a step (most by moves the grammar knows, whose tokens
+    wait: ``XGrammarMatcher.synced``), with drafts filled and rolled back and end checks between:
+    each step's shared rows are each matcher's own fill."""
+    rng = random.Random(7)
+    ids = [f"w{i}" for i in range(8)]
+    for i, request_id in enumerate(ids):
+        _start(grammar, request_id, REGEX if i < 6 else CHOICE)
+    waited = 0
+    try:
+        for step in range(15):
+            live = [r for r in ids if not grammar.is_terminated(r)]
+            rows = [FillRow(r) for r in live]
+            shared = grammar.fill(rows).copy()
+            if step % 3 == 2:  # (an own fill reads every matcher: tokens wait two steps between)
+                assert np.array_equal(shared, _own_rows(grammar, rows))
+            picks = []
+            for request_id, row in zip(live, shared):
+                allowed = allowed_ids(row, VOCAB)
+                allowed = allowed[allowed != 2]
+                picks.append(int(rng.choice(allowed[:40])) if len(allowed) else 2)
+            drafted = [FillRow(r, [t]) for r, t in zip(live, picks) if t != 2]  # a draft each, rolled back
+            filled = grammar.fill(drafted).copy()
+            if step % 3 == 2:
+                assert np.array_equal(filled, _own_rows(grammar, drafted))
+            asks = [(r, t, 1 << 20, 1) for r, t in zip(live, picks)]
+            assert all(answer[0] for answer in grammar.advance_rows(asks))  # type: ignore[index]
+            grammar.end_tokens(live, picks)
+            waited += sum(len(getattr(grammar.matchers[r][1], "_pending", ())) > 1 for r in live)
+        assert waited, "no token waited: the rows' moves were never known"
+    finally:
+        for request_id in ids:
+            grammar.release(request_id)
