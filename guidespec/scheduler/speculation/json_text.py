@@ -304,7 +304,7 @@ class JsonTextDrafter:
         if state is None:
             return [], False
         typed_at, literal, in_list, first_item = state
-        head_tokens = self._string_tokens(output, typed_at, pieces) if typed_at is not None else []
+        head_tokens = self._string_tokens(output, typed_at, pieces, len(out_text)) if typed_at is not None else []
         if head_tokens is None:
             return [], False
         typed = out_text[typed_at:] if typed_at is not None else ""
@@ -349,22 +349,25 @@ class JsonTextDrafter:
             known.resume = json_scan(known.text, known.resume)[2]
         return known
 
-    def _string_tokens(self, output: list[int], string_at: int, pieces: list[str]) -> list[int] | None:
+    def _string_tokens(self, output: list[int], string_at: int, pieces: list[str], length: int) -> list[int] | None:
         """The output's tokens after the one that holds the open string's quote (the string's text
         starts at character ``string_at``), only the last ones from a word's start where the string
         is long; None where one token holds both the quote and what follows it. ``pieces``: the
-        output's tokens' texts."""
-        first, start = len(pieces), sum(len(p) for p in pieces)
+        output's tokens' texts, ``length`` their characters (the text's: summed a call, they were
+        a quarter of a JSON row's drafting)."""
+        first, start = len(pieces), length
         while first > 0 and start - len(pieces[first - 1]) >= string_at:
             first -= 1
             start -= len(pieces[first])
         if start != string_at:
             return None
+        rest = length - start  # the characters from piece i on
         for i in range(first, len(pieces)):  # a word's start: the tokens after it do not depend on those before
-            if sum(len(p) for p in pieces[i:]) < TEXT_SEARCH:
+            if rest < TEXT_SEARCH:
                 break
             if pieces[i][:1] == " " and i > first:
                 first = i
+            rest -= len(pieces[i])
         return list(output[first:])
 
     def _text_draft(
