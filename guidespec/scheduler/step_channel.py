@@ -265,36 +265,32 @@ class StepChannel:
         the step went out (the step before finished it) gets none either: its sample is unused."""
         self._late_mask = None
         step.times["mask_start"] = time.time()
-        # (one pass over the guided rows, the fill's rows made as it goes: ~1 µs a row a step)
-        requests, max_model_len = self.table.requests, self.cfg.max_model_len
-        masked: list[tuple[int, ScheduledRow]] = []
-        fills: list[FillRow] = []
+        masked = []
         for first, row in step.guided:
-            request = row.request
-            if requests.get(request.request_id) is not request:  # (``RequestTable.holds``)
+            if not self.table.holds(row.request):
                 continue
-            if request.grammar_ready:
+            if row.request.grammar_ready:
                 masked.append((first, row))
-                fills.append(
-                    FillRow(
-                        request.request_id,
-                        request.draft_tokens,
-                        len(request.output_token_ids),
-                        output_budget(request, max_model_len),
-                    )
-                )
             else:
-                step.dropped.add(request.request_id)
-        bitmask = self._fill(fills, self.broadcaster.reserve_bitmask())
+                step.dropped.add(row.request.request_id)
+        bitmask = self._fill(
+            [
+                FillRow(
+                    row.request.request_id,
+                    row.request.draft_tokens,
+                    len(row.request.output_token_ids),
+                    output_budget(row.request, self.cfg.max_model_len),
+                )
+                for _, row in masked
+            ],
+            self.broadcaster.reserve_bitmask(),
+        )
         for request_id, reason in self.grammar.take_failures():  # (their rows allow only a stop token)
             if request_id in self.table.requests:
                 self.table.grammar_failed(self.table.requests[request_id], reason)
-        if all(row.num_logits == 1 for _, row in masked):  # (decode rows: a logits row each)
-            rows_array = np.array([first for first, _ in masked], dtype=np.int32)
-        else:
-            rows_array = np.array(
-                [r for first, row in masked for r in range(first, first + row.num_logits)], dtype=np.int32
-            )
+        rows_array = np.array(
+            [r for first, row in masked for r in range(first, first + row.num_logits)], dtype=np.int32
+        )
         if self.cfg.fused_steps and self._step_drafts:  # rank 0 may run the step as one graph (step_graph.py)
             assert self.drafts is not None
             self.drafts.answer_verify(step.step_id, rows_array, bitmask)
