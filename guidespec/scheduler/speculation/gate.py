@@ -16,15 +16,20 @@ in the mode it is in (drafting, or not). Every ``interval`` such steps it tries 
 ``WINDOW`` steps (after ``SETTLE`` steps of change-over) and keeps the mode it is in unless the
 other gave ``MARGIN`` more tokens a second.
 The interval starts at ``FIRST`` and grows while the mode it is in keeps winning (x4 where it won
-by ``DECISIVE``, else x2, up to ``LONGEST``). Where drafting already gives ``DECISIVE`` more tokens
-a second than a token a row in rank 0's own time for the rows could (its forward, masking and
-sampling, fit by tokens as the plan's cost model is), no trial runs: a model whose forward is
-most of a step (the default model on a CPU) keeps drafting without one. A batch whose size
-changed by ``RESIZE`` or more since the last decision takes the verdict last reached at its size
-(sizes in steps of ``RESIZE``: the mode and the interval then), or without one is tried again
-``FIRST`` steps after it: a server's batches come and go at the sizes its load gives, and each
-new one at a size whose drafts lost would otherwise draft at a loss until its first trial (64 JSON
-rows of the tiny model, 256 tokens each: 64 of its ~250 steps).
+by ``DECISIVE``, else x2, up to ``LONGEST``), and at least so far that the time the lost trial
+took beyond what the kept mode would have (its change-over counted) is ``TRIAL_SHARE`` of the
+time until the next: 64 JSON rows of the tiny model drafting at 10k tokens/s against 25k without
+would otherwise try drafts again 256 steps on, a tenth of that time lost to each trial.
+Where drafting already gives ``DECISIVE`` more tokens a second than a token a row in rank 0's own
+time for the rows could (its forward, masking and sampling, fit by tokens as the plan's cost
+model is: ``Speculator.plain_bound``, only where recent steps had about that few tokens), no trial
+runs: a model whose forward is most of a step (the default model on a CPU) keeps drafting without
+one. A batch whose size changed by ``RESIZE`` or more since the last decision takes the verdict
+last reached at its size (sizes in steps of ``RESIZE``: the mode and the interval then; a trial
+under way ends without a verdict), or without one is tried again ``FIRST`` steps after it: a
+server's batches come and go at the sizes its load gives, and each new one at a size whose drafts
+lost would otherwise draft at a loss until its first trial (64 JSON rows of the tiny model, 256
+tokens each: 64 of its ~250 steps).
 Closed, the requests still draft their grammars' forced tokens (jump-forward), and with async
 scheduling the steps run ahead as without a drafter.
 """
@@ -44,6 +49,7 @@ MARGIN = 0.15  # a trial wins by this much or the gate stays as it is (a window 
 DECISIVE = 0.3  # a mode that wins by this much is tried against less often (x4, not x2)
 LONGEST = 4096  # the longest interval between trials, in steps measured
 RESIZE = 1.5  # a batch grown or shrunk by this factor since the last decision is tried again soon
+TRIAL_SHARE = 0.02  # a trial that lost is next made once this share of the time is what it cost
 IDLE = 0.5  # a step planned this share of its own time after the emit before it followed an idle engine
 
 
@@ -88,24 +94,13 @@ class DraftGate:
         if seconds <= 0:
             return
         sample = (seconds, tokens, rows)
+        if self._rows and not self._rows / RESIZE < rows < self._rows * RESIZE:
+            self._resized(rows)
         if self._trial is None:
-            if drafted != self.open:  # (a trial's last steps, emitted after it ended)
+            if drafted != self.open:  # (a trial's last steps, emitted after it ended; a mode left)
                 return
             if not self._rows:
                 self._rows = rows
-            elif not self._rows / RESIZE < rows < self._rows * RESIZE:
-                # another batch: the verdict last reached at its size, else the other mode tried
-                # again FIRST steps after the last decision at most
-                self._rows = rows
-                self._recent.clear()
-                verdict = self._verdicts.get(_size_step(rows))
-                if verdict is None:
-                    self.interval = min(self.interval, FIRST)
-                else:
-                    self.open, self.interval = verdict
-                    self._steps = 0
-                    if drafted != self.open:  # (a step of the mode left)
-                        return
             self._recent.append(sample)
             self._steps += 1
             if self._steps >= self.interval and len(self._recent) == WINDOW:
@@ -124,6 +119,22 @@ class DraftGate:
         if len(self._trial) == WINDOW:
             self._decide(self._trial)
 
+    def _resized(self, rows: int) -> None:
+        """Another batch: the verdict last reached at its size, else the other mode tried again
+        FIRST steps after the last decision at most. A trial under way ends without a verdict: a
+        server's batch that ends during a trial would otherwise hand the trial's mode to the next
+        batch until its window is full (12 steps of 64 rows drafting at a loss, a round's tail
+        of a few rows tried)."""
+        self._rows = rows
+        self._recent.clear()
+        self._trial = None
+        verdict = self._verdicts.get(_size_step(rows))
+        if verdict is None:
+            self.interval = min(self.interval, FIRST)
+        else:
+            self.open, self.interval = verdict
+            self._steps = 0
+
     def _decide(self, trial: list[tuple[float, int, int]]) -> None:
         ours, theirs = _rate(self._recent), _rate(trial)
         rows = sum(r for _, _, r in trial) / len(trial)
@@ -137,8 +148,12 @@ class DraftGate:
             self.open = not self.open
             self.interval = FIRST
             self._recent = collections.deque(trial, maxlen=WINDOW)
-        else:
-            self.interval = min(LONGEST, self.interval * (4 if ours > theirs * (1 + DECISIVE) else 2))
+        else:  # (the time a lost trial took beyond what the mode kept would have: TRIAL_SHARE at most)
+            grown = self.interval * (4 if ours > theirs * (1 + DECISIVE) else 2)
+            lost = (sum(s for s, _, _ in trial) - sum(t for _, t, _ in trial) / ours) if ours > 0 else 0.0
+            step_s = sum(s for s, _, _ in self._recent) / len(self._recent)
+            paid = math.ceil(lost * (WINDOW + SETTLE) / WINDOW / (TRIAL_SHARE * step_s)) if step_s > 0 else 0
+            self.interval = min(LONGEST, max(grown, paid))
         self._verdicts[_size_step(rows)] = (self.open, self.interval)
         logger.info(
             "draft gate %s: %.0f tokens/s drafting, %.0f without drafts (%.0f rows); next trial in %d steps",

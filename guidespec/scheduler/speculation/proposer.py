@@ -39,6 +39,7 @@ state would have to follow the drafts).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import math
@@ -76,6 +77,12 @@ MAX_FORCED_DRAFTS = 16
 # quarter or more of a batch-64 step of the tiny model on 2 cores; 2-3% of the default model's).
 _FORCED_WEIGHT = 0.05  # of a step's forced drafts in their running mean (``forced_rate``)
 _AHEAD_CHECKS = 16  # guided rows a step run ahead looks at for forced positions (in turn)
+# The draft gate's bound (``observe_emitted``) is rank 0's time fit by tokens, at a token a row:
+# taken only where one of the last _BOUND_STEPS steps had at most _BOUND_REACH times that many
+# tokens. A fit over drafting steps alone, 64 rows of ~200-250 tokens, once put 64 tokens at 7.5
+# ms (steps without drafts took ~2.5): drafting at 12k tokens/s then beat its 8.5k bound and
+# was never tried against 17-21k without drafts.
+_BOUND_STEPS, _BOUND_REACH = 64, 1.5
 
 
 @dataclasses.dataclass
@@ -204,6 +211,7 @@ class Speculator:
         # whether the last plan was its drafter's: a row of it speculates, and the gate is open
         self.drafted = True
         self.busy = CostModel()  # rank 0's forward, masking and sampling (not its waits) by tokens
+        self._busy_tokens: collections.deque[int] = collections.deque(maxlen=_BOUND_STEPS)  # the last steps' tokens
 
     def speculates(self, request: Request) -> bool:
         params = request.params
@@ -403,9 +411,17 @@ class Speculator:
         if self.gate is not None:
             prompts = [row for row in rows if row.start < len(row.request.prompt_token_ids)]
             prompt, decoding = sum(row.num_new_tokens for row in prompts), len(rows) - len(prompts)
-            c0, c1 = self.busy.coefficients()  # (steps without drafts give at most a token a row a forward)
-            ceiling = decoding / (c0 + c1 * decoding) if decoding else math.inf
+            ceiling = self.plain_bound(decoding)
             self.gate.observe(drafted, tokens, len(rows), times, prompt * self.cost.coefficients()[1], ceiling)
+
+    def plain_bound(self, rows: int) -> float:
+        """The most tokens a second steps without drafts could give ``rows`` decoding rows: a token
+        a row in rank 0's time for them (its forward, masking and sampling, fit by tokens), where
+        a recent step had about that few tokens (``_BOUND_REACH``); else none (inf)."""
+        if not rows or not self._busy_tokens or min(self._busy_tokens) > _BOUND_REACH * rows:
+            return math.inf
+        c0, c1 = self.busy.coefficients()
+        return rows / (c0 + c1 * rows)
 
     def observe_step(
         self,
@@ -421,6 +437,7 @@ class Speculator:
         self.cost.observe(num_tokens, forward_s)
         if self.gate is not None:
             self.busy.observe(num_tokens, forward_s + sample_s)
+            self._busy_tokens.append(num_tokens)
         if proposed and max(proposed) > 0:
             self.draft_cost.observe(max(proposed), sum(proposed), draft_s)
 
