@@ -64,8 +64,11 @@ class GrammarBackend(Protocol):
 
     def create_matcher(self, compiled: Any) -> GrammarMatcher: ...
 
-    def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: np.ndarray, rows: Sequence[int]) -> None:
-        """Fill ``bitmask[rows[i]]`` for ``matchers[i]``, batched (and multi-threaded where the backend can)."""
+    def fill_bitmasks(
+        self, matchers: Sequence[GrammarMatcher], bitmask: np.ndarray, rows: Sequence[int], fresh: bool = False
+    ) -> None:
+        """Fill ``bitmask[rows[i]]`` for ``matchers[i]``, batched (and multi-threaded where the backend can).
+        ``fresh``: each row from its matcher itself, none from a row the backend kept for a state."""
 
 
 DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values in a JSON schema, not schemas

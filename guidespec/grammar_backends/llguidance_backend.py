@@ -306,7 +306,9 @@ class LLGuidanceBackend:
             llg.LLMatcher(self.tokenizer, compiled, log_level=0, limits=self.limits), bitmask_width(self.vocab_size)
         )
 
-    def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: np.ndarray, rows: Sequence[int]) -> None:
+    def fill_bitmasks(
+        self, matchers: Sequence[GrammarMatcher], bitmask: np.ndarray, rows: Sequence[int], fresh: bool = False
+    ) -> None:
         pairs = [(m.matcher, row) for m, row in zip(matchers, rows)]  # type: ignore[attr-defined]
         llguidance.numpy.fill_next_token_bitmask_par(self.executor, pairs, bitmask)
         for m in matchers:

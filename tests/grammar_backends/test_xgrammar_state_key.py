@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from guidespec.bitmask import allowed_ids, bitmask_width
 from guidespec.grammar_backends import create_backend
-from guidespec.grammar_backends.xgrammar_backend import _UNKNOWN
+from guidespec.grammar_backends.xgrammar_backend import _MAX_PENDING, _ROW_CHECK_EVERY, _ROW_CHECKS, _UNKNOWN
 from guidespec.protocol import GuidedDecoding
 
 VOCAB = 49152
@@ -29,9 +29,11 @@ def backend(real_model_dir: Path) -> Any:
     return create_backend("xgrammar", AutoTokenizer.from_pretrained(real_model_dir), VOCAB, (2,), 1)
 
 
-def _mask(backend: Any, matcher: Any) -> np.ndarray:
+def _mask(backend: Any, matcher: Any, fresh: bool = True) -> np.ndarray:
+    """The matcher's mask: its own fill (``fresh``), else as a step's fill gives it (a row kept
+    for its state where there is one)."""
     row = np.zeros((1, bitmask_width(VOCAB)), dtype=np.int32)
-    backend.fill_bitmasks([matcher], row, [0])
+    backend.fill_bitmasks([matcher], row, [0], fresh)
     return row[0]
 
 
@@ -235,3 +237,60 @@ def test_a_loops_rows_share_its_moves_and_wait(backend: Any) -> None:
     assert learner._pending == [a, b, a, b][-len(learner._pending) :] and len(learner._pending) >= 2
     mask = _mask(backend, learner)
     assert not learner._pending and np.array_equal(mask, _mask(backend, teacher))
+
+
+@pytest.mark.parametrize("regex", REGEXES)
+def test_a_states_kept_row_is_the_matchers_own_fill(backend: Any, regex: str) -> None:
+    """A step's fill of a matcher in a keyed state whose row a fill gave before takes that row
+    without xgrammar (past the first checks); each equals the matcher's own fill."""
+    compiled = backend.compile(GuidedDecoding(regex=regex))
+    rng = random.Random(0)
+    served = 0
+    for _ in range(40):
+        matcher = backend.create_matcher(compiled)
+        for _ in range(10):
+            if matcher.is_terminated():
+                break
+            matcher.state_key()  # (the manager's question before a fill)
+            served += matcher.kept_row() is not None
+            mask = _mask(backend, matcher, fresh=False)
+            assert np.array_equal(mask, _mask(backend, matcher)), regex
+            assert matcher.accept_token(int(rng.choice(allowed_ids(mask, VOCAB))))
+    assert served > _ROW_CHECKS  # (rows served unchecked too)
+
+
+def test_a_kept_row_that_differs_from_the_fill_is_caught(backend: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A kept row that is not the state's mask (a key that lied) is found at a check: the row
+    written is the matcher's own fill, and the grammar keeps no rows from then on."""
+    compiled = backend.compile(GuidedDecoding(regex="[b-y]+"))  # (its own: the test turns its kept rows off)
+    matcher = backend.create_matcher(compiled)
+    assert matcher.accept_token(backend._encode("b")[0])
+    key = matcher.state_key()
+    assert key is not None
+    own = _mask(backend, matcher)
+    _mask(backend, matcher, fresh=False)  # (kept)
+    assert matcher.kept_row() is not None
+    matcher._rows[key] = np.zeros_like(own)  # a wrong row for the state
+    matcher._rows["uses"] = _ROW_CHECK_EVERY  # (the next use is checked)
+    assert np.array_equal(_mask(backend, matcher, fresh=False), own)
+    assert "kept mask row differs" in caplog.text
+    assert matcher.kept_row() is None
+    _mask(backend, matcher, fresh=False)
+    assert matcher.kept_row() is None, "no row kept again"
+
+
+def test_waiting_tokens_are_taken_past_a_bound(backend: Any) -> None:
+    """Rows kept for a loop's state serve its fills for a whole output: the tokens a matcher
+    lets wait stay under ``_MAX_PENDING``, and it stands where a plain matcher does."""
+    compiled = backend.compile(GuidedDecoding(regex="[0-9a-z ]+"))
+    a, b = backend._encode("a")[0], backend._encode("b")[0]
+    lazy, plain = backend.create_matcher(compiled), backend.create_matcher(compiled)
+    most = 0
+    for i in range(3 * _MAX_PENDING):
+        lazy.state_key()
+        _mask(backend, lazy, fresh=False)
+        token = (a, b)[i % 2]
+        assert lazy.accept_token(token) and plain.accept_token(token)
+        most = max(most, len(lazy._pending))
+    assert 0 < most < _MAX_PENDING
+    assert np.array_equal(_mask(backend, lazy), _mask(backend, plain))

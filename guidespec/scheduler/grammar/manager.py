@@ -510,8 +510,9 @@ class GrammarManager:
                 self.bitmask[rows] = self.bitmask[leader]
             self._check_shared(copies)
 
-    def _fill_each(self, fills: list[tuple[str, int]]) -> None:
-        """Each (request, row): the row filled from the request's matcher, batched per backend."""
+    def _fill_each(self, fills: list[tuple[str, int]], fresh: bool = False) -> None:
+        """Each (request, row): the row filled from the request's matcher, batched per backend
+        (``fresh``: none from a row the backend kept for a state)."""
         by_backend: dict[str, tuple[list[GrammarMatcher], list[int]]] = {}
         for request_id, out_row in fills:
             backend, matcher = self.matchers[request_id]
@@ -519,7 +520,7 @@ class GrammarManager:
             matchers.append(matcher)
             rows.append(out_row)
         for backend, (matchers, rows) in by_backend.items():
-            self.backends[backend].fill_bitmasks(matchers, self.bitmask, rows)
+            self.backends[backend].fill_bitmasks(matchers, self.bitmask, rows, fresh or not self.share_states)
 
     def _check_shared(self, copies: list[tuple[int, int, str]]) -> None:
         """Now and then, one copied row against its own fill (the keys rest on a backend's debug
@@ -530,7 +531,7 @@ class GrammarManager:
             return
         _, row, request_id = copies[n % len(copies)]
         copied = self.bitmask[row].copy()
-        self._fill_each([(request_id, row)])
+        self._fill_each([(request_id, row)], fresh=True)
         if np.array_equal(copied, self.bitmask[row]):
             return
         backend = self.matchers[request_id][0]
@@ -538,7 +539,7 @@ class GrammarManager:
             "grammar backend %s: two rows with one state key had different masks; rows no longer share fills", backend
         )
         self.share_states = False
-        self._fill_each([(request_id, row) for _, row, request_id in copies])
+        self._fill_each([(request_id, row) for _, row, request_id in copies], fresh=True)
 
     @_settled
     def closing_length(self, request_id: str, limit: int) -> int | None:
