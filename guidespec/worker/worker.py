@@ -741,6 +741,16 @@ def greedy_masked(
     num_rows = hidden.shape[0]
     forced, few = _settled_rows(worker, rows, bitmask, num_rows)
     whole = forced < 0
+    if whole.all() and not few.any():  # (every row's LM head, as a regex's rows mostly need)
+        picked = worker.model.compute_picks(hidden, mask)
+        if picked is None:
+            computed = worker.model.compute_logits(hidden)
+            picked = _argmax_and_dead(computed, mask) if computed is not None else None
+        if picked is None or not worker.tp.is_driver:
+            return None
+        tokens = picked[0].astype(np.int32)
+        tokens[picked[1]] = NO_TOKEN
+        return tokens, np.ones(num_rows, dtype=np.int32)
     whole[rows[few]] = False
     keep = np.flatnonzero(whole)
     picked = None

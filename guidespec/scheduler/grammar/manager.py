@@ -356,20 +356,23 @@ class GrammarManager:
         closer) raised gets the exception instead of its answer: the caller fails that request."""
         if self._walks:  # (``_settled``, inline)
             self.end_draft_walk()
-        failed = self.closing.add_many([r[0] for r in rows], [r[1] for r in rows])
         filled, matchers, closing = self._filled, self.matchers, self.closing
+        closers = closing.closers  # (none for a regex's or a choice's rows: their loop skips it)
+        failed = closing.add_many([r[0] for r in rows], [r[1] for r in rows]) if closers else {}
         answers: list[tuple[bool, bool] | Exception] = []
         for request_id, token, budget, produced in rows:
             if request_id in failed:
                 answers.append(failed[request_id])
                 continue
             try:
-                filled.pop(request_id, None)
+                if filled:
+                    filled.pop(request_id, None)
                 matcher = matchers[request_id][1]
                 if not matcher.accept_token(token):
                     answers.append((False, False))
                     continue
-                closing.near_budget(request_id, budget, produced)
+                if request_id in closers:
+                    closing.near_budget(request_id, budget, produced)
                 answers.append((True, matcher.is_terminated()))
             except Exception as e:
                 answers.append(e)
