@@ -44,8 +44,9 @@ _UNKNOWN = object()
 # and learnt again; and how many keys back a matcher keeps for its rollbacks
 _MAX_MOVES, _KEYS_KEPT = 4096, 16
 # a grammar's keyed states' mask rows kept (``XGrammarBackend.fill_bitmasks``): at most this many
-# bytes of them (1,365 rows at SmolLM2's 49k tokens, 256 at Gemma 3's 262k), then forgotten
-_KEPT_ROW_BYTES = 8 << 20
+# bytes of them (170 rows at SmolLM2's 49k tokens, 32 at Gemma 3's 262k: a regex's or a choice's
+# states in use are mostly a few), then forgotten; 256 MB at most over the compile cache's 256
+_KEPT_ROW_BYTES = 1 << 20
 # tokens a matcher lets wait for xgrammar at most (``XGrammarMatcher._pending``): past them it
 # takes them (a row kept for its state may serve its fills for a whole output)
 _MAX_PENDING = 256
