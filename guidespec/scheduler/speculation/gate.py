@@ -107,6 +107,14 @@ class DraftGate:
                 if self.open and _rate(self._recent) > ceiling * (1 + DECISIVE):
                     self._steps, self.interval = 0, min(LONGEST, self.interval * 4)  # a win by the bound
                     self._verdicts[_size_step(rows)] = (self.open, self.interval)
+                    logger.info(
+                        "draft gate open: %.0f tokens/s drafting, at most %.0f without drafts (%d rows); "
+                        "next check in %d steps",
+                        _rate(self._recent),
+                        ceiling,
+                        rows,
+                        self.interval,
+                    )
                 else:
                     self._trial, self._settle = [], SETTLE
             return

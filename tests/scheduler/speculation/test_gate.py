@@ -83,12 +83,14 @@ def test_drafts_that_pay_stay_on_and_are_questioned_less_and_less() -> None:
     assert gate.interval >= 16 * FIRST
 
 
-def test_no_trial_where_drafting_beats_what_steps_without_drafts_could_give() -> None:
+def test_no_trial_where_drafting_beats_what_steps_without_drafts_could_give(caplog: pytest.LogCaptureFixture) -> None:
     gate = DraftGate()
     # 4 rows at 3 tokens a row in 12 ms (1,000 tokens/s); rank 0 alone takes 8 ms for 4 rows (500/s)
     host = _Host(gate, 4, drafting=0.012, plain=0.008, tokens_drafting=12, ceiling=500.0)
-    host.run(40 * FIRST)
+    with caplog.at_level("INFO", logger="guidespec.scheduler.speculation.gate"):
+        host.run(40 * FIRST)
     assert all(host.modes) and gate.interval == LONGEST
+    assert "1000 tokens/s drafting, at most 500 without drafts (4 rows)" in caplog.text  # (each check logged)
 
 
 def test_the_interval_is_bounded_and_a_new_batch_size_is_tried_again_soon() -> None:
