@@ -741,25 +741,18 @@ def greedy_masked(
     num_rows = hidden.shape[0]
     forced, few = _settled_rows(worker, rows, bitmask, num_rows)
     whole = forced < 0
-    if whole.all() and not few.any():  # (every row's LM head, as a regex's rows mostly need)
-        picked = worker.model.compute_picks(hidden, mask)
-        if picked is None:
-            computed = worker.model.compute_logits(hidden)
-            picked = _argmax_and_dead(computed, mask) if computed is not None else None
-        if picked is None or not worker.tp.is_driver:
-            return None
-        tokens = picked[0].astype(np.int32)
-        tokens[picked[1]] = NO_TOKEN
-        return tokens, np.ones(num_rows, dtype=np.int32)
     whole[rows[few]] = False
     keep = np.flatnonzero(whole)
     picked = None
-    if len(keep):
+    if len(keep) == num_rows:  # (every row's LM head, as a regex's rows mostly need: the mask as it came)
+        rows_masked, kept = mask, hidden
+    elif len(keep):
         position = np.full(num_rows, -1, dtype=np.int64)  # logits row -> its row among ``keep``
         position[keep] = np.arange(len(keep))
         masked = position[rows] >= 0
         rows_masked = (position[rows], bitmask) if masked.all() else (position[rows[masked]], bitmask[masked])
-        kept = hidden if len(keep) == num_rows else hidden[_index_on(worker.device, keep)]
+        kept = hidden[_index_on(worker.device, keep)]
+    if len(keep):
         picked = worker.model.compute_picks(kept, rows_masked)  # (no logits where the LM head can)
         if picked is None:
             computed = worker.model.compute_logits(kept)

@@ -80,8 +80,8 @@ _AHEAD_CHECKS = 16  # guided rows a step run ahead looks at for forced positions
 # The draft gate's bound (``observe_emitted``) is rank 0's time fit by tokens, at a token a row:
 # taken only where one of the last _BOUND_STEPS steps had at most _BOUND_REACH times that many
 # tokens. A fit over drafting steps alone, 64 rows of ~200-250 tokens, once put 64 tokens at 7.5
-# ms (steps without drafts took ~2.5): drafting at 12k tokens/s then beat its 8.5k bound and
-# was never tried against 17-21k without drafts.
+# ms (rank 0 took ~2.7 in steps without drafts: forward 1.0, picks 1.7): drafting at 12k
+# tokens/s then beat its 8.5k bound and was never tried against 17-21k without drafts.
 _BOUND_STEPS, _BOUND_REACH = 64, 1.5
 
 
