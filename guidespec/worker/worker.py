@@ -73,6 +73,10 @@ from guidespec.worker.core_share import CoreShare
 _IDLE_READ_TIMEOUT_S = 1.0
 _ROWS_PER_REQUEST = 9  # logits rows a request has in a step (1 + drafts), without a mask arena to say
 _CPU_GRACE_S = 0.02  # an overlapped step on the CPU waits this long for the next one (_Done)
+# rank 0 waits this long for a step's bitmask before it asks for it (``MaskWanted``: a scheduler
+# holding it while a grammar compiles then writes it at once); a bitmask on its way is not asked
+# for (a message each way: at 64 regex rows ~0.1 ms of both processes' CPU where one came a step)
+_MASK_WANTED_AFTER_S = 0.002
 _FEW_TOKENS = 4  # a mask allowing at most vocab / 4 tokens: their logits alone cost less than all
 logger = logging.getLogger(__name__)
 
@@ -590,11 +594,15 @@ class Worker:
     def _read_bitmask(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """The step's bitmask: (logits rows, bitmask rows), read in place from the mask arena
         where they are there."""
+        payload = None
         if not self.reader.poll():
             kernels.park_threads()  # (the scheduler fills it: the kernels' helpers leave it the core)
-            if self.tp.is_driver:  # (the scheduler may hold it for a compile)
-                self.results.send(MaskWanted(step))
-        message = codec.decode(self.reader.read(timeout=60.0))
+            if self.tp.is_driver:  # the scheduler may hold it for a compile: asked for if it is late
+                try:
+                    payload = self.reader.read(timeout=_MASK_WANTED_AFTER_S)
+                except RingTimeout:
+                    self.results.send(MaskWanted(step))
+        message = codec.decode(payload if payload is not None else self.reader.read(timeout=60.0))
         if not isinstance(message, StepBitmask) or message.step != step:
             raise RuntimeError(f"step {step}: expected its bitmask, got {type(message).__name__}")
         return message.rows, self.reader.bitmask(message)
