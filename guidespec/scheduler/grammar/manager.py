@@ -20,7 +20,7 @@ import functools
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Sequence, TypeVar
+from typing import Any, Callable, Container, Hashable, Sequence, TypeVar
 
 import numpy as np
 
@@ -340,6 +340,12 @@ class GrammarManager:
     def accept(self, request_id: str, token: int) -> bool:
         return self._accept(request_id, token) is not None
 
+    @property
+    def budget_tracked(self) -> Container[str]:
+        """The requests whose rows early closing steers near their budget: ``advance_rows`` needs
+        their budget and output length (the others' are unused)."""
+        return self.closing.closers
+
     def advance(self, request_id: str, token: int, budget: int, produced: int) -> tuple[bool, bool]:
         """A sampled output token, in one call: ``accept`` it, then tell early closing
         ``produced`` output tokens of ``budget`` are written (this one counted). Returns
@@ -353,7 +359,9 @@ class GrammarManager:
         """``advance`` for a step's rows (request, token, budget, produced), the emit's: early
         closing hears every token first, its cycle detectors in one C call
         (``ClosingStep.add_many``), then each grammar accepts its own. A row whose grammar (or
-        closer) raised gets the exception instead of its answer: the caller fails that request."""
+        closer) raised gets the exception instead of its answer: the caller fails that request.
+        A row's budget and output length are read only where early closing tracks its request
+        (``budget_tracked``)."""
         if self._walks:  # (``_settled``, inline)
             self.end_draft_walk()
         filled, matchers, closing = self._filled, self.matchers, self.closing
