@@ -11,6 +11,7 @@ import re
 import sys
 import tempfile
 import threading
+from collections import deque
 from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
@@ -47,9 +48,10 @@ _MAX_MOVES, _KEYS_KEPT = 4096, 16
 # bytes of them (170 rows at SmolLM2's 49k tokens, 32 at Gemma 3's 262k: a regex's or a choice's
 # states in use are mostly a few), then forgotten; 256 MB at most over the compile cache's 256
 _KEPT_ROW_BYTES = 1 << 20
-# tokens a matcher lets wait for xgrammar at most (``XGrammarMatcher._pending``): past them it
-# takes them (a row kept for its state may serve its fills for a whole output)
-_MAX_PENDING = 256
+# tokens a matcher lets wait for xgrammar at most (``XGrammarMatcher._pending``; 8 bytes each):
+# past them each accept has xgrammar take the oldest, one accept a token as without waiting. (It
+# took all 256 at once before: 64 rows of one regex begun together stalled a step ~20 ms.)
+_MAX_PENDING = 4096
 # a kept row is checked against the matcher's own fill at each of its grammar's first
 # _ROW_CHECKS uses and one in _ROW_CHECK_EVERY after
 _ROW_CHECKS, _ROW_CHECK_EVERY = 16, 512
@@ -82,7 +84,7 @@ class XGrammarMatcher:
         self._key: Any = _UNKNOWN  # state_key's, until the grammar moves
         self._moved: tuple[Any, int] | None = None  # (key, token): the move since the key was known
         self._before: list[Any] = []  # the keys before the last accepts (a rollback's), newest last
-        self._pending: list[int] = []  # tokens accepted by known moves that ``matcher`` has not taken yet
+        self._pending: deque[int] = deque()  # tokens accepted by known moves that ``matcher`` has not taken yet
         # is_terminated's answer until the grammar moves: a step asks it of a guided row three times
         # or more (the emit's advance, the fill, the end check), and xgrammar's costs ~0.6 µs
         self._ended: bool | None = None
@@ -97,12 +99,15 @@ class XGrammarMatcher:
         """xgrammar's matcher, where this one stands: given the tokens its known moves took."""
         pending = self._pending
         if pending:
-            matcher = self.matcher
             for token in pending:
-                if not matcher.accept_token(token):  # (a known move is the grammar's: never)
-                    raise RuntimeError(f"xgrammar refused token {token} of a move it had made before")
+                self._take(token)
             pending.clear()
         return self.matcher
+
+    def _take(self, token: int) -> None:
+        """xgrammar's matcher takes a waiting token."""
+        if not self.matcher.accept_token(token):  # (a known move is the grammar's: never)
+            raise RuntimeError(f"xgrammar refused token {token} of a move it had made before")
 
     def accept_token(self, token: int) -> bool:
         key, after = self._key, _UNKNOWN
@@ -114,9 +119,10 @@ class XGrammarMatcher:
                 if len(before) > _KEYS_KEPT:
                     del before[0]
                 self._key, self._moved, self._ended = after, None, False
-                self._pending.append(token)
-                if len(self._pending) >= _MAX_PENDING:
-                    self.synced()
+                pending = self._pending
+                pending.append(token)
+                if len(pending) > _MAX_PENDING:
+                    self._take(pending.popleft())
                 return True
         if not self.synced().accept_token(token):
             return False  # (a rejected token leaves the grammar, and its key, as they were)
@@ -155,8 +161,8 @@ class XGrammarMatcher:
             self._moved = None
             pending = self._pending
             waiting = min(num_tokens, len(pending))  # (tokens xgrammar never took: dropped)
-            if waiting:
-                del pending[len(pending) - waiting :]
+            for _ in range(waiting):
+                pending.pop()
             if num_tokens > waiting:
                 self.matcher.rollback(num_tokens - waiting)
             # (a state a known move reached, or left for one, is not terminated)
