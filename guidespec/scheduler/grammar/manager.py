@@ -498,7 +498,8 @@ class GrammarManager:
 
     def _fill_rows(self, request_ids: list[str], out_rows: list[int]) -> None:
         """Fill ``self.bitmask[out_rows[i]]`` from each request's matcher, batched per backend;
-        a row whose grammar stands where another's does (``state_key``) is that row, copied."""
+        a row whose grammar stands where another's does (``state_key``) is that row, copied.
+        ``out_rows`` ascend (every caller's do: a run of copies is then a slice)."""
         leaders: dict[Hashable, int] = {}
         copies: list[tuple[int, int, str]] = []  # (the row filled, a row in its state, that row's request)
         fills: list[tuple[str, int]] = []
@@ -518,7 +519,10 @@ class GrammarManager:
             for leader, row, _ in copies:
                 to.setdefault(leader, []).append(row)
             for leader, rows in to.items():  # (a row broadcast: half a gather's time)
-                self.bitmask[rows] = self.bitmask[leader]
+                if rows[-1] - rows[0] == len(rows) - 1:  # (a run of rows: a slice, half a list's 24 µs at 63)
+                    self.bitmask[rows[0] : rows[-1] + 1] = self.bitmask[leader]
+                else:
+                    self.bitmask[rows] = self.bitmask[leader]
             self._check_shared(copies)
 
     def _fill_each(self, fills: list[tuple[str, int]], fresh: bool = False) -> None:
