@@ -185,19 +185,28 @@ class RingReader:
     def __init__(self, ring: ShmRing, index: int) -> None:
         self.ring = ring
         self.index = index
+        # a message whose later chunks did not come in time: (its chunks read, bytes to come, its
+        # size), which the next read goes on with (its chunks are off the ring already)
+        self._partial: tuple[list[bytes], int, int] | None = None
 
     def read(self, timeout: float | None = 10.0) -> bytes:
         """Read the next message (a private copy). ``timeout=None`` waits forever.
 
-        Raises ``RingTimeout`` when a chunk does not come in time, ``RingCorrupt`` on a slot
-        header the writer never writes (the cursor stays on that chunk)."""
+        Raises ``RingTimeout`` when a chunk does not come in time: where that was a later chunk of
+        a message, the next read goes on with it (rank 0's short wait for a bitmask, which a
+        multi-chunk message crossed, once lost its first chunks). ``RingCorrupt`` on a slot header
+        the writer never writes (the cursor stays on that chunk)."""
         ring = self.ring
         timer = AwakeTimer(timeout)
-        slot, n, total = self._wait_chunk(timer)
-        if not 0 <= total <= MAX_MESSAGE_SIZE:
-            raise self._corrupt(f"a message of {total} bytes")
-        chunks: list[bytes] = []
-        remaining = total
+        if self._partial is None:
+            slot, n, total = self._wait_chunk(timer)
+            if not 0 <= total <= MAX_MESSAGE_SIZE:
+                raise self._corrupt(f"a message of {total} bytes")
+            chunks: list[bytes] = []
+            remaining = total
+        else:
+            chunks, remaining, total = self._partial
+            slot, n = self._next_chunk(timer, chunks, remaining, total)
         while True:
             if n != min(remaining, ring.layout.slot_size):
                 raise self._corrupt(f"a chunk of {n} bytes with {remaining} of {total} bytes to come")
@@ -206,9 +215,19 @@ class RingReader:
             remaining -= n
             if remaining == 0:
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            slot, n = self._next_chunk(timer, chunks, remaining, total)
+
+    def _next_chunk(self, timer: AwakeTimer, chunks: list[bytes], remaining: int, total: int) -> tuple[int, int]:
+        """A message's next chunk (slot, bytes); kept for the next read if it does not come in time."""
+        try:
             slot, n, marker = self._wait_chunk(timer)
-            if marker != -1:
-                raise self._corrupt(f"a new message of {marker} bytes with {remaining} of {total} bytes to come")
+        except RingTimeout:
+            self._partial = (chunks, remaining, total)
+            raise
+        self._partial = None
+        if marker != -1:
+            raise self._corrupt(f"a new message of {marker} bytes with {remaining} of {total} bytes to come")
+        return slot, n
 
     def poll(self) -> bool:
         """True if a message is waiting."""

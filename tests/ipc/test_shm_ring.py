@@ -108,6 +108,29 @@ def test_reader_times_out_without_a_writer(ring_name: str) -> None:
     ring.close()
 
 
+def test_a_read_timed_out_inside_a_message_goes_on_with_it_next_time(ring_name: str) -> None:
+    """A message of three chunks through two slots: a read with no time to wait takes the two
+    written, times out on the third (the writer waits for a free slot), and the next read returns
+    the whole message, then the one after it."""
+    import threading
+
+    ring = ShmRing.create(ring_name, num_readers=1, num_slots=2, slot_size=64)
+    reader, writer = ring.reader(0), ring.writer()
+    first, second = os.urandom(150), os.urandom(40)
+    thread = threading.Thread(target=lambda: [writer.write(p, timeout=20) for p in (first, second)])
+    thread.start()
+    deadline = time.monotonic() + 20
+    while int(ring.slot_seq[1]) != 1:  # both slots written: the writer waits for the reader
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    with pytest.raises(RingTimeout):
+        reader.read(timeout=0)
+    assert reader.read(timeout=20) == first
+    assert reader.read(timeout=20) == second
+    thread.join(10)
+    ring.close()
+
+
 def test_malformed_frame_on_the_ring_is_rejected_and_the_reader_goes_on(ring_name: str) -> None:
     ring = ShmRing.create(ring_name, num_readers=1, num_slots=4, slot_size=256)
     writer, reader = ring.writer(), ring.reader(0)
