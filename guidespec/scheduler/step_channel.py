@@ -268,7 +268,7 @@ class StepChannel:
         fills: list[FillRow] = []
         rows: list[int] = []  # the bitmask's logits rows
         held, closes, max_model_len = self.table.requests, self.grammar.budget_tracked, self.cfg.max_model_len
-        for first, row in step.guided:  # (one pass: 64 regex rows cost ~0.1 ms of CPU as three)
+        for first, row in step.guided:  # (one pass: 64 regex rows' 71-80 µs alone as three, 33-37 as one)
             request = row.request
             request_id = request.request_id
             if held.get(request_id) is not request:
@@ -281,10 +281,7 @@ class StepChannel:
                 fills.append(FillRow(request_id, request.draft_tokens, len(request.output_token_ids), budget))
             else:
                 fills.append(FillRow(request_id, request.draft_tokens))
-            if row.num_logits == 1:
-                rows.append(first)
-            else:
-                rows.extend(range(first, first + row.num_logits))
+            rows.extend(range(first, first + row.num_logits))
         bitmask = self._fill(fills, self.broadcaster.reserve_bitmask())
         for request_id, reason in self.grammar.take_failures():  # (their rows allow only a stop token)
             if request_id in self.table.requests:

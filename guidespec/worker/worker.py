@@ -75,7 +75,7 @@ _ROWS_PER_REQUEST = 9  # logits rows a request has in a step (1 + drafts), witho
 _CPU_GRACE_S = 0.02  # an overlapped step on the CPU waits this long for the next one (_Done)
 # rank 0 waits this long for a step's bitmask before it asks for it (``MaskWanted``: a scheduler
 # holding it while a grammar compiles then writes it at once); a bitmask on its way is not asked
-# for (a message each way: at 64 regex rows ~0.1 ms of both processes' CPU where one came a step)
+# for (a message each way, which at 64 regex rows came most steps)
 _MASK_WANTED_AFTER_S = 0.002
 _FEW_TOKENS = 4  # a mask allowing at most vocab / 4 tokens: their logits alone cost less than all
 logger = logging.getLogger(__name__)
