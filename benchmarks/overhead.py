@@ -291,11 +291,13 @@ def cpu_seconds(llm: LLM) -> dict[str, float]:
     seconds at batch 64 within 1%); empty where there is no ``/proc``. Less noisy than wall time on
     a shared host, and on one whose cores are all busy (2 cores: the scheduler beside rank 0's two
     threads) what a step costs: every process's milliseconds come out of the same two cores. Rank
-    0's includes its kernels' helper thread spinning between a step's regions."""
+    0's includes its kernels' helper thread spinning between a step's regions. "client": this
+    process (the LLM's receiver thread makes the outputs' text: ``guidespec/output_text.py``)."""
     seconds = {}
-    for name, process in llm._processes.processes.items():
+    pids = {name: process.pid for name, process in llm._processes.processes.items()}
+    for name, pid in {**pids, "client": os.getpid()}.items():
         try:
-            fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         seconds[name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -3,10 +3,12 @@
 The client tokenizes (each form a prompt takes: ``prompts``) and validates: anything the engine
 cannot serve (an empty or over-long prompt, a chat to a model without a chat template, bad
 sampling parameters, a missing model, an unsupported architecture) raises here, before it
-reaches the scheduler (the arguments and the model: ``launch.engine_config``). A
-receiver thread routes the scheduler's output deltas to per-request streams, which back the
-blocking, streaming and asyncio forms alike. Used as a context manager (or at interpreter exit)
-it stops every process and removes every shared resource, also after Ctrl-C or an exception.
+reaches the scheduler (the arguments and the model: ``launch.engine_config``). A receiver
+thread routes the scheduler's output deltas (token ids) to per-request streams, which back the
+blocking, streaming and asyncio forms alike; it makes their text on the way (``output_text``:
+detokenizing and stop strings, off the scheduler's loop). Used as a context manager (or at
+interpreter exit) it stops every process and removes every shared resource, also after Ctrl-C
+or an exception.
 
 When an engine process dies, every request in flight ends at once with ``EngineDeadError``
 (the server's 503). With ``restart_on_failure`` (the server's default) a fresh engine then
@@ -18,7 +20,9 @@ deaths and restarts).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import logging
 import os
 import queue
 import time
@@ -32,6 +36,7 @@ from guidespec.config import EngineConfig, SpeculativeConfig
 from guidespec.launch.engine_config import create_engine_config
 from guidespec.launch.launcher import EngineProcesses
 from guidespec.launch.supervisor import Engine, EngineDeadError, EngineRestartingError, EngineSupervisor
+from guidespec.output_text import OutputText
 from guidespec.prompts import Prompt, PromptEncoder, as_prompt_list, load_chat_template
 from guidespec.protocol import (
     ENGINE_UNAVAILABLE,
@@ -57,6 +62,8 @@ __all__ = [
     "RequestHandle",
     "StreamDelta",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 class RequestError(RuntimeError):
@@ -123,14 +130,40 @@ class RequestHandle:
 
 
 class _RequestStream:
-    """Where one request's deltas land; read by a thread or an asyncio task."""
+    """Where one request's deltas land; read by a thread or an asyncio task. The receiver
+    thread makes their text (``receive``) before it queues them."""
 
-    def __init__(self, output: GenerationOutput, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(
+        self, output: GenerationOutput, loop: asyncio.AbstractEventLoop | None = None, text: OutputText | None = None
+    ) -> None:
         self.output = output
+        self.text = text
         self.loop = loop
         self.queue: queue.Queue[RequestOutput] | asyncio.Queue[RequestOutput] = (
             asyncio.Queue() if loop else queue.Queue()
         )
+
+    def receive(self, delta: RequestOutput) -> tuple[RequestOutput, bool]:
+        """The receiver thread's part: the delta with its text (``OutputText``), ended there where
+        that text holds a stop string; and whether the client ended it so (the engine is to abort
+        it)."""
+        text = self.text
+        if text is None or (delta.error and delta.finish_reason == "error"):
+            return delta, False
+        try:
+            if delta.restarted:
+                text.restart()
+            new_text, kept = text.add(delta.new_token_ids, delta.finished)
+        except Exception:  # (the tokenizer raised on these tokens: this request alone fails)
+            logger.exception("request %s: its text could not be made", delta.request_id)
+            error = "internal error while decoding its text"
+            failed = RequestOutput(delta.request_id, [], True, "error", error, error_status=INTERNAL_ERROR)
+            return failed, not delta.finished
+        if kept is None:
+            return (dataclasses.replace(delta, new_text=new_text) if new_text else delta), False
+        tokens = delta.new_token_ids[:kept]
+        ended = dataclasses.replace(delta, new_token_ids=tokens, finished=True, finish_reason="stop", new_text=new_text)
+        return ended, not delta.finished
 
     def put(self, delta: RequestOutput) -> None:
         if self.loop is not None:
@@ -149,6 +182,9 @@ class _RequestStream:
             raise RequestError(
                 f"request {delta.request_id}: {delta.error}", delta.error_status or INTERNAL_ERROR, delta.error_code
             )
+        if delta.restarted:  # (the engine started it again: what came before is void)
+            out.text, out.token_ids, out.first_token_time = "", [], 0.0
+            out.grammar_backend = out.grammar_refusal = ""
         out.text += delta.new_text
         out.token_ids.extend(delta.new_token_ids)
         out.first_token_time = out.first_token_time or delta.first_token_time
@@ -412,7 +448,8 @@ class LLM:
         validate_request(ids, params, self.config.vocab_size, self.config.max_model_len)
         request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         now = time.time()
-        request = _RequestStream(GenerationOutput(request_id, ids, arrival_time=now), loop)
+        text = OutputText(self.tokenizer, ids, params, self.config.eos_token_ids)
+        request = _RequestStream(GenerationOutput(request_id, ids, arrival_time=now), loop, text)
         with self._supervisor.state_lock:  # a death after this fails the stream; one before it refuses it
             self._check_alive()
             self._streams[request_id] = request
@@ -456,9 +493,12 @@ class LLM:
         elif isinstance(message, RequestOutput):
             stream = self._streams.get(message.request_id)
             if stream is not None:
-                if message.finished:
+                delta, ended_here = stream.receive(message)
+                if delta.finished:
                     self._streams.pop(message.request_id, None)
-                stream.put(message)
+                stream.put(delta)
+                if ended_here:  # (its later deltas find no stream; the engine's abort answer neither)
+                    self.abort(message.request_id)
         elif isinstance(message, SchedulerStats):
             self.scheduler_stats = message
 
@@ -467,9 +507,8 @@ class LLM:
         streams = list(self._streams.values())
         self._streams.clear()
         for stream in streams:
-            stream.put(
-                RequestOutput(stream.output.request_id, [], "", True, "error", message, error_status=ENGINE_UNAVAILABLE)
-            )
+            request_id = stream.output.request_id
+            stream.put(RequestOutput(request_id, [], True, "error", message, error_status=ENGINE_UNAVAILABLE))
 
     def _give_up(self, reason: str) -> None:
         if self.on_gave_up is not None:

@@ -251,7 +251,8 @@ class GenerateRequest:
     params: SamplingParams
     arrival_time: float
     # whether the client takes deltas as they come; without, the scheduler sends the finished
-    # output alone, and until then may start the request again (``RequestTable.grammar_failed``)
+    # output alone (and each step's tokens where the request has stop strings, which the client
+    # finds), and until then may start the request again (``RequestTable.grammar_failed``)
     stream: bool = True
 
 
@@ -349,23 +350,30 @@ class DecodeStats:
 @register_message(14)
 @dataclass(frozen=True)
 class RequestOutput:
-    """A delta for one request: the tokens and text produced since the previous output."""
+    """A delta for one request: the tokens produced since the previous output (and their text,
+    which the client adds: ``new_text``)."""
 
     request_id: str
     new_token_ids: list[int]
-    new_text: str
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     num_prompt_tokens: int = 0
     first_token_time: float = 0.0  # scheduler clock (time.time()) of the first output token
-    stats: DecodeStats | None = None  # the request's, with its finishing delta (a copy)
+    # the request's (a copy): with its finishing delta, and with each one of a request with stop
+    # strings (the client may end it at any of them)
+    stats: DecodeStats | None = None
     # with an error: whose fault, as an HTTP status: BAD_REQUEST (the request's), INTERNAL_ERROR
     # (ours, this request alone), ENGINE_UNAVAILABLE (the engine died; retry after its restart)
     error_status: int = 0
     grammar_backend: str = ""  # the backend that enforces the request's grammar
     grammar_refusal: str = ""  # why the one tried before it (backend "auto") refused, if one did
     error_code: str = ""  # with an error, its kind where it has one of its own (GRAMMAR_FAILED)
+    # the request started again (its grammar failed: ``RequestTable.grammar_failed``): the tokens
+    # sent before this delta are void (only a request the client does not stream starts again)
+    restarted: bool = False
+    # the text of ``new_token_ids``: the client's to make (``output_text``), so never the engine's
+    new_text: str = ""
 
 
 @register_message(18)

@@ -160,6 +160,29 @@ def test_stop_string_and_seeded_sampling(llm: LLM) -> None:
     assert other != first
 
 
+def test_a_stop_string_is_found_by_the_client_which_aborts_the_request(llm: LLM) -> None:
+    """The engine sends token ids; the client makes the text and finds stop strings
+    (``output_text``): streamed or not, the output ends at the token that completes one, the
+    text is cut before it and no part of it is streamed, and the engine drops the request."""
+    prompt, stop = "1, 2, 3, 4, 5, 6, 7,", SamplingParams(max_tokens=40, temperature=0.0, stop=["10"])
+    plain = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0.0))[0]
+    cut = plain.text.index("10")
+    whole = llm.generate(prompt, stop)[0]
+    deltas = list(llm.stream(prompt, stop))
+    assert whole.finish_reason == "stop" and whole.text == plain.text[:cut]
+    assert "".join(d.text for d in deltas) == whole.text and deltas[-1].finish_reason == "stop"
+    assert all("1" not in d.text[-1:] for d in deltas[:-1] if d.text)  # (a "1" could start "10": held back)
+    assert [t for d in deltas for t in d.token_ids] == whole.token_ids
+    # the token that completes the stop string is the output's last
+    assert whole.token_ids == plain.token_ids[: len(whole.token_ids)]
+    assert "10" in llm.tokenizer.decode(whole.token_ids) and "10" not in llm.tokenizer.decode(whole.token_ids[:-1])
+    assert whole.stats.num_steps == len(whole.token_ids)
+    deadline = time.monotonic() + 10.0
+    while llm.scheduler_stats.running and time.monotonic() < deadline:  # (aborted: it leaves the engine)
+        time.sleep(0.05)
+    assert llm.scheduler_stats.running == 0
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [

@@ -106,6 +106,22 @@ def test_auto_starts_a_request_again_on_the_next_backend(llm: LLM) -> None:
     jsonschema.validate(json.loads(out.text), SCHEMA)
 
 
+def test_a_request_with_stop_strings_starts_again_with_nothing_of_its_first_try(llm: LLM) -> None:
+    """A request with stop strings sends the client each step's tokens (the client finds stop
+    strings: ``output_text``), also where it does not stream: its first try's tokens reach the
+    client, and the restart's first delta says they are void. The output is the second try's
+    alone, as without stop strings."""
+    plain = llm.generate([PROMPT], _params("auto"))[0]
+    params = _params("auto")
+    stopped = SamplingParams(
+        max_tokens=params.max_tokens, temperature=0.0, guided=params.guided, stop=("never in a JSON answer\n",)
+    )
+    out = llm.generate([PROMPT], stopped)[0]
+    assert out.stats.grammar_restarts == 1 and out.grammar_backend == "xgrammar"
+    assert out.token_ids == plain.token_ids and out.text == plain.text
+    jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
 def test_issue_45s_schema_is_refused_where_every_backend_would_give_up(llm: LLM) -> None:
     """With llguidance's fuel this low its compile-time walk finds the failure after the quote:
     a 400 that names both backends' reasons, before any token."""

@@ -82,7 +82,7 @@ def test_the_scheduler_and_the_workers_do_not_import_each_other() -> None:
 LAYERS = (
     ("envs", "native", "process_utils", "bitmask"),  # the ground floor: no guidespec imports but envs
     ("ipc", "cuda_ext", "protocol"),  # transport, the C draft channel, the messages
-    ("config", "model_files", "grammar_backends", "prompts"),
+    ("config", "model_files", "grammar_backends", "prompts", "detokenizer", "output_text"),  # (text: the client's)
     ("scheduler", "worker"),  # the two kinds of engine process
     ("launch",),  # starting those processes
     ("llm", "guidespec"),  # the client (and the package's own exports)

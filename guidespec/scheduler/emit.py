@@ -1,6 +1,6 @@
 """A step's outputs into its requests, and their deltas to the client's outbox.
 
-Each row's tokens advance its request (its grammar, detokenizer, stop checks); accepted drafts
+Each row's tokens advance its request (its grammar, its token stops); accepted drafts
 advance its computed tokens; jump-forward appends the tokens the grammar forces ("unverified")
 and a complete output's end token. The step's deltas leave in one ``RequestOutputs``. A row whose
 request failed during the step, or whose token was sampled without its mask (``dropped``), is
@@ -74,7 +74,7 @@ class Emitter:
         """The part of :meth:`emit` the next step's bitmask waits for, run before it: each guided
         row's grammar advanced by the first token the emit will append to it (the emit takes the
         answer, ``Request.advanced``, instead of asking again), so that the bitmask is filled and
-        sent before the rest of the emit (detokenizing, stop checks, deltas) runs. One pass over
+        sent before the rest of the emit (stop checks, deltas) runs. One pass over
         the rows, its checks inline (as calls, 64 regex rows took ~0.16 ms of the scheduler's CPU
         a step), a budget only for the grammars early closing tracks."""
         guided = [i for i, row in enumerate(rows) if row.request.params.guided is not None]
@@ -182,7 +182,7 @@ class Emitter:
         deltas: list[RequestOutput],
         ending: list[Request],
     ) -> None:
-        """Append one row's tokens to its request (its grammar, detokenizer, stop checks), then
+        """Append one row's tokens to its request (its grammar, its token stops), then
         add the request's delta to the step's (or, where its grammar may end here, to ``ending``
         for the end check first: ``_end_complete``)."""
         request = row.request
@@ -219,7 +219,7 @@ class Emitter:
         """The request's delta into the step's (a request that does not stream: only its last).
         A request that ends leaves the table: the next step's row for it, if it ran ahead, is
         skipped."""
-        if reason == "error" or (reason is None and not request.stream):  # (the finished output comes whole)
+        if reason == "error" or (reason is None and not request.sends_each_step):  # (the finished output comes whole)
             return
         delta = make_delta(request, reason)
         deltas.append(delta)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import numpy as np
 
@@ -28,7 +27,6 @@ from guidespec.protocol import (
     validate_request,
 )
 from guidespec.scheduler.batching import Batcher
-from guidespec.scheduler.detokenizer import IncrementalDetokenizer
 from guidespec.scheduler.grammar import GrammarManager
 from guidespec.scheduler.output import finish_output
 from guidespec.scheduler.request import Request
@@ -41,14 +39,12 @@ class Intake:
     def __init__(
         self,
         cfg: SchedulerConfig,
-        tokenizer: Any,
         batcher: Batcher,
         grammar: GrammarManager,
         table: RequestTable,
         client_out: Channel,
     ) -> None:
         self.cfg = cfg
-        self.tokenizer = tokenizer
         self.batcher = batcher
         self.grammar = grammar
         self.table = table
@@ -66,7 +62,6 @@ class Intake:
                 RequestOutput(
                     message.request_id,
                     [],
-                    "",
                     True,
                     "error",
                     "internal error while adding the request",
@@ -121,16 +116,13 @@ class Intake:
         prompt = message.prompt_token_ids.tolist() if isinstance(message.prompt_token_ids, np.ndarray) else []
         error = self._validate(message, prompt)
         if error is not None:
-            self.client_out.send(
-                RequestOutput(message.request_id, [], "", True, "error", error, error_status=BAD_REQUEST)
-            )
+            self.client_out.send(RequestOutput(message.request_id, [], True, "error", error, error_status=BAD_REQUEST))
             return
         request = Request(
             message.request_id,
             prompt,
             message.params,
             message.arrival_time,
-            IncrementalDetokenizer(self.tokenizer, prompt),
             stream=message.stream,
         )
         if message.params.guided is not None:
@@ -141,7 +133,7 @@ class Intake:
                     request.grammar_backend, request.grammar_refusal = self.grammar.served(request.request_id)
             except GrammarError as e:
                 self.client_out.send(
-                    RequestOutput(message.request_id, [], "", True, "error", str(e), error_status=BAD_REQUEST)
+                    RequestOutput(message.request_id, [], True, "error", str(e), error_status=BAD_REQUEST)
                 )
                 return
         self.table.add(request)
@@ -166,8 +158,8 @@ class Intake:
             old.prompt_token_ids,
             old.params,
             old.arrival_time,
-            IncrementalDetokenizer(self.tokenizer, old.prompt_token_ids),
             stream=old.stream,
+            restarted=True,  # (the client drops what it was sent: a request with stop strings gets each step's)
         )
         request.stats.grammar_restarts = old.stats.grammar_restarts + 1
         try:

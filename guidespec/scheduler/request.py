@@ -15,7 +15,6 @@ import enum
 from dataclasses import dataclass, field
 
 from guidespec.protocol import LAST_SAMPLED, DecodeStats, SamplingParams
-from guidespec.scheduler.detokenizer import IncrementalDetokenizer
 from guidespec.scheduler.kv_blocks import BlockTable
 
 
@@ -31,7 +30,6 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
-    detokenizer: IncrementalDetokenizer
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     slot: int | None = None  # its row state on the workers, while running
@@ -39,8 +37,6 @@ class Request:
     prompt_keys: list[bytes] = field(default_factory=list)  # its full blocks' keys (Batcher._prompt_keys)
     prompt_keys_for: int = -1  # the token count they were computed for
     status: Status = Status.WAITING
-    output_text: str = ""
-    sent_text_len: int = 0
     sent_token_count: int = 0
     first_token_time: float = 0.0
     finish_reason: str | None = None
@@ -58,11 +54,18 @@ class Request:
     # (``Emitter.advance_grammars``): (token, accepted, the grammar has terminated)
     advanced: tuple[int, bool, bool] | None = None
     stream: bool = True  # the client takes its deltas as they come (else only the finished output)
+    restarted: bool = False  # started again after its grammar failed; its next delta says so
     stats: DecodeStats = field(default_factory=DecodeStats)
 
     @property
     def guided(self) -> bool:
         return self.params.guided is not None
+
+    @property
+    def sends_each_step(self) -> bool:
+        """Its deltas go to the client each step: it streams, or has stop strings (the client's
+        to find: ``output_text``)."""
+        return self.stream or bool(self.params.stop)
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,7 @@ StepInputs on the shared-memory ring; rank 0 answers with StepOutputs over ZeroM
 that reports an error or whose process disappears fails every request with a message naming
 it, and the scheduler tells the client the engine is dead instead of hanging.
 
-Failures that concern one request (its input, its grammar, its drafter, its detokenizer) fail
+Failures that concern one request (its input, its grammar, its drafter) fail
 that request alone, with a one-line message and a status saying whose fault it is; the
 traceback goes to this process's log. A grammar that stops before its output is complete (a
 backend's limit met mid-way) fails its request with ``GRAMMAR_FAILED``, or starts it again on
@@ -133,7 +133,7 @@ class Scheduler:
         self.trace = step_trace()  # (None unless GUIDESPEC_TRACE asks for one)
         self.health = Health(parent_pid)
         self.table = RequestTable(self.batcher, self.grammar, self.speculator, self.client_out)
-        self.intake = Intake(cfg, self.tokenizer, self.batcher, self.grammar, self.table, self.client_out)
+        self.intake = Intake(cfg, self.batcher, self.grammar, self.table, self.client_out)
         self.steps = StepChannel(
             cfg,
             self.broadcaster,

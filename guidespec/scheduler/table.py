@@ -88,15 +88,8 @@ class RequestTable:
 
     def fail(self, request: Request, error: str, status: int = INTERNAL_ERROR, code: str = "") -> None:
         """End one request with an error; the others carry on."""
-        try:
-            output = error_output(request, error, status, code)
-        except Exception:  # its detokenizer is what failed: end it without the last text
-            logger.exception("request %s: its last output could not be made", request.request_id)
-            output = RequestOutput(
-                request.request_id, [], "", True, "error", error, error_status=status, error_code=code
-            )
         self.send_outbox()
-        self.client_out.send(output)
+        self.client_out.send(error_output(request, error, status, code))
         self.forget(request)
 
     def fail_internal(self, request: Request, doing: str, e: Exception) -> None:
@@ -111,7 +104,7 @@ class RequestTable:
         yet) starts again on that backend, after this step; any other fails with
         ``GRAMMAR_FAILED``. The rest of the batch is not touched."""
         guided, backends, refusals = self.grammar.alternatives.get(request.request_id, (None, [], []))
-        sent = request.sent_token_count > 0 or request.sent_text_len > 0
+        sent = request.stream and request.sent_token_count > 0  # (a request with stop strings sends each step's: void)
         logger.warning(
             "request %s: its grammar failed after %d tokens (%s)%s",
             request.request_id,
@@ -135,13 +128,7 @@ class RequestTable:
         logger.error("engine failed: %s", reason)
         self.send_outbox()
         for request in list(self.requests.values()):
-            try:
-                output = error_output(request, reason, ENGINE_UNAVAILABLE)
-            except Exception:
-                output = RequestOutput(
-                    request.request_id, [], "", True, "error", reason, error_status=ENGINE_UNAVAILABLE
-                )
-            self.client_out.send(output)
+            self.client_out.send(error_output(request, reason, ENGINE_UNAVAILABLE))
         self.requests.clear()
         self.client_out.send(EngineDead(reason))
         time.sleep(0.1)  # let the frames leave
@@ -159,7 +146,6 @@ def error_output(request: Request, error: str, status: int, code: str = "") -> R
     return RequestOutput(
         output.request_id,
         output.new_token_ids,
-        output.new_text,
         True,
         "error",
         error,

@@ -23,11 +23,9 @@ EXAMPLES = [
     protocol.Shutdown("bye"),
     protocol.EngineReady(2, 16, 2048),
     protocol.SchedulerStats(running=3, waiting=2, waiting_for_grammar=1, free_slots=13),
-    protocol.RequestOutput("r1", [1, 2], "hi", True, "stop", None, 5, 2.0),
-    protocol.RequestOutput("r2", [3], "x", stats=protocol.DecodeStats(4, 2, 6, 3, [0, 1, 1])),
-    protocol.RequestOutputs(
-        [protocol.RequestOutput("r1", [1, 2], "hi"), protocol.RequestOutput("r3", [], "", True, "length")]
-    ),
+    protocol.RequestOutput("r1", [1, 2], True, "stop", None, 5, 2.0),
+    protocol.RequestOutput("r2", [3], stats=protocol.DecodeStats(4, 2, 6, 3, [0, 1, 1]), restarted=True),
+    protocol.RequestOutputs([protocol.RequestOutput("r1", [1, 2]), protocol.RequestOutput("r3", [], True, "length")]),
     protocol.DecodeStats(1, 0, 0, 0, []),
     protocol.EngineDead("worker rank 1 died"),
     protocol.StepInputs(

@@ -313,7 +313,7 @@ WRONG_TYPES = [  # dataclasses do not check types, so these encode; the receiver
     protocol.GenerateRequest("r", "abc", protocol.SamplingParams(), 0.0),  # type: ignore[arg-type]
     protocol.GenerateRequest("r", np.zeros(1, np.int32), 7, 0.0),  # type: ignore[arg-type]
     protocol.GenerateRequest("r", np.zeros(1, np.int32), protocol.SamplingParams(temperature="hot"), 0.0),  # type: ignore[arg-type]
-    protocol.RequestOutput("r", ["x"], ""),  # type: ignore[list-item]
+    protocol.RequestOutput("r", ["x"]),  # type: ignore[list-item]
     protocol.StepOutputs(1, np.zeros(1, np.int32), None, 0.0),  # type: ignore[arg-type]
 ]
 

@@ -13,7 +13,7 @@ SIZE = 4  # positions a block
 
 
 def _request(rid: str, prompt: list[int], arrival: float = 0.0, **params: object) -> Request:
-    return Request(rid, list(prompt), SamplingParams(**params), arrival, None)  # type: ignore[arg-type]
+    return Request(rid, list(prompt), SamplingParams(**params), arrival)
 
 
 def _batcher(num_blocks: int, max_batch_size: int = 4, budget: int = 64, **kwargs: object) -> Batcher:

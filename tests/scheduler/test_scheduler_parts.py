@@ -1,4 +1,5 @@
-"""Scheduler pieces on their own: batching and slots, stop conditions, incremental detokenization."""
+"""Scheduler pieces on their own: batching and slots, stop conditions; the client's text
+(incremental detokenization, stop strings)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from hypothesis import strategies as st
 
 from guidespec.protocol import SamplingParams
 from guidespec.scheduler.batching import Batcher
-from guidespec.scheduler.detokenizer import IncrementalDetokenizer
+from guidespec.detokenizer import IncrementalDetokenizer
+from guidespec.output_text import OutputText
 from guidespec.scheduler.output import finish_output, process_new_token
 from guidespec.scheduler.request import Request
 
@@ -25,7 +27,7 @@ class _CharTokenizer:
 
 def _request(rid: str, prompt_len: int, **params: object) -> Request:
     prompt = list(range(65, 65 + prompt_len))
-    return Request(rid, prompt, SamplingParams(**params), 0.0, IncrementalDetokenizer(_CharTokenizer(), prompt))  # type: ignore[arg-type]
+    return Request(rid, prompt, SamplingParams(**params), 0.0)
 
 
 def test_admission_slots_and_chunked_prefill() -> None:
@@ -101,15 +103,29 @@ def test_computed_tokens_never_exceed_known_tokens() -> None:
 
 
 def test_stop_string_is_cut_and_never_streamed() -> None:
-    r = _request("a", 2, stop=("XY",), max_tokens=50)
+    text = OutputText(_CharTokenizer(), [65, 66], SamplingParams(stop=("XY",), max_tokens=50), (0,))
     streamed = ""
-    for ch in "abXcXY":
-        out = process_new_token(r, ord(ch), eos_token_ids=(0,), max_model_len=100)
-        streamed += out.new_text
-        if out.finished:
+    for count, ch in enumerate("abXcXYz", start=1):
+        new_text, kept = text.add([ord(ch)], finished=False)
+        streamed += new_text
+        if kept is not None:
             break
-    assert out.finished and out.finish_reason == "stop"
-    assert streamed == "abXc" and r.output_text == "abXc"
+    assert kept == 1 and count == 6  # (the token that completes the stop string is the output's last)
+    assert streamed == "abXc" and text.text == "abXc"
+
+
+def test_a_stop_string_ends_a_delta_of_several_tokens_at_its_token() -> None:
+    """A step's delta may bring several tokens (accepted drafts): the output keeps those up to
+    the one that completes a stop string; EOS and stop token ids add no text."""
+    params = SamplingParams(stop=("cd", "zz"), stop_token_ids=(7,), max_tokens=50)
+    text = OutputText(_CharTokenizer(), [65], params, eos_token_ids=(0,))
+    assert text.add([ord("a"), ord("b"), ord("c")], finished=False) == ("ab", None)  # ("c" held back)
+    assert text.add([ord("d"), ord("e"), ord("f")], finished=False) == ("", 1)  # (the held "c" never goes out)
+    assert text.text == "ab"
+    text = OutputText(_CharTokenizer(), [65], params, eos_token_ids=(0,))
+    assert text.add([ord("a"), ord("b"), 0], finished=True) == ("ab", None)
+    text = OutputText(_CharTokenizer(), [65], SamplingParams(ignore_eos=True), eos_token_ids=(66,))
+    assert text.add([ord("a"), 66], finished=True) == ("aB", None)  # (EOS ignored: it is text)
 
 
 def test_eos_max_tokens_and_model_length() -> None:

@@ -196,7 +196,6 @@ def test_forced_tokens_are_drafted_beyond_the_draft_length(manager: tuple[Gramma
     from guidespec.config import SpeculativeConfig
     from guidespec.protocol import SamplingParams
     from guidespec.scheduler.batching import ScheduledRow
-    from guidespec.scheduler.detokenizer import IncrementalDetokenizer
     from guidespec.scheduler.request import Request
     from guidespec.scheduler.speculation.proposer import Speculator
 
@@ -216,7 +215,6 @@ def test_forced_tokens_are_drafted_beyond_the_draft_length(manager: tuple[Gramma
             prompt,
             SamplingParams(max_tokens=max_tokens, temperature=0.0, guided=spec),
             0.0,
-            IncrementalDetokenizer(text.tokenizer, prompt),
         )
         assert grammar.submit("f", spec) or _wait(grammar, "f")
         request.output_token_ids = text.encode("{")

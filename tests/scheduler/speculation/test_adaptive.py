@@ -9,14 +9,8 @@ import pytest
 from guidespec.config import SpeculativeConfig
 from guidespec.protocol import GuidedDecoding, SamplingParams
 from guidespec.scheduler.batching import ScheduledRow
-from guidespec.scheduler.detokenizer import IncrementalDetokenizer
 from guidespec.scheduler.request import Request
 from guidespec.scheduler.speculation.proposer import _MODEL_PROBE_EVERY, CostModel, DraftCost, Speculator
-
-
-class _Tokenizer:
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(65 + i % 26) for i in ids)
 
 
 def _decoding_rows(n: int) -> list[ScheduledRow]:
@@ -28,8 +22,7 @@ def _decoding_rows(n: int) -> list[ScheduledRow]:
             prompt,
             SamplingParams(max_tokens=100, temperature=0.0),
             0.0,
-            IncrementalDetokenizer(_Tokenizer(), prompt),
-        )  # type: ignore[arg-type]
+        )
         request.output_token_ids = [3]
         request.num_computed_tokens = len(prompt)
         rows.append(ScheduledRow(request, len(prompt), 1, 1))
@@ -166,8 +159,7 @@ def test_a_prefill_chunk_in_the_step_does_not_make_drafts_look_cheap() -> None:
         prompt,
         SamplingParams(max_tokens=100, temperature=0.0),
         0.0,
-        IncrementalDetokenizer(_Tokenizer(), prompt),
-    )  # type: ignore[arg-type]
+    )
     planned = speculator.plan(rows + [ScheduledRow(newcomer, 0, 400, 0)], max_tokens_per_step=1024)
     assert [row.num_logits - 1 for row in planned[:16]] == [0] * 16
     assert planned[16].num_new_tokens == 400

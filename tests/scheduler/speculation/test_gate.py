@@ -8,7 +8,6 @@ import pytest
 from guidespec.config import SpeculativeConfig
 from guidespec.protocol import SamplingParams
 from guidespec.scheduler.batching import ScheduledRow
-from guidespec.scheduler.detokenizer import IncrementalDetokenizer
 from guidespec.scheduler.request import Request
 from guidespec.scheduler.speculation.gate import FIRST, LONGEST, SETTLE, TRIAL_SHARE, WINDOW, DraftGate
 from guidespec.scheduler.speculation.proposer import Speculator
@@ -175,7 +174,6 @@ def _rows(n: int) -> list[ScheduledRow]:
             prompt,
             SamplingParams(max_tokens=1000, temperature=0.0),
             0.0,
-            IncrementalDetokenizer(None, prompt),  # type: ignore[arg-type]
         )
         request.output_token_ids = [3]
         request.num_computed_tokens = len(prompt)

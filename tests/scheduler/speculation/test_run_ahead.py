@@ -7,16 +7,10 @@ from __future__ import annotations
 from guidespec.config import SpeculativeConfig
 from guidespec.protocol import GuidedDecoding, SamplingParams
 from guidespec.scheduler.batching import ScheduledRow
-from guidespec.scheduler.detokenizer import IncrementalDetokenizer
 from guidespec.scheduler.request import Request
 from guidespec.scheduler.speculation.proposer import Speculator
 
 HOST = 0.25  # the scheduler's planning and emitting over the rest of a step run in turn
-
-
-class _Tokenizer:
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(65 + i % 26) for i in ids)
 
 
 class _Grammars:
@@ -35,7 +29,7 @@ def _rows(n: int, guided: bool = True) -> list[ScheduledRow]:
         prompt = [1, 2, 3]
         guide = GuidedDecoding(regex="[a-z]+") if guided else None
         params = SamplingParams(max_tokens=100, temperature=0.0, guided=guide)
-        request = Request(f"r{i}", prompt, params, 0.0, IncrementalDetokenizer(_Tokenizer(), prompt))  # type: ignore[arg-type]
+        request = Request(f"r{i}", prompt, params, 0.0)
         request.grammar_ready = True
         request.output_token_ids = [5]
         request.num_computed_tokens = len(prompt)
