@@ -49,6 +49,20 @@ class IncrementalDetokenizer:
             self._recent: deque[int] = deque(self.ids, maxlen=_WINDOW + _MAX_HELD)
             self._held = self._held_read = 0
 
+    def whole(self, token_ids: list[int]) -> str | None:
+        """The text ``add`` gives for all of ``token_ids`` from the start, in one decode where
+        that is sure to be it (two decodes, against a call a token): the decode of the context
+        and the tokens, past the context's own text, where it starts with that text and holds no
+        incomplete character ("\ufffd": ``add`` holds those back, or sends what a window has
+        there); else None. Only before the first ``add``."""
+        context = self.ids[: self.read_offset]
+        decode = self._decode
+        before = decode(context) if context else ""
+        text = decode(context + token_ids)
+        if "\ufffd" in text or not text.startswith(before):
+            return None
+        return text[len(before) :]
+
     def add(self, token_id: int) -> str:
         """Append a token; return the text it completes (maybe empty)."""
         if self._stream is not None:

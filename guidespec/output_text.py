@@ -7,7 +7,9 @@ step's own messages (the decoding ~10% of the loop's samples, issue 48); vLLM's 
 does the same in its API process. The engine knows only token stops (EOS, ``stop_token_ids``, a
 grammar's end, ``max_tokens``, the model length); a stop string found here ends the request
 for the client at once, and the engine is told to abort it. The engine sends a request with
-stop strings its tokens every step (``Request.sends_each_step``), with its figures so far.
+stop strings its tokens every step (``Request.sends_each_step``), with its figures so far. An
+output that comes whole (not streamed, no stop strings) is decoded in one call where that gives
+the same text (``IncrementalDetokenizer.whole``).
 
 Stops, in order: EOS (unless ``ignore_eos``) and a stop token id, which add no text; then a
 stop string, whose text is cut before it; then the engine's other reasons. While a request runs,
@@ -42,12 +44,19 @@ class OutputText:
         self.detokenizer = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids)
         self.text = ""
         self.sent = 0  # the text given to the client so far
+        self._added = False  # tokens went through the detokenizer (``whole`` is for the first call)
 
     def add(self, token_ids: list[int], finished: bool) -> tuple[str, int | None]:
         """A delta's tokens: the text it gives the client, and, where one of them completes a
         stop string, how many of its tokens the output keeps (up to that one; else None).
         ``finished``: the engine ended the output with these tokens (nothing is held back)."""
         detokenizer, silent = self.detokenizer, self.silent
+        if finished and not self.stop and not self._added:  # the whole output at once (not streamed)
+            text = detokenizer.whole([t for t in token_ids if t not in silent])
+            if text is not None:
+                self.text = text
+                return self._take(True), None
+        self._added = True
         for count, token in enumerate(token_ids, start=1):
             if token in silent:
                 continue

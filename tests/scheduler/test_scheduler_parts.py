@@ -173,6 +173,13 @@ def test_the_decode_stream_and_the_window_give_the_same_text(real_model_dir: Pat
     pieces = [stream.add(t) for t in ids]
     assert pieces == [window.add(t) for t in ids]
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+    # (an output that comes whole, in one decode: ``OutputText`` with no stop strings)
+    for tokenizer in (tok, DecodeOnly()):
+        assert IncrementalDetokenizer(tokenizer, prompt).whole(ids) == "".join(pieces)
+        text = OutputText(tokenizer, prompt, SamplingParams(), eos_token_ids=(tok.eos_token_id,))
+        assert text.add(ids, finished=True) == ("".join(pieces), None)
+    stray = [i for i in range(100, 200) if tok.decode([i]) == "\ufffd"][:1]
+    assert IncrementalDetokenizer(tok, prompt).whole(ids + stray) is None  # (``add`` holds it back)
 
 
 def test_a_requests_error_never_overtakes_its_tokens(real_model_dir: Path) -> None:
@@ -322,6 +329,9 @@ def test_stray_bytes_neither_grow_the_window_nor_change_the_text(
         held = detok._held if detok._stream is not None else len(detok.ids) - detok.read_offset
         assert held <= 32 and (detok._stream is not None or len(detok.ids) - detok.prefix_offset <= 64)
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+    # an output that comes whole is decoded at once only where that is the same text
+    whole = IncrementalDetokenizer(tok if stream else DecodeOnly(), tok.encode("Say:")).whole(ids)
+    assert whole is None or whole == "".join(pieces)
 
 
 _TOKENIZERS: dict[Path, Any] = {}
