@@ -23,8 +23,12 @@ would otherwise try drafts again 256 steps on, a tenth of that time lost to each
 Where drafting already gives ``DECISIVE`` more tokens a second than a token a row in rank 0's own
 time for the rows could (its forward, masking and sampling, fit by tokens as the plan's cost
 model is: ``Speculator.plain_bound``, only where recent steps had about that few tokens), no trial
-runs: a model whose forward is most of a step (the default model on a CPU) keeps drafting without
-one. A batch whose size changed by ``RESIZE`` or more since the last decision takes the verdict
+runs, once a trial at the batch's size has kept drafting: a model whose forward is most of a step
+keeps drafting without more. Not before: that time is measured while drafting, whose scheduler
+work slows rank 0 too where they share few cores (64 JSON rows of the tiny model on 2 cores: the
+bound said at most 5.7-6.4k tokens/s without drafts where trials found 11-25k, and two runs of
+three drafted at a loss to the end without a trial, JSON + n-gram ÷ unguided 0.58 and 0.59).
+A batch whose size changed by ``RESIZE`` or more since the last decision takes the verdict
 last reached at its size (sizes in steps of ``RESIZE``: the mode and the interval then; a trial
 under way ends without a verdict), or without one is tried again ``FIRST`` steps after it: a
 server's batches come and go at the sizes its load gives, and each new one at a size whose drafts
@@ -63,6 +67,7 @@ class DraftGate:
         self._settle = 0
         self._rows = 0.0  # the batch size the last decision saw
         self._verdicts: dict[int, tuple[bool, int]] = {}  # a size's step (_size_step) -> (open, interval) there
+        self._tried: set[int] = set()  # the sizes' steps where a trial reached a verdict (the bound's after it)
         self._last_end: float | None = None
 
     @property
@@ -104,7 +109,7 @@ class DraftGate:
             self._recent.append(sample)
             self._steps += 1
             if self._steps >= self.interval and len(self._recent) == WINDOW:
-                if self.open and _rate(self._recent) > ceiling * (1 + DECISIVE):
+                if self.open and _size_step(rows) in self._tried and _rate(self._recent) > ceiling * (1 + DECISIVE):
                     self._steps, self.interval = 0, min(LONGEST, self.interval * 4)  # a win by the bound
                     self._verdicts[_size_step(rows)] = (self.open, self.interval)
                     logger.info(
@@ -163,6 +168,7 @@ class DraftGate:
             paid = math.ceil(lost * (WINDOW + SETTLE) / WINDOW / (TRIAL_SHARE * step_s)) if step_s > 0 else 0
             self.interval = min(LONGEST, max(grown, paid))
         self._verdicts[_size_step(rows)] = (self.open, self.interval)
+        self._tried.add(_size_step(rows))
         logger.info(
             "draft gate %s: %.0f tokens/s drafting, %.0f without drafts (%.0f rows); next trial in %d steps",
             "open" if self.open else "closed",
