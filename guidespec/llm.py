@@ -20,11 +20,13 @@ deaths and restarts).
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import itertools
 import logging
 import os
 import queue
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -292,6 +294,13 @@ class LLM:
             grammar_cache_dir=grammar_cache_dir,
         )
         self.prompts = PromptEncoder(self.tokenizer, self.config.vocab_size, self.config.max_model_len, template)
+        # the receiver thread decodes with a tokenizer of its own, copied while the engine starts
+        # (0.15-0.2 s here): a Rust tokenizer that two threads use may refuse one of them
+        # ("Already borrowed": a call that changes its truncation while the other's holds it;
+        # tokenizers#537, vllm#40949), and prompts are encoded on the caller's thread
+        self._text_tokenizer: Any = None
+        self._copying = threading.Thread(target=self._copy_tokenizer, name="guidespec-tokenizer-copy", daemon=True)
+        self._copying.start()
         self.on_gave_up: Callable[[str], None] | None = None  # called (once) when the engine died for good
         self.scheduler_stats = SchedulerStats(0, 0, 0, max_batch_size)  # the queue, as the scheduler last said
         self._streams: dict[str, _RequestStream] = {}  # changed under the supervisor's state lock
@@ -448,7 +457,7 @@ class LLM:
         validate_request(ids, params, self.config.vocab_size, self.config.max_model_len)
         request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         now = time.time()
-        text = OutputText(self.tokenizer, ids, params, self.config.eos_token_ids)
+        text = OutputText(self._decoding_tokenizer(), ids, params, self.config.eos_token_ids)
         request = _RequestStream(GenerationOutput(request_id, ids, arrival_time=now), loop, text)
         with self._supervisor.state_lock:  # a death after this fails the stream; one before it refuses it
             self._check_alive()
@@ -456,6 +465,18 @@ class LLM:
             engine = self._engine
         engine.send(GenerateRequest(request_id, np.array(ids, dtype=np.int32), params, now, stream))
         return request
+
+    def _copy_tokenizer(self) -> None:
+        try:
+            self._text_tokenizer = copy.deepcopy(self.tokenizer)
+        except Exception:  # (the one tokenizer for both, then)
+            logger.exception("the tokenizer could not be copied for decoding; prompts and outputs share it")
+
+    def _decoding_tokenizer(self) -> Any:
+        """The receiver thread's tokenizer (``_copy_tokenizer``), once it is made."""
+        if self._text_tokenizer is None:
+            self._copying.join()
+        return self._text_tokenizer if self._text_tokenizer is not None else self.tokenizer
 
     async def _follow(self, stream: _RequestStream) -> AsyncIterator[StreamDelta]:
         """A request's deltas on the event loop; leaving early aborts the request."""

@@ -177,6 +177,9 @@ def test_a_stop_string_is_found_by_the_client_which_aborts_the_request(llm: LLM)
     assert whole.token_ids == plain.token_ids[: len(whole.token_ids)]
     assert "10" in llm.tokenizer.decode(whole.token_ids) and "10" not in llm.tokenizer.decode(whole.token_ids[:-1])
     assert whole.stats.num_steps == len(whole.token_ids)
+    # (decoded with a tokenizer of the client's receiver thread alone: prompts are encoded meanwhile)
+    assert llm._decoding_tokenizer() is not llm.tokenizer
+    assert llm._decoding_tokenizer().decode(whole.token_ids) == llm.tokenizer.decode(whole.token_ids)
     deadline = time.monotonic() + 10.0
     while llm.scheduler_stats.running and time.monotonic() < deadline:  # (aborted: it leaves the engine)
         time.sleep(0.05)
