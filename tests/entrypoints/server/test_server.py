@@ -92,6 +92,20 @@ def test_streaming_equals_the_whole_response(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in streamed)
 
 
+def test_a_stop_string_ends_the_answer_streamed_or_not(client: openai.OpenAI) -> None:
+    """Stop strings are the client's to find (the server's ``LLM``: ``output_text``): the answer
+    ends before the first one, streamed or not, with the same text and finish reason "stop"."""
+    kwargs = dict(model="SmolLM2-135M-Instruct", prompt="1, 2, 3, 4, 5, 6, 7,", max_tokens=40, temperature=0)
+    plain = client.completions.create(**kwargs).choices[0].text  # type: ignore[call-overload]
+    assert "10" in plain
+    whole = client.completions.create(stop=["10"], **kwargs)  # type: ignore[call-overload]
+    assert whole.choices[0].finish_reason == "stop" and whole.choices[0].text == plain[: plain.index("10")]
+    assert whole.usage is not None and 0 < whole.usage.completion_tokens < 40
+    chunks = list(client.completions.create(stop=["10"], stream=True, **kwargs))  # type: ignore[call-overload]
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_structured_outputs_validate(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         model="SmolLM2-135M-Instruct",
