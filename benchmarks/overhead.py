@@ -3,7 +3,7 @@ microseconds, unguided and guided, batch 1 to 256, with async scheduling and wit
 
     python benchmarks/overhead.py [--model DIR] [--modes unguided,json,json-noclose,regex,json+ngram]
         [--batches 1,16,64,256] [--max-tokens 256] [--scheduling async,sync] [--device cpu|cuda]
-        [--repeat 3] [--peers] [--threads N]
+        [--repeat 3] [--peers] [--threads N] [--stream]
     python benchmarks/overhead.py --batches 1,4 --max-tokens 32 --modes unguided,regex --peers  # a quick look
 
 The model is ``random_model.py``'s "tiny" preset (2 layers, hidden 64, SmolLM2's 49,152 tokens,
@@ -23,7 +23,8 @@ unless ``--scheduling`` names it.
 
 The modes of one speculative setting share an engine (per ``--scheduling``): unguided, json,
 json-noclose and regex one, json+ngram another. For each batch B, B prompts (eight distinct short
-ones, cycled), greedy, EOS ignored, each run to ``--max-tokens``: each mode's timed generate (after
+ones, cycled), greedy, EOS ignored, each run to ``--max-tokens`` (``--stream``: each streamed, its
+deltas taken on an event loop as a server takes them): each mode's timed generate (after
 a warm-up generate of 8 tokens) in turn, ``--repeat`` rounds (default 3), so that the modes' runs
 lie side by side in time on a noisy host. ms/step is a timed generate's wall time over the longest
 output's token count (the prompts' step included); tok/s, all output tokens over the wall time:
@@ -63,6 +64,7 @@ with the JSON, to benchmarks/results/overhead-<device>-<date>-<commit>.{md,json}
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import datetime
 import itertools
@@ -161,6 +163,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--peers", action="store_true", help="llama.cpp and HF generate at batch 1, same weights")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the peers' threads")
+    parser.add_argument(
+        "--stream", action="store_true", help="each request streamed (a delta a step; the client makes its text)"
+    )
     return parser.parse_args()
 
 
@@ -230,7 +235,7 @@ def _measure_engine(
             runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
             for _ in range(args.repeat):
                 for mode in modes:
-                    runs[mode].append(time_batch(llm, prompts, _params(mode, args.max_tokens)))
+                    runs[mode].append(time_batch(llm, prompts, _params(mode, args.max_tokens), args.stream))
             for mode in modes:
                 rows.append(_medians(mode, runs[mode]))
                 if args.device == "cuda":
@@ -262,13 +267,15 @@ def _medians(mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def time_batch(llm: LLM, prompts: list[dict[str, Any]], params: SamplingParams) -> dict[str, Any]:
+def time_batch(llm: LLM, prompts: list[dict[str, Any]], params: SamplingParams, stream: bool = False) -> dict[str, Any]:
     """A warm-up generate, then the timed one; ``window``: its wall-clock span (the trace's clock);
-    ``cpu``: each engine process's CPU time (user + system) over it, ms a step."""
-    llm.generate(prompts, dataclasses.replace(params, max_tokens=WARMUP_TOKENS))
+    ``cpu``: each engine process's CPU time (user + system) over it, ms a step. ``stream``: the
+    requests streamed, their deltas taken on an event loop as a server's are."""
+    generate = _streamed if stream else LLM.generate
+    generate(llm, prompts, dataclasses.replace(params, max_tokens=WARMUP_TOKENS))
     cpu_before = cpu_seconds(llm)
     start, clock = time.time(), time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = generate(llm, prompts, params)
     wall, end = time.perf_counter() - clock, time.time()
     cpu_after = cpu_seconds(llm)
     longest = max(len(o.token_ids) for o in outputs)
@@ -283,6 +290,22 @@ def time_batch(llm: LLM, prompts: list[dict[str, Any]], params: SamplingParams) 
         "window": (start, end),
         "cpu": {name: 1e3 * (cpu_after[name] - cpu_before[name]) / longest for name in cpu_after if name in cpu_before},
     }
+
+
+def _streamed(llm: LLM, prompts: list[dict[str, Any]], params: SamplingParams) -> list[Any]:
+    """``LLM.generate``'s outputs, each request streamed (``LLM.open_stream``)."""
+
+    async def run() -> list[Any]:
+        handles = [llm.open_stream(prompt, params) for prompt in prompts]
+
+        async def drain(handle: Any) -> None:
+            async for _ in handle.deltas():
+                pass
+
+        await asyncio.gather(*(drain(handle) for handle in handles))
+        return [handle.output for handle in handles]
+
+    return asyncio.run(run())
 
 
 def cpu_seconds(llm: LLM) -> dict[str, float]:
@@ -482,6 +505,7 @@ def meta(args: argparse.Namespace, model: Path) -> dict[str, Any]:
         "batches": args.batches,
         "repeat": args.repeat,
         "peer_threads": args.threads,
+        "stream": args.stream,
     }
 
 
@@ -498,7 +522,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"# Host overhead (issue 48): {m['model']}, {m['device']}",
         "",
         f"- {m['date']}, commit {m['commit']}; {m['machine']}",
-        f"- greedy, EOS ignored, {m['max_tokens']} tokens a request; ms/step and tok/s: medians of "
+        f"- greedy, EOS ignored, {m['max_tokens']} tokens a request"
+        f"{', streamed (a delta a step)' if m.get('stream') else ''}; ms/step and tok/s: medians of "
         f"{m.get('repeat', 1)} rounds, the modes of an engine in turn in each; spans: median ms over the timed "
         "steps of the batch (steps: how many) in the scheduler's step trace",
         "",

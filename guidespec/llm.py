@@ -508,20 +508,41 @@ class LLM:
     def _route(self, message: object) -> None:
         """The receiver thread's handling of one scheduler message (``launch.supervisor.Engine._receive_loop``)."""
         if isinstance(message, RequestOutputs):
+            # a step's deltas for streams on event loops go to each loop in one call: one wake of
+            # it a step, not one a delta (64 streamed rows: the wakes were a quarter of the
+            # client's samples, ``benchmarks/overhead.py --stream``)
+            on_loops: dict[asyncio.AbstractEventLoop, list[tuple[_RequestStream, RequestOutput]]] = {}
             for output in message.outputs:
                 if isinstance(output, RequestOutput):
-                    self._route(output)
+                    self._route_one(output, on_loops)
+            for loop, items in on_loops.items():
+                try:
+                    loop.call_soon_threadsafe(_put_all, items)
+                except RuntimeError:  # its event loop is closed: nobody is waiting
+                    pass
         elif isinstance(message, RequestOutput):
-            stream = self._streams.get(message.request_id)
-            if stream is not None:
-                delta, ended_here = stream.receive(message)
-                if delta.finished:
-                    self._streams.pop(message.request_id, None)
-                stream.put(delta)
-                if ended_here:  # (its later deltas find no stream; the engine's abort answer neither)
-                    self.abort(message.request_id)
+            self._route_one(message, None)
         elif isinstance(message, SchedulerStats):
             self.scheduler_stats = message
+
+    def _route_one(
+        self,
+        output: RequestOutput,
+        on_loops: dict[asyncio.AbstractEventLoop, list[tuple[_RequestStream, RequestOutput]]] | None,
+    ) -> None:
+        """One delta to its stream (``on_loops``: where those on event loops wait to be put)."""
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        delta, ended_here = stream.receive(output)
+        if delta.finished:
+            self._streams.pop(output.request_id, None)
+        if on_loops is not None and stream.loop is not None:
+            on_loops.setdefault(stream.loop, []).append((stream, delta))
+        else:
+            stream.put(delta)
+        if ended_here:  # (its later deltas find no stream; the engine's abort answer neither)
+            self.abort(output.request_id)
 
     def _fail_in_flight(self, message: str) -> None:
         """The engine died (``EngineSupervisor``, under its state lock): end every request in flight."""
@@ -552,6 +573,12 @@ class LLM:
         self._supervisor.check_alive()
 
     _check_alive = check_alive
+
+
+def _put_all(items: list[tuple[_RequestStream, RequestOutput]]) -> None:
+    """On an event loop: a step's deltas into their streams' queues."""
+    for stream, delta in items:
+        stream.queue.put_nowait(delta)  # type: ignore[arg-type]
 
 
 def _progress(total: int) -> Any:
