@@ -67,7 +67,6 @@ class DraftGate:
         self._settle = 0
         self._rows = 0.0  # the batch size the last decision saw
         self._verdicts: dict[int, tuple[bool, int]] = {}  # a size's step (_size_step) -> (open, interval) there
-        self._tried: set[int] = set()  # the sizes' steps where a trial reached a verdict (the bound's after it)
         self._last_end: float | None = None
 
     @property
@@ -109,7 +108,8 @@ class DraftGate:
             self._recent.append(sample)
             self._steps += 1
             if self._steps >= self.interval and len(self._recent) == WINDOW:
-                if self.open and _size_step(rows) in self._tried and _rate(self._recent) > ceiling * (1 + DECISIVE):
+                # (a verdict at this size: a trial reached it, or the bound after one did)
+                if self.open and _size_step(rows) in self._verdicts and _rate(self._recent) > ceiling * (1 + DECISIVE):
                     self._steps, self.interval = 0, min(LONGEST, self.interval * 4)  # a win by the bound
                     self._verdicts[_size_step(rows)] = (self.open, self.interval)
                     logger.info(
@@ -168,7 +168,6 @@ class DraftGate:
             paid = math.ceil(lost * (WINDOW + SETTLE) / WINDOW / (TRIAL_SHARE * step_s)) if step_s > 0 else 0
             self.interval = min(LONGEST, max(grown, paid))
         self._verdicts[_size_step(rows)] = (self.open, self.interval)
-        self._tried.add(_size_step(rows))
         logger.info(
             "draft gate %s: %.0f tokens/s drafting, %.0f without drafts (%.0f rows); next trial in %d steps",
             "open" if self.open else "closed",
