@@ -131,3 +131,23 @@ def test_a_zygote_keeps_the_tokenizer_and_tables_of_a_model_it_started_a_schedul
     kept = len(_TABLES)
     zygote._prepare({"job": {"role": "worker", "config": {}}})  # (a worker's request: nothing made)
     assert len(_TABLES) == kept and len(ours()) == 1
+
+
+_FORK = """
+import gc, os
+from guidespec.launch import zygote
+kept = [[i] for i in range(50_000)]
+pid = zygote._fork()
+if pid == 0:
+    os._exit(0 if gc.get_freeze_count() >= 50_000 and len(gc.get_objects()) < 1_000 else 1)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), gc.get_freeze_count() >= 50_000)
+"""
+
+
+def test_a_fork_from_the_zygote_collects_only_what_the_child_made() -> None:
+    """The zygote's objects are frozen before it forks: an engine process's collections (its
+    start's, ``freeze_startup_objects``) walk none of them. In a process of its own: freezing is
+    for life."""
+    out = subprocess.run([sys.executable, "-c", _FORK], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["0", "True"]
