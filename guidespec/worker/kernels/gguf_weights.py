@@ -121,27 +121,33 @@ class KernelLayout:
 
     @classmethod
     def of(cls, blocks: torch.Tensor, fmt: int) -> KernelLayout:
-        n, nb, _ = blocks.shape
+        n, nb, block_bytes = blocks.shape
         nbw = -(-nb // 2) * 2
         qs_bytes = 16 if fmt in (Q4_1, Q4F, *FIVE_BIT) else 32
         scale_bytes = 2 if fmt in (Q4_1, Q8_0, Q5_1) else 4
-        raw = blocks.numpy()
+        raw = np.ascontiguousarray(blocks.numpy())
 
-        def part(start: int, width: int) -> torch.Tensor:
-            out = np.zeros((n, nbw, width), dtype=np.uint8)
-            out[:, :nb] = raw[:, :, start : start + width]
-            return torch.from_numpy(out.reshape(n, -1))
+        def part(start: int, width: int) -> np.ndarray:
+            """Bytes [start, start + width) of each block, [n, nbw, width], the padding block zero:
+            copied as the widest words that divide them (numpy's strided copy costs by the element:
+            a model's layouts took 0.32 s of a 0.45 s load byte by byte)."""
+            word = next(w for w in (4, 2, 1) if (start | width | block_bytes) % w == 0)
+            dtype = {4: np.uint32, 2: np.uint16, 1: np.uint8}[word]
+            out = np.zeros((n, nbw, width // word), dtype=dtype)
+            out[:, :nb] = raw.view(dtype)[:, :, start // word : (start + width) // word]
+            return out.view(np.uint8)
 
-        s1 = None if fmt == Q8_0 else part(scale_bytes, scale_bytes)
-        qs = part(BLOCK_BYTES[fmt] - qs_bytes, qs_bytes)
+        s1 = None if fmt == Q8_0 else torch.from_numpy(part(scale_bytes, scale_bytes).reshape(n, -1))
+        quants = part(block_bytes - qs_bytes, qs_bytes)
         if qs_bytes == 16:  # whole groups of 8 blocks interleaved: word p of block i -> vector p, word i
             full = nbw // 8 * 8
-            groups = qs.view(n, nbw, 16)[:, :full].reshape(n, full // 8, 8, 4, 4)
-            qs.view(n, nbw, 16)[:, :full] = groups.transpose(2, 3).reshape(n, full, 16)
+            words = quants.view(np.uint32)  # [n, nbw, 4]
+            words[:, :full] = words[:, :full].reshape(n, full // 8, 8, 4).transpose(0, 1, 3, 2).reshape(n, full, 4)
+        qs = torch.from_numpy(quants.reshape(n, -1))
         if fmt in FIVE_BIT:
-            bits = np.unpackbits(part(2 * scale_bytes, 4).numpy().reshape(n, nbw, 4), axis=2, bitorder="little")
+            bits = np.unpackbits(part(2 * scale_bytes, 4), axis=2, bitorder="little")
             qs = torch.cat([qs, torch.from_numpy(_fifth_bits_for_kernel(bits))], dim=1)
-        return cls(qs, part(0, scale_bytes), s1)
+        return cls(qs, torch.from_numpy(part(0, scale_bytes).reshape(n, -1)), s1)
 
     def pointers(self) -> tuple[int, int, int | None]:
         return self.qs.data_ptr(), self.s0.data_ptr(), None if self.s1 is None else self.s1.data_ptr()
