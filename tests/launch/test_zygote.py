@@ -104,13 +104,15 @@ def test_a_zygote_keeps_the_tokenizer_and_tables_of_a_model_it_started_a_schedul
 ) -> None:
     """The zygote's preparation of a scheduler request (``zygote._prepare``, run here in this
     process): nothing for a model's first scheduler (its scheduler makes them beside the workers'
-    loads), the model's tokenizer and both backends' tables made and kept for the next, so that
+    loads), the model's tokenizer, both backends' tables and early closing's classes of its
+    vocabulary made and kept for the next, so that
     a scheduler forked after has them (the same objects ``fork_compile_process`` then finds)."""
     from guidespec.config import SchedulerConfig, config_to_dict
     from guidespec.grammar_backends.llguidance_backend import LLGuidanceBackend
     from guidespec.grammar_backends.tables import _TABLES
     from guidespec.ipc.broadcast import BroadcastLayout
     from guidespec.model_files import _SHARED_TOKENIZERS, shared_tokenizer
+    from guidespec.scheduler.grammar.closing_step import closing_tokens
 
     folder = Path(shutil.copytree(tiny_base_model, tmp_path / "model"))  # (a folder no other test loaded)
     config = SchedulerConfig(
@@ -125,7 +127,9 @@ def test_a_zygote_keeps_the_tokenizer_and_tables_of_a_model_it_started_a_schedul
     assert ours() == []  # (a first scheduler makes its own)
     zygote._prepare(request)
     tokenizer = shared_tokenizer(folder)
-    assert ours() and sum(found[0] is tokenizer for found in _TABLES.values()) == 2  # xgrammar's and llguidance's
+    # xgrammar's and llguidance's tables, early closing's classes
+    assert ours() and sum(found[0] is tokenizer for found in _TABLES.values()) == 3
+    assert closing_tokens(tokenizer, 257, (256,)) is closing_tokens(tokenizer, 257, (256,))
     # a scheduler's own preparation after finds them: the same llguidance tokenizer
     assert LLGuidanceBackend.tables(tokenizer, 257, (256,)) is LLGuidanceBackend.tables(tokenizer, 257, (256,))
     kept = len(_TABLES)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from guidespec.grammar_backends import GrammarBackend, GrammarMatcher
+from guidespec.grammar_backends.tables import tokenizer_tables
 from guidespec.bitmask import allowed_ids, bitmask_row
 from guidespec.protocol import GuidedDecoding
 from guidespec.model_files import text_encoder
@@ -297,8 +298,17 @@ class ClosingStep:
 
     def _closing_tokens(self) -> ClosingTokens:
         if self._tokens is None:
-            self._tokens = ClosingTokens.from_tokenizer(self.tokenizer, self.vocab_size, self.stop_token_ids)
+            self._tokens = closing_tokens(self.tokenizer, self.vocab_size, self.stop_token_ids)
         return self._tokens
+
+
+def closing_tokens(tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], keep: bool = False) -> ClosingTokens:
+    """The vocabulary's closing classes (``ClosingTokens.from_tokenizer``): the ones kept for this
+    tokenizer, else made (and kept with ``keep``: the zygote's, for the schedulers it forks after,
+    beside the backends' tables, ``tables.py``)."""
+    stops = tuple(stop_token_ids)
+    make = lambda: ClosingTokens.from_tokenizer(tokenizer, vocab_size, stops)  # noqa: E731
+    return tokenizer_tables("closing", tokenizer, vocab_size, stops, make, keep)  # type: ignore[no-any-return]
 
 
 class _GrammarView:
