@@ -133,3 +133,28 @@ def test_sweep_checks_multiple_of_on_the_decimal_digits() -> None:
     assert "multiple" in (validate_output('{"price": 1283.345}', schema) or "")
     assert "multiple" in (validate_output('{"n": 10}', schema) or "")
     assert validate_output('{"price": "1.5"}', schema) is not None  # other keywords still apply
+
+
+_EARLY_ZYGOTE = """
+import argparse, sys, time
+from guidespec.entrypoints import cli
+from guidespec.launch import zygote
+cli._start_the_zygote(argparse.Namespace(device="cuda", distributed_executor="mp", url=None))
+on_cuda = zygote._zygote
+cli._start_the_zygote(argparse.Namespace(device="cpu", distributed_executor="mp", url=None))
+deadline = time.monotonic() + 120
+while zygote._zygote is None and time.monotonic() < deadline:  # (the start runs on a thread of its own)
+    time.sleep(0.05)
+started = zygote._zygote
+print(on_cuda is None, started is not None and started.alive, "torch" in sys.modules)
+"""
+
+
+def test_a_cpu_command_starts_its_zygote_before_its_own_imports() -> None:
+    """A command of an engine on the CPU starts its zygote before anything else, so that the
+    zygote's imports run beside the command's own: the zygote is ready while this process has not
+    imported torch. A CUDA one leaves it to the engine's config (it forks no CUDA engine by
+    default)."""
+    result = subprocess.run([sys.executable, "-c", _EARLY_ZYGOTE], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True", "False"]
