@@ -35,6 +35,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Protocol, Sequence
 import numpy as np
 
 from guidespec.config import EngineConfig, SpeculativeConfig
+from guidespec.launch import zygote
 from guidespec.launch.engine_config import create_engine_config
 from guidespec.launch.launcher import EngineProcesses
 from guidespec.launch.supervisor import Engine, EngineDeadError, EngineRestartingError, EngineSupervisor
@@ -266,6 +267,8 @@ class LLM:
         chat_template: str | os.PathLike[str] | None = None,
         grammar_cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        if distributed_executor != "ray":  # (Ray's ranks are forked by no zygote of ours)
+            zygote.warm_up_before_torch(device)  # its imports beside torch's, which resolving ``device`` needs
         template = load_chat_template(chat_template)
         self.config, self.tokenizer = create_engine_config(
             model,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -36,16 +35,14 @@ def _start_the_zygote(args: argparse.Namespace) -> None:
     (``zygote.warm_up``, a thread): its imports (torch, transformers, xgrammar: ~3 s of CPU) then
     run beside this process's own (~2.4 s), not after them (``create_engine_config`` starts it
     once it knows the device, which with ``auto`` asks torch). Where a GPU may be there (its
-    device nodes), or ranks run under Ray, or ``bench`` loads a server, that is left as it was."""
+    device nodes: ``zygote.warm_up_before_torch``), or ranks run under Ray, or ``bench`` loads a
+    server, that is left as it was."""
     device = getattr(args, "device", None)
-    elsewhere = getattr(args, "distributed_executor", "") == "ray" or getattr(args, "url", None)
-    if device not in ("auto", "cpu") or elsewhere:
-        return
-    if device == "auto" and any(os.path.exists(node) for node in ("/dev/nvidiactl", "/dev/kfd")):
+    if device is None or getattr(args, "distributed_executor", "") == "ray" or getattr(args, "url", None):
         return
     from guidespec.launch import zygote
 
-    zygote.warm_up("cpu")
+    zygote.warm_up_before_torch(device)
 
 
 def _parser() -> argparse.ArgumentParser:

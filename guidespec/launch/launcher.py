@@ -38,7 +38,6 @@ from guidespec.ipc.shm_ring import ShmRing
 from guidespec.ipc.zmq_channel import new_ipc_endpoint
 from guidespec.process_utils import kill_group
 from guidespec.launch.zygote import EngineProcess, spawn_engine_process
-from guidespec.worker.device import rank_device
 
 logger = logging.getLogger(__name__)
 _RING_SLOTS = 16
@@ -171,7 +170,7 @@ class EngineProcesses:
                 enforce_eager=cfg.enforce_eager,
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
                 # rank i on cuda:i locally; a Ray rank on the one GPU Ray gave it
-                device=rank_device(cfg.device, None if self.ray is not None else rank),
+                device=_rank_device(cfg.device, None if self.ray is not None else rank),
                 draft_channel=self.drafts.layout if self.drafts is not None and rank == 0 else None,
                 scheduler_pid=self.processes["scheduler"].pid,
                 quantized_weights=cfg.quantized_weights,
@@ -320,3 +319,12 @@ def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _rank_device(device: str, rank: int | None) -> str:
+    """``worker.device.rank_device``, imported when a rank is started: importing it imports torch
+    (1.5 s), which ``import guidespec.llm`` leaves to ``LLM()``, after its zygote has started
+    (``zygote.warm_up_before_torch``)."""
+    from guidespec.worker.device import rank_device
+
+    return rank_device(device, rank)

@@ -483,6 +483,19 @@ def warm_up(device: str) -> None:
         threading.Thread(target=_the_zygote, name="guidespec-zygote-start", daemon=True).start()
 
 
+_GPU_NODES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's driver's, ROCm's: CUDA or HIP could be there
+
+
+def warm_up_before_torch(device: str) -> None:
+    """``warm_up`` for an engine on ``device`` as asked ("auto", "cpu", "cuda"), before torch is
+    imported to resolve it: a CPU engine's, where ``device`` is "cpu", or "auto" on a machine
+    without a GPU's device nodes (where torch finds no GPU either). The zygote's imports (~3 s of
+    CPU) then run beside the client's own (torch, transformers: ~2.4 s), not after them. Elsewhere
+    nothing: ``create_engine_config`` starts it once torch has said."""
+    if device == "cpu" or (device == "auto" and not any(os.path.exists(node) for node in _GPU_NODES)):
+        warm_up("cpu")
+
+
 def _the_zygote() -> Zygote | None:
     global _zygote, _zygote_failed
     if not hasattr(os, "pidfd_open"):  # Linux 5.3 and later

@@ -155,3 +155,12 @@ def test_a_fork_from_the_zygote_collects_only_what_the_child_made() -> None:
     for life."""
     out = subprocess.run([sys.executable, "-c", _FORK], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["0", "True"]
+
+
+def test_the_llm_module_leaves_torch_to_the_engine_s_start() -> None:
+    """``from guidespec import LLM`` imports no torch (1.5 s of the client's start): ``LLM()``
+    imports it once its zygote has started (``zygote.warm_up_before_torch``), so the zygote's
+    imports run beside it."""
+    script = "import sys; from guidespec import LLM; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False"]
