@@ -212,11 +212,12 @@ _schedulers_of: set[tuple[str, ...]] = set()  # the models (and grammar tables) 
 
 
 def _prepare(request: dict[str, Any]) -> None:
-    """Before forking a scheduler of a model it has forked one of before: the model's tokenizer,
-    the grammar backends' tables of it and early closing's classes of its vocabulary
-    (``closing_tokens``, 0.3-0.4 s more) (1.5-1.7 s of a scheduler's CPU at each start, on the
-    critical path), made here and kept, so that this scheduler and every later one has them (a
-    client that starts engines again: restarts, replicas, tests). Not for a client's first engine,
+    """Before forking a scheduler of a model it has forked one of before: the model's tokenizer and
+    the grammar backends' tables of it (1.5-1.7 s of a scheduler's CPU at each start, on the
+    critical path), and early closing's classes of its vocabulary (``closing_tokens``: 0.2-0.3 s
+    more of its CPU, beside the workers' loads), made here and kept, so that this scheduler and
+    every later one has them (a client that starts engines again: restarts, replicas, tests). Not
+    for a client's first engine,
     whose scheduler makes them beside its workers' loads; they start no thread (``tables.py``).
     A failure here is the scheduler's to meet: it makes them itself."""
     job = request.get("job", {})
