@@ -235,7 +235,8 @@ class Speculator:
             # chunk (its drafts verified in the prefill step; not with a model drafter, whose
             # proposals come from a decode step, nor while the request's grammar still compiles)
             if not (
-                request.grammar_ready
+                (speculates or (self.jump_forward and request.guided))  # (the others get no drafts)
+                and request.grammar_ready
                 and row.num_logits == 1
                 and row.start + row.num_new_tokens == request.num_tokens
                 and (request.output_token_ids or not model)
