@@ -125,32 +125,34 @@ class Emitter:
     ) -> int:
         """Each row's tokens appended to its request (``_emit_row``); returns how many were."""
         appended = 0
+        held = self.table.requests  # (``RequestTable.holds``, inline)
         for i, row in enumerate(rows):
-            if not self.table.holds(row.request):  # failed during this step
+            request = row.request
+            if held.get(request.request_id) is not request:  # failed during this step
                 continue
-            if row.request.request_id in dropped:  # sampled without its mask: that token runs again
-                row.request.advance_computed(-row.num_logits)
-                row.request.mask_came_late = True
+            if dropped and request.request_id in dropped:  # sampled without its mask: that token runs again
+                request.advance_computed(-row.num_logits)
+                request.mask_came_late = True
                 continue
-            if row.request.pending_step == step:
-                row.request.pending_step = -1
-            if row.num_logits and row.start + row.num_new_tokens - (row.num_logits - 1) != row.request.num_tokens:
+            if request.pending_step == step:
+                request.pending_step = -1
+            known = request.num_tokens
+            if row.num_logits and row.start + row.num_new_tokens - (row.num_logits - 1) != known:
                 continue  # run ahead on a token that the step before followed with more (jump-forward)
             new_tokens = token_ids[offsets[i] : offsets[i + 1]]
             if NO_TOKEN in new_tokens:
                 self.table.fail(
-                    row.request,
+                    request,
                     "the grammar allows no token of the model's vocabulary here (it asks for "
                     "text the tokenizer cannot produce)",
                     BAD_REQUEST,
                 )
                 continue
-            known = row.request.num_tokens
             try:
                 self._emit_row(row, new_tokens, proposals[i] if proposals is not None else None, now, deltas, ending)
             except Exception as e:
-                self.table.fail_internal(row.request, "emitting its tokens", e)
-            appended += row.request.num_tokens - known
+                self.table.fail_internal(request, "emitting its tokens", e)
+            appended += request.num_tokens - known
         self._end_complete(ending, deltas)
         return appended
 
@@ -196,22 +198,24 @@ class Emitter:
         if not request.output_token_ids:
             request.first_token_time = now
         known = request.num_tokens
-        reason, appended = self._append_all(request, new_tokens)
+        if len(new_tokens) == 1:  # (a decode row's one token)
+            reason, appended = self._append(request, new_tokens[0]), 1
+        else:
+            reason, appended = self._append_all(request, new_tokens)
         # accepted drafts are in the KV cache now; rejected drafts' entries get overwritten later
-        request.advance_computed(min(accepted, appended))
+        if accepted and appended:
+            request.advance_computed(min(accepted, appended))
         if proposal is not None and self.speculator is not None and appended == len(new_tokens):
             self.speculator.store_proposals(request, proposal)
-        if (
-            reason is None
-            and request.guided
-            and self.cfg.jump_forward == "unverified"
-            and not self._speculates(request)
-        ):
+        guided = request.params.guided is not None
+        if reason is None and guided and self.cfg.jump_forward == "unverified" and not self._speculates(request):
             reason = self._jump_forward(request)
         if request.pending_step >= 0 and request.num_tokens != known + len(new_tokens):
             request.pending_step = -1  # the next step ran ahead on this row's token alone: its sample is dropped
-        if reason is None and request.guided and self.cfg.jump_forward != "off":
+        if reason is None and guided and self.cfg.jump_forward != "off":
             ending.append(request)  # (a complete output ends here, not in a step)
+            return
+        if reason is None and not (request.stream or request.params.stop):  # (``_deliver``'s first test)
             return
         self._deliver(request, reason, deltas)
 

@@ -351,7 +351,10 @@ class Scheduler:
         """The drafter's plan for this step; a request whose drafter raised is failed and left out."""
         assert self.speculator is not None
         planned = self.speculator.plan(rows, self.cfg.max_num_batched_tokens)
-        for request, error, details in self.speculator.take_failures():
+        failures = self.speculator.take_failures()
+        if not failures:  # (the rows' requests are all running: the table holds them)
+            return planned
+        for request, error, details in failures:
             logger.error("request %s: its drafter failed:\n%s", request.request_id, details)
             self.table.fail(request, f"the drafter failed: {error}", INTERNAL_ERROR)
         return [row for row in planned if row.request.request_id in self.table.requests]

@@ -281,7 +281,10 @@ class StepChannel:
                 fills.append(FillRow(request_id, request.draft_tokens, len(request.output_token_ids), budget))
             else:
                 fills.append(FillRow(request_id, request.draft_tokens))
-            rows.extend(range(first, first + row.num_logits))
+            if row.num_logits == 1:
+                rows.append(first)
+            else:
+                rows.extend(range(first, first + row.num_logits))
         bitmask = self._fill(fills, self.broadcaster.reserve_bitmask())
         for request_id, reason in self.grammar.take_failures():  # (their rows allow only a stop token)
             if request_id in self.table.requests:

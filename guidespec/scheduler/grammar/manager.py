@@ -241,7 +241,7 @@ class GrammarManager:
         for i in ended:  # a draft ended the grammar: only a stop token may follow
             self.bitmask[firsts[i] + depth] = self._stop_row
         closers = self.closing.closers  # early closing, as its own step after the backend's fill
-        tracked = [i for i in live if rows[i].request_id in closers]
+        tracked = [i for i in live if rows[i].request_id in closers] if closers else None
         if tracked:
             self.closing.restrict(
                 self.bitmask,
@@ -503,10 +503,11 @@ class GrammarManager:
         leaders: dict[Hashable, int] = {}
         copies: list[tuple[int, int, str]] = []  # (the row filled, a row in its state, that row's request)
         fills: list[tuple[str, int]] = []
-        share = self.share_states and self._by_state
+        by_state, matchers = self._by_state, self.matchers
+        share = self.share_states and by_state
         for request_id, out_row in zip(request_ids, out_rows):
-            if share and request_id in self._by_state:
-                key = self.matchers[request_id][1].state_key()
+            if share and request_id in by_state:
+                key = matchers[request_id][1].state_key()
                 if key is not None:
                     leader = leaders.setdefault(key, out_row)
                     if leader != out_row:
@@ -529,8 +530,9 @@ class GrammarManager:
         """Each (request, row): the row filled from the request's matcher, batched per backend
         (``fresh``: none from a row the backend kept for a state)."""
         by_backend: dict[str, tuple[list[GrammarMatcher], list[int]]] = {}
+        entries = self.matchers
         for request_id, out_row in fills:
-            backend, matcher = self.matchers[request_id]
+            backend, matcher = entries[request_id]
             matchers, rows = by_backend.setdefault(backend, ([], []))
             matchers.append(matcher)
             rows.append(out_row)

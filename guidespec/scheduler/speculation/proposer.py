@@ -229,18 +229,22 @@ class Speculator:
         self.drafted = False
         for i, row in enumerate(rows):
             request = row.request
-            speculates = drafting and self.speculates(request)
-            self.drafted = self.drafted or speculates  # (a row run ahead too: the next step's would draft)
+            speculates = None  # (asked once a row needs it: most rows of a step run ahead need not)
+            if not self.drafted:  # whether a row speculates (one run ahead too: the next step's would draft)
+                speculates = self.drafted = drafting and self.speculates(request)
             # a row that ends at its last known token drafts: a decode row, or the prompt's last
             # chunk (its drafts verified in the prefill step; not with a model drafter, whose
             # proposals come from a decode step, nor while the request's grammar still compiles)
             if not (
-                (speculates or (self.jump_forward and request.guided))  # (the others get no drafts)
-                and request.grammar_ready
+                request.grammar_ready
                 and row.num_logits == 1
                 and row.start + row.num_new_tokens == request.num_tokens
                 and (request.output_token_ids or not model)
             ):
+                continue
+            if speculates is None:
+                speculates = drafting and self.speculates(request)
+            if not (speculates or (self.jump_forward and request.guided)):  # (the others get no drafts)
                 continue
             room = min(
                 request.params.max_tokens - len(request.output_token_ids) - 1,
@@ -390,10 +394,12 @@ class Speculator:
 
     def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """After verification: update the request's acceptance rate and its figures."""
-        request.draft_tokens = []
+        if request.draft_tokens:
+            request.draft_tokens = []
         forced = self._num_forced.pop(request.request_id, 0)  # forced drafts say nothing of the drafter
-        lookup = request.request_id in self._lookup_drafted
-        self._lookup_drafted.discard(request.request_id)
+        lookup = bool(self._lookup_drafted) and request.request_id in self._lookup_drafted
+        if lookup:
+            self._lookup_drafted.discard(request.request_id)
         if num_drafts <= forced:
             return
         observed = max(0, num_accepted - forced) / (num_drafts - forced)
