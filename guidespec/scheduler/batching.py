@@ -44,7 +44,7 @@ from typing import NamedTuple
 import numpy as np
 
 from guidespec.scheduler.kv_blocks import BlockPool, BlockTable, NoFreeBlocks, prefix_keys
-from guidespec.scheduler.request import Request, Status
+from guidespec.scheduler.request import RUNNING, Request, Status
 
 PREFILL_WHILE_COMPILING_S = 0.005
 DEFAULT_BLOCK_SIZE = 16
@@ -104,7 +104,7 @@ class Batcher:
         preemptions = self.num_preemptions
         pending = sorted(self.running, key=_remaining_then_arrival)
         for request in pending:
-            if request.status is not Status.RUNNING:  # preempted for an earlier row's blocks
+            if request.status is not RUNNING:  # preempted for an earlier row's blocks
                 continue
             computed = request.num_computed_tokens
             count = min(self._computable(request) - computed, budget)
@@ -116,7 +116,7 @@ class Batcher:
             done = computed + count == request.num_known_tokens
             rows.append(ScheduledRow(request, computed, count, 1 if done else 0))
         if self.num_preemptions != preemptions:  # (a row's request preempted for a later row's blocks)
-            rows = [row for row in rows if row.request.status is Status.RUNNING]
+            rows = [row for row in rows if row.request.status is RUNNING]
         rows.sort(key=_slot_of)
         return rows
 
@@ -127,7 +127,7 @@ class Batcher:
         size = self.pool.block_size
         for row in rows:
             request, table = row.request, row.request.blocks
-            if request.status is Status.RUNNING and table is not None:
+            if request.status is RUNNING and table is not None:
                 computed = min(request.num_computed_tokens, request.num_tokens)  # (not a pending token)
                 if min(computed // size, len(table.blocks)) > table.num_full:
                     table.commit(request.prompt_token_ids + request.output_token_ids, computed)

@@ -19,7 +19,7 @@ from guidespec.protocol import BAD_REQUEST, NO_TOKEN, RequestOutput, StepOutputs
 from guidespec.scheduler.batching import ScheduledRow
 from guidespec.scheduler.grammar import GrammarManager
 from guidespec.scheduler.output import append_token, make_delta
-from guidespec.scheduler.request import Request, Status
+from guidespec.scheduler.request import FINISHED, Request
 from guidespec.scheduler.speculation.proposer import Speculator
 from guidespec.scheduler.step_channel import split
 from guidespec.scheduler.table import RequestTable, output_budget
@@ -89,7 +89,7 @@ class Emitter:
             row = rows[i]
             request = row.request
             request_id = request.request_id
-            if held.get(request_id) is not request or request_id in dropped or request.status is Status.FINISHED:
+            if held.get(request_id) is not request or request_id in dropped or request.status is FINISHED:
                 continue
             if row.num_logits and row.start + row.num_new_tokens - (row.num_logits - 1) != request.num_tokens:
                 continue

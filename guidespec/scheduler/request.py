@@ -24,6 +24,11 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+# the members, for the loops over a step's rows: a lookup on an Enum class costs ~0.14 µs (Python
+# 3.11), a module global ~0.04
+RUNNING, FINISHED = Status.RUNNING, Status.FINISHED
+
+
 @dataclass
 class Request:
     request_id: str
@@ -100,4 +105,4 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status is Status.FINISHED
+        return self.status is FINISHED

@@ -162,26 +162,28 @@ class GrammarManager:
         per backend and depth. Returns [sum(1 + len(drafts)), ceil(vocab / 32)]: the first rows
         of ``out`` where it has room (the mask arena's buffer: the rows are then written once),
         else of this manager's own buffer."""
-        needed = sum(1 + len(r.drafts) for r in rows)
+        drafting = [i for i, r in enumerate(rows) if r.drafts]
+        firsts: Sequence[int] = range(len(rows) + 1)  # each request's first row (one a request where none drafts)
+        if drafting:
+            firsts = list(itertools.accumulate((1 + len(r.drafts) for r in rows), initial=0))
+        needed = firsts[-1]
         if out is None or out.shape[0] < needed or out.shape[1] != self.bitmask.shape[1]:
-            return self._fill_rows_of(rows)
+            return self._fill_rows_of(rows, firsts, drafting)
         own, self.bitmask = self.bitmask, out
         try:
-            return self._fill_rows_of(rows)
+            return self._fill_rows_of(rows, firsts, drafting)
         finally:
             self.bitmask = own
 
-    def _fill_rows_of(self, rows: list[FillRow]) -> np.ndarray:
-        firsts = list(itertools.accumulate((1 + len(r.drafts) for r in rows), initial=0))
+    def _fill_rows_of(self, rows: list[FillRow], firsts: Sequence[int], drafting: list[int]) -> np.ndarray:
         if firsts[-1] > self.bitmask.shape[0]:
             self.bitmask = np.zeros((firsts[-1], self.bitmask.shape[1]), dtype=np.int32)
         if self.closing.closers:
             self.closing.check_budgets(rows, self._grammar)
-        drafting = [i for i, r in enumerate(rows) if r.drafts]
         if drafting:
             self._fill_drafts(rows, firsts, drafting)
         else:  # (a row a request: its grammar where it stands)
-            self._fill_depth(rows, firsts, 0, list(range(len(rows))))
+            self._fill_depth(rows, firsts, 0, range(len(rows)))
         failable = self._failable
         if failable:
             for i, r in enumerate(rows):  # a matcher that failed (at any depth: it stays failed) ends nothing
@@ -191,7 +193,7 @@ class GrammarManager:
                     self.bitmask[firsts[i] : firsts[i + 1]] = self._stop_row  # (its token is never used)
         return self.bitmask[: firsts[-1]]
 
-    def _fill_drafts(self, rows: list[FillRow], firsts: list[int], drafting: list[int]) -> None:
+    def _fill_drafts(self, rows: list[FillRow], firsts: Sequence[int], drafting: list[int]) -> None:
         """The rows of a step where requests ``drafting`` have drafts: each grammar advanced
         through its drafts, filled at each depth, and rolled back."""
         saved = self.closing.snapshot([rows[i].request_id for i in drafting])
@@ -220,7 +222,7 @@ class GrammarManager:
             self.closing.restore(saved)
         self._fill_depth(rows, firsts, 0, drafting)
 
-    def _fill_depth(self, rows: list[FillRow], firsts: list[int], depth: int, which: list[int]) -> None:
+    def _fill_depth(self, rows: list[FillRow], firsts: Sequence[int], depth: int, which: Sequence[int]) -> None:
         """The rows at ``depth`` of requests ``which`` (their grammars there): filled by their
         backends, a stop token where a draft ended the grammar, then narrowed by early closing."""
         matchers = self.matchers

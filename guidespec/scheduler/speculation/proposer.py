@@ -317,25 +317,25 @@ class Speculator:
         whether their grammar now forces tokens, which a plan after those outputs would have
         drafted. ``f`` of a step's rows at such a position is ``f / (1 - f)`` forced drafts a row a
         step had the steps gone in turn (the forced tokens would have shared the others' steps)."""
-        if not self.jump_forward:
+        if not self.jump_forward or not rows:
             return
-        ahead = [
-            row.request for row in rows if row.num_logits == 1 and row.request.guided and row.request.output_token_ids
-        ]
-        if not ahead:
-            return
-        count = min(len(ahead), _AHEAD_CHECKS)
-        start = self._checked % len(ahead)
-        self._checked += count
-        forced = 0
-        for request in (ahead + ahead)[start : start + count]:
+        # the rows from where the last step's look stopped, round to it, until enough are asked
+        # (a step's 64 rows filtered whole cost more than the asks)
+        start, count, forced, looked = self._checked % len(rows), 0, 0, 0
+        while looked < len(rows) and count < _AHEAD_CHECKS:
+            row = rows[(start + looked) % len(rows)]
+            looked += 1
+            request = row.request
+            if row.num_logits != 1 or request.params.guided is None or not request.output_token_ids:
+                continue
             if request.finished or not request.grammar_ready:
-                count -= 1
                 continue
             try:
                 forced += bool(self.grammar.forced_tokens(request.request_id, 1))
+                count += 1
             except Exception:  # (a request whose grammar failed meanwhile: its failure is the emit's)
-                count -= 1
+                pass
+        self._checked += looked
         if count > 0:
             share = forced / count
             self._observe_forced(share / max(1.0 - share, 0.1))
