@@ -6,7 +6,9 @@ A child process echoes every message of one ring into another; the parent writes
 echo, then stays busy for a gap (the scheduler's time between a worker's outputs and its next
 inputs is about 1 ms). Three ways for the readers to wait, side by side: on the ring's futex
 bell (the engine's), the sleep loop it replaced (doubling sleeps up to 1 ms), and spinning
-(the lower bound, a core burnt per reader). Reported: the round trip's p50 and p90.
+(the lower bound, a core burnt per reader). Reported: the round trip's p50 and p90, and the
+writer's own CPU time a write (the mean: thread CPU time, which a futex wake of a reader that has
+fallen asleep adds to; on a VM that wake is an interrupt to another virtual core).
 """
 
 from __future__ import annotations
@@ -42,24 +44,25 @@ def _echo(way: str, into: shm_ring.RingLayout, back: shm_ring.RingLayout, count:
         writer.write(reader.read(timeout=30.0))
 
 
-def round_trips(way: str, count: int, gap_s: float) -> np.ndarray:
+def round_trips(way: str, count: int, gap_s: float) -> tuple[np.ndarray, float]:
     into = shm_ring.ShmRing.create(f"guidespec-wake-{uuid.uuid4().hex[:8]}", 1, 8, 4096)
     back = shm_ring.ShmRing.create(f"guidespec-wake-{uuid.uuid4().hex[:8]}", 1, 8, 4096)
     child = mp.get_context("spawn").Process(target=_echo, args=(way, into.layout, back.layout, count))
     child.start()
     try:
         writer, reader = into.writer(), back.reader(0)
-        message, times = b"x" * 300, []
+        message, times, write_cpu = b"x" * 300, [], 0.0
         for _ in range(count):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             writer.write(message)
+            write_cpu += time.thread_time() - cpu
             reader.read(timeout=30.0)
             times.append(time.perf_counter() - start)
             busy = time.perf_counter()
             while time.perf_counter() - busy < gap_s:
                 pass
         child.join(30)
-        return np.array(times)
+        return np.array(times), write_cpu / count
     finally:
         into.close()
         back.close()
@@ -71,8 +74,8 @@ def main() -> None:
     parser.add_argument("--gaps-us", type=int, nargs="+", default=[500, 2000])
     args = parser.parse_args()
     print(f"{machine()}; {args.round_trips} round trips of 300 bytes; futex available: {futex.available()}\n")
-    print("| readers wait by | gap between round trips | round trip p50 µs | p90 µs |")
-    print("|---|---:|---:|---:|")
+    print("| readers wait by | gap between round trips | round trip p50 µs | p90 µs | writer's CPU a write, µs |")
+    print("|---|---:|---:|---:|---:|")
     for gap in args.gaps_us:
         for way in WAYS:
             if way == "futex bell" and not futex.available():
@@ -80,10 +83,12 @@ def main() -> None:
             saved = (futex.available, shm_ring._SPIN_S)
             _wait_as(way)
             try:
-                times = round_trips(way, args.round_trips, gap / 1e6) * 1e6
+                times, write_cpu = round_trips(way, args.round_trips, gap / 1e6)
+                times *= 1e6
             finally:
                 futex.available, shm_ring._SPIN_S = saved  # type: ignore[assignment]
-            print(f"| {way} | {gap} µs | {np.median(times):.0f} | {np.percentile(times, 90):.0f} |", flush=True)
+            p50, p90 = np.median(times), np.percentile(times, 90)
+            print(f"| {way} | {gap} µs | {p50:.0f} | {p90:.0f} | {write_cpu * 1e6:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
