@@ -126,11 +126,16 @@ class Batcher:
             return
         size = self.pool.block_size
         for row in rows:
-            request, table = row.request, row.request.blocks
-            if request.status is RUNNING and table is not None:
-                computed = min(request.num_computed_tokens, request.num_tokens)  # (not a pending token)
-                if min(computed // size, len(table.blocks)) > table.num_full:
-                    table.commit(request.prompt_token_ids + request.output_token_ids, computed)
+            request = row.request
+            table = request.blocks
+            if table is None or request.status is not RUNNING:
+                continue
+            full = table.num_full
+            if request.num_computed_tokens // size <= full or len(table.blocks) <= full:
+                continue  # (most steps fill no block: the test below would fail too)
+            computed = min(request.num_computed_tokens, request.num_tokens)  # (not a pending token)
+            if min(computed // size, len(table.blocks)) > full:
+                table.commit(request.prompt_token_ids + request.output_token_ids, computed)
 
     def started(self, rows: list[ScheduledRow], step: int, run_ahead: bool) -> None:
         """A step's rows went out: their tokens (drafts aside) count as computed, so the next step
