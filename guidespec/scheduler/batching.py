@@ -51,8 +51,8 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 class ScheduledRow(NamedTuple):
-    """A request's part of a step. (A tuple: a step makes one a row, and a frozen dataclass's
-    are three times as slow to make, ~40 µs a step at 64 rows.)"""
+    """A request's part of a step. (A tuple: a step makes one a row, 0.36 µs where a frozen
+    dataclass took 0.95: ~40 µs a step at 64 rows.)"""
 
     request: Request
     start: int  # first position computed this step

@@ -215,7 +215,7 @@ class Emitter:
         if reason is None and guided and self.cfg.jump_forward != "off":
             ending.append(request)  # (a complete output ends here, not in a step)
             return
-        if reason is None and not (request.stream or request.params.stop):  # (``_deliver``'s first test)
+        if reason is None and not request.sends_each_step:  # (``_deliver``'s first test, without the call)
             return
         self._deliver(request, reason, deltas)
 
