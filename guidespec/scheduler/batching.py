@@ -131,10 +131,10 @@ class Batcher:
             if table is None or request.status is not RUNNING:
                 continue
             full = table.num_full
-            if request.num_computed_tokens // size <= full or len(table.blocks) <= full:
-                continue  # (most steps fill no block: the test below would fail too)
+            if len(table.blocks) <= full or request.num_computed_tokens // size <= full:
+                continue  # (most steps fill no block; asked first, before the token count)
             computed = min(request.num_computed_tokens, request.num_tokens)  # (not a pending token)
-            if min(computed // size, len(table.blocks)) > full:
+            if computed // size > full:
                 table.commit(request.prompt_token_ids + request.output_token_ids, computed)
 
     def started(self, rows: list[ScheduledRow], step: int, run_ahead: bool) -> None:
@@ -143,13 +143,14 @@ class Batcher:
         dropped, is set back by the emit). With ``run_ahead``, a row that samples one token and
         whose request knows nothing past it makes that token pending: the next step runs it
         before the scheduler has it (``Request.pending_step``)."""
-        for request, _, count, logits in rows:  # (``Request.advance_computed``, inline)
-            computed = request.num_computed_tokens + count - (logits - 1 if logits > 1 else 0)  # (drafts aside)
-            known = request.num_known_tokens
-            if not 0 <= computed <= known:
-                raise AssertionError((computed, request.num_tokens))
-            request.num_computed_tokens = computed
-            if run_ahead and logits == 1 and request.grammar_ready and computed == known:
+        for request, _, count, logits in rows:
+            request.advance_computed(count - (logits - 1 if logits > 1 else 0))  # (drafts aside)
+            if (
+                run_ahead
+                and logits == 1
+                and request.grammar_ready
+                and request.num_computed_tokens == request.num_known_tokens
+            ):
                 request.pending_step = step
 
     def table_updates(self, rows: list[ScheduledRow]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -287,7 +288,7 @@ class Batcher:
         table = request.blocks
         assert table is not None
         target = self._capped(end + self.lookahead)
-        if target <= len(table.blocks) * self.pool.block_size:  # (most steps: the blocks hold it)
+        if target <= table.capacity:  # (most steps: the blocks hold it, and no grow is tried)
             return True
         while True:
             try:

@@ -130,7 +130,7 @@ class Emitter:
             request = row.request
             if held.get(request.request_id) is not request:  # failed during this step
                 continue
-            if dropped and request.request_id in dropped:  # sampled without its mask: that token runs again
+            if request.request_id in dropped:  # sampled without its mask: that token runs again
                 request.advance_computed(-row.num_logits)
                 request.mask_came_late = True
                 continue
@@ -207,7 +207,7 @@ class Emitter:
             request.advance_computed(min(accepted, appended))
         if proposal is not None and self.speculator is not None and appended == len(new_tokens):
             self.speculator.store_proposals(request, proposal)
-        guided = request.params.guided is not None
+        guided = request.guided
         if reason is None and guided and self.cfg.jump_forward == "unverified" and not self._speculates(request):
             reason = self._jump_forward(request)
         if request.pending_step >= 0 and request.num_tokens != known + len(new_tokens):

@@ -281,10 +281,7 @@ class StepChannel:
                 fills.append(FillRow(request_id, request.draft_tokens, len(request.output_token_ids), budget))
             else:
                 fills.append(FillRow(request_id, request.draft_tokens))
-            if row.num_logits == 1:
-                rows.append(first)
-            else:
-                rows.extend(range(first, first + row.num_logits))
+            rows.extend(range(first, first + row.num_logits))
         bitmask = self._fill(fills, self.broadcaster.reserve_bitmask())
         for request_id, reason in self.grammar.take_failures():  # (their rows allow only a stop token)
             if request_id in self.table.requests:

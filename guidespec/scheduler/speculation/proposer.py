@@ -326,9 +326,13 @@ class Speculator:
             row = rows[(start + looked) % len(rows)]
             looked += 1
             request = row.request
-            if row.num_logits != 1 or request.params.guided is None or not request.output_token_ids:
-                continue
-            if request.finished or not request.grammar_ready:
+            if (
+                row.num_logits != 1
+                or not request.guided
+                or not request.output_token_ids
+                or request.finished
+                or not request.grammar_ready
+            ):
                 continue
             try:
                 forced += bool(self.grammar.forced_tokens(request.request_id, 1))
@@ -394,10 +398,9 @@ class Speculator:
 
     def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """After verification: update the request's acceptance rate and its figures."""
-        if request.draft_tokens:
-            request.draft_tokens = []
+        request.draft_tokens = []
         forced = self._num_forced.pop(request.request_id, 0)  # forced drafts say nothing of the drafter
-        lookup = bool(self._lookup_drafted) and request.request_id in self._lookup_drafted
+        lookup = request.request_id in self._lookup_drafted
         if lookup:
             self._lookup_drafted.discard(request.request_id)
         if num_drafts <= forced:
