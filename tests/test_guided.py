@@ -203,14 +203,21 @@ def test_a_grammar_that_compiles_during_the_prefill_masks_the_first_token_there(
     """A JME schema compiles while its prompt's prefill runs (past the grace) and is ready before
     the prefill ends: the scheduler writes the held-back mask during the step, and the first
     token is sampled in the prefill step as with a grammar ready at once (cached): the same
-    steps, the same output."""
+    steps, the same output.
+
+    The prompt is padded to 455 tokens, one prefill step of ~0.65 s here: the schema compiles in
+    ~30 ms, but at 143 tokens (a 0.26 s prefill) a loaded host once let the compile end after the
+    prefill (its mask came late, by design, and the request took a step more)."""
     monkeypatch.setenv("GUIDESPEC_TRACE", str(tmp_path / "trace.json"))
     case = _jme_cases(1)[0]
+    messages = [dict(m) for m in case["messages"]]
+    messages[0]["content"] += "\n\n" + " ".join(f"Note {i} of the archive is empty." for i in range(32))
     params = SamplingParams(max_tokens=48, temperature=0.0, guided=GuidedDecoding(json_schema=case["schema"]))
     with LLM(max_batch_size=2, show_progress=False, enable_prefix_caching=False) as engine:
-        compiled_meanwhile = engine.generate(case["messages"], params)[0]
-        cached = engine.generate(case["messages"], params)[0]
-        prompt_len = len(engine.encode_prompt(case["messages"]))
+        compiled_meanwhile = engine.generate(messages, params)[0]
+        cached = engine.generate(messages, params)[0]
+        prompt_len = len(engine.encode_prompt(messages))
+    assert prompt_len <= 512  # (one prefill step: the engine's max_num_batched_tokens)
     assert compiled_meanwhile.token_ids == cached.token_ids
     forwards = [e["args"] for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]]
     forwards = [a for a in forwards if a.get("tokens") and "step" in a]
