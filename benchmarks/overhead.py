@@ -54,7 +54,10 @@ trace has no kernels).
 ``--peers``: llama.cpp and Hugging Face ``generate`` at batch 1 on the same weights
 (``overhead_peers.py``; the tiny preset or a Hugging Face Llama folder only) with ``--threads``
 threads (default: every core; give no more than the idle ones). Their ms/step leaves the
-prompt's step out, ours includes it (one step in ``--max-tokens``).
+prompt's step out, ours includes it (one step in ``--max-tokens``). On the CPU ``--peers`` also
+measures guidespec's model alone at each batch (``model_alone_ms_per_step``: the worker's forward
+and greedy picks in this process, each row at the run's middle context, on ``--threads``
+threads): what an unguided step costs beyond it is the runtime's share of the step.
 
 Goals (issue 48), where measured: batch 1 ms/step ÷ llama.cpp's <= 1 (unguided), batch 64 ÷ batch 1
 step time <= 3, guided ÷ unguided at batch 64 >= 0.95. Prints a markdown table and writes it,
@@ -146,7 +149,14 @@ def main() -> None:
     }
     rows.sort(key=lambda r: (order[r["mode"], r["scheduling"]], r["batch"]))
     peers = measure_peers(model, args, prompt_ids[0]) if args.peers and prompt_ids else {}
-    report = {"meta": meta(args, model), "rows": rows, "peers": peers, "goals": goals(rows, peers)}
+    alone = measure_model_alone(model, args, prompt_ids) if args.peers and prompt_ids else {}
+    report = {
+        "meta": meta(args, model),
+        "rows": rows,
+        "peers": peers,
+        "model_alone": alone,
+        "goals": goals(rows, peers),
+    }
     text = markdown(report)
     print("\n" + text)
     write_results(report, text, args.device)
@@ -454,6 +464,25 @@ def measure_peers(model: Path, args: argparse.Namespace, prompt_ids: list[int]) 
     return peers
 
 
+def measure_model_alone(model: Path, args: argparse.Namespace, prompt_ids: list[list[int]]) -> dict[str, Any]:
+    """At each batch, guidespec's forward and greedy picks alone (``model_alone_ms_per_step``), on
+    the CPU: each row at the run's middle context (a prompt's mean length and half of
+    ``--max-tokens``), the kernels on ``--threads`` threads. Keyed by batch (as text: the JSON's)."""
+    from benchmarks.overhead_peers import model_alone_ms_per_step
+
+    if args.device != "cpu":
+        return {}
+    context = round(float(np.mean([len(p) for p in prompt_ids]))) + args.max_tokens // 2
+    alone: dict[str, Any] = {}
+    for batch in args.batches:
+        try:
+            alone[str(batch)] = model_alone_ms_per_step(model, batch, context, args.threads)
+        except Exception as exc:
+            traceback.print_exc()
+            alone[str(batch)] = {"error": repr(exc)}
+    return alone
+
+
 def add_unguided_ratios(rows: list[dict[str, Any]]) -> None:
     """Each guided row's tok/s over unguided's at the same batch and scheduling: the median of
     the rounds' ratios where unguided ran in the same engine, round by round; else over its median."""
@@ -536,12 +565,38 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["| system | ms/step | tok/s |", "|---|---:|---:|"]
         for name, p in report["peers"].items():
             lines.append(f"| {name} | {fmt(p.get('ms_per_step'), '.3f')} | {fmt(p.get('tok_per_s'))} |")
+    if report.get("model_alone"):
+        lines += _model_alone_lines(report["model_alone"], rows, m["peer_threads"])
     if report["goals"]:
         lines += ["", "| goal | measured | target | met |", "|---|---:|---:|---|"]
         for g in report["goals"]:
             met = "–" if g["met"] is None else ("yes" if g["met"] else "no")
             lines.append(f"| {g['goal']} | {fmt(g['value'], '.2f')} | {g['target'] or 'reported'} | {met} |")
     return "\n".join(lines) + "\n"
+
+
+def _model_alone_lines(alone: dict[str, Any], rows: list[dict[str, Any]], threads: int) -> list[str]:
+    """The model alone at each batch beside the engine's unguided step (async): the runtime's
+    share of a step is what the step costs beyond its model."""
+    engine = {
+        str(r["batch"]): r["ms_per_step"]
+        for r in rows
+        if r["mode"] == "unguided" and r["scheduling"] == "async" and "error" not in r
+    }
+    first = next(iter(alone.values()))
+    lines = [
+        "",
+        f"The model alone (forward + greedy picks in one process, {threads} threads, "
+        f"{first.get('context', '?')} positions a row):",
+        "",
+        "| batch | model alone ms/step | unguided, async ms/step | the runtime's share of a step |",
+        "|---:|---:|---:|---:|",
+    ]
+    for batch, a in alone.items():
+        ms, step = a.get("ms_per_step"), engine.get(batch)
+        share = None if ms is None or step is None else 100 * (1 - ms / step)
+        lines.append(f"| {batch} | {fmt(ms, '.3f')} | {fmt(step, '.3f')} | {fmt(share, '.0f', '%')} |")
+    return lines
 
 
 def _table_row(r: dict[str, Any], cpus: list[str], spans: list[str], gpu: bool) -> str:

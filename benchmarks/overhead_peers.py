@@ -90,6 +90,47 @@ def hf_generate_ms_per_step(hf_dir: Path, prompt_ids: list[int], max_tokens: int
     return _step_figures(seconds - prompt_seconds, tokens)
 
 
+def model_alone_ms_per_step(hf_dir: Path, batch: int, context: int, threads: int, steps: int = 100) -> dict[str, Any]:
+    """guidespec's own model code without the engine around it, in this process: the worker's
+    forward (``LlamaModel.forward``: on the CPU the C decoder stack) and greedy picks
+    (``compute_picks``: the LM head's int8 copy, checked) of ``batch`` decode rows, each at
+    ``context`` positions, the kernels on ``threads`` threads as a CPU worker runs them (torch on
+    one). The cache is by slot (the engine's is paged: the same attention kernel, its keys in
+    blocks). Each step writes the same positions again, so every step reads ``context`` keys; the
+    median of ``steps``. A step of the engine beyond this is the runtime's."""
+    import torch
+
+    from guidespec.config import ModelConfig
+    from guidespec.model_files import load_hf_config
+    from guidespec.worker import kernels
+    from guidespec.worker.forward_batch import ForwardBatch
+    from guidespec.worker.model import LlamaModel
+    from guidespec.worker.tp import TPInfo
+
+    kernels.set_threads(threads)
+    torch.set_num_threads(1)
+    hf = load_hf_config(hf_dir)
+    model = LlamaModel(ModelConfig.from_hf(hf), TPInfo(), torch.float32, context + 8)
+    model.load(hf_dir, hf, show_progress=False)
+    kv = model.create_kv_cache(batch)
+    rng = np.random.default_rng(0)
+    vocab, slots = model.cfg.vocab_size, list(range(batch))
+    prompts = rng.integers(0, vocab, batch * context)
+    model.forward(ForwardBatch.create(prompts, slots, [0] * batch, [context] * batch, [1] * batch), kv)
+    times = []
+    for _ in range(steps + 5):  # (5 warm-up steps)
+        tokens = rng.integers(0, vocab, batch)
+        start = time.perf_counter()
+        hidden = model.forward(ForwardBatch.create(tokens, slots, [context] * batch, [1] * batch, [1] * batch), kv)
+        if model.compute_picks(hidden) is None:  # (no int8 head here: the logits, then their argmax)
+            logits = model.compute_logits(hidden)
+            assert logits is not None  # (one rank)
+            logits.argmax(-1)
+        times.append(time.perf_counter() - start)
+    ms = 1000 * float(np.median(times[5:]))
+    return {"ms_per_step": ms, "tok_per_s": 1000 * batch / ms, "context": context, "threads": threads}
+
+
 def check_same_tokens(
     hf_dir: Path, gguf: Path, prompt_ids: list[int], max_tokens: int = 32, threads: int = 2
 ) -> tuple[list[int], list[int]]:
