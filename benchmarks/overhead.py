@@ -473,14 +473,12 @@ def measure_model_alone(model: Path, args: argparse.Namespace, prompt_ids: list[
     if args.device != "cpu":
         return {}
     context = round(float(np.mean([len(p) for p in prompt_ids]))) + args.max_tokens // 2
-    alone: dict[str, Any] = {}
-    for batch in args.batches:
-        try:
-            alone[str(batch)] = model_alone_ms_per_step(model, batch, context, args.threads)
-        except Exception as exc:
-            traceback.print_exc()
-            alone[str(batch)] = {"error": repr(exc)}
-    return alone
+    try:
+        alone = model_alone_ms_per_step(model, args.batches, context, args.threads)
+    except Exception as exc:
+        traceback.print_exc()
+        return {str(batch): {"error": repr(exc)} for batch in args.batches}
+    return {str(batch): figures for batch, figures in alone.items()}
 
 
 def add_unguided_ratios(rows: list[dict[str, Any]]) -> None:

@@ -90,14 +90,16 @@ def hf_generate_ms_per_step(hf_dir: Path, prompt_ids: list[int], max_tokens: int
     return _step_figures(seconds - prompt_seconds, tokens)
 
 
-def model_alone_ms_per_step(hf_dir: Path, batch: int, context: int, threads: int, steps: int = 100) -> dict[str, Any]:
-    """guidespec's own model code without the engine around it, in this process: the worker's
-    forward (``LlamaModel.forward``: on the CPU the C decoder stack) and greedy picks
-    (``compute_picks``: the LM head's int8 copy, checked) of ``batch`` decode rows, each at
-    ``context`` positions, the kernels on ``threads`` threads as a CPU worker runs them (torch on
-    one). The cache is by slot (the engine's is paged: the same attention kernel, its keys in
-    blocks). Each step writes the same positions again, so every step reads ``context`` keys; the
-    median of ``steps``. A step of the engine beyond this is the runtime's."""
+def model_alone_ms_per_step(
+    hf_dir: Path, batches: list[int], context: int, threads: int, steps: int = 100
+) -> dict[int, dict[str, Any]]:
+    """guidespec's own model code without the engine around it, in this process, at each of
+    ``batches``: the worker's forward (``LlamaModel.forward``: on the CPU the C decoder stack) and
+    greedy picks (``compute_picks``: the LM head's int8 copy, checked) of that many decode rows,
+    each at ``context`` positions, the kernels on ``threads`` threads as a CPU worker runs them
+    (torch on one). The cache is by slot (the engine's is paged: the same attention kernel, its
+    keys in blocks). Each step writes the same positions again, so every step reads ``context``
+    keys; the median of ``steps``. A step of the engine beyond this is the runtime's."""
     import torch
 
     from guidespec.config import ModelConfig
@@ -112,23 +114,28 @@ def model_alone_ms_per_step(hf_dir: Path, batch: int, context: int, threads: int
     hf = load_hf_config(hf_dir)
     model = LlamaModel(ModelConfig.from_hf(hf), TPInfo(), torch.float32, context + 8)
     model.load(hf_dir, hf, show_progress=False)
-    kv = model.create_kv_cache(batch)
+    kv = model.create_kv_cache(max(batches))
     rng = np.random.default_rng(0)
-    vocab, slots = model.cfg.vocab_size, list(range(batch))
-    prompts = rng.integers(0, vocab, batch * context)
-    model.forward(ForwardBatch.create(prompts, slots, [0] * batch, [context] * batch, [1] * batch), kv)
-    times = []
-    for _ in range(steps + 5):  # (5 warm-up steps)
-        tokens = rng.integers(0, vocab, batch)
-        start = time.perf_counter()
-        hidden = model.forward(ForwardBatch.create(tokens, slots, [context] * batch, [1] * batch, [1] * batch), kv)
-        if model.compute_picks(hidden) is None:  # (no int8 head here: the logits, then their argmax)
-            logits = model.compute_logits(hidden)
-            assert logits is not None  # (one rank)
-            logits.argmax(-1)
-        times.append(time.perf_counter() - start)
-    ms = 1000 * float(np.median(times[5:]))
-    return {"ms_per_step": ms, "tok_per_s": 1000 * batch / ms, "context": context, "threads": threads}
+    vocab, slots = model.cfg.vocab_size, list(range(max(batches)))
+    for slot in slots:  # (each row's keys: a prompt of ``context`` tokens)
+        prompt = rng.integers(0, vocab, context)
+        model.forward(ForwardBatch.create(prompt, [slot], [0], [context], [1]), kv)
+    out: dict[int, dict[str, Any]] = {}
+    for batch in batches:
+        times = []
+        for _ in range(steps + 5):  # (5 warm-up steps)
+            tokens = rng.integers(0, vocab, batch)
+            start = time.perf_counter()
+            decode = ForwardBatch.create(tokens, slots[:batch], [context] * batch, [1] * batch, [1] * batch)
+            hidden = model.forward(decode, kv)
+            if model.compute_picks(hidden) is None:  # (no int8 head here: the logits, then their argmax)
+                logits = model.compute_logits(hidden)
+                assert logits is not None  # (one rank)
+                logits.argmax(-1)
+            times.append(time.perf_counter() - start)
+        ms = 1000 * float(np.median(times[5:]))
+        out[batch] = {"ms_per_step": ms, "tok_per_s": 1000 * batch / ms, "context": context, "threads": threads}
+    return out
 
 
 def check_same_tokens(
