@@ -102,18 +102,13 @@ def model_alone_ms_per_step(
     keys; the median of ``steps``. A step of the engine beyond this is the runtime's."""
     import torch
 
-    from guidespec.config import ModelConfig
-    from guidespec.model_files import load_hf_config
+    from benchmarks.quantized import load
     from guidespec.worker import kernels
     from guidespec.worker.forward_batch import ForwardBatch
-    from guidespec.worker.model import LlamaModel
-    from guidespec.worker.tp import TPInfo
 
     kernels.set_threads(threads)
     torch.set_num_threads(1)
-    hf = load_hf_config(hf_dir)
-    model = LlamaModel(ModelConfig.from_hf(hf), TPInfo(), torch.float32, context + 8)
-    model.load(hf_dir, hf, show_progress=False)
+    model = load(False, context + 8, hf_dir)
     kv = model.create_kv_cache(max(batches))
     rng = np.random.default_rng(0)
     vocab, slots = model.cfg.vocab_size, list(range(max(batches)))

@@ -29,13 +29,15 @@ from benchmarks.common import machine, workload_chats  # noqa: E402
 Clock = Callable[[], float]  # time.perf_counter, or time.process_time (--cpu-time)
 
 
-def load(quantized: bool, max_len: int) -> Any:
+def load(quantized: bool, max_len: int, model_dir: Path | None = None) -> Any:
+    """A one-rank fp32 ``LlamaModel`` of ``model_dir`` (default: the default model), loaded."""
     from guidespec.config import ModelConfig
     from guidespec.model_files import load_hf_config, resolve_model_dir
     from guidespec.worker.model import LlamaModel
     from guidespec.worker.tp import TPInfo
 
-    model_dir = resolve_model_dir(None, show_progress=False)
+    if model_dir is None:
+        model_dir = resolve_model_dir(None, show_progress=False)
     hf = load_hf_config(model_dir)
     model = LlamaModel(ModelConfig.from_hf(hf), TPInfo(), torch.float32, max_len, quantized=quantized)
     model.load(model_dir, hf, show_progress=False)
